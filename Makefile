@@ -1,0 +1,64 @@
+# meshtrain — `make` builds ./meshtrain; `make test` runs every test that needs no GPU.
+CC      ?= gcc
+ARCH    ?= -march=x86-64-v3
+OPT     ?= -O3
+CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc
+LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp
+BUILD   ?= build
+
+SRC      := $(wildcard src/*.c)
+LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/main.c,$(SRC)))
+TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
+
+.PHONY: all deps data train test test-asan check-tests bench clean
+all: meshtrain
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/obj/%.o: src/%.c src/*.h | $(BUILD)/obj
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/meshtrain: $(BUILD)/obj/main.o $(LIB_OBJ)
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+meshtrain: $(BUILD)/meshtrain
+	cp $< $@
+
+$(BUILD)/tests/%: tests/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests $< $(LIB_OBJ) -o $@ $(LDLIBS)
+
+$(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
+	$(CC) $(CFLAGS) $< $(LIB_OBJ) -o $@ $(LDLIBS)
+
+$(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
+	mkdir -p $@
+
+data:
+	@scripts/fetch-data.sh
+
+# Builds the test binaries and meshtrain, then runs them all; ends with "N passed, N failed".
+check-tests: $(BUILD)/meshtrain $(TESTS)
+	@scripts/run-tests.sh $(BUILD)
+
+test: deps
+	@$(MAKE) --no-print-directory data
+	@$(MAKE) --no-print-directory check-tests
+
+# Same tests under AddressSanitizer + UndefinedBehaviorSanitizer, in their own build dir.
+test-asan: deps
+	@$(MAKE) --no-print-directory data
+	@$(MAKE) --no-print-directory check-tests BUILD=build-asan OPT=-O1 \
+	  CFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+	  LDLIBS="-fsanitize=address,undefined"
+
+# The README's train command: a small default model on the mirrored TinyStories text.
+train: deps
+	@$(MAKE) --no-print-directory data meshtrain
+	@scripts/train-default.sh
+
+bench: $(BENCHES)
+
+clean:
+	rm -rf build build-asan meshtrain

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test binary in $1/tests and every tests/test_*.sh, sums their RESULT lines,
+# and prints "N passed, N failed" last. Exit status is non-zero if anything failed.
+set -u
+build=${1:-build}
+export MESHTRAIN_BIN="$build/meshtrain"
+passed=0; failed=0
+for t in "$build"/tests/test_* tests/test_*.sh; do
+  [ -e "$t" ] || continue
+  echo "== $t"
+  out=$( { if [[ $t == *.sh ]]; then bash "$t"; else "$t"; fi; } 2>&1); rc=$?
+  echo "$out" | grep -v '^RESULT'
+  res=$(echo "$out" | grep '^RESULT' | tail -1)
+  if [ -z "$res" ]; then
+    echo "FAIL $t exited with status $rc before reporting"; failed=$((failed + 1)); continue
+  fi
+  read -r _ p f <<<"$res"
+  passed=$((passed + p)); failed=$((failed + f))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then echo "FAIL $t exited with status $rc"; failed=$((failed + 1)); fi
+done
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,81 @@
+/* ops — every kernel the model needs, forward and backward, behind one device-agnostic
+ * interface. The model code calls only these; the CPU implementation (ops_cpu.c, fp32,
+ * OpenMP + OpenBLAS) is the reference, a CUDA one comes later with the same signatures.
+ *
+ * Conventions
+ * - Row-major. N = B*T rows (tokens), C = channels.
+ * - Weights use PyTorch's nn.Linear layout: W is [OC, C], y = x @ W^T.
+ * - Every backward ACCUMULATES (+=) into its gradient outputs (dx, dw), so gradient
+ *   accumulation and residual branches need no extra adds; callers zero buffers.
+ *   A gradient output pointer may be NULL when that gradient is not needed.
+ * - Everything here is deterministic for a fixed thread count (no atomics, fixed
+ *   reduction order), so a resumed run is bitwise identical to an uninterrupted one.
+ */
+#ifndef MESHTRAIN_OPS_H
+#define MESHTRAIN_OPS_H
+#include <stddef.h>
+
+/* Once per process: thread counts (0 = all cores). */
+void ops_init(int n_threads);
+const char *ops_backend_name(void);
+
+/* out[n, :] = wte[tokens[n], :].  tokens in [0, V). */
+void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C);
+/* dwte[tokens[n], :] += dout[n, :]  (deterministic: parallel over channels, not tokens). */
+void op_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C);
+
+/* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
+void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
+/* dx += ..., dw += ...  (dw reduced over rows in a fixed order). */
+void op_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                         const float *rstd, int N, int C);
+
+/* out[N, OC] = inp[N, C] @ w[OC, C]^T   (overwrites out). */
+void op_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC);
+/* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp. */
+void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                        int N, int C, int OC);
+
+/* RoPE tables for positions 0..T-1: cos/sin[t, i] of t * base^(-2i/HD), i < HD/2,
+ * computed in fp32 exactly as PyTorch does (inv = 1/base^(arange(0,HD,2)/HD); f = t*inv). */
+void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base);
+/* In place on the q and k parts of qkv [B, T, 3*NH*HD] (v untouched), interleaved pairs:
+ * (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). */
+void op_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+/* In place on dqkv: the inverse rotation (the transpose) of the q and k parts. */
+void op_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+
+/* Causal softmax attention, scale 1/sqrt(HD). qkv [B, T, 3*NH*HD] holds q | k | v, each
+ * [NH*HD] per token with head h at columns h*HD..h*HD+HD-1. out [B, T, NH*HD].
+ * lse [B, NH, T] saves each row's log-sum-exp (of the scaled scores) for backward,
+ * which recomputes the probabilities instead of storing a T x T matrix. */
+void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
+/* dqkv += gradient w.r.t. qkv (q, k and v parts). */
+void op_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                           const float *lse, int B, int T, int NH, int HD);
+
+/* gu [N, 2H] holds gate | up per row; out[N, H] = silu(gate) * up. */
+void op_swiglu_forward(float *out, const float *gu, int N, int H);
+/* dgu [N, 2H] += gradient w.r.t. gate | up. */
+void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H);
+
+/* Cross-entropy over logits [N, V] with targets [N]. losses[n] = logsumexp - logit[target].
+ * If dlogits_scale != 0, logits is overwritten IN PLACE with its gradient
+ * dlogits_scale * (softmax - onehot) (the caller passes 1/total_tokens), so a chunk of
+ * logits never needs a second buffer. Computed in double per row for stability. */
+void op_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+                                      float dlogits_scale);
+
+/* One AdamW step on a flat buffer (PyTorch semantics: decoupled weight decay
+ * p -= lr*wd*p, bias-corrected moments, eps added to sqrt(v_hat)). `step` counts from 1.
+ * grad is multiplied by grad_scale first (used for clipping). */
+void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+              float beta2, float eps, float weight_decay, int step, float grad_scale);
+
+/* sum of squares of x, accumulated in double (for global gradient norm). */
+double op_sumsq(const float *x, size_t n);
+/* x *= s */
+void op_scale(float *x, size_t n, float s);
+/* y += x */
+void op_add(float *y, const float *x, size_t n);
+#endif

@@ -1,0 +1,186 @@
+#define _GNU_SOURCE
+#include "util.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+void die(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("meshtrain: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(code);
+}
+
+int set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) die(EXIT_BAD_INPUT, "cannot allocate %zu bytes: out of memory", n);
+    return p;
+}
+
+void *xcalloc(size_t n, size_t sz) {
+    void *p = calloc(n ? n : 1, sz ? sz : 1);
+    if (!p) die(EXIT_BAD_INPUT, "cannot allocate %zu bytes: out of memory", n * sz);
+    return p;
+}
+
+void *xrealloc(void *p, size_t n) {
+    void *q = realloc(p, n ? n : 1);
+    if (!q) die(EXIT_BAD_INPUT, "cannot allocate %zu bytes: out of memory", n);
+    return q;
+}
+
+void *xaligned_alloc(size_t n) {
+    size_t rounded = (n + 63) / 64 * 64;
+    void *p = aligned_alloc(64, rounded ? rounded : 64);
+    if (!p) die(EXIT_BAD_INPUT, "cannot allocate %zu bytes: out of memory", n);
+    memset(p, 0, rounded ? rounded : 64);
+    return p;
+}
+
+char *read_file(const char *path, size_t *len, char *err, size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { set_err(err, errlen, "cannot open %s: %s", path, strerror(errno)); return NULL; }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = xmalloc(cap + 1);
+    for (;;) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n < cap) break;
+        cap *= 2;
+        buf = xrealloc(buf, cap + 1);
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) { free(buf); set_err(err, errlen, "cannot read %s", path); return NULL; }
+    buf[n] = 0;
+    if (len) *len = n;
+    return buf;
+}
+
+int write_file_atomic(const char *path, const void *data, size_t len, char *err, size_t errlen) {
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp)
+        return set_err(err, errlen, "path too long: %s", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return set_err(err, errlen, "cannot create %s: %s", tmp, strerror(errno));
+    const char *p = data;
+    size_t left = len;
+    while (left) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            int e = errno;
+            close(fd); unlink(tmp);
+            return set_err(err, errlen, "cannot write %s: %s", tmp, strerror(e));
+        }
+        p += w; left -= (size_t)w;
+    }
+    if (fsync(fd) != 0 || close(fd) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return set_err(err, errlen, "cannot sync %s: %s", tmp, strerror(e));
+    }
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return set_err(err, errlen, "cannot rename %s to %s: %s", tmp, path, strerror(e));
+    }
+    /* The rename is durable only once the directory entry is on disk. */
+    char dirbuf[4096];
+    snprintf(dirbuf, sizeof dirbuf, "%s", path);
+    int dfd = open(dirname(dirbuf), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) { fsync(dfd); close(dfd); }
+    return 0;
+}
+
+uint64_t fnv1a64(const void *data, size_t n, uint64_t h) {
+    const unsigned char *p = data;
+    /* 8 independent-lane variant would be faster; checkpoints are small enough. */
+    for (size_t i = 0; i < n; i++) { h ^= p[i]; h *= 0x100000001b3ULL; }
+    return h;
+}
+
+double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+long max_rss_bytes(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss * 1024L;
+}
+
+long current_rss_bytes(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    long pages = 0, rss = 0;
+    if (f) {
+        if (fscanf(f, "%ld %ld", &pages, &rss) != 2) rss = 0;
+        fclose(f);
+    }
+    return rss * sysconf(_SC_PAGESIZE);
+}
+
+void rng_seed(Rng *r, uint64_t seed) {
+    r->s = seed * 0x9E3779B97F4A7C15ULL + 0x2545F4914F6CDD1DULL;
+    if (!r->s) r->s = 1;
+    for (int i = 0; i < 4; i++) rng_u64(r);
+}
+
+uint64_t rng_u64(Rng *r) {
+    uint64_t x = r->s;
+    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+    r->s = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+float rng_uniform(Rng *r) { return (float)((rng_u64(r) >> 40) * (1.0 / 16777216.0)); }
+
+float rng_normal(Rng *r) {
+    double u1 = ((rng_u64(r) >> 11) + 1.0) * (1.0 / 9007199254740993.0);
+    double u2 = (rng_u64(r) >> 11) * (1.0 / 9007199254740992.0);
+    return (float)(sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
+}
+
+const char *fmt_commas(char *buf, long long v) {
+    char tmp[32];
+    int n = snprintf(tmp, sizeof tmp, "%lld", v < 0 ? -v : v), o = 0;
+    if (v < 0) buf[o++] = '-';
+    for (int i = 0; i < n; i++) {
+        buf[o++] = tmp[i];
+        if ((n - i - 1) % 3 == 0 && i != n - 1) buf[o++] = ',';
+    }
+    buf[o] = 0;
+    return buf;
+}
+
+const char *fmt_bytes(char *buf, double b) {
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (b >= 1024 && i < 4) { b /= 1024; i++; }
+    snprintf(buf, 32, i ? "%.1f %s" : "%.0f %s", b, u[i]);
+    return buf;
+}

@@ -1,0 +1,46 @@
+/* util — small shared helpers: errors, allocation, checksums, timing, memory. */
+#ifndef MESHTRAIN_UTIL_H
+#define MESHTRAIN_UTIL_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* Exit codes: 2 for bad input (config, files, shapes), 1 for a failure during a run. */
+enum { EXIT_BAD_INPUT = 2, EXIT_RUN_FAILURE = 1 };
+
+/* Prints "meshtrain: <message>" on stderr and exits with `code`. */
+_Noreturn void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Error reporting for library-style code: formats into a caller's buffer and returns -1. */
+int set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+void *xmalloc(size_t n);            /* dies with exit 2 ("cannot allocate N bytes") on failure */
+void *xcalloc(size_t n, size_t sz); /* zeroed */
+void *xrealloc(void *p, size_t n);
+/* 64-byte aligned, zeroed; free with free(). Dies on failure. */
+void *xaligned_alloc(size_t n);
+
+/* Reads a whole file; NULL with err set when missing/unreadable. Caller frees. */
+char *read_file(const char *path, size_t *len, char *err, size_t errlen);
+
+/* Writes `len` bytes to path atomically: path.tmp, fsync, rename, fsync of the directory. */
+int write_file_atomic(const char *path, const void *data, size_t len, char *err, size_t errlen);
+
+uint64_t fnv1a64(const void *data, size_t n, uint64_t h); /* start with FNV1A64_INIT */
+#define FNV1A64_INIT 0xcbf29ce484222325ULL
+
+double now_seconds(void);        /* monotonic clock */
+long max_rss_bytes(void);        /* peak resident set size of this process */
+long current_rss_bytes(void);    /* from /proc/self/statm */
+
+/* Deterministic RNG (xorshift64* + Box-Muller), used for init and sampling. */
+typedef struct { uint64_t s; } Rng;
+void rng_seed(Rng *r, uint64_t seed);
+uint64_t rng_u64(Rng *r);
+float rng_uniform(Rng *r);       /* [0, 1) */
+float rng_normal(Rng *r);        /* N(0, 1) */
+
+/* Formats 1234567 as "1,234,567" into buf (size >= 32). */
+const char *fmt_commas(char *buf, long long v);
+/* Formats bytes as "123.4 MiB". */
+const char *fmt_bytes(char *buf, double bytes);
+#endif

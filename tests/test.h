@@ -1,0 +1,38 @@
+/* Minimal test harness: each TEST is a function; a test passes when none of its CHECKs
+ * fail. Each binary ends with "RESULT <passed> <failed>", which scripts/run-tests.sh sums. */
+#ifndef MESHTRAIN_TEST_H
+#define MESHTRAIN_TEST_H
+#include <math.h>
+#include <stdio.h>
+
+static int test_failed_checks_;
+static int tests_passed_, tests_failed_;
+
+#define CHECK(cond, ...)                                                                     \
+    do {                                                                                     \
+        if (!(cond)) {                                                                       \
+            test_failed_checks_++;                                                           \
+            fprintf(stderr, "  FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                    \
+            fputc('\n', stderr);                                                             \
+        }                                                                                    \
+    } while (0)
+
+#define RUN(fn)                                                                              \
+    do {                                                                                     \
+        test_failed_checks_ = 0;                                                             \
+        fn();                                                                                \
+        if (test_failed_checks_) { tests_failed_++; printf("FAIL %s\n", #fn); }             \
+        else { tests_passed_++; printf("ok   %s\n", #fn); }                                 \
+        fflush(stdout);                                                                      \
+    } while (0)
+
+#define TEST_SUMMARY()                                                                       \
+    (printf("RESULT %d %d\n", tests_passed_, tests_failed_), tests_failed_ ? 1 : 0)
+
+/* relative error with an absolute floor, for comparing to references */
+static inline double rel_err(double a, double b) {
+    double d = fabs(a - b), s = fmax(fabs(a), fabs(b));
+    return d / fmax(s, 1e-6);
+}
+#endif
