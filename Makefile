@@ -2,8 +2,9 @@
 CC      ?= gcc
 ARCH    ?= -march=x86-64-v3
 OPT     ?= -O3
-CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc
-LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp
+SAN     ?=
+CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc $(SAN)
+LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp $(SAN)
 BUILD   ?= build
 
 SRC      := $(wildcard src/*.c)
@@ -50,8 +51,7 @@ test: deps
 test-asan: deps
 	@$(MAKE) --no-print-directory data
 	@$(MAKE) --no-print-directory check-tests BUILD=build-asan OPT=-O1 \
-	  CFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
-	  LDLIBS="-fsanitize=address,undefined"
+	  SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 # The README's train command: a small default model on the mirrored TinyStories text.
 train: deps

@@ -1,4 +1,6 @@
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include "util.h"
 #include <errno.h>
 #include <fcntl.h>

@@ -1,0 +1,13 @@
+/* commands — one function per subcommand; main.c parses the command line and dispatches.
+ * train.c: train, eval, sample, estimate. text.c: prepare, tokenize. */
+#ifndef MESHTRAIN_COMMANDS_H
+#define MESHTRAIN_COMMANDS_H
+#include "config.h"
+
+int cmd_train(Config *c);
+int cmd_eval(Config *c);
+int cmd_sample(Config *c);
+int cmd_estimate(Config *c);
+int cmd_prepare(Config *c);
+int cmd_tokenize(Config *c);
+#endif

@@ -1,0 +1,218 @@
+#include "config.h"
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "util.h"
+
+typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM } KeyType;
+
+typedef struct {
+    const char *name;
+    KeyType type;
+    size_t off, size;     /* where it lives in Config; size for strings */
+    const char *def;      /* default, as text */
+    double lo, hi;        /* inclusive range for numbers */
+    const char *choices;  /* "a|b|c" for T_ENUM */
+    int cmds;             /* CMD_ bits that accept it */
+    const char *help;
+} Key;
+
+#define TR CMD_TRAIN
+#define MODEL_CMDS (CMD_TRAIN | CMD_ESTIMATE)
+#define I(n, d, lo, hi, cmds, h) {#n, T_INT, offsetof(Config, n), 0, d, lo, hi, NULL, cmds, h}
+#define F(n, d, lo, hi, cmds, h) {#n, T_FLOAT, offsetof(Config, n), 0, d, lo, hi, NULL, cmds, h}
+#define B(n, d, cmds, h) {#n, T_BOOL, offsetof(Config, n), 0, d, 0, 1, NULL, cmds, h}
+#define S(n, d, cmds, h) {#n, T_STR, offsetof(Config, n), sizeof(((Config *)0)->n), d, 0, 0, NULL, cmds, h}
+#define E(n, d, ch, cmds, h) {#n, T_ENUM, offsetof(Config, n), sizeof(((Config *)0)->n), d, 0, 0, ch, cmds, h}
+
+static const Key KEYS[] = {
+    I(vocab_size, "50257", 2, 65536, MODEL_CMDS, "vocabulary size (50257 = GPT-2; smaller only for tests)"),
+    I(embed_dim, "1024", 2, 65536, MODEL_CMDS, "model width E"),
+    I(n_heads, "8", 1, 4096, MODEL_CMDS, "attention heads (must divide embed_dim; head_dim must be even)"),
+    I(n_layers, "16", 1, 4096, MODEL_CMDS, "transformer layers"),
+    I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL, "sequence length T of a training window"),
+    B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
+    I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
+    I(steps, "100", 1, INT_MAX, MODEL_CMDS, "optimizer steps to run (total, counting resumed ones)"),
+    I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
+    F(lr, "3e-4", 0, 10, TR, "peak learning rate (AdamW)"),
+    F(min_lr, "0", 0, 10, TR, "final learning rate of the cosine schedule"),
+    E(lr_schedule, "constant", "constant|cosine", TR, "constant, or linear warmup then cosine decay to min_lr"),
+    I(warmup_steps, "0", 0, INT_MAX, TR, "linear warmup steps"),
+    F(beta1, "0.9", 0, 0.999999, TR, "AdamW beta1"),
+    F(beta2, "0.999", 0, 0.999999999, TR, "AdamW beta2"),
+    F(eps, "1e-8", 0, 1, TR, "AdamW epsilon"),
+    F(weight_decay, "0.01", 0, 10, TR, "AdamW decoupled weight decay"),
+    F(grad_clip, "0", 0, 1e9, TR, "clip the global gradient norm to this (0 = off)"),
+    S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL, "folder of train.bin / val.bin (prepare writes here)"),
+    S(train_data, "", TR, "training shard (default <data_dir>/train.bin)"),
+    S(val_data, "", TR | CMD_EVAL, "validation shard (default <data_dir>/val.bin)"),
+    S(tokenizer_dir, "data/gpt2", TR | CMD_PREPARE | CMD_TOKENIZE | CMD_SAMPLE, "folder of encoder.json and vocab.bpe"),
+    S(input, "data/tinystories/TinyStories-train.head-2MiB.txt", CMD_PREPARE, "TinyStories text to prepare"),
+    F(val_fraction, "0.05", 1e-6, 0.9, CMD_PREPARE, "share of stories held out for validation"),
+    I(val_every, "0", 0, INT_MAX, TR, "validation loss every N steps (0 = only at the end)"),
+    I(val_batches, "8", 1, INT_MAX, TR | CMD_EVAL, "batches of the validation shard per evaluation (capped by its size)"),
+    I(threads, "0", 0, 4096, TR | CMD_SAMPLE | CMD_EVAL, "CPU threads (0 = all cores)"),
+    I(log_every, "1", 1, INT_MAX, TR, "print a step line every N steps"),
+    I(ckpt_every, "0", 0, INT_MAX, TR, "checkpoint every N steps (0 = only at the end)"),
+    B(progress, "true", TR, "progress bar when stderr is a terminal"),
+    S(out_dir, "runs", TR, "folder for the log and checkpoints"),
+    S(log_file, "", TR, "JSON-lines log (default <out_dir>/log.jsonl)"),
+    S(ckpt_path, "", TR, "checkpoint file (default <out_dir>/ckpt.bin)"),
+    S(resume, "", TR, "checkpoint to continue from (model keys come from it)"),
+    S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL, "checkpoint to sample from / evaluate"),
+    E(device, "cpu", "cpu", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE, "compute device (cpu; cuda comes later)"),
+    E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE, "auto = fp32 on cpu; mixed/bf16 need a GPU"),
+    F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE, "refuse runs whose estimate exceeds this (0 = available RAM)"),
+    S(prompt, "Once upon a time", CMD_SAMPLE, "text to continue"),
+    I(length, "200", 1, 1 << 20, CMD_SAMPLE, "tokens to generate"),
+    F(temperature, "0.8", 0, 100, CMD_SAMPLE, "sampling temperature (0 = greedy)"),
+    I(top_k, "40", 0, 1 << 20, CMD_SAMPLE, "sample from the k most likely tokens (0 = all)"),
+    B(decode, "false", CMD_TOKENIZE, "read ids on stdin and print the text"),
+};
+#define N_KEYS ((int)(sizeof KEYS / sizeof KEYS[0]))
+static unsigned char key_set[N_KEYS];
+
+static int set_value(Config *c, const Key *k, const char *v, char *err, size_t errlen) {
+    char *p = (char *)c + k->off;
+    char *end;
+    switch (k->type) {
+    case T_INT: {
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        if (!*v || *end || errno) return set_err(err, errlen, "%s=%s: not an integer", k->name, v);
+        if (x < k->lo || x > k->hi)
+            return set_err(err, errlen, "%s=%s: out of range [%.0f, %.0f]", k->name, v, k->lo, k->hi);
+        *(int *)p = (int)x;
+        return 0;
+    }
+    case T_FLOAT: {
+        errno = 0;
+        double x = strtod(v, &end);
+        if (!*v || *end || errno || !isfinite(x)) return set_err(err, errlen, "%s=%s: not a number", k->name, v);
+        if (x < k->lo || x > k->hi) return set_err(err, errlen, "%s=%s: out of range [%g, %g]", k->name, v, k->lo, k->hi);
+        *(double *)p = x;
+        return 0;
+    }
+    case T_BOOL:
+        if (!strcmp(v, "true") || !strcmp(v, "1")) *(int *)p = 1;
+        else if (!strcmp(v, "false") || !strcmp(v, "0")) *(int *)p = 0;
+        else return set_err(err, errlen, "%s=%s: expected true or false", k->name, v);
+        return 0;
+    case T_ENUM: {
+        size_t n = strlen(v);
+        const char *ch = k->choices;
+        int ok = 0;
+        while (*ch) {
+            size_t len = strcspn(ch, "|");
+            if (len == n && n && !strncmp(ch, v, n)) ok = 1;
+            ch += len + (ch[len] == '|');
+        }
+        if (!ok) return set_err(err, errlen, "%s=%s: expected one of %s", k->name, v, k->choices);
+    }
+    /* fall through */
+    case T_STR:
+        if (strlen(v) >= k->size) return set_err(err, errlen, "%s: value longer than %zu bytes", k->name, k->size - 1);
+        strcpy(p, v);
+        return 0;
+    }
+    return -1;
+}
+
+void config_defaults(Config *c) {
+    memset(c, 0, sizeof *c);
+    for (int i = 0; i < N_KEYS; i++)
+        if (set_value(c, &KEYS[i], KEYS[i].def, NULL, 0)) die(EXIT_RUN_FAILURE, "bad default for %s", KEYS[i].name);
+}
+
+int config_was_set(const char *key) {
+    for (int i = 0; i < N_KEYS; i++)
+        if (!strcmp(KEYS[i].name, key)) return key_set[i];
+    return 0;
+}
+
+static void default_path(char *dst, size_t n, const char *dir, const char *file) {
+    if (!dst[0]) snprintf(dst, n, "%s/%s", dir, file);
+}
+
+int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t errlen) {
+    memset(key_set, 0, sizeof key_set);
+    for (int a = 0; a < argc; a++) {
+        const char *eq = strchr(argv[a], '=');
+        if (!eq || eq == argv[a])
+            return set_err(err, errlen, "'%s': expected key=value (see 'meshtrain help')", argv[a]);
+        size_t klen = (size_t)(eq - argv[a]);
+        int found = -1;
+        for (int i = 0; i < N_KEYS; i++)
+            if (strlen(KEYS[i].name) == klen && !strncmp(KEYS[i].name, argv[a], klen)) found = i;
+        if (found < 0) return set_err(err, errlen, "unknown key '%.*s' (see 'meshtrain help')", (int)klen, argv[a]);
+        if (!(KEYS[found].cmds & cmd))
+            return set_err(err, errlen, "key '%s' does not apply to this subcommand", KEYS[found].name);
+        if (key_set[found]) return set_err(err, errlen, "key '%s' given twice", KEYS[found].name);
+        if (set_value(c, &KEYS[found], eq + 1, err, errlen)) return -1;
+        key_set[found] = 1;
+    }
+    default_path(c->train_data, sizeof c->train_data, c->data_dir, "train.bin");
+    default_path(c->val_data, sizeof c->val_data, c->data_dir, "val.bin");
+    default_path(c->log_file, sizeof c->log_file, c->out_dir, "log.jsonl");
+    default_path(c->ckpt_path, sizeof c->ckpt_path, c->out_dir, "ckpt.bin");
+    return config_validate(c, cmd, err, errlen);
+}
+
+int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
+    if (cmd & (CMD_TRAIN | CMD_ESTIMATE)) {
+        if (c->embed_dim % c->n_heads)
+            return set_err(err, errlen, "n_heads=%d does not divide embed_dim=%d", c->n_heads, c->embed_dim);
+        if ((c->embed_dim / c->n_heads) % 2)
+            return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d is odd; RoPE needs an even head_dim",
+                           c->embed_dim / c->n_heads);
+        if (c->vocab_size > 65536) return set_err(err, errlen, "vocab_size=%d: shards hold uint16 tokens", c->vocab_size);
+        if ((long long)c->batch_size * c->context_len > INT_MAX / 4)
+            return set_err(err, errlen, "batch_size x context_len = %lld tokens is too many for one step",
+                           (long long)c->batch_size * c->context_len);
+        if (strcmp(c->precision, "auto") && strcmp(c->precision, "fp32") && !strcmp(c->device, "cpu"))
+            return set_err(err, errlen, "precision=%s needs a GPU; the cpu device computes in fp32", c->precision);
+        if (c->warmup_steps > c->steps && !strcmp(c->lr_schedule, "cosine"))
+            return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d", c->warmup_steps, c->steps);
+        if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
+    }
+    return 0;
+}
+
+static void print_value(const Config *c, const Key *k) {
+    const char *p = (const char *)c + k->off;
+    switch (k->type) {
+    case T_INT: printf("%d", *(const int *)p); break;
+    case T_FLOAT: printf("%g", *(const double *)p); break;
+    case T_BOOL: printf("%s", *(const int *)p ? "true" : "false"); break;
+    default: printf("%s", p);
+    }
+}
+
+void config_print_help(int mask) {
+    for (int i = 0; i < N_KEYS; i++) {
+        const Key *k = &KEYS[i];
+        if (!(k->cmds & mask)) continue;
+        char left[96];
+        snprintf(left, sizeof left, "%s=%s", k->name, k->def[0] ? k->def : "\"\"");
+        printf("  %-34s %s", left, k->help);
+        if (k->type == T_ENUM) printf(" [%s]", k->choices);
+        printf("\n");
+    }
+}
+
+void config_print(const Config *c, int cmd) {
+    int col = 0;
+    for (int i = 0; i < N_KEYS; i++) {
+        if (!(KEYS[i].cmds & cmd) || KEYS[i].type == T_STR) continue;
+        if (col > 88) { printf("\n"); col = 0; }
+        col += printf("%s%s=", col ? " " : "  ", KEYS[i].name);
+        print_value(c, &KEYS[i]);
+        col += 6;
+    }
+    printf("\n");
+}

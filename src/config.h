@@ -1,0 +1,47 @@
+/* config — every key=value setting: one table with type, default, range and help, so
+ * parsing, validation and `meshtrain help` can never disagree. Validation happens before
+ * any allocation; a bad key or value is one line naming the key, exit status 2. */
+#ifndef MESHTRAIN_CONFIG_H
+#define MESHTRAIN_CONFIG_H
+#include <stddef.h>
+
+typedef struct {
+    /* model */
+    int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
+    /* batch and schedule */
+    int batch_size, steps, seed, warmup_steps;
+    double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
+    char lr_schedule[16];           /* constant | cosine */
+    /* data */
+    char data_dir[512], train_data[512], val_data[512], tokenizer_dir[512], input[512];
+    double val_fraction;
+    int val_every, val_batches;
+    /* run */
+    int threads, log_every, ckpt_every, progress;
+    char out_dir[512], log_file[512], ckpt_path[512], resume[512], checkpoint[512], device[16], precision[16];
+    double max_memory_gb;
+    /* sample / tokenize */
+    char prompt[2048];
+    int length, top_k, decode;
+    double temperature;
+} Config;
+
+/* Subcommands a key belongs to (bit mask). */
+enum {
+    CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32
+};
+
+void config_defaults(Config *c);
+/* Parses key=value arguments for subcommand `cmd` (a CMD_ bit) and validates every value
+ * and the combinations. Returns 0, or -1 with a one-line message in err. `seen` (may be
+ * NULL) receives, per table row, whether the key was given on the command line. */
+int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t errlen);
+/* Checks shapes and combinations (also used after loading a checkpoint's config). */
+int config_validate(const Config *c, int cmd, char *err, size_t errlen);
+/* Was this key given explicitly in the last config_parse? */
+int config_was_set(const char *key);
+/* Prints every key of the subcommands in mask with its default and meaning. */
+void config_print_help(int mask);
+/* One line "key=value key=value ..." of the model/training keys, for run headers. */
+void config_print(const Config *c, int cmd);
+#endif

@@ -1,0 +1,59 @@
+#include "estimate.h"
+#include <stdio.h>
+#include <string.h>
+#include "util.h"
+
+/* What a CPU process holds besides the plan: code and libraries, OpenMP and OpenBLAS
+ * thread stacks and buffers, the allocator's slack. Measured on the 2-core CI machine
+ * (max RSS of `meshtrain train` with a tiny model); see bench/RESULTS.md. */
+#define RUNTIME_BYTES ((size_t)8 << 20)
+
+void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, MemEstimate *e) {
+    memset(e, 0, sizeof *e);
+    Model m;
+    model_init_layout(&m, c, 1, 0);
+    e->n_params = m.n_params;
+    e->flops_per_token = model_flops_per_token(c, T);
+    e->params = m.n_flat * sizeof(float);
+    e->grads = training ? m.n_flat * sizeof(float) : 0;
+    e->optim = training ? 2 * m.n_flat * sizeof(float) : 0;
+    size_t logit_bytes;
+    size_t acts = acts_bytes(c, B, T, training, &logit_bytes);
+    e->logits = logit_bytes;
+    e->acts = acts - logit_bytes;
+    e->data = data_bytes;
+    e->runtime = RUNTIME_BYTES;
+    e->total = e->params + e->grads + e->optim + e->acts + e->logits + e->data + e->runtime;
+    model_free(&m);
+    /* The usual formula: weights + grads + Adam = 16 bytes/param, and per layer
+     * s*b*h*(34 + 5*a*s/h) bytes of 16-bit activations (Korthikanti et al.), doubled for fp32. */
+    double s = T, b = B, h = c->embed_dim, a = c->n_heads;
+    e->formula = 16.0 * (double)e->n_params + (training ? 2.0 * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
+}
+
+void estimate_print(const ModelConfig *c, int B, int T, const MemEstimate *e) {
+    char b1[32], b2[32];
+    printf("model: embed_dim=%d n_heads=%d n_layers=%d vocab=%d context_len=%d%s\n", c->embed_dim, c->n_heads,
+           c->n_layers, c->vocab_size, c->context_len, c->tie_embeddings ? " (tied embeddings)" : "");
+    printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
+    printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
+           e->flops_per_token * B * T);
+    printf("memory per rank (fp32, cpu):\n");
+    const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "activations", "logits (chunked)",
+                           "data (mapped shards)", "runtime (code, threads)"};
+    size_t vals[] = {e->params, e->grads, e->optim, e->acts, e->logits, e->data, e->runtime};
+    for (int i = 0; i < 7; i++) printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
+    printf("  %-26s %12s   (rule of thumb 16 B/param + activations: %s)\n", "total", fmt_bytes(b1, (double)e->total),
+           fmt_bytes(b2, e->formula));
+}
+
+size_t available_memory_bytes(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024;
+}

@@ -1,0 +1,51 @@
+/* meshtrain — parses the command line and dispatches to one subcommand. */
+#include <stdio.h>
+#include <string.h>
+#include "commands.h"
+#include "config.h"
+#include "util.h"
+
+typedef struct { const char *name; int mask; int (*run)(Config *); const char *help; } Command;
+
+static const Command COMMANDS[] = {
+    {"train", CMD_TRAIN, cmd_train, "train a model (or resume=PATH a run)"},
+    {"prepare", CMD_PREPARE, cmd_prepare, "TinyStories text -> train.bin / val.bin token shards"},
+    {"tokenize", CMD_TOKENIZE, cmd_tokenize, "text on stdin -> ids on stdout (decode=true: ids -> text)"},
+    {"sample", CMD_SAMPLE, cmd_sample, "generate text from a checkpoint"},
+    {"eval", CMD_EVAL, cmd_eval, "validation loss of a checkpoint"},
+    {"estimate", CMD_ESTIMATE, cmd_estimate, "parameters, FLOPs and memory of a run, before running it"},
+};
+#define N_COMMANDS ((int)(sizeof COMMANDS / sizeof COMMANDS[0]))
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: meshtrain <command> [key=value ...]\n\ncommands:\n");
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].help);
+    fprintf(f, "  %-10s %s\n", "help", "every key of every command, with its default (help <command>: one command)");
+}
+
+static void help(const char *which) {
+    usage(stdout);
+    for (int i = 0; i < N_COMMANDS; i++) {
+        if (which && strcmp(which, COMMANDS[i].name)) continue;
+        printf("\nmeshtrain %s keys:\n", COMMANDS[i].name);
+        config_print_help(COMMANDS[i].mask);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) { usage(stderr); return EXIT_BAD_INPUT; }
+    const char *name = argv[1];
+    if (!strcmp(name, "help") || !strcmp(name, "--help") || !strcmp(name, "-h")) {
+        help(argc > 2 ? argv[2] : NULL);
+        return 0;
+    }
+    for (int i = 0; i < N_COMMANDS; i++) {
+        if (strcmp(name, COMMANDS[i].name)) continue;
+        Config c;
+        char err[1024];
+        config_defaults(&c);
+        if (config_parse(&c, COMMANDS[i].mask, argc - 2, argv + 2, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        return COMMANDS[i].run(&c);
+    }
+    die(EXIT_BAD_INPUT, "unknown command '%s' (see 'meshtrain help')", name);
+}

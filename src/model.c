@@ -1,0 +1,308 @@
+#include "model.h"
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ops.h"
+#include "util.h"
+
+#define RMS_EPS 1e-5f
+#define ROPE_BASE 10000.0f
+
+static size_t layer_param_count(const ModelConfig *c) {
+    size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
+    return 2 * E + 3 * E * E + E * E + 2 * H * E + E * H;
+}
+
+size_t model_param_count(const ModelConfig *c) {
+    size_t VE = (size_t)c->vocab_size * c->embed_dim;
+    return VE + (size_t)c->n_layers * layer_param_count(c) + c->embed_dim + (c->tie_embeddings ? 0 : VE);
+}
+
+static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc) {
+    memset(m, 0, sizeof *m);
+    m->c = *c;
+    m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
+    m->H = (int)(1.5 * c->embed_dim); m->V = c->vocab_size; m->L = c->n_layers;
+    size_t E = m->E, H = m->H, V = m->V;
+    LayerLayout *ly = &m->layer;
+    ly->att_norm = 0;
+    ly->qkv = ly->att_norm + E;
+    ly->att_out = ly->qkv + 3 * E * E;
+    ly->ffn_norm = ly->att_out + E * E;
+    ly->gate_up = ly->ffn_norm + E;
+    ly->down = ly->gate_up + 2 * H * E;
+    m->head_out_norm = 0;
+    m->head_lm = E;
+
+    m->n_units = m->L + 2;
+    m->units = xcalloc((size_t)m->n_units, sizeof(Unit));
+    /* Each unit divides by the data-parallel size and stays 64-byte aligned: lcm(16, pad). */
+    size_t pad = (size_t)(pad_multiple > 0 ? pad_multiple : 1), a = 16, b = pad;
+    while (b) { size_t t = a % b; a = b; b = t; }
+    pad = 16 * pad / a;
+    size_t off = 0;
+    for (int u = 0; u < m->n_units; u++) {
+        size_t n = u == 0 ? V * E : u <= m->L ? layer_param_count(c) : E + (c->tie_embeddings ? 0 : V * E);
+        /* Padding also keeps every unit 64-byte aligned. */
+        m->units[u] = (Unit){off, n, round_up(n, pad)};
+        off += m->units[u].n_padded;
+        m->n_params += n;
+    }
+    m->n_flat = off;
+    if (alloc) {
+        m->params = xaligned_alloc(m->n_flat * sizeof(float));
+        m->grads = xaligned_alloc(m->n_flat * sizeof(float));
+    }
+}
+
+void model_free(Model *m) {
+    free(m->params);
+    free(m->grads);
+    free(m->units);
+    memset(m, 0, sizeof *m);
+}
+
+int model_tensors(const Model *m, TensorInfo *out, int max) {
+    int n = 0;
+#define ADD(nm_fmt, idx, off, r, cc)                                          \
+    do {                                                                      \
+        if (n < max) {                                                        \
+            snprintf(out[n].name, sizeof out[n].name, nm_fmt, idx);           \
+            out[n].offset = (off); out[n].rows = (r); out[n].cols = (cc);     \
+        }                                                                     \
+        n++;                                                                  \
+    } while (0)
+    ADD("tok_embed.weight%.0d", 0, m->units[0].offset, m->V, m->E);
+    for (int l = 0; l < m->L; l++) {
+        size_t b = m->units[1 + l].offset;
+        const LayerLayout *ly = &m->layer;
+        ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
+        ADD("blocks.%d.qkv_proj.weight", l, b + ly->qkv, 3 * m->E, m->E);
+        ADD("blocks.%d.att_out_proj.weight", l, b + ly->att_out, m->E, m->E);
+        ADD("blocks.%d.ffn_norm.w", l, b + ly->ffn_norm, 1, m->E);
+        ADD("blocks.%d.ffn.gate_proj.weight", l, b + ly->gate_up, m->H, m->E);
+        ADD("blocks.%d.ffn.up_proj.weight", l, b + ly->gate_up + (size_t)m->H * m->E, m->H, m->E);
+        ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, m->H);
+    }
+    size_t hb = m->units[m->L + 1].offset;
+    ADD("output_norm.w%.0d", 0, hb + m->head_out_norm, 1, m->E);
+    if (!m->c.tie_embeddings) ADD("lm_head.weight%.0d", 0, hb + m->head_lm, m->V, m->E);
+#undef ADD
+    return n;
+}
+
+void model_init_weights(Model *m, uint64_t seed) {
+    Rng r;
+    rng_seed(&r, seed);
+    memset(m->params, 0, m->n_flat * sizeof(float));
+    TensorInfo t[8 + 7 * 4096];
+    int nt = model_tensors(m, t, (int)(sizeof t / sizeof t[0]));
+    float resid_std = 0.02f / sqrtf(2.0f * (float)m->L);
+    for (int i = 0; i < nt; i++) {
+        float *p = m->params + t[i].offset;
+        size_t n = (size_t)t[i].rows * t[i].cols;
+        if (strstr(t[i].name, "norm")) {
+            for (size_t j = 0; j < n; j++) p[j] = 1.0f;
+        } else {
+            float std = (strstr(t[i].name, "att_out_proj") || strstr(t[i].name, "down_proj")) ? resid_std : 0.02f;
+            for (size_t j = 0; j < n; j++) p[j] = std * rng_normal(&r);
+        }
+    }
+}
+
+/* ---- activations ---- */
+
+size_t acts_logit_rows(const ModelConfig *c, int B, int T) {
+    /* About 64 MiB of logits at a time: the full [N, V] fp32 matrix is never held. */
+    size_t N = (size_t)B * T, rows = ((size_t)64 << 20) / ((size_t)c->vocab_size * sizeof(float));
+    if (rows < 16) rows = 16;
+    return rows < N ? rows : N;
+}
+
+typedef struct { float **p; size_t n; } Slot;
+
+/* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan. */
+static int acts_plan(const ModelConfig *c, int B, int T, int training, Acts *a, Slot *s, size_t *logit_n) {
+    size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim), V = c->vocab_size;
+    size_t NH = c->n_heads, HD = E / NH;
+    /* Training keeps every layer's activations for backward; inference reuses one slot. */
+    size_t Ls = training ? (size_t)c->n_layers : 1;
+    size_t rows = acts_logit_rows(c, B, T);
+    int n = 0;
+#define P(field, count) s[n++] = (Slot){&a->field, (count)}
+    P(res, (Ls + 1) * N * E);
+    P(xn1, Ls * N * E); P(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
+    P(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); P(rstd2, Ls * N);
+    P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
+    P(xf, N * E); P(rstdf, N); P(logits, rows * V); P(losses, N);
+    P(rope_cos, (size_t)T * HD / 2); P(rope_sin, (size_t)T * HD / 2);
+    if (training) {
+        P(dres, N * E); P(dxf, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
+        P(dgu, N * 2 * H); P(dh, N * H); P(dxn, N * E);
+    }
+#undef P
+    *logit_n = rows * V;
+    return n;
+}
+
+size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t *logit_bytes) {
+    Acts a;
+    Slot s[32];
+    size_t logit_n, total = 2 * (size_t)B * T * sizeof(int);
+    int n = acts_plan(c, B, T, training, &a, s, &logit_n);
+    for (int i = 0; i < n; i++) total += (s[i].n * sizeof(float) + 63) / 64 * 64;
+    if (logit_bytes) *logit_bytes = logit_n * sizeof(float);
+    return total;
+}
+
+void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
+    memset(a, 0, sizeof *a);
+    Slot s[32];
+    size_t logit_n;
+    int n = acts_plan(&m->c, B, T, training, a, s, &logit_n);
+    a->B = B; a->T = T; a->N = (size_t)B * T;
+    a->logit_rows = acts_logit_rows(&m->c, B, T);
+    a->inputs = xcalloc(a->N, sizeof(int));
+    a->targets = xcalloc(a->N, sizeof(int));
+    a->bytes = 2 * a->N * sizeof(int);
+    for (int i = 0; i < n; i++) {
+        *s[i].p = xaligned_alloc(s[i].n * sizeof(float));
+        a->bytes += (s[i].n * sizeof(float) + 63) / 64 * 64;
+    }
+    op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);
+}
+
+void acts_free(Acts *a) {
+    float **all[] = {&a->res, &a->xn1, &a->rstd1, &a->qkv, &a->att, &a->lse, &a->mid, &a->xn2,
+                     &a->rstd2, &a->gu, &a->hsw, &a->xf, &a->rstdf, &a->logits, &a->losses,
+                     &a->dres, &a->dxf, &a->dqkv, &a->datt, &a->dgu, &a->dh, &a->dxn,
+                     &a->rope_cos, &a->rope_sin};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(*all[i]);
+    free(a->inputs);
+    free(a->targets);
+    memset(a, 0, sizeof *a);
+}
+
+/* ---- forward / backward ---- */
+
+/* Per-layer activation pointers for layer slot s. */
+typedef struct { float *x, *xn1, *rstd1, *qkv, *att, *lse, *mid, *xn2, *rstd2, *gu, *hsw, *out; } LayerActs;
+
+static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int B, int T) {
+    size_t N = (size_t)B * T, E = m->E, H = m->H;
+    size_t s = (size_t)slot, NA = a->N;  /* slots are strided by the planned N */
+    LayerActs la = {
+        .x = a->res + s * NA * E, .xn1 = a->xn1 + s * NA * E, .rstd1 = a->rstd1 + s * NA,
+        .qkv = a->qkv + s * NA * 3 * E, .att = a->att + s * NA * E,
+        .lse = a->lse + s * (size_t)a->B * m->NH * a->T, .mid = a->mid + s * NA * E,
+        .xn2 = a->xn2 + s * NA * E, .rstd2 = a->rstd2 + s * NA, .gu = a->gu + s * NA * 2 * H,
+        .hsw = a->hsw + s * NA * H, .out = a->res + (s + 1) * NA * E,
+    };
+    (void)N;
+    return la;
+}
+
+static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T) {
+    const float *w = unit_params(m, 1 + l);
+    const LayerLayout *ly = &m->layer;
+    int N = B * T, E = m->E, H = m->H;
+    op_rmsnorm_forward(la->xn1, la->rstd1, la->x, w + ly->att_norm, N, E, RMS_EPS);
+    op_matmul_forward(la->qkv, la->xn1, w + ly->qkv, N, E, 3 * E);
+    op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
+    op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NH, m->HD);
+    op_matmul_forward(la->mid, la->att, w + ly->att_out, N, E, E);
+    op_add(la->mid, la->x, (size_t)N * E);
+    op_rmsnorm_forward(la->xn2, la->rstd2, la->mid, w + ly->ffn_norm, N, E, RMS_EPS);
+    op_matmul_forward(la->gu, la->xn2, w + ly->gate_up, N, E, 2 * H);
+    op_swiglu_forward(la->hsw, la->gu, N, H);
+    op_matmul_forward(la->out, la->hsw, w + ly->down, N, H, E);
+    op_add(la->out, la->mid, (size_t)N * E);
+}
+
+/* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return. */
+static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
+    const float *w = unit_params(m, 1 + l);
+    float *g = unit_grads(m, 1 + l);
+    const LayerLayout *ly = &m->layer;
+    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
+    size_t NE = (size_t)N * E;
+    memset(a->dh, 0, (size_t)N * H * sizeof(float));
+    op_matmul_backward(a->dh, g + ly->down, a->dres, la->hsw, w + ly->down, N, H, E);
+    memset(a->dgu, 0, (size_t)N * 2 * H * sizeof(float));
+    op_swiglu_backward(a->dgu, a->dh, la->gu, N, H);
+    memset(a->dxn, 0, NE * sizeof(float));
+    op_matmul_backward(a->dxn, g + ly->gate_up, a->dgu, la->xn2, w + ly->gate_up, N, E, 2 * H);
+    op_rmsnorm_backward(a->dres, g + ly->ffn_norm, a->dxn, la->mid, w + ly->ffn_norm, la->rstd2, N, E);
+    memset(a->datt, 0, NE * sizeof(float));
+    op_matmul_backward(a->datt, g + ly->att_out, a->dres, la->att, w + ly->att_out, N, E, E);
+    memset(a->dqkv, 0, 3 * NE * sizeof(float));
+    op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
+    op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
+    memset(a->dxn, 0, NE * sizeof(float));
+    op_matmul_backward(a->dxn, g + ly->qkv, a->dqkv, la->xn1, w + ly->qkv, N, E, 3 * E);
+    op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, w + ly->att_norm, la->rstd1, N, E);
+}
+
+/* Embedding and layers for B x T tokens in a->inputs; leaves the final norm in a->xf. */
+static void trunk_forward(Model *m, Acts *a, int B, int T, int training) {
+    int N = B * T;
+    op_embedding_forward(a->res, a->inputs, unit_params(m, 0), N, m->E);
+    for (int l = 0; l < m->L; l++) {
+        int slot = training ? l : 0;
+        LayerActs la = layer_acts(m, a, slot, B, T);
+        if (!training && l > 0) memcpy(la.x, la.out, (size_t)N * m->E * sizeof(float));
+        layer_forward(m, a, l, &la, B, T);
+    }
+    const float *last = a->res + (size_t)(training ? m->L : 1) * a->N * m->E;
+    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, m->L + 1) + m->head_out_norm, N, m->E, RMS_EPS);
+}
+
+float model_step(Model *m, Acts *a, int grad, float grad_scale) {
+    int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V;
+    trunk_forward(m, a, B, T, grad);
+    const float *wlm = model_lm_head(m);
+    float *glm = m->c.tie_embeddings ? unit_grads(m, 0) : unit_grads(m, m->L + 1) + m->head_lm;
+    if (grad) memset(a->dxf, 0, (size_t)N * E * sizeof(float));
+    /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
+     * into their gradient in place and consumed at once. */
+    float scale = grad ? grad_scale / (float)N : 0.0f;
+    for (size_t r0 = 0; r0 < (size_t)N; r0 += a->logit_rows) {
+        int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
+        const float *x = a->xf + r0 * E;
+        op_matmul_forward(a->logits, x, wlm, rows, E, V);
+        op_crossentropy_forward_backward(a->losses + r0, a->logits, a->targets + r0, rows, V, scale);
+        if (grad) op_matmul_backward(a->dxf + r0 * E, glm, a->logits, x, wlm, rows, E, V);
+    }
+    double sum = 0;
+    for (int i = 0; i < N; i++) sum += a->losses[i];
+    if (!grad) return (float)(sum / N);
+
+    memset(a->dres, 0, (size_t)N * E * sizeof(float));
+    const float *last = a->res + (size_t)m->L * a->N * E;
+    float *ghead = unit_grads(m, m->L + 1);
+    op_rmsnorm_backward(a->dres, ghead + m->head_out_norm, a->dxf, last,
+                        unit_params(m, m->L + 1) + m->head_out_norm, a->rstdf, N, E);
+    for (int l = m->L - 1; l >= 0; l--) {
+        LayerActs la = layer_acts(m, a, l, B, T);
+        layer_backward(m, a, l, &la);
+    }
+    op_embedding_backward(unit_grads(m, 0), a->dres, a->inputs, N, E);
+    return (float)(sum / N);
+}
+
+void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {
+    if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
+    memcpy(a->inputs, tokens, (size_t)T * sizeof(int));
+    trunk_forward(m, a, 1, T, 0);
+    op_matmul_forward(logits, a->xf + (size_t)(T - 1) * m->E, model_lm_head(m), 1, m->E, m->V);
+}
+
+double model_flops_per_token(const ModelConfig *c, int T) {
+    /* As the PyTorch peer counts it (PaLM): 6 x non-embedding params + 12 L E T. */
+    double n = (double)model_param_count(c) - (double)c->vocab_size * c->embed_dim;
+    if (c->tie_embeddings) n += (double)c->vocab_size * c->embed_dim;  /* lm_head still multiplies */
+    return 6.0 * n + 12.0 * c->n_layers * c->embed_dim * (double)T;
+}

@@ -1,0 +1,86 @@
+/* model — the Llama-style decoder: shapes, the flat-unit parameter layout, init, and
+ * explicit forward/backward one unit at a time through the ops interface. It knows
+ * nothing of ranks, optimizers or files.
+ *
+ * Units (FSDP's FlatParameter): unit 0 = tok_embed; units 1..L = the layers; unit L+1 =
+ * the head (output_norm, lm_head unless tied). Each unit is a contiguous slice of one flat
+ * buffer, padded to a multiple of `pad_multiple` floats so it divides evenly by the
+ * data-parallel size. Gradients (and the optimizer's moments) mirror the same layout. */
+#ifndef MESHTRAIN_MODEL_H
+#define MESHTRAIN_MODEL_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+    int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
+} ModelConfig;
+
+typedef struct { size_t offset, n, n_padded; } Unit;  /* in floats, into the flat buffer */
+
+/* Offsets of tensors inside their unit (floats). gate_proj and up_proj are adjacent so
+ * they form one [2H, E] matrix (one matmul); their rows stay exactly PyTorch's. */
+typedef struct {
+    size_t att_norm, qkv, att_out, ffn_norm, gate_up, down;
+} LayerLayout;
+
+typedef struct {
+    ModelConfig c;
+    int E, NH, HD, H, V, L;  /* embed_dim, heads, head_dim, ffn hidden, vocab, layers */
+    int n_units;
+    Unit *units;
+    LayerLayout layer;
+    size_t head_out_norm, head_lm;  /* offsets inside the head unit; head_lm unused if tied */
+    size_t n_params;                /* real parameters */
+    size_t n_flat;                  /* flat buffer length incl. padding */
+    float *params, *grads;
+} Model;
+
+/* One named tensor of the model, for checkpoints, fixtures and printing. */
+typedef struct { char name[64]; size_t offset; int rows, cols; } TensorInfo;
+/* Fills up to max entries (in flat order); returns the count (2 + 7L + (tied ? 0 : 1)). */
+int model_tensors(const Model *m, TensorInfo *out, int max);
+
+/* Parameter count without building anything (estimate uses it). */
+size_t model_param_count(const ModelConfig *c);
+/* Sets shapes and layout; allocates params and grads (zeroed) unless alloc == 0. */
+void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc);
+void model_free(Model *m);
+/* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
+void model_init_weights(Model *m, uint64_t seed);
+
+static inline float *unit_params(const Model *m, int u) { return m->params + m->units[u].offset; }
+static inline float *unit_grads(const Model *m, int u) { return m->grads + m->units[u].offset; }
+static inline const float *model_lm_head(const Model *m) {
+    return m->c.tie_embeddings ? unit_params(m, 0) : unit_params(m, m->L + 1) + m->head_lm;
+}
+
+/* Activations for a B x T batch, planned once. */
+typedef struct {
+    int B, T;
+    size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
+    int *inputs, *targets;
+    float *res;             /* [L+1][N*E] residual stream: input of each layer, then the last output */
+    float *xn1, *rstd1, *qkv, *att, *lse, *mid, *xn2, *rstd2, *gu, *hsw;  /* per layer */
+    float *xf, *rstdf;      /* final norm output and its rstd */
+    float *logits;          /* [logit_rows, V] */
+    float *losses;          /* [N] */
+    float *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
+    float *rope_cos, *rope_sin;
+    size_t bytes;
+} Acts;
+
+/* Bytes the activations of a B x T step take; the estimator and acts_alloc share it. */
+size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t *logit_bytes);
+size_t acts_logit_rows(const ModelConfig *c, int B, int T);
+void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
+void acts_free(Acts *a);
+
+/* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
+ * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is
+ * that of the mean loss times grad_scale). */
+float model_step(Model *m, Acts *a, int grad, float grad_scale);
+/* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only. */
+void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);
+/* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU. */
+double model_flops_per_token(const ModelConfig *c, int T);
+#endif

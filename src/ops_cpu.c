@@ -1,0 +1,600 @@
+/* ops_cpu — the reference backend: fp32, OpenMP across cores, OpenBLAS for the big matmuls.
+ *
+ * Threading: OpenMP only. OpenBLAS is set to one thread and called from inside OpenMP
+ * regions, each thread on its own slab of a matmul's output (see ops_init).
+ * Determinism: no atomics; every reduction has a fixed order that does not depend on the
+ * thread count (per-channel or per-row ownership, or fixed blocks summed in block order).
+ */
+#include "ops.h"
+#include "util.h"
+
+#include <cblas.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* GCC will not vectorize a loop that compares floats (exp_f32's clamps) unless FP
+ * comparisons may be treated as non-trapping; nothing here reads FP exception flags. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+/* FMAs for the attention micro-kernel only (-std=c11 turns contraction off); the
+ * elementwise ops keep separately rounded multiplies and adds, as PyTorch's kernels do. */
+#define FP_CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define FP_CONTRACT
+#endif
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* One pool of threads: OpenMP's. OpenBLAS runs single-threaded inside OpenMP regions, each
+ * thread on its own slab of the output. (With OpenBLAS's own pthread pool as well, libgomp's
+ * idle spinning after every region takes the cores from OpenBLAS's workers: an sgemm right
+ * after an OpenMP op ran about 2x slower.) */
+static int g_blas_single; /* OpenBLAS set to one thread (by ops_init, or lazily) */
+
+void ops_init(int n_threads) {
+    if (n_threads <= 0) n_threads = omp_get_num_procs();
+    omp_set_num_threads(n_threads);
+    openblas_set_num_threads(1);
+    g_blas_single = 1;
+}
+
+const char *ops_backend_name(void) { return "cpu"; }
+
+/* exp(x) in fp32 without a libm call, so loops that use it vectorize: Cody-Waite range
+ * reduction and the Cephes polynomial, max error ~1.5 ulp. Saturates above 88.37, and
+ * returns exactly 0 below -87.33 (including -inf). Inputs must not be NaN. */
+static inline float exp_f32(float x) {
+    const float lo = -87.33654f, hi = 88.37626f;
+    float xc = x < lo ? lo : (x > hi ? hi : x);
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) * (1 << 23);
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    float y = p * s;
+    return x < lo ? 0.0f : y;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* embedding                                                                             */
+
+void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
+}
+
+void op_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
+    if (!dwte) return;
+    /* Each thread owns a range of channels (multiples of 16 floats = one cache line) and
+     * walks the tokens in order, so repeated tokens add up in a fixed order. */
+#pragma omp parallel
+    {
+        int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        int lines = (C + 15) / 16;
+        int c0 = (int)((long)lines * tid / nt) * 16, c1 = (int)((long)lines * (tid + 1) / nt) * 16;
+        if (c1 > C) c1 = C;
+        for (int n = 0; n < N; n++) {
+            float *dst = dwte + (size_t)tokens[n] * C;
+            const float *src = dout + (size_t)n * C;
+            for (int c = c0; c < c1; c++) dst[c] += src[c];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rmsnorm                                                                               */
+
+void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *xr = x + (size_t)n * C;
+        float *o = out + (size_t)n * C;
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+        for (int c = 0; c < C; c++) ss += (double)xr[c] * xr[c];
+        float r = 1.0f / sqrtf((float)(ss / C) + eps);
+        rstd[n] = r;
+        for (int c = 0; c < C; c++) o[c] = (xr[c] * r) * w[c];
+    }
+}
+
+/* dw is reduced over a fixed number of row blocks (independent of the thread count),
+ * each block's partial sum in row order, the partials summed in block order. */
+#define RMSNORM_DW_BLOCKS 64
+
+void op_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                         const float *rstd, int N, int C) {
+    if (!dx && !dw) return;
+    int nb = N < RMSNORM_DW_BLOCKS ? N : RMSNORM_DW_BLOCKS;
+    float *part = dw ? xaligned_alloc((size_t)nb * C * sizeof(float)) : NULL;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < nb; b++) {
+        int n0 = (int)((long)N * b / nb), n1 = (int)((long)N * (b + 1) / nb);
+        float *pw = part ? part + (size_t)b * C : NULL;
+        for (int n = n0; n < n1; n++) {
+            const float *xr = x + (size_t)n * C, *g = dout + (size_t)n * C;
+            float r = rstd[n];
+            if (dx) {
+                double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+                for (int c = 0; c < C; c++) dot += (double)g[c] * w[c] * xr[c];
+                float coef = (float)((double)r * r * r * dot / C);
+                float *d = dx + (size_t)n * C;
+                for (int c = 0; c < C; c++) d[c] += r * w[c] * g[c] - coef * xr[c];
+            }
+            if (pw)
+                for (int c = 0; c < C; c++) pw[c] += g[c] * (xr[c] * r);
+        }
+    }
+    if (dw) {
+#pragma omp parallel for schedule(static)
+        for (int c = 0; c < C; c++) {
+            float s = 0.0f;
+            for (int b = 0; b < nb; b++) s += part[(size_t)b * C + c];
+            dw[c] += s;
+        }
+        free(part);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* matmul: OpenBLAS, split over the OpenMP threads                                       */
+
+/* C[M, N] = op(A) @ op(B) + beta * C (row-major), each thread computing a contiguous slab of
+ * C's rows, or of its columns when there are fewer rows, with single-threaded sgemm. The
+ * split never cuts the K dimension, so every element is one thread's dot product. */
+static void sgemm_split(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, int K, const float *A, int lda,
+                        const float *B, int ldb, float beta, float *C, int ldc) {
+    if (!g_blas_single) { /* never a multi-threaded OpenBLAS inside OpenMP threads */
+        openblas_set_num_threads(1);
+        g_blas_single = 1;
+    }
+    int by_rows = M >= N;
+    int units = ((by_rows ? M : N) + 15) / 16; /* slabs are multiples of 16 rows/columns */
+#pragma omp parallel
+    {
+        int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        if (nt > units) nt = units;
+        if (tid < nt) {
+            int total = by_rows ? M : N;
+            int a = (int)((long)units * tid / nt) * 16, b = (int)((long)units * (tid + 1) / nt) * 16;
+            if (b > total) b = total;
+            if (by_rows)
+                cblas_sgemm(CblasRowMajor, ta, tb, b - a, N, K, 1.0f,
+                            ta == CblasNoTrans ? A + (size_t)a * lda : A + a, lda, B, ldb, beta,
+                            C + (size_t)a * ldc, ldc);
+            else
+                cblas_sgemm(CblasRowMajor, ta, tb, M, b - a, K, 1.0f, A, lda,
+                            tb == CblasNoTrans ? B + a : B + (size_t)a * ldb, ldb, beta, C + a, ldc);
+        }
+    }
+}
+
+void op_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    if (C <= 0) { memset(out, 0, (size_t)N * OC * sizeof(float)); return; }
+    sgemm_split(CblasNoTrans, CblasTrans, N, OC, C, inp, C, w, C, 0.0f, out, OC);
+}
+
+void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                        int N, int C, int OC) {
+    if (N <= 0 || C <= 0 || OC <= 0) return;
+    if (dinp) sgemm_split(CblasNoTrans, CblasNoTrans, N, C, OC, dout, OC, w, C, 1.0f, dinp, C);
+    if (dw) sgemm_split(CblasTrans, CblasNoTrans, OC, C, N, dout, OC, inp, C, 1.0f, dw, C);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rope                                                                                  */
+
+void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
+    int half = HD / 2;
+    for (int i = 0; i < half; i++) {
+        float inv = 1.0f / powf(base, (float)(2 * i) / (float)HD);
+        for (int t = 0; t < T; t++) {
+            float f = (float)t * inv;
+            cos_t[(size_t)t * half + i] = cosf(f);
+            sin_t[(size_t)t * half + i] = sinf(f);
+        }
+    }
+}
+
+/* Rotates the q and k parts of every row by +angle (dir = 1) or -angle (dir = -1). */
+static void rope_apply(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD,
+                       float dir) {
+    int half = HD / 2, C = NH * HD;
+#pragma omp parallel for schedule(static)
+    for (int bt = 0; bt < B * T; bt++) {
+        int t = bt % T;
+        float *row = qkv + (size_t)bt * 3 * C;
+        const float *cr = cos_t + (size_t)t * half, *sr = sin_t + (size_t)t * half;
+        for (int hh = 0; hh < 2 * NH; hh++) { /* q heads, then k heads */
+            float *x = row + (size_t)hh * HD;
+            for (int i = 0; i < half; i++) {
+                float x0 = x[2 * i], x1 = x[2 * i + 1], c = cr[i], s = dir * sr[i];
+                x[2 * i] = x0 * c - x1 * s;
+                x[2 * i + 1] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+void op_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    rope_apply(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f);
+}
+
+void op_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    if (dqkv) rope_apply(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* small single-threaded matmul for attention tiles                                       */
+
+/* Called from inside OpenMP regions, where OpenBLAS (pthread build) must not be used.
+ * C[M, N] (+)= A[M, K] @ B[K, N]: A's element (i, k) is A[i*ars + k*acs] (so A may be a
+ * transposed view), B and C row-major. A 6 x 16 register tile of 12 AVX accumulators. */
+#define MM_MR 6
+#define MM_NR 16
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+
+FP_CONTRACT static ALWAYS_INLINE void mm_tile(int mr, int K, const float *A, ptrdiff_t ars, ptrdiff_t acs,
+                                             const float *B, ptrdiff_t ldb, float *C, ptrdiff_t ldc,
+                                             int accumulate) {
+    v8f c[MM_MR][2];
+    for (int r = 0; r < mr; r++) c[r][0] = c[r][1] = (v8f){0};
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (ptrdiff_t)k * ldb;
+        v8f b0 = *(const v8f *)b, b1 = *(const v8f *)(b + 8);
+        for (int r = 0; r < mr; r++) {
+            float a = A[r * ars + k * acs];
+            c[r][0] += a * b0;
+            c[r][1] += a * b1;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        v8f *o0 = (v8f *)(C + r * ldc), *o1 = (v8f *)(C + r * ldc + 8);
+        if (accumulate) { *o0 += c[r][0]; *o1 += c[r][1]; }
+        else { *o0 = c[r][0]; *o1 = c[r][1]; }
+    }
+}
+
+FP_CONTRACT static void mm(int M, int N, int K, const float *A, ptrdiff_t ars, ptrdiff_t acs, const float *B,
+                           ptrdiff_t ldb, float *C, ptrdiff_t ldc, int accumulate) {
+    int nfull = N / MM_NR * MM_NR;
+    for (int j = 0; j < nfull; j += MM_NR) /* a 16-column strip of B stays in L1 */
+        for (int i = 0; i < M; i += MM_MR) {
+            const float *a = A + i * ars;
+            const float *b = B + j;
+            float *c = C + i * ldc + j;
+            switch (M - i < MM_MR ? M - i : MM_MR) {
+            case 6: mm_tile(6, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            case 5: mm_tile(5, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            case 4: mm_tile(4, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            case 3: mm_tile(3, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            case 2: mm_tile(2, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            default: mm_tile(1, K, a, ars, acs, b, ldb, c, ldc, accumulate); break;
+            }
+        }
+    if (nfull < N) /* leftover columns (head sizes that are not a multiple of 16) */
+        for (int i = 0; i < M; i++)
+            for (int j = nfull; j < N; j++) {
+                float s = 0.0f;
+                for (int k = 0; k < K; k++) s += A[i * ars + k * acs] * B[(ptrdiff_t)k * ldb + j];
+                C[i * ldc + j] = accumulate ? C[i * ldc + j] + s : s;
+            }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* attention                                                                             */
+
+/* Each (b, h) is one task for one thread (so no reductions cross threads). Its q, k, v are
+ * copied into contiguous per-thread scratch; queries go in blocks of ATT_BR rows, whose
+ * scores against keys 0..end-of-block live in an ATT_BR x T scratch (never T x T). Key
+ * tables are stored transposed with the key count padded to 16 (zeros) so the score
+ * products use full register tiles. */
+#define ATT_BR 64
+
+static int round16(int x) { return (x + 15) / 16 * 16; }
+
+/* copies head h of part `part` (0 = q, 1 = k, 2 = v) of sequence b: dst[t*HD + d], scaled */
+static void head_copy(float *dst, const float *qkv, int b, int h, int part, int T, int NH, int HD, float s) {
+    int C = NH * HD;
+    for (int t = 0; t < T; t++) {
+        const float *src = qkv + ((size_t)b * T + t) * 3 * C + (size_t)part * C + (size_t)h * HD;
+        for (int d = 0; d < HD; d++) dst[(size_t)t * HD + d] = src[d] * s;
+    }
+}
+
+/* transposed: dst[d*ld + t], columns T..ld-1 zero */
+static void head_copy_t(float *dst, int ld, const float *qkv, int b, int h, int part, int T, int NH, int HD) {
+    int C = NH * HD;
+    for (int d = 0; d < HD; d++)
+        for (int t = T; t < ld; t++) dst[(size_t)d * ld + t] = 0.0f;
+    for (int t = 0; t < T; t++) {
+        const float *src = qkv + ((size_t)b * T + t) * 3 * C + (size_t)part * C + (size_t)h * HD;
+        for (int d = 0; d < HD; d++) dst[(size_t)d * ld + t] = src[d];
+    }
+}
+
+void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
+    int C = NH * HD, Tp = round16(T), BR = T < ATT_BR ? T : ATT_BR;
+    float scale = 1.0f / sqrtf((float)HD);
+#pragma omp parallel
+    {
+        size_t th = (size_t)T * HD;
+        float *q = xmalloc((th * 2 + (size_t)HD * Tp + (size_t)BR * Tp + (size_t)BR * HD) * sizeof(float));
+        float *v = q + th, *kt = v + th, *p = kt + (size_t)HD * Tp, *o = p + (size_t)BR * Tp;
+#pragma omp for schedule(dynamic, 1)
+        for (int bh = 0; bh < B * NH; bh++) {
+            int b = bh / NH, h = bh % NH;
+            head_copy(q, qkv, b, h, 0, T, NH, HD, scale);
+            head_copy_t(kt, Tp, qkv, b, h, 1, T, NH, HD);
+            head_copy(v, qkv, b, h, 2, T, NH, HD, 1.0f);
+            for (int i0 = 0; i0 < T; i0 += BR) {
+                int i1 = i0 + BR < T ? i0 + BR : T, r = i1 - i0;
+                mm(r, round16(i1), HD, q + (size_t)i0 * HD, HD, 1, kt, Tp, p, Tp, 0);
+                for (int i = 0; i < r; i++) {
+                    int t = i0 + i;
+                    float *pr = p + (size_t)i * Tp;
+                    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+                    for (int j = 0; j <= t; j++) mx = pr[j] > mx ? pr[j] : mx;
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int j = 0; j <= t; j++) {
+                        pr[j] = exp_f32(pr[j] - mx);
+                        sum += pr[j];
+                    }
+                    for (int j = t + 1; j < i1; j++) pr[j] = 0.0f;
+                    float inv = 1.0f / sum;
+                    for (int j = 0; j <= t; j++) pr[j] *= inv;
+                    lse[(size_t)bh * T + t] = mx + logf(sum);
+                }
+                mm(r, HD, i1, p, Tp, 1, v, HD, o, HD, 0);
+                for (int i = 0; i < r; i++)
+                    memcpy(out + ((size_t)b * T + i0 + i) * C + (size_t)h * HD, o + (size_t)i * HD,
+                           (size_t)HD * sizeof(float));
+            }
+        }
+        free(q);
+    }
+}
+
+void op_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                           const float *lse, int B, int T, int NH, int HD) {
+    if (!dqkv) return;
+    int C = NH * HD, Tp = round16(T), BR = T < ATT_BR ? T : ATT_BR;
+    float scale = 1.0f / sqrtf((float)HD);
+#pragma omp parallel
+    {
+        size_t th = (size_t)T * HD, tt = (size_t)HD * Tp, bt = (size_t)BR * Tp;
+        float *q = xmalloc((th * 5 + tt * 2 + bt * 2 + (size_t)BR * HD + (size_t)T) * sizeof(float));
+        float *k = q + th, *dO = k + th, *dk = dO + th, *dv = dk + th;
+        float *kt = dv + th, *vt = kt + tt, *p = vt + tt, *ds = p + bt, *dq = ds + bt, *D = dq + (size_t)BR * HD;
+#pragma omp for schedule(dynamic, 1)
+        for (int bh = 0; bh < B * NH; bh++) {
+            int b = bh / NH, h = bh % NH;
+            head_copy(q, qkv, b, h, 0, T, NH, HD, scale);
+            head_copy(k, qkv, b, h, 1, T, NH, HD, 1.0f);
+            head_copy_t(kt, Tp, qkv, b, h, 1, T, NH, HD);
+            head_copy_t(vt, Tp, qkv, b, h, 2, T, NH, HD);
+            for (int t = 0; t < T; t++) {
+                const float *g = dout + ((size_t)b * T + t) * C + (size_t)h * HD;
+                const float *y = out + ((size_t)b * T + t) * C + (size_t)h * HD;
+                float s = 0.0f;
+                for (int d = 0; d < HD; d++) {
+                    dO[(size_t)t * HD + d] = g[d];
+                    s += g[d] * y[d];
+                }
+                D[t] = s;
+            }
+            memset(dk, 0, th * 2 * sizeof(float)); /* dk and dv */
+            for (int i0 = 0; i0 < T; i0 += BR) {
+                int i1 = i0 + BR < T ? i0 + BR : T, r = i1 - i0, n16 = round16(i1);
+                mm(r, n16, HD, q + (size_t)i0 * HD, HD, 1, kt, Tp, p, Tp, 0);
+                mm(r, n16, HD, dO + (size_t)i0 * HD, HD, 1, vt, Tp, ds, Tp, 0);
+                for (int i = 0; i < r; i++) {
+                    int t = i0 + i;
+                    float *pr = p + (size_t)i * Tp, *dr = ds + (size_t)i * Tp;
+                    float l = lse[(size_t)bh * T + t], Dt = D[t];
+#pragma omp simd
+                    for (int j = 0; j <= t; j++) {
+                        pr[j] = exp_f32(pr[j] - l);
+                        dr[j] = pr[j] * (dr[j] - Dt);
+                    }
+                    for (int j = t + 1; j < i1; j++) pr[j] = dr[j] = 0.0f;
+                }
+                /* dq = scale * dS @ K ; dk += dS^T @ (scale*Q) ; dv += P^T @ dO */
+                mm(r, HD, i1, ds, Tp, 1, k, HD, dq, HD, 0);
+                mm(i1, HD, r, ds, 1, Tp, q + (size_t)i0 * HD, HD, dk, HD, 1);
+                mm(i1, HD, r, p, 1, Tp, dO + (size_t)i0 * HD, HD, dv, HD, 1);
+                for (int i = 0; i < r; i++) {
+                    float *dst = dqkv + ((size_t)b * T + i0 + i) * 3 * C + (size_t)h * HD;
+                    for (int d = 0; d < HD; d++) dst[d] += scale * dq[(size_t)i * HD + d];
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                float *dst = dqkv + ((size_t)b * T + t) * 3 * C + (size_t)h * HD;
+                for (int d = 0; d < HD; d++) {
+                    dst[C + d] += dk[(size_t)t * HD + d];
+                    dst[2 * C + d] += dv[(size_t)t * HD + d];
+                }
+            }
+        }
+        free(q);
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* swiglu                                                                                */
+
+void op_swiglu_forward(float *out, const float *gu, int N, int H) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * H, *u = g + H;
+        float *o = out + (size_t)n * H;
+#pragma omp simd
+        for (int i = 0; i < H; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+    }
+}
+
+void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
+    if (!dgu) return;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * H, *u = g + H, *d = dout + (size_t)n * H;
+        float *dg = dgu + (size_t)n * 2 * H, *du = dg + H;
+#pragma omp simd
+        for (int i = 0; i < H; i++) {
+            float s = 1.0f / (1.0f + exp_f32(-g[i]));
+            float silu = g[i] * s;
+            dg[i] += d[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
+            du[i] += d[i] * silu;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* cross-entropy                                                                         */
+
+/* Per row: max, then exp(l - max) in fp32 (stored in place when the gradient is wanted)
+ * summed in double; loss and the target's gradient (where 1 - p cancels) in double. A row
+ * with a NaN or +inf logit gets a NaN loss (and NaN gradient) instead of garbage. */
+void op_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+                                      float dlogits_scale) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float *row = logits + (size_t)n * V;
+        int tgt = targets[n];
+        float mx = -INFINITY;
+        int bad = 0;
+#pragma omp simd reduction(max : mx) reduction(| : bad)
+        for (int j = 0; j < V; j++) {
+            mx = row[j] > mx ? row[j] : mx;
+            bad |= row[j] != row[j];
+        }
+        if (bad || mx == INFINITY || mx == -INFINITY) {
+            losses[n] = NAN;
+            if (dlogits_scale != 0.0f)
+                for (int j = 0; j < V; j++) row[j] = NAN;
+            continue;
+        }
+        float lt = row[tgt];
+        double sum = 0.0;
+        if (dlogits_scale != 0.0f) {
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < V; j++) {
+                row[j] = exp_f32(row[j] - mx);
+                sum += row[j];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < V; j++) sum += exp_f32(row[j] - mx);
+        }
+        double lse = (double)mx + log(sum);
+        losses[n] = (float)(lse - (double)lt);
+        if (dlogits_scale != 0.0f) {
+            float et = row[tgt];
+            float f = (float)((double)dlogits_scale / sum);
+            for (int j = 0; j < V; j++) row[j] *= f;
+            row[tgt] = (float)((double)dlogits_scale * ((double)et / sum - 1.0));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* adamw                                                                                 */
+
+/* sqrt of n floats in place. (GCC cannot vectorize sqrtf itself without -fno-math-errno.) */
+static void sqrt_inplace(float *x, int n) {
+    int i = 0;
+#ifdef __AVX__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) x[i] = sqrtf(x[i]);
+}
+
+/* Follows torch.optim.AdamW's single-tensor path: scalars are computed in double (as
+ * Python floats) and rounded to fp32 where the tensor kernels use them; exp_avg is updated
+ * with lerp_ and the step with addcdiv_, in their operation order. */
+#define ADAMW_BLOCK 1024
+
+void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+              float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    float decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
+    float w1 = (float)(1.0 - (double)beta1), w1c = 1.0f - w1; /* exp_avg.lerp_(grad, 1 - beta1) */
+    int small = fabsf(w1) < 0.5f;
+    float b2 = beta2, w2 = (float)(1.0 - (double)beta2);
+    float neg_step = (float)(-((double)lr / bc1));
+    float bc2_sqrt = (float)sqrt(bc2);
+    size_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * ADAMW_BLOCK;
+        int len = (int)(n - i0 < ADAMW_BLOCK ? n - i0 : ADAMW_BLOCK);
+        float *p = param + i0, *mb = m + i0, *vb = v + i0;
+        const float *gb = grad + i0;
+        float den[ADAMW_BLOCK];
+        for (int i = 0; i < len; i++) {
+            float g = gb[i] * grad_scale;
+            float mi = mb[i];
+            mb[i] = small ? mi + w1 * (g - mi) : g - (g - mi) * w1c;
+            float vi = vb[i] * b2;
+            vi = vi + w2 * g * g;
+            vb[i] = vi;
+            den[i] = vi;
+        }
+        sqrt_inplace(den, len);
+        for (int i = 0; i < len; i++) {
+            float pi = p[i] * decay;
+            p[i] = pi + neg_step * mb[i] / (den[i] / bc2_sqrt + eps);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* flat-buffer helpers                                                                   */
+
+#define SUMSQ_CHUNK 65536
+
+double op_sumsq(const float *x, size_t n) {
+    size_t nc = (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK;
+    if (nc == 0) return 0.0;
+    double *part = xmalloc(nc * sizeof(double));
+#pragma omp parallel for schedule(static)
+    for (size_t c = 0; c < nc; c++) {
+        size_t i0 = c * SUMSQ_CHUNK, i1 = i0 + SUMSQ_CHUNK < n ? i0 + SUMSQ_CHUNK : n;
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
+        for (size_t i = i0; i < i1; i++) s += (double)x[i] * x[i];
+        part[c] = s;
+    }
+    double s = 0.0;
+    for (size_t c = 0; c < nc; c++) s += part[c];
+    free(part);
+    return s;
+}
+
+void op_scale(float *x, size_t n, float s) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) x[i] *= s;
+}
+
+void op_add(float *y, const float *x, size_t n) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# End-to-end tests of the meshtrain command line: bad input gives one line and exit 2,
+# training works, checkpoints resume bitwise, NaN stops cleanly, the estimate is honest.
+set -u
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+TMP=$(mktemp -d /tmp/meshtrain-cli.XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+pass=0; fail=0
+ok()   { pass=$((pass + 1)); echo "ok   $1"; }
+bad()  { fail=$((fail + 1)); echo "FAIL $1"; }
+
+# expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr
+# matching PATTERN, no crash.
+expect_exit() {
+  local code=$1 pat=$2 name=$3; shift 4
+  local out err rc
+  err=$("$@" 2>&1 >/dev/null </dev/null); rc=$?
+  local lines; lines=$(printf '%s' "$err" | grep -c '')
+  if [ "$rc" -eq "$code" ] && [ "$lines" -eq 1 ] && printf '%s' "$err" | grep -qE "$pat"; then ok "$name"
+  else bad "$name (exit $rc, want $code; stderr: $err)"; fi
+}
+
+TINY="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=1 context_len=32 batch_size=4"
+D=$TMP/data
+# -- prepare: a small corpus from the mirrored TinyStories text
+head -c 300000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
+if "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" val_fraction=0.1 >/dev/null && [ -s "$D/train.bin" ] && [ -s "$D/val.bin" ]
+then ok prepare; else bad prepare; fi
+
+# -- bad keys and values
+expect_exit 2 "unknown key 'embed_dimm'" unknown_key -- "$BIN" train embed_dimm=3
+expect_exit 2 "embed_dim=abc: not an integer" malformed_int -- "$BIN" train embed_dim=abc
+expect_exit 2 "lr=-1: out of range" out_of_range -- "$BIN" train lr=-1
+expect_exit 2 "expected key=value" not_key_value -- "$BIN" train embed_dim
+expect_exit 2 "tie_embeddings=maybe: expected true or false" bad_bool -- "$BIN" train tie_embeddings=maybe
+expect_exit 2 "n_heads=3 does not divide embed_dim=32" heads_divide -- "$BIN" train embed_dim=32 n_heads=3
+expect_exit 2 "head_dim .* is odd" odd_head_dim -- "$BIN" train embed_dim=36 n_heads=4
+expect_exit 2 "unknown command" unknown_command -- "$BIN" trian
+expect_exit 2 "precision=mixed needs a GPU" cpu_precision -- "$BIN" train precision=mixed
+expect_exit 2 "given twice" key_twice -- "$BIN" train lr=1 lr=2
+expect_exit 2 "does not apply" wrong_subcommand -- "$BIN" prepare lr=1
+
+# -- bad data
+expect_exit 2 "not found" missing_shard -- "$BIN" train $TINY data_dir="$TMP/nowhere"
+expect_exit 2 "context_len|too (small|short)|windows" context_too_long -- "$BIN" train $TINY context_len=1000000 data_dir="$D"
+head -c 1000 "$D/train.bin" > "$TMP/trunc.bin"
+expect_exit 2 "truncated" truncated_shard -- "$BIN" train $TINY train_data="$TMP/trunc.bin" val_data="$D/val.bin"
+printf 'hello this is not a shard at all, just some text long enough for a header........' > "$TMP/foreign.bin"
+expect_exit 2 "not a meshtrain shard" foreign_shard -- "$BIN" train $TINY train_data="$TMP/foreign.bin" val_data="$D/val.bin"
+: > "$TMP/empty.txt"
+expect_exit 2 "empty" prepare_empty -- "$BIN" prepare input="$TMP/empty.txt" data_dir="$TMP/d2"
+printf 'Once upon a time \xff\xfe there was.\n<|endoftext|>\nAnother story.\n' > "$TMP/latin1.txt"
+expect_exit 2 "UTF-8" prepare_non_utf8 -- "$BIN" prepare input="$TMP/latin1.txt" data_dir="$TMP/d3"
+expect_exit 2 "cannot open|not found|No such" prepare_missing -- "$BIN" prepare input="$TMP/nothing.txt" data_dir="$TMP/d4"
+expect_exit 2 "needs about .* only" does_not_fit -- "$BIN" train $TINY data_dir="$D" max_memory_gb=0.001
+
+# -- training: the loss falls; the log has one JSON line per step
+R=$TMP/run
+if "$BIN" train $TINY data_dir="$D" steps=30 lr=3e-3 out_dir="$R" progress=false threads=2 > "$TMP/train.out"; then
+  first=$(grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$R/log.jsonl" | head -1 | cut -d: -f3)
+  last=$(grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$R/log.jsonl" | tail -1 | cut -d: -f3)
+  n=$(grep -c '^{"step":[0-9]*,"loss"' "$R/log.jsonl")
+  if [ "$n" -eq 30 ] && awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 1.0)}'; then ok train_loss_falls
+  else bad "train_loss_falls ($n lines, $first -> $last)"; fi
+  grep -q "val_loss" "$TMP/train.out" && ok train_prints_val_loss || bad train_prints_val_loss
+else bad "train (exit $?)"; fi
+
+# -- eval and sample from the checkpoint
+"$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "val_loss" && ok eval || bad eval
+out=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
+[ "${out#Once upon a time}" != "$out" ] && ok sample || bad "sample ($out)"
+out2=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
+[ "$out" = "$out2" ] && ok sample_deterministic || bad sample_deterministic
+
+# -- bad checkpoints
+expect_exit 2 "cannot open checkpoint" ckpt_missing -- "$BIN" eval checkpoint="$TMP/none.bin" data_dir="$D"
+head -c 5000 "$R/ckpt.bin" > "$TMP/ck_trunc.bin"
+expect_exit 2 "truncated" ckpt_truncated -- "$BIN" eval checkpoint="$TMP/ck_trunc.bin" data_dir="$D"
+cp "$R/ckpt.bin" "$TMP/ck_flip.bin"
+printf '\x55' | dd of="$TMP/ck_flip.bin" bs=1 seek=4000 conv=notrunc 2>/dev/null
+expect_exit 2 "checksum" ckpt_corrupt -- "$BIN" eval checkpoint="$TMP/ck_flip.bin" data_dir="$D"
+expect_exit 2 "not a meshtrain checkpoint" ckpt_foreign -- "$BIN" sample checkpoint="$D/train.bin"
+expect_exit 2 "embed_dim=64 differs" resume_mismatch -- "$BIN" train resume="$R/ckpt.bin" embed_dim=64 n_heads=2 data_dir="$D" steps=40
+expect_exit 2 "nothing to run" resume_done -- "$BIN" train resume="$R/ckpt.bin" data_dir="$D" steps=30
+
+# -- bitwise resume: 8 straight steps, versus a run that dies after its step-4 checkpoint
+# (a NaN injected at step 5) and is resumed to step 8: same losses, same final checkpoint.
+A=$TMP/a; K=$TMP/k
+SCHED="steps=8 lr_schedule=cosine warmup_steps=2 grad_clip=1 progress=false"
+"$BIN" train $TINY data_dir="$D" $SCHED out_dir="$A" >/dev/null
+MESHTRAIN_FAULT_NAN_STEP=5 "$BIN" train $TINY data_dir="$D" $SCHED ckpt_every=4 out_dir="$K" >/dev/null 2>&1
+"$BIN" train resume="$K/ckpt.bin" data_dir="$D" $SCHED out_dir="$K" >/dev/null
+la=$(grep '^{"step":[5-8],"loss"' "$A/log.jsonl" | sed 's/,"ms".*//')
+lb=$(grep '^{"step":[5-8],"loss"' "$K/log.jsonl" | sed 's/,"ms".*//')
+if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$A/ckpt.bin" "$K/ckpt.bin"; then ok resume_bitwise
+else bad "resume_bitwise"; echo "$la"; echo "$lb"; fi
+
+# -- a NaN stops the run with exit 1 and leaves the last good checkpoint loadable
+N=$TMP/nan
+MESHTRAIN_FAULT_NAN_STEP=3 "$BIN" train $TINY data_dir="$D" steps=6 ckpt_every=1 out_dir="$N" progress=false >/dev/null 2>"$TMP/nan.err"
+rc=$?
+if [ $rc -eq 1 ] && grep -q "NaN" "$TMP/nan.err" && "$BIN" eval checkpoint="$N/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "step 2"
+then ok nan_stops_run; else bad "nan_stops_run (exit $rc: $(cat "$TMP/nan.err"))"; fi
+ls "$N" | grep -q tmp && bad "nan_no_temp_files" || ok nan_no_temp_files
+
+# -- estimate: the parameter counts of the post's models
+"$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 | grep -q "parameters: 245,566,464" && ok estimate_245M || bad estimate_245M
+"$BIN" estimate embed_dim=4096 n_heads=32 n_layers=48 | grep -q "parameters: 7,257,206,784" && ok estimate_7B || bad estimate_7B
+"$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 tie_embeddings=true | grep -q "parameters: 194,103,296" && ok estimate_tied || bad estimate_tied
+
+# -- estimate vs measured max RSS, within 10%, on a run big enough to matter
+E=$TMP/est
+"$BIN" train vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" out_dir="$E" progress=false > "$TMP/est.out"
+rss=$(grep -o '"max_rss_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
+est=$(grep -o '"estimate_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
+if [ -n "$rss" ] && [ -n "$est" ] && awk -v r="$rss" -v e="$est" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(d < 0.10)}'
+then ok "estimate_within_10pct (rss $rss, estimate $est)"; else bad "estimate_within_10pct (rss $rss, estimate $est)"; fi
+
+# -- tokenize round trip through the CLI
+text='Hello world! <|endoftext|> Ünïcödé 🙂'
+ids=$(printf '%s' "$text" | "$BIN" tokenize)
+back=$(printf '%s' "$ids" | "$BIN" tokenize decode=true)
+[ "$back" = "$text" ] && ok tokenize_round_trip || bad "tokenize_round_trip ($ids -> $back)"
+[ "$(printf 'Hello world' | "$BIN" tokenize)" = "15496 995" ] && ok tokenize_ids || bad tokenize_ids
+echo "$ids" | grep -qw 50256 && ok tokenize_eot || bad tokenize_eot
+expect_exit 2 "out of range" decode_bad_id -- sh -c "echo 99999 | $BIN tokenize decode=true"
+
+"$BIN" help | grep -q "embed_dim=1024" && ok help_lists_keys || bad help_lists_keys
+echo "RESULT $pass $fail"

@@ -1,0 +1,194 @@
+/* The whole model against the PyTorch reference (fixtures from tests/gen_fixtures.py):
+ * logits, loss, every parameter gradient, then 5 AdamW steps (with clipping). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "model.h"
+#include "ops.h"
+#include "optim.h"
+#include "test.h"
+#include "util.h"
+
+typedef struct {
+    int V, E, NH, L, T, B, tie, n_steps;
+    int *tokens;
+    float *params, *logits, loss, *grads, *step_losses, *final;
+    size_t n_params;
+} Fixture;
+
+static int load_fixture(const char *path, Fixture *f) {
+    char err[256];
+    size_t len;
+    char *buf = read_file(path, &len, err, sizeof err);
+    if (!buf) { fprintf(stderr, "%s\n", err); return -1; }
+    int32_t h[10];
+    memcpy(h, buf, sizeof h);
+    if (h[0] != 0x5846544D || h[1] != 1) { free(buf); return -1; }
+    f->V = h[2]; f->E = h[3]; f->NH = h[4]; f->L = h[5]; f->T = h[6]; f->B = h[7]; f->tie = h[8]; f->n_steps = h[9];
+    ModelConfig c = {f->V, f->E, f->NH, f->L, f->T, f->tie};
+    f->n_params = model_param_count(&c);
+    size_t nt = (size_t)f->n_steps * f->B * (f->T + 1), nl = (size_t)f->B * f->T * f->V;
+    size_t want = sizeof h + nt * 4 + (3 * f->n_params + nl + 1 + f->n_steps) * 4;
+    if (len != want) { fprintf(stderr, "%s: %zu bytes, want %zu\n", path, len, want); free(buf); return -1; }
+    char *p = buf + sizeof h;
+#define TAKE(dst, n) do { dst = xmalloc((n) * 4); memcpy(dst, p, (n) * 4); p += (n) * 4; } while (0)
+    TAKE(f->tokens, nt);
+    TAKE(f->params, f->n_params);
+    TAKE(f->logits, nl);
+    memcpy(&f->loss, p, 4); p += 4;
+    TAKE(f->grads, f->n_params);
+    TAKE(f->step_losses, (size_t)f->n_steps);
+    TAKE(f->final, f->n_params);
+#undef TAKE
+    free(buf);
+    return 0;
+}
+
+static void free_fixture(Fixture *f) {
+    free(f->tokens); free(f->params); free(f->logits); free(f->grads); free(f->step_losses); free(f->final);
+}
+
+/* Copies between the fixture's packed model order and the model's flat (padded) layout. */
+static void scatter(const Model *m, float *flat, const float *packed) {
+    TensorInfo t[64];
+    int n = model_tensors(m, t, 64);
+    for (int i = 0; i < n; i++) {
+        size_t k = (size_t)t[i].rows * t[i].cols;
+        memcpy(flat + t[i].offset, packed, k * 4);
+        packed += k;
+    }
+}
+
+static double normwise_err(const float *a, const float *b, size_t n) {
+    double d = 0, s = 0;
+    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); s += (double)b[i] * b[i]; }
+    return sqrt(d) / fmax(sqrt(s), 1e-30);
+}
+
+static void set_batch(const Fixture *f, Acts *a, int step) {
+    const int *tk = f->tokens + (size_t)step * f->B * (f->T + 1);
+    for (int b = 0; b < f->B; b++)
+        for (int t = 0; t < f->T; t++) {
+            a->inputs[b * f->T + t] = tk[b * (f->T + 1) + t];
+            a->targets[b * f->T + t] = tk[b * (f->T + 1) + t + 1];
+        }
+}
+
+static void check_fixture(const char *path) {
+    Fixture f;
+    if (load_fixture(path, &f)) { CHECK(0, "cannot load %s (run python3 tests/gen_fixtures.py)", path); return; }
+    ModelConfig c = {f.V, f.E, f.NH, f.L, f.T, f.tie};
+    Model m;
+    model_init_layout(&m, &c, 3, 1);  /* odd padding: the layout must not matter */
+    CHECK(m.n_params == f.n_params, "param count %zu vs %zu", m.n_params, f.n_params);
+    scatter(&m, m.params, f.params);
+    Acts a;
+    acts_alloc(&a, &m, f.B, f.T, 1);
+    CHECK(a.logit_rows == a.N, "fixture logits fit one chunk");
+
+    set_batch(&f, &a, 0);
+    float loss = model_step(&m, &a, 0, 0.0f);
+    double le = normwise_err(a.logits, f.logits, (size_t)f.B * f.T * f.V);
+    CHECK(le < 1e-4, "%s logits rel err %.3g", path, le);
+    CHECK(rel_err(loss, f.loss) < 1e-5, "%s forward loss %.7f vs torch %.7f", path, loss, f.loss);
+
+    memset(m.grads, 0, m.n_flat * 4);
+    loss = model_step(&m, &a, 1, 1.0f);
+    CHECK(rel_err(loss, f.loss) < 1e-5, "%s loss %.7f vs torch %.7f", path, loss, f.loss);
+    float *want = xaligned_alloc(m.n_flat * 4);
+    scatter(&m, want, f.grads);
+    TensorInfo t[64];
+    int nt = model_tensors(&m, t, 64);
+    for (int i = 0; i < nt; i++) {
+        size_t k = (size_t)t[i].rows * t[i].cols;
+        double e = normwise_err(m.grads + t[i].offset, want + t[i].offset, k);
+        CHECK(e < 1e-4, "%s grad of %s rel err %.3g", path, t[i].name, e);
+    }
+    /* padding never receives gradient */
+    for (int u = 0; u < m.n_units; u++)
+        for (size_t j = m.units[u].n; j < m.units[u].n_padded; j++)
+            CHECK(m.grads[m.units[u].offset + j] == 0.0f, "padding gradient in unit %d", u);
+
+    /* 5 AdamW steps as torch: lr 1e-3, wd 0.01, clip 1.0 */
+    scatter(&m, m.params, f.params);
+    AdamState opt;
+    adam_alloc(&opt, m.n_flat);
+    OptimConfig oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .grad_clip = 1.0,
+                      .total_steps = f.n_steps};
+    for (int s = 0; s < f.n_steps; s++) {
+        set_batch(&f, &a, s);
+        memset(m.grads, 0, m.n_flat * 4);
+        float l = model_step(&m, &a, 1, 1.0f);
+        CHECK(rel_err(l, f.step_losses[s]) < 1e-4, "%s step %d loss %.7f vs torch %.7f", path, s + 1, l,
+              f.step_losses[s]);
+        double norm = grad_norm(m.grads, m.n_flat);
+        adam_step(&opt, &oc, m.params, m.grads, clip_scale(&oc, norm));
+    }
+    scatter(&m, want, f.final);
+    double pe = normwise_err(m.params, want, m.n_flat);
+    CHECK(pe < 1e-4, "%s params after %d steps rel err %.3g", path, f.n_steps, pe);
+    free(want);
+    adam_free(&opt);
+    acts_free(&a);
+    model_free(&m);
+    free_fixture(&f);
+}
+
+static void test_against_torch_untied(void) { check_fixture("tests/fixtures/model_small.bin"); }
+static void test_against_torch_tied(void) { check_fixture("tests/fixtures/model_tied.bin"); }
+
+static void test_param_counts(void) {
+    ModelConfig a = {50257, 1024, 8, 16, 256, 0}, b = a, c = {50257, 4096, 32, 48, 256, 0};
+    b.tie_embeddings = 1;
+    CHECK(model_param_count(&a) == 245566464ULL, "%zu", model_param_count(&a));
+    CHECK(model_param_count(&b) == 194103296ULL, "%zu", model_param_count(&b));
+    CHECK(model_param_count(&c) == 7257206784ULL, "%zu", model_param_count(&c));
+}
+
+static void test_layout_padding(void) {
+    ModelConfig c = {97, 32, 4, 2, 16, 0};
+    for (int pad = 1; pad <= 8; pad++) {
+        Model m;
+        model_init_layout(&m, &c, pad, 0);
+        size_t off = 0;
+        for (int u = 0; u < m.n_units; u++) {
+            CHECK(m.units[u].offset == off, "units are contiguous");
+            CHECK(m.units[u].n_padded % pad == 0 && m.units[u].n_padded % 16 == 0, "unit %d padded to %d", u, pad);
+            CHECK(m.units[u].n_padded >= m.units[u].n, "padding");
+            off += m.units[u].n_padded;
+        }
+        CHECK(off == m.n_flat, "flat length");
+        model_free(&m);
+    }
+}
+
+static void test_init_statistics(void) {
+    ModelConfig c = {500, 64, 4, 4, 16, 0};
+    Model m;
+    model_init_layout(&m, &c, 1, 1);
+    model_init_weights(&m, 7);
+    TensorInfo t[64];
+    int n = model_tensors(&m, t, 64);
+    for (int i = 0; i < n; i++) {
+        size_t k = (size_t)t[i].rows * t[i].cols;
+        double s = 0, s2 = 0;
+        for (size_t j = 0; j < k; j++) { s += m.params[t[i].offset + j]; s2 += m.params[t[i].offset + j] * (double)m.params[t[i].offset + j]; }
+        double mean = s / k, sd = sqrt(s2 / k - mean * mean);
+        if (strstr(t[i].name, "norm")) CHECK(mean == 1.0 && sd < 1e-6, "%s", t[i].name);
+        else {
+            double want = (strstr(t[i].name, "att_out") || strstr(t[i].name, "down")) ? 0.02 / sqrt(8.0) : 0.02;
+            CHECK(fabs(sd - want) / want < 0.1, "%s std %.4f want %.4f", t[i].name, sd, want);
+        }
+    }
+    model_free(&m);
+}
+
+int main(void) {
+    ops_init(0);
+    RUN(test_param_counts);
+    RUN(test_layout_padding);
+    RUN(test_init_statistics);
+    RUN(test_against_torch_untied);
+    RUN(test_against_torch_tied);
+    return TEST_SUMMARY();
+}

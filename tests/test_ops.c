@@ -1,0 +1,876 @@
+/* Tests for the ops interface (CPU backend): every forward against a naive double-precision
+ * reference written here, every backward against the reference backward and against central
+ * finite differences (in double, of the reference forward), plus the interface conventions:
+ * backward ops accumulate, NULL gradients are accepted, results are deterministic. */
+#include "ops.h"
+#include "test.h"
+#include "util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------ */
+/* helpers                                                                               */
+
+static Rng rng;
+
+static float *randf(size_t n, float scale) {
+    float *x = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(&rng);
+    return x;
+}
+static float *zerosf(size_t n) { return xcalloc(n, sizeof(float)); }
+static float *copyf(const float *x, size_t n) {
+    float *y = xmalloc(n * sizeof(float));
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+static double *tod(const float *x, size_t n) {
+    double *y = xmalloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) y[i] = x[i];
+    return y;
+}
+static double *zerosd(size_t n) { return xcalloc(n, sizeof(double)); }
+
+/* norm-wise relative error ||a - ref|| / ||ref|| */
+static double nerr(const float *a, const double *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += ref[i] * ref[i];
+    }
+    return sqrt(num) / fmax(sqrt(den), 1e-300);
+}
+/* same for two float arrays */
+static double nerrf(const float *a, const float *b, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return sqrt(num) / fmax(sqrt(den), 1e-300);
+}
+static int same(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
+
+/* Central finite differences of a scalar loss(x) (double, reference forward) at `samples`
+ * random entries of x, compared with the analytic gradient `grad` (the op's backward).
+ * The tolerance is relative to max(|fd|, rms of the whole gradient). Returns the worst. */
+typedef double (*LossFn)(const double *x, void *ctx);
+static double fd_check(LossFn f, void *ctx, double *x, size_t n, const float *grad, int samples) {
+    double rms = 0.0;
+    for (size_t i = 0; i < n; i++) rms += (double)grad[i] * grad[i];
+    rms = sqrt(rms / (double)n);
+    double worst = 0.0;
+    for (int s = 0; s < samples; s++) {
+        size_t i = (size_t)(rng_u64(&rng) % n);
+        double x0 = x[i], h = 1e-4 * fmax(1.0, fabs(x0));
+        x[i] = x0 + h;
+        double lp = f(x, ctx);
+        x[i] = x0 - h;
+        double lm = f(x, ctx);
+        x[i] = x0;
+        double fd = (lp - lm) / (2 * h);
+        double e = fabs(fd - grad[i]) / fmax(fmax(fabs(fd), rms), 1e-30);
+        if (e > worst) worst = e;
+    }
+    return worst;
+}
+static double dotd(const double *a, const double *b, size_t n) {
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#define TOL_FWD 1e-5 /* fp32 op vs double reference, norm-wise */
+#define TOL_BWD 1e-5
+#define TOL_FD 1e-4  /* fp32 backward vs finite differences, per entry */
+
+/* ------------------------------------------------------------------------------------ */
+/* references (double)                                                                   */
+
+static void ref_rmsnorm(double *out, const double *x, const double *w, int N, int C, double eps) {
+    for (int n = 0; n < N; n++) {
+        double ss = 0.0;
+        for (int c = 0; c < C; c++) ss += x[n * C + c] * x[n * C + c];
+        double r = 1.0 / sqrt(ss / C + eps);
+        for (int c = 0; c < C; c++) out[n * C + c] = x[n * C + c] * r * w[c];
+    }
+}
+static void ref_rmsnorm_bwd(double *dx, double *dw, const double *g, const double *x, const double *w, int N,
+                            int C, double eps) {
+    for (int n = 0; n < N; n++) {
+        const double *xr = x + n * C, *gr = g + n * C;
+        double ss = 0.0, dot = 0.0;
+        for (int c = 0; c < C; c++) ss += xr[c] * xr[c];
+        double r = 1.0 / sqrt(ss / C + eps);
+        for (int c = 0; c < C; c++) dot += gr[c] * w[c] * xr[c];
+        for (int c = 0; c < C; c++) {
+            dx[n * C + c] += r * w[c] * gr[c] - r * r * r * dot / C * xr[c];
+            dw[c] += gr[c] * xr[c] * r;
+        }
+    }
+}
+static void ref_matmul(double *out, const double *inp, const double *w, int N, int C, int OC) {
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++) {
+            double s = 0.0;
+            for (int c = 0; c < C; c++) s += inp[n * C + c] * w[o * C + c];
+            out[n * OC + o] = s;
+        }
+}
+static void ref_rope(double *qkv, const double *cs, const double *sn, int B, int T, int NH, int HD, int inverse) {
+    int C = NH * HD, half = HD / 2;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int part = 0; part < 2; part++)
+                for (int h = 0; h < NH; h++)
+                    for (int i = 0; i < half; i++) {
+                        double *x = qkv + ((size_t)(b * T + t) * 3 * C) + part * C + h * HD + 2 * i;
+                        double c = cs[t * half + i], s = inverse ? -sn[t * half + i] : sn[t * half + i];
+                        double x0 = x[0], x1 = x[1];
+                        x[0] = x0 * c - x1 * s;
+                        x[1] = x0 * s + x1 * c;
+                    }
+}
+/* naive causal attention with a full T x T score matrix per head */
+static void ref_attention(double *out, double *lse, const double *qkv, int B, int T, int NH, int HD) {
+    int C = NH * HD;
+    double sc = 1.0 / sqrt((double)HD);
+    double *s = xmalloc((size_t)T * sizeof(double));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < T; t++) {
+                const double *q = qkv + (size_t)(b * T + t) * 3 * C + h * HD;
+                double mx = -INFINITY;
+                for (int j = 0; j <= t; j++) {
+                    const double *k = qkv + (size_t)(b * T + j) * 3 * C + C + h * HD;
+                    double d = 0.0;
+                    for (int e = 0; e < HD; e++) d += q[e] * k[e];
+                    s[j] = d * sc;
+                    if (s[j] > mx) mx = s[j];
+                }
+                double sum = 0.0;
+                for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
+                if (lse) lse[(b * NH + h) * T + t] = mx + log(sum);
+                double *o = out + (size_t)(b * T + t) * C + h * HD;
+                for (int e = 0; e < HD; e++) o[e] = 0.0;
+                for (int j = 0; j <= t; j++) {
+                    const double *v = qkv + (size_t)(b * T + j) * 3 * C + 2 * C + h * HD;
+                    double p = exp(s[j] - mx) / sum;
+                    for (int e = 0; e < HD; e++) o[e] += p * v[e];
+                }
+            }
+    free(s);
+}
+static void ref_attention_bwd(double *dqkv, const double *dout, const double *qkv, int B, int T, int NH, int HD) {
+    int C = NH * HD;
+    double sc = 1.0 / sqrt((double)HD);
+    double *p = xmalloc((size_t)T * sizeof(double)), *dp = xmalloc((size_t)T * sizeof(double));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < T; t++) {
+                const double *q = qkv + (size_t)(b * T + t) * 3 * C + h * HD;
+                const double *g = dout + (size_t)(b * T + t) * C + h * HD;
+                double mx = -INFINITY, sum = 0.0;
+                for (int j = 0; j <= t; j++) {
+                    const double *k = qkv + (size_t)(b * T + j) * 3 * C + C + h * HD;
+                    double d = 0.0;
+                    for (int e = 0; e < HD; e++) d += q[e] * k[e];
+                    p[j] = d * sc;
+                    if (p[j] > mx) mx = p[j];
+                }
+                for (int j = 0; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
+                double pdp = 0.0;
+                for (int j = 0; j <= t; j++) {
+                    p[j] /= sum;
+                    const double *v = qkv + (size_t)(b * T + j) * 3 * C + 2 * C + h * HD;
+                    double d = 0.0;
+                    for (int e = 0; e < HD; e++) d += g[e] * v[e];
+                    dp[j] = d;
+                    pdp += p[j] * d;
+                }
+                double *dq = dqkv + (size_t)(b * T + t) * 3 * C + h * HD;
+                for (int j = 0; j <= t; j++) {
+                    double ds = p[j] * (dp[j] - pdp) * sc;
+                    const double *k = qkv + (size_t)(b * T + j) * 3 * C + C + h * HD;
+                    double *dk = dqkv + (size_t)(b * T + j) * 3 * C + C + h * HD;
+                    double *dv = dk + C;
+                    for (int e = 0; e < HD; e++) {
+                        dq[e] += ds * k[e];
+                        dk[e] += ds * q[e];
+                        dv[e] += p[j] * g[e];
+                    }
+                }
+            }
+    free(p);
+    free(dp);
+}
+static double ref_silu(double g) { return g / (1.0 + exp(-g)); }
+static void ref_swiglu(double *out, const double *gu, int N, int H) {
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < H; i++) out[n * H + i] = ref_silu(gu[n * 2 * H + i]) * gu[n * 2 * H + H + i];
+}
+/* losses and (if grad) scale * (softmax - onehot) */
+static void ref_crossentropy(double *losses, double *grad, const double *logits, const int *tg, int N, int V,
+                             double scale) {
+    for (int n = 0; n < N; n++) {
+        const double *l = logits + (size_t)n * V;
+        double mx = -INFINITY, sum = 0.0;
+        for (int j = 0; j < V; j++) mx = fmax(mx, l[j]);
+        for (int j = 0; j < V; j++) sum += exp(l[j] - mx);
+        double lse = mx + log(sum);
+        losses[n] = lse - l[tg[n]];
+        if (grad)
+            for (int j = 0; j < V; j++)
+                grad[(size_t)n * V + j] = scale * (exp(l[j] - lse) - (j == tg[n] ? 1.0 : 0.0));
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* embedding                                                                             */
+
+static void test_embedding(void) {
+    int V = 11, N = 40, C = 37;
+    float *wte = randf((size_t)V * C, 1.0f), *out = zerosf((size_t)N * C);
+    int tok[40];
+    for (int n = 0; n < N; n++) tok[n] = (int)(rng_u64(&rng) % 5) * 2; /* many repeats, some rows unused */
+    op_embedding_forward(out, tok, wte, N, C);
+    int ok = 1;
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) ok &= out[n * C + c] == wte[tok[n] * C + c];
+    CHECK(ok, "embedding forward is not a row gather");
+
+    float *dout = randf((size_t)N * C, 1.0f), *dwte = randf((size_t)V * C, 1.0f);
+    double *ref = tod(dwte, (size_t)V * C);
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) ref[tok[n] * C + c] += dout[n * C + c];
+    op_embedding_backward(dwte, dout, tok, N, C);
+    double e = nerr(dwte, ref, (size_t)V * C);
+    CHECK(e < 1e-6, "embedding backward err %g", e);
+    /* rows of unused tokens keep their old values exactly */
+    for (int v = 1; v < V; v += 2) CHECK(fabs(dwte[v * C] - ref[v * C]) == 0.0, "unused row %d changed", v);
+    op_embedding_backward(NULL, dout, tok, N, C);
+    free(wte), free(out), free(dout), free(dwte), free(ref);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rmsnorm                                                                               */
+
+typedef struct { int N, C, wrt_w; const double *x, *w, *g; } RmsCtx;
+static double rms_loss(const double *p, void *vctx) {
+    RmsCtx *c = vctx;
+    const double *x = c->wrt_w ? c->x : p, *w = c->wrt_w ? p : c->w;
+    double *o = zerosd((size_t)c->N * c->C);
+    ref_rmsnorm(o, x, w, c->N, c->C, 1e-5);
+    double s = dotd(o, c->g, (size_t)c->N * c->C);
+    free(o);
+    return s;
+}
+
+static void rmsnorm_case(int N, int C) {
+    float eps = 1e-5f;
+    float *x = randf((size_t)N * C, 2.0f), *w = randf(C, 1.0f), *out = zerosf((size_t)N * C), *rstd = zerosf(N);
+    for (int c = 0; c < C; c++) w[c] += 1.0f;
+    double *xd = tod(x, (size_t)N * C), *wd = tod(w, C), *ref = zerosd((size_t)N * C);
+    op_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+    ref_rmsnorm(ref, xd, wd, N, C, eps);
+    double e = nerr(out, ref, (size_t)N * C);
+    CHECK(e < TOL_FWD, "rmsnorm %dx%d forward err %g", N, C, e);
+    for (int n = 0; n < N; n++) {
+        double ss = 0.0;
+        for (int c = 0; c < C; c++) ss += xd[n * C + c] * xd[n * C + c];
+        CHECK(rel_err(rstd[n], 1.0 / sqrt(ss / C + eps)) < 1e-6, "rstd[%d]", n);
+    }
+
+    float *g = randf((size_t)N * C, 1.0f), *dx = zerosf((size_t)N * C), *dw = zerosf(C);
+    double *gd = tod(g, (size_t)N * C), *dxr = zerosd((size_t)N * C), *dwr = zerosd(C);
+    op_rmsnorm_backward(dx, dw, g, x, w, rstd, N, C);
+    ref_rmsnorm_bwd(dxr, dwr, gd, xd, wd, N, C, eps);
+    e = nerr(dx, dxr, (size_t)N * C);
+    CHECK(e < TOL_BWD, "rmsnorm %dx%d dx err %g", N, C, e);
+    e = nerr(dw, dwr, C);
+    CHECK(e < TOL_BWD, "rmsnorm %dx%d dw err %g", N, C, e);
+    RmsCtx ctx = {N, C, 0, xd, wd, gd};
+    e = fd_check(rms_loss, &ctx, xd, (size_t)N * C, dx, 12);
+    CHECK(e < TOL_FD, "rmsnorm dx vs finite differences %g", e);
+    ctx.wrt_w = 1;
+    e = fd_check(rms_loss, &ctx, wd, C, dw, 12);
+    CHECK(e < TOL_FD, "rmsnorm dw vs finite differences %g", e);
+    free(x), free(w), free(out), free(rstd), free(xd), free(wd), free(ref);
+    free(g), free(dx), free(dw), free(gd), free(dxr), free(dwr);
+}
+static void test_rmsnorm(void) {
+    rmsnorm_case(9, 37);
+    rmsnorm_case(130, 256); /* more rows than the 64 fixed dw blocks */
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* matmul                                                                                */
+
+typedef struct { int N, C, OC, wrt_w; const double *inp, *w, *g; } MmCtx;
+static double mm_loss(const double *p, void *vctx) {
+    MmCtx *c = vctx;
+    double *o = zerosd((size_t)c->N * c->OC);
+    ref_matmul(o, c->wrt_w ? c->inp : p, c->wrt_w ? p : c->w, c->N, c->C, c->OC);
+    double s = dotd(o, c->g, (size_t)c->N * c->OC);
+    free(o);
+    return s;
+}
+
+static void matmul_case(int N, int C, int OC) {
+    float *inp = randf((size_t)N * C, 1.0f), *w = randf((size_t)OC * C, 0.3f), *out = randf((size_t)N * OC, 1.0f);
+    double *ind = tod(inp, (size_t)N * C), *wd = tod(w, (size_t)OC * C), *ref = zerosd((size_t)N * OC);
+    op_matmul_forward(out, inp, w, N, C, OC);
+    ref_matmul(ref, ind, wd, N, C, OC);
+    double e = nerr(out, ref, (size_t)N * OC);
+    CHECK(e < TOL_FWD, "matmul %dx%dx%d forward err %g", N, C, OC, e);
+
+    float *g = randf((size_t)N * OC, 1.0f), *dinp = zerosf((size_t)N * C), *dw = zerosf((size_t)OC * C);
+    double *gd = tod(g, (size_t)N * OC), *dinr = zerosd((size_t)N * C), *dwr = zerosd((size_t)OC * C);
+    op_matmul_backward(dinp, dw, g, inp, w, N, C, OC);
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++)
+            for (int c = 0; c < C; c++) {
+                dinr[n * C + c] += gd[n * OC + o] * wd[o * C + c];
+                dwr[o * C + c] += gd[n * OC + o] * ind[n * C + c];
+            }
+    e = nerr(dinp, dinr, (size_t)N * C);
+    CHECK(e < TOL_BWD, "matmul dinp err %g", e);
+    e = nerr(dw, dwr, (size_t)OC * C);
+    CHECK(e < TOL_BWD, "matmul dw err %g", e);
+    if (N * C * OC < 200000) {
+        MmCtx ctx = {N, C, OC, 0, ind, wd, gd};
+        e = fd_check(mm_loss, &ctx, ind, (size_t)N * C, dinp, 8);
+        CHECK(e < TOL_FD, "matmul dinp vs finite differences %g", e);
+        ctx.wrt_w = 1;
+        e = fd_check(mm_loss, &ctx, wd, (size_t)OC * C, dw, 8);
+        CHECK(e < TOL_FD, "matmul dw vs finite differences %g", e);
+    }
+    free(inp), free(w), free(out), free(ind), free(wd), free(ref);
+    free(g), free(dinp), free(dw), free(gd), free(dinr), free(dwr);
+}
+static void test_matmul(void) {
+    matmul_case(37, 29, 53);
+    matmul_case(1, 5, 3);
+    matmul_case(130, 256, 97);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rope                                                                                  */
+
+static void test_rope_tables(void) {
+    int T = 300, HD = 64, half = HD / 2;
+    float base = 10000.0f;
+    float *cs = zerosf((size_t)T * half), *sn = zerosf((size_t)T * half);
+    op_rope_tables(cs, sn, T, HD, base);
+    double worst_torch = 0.0, worst_exact = 0.0;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < half; i++) {
+            /* torch's fp32 steps for the angle, then an exact cos/sin */
+            float inv = (float)(1.0 / (double)powf(base, (float)(2 * i) / (float)HD));
+            double f = (double)((float)t * inv);
+            double a = (double)t * pow(10000.0, -2.0 * i / HD);
+            worst_torch = fmax(worst_torch, fmax(fabs(cs[t * half + i] - cos(f)), fabs(sn[t * half + i] - sin(f))));
+            worst_exact = fmax(worst_exact, fmax(fabs(cs[t * half + i] - cos(a)), fabs(sn[t * half + i] - sin(a))));
+        }
+    CHECK(worst_torch < 2e-7, "rope tables vs torch's fp32 angles: %g", worst_torch);
+    CHECK(worst_exact < 1e-4, "rope tables vs exact angles: %g", worst_exact);
+    CHECK(cs[0] == 1.0f && sn[0] == 0.0f, "position 0 is the identity");
+    free(cs), free(sn);
+}
+
+typedef struct { int B, T, NH, HD; const double *cs, *sn, *g; } RopeCtx;
+static double rope_loss(const double *p, void *vctx) {
+    RopeCtx *c = vctx;
+    size_t n = (size_t)c->B * c->T * 3 * c->NH * c->HD;
+    double *y = xmalloc(n * sizeof(double));
+    memcpy(y, p, n * sizeof(double));
+    ref_rope(y, c->cs, c->sn, c->B, c->T, c->NH, c->HD, 0);
+    double s = dotd(y, c->g, n);
+    free(y);
+    return s;
+}
+
+static void test_rope(void) {
+    int B = 2, T = 9, NH = 3, HD = 8, C = NH * HD, half = HD / 2;
+    size_t n = (size_t)B * T * 3 * C;
+    float *cs = zerosf((size_t)T * half), *sn = zerosf((size_t)T * half);
+    op_rope_tables(cs, sn, T, HD, 10000.0f);
+    double *csd = tod(cs, (size_t)T * half), *snd = tod(sn, (size_t)T * half);
+    float *x = randf(n, 1.0f), *y = copyf(x, n);
+    double *ref = tod(x, n);
+    op_rope_forward(y, cs, sn, B, T, NH, HD);
+    ref_rope(ref, csd, snd, B, T, NH, HD, 0);
+    double e = nerr(y, ref, n);
+    CHECK(e < 1e-6, "rope forward err %g", e);
+    int vsame = 1;
+    for (int bt = 0; bt < B * T; bt++) vsame &= same(y + (size_t)bt * 3 * C + 2 * C, x + (size_t)bt * 3 * C + 2 * C, C);
+    CHECK(vsame, "rope touched v");
+    /* backward is the inverse rotation: backward(forward(x)) = x */
+    float *z = copyf(y, n);
+    op_rope_backward(z, cs, sn, B, T, NH, HD);
+    e = nerrf(z, x, n);
+    CHECK(e < 1e-6, "rope backward(forward(x)) != x: %g", e);
+    /* and it is the gradient of sum(g * rope(x)) */
+    float *g = randf(n, 1.0f), *dg = copyf(g, n);
+    op_rope_backward(dg, cs, sn, B, T, NH, HD);
+    double *gd = tod(g, n), *xd = tod(x, n), *refb = tod(g, n);
+    ref_rope(refb, csd, snd, B, T, NH, HD, 1);
+    e = nerr(dg, refb, n);
+    CHECK(e < 1e-6, "rope backward err %g", e);
+    RopeCtx ctx = {B, T, NH, HD, csd, snd, gd};
+    e = fd_check(rope_loss, &ctx, xd, n, dg, 16);
+    CHECK(e < TOL_FD, "rope backward vs finite differences %g", e);
+    op_rope_backward(NULL, cs, sn, B, T, NH, HD);
+    free(cs), free(sn), free(csd), free(snd), free(x), free(y), free(ref), free(z);
+    free(g), free(dg), free(gd), free(xd), free(refb);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* attention                                                                             */
+
+typedef struct { int B, T, NH, HD; const double *g; } AttCtx;
+static double att_loss(const double *p, void *vctx) {
+    AttCtx *c = vctx;
+    size_t no = (size_t)c->B * c->T * c->NH * c->HD;
+    double *o = zerosd(no);
+    ref_attention(o, NULL, p, c->B, c->T, c->NH, c->HD);
+    double s = dotd(o, c->g, no);
+    free(o);
+    return s;
+}
+
+static void attention_case(int B, int T, int NH, int HD, int fd) {
+    int C = NH * HD;
+    size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    float *qkv = randf(nq, 1.0f), *out = zerosf(no), *lse = zerosf(nl);
+    double *qd = tod(qkv, nq), *ref = zerosd(no), *lref = zerosd(nl);
+    op_attention_forward(out, lse, qkv, B, T, NH, HD);
+    ref_attention(ref, lref, qd, B, T, NH, HD);
+    double e = nerr(out, ref, no);
+    CHECK(e < TOL_FWD, "attention B%d T%d NH%d HD%d forward err %g", B, T, NH, HD, e);
+    e = nerr(lse, lref, nl);
+    CHECK(e < TOL_FWD, "attention lse err %g", e);
+
+    float *g = randf(no, 1.0f), *dq = zerosf(nq);
+    double *gd = tod(g, no), *dref = zerosd(nq);
+    op_attention_backward(dq, g, qkv, out, lse, B, T, NH, HD);
+    ref_attention_bwd(dref, gd, qd, B, T, NH, HD);
+    e = nerr(dq, dref, nq);
+    CHECK(e < TOL_BWD, "attention backward err %g", e);
+    for (int part = 0; part < 3; part++) { /* each of q, k, v separately */
+        double num = 0.0, den = 0.0;
+        for (size_t r = 0; r < (size_t)B * T; r++)
+            for (int c = 0; c < C; c++) {
+                size_t i = r * 3 * C + (size_t)part * C + c;
+                num += (dq[i] - dref[i]) * (dq[i] - dref[i]);
+                den += dref[i] * dref[i];
+            }
+        double ep = den > 0.0 ? sqrt(num / den) : sqrt(num);
+        CHECK(ep < TOL_BWD, "attention backward part %d err %g", part, ep);
+    }
+    if (fd) {
+        AttCtx ctx = {B, T, NH, HD, gd};
+        e = fd_check(att_loss, &ctx, qd, nq, dq, 24);
+        CHECK(e < TOL_FD, "attention backward vs finite differences %g", e);
+    }
+    free(qkv), free(out), free(lse), free(qd), free(ref), free(lref), free(g), free(dq), free(gd), free(dref);
+}
+
+static void test_attention(void) {
+    attention_case(2, 7, 2, 4, 1);
+    attention_case(1, 70, 2, 20, 1);   /* two query blocks, HD not a multiple of 16 */
+    attention_case(2, 130, 2, 64, 0);  /* three query blocks, full register tiles */
+    attention_case(1, 1, 1, 16, 0);
+}
+
+/* Changing tokens after t0 must not change anything at or before t0. */
+static void test_attention_causal(void) {
+    int B = 2, T = 100, NH = 2, HD = 32, C = NH * HD, t0 = 41;
+    size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    float *qkv = randf(nq, 1.0f), *out1 = zerosf(no), *out2 = zerosf(no), *l1 = zerosf(nl), *l2 = zerosf(nl);
+    op_attention_forward(out1, l1, qkv, B, T, NH, HD);
+    for (int b = 0; b < B; b++)
+        for (int t = t0 + 1; t < T; t++)
+            for (int c = 0; c < 3 * C; c++) qkv[((size_t)b * T + t) * 3 * C + c] = 5.0f * rng_normal(&rng);
+    op_attention_forward(out2, l2, qkv, B, T, NH, HD);
+    int ok = 1, changed = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int eq = same(out1 + ((size_t)b * T + t) * C, out2 + ((size_t)b * T + t) * C, C);
+            if (t <= t0) ok &= eq;
+            else changed += !eq;
+            for (int h = 0; h < NH; h++)
+                if (t <= t0) ok &= l1[((size_t)b * NH + h) * T + t] == l2[((size_t)b * NH + h) * T + t];
+        }
+    CHECK(ok, "output at t <= %d depends on later tokens", t0);
+    CHECK(changed == B * (T - 1 - t0), "later outputs did not change (%d)", changed);
+    free(qkv), free(out1), free(out2), free(l1), free(l2);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* swiglu                                                                                */
+
+typedef struct { int N, H; const double *g; } SwiCtx;
+static double swi_loss(const double *p, void *vctx) {
+    SwiCtx *c = vctx;
+    double *o = zerosd((size_t)c->N * c->H);
+    ref_swiglu(o, p, c->N, c->H);
+    double s = dotd(o, c->g, (size_t)c->N * c->H);
+    free(o);
+    return s;
+}
+
+static void test_swiglu(void) {
+    int N = 13, H = 45;
+    size_t ng = (size_t)N * 2 * H, no = (size_t)N * H;
+    float *gu = randf(ng, 2.0f), *out = zerosf(no);
+    gu[0] = 30.0f, gu[1] = -30.0f, gu[2] = 95.0f, gu[3] = -95.0f, gu[4] = 0.0f; /* tails of silu */
+    double *gud = tod(gu, ng), *ref = zerosd(no);
+    op_swiglu_forward(out, gu, N, H);
+    ref_swiglu(ref, gud, N, H);
+    double e = nerr(out, ref, no);
+    CHECK(e < TOL_FWD, "swiglu forward err %g", e);
+    double worst = 0.0;
+    for (size_t i = 0; i < no; i++) worst = fmax(worst, fabs(out[i] - ref[i]) / fmax(fabs(ref[i]), 1e-30));
+    CHECK(worst < 1e-6, "swiglu forward worst elementwise rel err %g", worst);
+
+    float *g = randf(no, 1.0f), *dgu = zerosf(ng);
+    double *gd = tod(g, no), *dref = zerosd(ng);
+    op_swiglu_backward(dgu, g, gu, N, H);
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < H; i++) {
+            double a = gud[n * 2 * H + i], u = gud[n * 2 * H + H + i], s = 1.0 / (1.0 + exp(-a));
+            dref[n * 2 * H + i] = gd[n * H + i] * u * (s + a * s * (1.0 - s));
+            dref[n * 2 * H + H + i] = gd[n * H + i] * a * s;
+        }
+    e = nerr(dgu, dref, ng);
+    CHECK(e < TOL_BWD, "swiglu backward err %g", e);
+    SwiCtx ctx = {N, H, gd};
+    e = fd_check(swi_loss, &ctx, gud, ng, dgu, 16);
+    CHECK(e < TOL_FD, "swiglu backward vs finite differences %g", e);
+    free(gu), free(out), free(gud), free(ref), free(g), free(dgu), free(gd), free(dref);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* cross-entropy                                                                         */
+
+typedef struct { int N, V; const int *tg; double scale; } CeCtx;
+static double ce_loss(const double *p, void *vctx) {
+    CeCtx *c = vctx;
+    double *l = zerosd(c->N);
+    ref_crossentropy(l, NULL, p, c->tg, c->N, c->V, 0.0);
+    double s = 0.0;
+    for (int n = 0; n < c->N; n++) s += l[n];
+    free(l);
+    return c->scale * s;
+}
+
+static void crossentropy_case(int N, int V, float spread, int fd) {
+    size_t nl = (size_t)N * V;
+    float *logits = randf(nl, spread), *losses = zerosf(N);
+    int *tg = xmalloc((size_t)N * sizeof(int));
+    for (int n = 0; n < N; n++) tg[n] = (int)(rng_u64(&rng) % (uint64_t)V);
+    tg[0] = V - 1;
+    logits[(size_t)1 * V + tg[1]] += 10.0f * spread; /* a confident, correct row: 1 - p cancels */
+    double *ld = tod(logits, nl), *lref = zerosd(N), *gref = zerosd(nl);
+    float scale = 1.0f / (float)N;
+    ref_crossentropy(lref, gref, ld, tg, N, V, scale);
+
+    /* loss only: logits untouched */
+    float *copy = copyf(logits, nl);
+    op_crossentropy_forward_backward(losses, copy, tg, N, V, 0.0f);
+    CHECK(same(copy, logits, nl), "scale 0 modified the logits");
+    double worst = 0.0;
+    for (int n = 0; n < N; n++) worst = fmax(worst, rel_err(losses[n], lref[n]));
+    CHECK(worst < 1e-5, "crossentropy N%d V%d loss err %g", N, V, worst);
+
+    /* loss and gradient in place */
+    float *losses2 = zerosf(N);
+    op_crossentropy_forward_backward(losses2, copy, tg, N, V, scale);
+    CHECK(same(losses, losses2, N), "loss differs with and without the gradient");
+    double e = nerr(copy, gref, nl);
+    CHECK(e < TOL_BWD, "crossentropy gradient err %g", e);
+    for (int n = 0; n < N; n++) {
+        size_t i = (size_t)n * V + tg[n];
+        CHECK(rel_err(copy[i], gref[i]) < 1e-5, "target gradient row %d: %g vs %g", n, copy[i], gref[i]);
+    }
+    if (fd) {
+        CeCtx ctx = {N, V, tg, scale};
+        e = fd_check(ce_loss, &ctx, ld, nl, copy, 16);
+        CHECK(e < TOL_FD, "crossentropy gradient vs finite differences %g", e);
+    }
+    free(logits), free(losses), free(tg), free(ld), free(lref), free(gref), free(copy), free(losses2);
+}
+
+static void test_crossentropy(void) {
+    crossentropy_case(5, 37, 1.0f, 1);
+    crossentropy_case(4, 50257, 3.0f, 0);
+    crossentropy_case(3, 1000, 40.0f, 1); /* huge logits: needs the max subtraction */
+    /* a NaN logit poisons its row only */
+    float logits[6] = {1, 2, NAN, 0, 1, 2}, losses[2];
+    int tg[2] = {0, 1};
+    op_crossentropy_forward_backward(losses, logits, tg, 2, 3, 0.5f);
+    CHECK(isnan(losses[0]) && !isnan(losses[1]), "NaN row: %g %g", losses[0], losses[1]);
+    CHECK(isnan(logits[0]) && !isnan(logits[3]), "NaN row gradient");
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* adamw                                                                                 */
+
+static void adamw_case(float wd, float grad_scale, float beta1) {
+    size_t n = 1001;
+    float lr = 1e-2f, beta2 = 0.95f, eps = 1e-8f;
+    float *p = randf(n, 1.0f), *m = zerosf(n), *v = zerosf(n);
+    double *pr = tod(p, n), *mr = zerosd(n), *vr = zerosd(n);
+    for (int step = 1; step <= 6; step++) {
+        float *g = randf(n, 0.1f);
+        if (step == 3) g[0] = 0.0f;
+        op_adamw(p, g, m, v, n, lr, beta1, beta2, eps, wd, step, grad_scale);
+        double bc1 = 1.0 - pow(beta1, step), bc2 = 1.0 - pow(beta2, step);
+        for (size_t i = 0; i < n; i++) {
+            double gi = (double)g[i] * grad_scale;
+            pr[i] *= 1.0 - (double)lr * wd;
+            mr[i] = beta1 * mr[i] + (1.0 - beta1) * gi;
+            vr[i] = beta2 * vr[i] + (1.0 - beta2) * gi * gi;
+            double denom = sqrt(vr[i]) / sqrt(bc2) + eps;
+            pr[i] -= (double)lr / bc1 * mr[i] / denom;
+        }
+        free(g);
+    }
+    double ep = nerr(p, pr, n), em = nerr(m, mr, n), ev = nerr(v, vr, n);
+    CHECK(ep < 1e-6 && em < 1e-6 && ev < 1e-6, "adamw wd=%g gs=%g b1=%g: param %g m %g v %g", wd, grad_scale,
+          beta1, ep, em, ev);
+    free(p), free(m), free(v), free(pr), free(mr), free(vr);
+}
+
+static void test_adamw(void) {
+    adamw_case(0.1f, 0.5f, 0.9f);
+    adamw_case(0.0f, 1.0f, 0.9f);
+    adamw_case(0.1f, 1.0f, 0.3f); /* beta1 < 0.5 takes torch's other lerp branch */
+    /* one step by hand: m = 0.1 g, v = 0.05 g^2, p -= lr * sign(g) (bias corrected) */
+    float p = 1.0f, g = -2.0f, m = 0.0f, v = 0.0f;
+    op_adamw(&p, &g, &m, &v, 1, 0.1f, 0.9f, 0.95f, 0.0f, 0.5f, 1, 1.0f);
+    CHECK(fabs(p - (1.0 * (1.0 - 0.05) + 0.1)) < 1e-6, "adamw one step: p = %.9g", p);
+    CHECK(fabs(m + 0.2) < 1e-6 && fabs(v - 0.2) < 1e-6, "adamw one step: m %g v %g", m, v);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* flat-buffer helpers                                                                   */
+
+static void test_sumsq_scale_add(void) {
+    size_t n = 200003;
+    float *x = randf(n, 1.5f), *y = randf(n, 1.0f);
+    double ref = 0.0;
+    for (size_t i = 0; i < n; i++) ref += (double)x[i] * x[i];
+    double s = op_sumsq(x, n);
+    CHECK(rel_err(s, ref) < 1e-12, "sumsq %.17g vs %.17g", s, ref);
+    CHECK(op_sumsq(x, 0) == 0.0 && op_sumsq(x, 1) == (double)x[0] * x[0], "sumsq small n");
+    float *xs = copyf(x, n);
+    op_scale(xs, n, 0.37f);
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) ok &= xs[i] == (float)((double)x[i] * (double)0.37f);
+    CHECK(ok, "scale");
+    float *ya = copyf(y, n);
+    op_add(ya, x, n);
+    double worst = 0.0;
+    for (size_t i = 0; i < n; i++) worst = fmax(worst, fabs(ya[i] - ((double)y[i] + x[i])) / (fabs(y[i]) + fabs(x[i])));
+    CHECK(worst < 1e-7, "add err %g", worst);
+    free(x), free(y), free(xs), free(ya);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* conventions: accumulate, NULL gradients, determinism                                   */
+
+/* A small layer's worth of inputs for every backward op. */
+typedef struct {
+    int B, T, NH, HD, C, N, H, V;
+    int *tok;
+    float *x, *w, *rstd, *g, *wte, *mw, *gm, *qkv, *att, *lse, *gatt, *gu, *gsw, *cs, *sn;
+} Fix;
+
+static Fix fix_make(void) {
+    Fix f = {.B = 2, .T = 67, .NH = 2, .HD = 16};
+    f.C = f.NH * f.HD, f.N = f.B * f.T, f.H = 40, f.V = 23;
+    size_t NC = (size_t)f.N * f.C;
+    f.tok = xmalloc((size_t)f.N * sizeof(int));
+    for (int n = 0; n < f.N; n++) f.tok[n] = (int)(rng_u64(&rng) % (uint64_t)f.V);
+    f.x = randf(NC, 1.0f), f.w = randf(f.C, 1.0f), f.rstd = zerosf(f.N), f.g = randf(NC, 1.0f);
+    f.wte = randf((size_t)f.V * f.C, 1.0f);
+    f.mw = randf((size_t)3 * f.C * f.C, 0.2f), f.gm = randf(NC * 3, 1.0f);
+    f.qkv = randf(NC * 3, 1.0f), f.att = zerosf(NC), f.lse = zerosf((size_t)f.B * f.NH * f.T);
+    f.gatt = randf(NC, 1.0f);
+    f.gu = randf((size_t)f.N * 2 * f.H, 1.0f), f.gsw = randf((size_t)f.N * f.H, 1.0f);
+    f.cs = zerosf((size_t)f.T * f.HD / 2), f.sn = zerosf((size_t)f.T * f.HD / 2);
+    op_rope_tables(f.cs, f.sn, f.T, f.HD, 10000.0f);
+    float *y = zerosf(NC);
+    op_rmsnorm_forward(y, f.rstd, f.x, f.w, f.N, f.C, 1e-5f);
+    op_attention_forward(f.att, f.lse, f.qkv, f.B, f.T, f.NH, f.HD);
+    free(y);
+    return f;
+}
+static void fix_free(Fix *f) {
+    free(f->tok), free(f->x), free(f->w), free(f->rstd), free(f->g), free(f->wte), free(f->mw), free(f->gm);
+    free(f->qkv), free(f->att), free(f->lse), free(f->gatt), free(f->gu), free(f->gsw), free(f->cs), free(f->sn);
+}
+
+enum { OP_EMB, OP_RMS, OP_MM, OP_ATT, OP_SWI, N_BWD_OPS };
+static const char *bwd_name[] = {"embedding", "rmsnorm", "matmul", "attention", "swiglu"};
+/* Sizes of the (up to two) gradient outputs of backward op k. */
+static void bwd_sizes(const Fix *f, int k, size_t *n0, size_t *n1) {
+    size_t NC = (size_t)f->N * f->C;
+    *n1 = 0;
+    switch (k) {
+    case OP_EMB: *n0 = (size_t)f->V * f->C; break;
+    case OP_RMS: *n0 = NC, *n1 = f->C; break;
+    case OP_MM: *n0 = NC, *n1 = (size_t)3 * f->C * f->C; break;
+    case OP_ATT: *n0 = NC * 3; break;
+    default: *n0 = (size_t)f->N * 2 * f->H; break;
+    }
+}
+static void bwd_call(const Fix *f, int k, float *d0, float *d1) {
+    switch (k) {
+    case OP_EMB: op_embedding_backward(d0, f->g, f->tok, f->N, f->C); break;
+    case OP_RMS: op_rmsnorm_backward(d0, d1, f->g, f->x, f->w, f->rstd, f->N, f->C); break;
+    case OP_MM: op_matmul_backward(d0, d1, f->gm, f->x, f->mw, f->N, f->C, 3 * f->C); break;
+    case OP_ATT: op_attention_backward(d0, f->gatt, f->qkv, f->att, f->lse, f->B, f->T, f->NH, f->HD); break;
+    default: op_swiglu_backward(d0, f->gsw, f->gu, f->N, f->H); break;
+    }
+}
+
+static void test_backward_accumulates(void) {
+    Fix f = fix_make();
+    for (int k = 0; k < N_BWD_OPS; k++) {
+        size_t n0, n1;
+        bwd_sizes(&f, k, &n0, &n1);
+        /* once into zeros */
+        float *a0 = zerosf(n0), *a1 = n1 ? zerosf(n1) : NULL;
+        bwd_call(&f, k, a0, a1);
+        /* twice into zeros: twice the gradient */
+        float *b0 = zerosf(n0), *b1 = n1 ? zerosf(n1) : NULL;
+        bwd_call(&f, k, b0, b1);
+        bwd_call(&f, k, b0, b1);
+        for (size_t i = 0; i < n0; i++) b0[i] *= 0.5f;
+        for (size_t i = 0; i < n1; i++) b1[i] *= 0.5f;
+        double e = nerrf(b0, a0, n0) + (n1 ? nerrf(b1, a1, n1) : 0.0);
+        CHECK(e < 1e-6, "%s: calling backward twice does not double the gradient (%g)", bwd_name[k], e);
+        /* into random values: adds to them */
+        float *c0 = randf(n0, 1.0f), *c1 = n1 ? randf(n1, 1.0f) : NULL;
+        float *p0 = copyf(c0, n0), *p1 = n1 ? copyf(c1, n1) : NULL;
+        bwd_call(&f, k, c0, c1);
+        for (size_t i = 0; i < n0; i++) c0[i] -= p0[i];
+        for (size_t i = 0; i < n1; i++) c1[i] -= p1[i];
+        e = nerrf(c0, a0, n0) + (n1 ? nerrf(c1, a1, n1) : 0.0);
+        CHECK(e < 1e-5, "%s: backward does not accumulate into existing values (%g)", bwd_name[k], e);
+        CHECK(nerrf(a0, p0, n0) > 0.1, "%s: gradient is trivially zero", bwd_name[k]);
+        /* NULL gradient outputs: the other output is unchanged, nothing crashes */
+        bwd_call(&f, k, NULL, NULL);
+        if (n1) {
+            float *z0 = zerosf(n0), *z1 = zerosf(n1);
+            bwd_call(&f, k, z0, NULL);
+            bwd_call(&f, k, NULL, z1);
+            CHECK(same(z0, a0, n0) && same(z1, a1, n1), "%s: NULL for one gradient changes the other", bwd_name[k]);
+            free(z0), free(z1);
+        }
+        free(a0), free(a1), free(b0), free(b1), free(c0), free(c1), free(p0), free(p1);
+    }
+    fix_free(&f);
+}
+
+/* Runs every op once on the fixture and hashes all outputs. */
+static uint64_t run_all_ops(const Fix *f) {
+    size_t NC = (size_t)f->N * f->C, NQ = NC * 3;
+    uint64_t h = FNV1A64_INIT;
+    float *y = zerosf(NQ), *r = zerosf(f->N), *z = zerosf(NQ), *l = zerosf((size_t)f->B * f->NH * f->T);
+    op_embedding_forward(y, f->tok, f->wte, f->N, f->C);
+    h = fnv1a64(y, NC * sizeof(float), h);
+    op_rmsnorm_forward(y, r, f->x, f->w, f->N, f->C, 1e-5f);
+    h = fnv1a64(y, NC * sizeof(float), h), h = fnv1a64(r, (size_t)f->N * sizeof(float), h);
+    op_matmul_forward(y, f->x, f->mw, f->N, f->C, 3 * f->C);
+    h = fnv1a64(y, NQ * sizeof(float), h);
+    memcpy(y, f->qkv, NQ * sizeof(float));
+    op_rope_forward(y, f->cs, f->sn, f->B, f->T, f->NH, f->HD);
+    op_rope_backward(y, f->cs, f->sn, f->B, f->T, f->NH, f->HD);
+    h = fnv1a64(y, NQ * sizeof(float), h);
+    op_attention_forward(z, l, f->qkv, f->B, f->T, f->NH, f->HD);
+    h = fnv1a64(z, NC * sizeof(float), h), h = fnv1a64(l, (size_t)f->B * f->NH * f->T * sizeof(float), h);
+    op_swiglu_forward(y, f->gu, f->N, f->H);
+    h = fnv1a64(y, (size_t)f->N * f->H * sizeof(float), h);
+    for (int k = 0; k < N_BWD_OPS; k++) {
+        size_t n0, n1;
+        bwd_sizes(f, k, &n0, &n1);
+        float *d0 = zerosf(n0), *d1 = n1 ? zerosf(n1) : NULL;
+        bwd_call(f, k, d0, d1);
+        h = fnv1a64(d0, n0 * sizeof(float), h);
+        if (d1) h = fnv1a64(d1, n1 * sizeof(float), h);
+        free(d0), free(d1);
+    }
+    memcpy(y, f->gm, NQ * sizeof(float));
+    op_crossentropy_forward_backward(r, y, f->tok, f->N, 3 * f->C, 0.01f);
+    h = fnv1a64(y, NQ * sizeof(float), h), h = fnv1a64(r, (size_t)f->N * sizeof(float), h);
+    float *p = copyf(f->x, NC), *m = zerosf(NC), *v = zerosf(NC);
+    op_adamw(p, f->g, m, v, NC, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 1, 0.7f);
+    h = fnv1a64(p, NC * sizeof(float), h);
+    double s = op_sumsq(f->gm, NQ);
+    h = fnv1a64(&s, sizeof s, h);
+    free(y), free(r), free(z), free(l), free(p), free(m), free(v);
+    return h;
+}
+
+static void test_determinism(void) {
+    Fix f = fix_make();
+    uint64_t h1 = run_all_ops(&f), h2 = run_all_ops(&f);
+    CHECK(h1 == h2, "two identical runs differ");
+    /* The hand-written ops reduce in an order independent of the thread count; the
+     * attention and rmsnorm results must match for 1 and 3 threads too. */
+    size_t n0, n1;
+    float *att[2], *dq[2], *dx[2], *dw[2], *de[2];
+    for (int r = 0; r < 2; r++) {
+        ops_init(r == 0 ? 1 : 3);
+        float *l = zerosf((size_t)f.B * f.NH * f.T);
+        att[r] = zerosf((size_t)f.N * f.C);
+        op_attention_forward(att[r], l, f.qkv, f.B, f.T, f.NH, f.HD);
+        bwd_sizes(&f, OP_ATT, &n0, &n1);
+        dq[r] = zerosf(n0);
+        bwd_call(&f, OP_ATT, dq[r], NULL);
+        bwd_sizes(&f, OP_RMS, &n0, &n1);
+        dx[r] = zerosf(n0), dw[r] = zerosf(n1);
+        bwd_call(&f, OP_RMS, dx[r], dw[r]);
+        bwd_sizes(&f, OP_EMB, &n0, &n1);
+        de[r] = zerosf(n0);
+        bwd_call(&f, OP_EMB, de[r], NULL);
+        free(l);
+    }
+    ops_init(0);
+    CHECK(same(att[0], att[1], (size_t)f.N * f.C), "attention forward depends on the thread count");
+    CHECK(same(dq[0], dq[1], (size_t)f.N * f.C * 3), "attention backward depends on the thread count");
+    CHECK(same(dx[0], dx[1], (size_t)f.N * f.C) && same(dw[0], dw[1], f.C), "rmsnorm backward depends on the thread count");
+    CHECK(same(de[0], de[1], (size_t)f.V * f.C), "embedding backward depends on the thread count");
+    for (int r = 0; r < 2; r++) free(att[r]), free(dq[r]), free(dx[r]), free(dw[r]), free(de[r]);
+    fix_free(&f);
+}
+
+static void test_backend_name(void) { CHECK(strcmp(ops_backend_name(), "cpu") == 0, "%s", ops_backend_name()); }
+
+int main(void) {
+    ops_init(0);
+    rng_seed(&rng, 1234);
+    RUN(test_backend_name);
+    RUN(test_embedding);
+    RUN(test_rmsnorm);
+    RUN(test_matmul);
+    RUN(test_rope_tables);
+    RUN(test_rope);
+    RUN(test_attention);
+    RUN(test_attention_causal);
+    RUN(test_swiglu);
+    RUN(test_crossentropy);
+    RUN(test_adamw);
+    RUN(test_sumsq_scale_add);
+    RUN(test_backward_accumulates);
+    RUN(test_determinism);
+    return TEST_SUMMARY();
+}
