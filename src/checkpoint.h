@@ -24,7 +24,10 @@ typedef struct {
     uint64_t loader_epoch, loader_batch;
     uint64_t n_params;
     double last_loss;
-    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8];
+    /* the optimizer and schedule, so a resumed run continues the same run */
+    double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
+    int32_t warmup_steps, total_steps, cosine, reserved0;
+    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4];
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 

@@ -37,7 +37,7 @@ static const Key KEYS[] = {
     I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL, "sequence length T of a training window"),
     B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
     I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
-    I(steps, "100", 1, INT_MAX, MODEL_CMDS, "optimizer steps to run (total, counting resumed ones)"),
+    I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),
     I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
     F(lr, "3e-4", 0, 10, TR, "peak learning rate (AdamW)"),
     F(min_lr, "0", 0, 10, TR, "final learning rate of the cosine schedule"),
@@ -135,8 +135,10 @@ int config_was_set(const char *key) {
     return 0;
 }
 
-static void default_path(char *dst, size_t n, const char *dir, const char *file) {
-    if (!dst[0]) snprintf(dst, n, "%s/%s", dir, file);
+static int default_path(char *dst, size_t n, const char *dir, const char *file, char *err, size_t errlen) {
+    if (!dst[0] && snprintf(dst, n, "%s/%s", dir, file) >= (int)n)
+        return set_err(err, errlen, "path %s/%s is too long", dir, file);
+    return 0;
 }
 
 int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t errlen) {
@@ -156,10 +158,11 @@ int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t er
         if (set_value(c, &KEYS[found], eq + 1, err, errlen)) return -1;
         key_set[found] = 1;
     }
-    default_path(c->train_data, sizeof c->train_data, c->data_dir, "train.bin");
-    default_path(c->val_data, sizeof c->val_data, c->data_dir, "val.bin");
-    default_path(c->log_file, sizeof c->log_file, c->out_dir, "log.jsonl");
-    default_path(c->ckpt_path, sizeof c->ckpt_path, c->out_dir, "ckpt.bin");
+    if (default_path(c->train_data, sizeof c->train_data, c->data_dir, "train.bin", err, errlen) ||
+        default_path(c->val_data, sizeof c->val_data, c->data_dir, "val.bin", err, errlen) ||
+        default_path(c->log_file, sizeof c->log_file, c->out_dir, "log.jsonl", err, errlen) ||
+        default_path(c->ckpt_path, sizeof c->ckpt_path, c->out_dir, "ckpt.bin", err, errlen))
+        return -1;
     return config_validate(c, cmd, err, errlen);
 }
 

@@ -33,8 +33,7 @@ enum {
 
 void config_defaults(Config *c);
 /* Parses key=value arguments for subcommand `cmd` (a CMD_ bit) and validates every value
- * and the combinations. Returns 0, or -1 with a one-line message in err. `seen` (may be
- * NULL) receives, per table row, whether the key was given on the command line. */
+ * and the combinations. Returns 0, or -1 with a one-line message in err. */
 int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t errlen);
 /* Checks shapes and combinations (also used after loading a checkpoint's config). */
 int config_validate(const Config *c, int cmd, char *err, size_t errlen);

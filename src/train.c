@@ -67,7 +67,7 @@ static void check_against_ckpt(const Config *c, const CkptHeader *h, const char 
         {"vocab_size", c->vocab_size, h->vocab_size}, {"embed_dim", c->embed_dim, h->embed_dim},
         {"n_heads", c->n_heads, h->n_heads},          {"n_layers", c->n_layers, h->n_layers},
         {"context_len", c->context_len, h->context_len}, {"tie_embeddings", c->tie_embeddings, h->tie_embeddings},
-        {"batch_size", c->batch_size, h->batch_size},
+        {"batch_size", c->batch_size, h->batch_size}, {"seed", c->seed, h->seed},
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
         if (config_was_set(k[i].key) && k[i].want != k[i].have)
@@ -75,9 +75,18 @@ static void check_against_ckpt(const Config *c, const CkptHeader *h, const char 
                 k[i].have);
 }
 
+/* A resumed run takes the model, data order and optimizer settings from its checkpoint;
+ * optimizer and schedule keys given on the command line override them. */
 static void config_from_ckpt(Config *c, const CkptHeader *h) {
     c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
     c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
+    c->batch_size = h->batch_size; c->seed = h->seed;
+#define FROM(key, val) if (!config_was_set(#key)) c->key = (val)
+    FROM(lr, h->lr); FROM(min_lr, h->min_lr); FROM(beta1, h->beta1); FROM(beta2, h->beta2); FROM(eps, h->eps);
+    FROM(weight_decay, h->weight_decay); FROM(grad_clip, h->grad_clip); FROM(warmup_steps, h->warmup_steps);
+    FROM(steps, h->total_steps);
+#undef FROM
+    if (!config_was_set("lr_schedule")) snprintf(c->lr_schedule, sizeof c->lr_schedule, "%s", h->cosine ? "cosine" : "constant");
 }
 
 /* ---- progress display ---- */
@@ -109,7 +118,6 @@ int cmd_train(Config *c) {
         if (ckpt_read_header(c->resume, &resume_h, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
         check_against_ckpt(c, &resume_h, c->resume);
         config_from_ckpt(c, &resume_h);
-        c->batch_size = resume_h.batch_size;
         if (config_validate(c, CMD_TRAIN, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
         if (resume_h.step >= c->steps)
             die(EXIT_BAD_INPUT, "checkpoint %s is at step %d; steps=%d leaves nothing to run", c->resume,
@@ -178,6 +186,9 @@ int cmd_train(Config *c) {
     h.vocab_size = mc.vocab_size; h.embed_dim = mc.embed_dim; h.n_heads = mc.n_heads; h.n_layers = mc.n_layers;
     h.context_len = mc.context_len; h.tie_embeddings = mc.tie_embeddings;
     h.batch_size = B; h.world = 1; h.seed = c->seed;
+    h.lr = oc.lr; h.min_lr = oc.min_lr; h.beta1 = oc.beta1; h.beta2 = oc.beta2; h.eps = oc.eps;
+    h.weight_decay = oc.weight_decay; h.grad_clip = oc.grad_clip; h.warmup_steps = oc.warmup_steps;
+    h.total_steps = oc.total_steps; h.cosine = oc.cosine;
 
     const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP");  /* test hook: poison one step's loss */
     int nan_step = fault ? atoi(fault) : -1;

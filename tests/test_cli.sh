@@ -89,7 +89,8 @@ A=$TMP/a; K=$TMP/k
 SCHED="steps=8 lr_schedule=cosine warmup_steps=2 grad_clip=1 progress=false"
 "$BIN" train $TINY data_dir="$D" $SCHED out_dir="$A" >/dev/null
 MESHTRAIN_FAULT_NAN_STEP=5 "$BIN" train $TINY data_dir="$D" $SCHED ckpt_every=4 out_dir="$K" >/dev/null 2>&1
-"$BIN" train resume="$K/ckpt.bin" data_dir="$D" $SCHED out_dir="$K" >/dev/null
+# the schedule, optimizer, seed and total steps come from the checkpoint
+"$BIN" train resume="$K/ckpt.bin" data_dir="$D" progress=false out_dir="$K" >/dev/null
 la=$(grep '^{"step":[5-8],"loss"' "$A/log.jsonl" | sed 's/,"ms".*//')
 lb=$(grep '^{"step":[5-8],"loss"' "$K/log.jsonl" | sed 's/,"ms".*//')
 if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$A/ckpt.bin" "$K/ckpt.bin"; then ok resume_bitwise
@@ -126,4 +127,10 @@ echo "$ids" | grep -qw 50256 && ok tokenize_eot || bad tokenize_eot
 expect_exit 2 "out of range" decode_bad_id -- sh -c "echo 99999 | $BIN tokenize decode=true"
 
 "$BIN" help | grep -q "embed_dim=1024" && ok help_lists_keys || bad help_lists_keys
+# -- the README documents every key and command
+missing=""
+for k in $("$BIN" help | grep -oE '^  [a-z_0-9]+=' | tr -d ' =' | sort -u) train prepare tokenize sample eval estimate; do
+  grep -q "\b$k\b" README.md || missing="$missing $k"
+done
+[ -z "$missing" ] && ok readme_documents_every_key || bad "readme_documents_every_key (missing:$missing)"
 echo "RESULT $pass $fail"
