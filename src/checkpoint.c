@@ -22,12 +22,13 @@ static int for_each_tensor(const Model *m, float *base, SliceFn fn, void *ctx) {
     return 0;
 }
 
-typedef struct { FILE *f; uint64_t hash; } Stream;
+typedef struct { FILE *f; AtomicFile *out; uint64_t hash; } Stream;
 
 static int write_slice(float *p, size_t n, void *ctx) {
     Stream *s = ctx;
     s->hash = fnv1a64(p, n * sizeof(float), s->hash);
-    return fwrite(p, sizeof(float), n, s->f) == n ? 0 : -1;
+    atomic_write(s->out, p, n * sizeof(float));
+    return s->out->err_no ? -1 : 0;
 }
 
 static int read_slice(float *p, size_t n, void *ctx) {
@@ -44,33 +45,18 @@ int ckpt_save(const char *path, const CkptHeader *h0, const Model *m, const Adam
     h.header_bytes = sizeof h;
     h.n_params = m->n_params;
     h.has_optim = opt != NULL;
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return set_err(err, errlen, "cannot create %s: %s", tmp, strerror(errno));
-    Stream s = {f, FNV1A64_INIT};
+    AtomicFile out;
+    if (atomic_open(&out, path, err, errlen)) return -1;
+    Stream s = {NULL, &out, FNV1A64_INIT};
     s.hash = fnv1a64(&h, sizeof h, s.hash);
-    int bad = fwrite(&h, sizeof h, 1, f) != 1;
-    if (!bad) bad = for_each_tensor(m, m->params, write_slice, &s);
-    if (!bad && opt) bad = for_each_tensor(m, opt->m, write_slice, &s) || for_each_tensor(m, opt->v, write_slice, &s);
-    if (!bad) bad = fwrite(&s.hash, sizeof s.hash, 1, f) != 1;
-    if (!bad) bad = fflush(f) != 0 || fsync(fileno(f)) != 0;
-    int e = errno;
-    if (fclose(f) != 0) bad = 1;
-    if (bad) {
-        unlink(tmp);
-        return set_err(err, errlen, "cannot write checkpoint %s: %s", tmp, strerror(e));
+    atomic_write(&out, &h, sizeof h);
+    for_each_tensor(m, m->params, write_slice, &s);
+    if (opt) {
+        for_each_tensor(m, opt->m, write_slice, &s);
+        for_each_tensor(m, opt->v, write_slice, &s);
     }
-    if (rename(tmp, path) != 0) {
-        e = errno;
-        unlink(tmp);
-        return set_err(err, errlen, "cannot rename %s to %s: %s", tmp, path, strerror(e));
-    }
-    char dir[4200];
-    snprintf(dir, sizeof dir, "%s", path);
-    FILE *d = fopen(dirname(dir), "r");
-    if (d) { fsync(fileno(d)); fclose(d); }
-    return 0;
+    atomic_write(&out, &s.hash, sizeof s.hash);
+    return atomic_commit(&out, err, errlen);
 }
 
 static long long file_size(const char *path) {
@@ -111,7 +97,7 @@ int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *e
     if (opt && !h->has_optim) return set_err(err, errlen, "checkpoint %s holds no optimizer state", path);
     FILE *f = fopen(path, "rb");
     if (!f) return set_err(err, errlen, "cannot open checkpoint %s: %s", path, strerror(errno));
-    Stream s = {f, FNV1A64_INIT};
+    Stream s = {f, NULL, FNV1A64_INIT};
     CkptHeader hh;
     int bad = fread(&hh, sizeof hh, 1, f) != 1;
     s.hash = fnv1a64(&hh, sizeof hh, s.hash);

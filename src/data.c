@@ -36,19 +36,6 @@ static uint64_t get_u64(const unsigned char *p) {
 
 typedef struct { const uint16_t *p; size_t n; } TokSpan;
 
-static int write_all(int fd, const void *data, size_t len) {
-    const char *p = data;
-    while (len) {
-        ssize_t w = write(fd, p, len > (1u << 30) ? (1u << 30) : len);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += w; len -= (size_t)w;
-    }
-    return 0;
-}
-
 /* One shard from several token spans, without gathering them into one buffer first (a
  * full TinyStories shard is about a gigabyte). Same atomicity as write_file_atomic:
  * a temp file, fsync, rename, fsync of the directory. */
@@ -73,37 +60,11 @@ static int write_shard_spans(const char *path, const TokSpan *spans, size_t nspa
     put_u64(hdr + 16, (uint64_t)total);
     put_u64(hdr + 24, sum);
 
-    char tmp[4096];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp)
-        return set_err(err, errlen, "path too long: %s", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return set_err(err, errlen, "cannot create %s: %s", tmp, strerror(errno));
-    int bad = write_all(fd, hdr, sizeof hdr);
-    for (size_t s = 0; s < nspans && !bad; s++) bad = write_all(fd, spans[s].p, spans[s].n * sizeof(uint16_t));
-    if (bad) {
-        int e = errno;
-        close(fd); unlink(tmp);
-        return set_err(err, errlen, "cannot write %s: %s", tmp, strerror(e));
-    }
-    if (fsync(fd) != 0 || close(fd) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return set_err(err, errlen, "cannot sync %s: %s", tmp, strerror(e));
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return set_err(err, errlen, "cannot rename %s to %s: %s", tmp, path, strerror(e));
-    }
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s", path);
-    char *slash = strrchr(dir, '/');
-    if (slash == dir) dir[1] = 0;
-    else if (slash) *slash = 0;
-    else snprintf(dir, sizeof dir, ".");
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) { fsync(dfd); close(dfd); }
-    return 0;
+    AtomicFile f;
+    if (atomic_open(&f, path, err, errlen)) return -1;
+    atomic_write(&f, hdr, sizeof hdr);
+    for (size_t s = 0; s < nspans; s++) atomic_write(&f, spans[s].p, spans[s].n * sizeof(uint16_t));
+    return atomic_commit(&f, err, errlen);
 }
 
 int shard_write(const char *path, const uint16_t *tokens, size_t n, int vocab_size, char *err, size_t errlen) {

@@ -81,40 +81,52 @@ char *read_file(const char *path, size_t *len, char *err, size_t errlen) {
     return buf;
 }
 
-int write_file_atomic(const char *path, const void *data, size_t len, char *err, size_t errlen) {
-    char tmp[4096];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp)
+int atomic_open(AtomicFile *f, const char *path, char *err, size_t errlen) {
+    f->path = path;
+    f->err_no = 0;
+    if (snprintf(f->tmp, sizeof f->tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof f->tmp)
         return set_err(err, errlen, "path too long: %s", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return set_err(err, errlen, "cannot create %s: %s", tmp, strerror(errno));
+    f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (f->fd < 0) return set_err(err, errlen, "cannot create %s: %s", f->tmp, strerror(errno));
+    return 0;
+}
+
+void atomic_write(AtomicFile *f, const void *data, size_t len) {
     const char *p = data;
-    size_t left = len;
-    while (left) {
-        ssize_t w = write(fd, p, left);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            int e = errno;
-            close(fd); unlink(tmp);
-            return set_err(err, errlen, "cannot write %s: %s", tmp, strerror(e));
-        }
-        p += w; left -= (size_t)w;
+    while (len && !f->err_no) {
+        ssize_t w = write(f->fd, p, len > (1u << 30) ? (1u << 30) : len);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) { f->err_no = w < 0 ? errno : EIO; break; }
+        p += w;
+        len -= (size_t)w;
     }
-    if (fsync(fd) != 0 || close(fd) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return set_err(err, errlen, "cannot sync %s: %s", tmp, strerror(e));
+}
+
+int atomic_commit(AtomicFile *f, char *err, size_t errlen) {
+    if (!f->err_no && fsync(f->fd) != 0) f->err_no = errno;
+    if (close(f->fd) != 0 && !f->err_no) f->err_no = errno;
+    if (f->err_no) {
+        unlink(f->tmp);
+        return set_err(err, errlen, "cannot write %s: %s", f->tmp, strerror(f->err_no));
     }
-    if (rename(tmp, path) != 0) {
+    if (rename(f->tmp, f->path) != 0) {
         int e = errno;
-        unlink(tmp);
-        return set_err(err, errlen, "cannot rename %s to %s: %s", tmp, path, strerror(e));
+        unlink(f->tmp);
+        return set_err(err, errlen, "cannot rename %s to %s: %s", f->tmp, f->path, strerror(e));
     }
     /* The rename is durable only once the directory entry is on disk. */
-    char dirbuf[4096];
-    snprintf(dirbuf, sizeof dirbuf, "%s", path);
+    char dirbuf[4200];
+    snprintf(dirbuf, sizeof dirbuf, "%s", f->path);
     int dfd = open(dirname(dirbuf), O_RDONLY | O_DIRECTORY);
     if (dfd >= 0) { fsync(dfd); close(dfd); }
     return 0;
+}
+
+int write_file_atomic(const char *path, const void *data, size_t len, char *err, size_t errlen) {
+    AtomicFile f;
+    if (atomic_open(&f, path, err, errlen)) return -1;
+    atomic_write(&f, data, len);
+    return atomic_commit(&f, err, errlen);
 }
 
 uint64_t fnv1a64(const void *data, size_t n, uint64_t h) {

@@ -22,7 +22,14 @@ void *xaligned_alloc(size_t n);
 /* Reads a whole file; NULL with err set when missing/unreadable. Caller frees. */
 char *read_file(const char *path, size_t *len, char *err, size_t errlen);
 
-/* Writes `len` bytes to path atomically: path.tmp, fsync, rename, fsync of the directory. */
+/* A file written atomically: bytes go to "<path>.tmp.<pid>"; commit fsyncs it, renames it
+ * over path and fsyncs the directory, so readers see the old file or the whole new one.
+ * After the first failed write the rest are skipped and commit reports the error. */
+typedef struct { int fd, err_no; char tmp[4200]; const char *path; } AtomicFile;
+int atomic_open(AtomicFile *f, const char *path, char *err, size_t errlen);
+void atomic_write(AtomicFile *f, const void *data, size_t len);
+int atomic_commit(AtomicFile *f, char *err, size_t errlen);  /* also cleans up on failure */
+/* Writes `len` bytes to path atomically (the three calls above). */
 int write_file_atomic(const char *path, const void *data, size_t len, char *err, size_t errlen);
 
 uint64_t fnv1a64(const void *data, size_t n, uint64_t h); /* start with FNV1A64_INIT */
