@@ -21,7 +21,7 @@ typedef struct {
     int32_t vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
     int32_t batch_size, world, seed, step;     /* step = optimizer steps completed */
     int32_t adam_step, has_optim;
-    uint64_t loader_epoch, loader_batch;
+    uint64_t loader_epoch, loader_window;
     uint64_t n_params;
     double last_loss;
     /* the optimizer and schedule, so a resumed run continues the same run */

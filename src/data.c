@@ -492,7 +492,8 @@ void loader_free(Loader *l) {
 void loader_next(Loader *l, int *inputs, int *targets) {
     const int B = l->B, T = l->T;
     const uint16_t *tok = l->shard->tokens;
-    size_t base = (size_t)l->st.batch * (size_t)B * (size_t)l->world + (size_t)l->rank * (size_t)B;
+    size_t per_batch = (size_t)B * (size_t)l->world;
+    size_t base = (size_t)l->st.window + (size_t)l->rank * (size_t)B;
     for (int b = 0; b < B; b++) {
         const uint16_t *w = tok + (size_t)l->order[base + (size_t)b] * (size_t)T;
         int *in = inputs + (size_t)b * T, *tg = targets + (size_t)b * T;
@@ -503,8 +504,9 @@ void loader_next(Loader *l, int *inputs, int *targets) {
     }
     /* Roll over as soon as the epoch's last batch is taken, so a saved state always
      * points at a batch that exists. */
-    if (++l->st.batch == l->batches_per_epoch) {
-        l->st.batch = 0;
+    l->st.window += per_batch;
+    if (l->st.window + per_batch > l->n_windows) {
+        l->st.window = 0;
         l->st.epoch++;
         build_order(l);
     }
@@ -513,10 +515,14 @@ void loader_next(Loader *l, int *inputs, int *targets) {
 LoaderState loader_get_state(const Loader *l) { return l->st; }
 
 int loader_set_state(Loader *l, LoaderState st, char *err, size_t errlen) {
-    if (st.batch >= l->batches_per_epoch)
-        return set_err(err, errlen, "loader state: batch %llu of an epoch of %zu batches (is this the same data, "
-                       "batch_size and world size?)", (unsigned long long)st.batch, l->batches_per_epoch);
+    if (st.window > l->n_windows)
+        return set_err(err, errlen, "loader state: window %llu of an epoch of %zu windows (is this the same data "
+                       "and context_len?)", (unsigned long long)st.window, l->n_windows);
     l->st = st;
+    if (l->st.window + (size_t)l->B * l->world > l->n_windows) {
+        l->st.window = 0;
+        l->st.epoch++;
+    }
     build_order(l);
     return 0;
 }

@@ -40,10 +40,12 @@ int data_prepare(const Tokenizer *tok, const char *text_path, const char *out_di
  * (n_windows = (n_tokens - 1) / T). Each epoch visits the windows in an order shuffled by
  * (seed, epoch) (or in order when shuffle == 0); global batch g takes windows
  * [g*B*world, (g+1)*B*world) of that order, and rank r gets the r-th block of B of them,
- * so ranks never overlap. An epoch ends when fewer than B*world windows remain. */
+ * so ranks never overlap. An epoch ends when fewer than B*world windows remain.
+ * The position is counted in windows, not batches, so a run can resume with another
+ * world size or batch size without losing or repeating a window. */
 typedef struct {
     uint64_t epoch;   /* epochs completed */
-    uint64_t batch;   /* global batches taken in this epoch */
+    uint64_t window;  /* windows of this epoch's order already taken (by all ranks) */
 } LoaderState;
 
 typedef struct {
@@ -62,6 +64,7 @@ void loader_free(Loader *l);
 /* Fills inputs[B*T] and targets[B*T] (the window shifted by one) and advances. */
 void loader_next(Loader *l, int *inputs, int *targets);
 LoaderState loader_get_state(const Loader *l);
-/* Restores a position saved by loader_get_state (same shard, B, T, world, seed). */
+/* Restores a position saved by loader_get_state (same shard, T and seed; B and world may
+ * differ: when the rest of the epoch is shorter than one global batch, the next epoch starts). */
 int loader_set_state(Loader *l, LoaderState st, char *err, size_t errlen);
 #endif

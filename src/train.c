@@ -165,7 +165,7 @@ int cmd_train(Config *c) {
     int start = 0;
     if (resuming) {
         if (ckpt_load(c->resume, &resume_h, &m, &opt, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
-        LoaderState ls = {resume_h.loader_epoch, resume_h.loader_batch};
+        LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
         if (loader_set_state(&loader, ls, err, sizeof err)) die(EXIT_BAD_INPUT, "%s: %s", c->resume, err);
         start = resume_h.step;
         printf("resumed from %s at step %d\n", c->resume, start);
@@ -235,7 +235,7 @@ int cmd_train(Config *c) {
         }
         if ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last) {
             LoaderState ls = loader_get_state(&loader);
-            h.step = step + 1; h.adam_step = opt.step; h.loader_epoch = ls.epoch; h.loader_batch = ls.batch;
+            h.step = step + 1; h.adam_step = opt.step; h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
             if (ckpt_save(c->ckpt_path, &h, &m, &opt, err, sizeof err)) die(EXIT_RUN_FAILURE, "%s", err);
         }

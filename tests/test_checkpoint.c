@@ -43,11 +43,11 @@ static void test_round_trip_other_padding(void) {
     fill(&a, &oa);
     CkptHeader h = {0}, hb;
     h.vocab_size = 101; h.embed_dim = 16; h.n_heads = 2; h.n_layers = 2; h.context_len = 8;
-    h.batch_size = 4; h.step = 5; h.adam_step = 17; h.loader_epoch = 2; h.loader_batch = 9;
+    h.batch_size = 4; h.step = 5; h.adam_step = 17; h.loader_epoch = 2; h.loader_window = 9;
     CHECK(ckpt_save(path, &h, &a, &oa, err, sizeof err) == 0, "%s", err);
     CHECK(count_tmp_files(dir) == 0, "no temporary file left");
     CHECK(ckpt_load(path, &hb, &b, &ob, err, sizeof err) == 0, "%s", err);
-    CHECK(hb.step == 5 && hb.loader_epoch == 2 && hb.loader_batch == 9 && ob.step == 17, "header fields");
+    CHECK(hb.step == 5 && hb.loader_epoch == 2 && hb.loader_window == 9 && ob.step == 17, "header fields");
     TensorInfo ta[32], tb[32];
     int n = model_tensors(&a, ta, 32);
     model_tensors(&b, tb, 32);

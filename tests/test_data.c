@@ -209,8 +209,8 @@ static void test_loader_windows(void) {
         }
     }
     LoaderState st = loader_get_state(&l);
-    CHECK(st.epoch == 1 && st.batch == 0, "after one epoch: epoch %llu batch %llu", (unsigned long long)st.epoch,
-          (unsigned long long)st.batch);
+    CHECK(st.epoch == 1 && st.window == 0, "after one epoch: epoch %llu window %llu", (unsigned long long)st.epoch,
+          (unsigned long long)st.window);
     /* The last window may end on the shard's last token. */
     size_t nw = l.n_windows;
     CHECK((nw - 1) * T + T < s.n_tokens, "last window fits");
@@ -312,22 +312,60 @@ static void test_loader_resume(void) {
         size_t k = a.batches_per_epoch + 3; /* resume inside the second epoch */
         run_loader(&a, (int)k, x);
         LoaderState st = loader_get_state(&a);
-        CHECK(st.epoch == 1 && st.batch == 3, "state %llu/%llu", (unsigned long long)st.epoch, (unsigned long long)st.batch);
+        CHECK(st.epoch == 1 && st.window == 3u * B * world, "state %llu/%llu", (unsigned long long)st.epoch,
+              (unsigned long long)st.window);
         run_loader(&a, 100, x);
         CHECK(loader_init(&b, &s, B, T, world - 1, world, 9, 1, err, sizeof err) == 0, "%s", err);
         CHECK(loader_set_state(&b, st, err, sizeof err) == 0, "%s", err);
         run_loader(&b, 100, y);
         CHECK(memcmp(x, y, (size_t)100 * per * sizeof *x) == 0, "world %d: resumed loader differs", world);
         LoaderState sa = loader_get_state(&a), sb = loader_get_state(&b);
-        CHECK(sa.epoch == sb.epoch && sa.batch == sb.batch, "states differ after resume");
+        CHECK(sa.epoch == sb.epoch && sa.window == sb.window, "states differ after resume");
 
-        LoaderState bad = {0, b.batches_per_epoch};
+        LoaderState bad = {0, b.n_windows + 1};
         err[0] = 0;
-        CHECK(loader_set_state(&b, bad, err, sizeof err) != 0, "batch == batches_per_epoch accepted");
-        CHECK(has(err, "batch"), "err: %s", err);
+        CHECK(loader_set_state(&b, bad, err, sizeof err) != 0, "window past the epoch accepted");
+        CHECK(has(err, "window"), "err: %s", err);
         loader_free(&a); loader_free(&b);
         free(x); free(y);
     }
+    shard_close(&s);
+}
+
+/* A position saved by 2 ranks of B=2 continues on 1 rank of B=4 and on 4 ranks of B=1 with
+ * the same windows: the global batch is the same, only its split differs. */
+static void test_loader_resume_other_world(void) {
+    Shard s = seq_shard("seq.bin", 2000);
+    int T = 16;
+    Loader a0, a1;
+    CHECK(loader_init(&a0, &s, 2, T, 0, 2, 5, 1, err, sizeof err) == 0, "%s", err);
+    CHECK(loader_init(&a1, &s, 2, T, 1, 2, 5, 1, err, sizeof err) == 0, "%s", err);
+    int in[4 * 16], tg[4 * 16];
+    for (int i = 0; i < 5; i++) { loader_next(&a0, in, tg); loader_next(&a1, in, tg); }
+    LoaderState st = loader_get_state(&a0);
+    Loader one, ref;
+    CHECK(loader_init(&one, &s, 4, T, 0, 1, 5, 1, err, sizeof err) == 0, "%s", err);
+    CHECK(loader_init(&ref, &s, 4, T, 0, 1, 5, 1, err, sizeof err) == 0, "%s", err);
+    for (int i = 0; i < 5; i++) loader_next(&ref, in, tg);
+    CHECK(loader_set_state(&one, st, err, sizeof err) == 0, "%s", err);
+    int want[4 * 16], got[4 * 16], part[16];
+    for (int i = 0; i < 3; i++) {
+        loader_next(&ref, want, tg);
+        loader_next(&one, got, tg);
+        CHECK(!memcmp(want, got, sizeof want), "1 rank after 2: batch %d differs", i);
+        /* and 4 ranks of B=1 from the same state */
+        for (int r = 0; r < 4; r++) {
+            Loader q;
+            CHECK(loader_init(&q, &s, 1, T, r, 4, 5, 1, err, sizeof err) == 0, "%s", err);
+            LoaderState sq = st;
+            sq.window += (uint64_t)i * 4;
+            CHECK(loader_set_state(&q, sq, err, sizeof err) == 0, "%s", err);
+            loader_next(&q, part, tg);
+            CHECK(!memcmp(want + r * T, part, sizeof part), "rank %d of 4: batch %d differs", r, i);
+            loader_free(&q);
+        }
+    }
+    loader_free(&a0); loader_free(&a1); loader_free(&one); loader_free(&ref);
     shard_close(&s);
 }
 
@@ -569,6 +607,7 @@ int main(void) {
     RUN(test_loader_order);
     RUN(test_loader_ranks);
     RUN(test_loader_resume);
+    RUN(test_loader_resume_other_world);
     RUN(test_loader_init_failure);
     tok = tokenizer_load("data/gpt2/encoder.json", "data/gpt2/vocab.bpe", err, sizeof err);
     if (!tok) fprintf(stderr, "  cannot load the tokenizer: %s\n", err);
