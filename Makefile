@@ -3,13 +3,17 @@ CC      ?= gcc
 ARCH    ?= -march=x86-64-v3
 OPT     ?= -O3
 SAN     ?=
-CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc $(SAN)
-LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp $(SAN)
+# Open MPI's flags, from its compiler wrapper (installed by `make deps`).
+MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc $(MPI_CFLAGS) $(SAN)
+LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp $(MPI_LIBS) $(SAN)
 BUILD   ?= build
 
 SRC      := $(wildcard src/*.c)
 LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/main.c,$(SRC)))
 TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 
 .PHONY: all deps data train test test-asan check-tests bench clean
@@ -40,7 +44,7 @@ data:
 	@scripts/fetch-data.sh
 
 # Builds the test binaries and meshtrain, then runs them all; ends with "N passed, N failed".
-check-tests: $(BUILD)/meshtrain $(TESTS)
+check-tests: $(BUILD)/meshtrain $(TESTS) $(TOOLS)
 	@scripts/run-tests.sh $(BUILD)
 
 test: deps

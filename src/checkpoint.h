@@ -1,25 +1,37 @@
-/* checkpoint — one file with the model config, training position, parameters and AdamW
- * moments, written atomically (temporary file, fsync, rename, fsync of the directory) and
- * closed by an FNV-1a 64 checksum of everything before it. Tensors are stored in model
- * order without the flat layout's padding, so the file does not depend on the padding.
+/* checkpoint — a distributed checkpoint that does not depend on the layout that wrote it.
  *
- * Layout: CkptHeader (256 bytes) | params [n_params] | m [n_params] | v [n_params] (fp32,
- * little-endian; m and v only when has_optim) | uint64 checksum. */
+ * Values are addressed in "packed order": the model's parameters without the flat layout's
+ * padding, in model_tensors() order (= units 0..L+1 concatenated without padding), index in
+ * [0, n_params). Each rank saves the ranges of packed order it owns to its own shard file
+ * "<path>.s<step:08>.r<rank>-of-<world>"; once every shard is committed, rank 0 writes the
+ * manifest at <path> and removes the shards of earlier checkpoints at that path. Every file
+ * is written atomically (util AtomicFile), so a crash at any moment leaves the previous
+ * manifest and its shards loadable. A reader on any layout (world size, strategy) reads just
+ * the shard ranges that overlap the ranges it needs and verifies each one's checksum.
+ *
+ * Manifest: CkptHeader (256 bytes; world = number of shards, name_len) | CkptShardEntry[world]
+ *   | the shards' base name (name_len bytes, no '/'; shards live beside the manifest)
+ *   | uint64 FNV-1a 64 of everything before.
+ * Shard:    CkptShardHeader (64 bytes) | CkptRange[n_ranges] | uint64 FNV-1a of header+table
+ *   | per range, in table order: params[count] (| m[count] | v[count] when has_optim).
+ * fp32 values and integers are little-endian. */
 #ifndef MESHTRAIN_CHECKPOINT_H
 #define MESHTRAIN_CHECKPOINT_H
 #include <stddef.h>
 #include <stdint.h>
+#include "comm.h"
 #include "model.h"
 #include "optim.h"
 
 #define CKPT_MAGIC "MTCKPT01"
-#define CKPT_VERSION 1
+#define CKPT_SHARD_MAGIC "MTCKRANK"
+#define CKPT_VERSION 2
 
 typedef struct {
     char magic[8];
     uint32_t version, header_bytes;
     int32_t vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
-    int32_t batch_size, world, seed, step;     /* step = optimizer steps completed */
+    int32_t batch_size, world, seed, step;     /* step = optimizer steps completed; world = shards */
     int32_t adam_step, has_optim;
     uint64_t loader_epoch, loader_window;
     uint64_t n_params;
@@ -27,15 +39,58 @@ typedef struct {
     /* the optimizer and schedule, so a resumed run continues the same run */
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     int32_t warmup_steps, total_steps, cosine, reserved0;
-    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4];
+    uint32_t name_len, reserved1;              /* manifest: length of the shards' base name */
+    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4];
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 
-int ckpt_save(const char *path, const CkptHeader *h, const Model *m, const AdamState *opt, char *err, size_t errlen);
-/* Reads and checks the header alone (magic, version, sizes, file length). */
+typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
+typedef struct {
+    char magic[8];
+    uint32_t version, rank, world, has_optim;
+    int32_t step, reserved0;
+    uint64_t n_ranges, n_values;  /* n_values = sum of the ranges' counts */
+    uint64_t reserved[2];
+} CkptShardHeader;
+/* hash_* = FNV-1a 64 of the range's params, m, v bytes (m, v: 0 without optimizer state) */
+typedef struct { uint64_t start, count, hash_params, hash_m, hash_v; } CkptRange;
+_Static_assert(sizeof(CkptShardHeader) == 64 && sizeof(CkptRange) == 40 && sizeof(CkptShardEntry) == 32,
+               "shard layout");
+
+/* Ranges of packed order and where their values live in memory; m, v may be NULL when no
+ * optimizer state is written or wanted. */
+typedef struct { uint64_t start, count; float *params, *m, *v; } StateRange;
+
+/* The ranges of a whole model held in one place (flat buffers with the model's padded
+ * layout; mom1/mom2 may be NULL): one per unit. Returns the count, or -1 if max is too small. */
+int ckpt_full_ranges(const Model *m, float *params, float *mom1, float *mom2, StateRange *out, int max);
+
+/* Collective over `world`: each rank passes the ranges it owns; together they must cover
+ * [0, n_params) exactly once. h->has_optim says whether m and v are saved (every range then
+ * needs them). All ranks return 0, or all return -1 (err names the file and the problem).
+ * Every rank must see the same file system at path's directory. */
+int ckpt_save_dist(const char *path, const CkptHeader *h, const Comm *world, const StateRange *mine, int n_mine,
+                   char *err, size_t errlen);
+/* Reads the manifest into h, then fills every needed range from the shards that hold it:
+ * params, and m and v too when want_optim and the range has them (a range with m = v = NULL
+ * gets params only, as ZeRO's whole-parameter needs beside its moment shards). Needed ranges
+ * may overlap one another. On error the needed buffers may be partly written. No communication. */
+int ckpt_load_dist(const char *path, CkptHeader *h, const StateRange *need, int n_need, int want_optim,
+                   char *err, size_t errlen);
+
+/* The two halves of ckpt_save_dist, for callers (and tests) that do their own agreement:
+ * the shard of one rank, then the manifest over the `world` committed shards of h->step,
+ * which also removes the shards of other checkpoints at path. */
+int ckpt_write_rank_file(const char *path, const CkptHeader *h, int rank, int world, const StateRange *r, int n,
+                         char *err, size_t errlen);
+int ckpt_write_manifest(const char *path, const CkptHeader *h, int world, char *err, size_t errlen);
+
+/* Reads and checks the manifest alone (magic, version, config, sizes, checksum). */
 int ckpt_read_header(const char *path, CkptHeader *h, char *err, size_t errlen);
-/* Loads params (and moments when opt != NULL) into a model built from the header's config;
- * verifies the checksum over the whole file first. */
-int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *err, size_t errlen);
 void ckpt_model_config(const CkptHeader *h, ModelConfig *c);
+
+/* One process holding the whole model (a world of one). ckpt_load fills opt's moments and
+ * step unless opt is NULL (parameters only). */
+int ckpt_save(const char *path, const CkptHeader *h, const Model *m, const AdamState *opt, char *err, size_t errlen);
+int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *err, size_t errlen);
 #endif

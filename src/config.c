@@ -68,6 +68,16 @@ static const Key KEYS[] = {
     E(device, "cpu", "cpu", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE, "compute device (cpu; cuda comes later)"),
     E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE, "auto = fp32 on cpu; mixed/bf16 need a GPU"),
     F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE, "refuse runs whose estimate exceeds this (0 = available RAM)"),
+    B(fsdp, "false", MODEL_CMDS, "fully sharded data parallel (see shard_strategy)"),
+    E(shard_strategy, "full", "full|grad_op|no|hybrid", MODEL_CMDS,
+      "with fsdp: full = ZeRO-3, grad_op = ZeRO-2, no = DDP, hybrid = ZeRO-3 inside shard groups"),
+    I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
+    B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
+    I(tensor_parallel_size, "1", 1, 1, MODEL_CMDS, "tensor parallel ranks (1 until tensor parallel lands)"),
+    I(pipeline_parallel_size, "1", 1, 1, MODEL_CMDS, "pipeline stages (1 until pipeline parallel lands)"),
+    B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
+    F(comm_timeout, "600", 0, 1e9, TR, "seconds a collective may wait for a peer before the job aborts (0 = forever)"),
+    I(world_size, "1", 1, 1 << 20, CMD_ESTIMATE, "ranks to estimate for (train takes it from the launcher)"),
     S(prompt, "Once upon a time", CMD_SAMPLE, "text to continue"),
     I(length, "200", 1, 1 << 20, CMD_SAMPLE, "tokens to generate"),
     F(temperature, "0.8", 0, 100, CMD_SAMPLE, "sampling temperature (0 = greedy)"),
@@ -182,6 +192,12 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (c->warmup_steps > c->steps && !strcmp(c->lr_schedule, "cosine"))
             return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d", c->warmup_steps, c->steps);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
+        if (c->fsdp && c->zero_opt)
+            return set_err(err, errlen, "zero_opt=true applies without fsdp; with fsdp=true choose shard_strategy");
+        if (config_was_set("shard_strategy") && !c->fsdp)
+            return set_err(err, errlen, "shard_strategy=%s needs fsdp=true", c->shard_strategy);
+        if (config_was_set("shard_group_size") && !(c->fsdp && !strcmp(c->shard_strategy, "hybrid")))
+            return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
     }
     return 0;
 }

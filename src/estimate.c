@@ -7,22 +7,27 @@
  * thread stacks and buffers, the allocator's slack. Measured on the 2-core CI machine
  * (max RSS of `meshtrain train` with a tiny model); see bench/RESULTS.md. */
 #define RUNTIME_BYTES ((size_t)8 << 20)
+/* Open MPI's own share of a rank (shared-memory transport, progress buffers), measured
+ * the same way with 2 and 4 ranks. */
+#define MPI_RUNTIME_BYTES ((size_t)14 << 20)
 
-void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, MemEstimate *e) {
+void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
+                     int world, int shard_size, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     Model m;
-    model_init_layout(&m, c, 1, 0);
+    model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
     e->flops_per_token = model_flops_per_token(c, T);
-    e->params = m.n_flat * sizeof(float);
-    e->grads = training ? m.n_flat * sizeof(float) : 0;
-    e->optim = training ? 2 * m.n_flat * sizeof(float) : 0;
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size);
+    e->params = training ? pb.params : m.n_flat * sizeof(float);
+    e->grads = training ? pb.grads : 0;
+    e->optim = training ? pb.optim : 0;
     size_t logit_bytes;
     size_t acts = acts_bytes(c, B, T, training, &logit_bytes);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = data_bytes;
-    e->runtime = RUNTIME_BYTES;
+    e->runtime = RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->total = e->params + e->grads + e->optim + e->acts + e->logits + e->data + e->runtime;
     model_free(&m);
     /* The usual formula: weights + grads + Adam = 16 bytes/param, and per layer
@@ -31,14 +36,14 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->formula = 16.0 * (double)e->n_params + (training ? 2.0 * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
 }
 
-void estimate_print(const ModelConfig *c, int B, int T, const MemEstimate *e) {
+void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {
     char b1[32], b2[32];
     printf("model: embed_dim=%d n_heads=%d n_layers=%d vocab=%d context_len=%d%s\n", c->embed_dim, c->n_heads,
            c->n_layers, c->vocab_size, c->context_len, c->tie_embeddings ? " (tied embeddings)" : "");
     printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
     printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
            e->flops_per_token * B * T);
-    printf("memory per rank (fp32, cpu):\n");
+    printf("memory per rank (fp32, cpu; %s over %d rank%s):\n", parallel_kind_name(kind), world, world > 1 ? "s" : "");
     const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "activations", "logits (chunked)",
                            "data (mapped shards)", "runtime (code, threads)"};
     size_t vals[] = {e->params, e->grads, e->optim, e->acts, e->logits, e->data, e->runtime};

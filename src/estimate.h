@@ -4,6 +4,7 @@
 #define MESHTRAIN_ESTIMATE_H
 #include <stddef.h>
 #include "model.h"
+#include "parallel.h"
 
 typedef struct {
     size_t n_params;
@@ -12,10 +13,13 @@ typedef struct {
     double formula;  /* the usual rule of thumb: 16 bytes/param + Korthikanti activations */
 } MemEstimate;
 
-/* training != 0: parameters, gradients, AdamW moments, activations for backward.
- * data_bytes: the shards the run maps (they count in RSS as they are read). */
-void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, MemEstimate *e);
-void estimate_print(const ModelConfig *c, int B, int T, const MemEstimate *e);
+/* Per rank. training != 0: parameters, gradients, AdamW moments, activations for
+ * backward, as the strategy `kind` over `world` data-parallel ranks (shard_size of them
+ * per shard group) holds them. data_bytes: the shards the run maps (they count in RSS as
+ * they are read). */
+void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
+                     int world, int shard_size, MemEstimate *e);
+void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);
 #endif

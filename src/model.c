@@ -52,9 +52,19 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
         m->n_params += n;
     }
     m->n_flat = off;
+    m->uparams = xcalloc((size_t)m->n_units, sizeof(float *));
+    m->ugrads = xcalloc((size_t)m->n_units, sizeof(float *));
     if (alloc) {
         m->params = xaligned_alloc(m->n_flat * sizeof(float));
         m->grads = xaligned_alloc(m->n_flat * sizeof(float));
+        model_point_units(m, m->params, m->grads);
+    }
+}
+
+void model_point_units(Model *m, float *params, float *grads) {
+    for (int u = 0; u < m->n_units; u++) {
+        m->uparams[u] = params ? params + m->units[u].offset : NULL;
+        m->ugrads[u] = grads ? grads + m->units[u].offset : NULL;
     }
 }
 
@@ -62,6 +72,8 @@ void model_free(Model *m) {
     free(m->params);
     free(m->grads);
     free(m->units);
+    free(m->uparams);
+    free(m->ugrads);
     memset(m, 0, sizeof *m);
 }
 
@@ -94,15 +106,20 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
     return n;
 }
 
-void model_init_weights(Model *m, uint64_t seed) {
-    Rng r;
-    rng_seed(&r, seed);
-    memset(m->params, 0, m->n_flat * sizeof(float));
-    TensorInfo t[8 + 7 * 4096];
-    int nt = model_tensors(m, t, (int)(sizeof t / sizeof t[0]));
+void model_init_unit(const Model *m, int u, float *buf, uint64_t seed) {
+    const Unit *un = &m->units[u];
+    memset(buf, 0, un->n_padded * sizeof(float));
+    int max = 8 + 7 * m->L;
+    TensorInfo *t = xmalloc((size_t)max * sizeof *t);
+    int nt = model_tensors(m, t, max);
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->L);
     for (int i = 0; i < nt; i++) {
-        float *p = m->params + t[i].offset;
+        if (t[i].offset < un->offset || t[i].offset >= un->offset + un->n) continue;
+        /* Each tensor has its own stream, so any unit can be built alone (FSDP ranks
+         * initialise one unit at a time and keep only their shard). */
+        Rng r;
+        rng_seed(&r, seed * 1000003ULL + (uint64_t)i);
+        float *p = buf + (t[i].offset - un->offset);
         size_t n = (size_t)t[i].rows * t[i].cols;
         if (strstr(t[i].name, "norm")) {
             for (size_t j = 0; j < n; j++) p[j] = 1.0f;
@@ -111,6 +128,11 @@ void model_init_weights(Model *m, uint64_t seed) {
             for (size_t j = 0; j < n; j++) p[j] = std * rng_normal(&r);
         }
     }
+    free(t);
+}
+
+void model_init_weights(Model *m, uint64_t seed) {
+    for (int u = 0; u < m->n_units; u++) model_init_unit(m, u, m->params + m->units[u].offset, seed);
 }
 
 /* ---- activations ---- */
@@ -246,23 +268,41 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, w + ly->att_norm, la->rstd1, N, E);
 }
 
-/* Embedding and layers for B x T tokens in a->inputs; leaves the final norm in a->xf. */
-static void trunk_forward(Model *m, Acts *a, int B, int T, int training) {
+#define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
+
+/* Embedding and layers for B x T tokens in a->inputs, leaving the last layer's output;
+ * unit by unit, each gathered just before use and released after. */
+static void trunk_forward(Model *m, Acts *a, int B, int T, int training, const UnitHooks *h) {
     int N = B * T;
+    HOOK(h, gather, 0, 1);
     op_embedding_forward(a->res, a->inputs, unit_params(m, 0), N, m->E);
+    HOOK(h, release, 0);
     for (int l = 0; l < m->L; l++) {
         int slot = training ? l : 0;
         LayerActs la = layer_acts(m, a, slot, B, T);
         if (!training && l > 0) memcpy(la.x, la.out, (size_t)N * m->E * sizeof(float));
+        HOOK(h, gather, 1 + l, 2 + l);
         layer_forward(m, a, l, &la, B, T);
+        HOOK(h, release, 1 + l);
     }
-    const float *last = a->res + (size_t)(training ? m->L : 1) * a->N * m->E;
-    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, m->L + 1) + m->head_out_norm, N, m->E, RMS_EPS);
 }
 
-float model_step(Model *m, Acts *a, int grad, float grad_scale) {
-    int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V;
-    trunk_forward(m, a, B, T, grad);
+static const float *trunk_output(const Model *m, const Acts *a, int training) {
+    return a->res + (size_t)(training ? m->L : 1) * a->N * m->E;
+}
+
+float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
+    int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V, HU = m->L + 1, tied = m->c.tie_embeddings;
+    trunk_forward(m, a, B, T, grad, h);
+    const float *last = trunk_output(m, a, grad);
+    /* The head: output_norm, then lm_head (tok_embed's matrix when tied). */
+    HOOK(h, gather, HU, tied ? 0 : HU - 1);
+    if (tied) HOOK(h, gather, 0, HU - 1);
+    if (grad) {
+        HOOK(h, grad_begin, HU);
+        if (tied) HOOK(h, grad_begin, 0);
+    }
+    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, HU) + m->head_out_norm, N, E, RMS_EPS);
     const float *wlm = model_lm_head(m);
     float *glm = m->c.tie_embeddings ? unit_grads(m, 0) : unit_grads(m, m->L + 1) + m->head_lm;
     if (grad) memset(a->dxf, 0, (size_t)N * E * sizeof(float));
@@ -278,26 +318,38 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale) {
     }
     double sum = 0;
     for (int i = 0; i < N; i++) sum += a->losses[i];
+    if (grad) {
+        memset(a->dres, 0, (size_t)N * E * sizeof(float));
+        op_rmsnorm_backward(a->dres, unit_grads(m, HU) + m->head_out_norm, a->dxf, last,
+                            unit_params(m, HU) + m->head_out_norm, a->rstdf, N, E);
+        HOOK(h, grad_ready, HU);
+    }
+    if (tied) HOOK(h, release, 0);
+    HOOK(h, release, HU);
     if (!grad) return (float)(sum / N);
 
-    memset(a->dres, 0, (size_t)N * E * sizeof(float));
-    const float *last = a->res + (size_t)m->L * a->N * E;
-    float *ghead = unit_grads(m, m->L + 1);
-    op_rmsnorm_backward(a->dres, ghead + m->head_out_norm, a->dxf, last,
-                        unit_params(m, m->L + 1) + m->head_out_norm, a->rstdf, N, E);
     for (int l = m->L - 1; l >= 0; l--) {
         LayerActs la = layer_acts(m, a, l, B, T);
+        HOOK(h, gather, 1 + l, l > 0 ? l : -1);
+        HOOK(h, grad_begin, 1 + l);
         layer_backward(m, a, l, &la);
+        HOOK(h, grad_ready, 1 + l);
+        HOOK(h, release, 1 + l);
     }
+    /* The embedding's backward needs only the tokens, not its parameters. */
+    HOOK(h, grad_begin, 0);
     op_embedding_backward(unit_grads(m, 0), a->dres, a->inputs, N, E);
+    HOOK(h, grad_ready, 0);
     return (float)(sum / N);
 }
 
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {
     if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
     memcpy(a->inputs, tokens, (size_t)T * sizeof(int));
-    trunk_forward(m, a, 1, T, 0);
-    op_matmul_forward(logits, a->xf + (size_t)(T - 1) * m->E, model_lm_head(m), 1, m->E, m->V);
+    trunk_forward(m, a, 1, T, 0, NULL);
+    const float *last = trunk_output(m, a, 0) + (size_t)(T - 1) * m->E;
+    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, m->L + 1) + m->head_out_norm, 1, m->E, RMS_EPS);
+    op_matmul_forward(logits, a->xf, model_lm_head(m), 1, m->E, m->V);
 }
 
 double model_flops_per_token(const ModelConfig *c, int T) {

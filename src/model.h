@@ -32,8 +32,22 @@ typedef struct {
     size_t head_out_norm, head_lm;  /* offsets inside the head unit; head_lm unused if tied */
     size_t n_params;                /* real parameters */
     size_t n_flat;                  /* flat buffer length incl. padding */
-    float *params, *grads;
+    float *params, *grads;          /* the flat buffers, when this process holds them whole */
+    /* Where each unit's parameters and gradients are now. The model reads only these, so a
+     * parallel strategy can point a unit at a gathered copy (FSDP) or a gradient slot. */
+    float **uparams, **ugrads;
 } Model;
+
+/* Called by the model at unit boundaries, so that a strategy applied from outside can
+ * gather parameters, start gradient reductions and overlap them with compute. Any hook may
+ * be NULL. `next` is the unit the model will need after this one (-1: none), for prefetch. */
+typedef struct {
+    void *ctx;
+    void (*gather)(void *ctx, int unit, int next);  /* parameters of unit needed from now */
+    void (*release)(void *ctx, int unit);           /* ... no longer needed for now */
+    void (*grad_begin)(void *ctx, int unit);        /* gradient of unit about to accumulate */
+    void (*grad_ready)(void *ctx, int unit);        /* gradient of unit is complete */
+} UnitHooks;
 
 /* One named tensor of the model, for checkpoints, fixtures and printing. */
 typedef struct { char name[64]; size_t offset; int rows, cols; } TensorInfo;
@@ -47,9 +61,13 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);
+/* The same init for unit u alone, into buf (n_padded floats, padding zeroed). */
+void model_init_unit(const Model *m, int u, float *buf, uint64_t seed);
 
-static inline float *unit_params(const Model *m, int u) { return m->params + m->units[u].offset; }
-static inline float *unit_grads(const Model *m, int u) { return m->grads + m->units[u].offset; }
+static inline float *unit_params(const Model *m, int u) { return m->uparams[u]; }
+static inline float *unit_grads(const Model *m, int u) { return m->ugrads[u]; }
+/* Points every unit at its slice of the flat buffers params/grads (either may be NULL). */
+void model_point_units(Model *m, float *params, float *grads);
 static inline const float *model_lm_head(const Model *m) {
     return m->c.tie_embeddings ? unit_params(m, 0) : unit_params(m, m->L + 1) + m->head_lm;
 }
@@ -78,7 +96,7 @@ void acts_free(Acts *a);
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is
  * that of the mean loss times grad_scale). */
-float model_step(Model *m, Acts *a, int grad, float grad_scale);
+float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
 /* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only. */
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);
 /* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU. */

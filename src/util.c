@@ -15,10 +15,14 @@
 #include <time.h>
 #include <unistd.h>
 
+static int g_rank, g_world = 1;
+void set_log_rank(int rank, int world) { g_rank = rank; g_world = world; }
+
 void die(int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fputs("meshtrain: ", stderr);
+    if (g_world > 1) fprintf(stderr, "rank %d: ", g_rank);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);

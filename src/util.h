@@ -7,8 +7,11 @@
 /* Exit codes: 2 for bad input (config, files, shapes), 1 for a failure during a run. */
 enum { EXIT_BAD_INPUT = 2, EXIT_RUN_FAILURE = 1 };
 
-/* Prints "meshtrain: <message>" on stderr and exits with `code`. */
+/* Prints "meshtrain: <message>" on stderr (with "rank R: " when there are several ranks)
+ * and exits with `code`. */
 _Noreturn void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+void set_log_rank(int rank, int world);
 
 /* Error reporting for library-style code: formats into a caller's buffer and returns -1. */
 int set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

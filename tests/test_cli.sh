@@ -72,13 +72,20 @@ out=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20
 out2=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
 [ "$out" = "$out2" ] && ok sample_deterministic || bad sample_deterministic
 
-# -- bad checkpoints
+# -- bad checkpoints: $R/ckpt.bin is the manifest; its one shard is $R/ckpt.bin.s00000030.r0-of-1
 expect_exit 2 "cannot open checkpoint" ckpt_missing -- "$BIN" eval checkpoint="$TMP/none.bin" data_dir="$D"
-head -c 5000 "$R/ckpt.bin" > "$TMP/ck_trunc.bin"
+[ "$(cd "$R" && ls ckpt.bin*)" = "$(printf 'ckpt.bin\nckpt.bin.s00000030.r0-of-1')" ] && ok ckpt_files || bad "ckpt_files ($(ls "$R"))"
+head -c 200 "$R/ckpt.bin" > "$TMP/ck_trunc.bin"
 expect_exit 2 "truncated" ckpt_truncated -- "$BIN" eval checkpoint="$TMP/ck_trunc.bin" data_dir="$D"
-cp "$R/ckpt.bin" "$TMP/ck_flip.bin"
-printf '\x55' | dd of="$TMP/ck_flip.bin" bs=1 seek=4000 conv=notrunc 2>/dev/null
-expect_exit 2 "checksum" ckpt_corrupt -- "$BIN" eval checkpoint="$TMP/ck_flip.bin" data_dir="$D"
+C=$TMP/ck; mkdir -p "$C"; cp "$R"/ckpt.bin "$R"/ckpt.bin.s*.r0-of-1 "$C"/
+SH=$(ls "$C"/ckpt.bin.s*.r0-of-1)
+b=$(od -An -tu1 -j4000 -N1 "$SH" | tr -d ' ')  # a byte of tok_embed, past the shard's range table
+printf "\\$(printf %o $((b ^ 0x55)))" | dd of="$SH" bs=1 seek=4000 conv=notrunc 2>/dev/null
+expect_exit 2 "ckpt.bin.s00000030.r0-of-1 is corrupt \(checksum" ckpt_corrupt -- "$BIN" eval checkpoint="$C/ckpt.bin" data_dir="$D"
+head -c 5000 "$R"/ckpt.bin.s*.r0-of-1 > "$SH"
+expect_exit 2 "shard .* is truncated" ckpt_shard_truncated -- "$BIN" eval checkpoint="$C/ckpt.bin" data_dir="$D"
+rm "$SH"
+expect_exit 2 "shard .*ckpt.bin.s00000030.r0-of-1 is missing" ckpt_shard_missing -- "$BIN" sample checkpoint="$C/ckpt.bin"
 expect_exit 2 "not a meshtrain checkpoint" ckpt_foreign -- "$BIN" sample checkpoint="$D/train.bin"
 expect_exit 2 "embed_dim=64 differs" resume_mismatch -- "$BIN" train resume="$R/ckpt.bin" embed_dim=64 n_heads=2 data_dir="$D" steps=40
 expect_exit 2 "nothing to run" resume_done -- "$BIN" train resume="$R/ckpt.bin" data_dir="$D" steps=30

@@ -87,13 +87,13 @@ static void check_fixture(const char *path) {
     CHECK(a.logit_rows == a.N, "fixture logits fit one chunk");
 
     set_batch(&f, &a, 0);
-    float loss = model_step(&m, &a, 0, 0.0f);
+    float loss = model_step(&m, &a, 0, 0.0f, NULL);
     double le = normwise_err(a.logits, f.logits, (size_t)f.B * f.T * f.V);
     CHECK(le < 1e-4, "%s logits rel err %.3g", path, le);
     CHECK(rel_err(loss, f.loss) < 1e-5, "%s forward loss %.7f vs torch %.7f", path, loss, f.loss);
 
     memset(m.grads, 0, m.n_flat * 4);
-    loss = model_step(&m, &a, 1, 1.0f);
+    loss = model_step(&m, &a, 1, 1.0f, NULL);
     CHECK(rel_err(loss, f.loss) < 1e-5, "%s loss %.7f vs torch %.7f", path, loss, f.loss);
     float *want = xaligned_alloc(m.n_flat * 4);
     scatter(&m, want, f.grads);
@@ -118,7 +118,7 @@ static void check_fixture(const char *path) {
     for (int s = 0; s < f.n_steps; s++) {
         set_batch(&f, &a, s);
         memset(m.grads, 0, m.n_flat * 4);
-        float l = model_step(&m, &a, 1, 1.0f);
+        float l = model_step(&m, &a, 1, 1.0f, NULL);
         CHECK(rel_err(l, f.step_losses[s]) < 1e-4, "%s step %d loss %.7f vs torch %.7f", path, s + 1, l,
               f.step_losses[s]);
         double norm = grad_norm(m.grads, m.n_flat);

@@ -1,0 +1,361 @@
+#include "comm.h"
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "util.h"
+
+static int g_mpi;            /* MPI initialised by us */
+static double g_timeout;     /* seconds; 0 = forever */
+static int g_world_rank;
+
+/* The MPI communicator and a count of the collectives started on it: every rank starts
+ * them in the same order, so the count gives each one its own message tag. */
+typedef struct { MPI_Comm mc; unsigned seq; } CommImpl;
+static MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
+
+int comm_using_mpi(void) { return g_mpi; }
+
+static int launched_by_mpi(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_NTASKS"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return 1;
+    }
+    return 0;
+}
+
+_Noreturn void comm_abort(int code, const char *msg) {
+    fprintf(stderr, "meshtrain: %s\n", msg);
+    fflush(stderr);
+    if (g_mpi) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+static void check(int rc, const Comm *c, const char *what) {
+    if (rc == MPI_SUCCESS) return;
+    char s[MPI_MAX_ERROR_STRING], msg[MPI_MAX_ERROR_STRING + 128];
+    int len = 0;
+    MPI_Error_string(rc, s, &len);
+    snprintf(msg, sizeof msg, "rank %d: %s on group %s failed: %s", g_world_rank, what, c ? c->name : "world", s);
+    comm_abort(EXIT_RUN_FAILURE, msg);
+}
+
+void comm_world_init(Comm *world, double timeout_s) {
+    memset(world, 0, sizeof *world);
+    snprintf(world->name, sizeof world->name, "world");
+    g_timeout = timeout_s;
+    world->size = 1;
+    if (!launched_by_mpi()) return;
+    int provided;
+    if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        die(EXIT_RUN_FAILURE, "MPI_Init failed");
+    g_mpi = 1;
+    CommImpl *ci = xcalloc(1, sizeof *ci);
+    MPI_Comm_dup(MPI_COMM_WORLD, &ci->mc);
+    /* Errors come back to us (and end the job with a message) instead of MPI's own abort. */
+    MPI_Comm_set_errhandler(ci->mc, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(ci->mc, &world->rank);
+    MPI_Comm_size(ci->mc, &world->size);
+    g_world_rank = world->rank;
+    world->impl = world->size > 1 ? ci : NULL;
+    if (!world->impl) { MPI_Comm_free(&ci->mc); free(ci); }
+}
+
+void comm_world_finalize(void) {
+    if (g_mpi) MPI_Finalize();
+    g_mpi = 0;
+}
+
+int comm_local_size(void) {
+    if (!g_mpi) return 1;
+    MPI_Comm local;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+    int n;
+    MPI_Comm_size(local, &n);
+    MPI_Comm_free(&local);
+    return n;
+}
+
+void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out) {
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "%s", name);
+    out->size = 1;
+    if (!parent->impl) return;
+    CommImpl *ci = xcalloc(1, sizeof *ci);
+    check(MPI_Comm_split(mpi(parent), color, key, &ci->mc), parent, "comm split");
+    MPI_Comm_set_errhandler(ci->mc, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(ci->mc, &out->rank);
+    MPI_Comm_size(ci->mc, &out->size);
+    if (out->size > 1) out->impl = ci;
+    else { MPI_Comm_free(&ci->mc); free(ci); }
+}
+
+void comm_free(Comm *c) {
+    if (c->impl) {
+        MPI_Comm_free(&((CommImpl *)c->impl)->mc);
+        free(c->impl);
+    }
+    c->impl = NULL;
+}
+
+
+/* Counts travel as int. */
+static int count_of(size_t n, const Comm *c, const char *what) {
+    if (n > (size_t)0x7fffffff) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "rank %d: %s of %zu elements on group %s exceeds MPI's count limit", g_world_rank,
+                 what, n, c->name);
+        comm_abort(EXIT_RUN_FAILURE, msg);
+    }
+    return (int)n;
+}
+
+#define CHUNK ((size_t)1 << 18)  /* floats per message: 1 MiB */
+enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER };
+
+static size_t blk_lo(const CommReq *r, int b) { return (size_t)b * r->n; }
+static size_t blk_len(const CommReq *r, int b) {
+    size_t lo = blk_lo(r, b);
+    return lo >= r->total ? 0 : (r->total - lo < r->n ? r->total - lo : r->n);
+}
+static size_t n_chunks(size_t len) { return (len + CHUNK - 1) / CHUNK; }
+static int mod(int a, int d) { return ((a % d) + d) % d; }
+
+/* Blocks this rank sends and receives at `step` of the phase: reduce-scatter (phase 0)
+ * moves partial sums to the right until rank b holds block b; all-gather (phase 1) then
+ * passes the finished blocks around the ring. */
+static void ring_blocks(const CommReq *r, int *sb, int *rb) {
+    int R = r->c->rank, D = r->c->size;
+    if (r->phase == 0) { *sb = mod(R - r->step - 1, D); *rb = mod(R - r->step - 2, D); }
+    else { *sb = mod(R - r->step, D); *rb = mod(R - r->step - 1, D); }
+}
+
+/* Every collective in flight. A ring moves only when its rank posts the next chunk, so
+ * waiting on one must also move all the others: a peer may be waiting on another one. */
+#define MAX_ACTIVE 1024
+static CommReq *g_active[MAX_ACTIVE];
+static int g_n_active;
+
+static void track(CommReq *r) {
+    if (g_n_active == MAX_ACTIVE) comm_abort(EXIT_RUN_FAILURE, "internal: too many collectives in flight");
+    g_active[g_n_active++] = r;
+}
+
+static void untrack(CommReq *r) {
+    for (int i = 0; i < g_n_active; i++)
+        if (g_active[i] == r) { g_active[i] = g_active[--g_n_active]; return; }
+}
+
+static void req_begin(const Comm *c, CommReq *r, int kind, float *buf, float *out, size_t n, size_t total, CommOp op,
+                      const char *what) {
+    memset(r, 0, sizeof *r);
+    r->c = c; r->kind = kind; r->buf = buf; r->out = out; r->n = n; r->total = total; r->what = what;
+    r->avg = op == COMM_AVG;
+    r->phase = kind == K_ALLGATHER ? 1 : 0;
+    r->active = 1;
+    if (!c->impl) return;
+    CommImpl *ci = c->impl;
+    r->tag = (int)(ci->seq++ % 30000u) + 1;
+    track(r);
+    r->sreq = xmalloc(sizeof(MPI_Request));
+    r->rreq = xmalloc(sizeof(MPI_Request));
+    if (r->phase == 0) r->stage = xmalloc(CHUNK * sizeof(float));
+}
+
+static void scale_block(CommReq *r, int b) {
+    float s = 1.0f / (float)r->c->size, *p = r->buf + blk_lo(r, b);
+    for (size_t i = 0, len = blk_len(r, b); i < len; i++) p[i] *= s;
+}
+
+static void req_end(CommReq *r) {
+    if (r->c->impl) {
+        int R = r->c->rank;
+        if (r->kind == K_REDUCE_SCATTER) {
+            if (r->avg) scale_block(r, R);
+            if (r->out != r->buf + blk_lo(r, R)) memcpy(r->out, r->buf + blk_lo(r, R), r->n * sizeof(float));
+        }
+    } else if (r->kind == K_REDUCE_SCATTER && r->out != r->buf) {
+        memcpy(r->out, r->buf, r->n * sizeof(float));
+    }
+    if (r->sreq) untrack(r);
+    free(r->stage); free(r->sreq); free(r->rreq);
+    r->stage = NULL; r->sreq = r->rreq = NULL;
+    r->active = 0;
+}
+
+/* Posts the messages of the current chunk, or moves to the next step or phase; returns 1
+ * when the collective is complete. */
+static int ring_post(CommReq *r) {
+    int D = r->c->size, R = r->c->rank;
+    for (;;) {
+        int sb, rb;
+        ring_blocks(r, &sb, &rb);
+        size_t ns = n_chunks(blk_len(r, sb)), nr = n_chunks(blk_len(r, rb));
+        if ((size_t)r->chunk < (ns > nr ? ns : nr)) break;
+        r->chunk = 0;
+        if (++r->step < D - 1) continue;
+        if (r->phase == 1 || r->kind == K_REDUCE_SCATTER) return 1;
+        if (r->avg) scale_block(r, R);  /* all-reduce: the finished block, before it travels */
+        r->phase = 1;
+        r->step = 0;
+    }
+    int sb, rb;
+    ring_blocks(r, &sb, &rb);
+    size_t c0 = (size_t)r->chunk * CHUNK, sl = blk_len(r, sb), rl = blk_len(r, rb);
+    size_t slen = c0 < sl ? (sl - c0 < CHUNK ? sl - c0 : CHUNK) : 0, rlen = c0 < rl ? (rl - c0 < CHUNK ? rl - c0 : CHUNK) : 0;
+    float *rdst = r->phase == 0 ? r->stage : r->buf + blk_lo(r, rb) + c0;
+    check(MPI_Isend(r->buf + blk_lo(r, sb) + c0, (int)slen, MPI_FLOAT, mod(R + 1, D), r->tag, mpi(r->c), r->sreq),
+          r->c, r->what);
+    check(MPI_Irecv(rdst, (int)rlen, MPI_FLOAT, mod(R - 1, D), r->tag, mpi(r->c), r->rreq), r->c, r->what);
+    r->posted = 1;
+    return 0;
+}
+
+static int ring_advance(CommReq *r);
+
+int comm_test(CommReq *r) {
+    if (!r->active) return 1;
+    if (!r->c->impl) { req_end(r); return 1; }
+    for (int i = g_n_active - 1; i >= 0; i--)
+        if (i < g_n_active && g_active[i] != r) ring_advance(g_active[i]);
+    return ring_advance(r);
+}
+
+static int ring_advance(CommReq *r) {
+    if (!r->active) return 1;
+    for (;;) {
+        if (r->posted) {
+            int ds = 0, dr = 0;
+            check(MPI_Test(r->sreq, &ds, MPI_STATUS_IGNORE), r->c, r->what);
+            check(MPI_Test(r->rreq, &dr, MPI_STATUS_IGNORE), r->c, r->what);
+            if (!ds || !dr) return 0;
+            if (r->phase == 0) {  /* add the received partial sums into our copy */
+                int sb, rb;
+                ring_blocks(r, &sb, &rb);
+                size_t c0 = (size_t)r->chunk * CHUNK, rl = blk_len(r, rb);
+                size_t len = c0 < rl ? (rl - c0 < CHUNK ? rl - c0 : CHUNK) : 0;
+                float *dst = r->buf + blk_lo(r, rb) + c0;
+                for (size_t i = 0; i < len; i++) dst[i] += r->stage[i];
+            }
+            r->posted = 0;
+            r->chunk++;
+        }
+        if (ring_post(r)) { req_end(r); return 1; }
+    }
+}
+
+void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r, const char *what) {
+    size_t D = (size_t)c->size;
+    req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, op, what);
+    comm_test(r);
+}
+
+void comm_ireduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op, CommReq *r,
+                          const char *what) {
+    req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, op, what);
+    comm_test(r);
+}
+
+void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char *what) {
+    req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, COMM_SUM, what);
+    comm_test(r);
+}
+
+/* Polls so a lost peer ends the run after g_timeout seconds instead of hanging. */
+void comm_wait(CommReq *r) {
+    if (!r->active) return;
+    double t0 = now_seconds();
+    for (long spins = 0;; spins++) {
+        if (comm_test(r)) return;
+        if (spins > 1000) {
+            struct timespec ts = {0, 20000};  /* 20 us: don't starve the other ranks' cores */
+            nanosleep(&ts, NULL);
+        }
+        if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "rank %d: %s on group %s did not complete within %.0f s: a peer rank died "
+                     "or hangs; aborting the job", g_world_rank, r->what, r->c->name, g_timeout);
+            comm_abort(EXIT_RUN_FAILURE, msg);
+        }
+    }
+}
+
+/* Waits for a plain MPI request with the same bound. */
+static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
+    check(rc, c, what);
+    double t0 = now_seconds();
+    for (long spins = 0;; spins++) {
+        int done = 0;
+        check(MPI_Test(q, &done, MPI_STATUS_IGNORE), c, what);
+        if (done) break;
+        if (spins > 1000) {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+        if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "rank %d: %s on group %s did not complete within %.0f s: a peer rank died "
+                     "or hangs; aborting the job", g_world_rank, what, c->name, g_timeout);
+            comm_abort(EXIT_RUN_FAILURE, msg);
+        }
+    }
+    free(q);
+}
+
+void comm_allreduce(const Comm *c, float *buf, size_t n, CommOp op) {
+    CommReq r;
+    comm_iallreduce(c, buf, n, op, &r, "all-reduce");
+    comm_wait(&r);
+}
+
+void comm_allreduce_double(const Comm *c, double *buf, size_t n) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, c, "all-reduce"), MPI_DOUBLE, MPI_SUM, mpi(c), q), q,
+             "all-reduce");
+}
+
+void comm_allreduce_max_int(const Comm *c, int *buf, size_t n) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, c, "all-reduce"), MPI_INT, MPI_MAX, mpi(c), q), q,
+             "all-reduce");
+}
+
+void comm_reduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op) {
+    CommReq r;
+    comm_ireduce_scatter(c, send, recv, recv_n, op, &r, "reduce-scatter");
+    comm_wait(&r);
+}
+
+void comm_allgather(const Comm *c, float *buf, size_t n) {
+    CommReq r;
+    comm_iallgather(c, buf, n, &r, "all-gather");
+    comm_wait(&r);
+}
+
+void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Ibcast(buf, count_of(bytes, c, "broadcast"), MPI_BYTE, root, mpi(c), q), q, "broadcast");
+}
+
+void comm_send(const Comm *c, const void *buf, size_t bytes, int peer, int tag) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Isend(buf, count_of(bytes, c, "send"), MPI_BYTE, peer, tag, mpi(c), q), q, "send");
+}
+
+void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Irecv(buf, count_of(bytes, c, "recv"), MPI_BYTE, peer, tag, mpi(c), q), q, "recv");
+}
+
+void comm_barrier(const Comm *c) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Ibarrier(mpi(c), q), q, "barrier");
+}

@@ -1,0 +1,71 @@
+/* comm — collectives on groups of ranks, on flat buffers. Backends: MPI for CPU ranks,
+ * and a built-in one for a group of one process (no MPI call at all, so a plain
+ * `meshtrain train` needs no launcher). The NCCL backend (part 3) fits the same calls:
+ * a CommReq then wraps a CUDA event on the communication stream instead of an MPI request.
+ *
+ * Every wait is bounded: a collective that does not complete within comm_timeout seconds
+ * (a peer rank died or hangs) ends this rank with a one-line message and aborts the job,
+ * instead of hanging forever. */
+#ifndef MESHTRAIN_COMM_H
+#define MESHTRAIN_COMM_H
+#include <stddef.h>
+
+typedef enum { COMM_SUM, COMM_AVG } CommOp;
+
+typedef struct {
+    int rank, size;
+    void *impl;        /* MPI_Comm* for the MPI backend; NULL for a group of one */
+    char name[16];     /* "world", "dp", "shard", ... for messages */
+} Comm;
+
+/* A collective in flight: a ring algorithm over point-to-point messages, moved along
+ * chunk by chunk by comm_test / comm_wait (so a fixed staging buffer is all the memory it
+ * needs, on every rank alike, and every rank ends with bitwise the same result). */
+typedef struct {
+    const Comm *c;
+    int kind, phase, step, chunk, posted, active, avg;
+    float *buf, *out, *stage;
+    size_t n, total;   /* block length; total length of buf */
+    int tag;
+    void *sreq, *rreq; /* MPI_Request* */
+    const char *what;  /* for timeout messages */
+} CommReq;
+
+/* Starts the world: MPI when this process was started by a launcher (mpirun, srun; it
+ * looks at OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK and SLURM_NTASKS), else a world of
+ * one. timeout_s bounds every wait (0 = forever). */
+void comm_world_init(Comm *world, double timeout_s);
+void comm_world_finalize(void);
+int comm_using_mpi(void);
+/* Hostname-local rank and size (for hybrid sharding's default group size). */
+int comm_local_size(void);
+
+/* Sub-group of the ranks with the same color, ordered by key (MPI_Comm_split). */
+void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out);
+void comm_free(Comm *c);
+
+/* Non-blocking collectives; in place where it says so. */
+void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r, const char *what);
+/* send holds size * recv_n floats; rank i receives block i (reduced) into recv. send is
+ * used as scratch: its contents are undefined afterwards. */
+void comm_ireduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op, CommReq *r,
+                          const char *what);
+/* In place: buf holds size * n floats, this rank's block at rank * n; every block is filled. */
+void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char *what);
+/* Returns 1 when done (and completes it), 0 if still in flight. Drives MPI progress. */
+int comm_test(CommReq *r);
+void comm_wait(CommReq *r);
+
+/* Blocking forms. */
+void comm_allreduce(const Comm *c, float *buf, size_t n, CommOp op);
+void comm_allreduce_double(const Comm *c, double *buf, size_t n);  /* sum */
+void comm_allreduce_max_int(const Comm *c, int *buf, size_t n);
+void comm_reduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op);
+void comm_allgather(const Comm *c, float *buf, size_t n);
+void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root);
+void comm_send(const Comm *c, const void *buf, size_t bytes, int peer, int tag);
+void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag);
+void comm_barrier(const Comm *c);
+/* Ends every rank of the job (MPI_Abort) after printing msg; exit code `code`. */
+_Noreturn void comm_abort(int code, const char *msg);
+#endif

@@ -1,0 +1,80 @@
+/* FSDP (ZeRO-3, shard_strategy=full) and hybrid FSDP (shard_strategy=hybrid).
+ * Each rank keeps only its shard of every unit's parameters, gradients and moments. A
+ * unit is all-gathered into a slot just before its forward, released right after, and
+ * gathered again before its backward; while one unit computes, the next one's gather is
+ * already in flight (prefetch). Gradients go through ZeRO-2's slots: accumulated per unit,
+ * reduce-scattered into the shard as soon as the unit's backward ends. Hybrid shards
+ * inside a group (a node) and all-reduces the gradient shards across the groups. */
+#include <string.h>
+#include "parallel_impl.h"
+#include "util.h"
+
+static Slot *slot_of(Parallel *p, int u) {
+    for (int i = 0; i < N_SLOTS; i++)
+        if (p->pslots[i].unit == u) return &p->pslots[i];
+    return NULL;
+}
+
+static int pslot_free(Parallel *p, Slot *s) {
+    (void)p;
+    return s->unit < 0;
+}
+
+/* Starts gathering unit u into a free slot; NULL when every slot that fits is taken. */
+static Slot *start_gather(Parallel *p, int u) {
+    Slot *s = par_find_slot(p, p->pslots, u, pslot_free);
+    if (!s) return NULL;
+    s->unit = u;
+    size_t n = shard_len(p, u);
+    memcpy(s->buf + (size_t)p->r * n, p->pshard + shard_off(p, u), n * sizeof(float));
+    comm_iallgather(p->group, s->buf, n, &s->req, "parameter all-gather");
+    return s;
+}
+
+static void fsdp_gather(void *ctx, int u, int next) {
+    Parallel *p = ctx;
+    Slot *s = slot_of(p, u);
+    if (!s && !(s = start_gather(p, u))) die(EXIT_RUN_FAILURE, "internal: no free parameter slot for unit %d", u);
+    par_wait(p, &s->req);
+    p->refs[u]++;
+    p->m->uparams[u] = s->buf;
+    if (next >= 0 && !slot_of(p, next)) {
+        Slot *q = start_gather(p, next);
+        if (q && !p->overlap) par_wait(p, &q->req);
+    }
+    par_progress(p);
+}
+
+static void fsdp_release(void *ctx, int u) {
+    Parallel *p = ctx;
+    if (--p->refs[u] > 0) return;
+    Slot *s = slot_of(p, u);
+    if (s) s->unit = -1;
+    p->m->uparams[u] = NULL;
+}
+
+/* Prefetched copies become stale once the optimizer steps: drop them between steps. */
+void fsdp_drop_prefetch(Parallel *p) {
+    for (int i = 0; i < N_SLOTS; i++) {
+        Slot *s = &p->pslots[i];
+        if (s->unit >= 0 && p->refs[s->unit] == 0) {
+            par_wait(p, &s->req);
+            s->unit = -1;
+        }
+    }
+}
+
+void fsdp_setup(Parallel *p) {
+    size_t shard = p->n_shard * sizeof(float);
+    p->pshard = xaligned_alloc(shard);
+    p->gshard = xaligned_alloc(shard);
+    p->mom1 = xaligned_alloc(shard);
+    p->mom2 = xaligned_alloc(shard);
+    par_alloc_slots(p, p->pslots);
+    par_alloc_slots(p, p->gslots);
+    model_point_units(p->m, NULL, NULL);
+    p->hooks.gather = fsdp_gather;
+    p->hooks.release = fsdp_release;
+    p->hooks.grad_begin = zero2_grad_begin;
+    p->hooks.grad_ready = zero2_grad_ready;
+}

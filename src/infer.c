@@ -1,0 +1,135 @@
+/* infer — the subcommands that use a trained model or only its shape: eval, sample,
+ * estimate. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "checkpoint.h"
+#include "commands.h"
+#include "estimate.h"
+#include "ops.h"
+#include "run.h"
+#include "tokenizer.h"
+#include "util.h"
+
+/* Builds a model from a checkpoint's config and loads its parameters. */
+static void load_model(const char *path, Model *m, CkptHeader *h) {
+    char err[1024];
+    if (ckpt_read_header(path, h, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    ModelConfig mc;
+    ckpt_model_config(h, &mc);
+    model_init_layout(m, &mc, 1, 1);
+    if (ckpt_load(path, h, m, NULL, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+}
+
+int cmd_eval(Config *c) {
+    Model m;
+    CkptHeader h;
+    ops_init(c->threads);
+    load_model(c->checkpoint, &m, &h);
+    int T = config_was_set("context_len") ? c->context_len : h.context_len;
+    Shard val;
+    open_shard_or_die(&val, c->val_data, "validation");
+    if (val.vocab_size > h.vocab_size)
+        die(EXIT_BAD_INPUT, "%s holds a %d-token vocabulary; the model has %d", c->val_data, val.vocab_size,
+            h.vocab_size);
+    size_t windows = shard_windows(&val, T);
+    int B = (int)(windows < (size_t)c->batch_size ? windows : (size_t)c->batch_size);
+    if (B < 1) die(EXIT_BAD_INPUT, "validation data %s is shorter than context_len=%d", c->val_data, T);
+    Acts a;
+    acts_alloc(&a, &m, B, T, 0);
+    double loss = evaluate(&m, &a, &val, c->val_batches, 0, 1, NULL);
+    size_t batches = windows / (size_t)B < (size_t)c->val_batches ? windows / (size_t)B : (size_t)c->val_batches;
+    printf("val_loss %.4f  (%s, step %d, %zu batches of %d x %d tokens from %s)\n", loss, c->checkpoint, h.step,
+           batches, B, T, c->val_data);
+    acts_free(&a);
+    shard_close(&val);
+    model_free(&m);
+    return 0;
+}
+
+int cmd_sample(Config *c) {
+    char err[1024];
+    char enc[1100], bpe[1100];
+    snprintf(enc, sizeof enc, "%s/encoder.json", c->tokenizer_dir);
+    snprintf(bpe, sizeof bpe, "%s/vocab.bpe", c->tokenizer_dir);
+    Tokenizer *tok = tokenizer_load(enc, bpe, err, sizeof err);
+    if (!tok) die(EXIT_BAD_INPUT, "%s", err);
+    Model m;
+    CkptHeader h;
+    ops_init(c->threads);
+    load_model(c->checkpoint, &m, &h);
+    if (h.vocab_size != tokenizer_vocab_size(tok))
+        die(EXIT_BAD_INPUT, "checkpoint %s has vocab_size=%d; the GPT-2 tokenizer has %d", c->checkpoint,
+            h.vocab_size, tokenizer_vocab_size(tok));
+    TokenBuf ids = {0};
+    if (tokenizer_encode_special(tok, c->prompt, strlen(c->prompt), &ids, err, sizeof err))
+        die(EXIT_BAD_INPUT, "%s", err);
+    /* A story begins after <|endoftext|>, as in training. */
+    int T = h.context_len, V = h.vocab_size;
+    int *ctx = xmalloc(((size_t)ids.n + c->length + 1) * sizeof(int));
+    int n = 0;
+    ctx[n++] = TOKEN_EOT;
+    for (size_t i = 0; i < ids.n; i++) ctx[n++] = ids.ids[i];
+    Acts a;
+    acts_alloc(&a, &m, 1, T, 0);
+    float *logits = xmalloc((size_t)V * sizeof(float));
+    float *probs = xmalloc((size_t)V * sizeof(float));
+    int *idx = xmalloc((size_t)V * sizeof(int));
+    Rng r;
+    rng_seed(&r, (uint64_t)c->seed);
+    fwrite(c->prompt, 1, strlen(c->prompt), stdout);
+    fflush(stdout);
+    for (int g = 0; g < c->length; g++) {
+        int start = n > T ? n - T : 0;
+        model_last_logits(&m, &a, ctx + start, n - start, logits);
+        int next = 0;
+        if (c->temperature <= 0) {
+            for (int v = 1; v < V; v++) if (logits[v] > logits[next]) next = v;
+        } else {
+            /* top-k by partial selection, then softmax at the temperature. */
+            int k = c->top_k > 0 && c->top_k < V ? c->top_k : V;
+            for (int v = 0; v < V; v++) idx[v] = v;
+            for (int i = 0; i < k && k < V; i++) {
+                int best = i;
+                for (int j = i + 1; j < V; j++) if (logits[idx[j]] > logits[idx[best]]) best = j;
+                int t = idx[i]; idx[i] = idx[best]; idx[best] = t;
+            }
+            float mx = -INFINITY;
+            for (int i = 0; i < k; i++) mx = fmaxf(mx, logits[idx[i]]);
+            double sum = 0;
+            for (int i = 0; i < k; i++) { probs[i] = expf((logits[idx[i]] - mx) / (float)c->temperature); sum += probs[i]; }
+            double u = rng_uniform(&r) * sum, acc = 0;
+            next = idx[k - 1];
+            for (int i = 0; i < k; i++) { acc += probs[i]; if (u < acc) { next = idx[i]; break; } }
+        }
+        if (next == TOKEN_EOT) break;
+        ctx[n++] = next;
+        size_t len;
+        const char *bytes = tokenizer_token_bytes(tok, next, &len);
+        fwrite(bytes, 1, len, stdout);
+        fflush(stdout);
+    }
+    printf("\n");
+    free(idx); free(probs); free(logits); free(ctx);
+    tokenbuf_free(&ids);
+    acts_free(&a);
+    model_free(&m);
+    tokenizer_free(tok);
+    return 0;
+}
+
+int cmd_estimate(Config *c) {
+    ModelConfig mc = model_config_of(c);
+    MemEstimate e;
+    ParallelKind kind = strategy_of(c);
+    int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : c->world_size) : c->world_size;
+    if (c->world_size % group)
+        die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide world_size=%d", group, c->world_size);
+    estimate_memory(&mc, c->batch_size, c->context_len, 1, 0, kind, c->world_size, group, &e);
+    estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : available_memory_bytes();
+    char b1[32];
+    if (avail) printf("fits in %s available: %s\n", fmt_bytes(b1, (double)avail), e.total <= avail ? "yes" : "no");
+    return 0;
+}

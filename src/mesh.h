@@ -1,0 +1,21 @@
+/* mesh — the device mesh: world = pp x dp x tp, ranks ordered with tp fastest, then dp,
+ * then pp. Each rank gets its sub-groups. Hybrid sharding splits dp further into shard
+ * groups of shard_group_size consecutive dp ranks (one node) and replicate groups across
+ * them. One object; nothing else keeps multi-process state. */
+#ifndef MESHTRAIN_MESH_H
+#define MESHTRAIN_MESH_H
+#include "comm.h"
+
+typedef struct {
+    Comm world, dp, tp, pp;
+    Comm shard, replicate;   /* within dp: shard = whole dp unless hybrid */
+    int rank, size;          /* in the world */
+    int dp_size, tp_size, pp_size, shard_size;
+    int dp_rank, tp_rank, pp_rank, shard_rank, replicate_rank;
+} Mesh;
+
+/* world must be initialised; tp * pp must divide its size and shard_group_size (0 = all of
+ * dp) must divide dp. Returns -1 with err on an impossible layout. */
+int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, char *err, size_t errlen);
+void mesh_free(Mesh *m);
+#endif

@@ -1,0 +1,229 @@
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ops.h"
+#include "parallel_impl.h"
+#include "util.h"
+
+const char *parallel_kind_name(ParallelKind k) {
+    static const char *names[] = {"ddp", "zero1", "zero2", "fsdp", "hybrid"};
+    return names[k];
+}
+
+Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) {
+    Parallel *p = xcalloc(1, sizeof *p);
+    for (int i = 0; i < N_SLOTS; i++) p->pslots[i].unit = p->gslots[i].unit = -1;
+    p->kind = kind;
+    p->m = m;
+    p->mesh = mesh;
+    p->overlap = overlap;
+    p->group = kind == PAR_HYBRID ? &mesh->shard : &mesh->dp;
+    p->replicas = kind == PAR_HYBRID ? &mesh->replicate : &mesh->shard;  /* shard == dp: size 1 unless hybrid */
+    if (kind != PAR_HYBRID) p->replicas = NULL;
+    p->D = p->group->size;
+    p->r = p->group->rank;
+    for (int u = 0; u < m->n_units; u++) {
+        if (m->units[u].n_padded % (size_t)p->D)
+            die(EXIT_RUN_FAILURE, "internal: unit %d is not padded to the shard group size %d", u, p->D);
+    }
+    p->n_shard = m->n_flat / (size_t)p->D;
+    p->greq = xcalloc((size_t)m->n_units, sizeof(CommReq));
+    p->rreq = xcalloc((size_t)m->n_units, sizeof(CommReq));
+    p->refs = xcalloc((size_t)m->n_units, sizeof(int));
+    p->grad_open = xcalloc((size_t)m->n_units, 1);
+    p->hooks.ctx = p;
+    switch (kind) {
+    case PAR_DDP: ddp_setup(p); break;
+    case PAR_ZERO1: case PAR_ZERO2: zero_setup(p); break;
+    case PAR_FSDP: case PAR_HYBRID: fsdp_setup(p); break;
+    }
+    return p;
+}
+
+void parallel_free(Parallel *p) {
+    if (!p) return;
+    free(p->params); free(p->grads); free(p->pshard); free(p->gshard); free(p->mom1); free(p->mom2);
+    for (int i = 0; i < N_SLOTS; i++) { free(p->pslots[i].buf); free(p->gslots[i].buf); }
+    free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open);
+    free(p);
+}
+
+const UnitHooks *parallel_hooks(Parallel *p) { return &p->hooks; }
+int parallel_adam_steps(const Parallel *p) { return p->adam_steps; }
+void parallel_set_adam_steps(Parallel *p, int steps) { p->adam_steps = steps; }
+double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
+
+void par_slot_caps(const Model *m, size_t caps[N_SLOTS]) {
+    size_t big = m->units[0].n_padded, layer = m->L > 0 ? m->units[1].n_padded : 0;
+    if (m->units[m->L + 1].n_padded > big) big = m->units[m->L + 1].n_padded;
+    caps[0] = big; caps[1] = layer; caps[2] = layer; caps[3] = m->c.tie_embeddings ? big : 0;
+}
+
+void par_alloc_slots(Parallel *p, Slot *slots) {
+    size_t caps[N_SLOTS];
+    par_slot_caps(p->m, caps);
+    for (int i = 0; i < N_SLOTS; i++) {
+        slots[i].cap = caps[i];
+        slots[i].buf = caps[i] ? xaligned_alloc(caps[i] * sizeof(float)) : NULL;
+        slots[i].unit = -1;
+    }
+}
+
+Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, Slot *)) {
+    Slot *best = NULL;
+    size_t need = p->m->units[u].n_padded;
+    for (int i = 0; i < N_SLOTS; i++)
+        if (slots[i].cap >= need && (!best || slots[i].cap < best->cap) && is_free(p, &slots[i])) best = &slots[i];
+    return best;
+}
+
+void parallel_init_weights(Parallel *p, uint64_t seed) {
+    Model *m = p->m;
+    if (p->params) {
+        for (int u = 0; u < m->n_units; u++) model_init_unit(m, u, p->params + m->units[u].offset, seed);
+        return;
+    }
+    /* FSDP: one unit at a time through the big slot, keeping only this rank's shard. */
+    for (int u = 0; u < m->n_units; u++) {
+        model_init_unit(m, u, p->pslots[0].buf, seed);
+        memcpy(p->pshard + shard_off(p, u), p->pslots[0].buf + (size_t)p->r * shard_len(p, u),
+               shard_len(p, u) * sizeof(float));
+    }
+}
+
+void par_wait(Parallel *p, CommReq *r) {
+    if (!r->active) return;
+    double t0 = now_seconds();
+    comm_wait(r);
+    p->wait_s += now_seconds() - t0;
+}
+
+void par_progress(Parallel *p) {
+    for (int u = 0; u < p->m->n_units; u++) {
+        comm_test(&p->greq[u]);
+        comm_test(&p->rreq[u]);
+    }
+    for (int i = 0; i < N_SLOTS; i++) { comm_test(&p->pslots[i].req); comm_test(&p->gslots[i].req); }
+}
+
+/* A gradient slot is free when it holds nothing, or a unit whose reduction has finished.
+ * A slot still accumulating (tok_embed from the head to the end when tied) is never taken. */
+static int slot_free(Parallel *p, Slot *s) {
+    return s->unit < 0 || (p->grad_open[s->unit] == 2 && comm_test(&s->req));
+}
+
+float *par_grad_slot(Parallel *p, int u) {
+    Slot *slot = par_find_slot(p, p->gslots, u, slot_free);
+    if (!slot) {  /* all busy: wait for the reduction of a slot that fits */
+        size_t need = p->m->units[u].n_padded;
+        for (int i = 0; i < N_SLOTS && !slot; i++) {
+            Slot *s = &p->gslots[i];
+            if (s->cap >= need && s->unit >= 0 && p->grad_open[s->unit] == 2) {
+                par_wait(p, &s->req);
+                slot = s;
+            }
+        }
+    }
+    if (!slot) die(EXIT_RUN_FAILURE, "internal: no free gradient slot for unit %d", u);
+    slot->unit = u;
+    memset(slot->buf, 0, p->m->units[u].n_padded * sizeof(float));
+    return slot->buf;
+}
+
+void par_reduce_scatter_grad(Parallel *p, int u, float *src, CommReq *req) {
+    comm_ireduce_scatter(p->group, src, p->gshard + shard_off(p, u), shard_len(p, u), COMM_AVG, req,
+                         "gradient reduce-scatter");
+    if (!p->overlap) par_wait(p, req);
+}
+
+void parallel_begin_step(Parallel *p) {
+    p->wait_s = 0;
+    if (p->pshard) fsdp_drop_prefetch(p);
+    if (p->grads) memset(p->grads, 0, p->m->n_flat * sizeof(float));
+    memset(p->grad_open, 0, (size_t)p->m->n_units);
+    for (int i = 0; i < N_SLOTS; i++) p->gslots[i].unit = -1;
+}
+
+double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
+    Model *m = p->m;
+    /* Every gradient collective must be done: the gradient is now averaged over dp. */
+    for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
+    for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->gslots[i].req);
+    if (p->replicas)  /* hybrid: average each shard over the replicas too */
+        for (int u = 0; u < m->n_units; u++) {
+            comm_iallreduce(p->replicas, p->gshard + shard_off(p, u), shard_len(p, u), COMM_AVG, &p->rreq[u],
+                            "gradient all-reduce across replicas");
+            if (!p->overlap) par_wait(p, &p->rreq[u]);
+        }
+    for (int u = 0; u < m->n_units; u++) par_wait(p, &p->rreq[u]);
+
+    /* Global norm: the whole gradient is here (DDP), or its shards across the group. */
+    double sumsq;
+    if (p->kind == PAR_DDP) {
+        sumsq = op_sumsq(p->grads, m->n_flat);
+    } else {
+        sumsq = op_sumsq(p->gshard, p->n_shard);
+        comm_allreduce_double(p->group, &sumsq, 1);
+    }
+    double norm = sqrt(sumsq);
+    float scale = clip_scale(oc, norm);
+    double lr = lr_at(oc, p->adam_steps);
+    p->adam_steps++;
+    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
+    if (p->kind == PAR_DDP) {
+        op_adamw(p->params, p->grads, p->mom1, p->mom2, m->n_flat, (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
+    } else if (p->pshard) {
+        op_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
+    } else {
+        /* ZeRO: this rank updates its shard of the whole parameters, then all gather. */
+        for (int u = 0; u < m->n_units; u++) {
+            size_t so = shard_off(p, u);
+            op_adamw(p->params + m->units[u].offset + (size_t)p->r * shard_len(p, u), p->gshard + so, p->mom1 + so,
+                     p->mom2 + so, shard_len(p, u), (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
+        }
+        zero_gather_params(p);
+    }
+    *lr_out = lr;
+    return norm;
+}
+
+int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
+    const Model *m = p->m;
+    int n = 0;
+    /* Hybrid replicas hold the same shards: only the first replica saves them. */
+    if (write && p->replicas && p->replicas->rank != 0) return 0;
+    for (int u = 0; u < m->n_units && n < max; u++) {
+        size_t s = shard_len(p, u), lo = (size_t)p->r * s, hi = lo + s, nu = m->units[u].n;
+        if (hi > nu) hi = nu;
+        int shard_ok = lo < hi;
+        float *base_p = p->params ? p->params + m->units[u].offset : NULL;
+        if (p->kind == PAR_DDP) {
+            /* replicated: each rank saves its even slice; on load every rank needs all */
+            if (write) {
+                if (shard_ok && n < max) out[n++] = (OwnedRange){u, lo, hi, base_p + lo, p->mom1 + m->units[u].offset + lo,
+                                                                 p->mom2 + m->units[u].offset + lo};
+            } else if (n < max) {
+                out[n++] = (OwnedRange){u, 0, nu, base_p, p->mom1 + m->units[u].offset, p->mom2 + m->units[u].offset};
+            }
+            continue;
+        }
+        float *sp = p->pshard ? p->pshard + shard_off(p, u) : base_p + lo;
+        if (shard_ok && n < max)
+            out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 + shard_off(p, u), p->mom2 + shard_off(p, u)};
+        /* ZeRO keeps whole parameters: on load it needs every unit's parameters too. */
+        if (!write && p->params && n < max) out[n++] = (OwnedRange){u, 0, nu, base_p, NULL, NULL};
+    }
+    return n;
+}
+
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D) {
+    size_t full = layout->n_flat * sizeof(float), shard = full / (size_t)D, caps[N_SLOTS], slots = 0;
+    par_slot_caps(layout, caps);
+    for (int i = 0; i < N_SLOTS; i++) slots += caps[i] * sizeof(float);
+    switch (kind) {
+    case PAR_DDP: return (ParallelBytes){full, full, 2 * full};
+    case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard};
+    case PAR_ZERO2: return (ParallelBytes){full, slots + shard, 2 * shard};
+    default: return (ParallelBytes){shard + slots, slots + shard, 2 * shard};
+    }
+}

@@ -1,0 +1,49 @@
+/* parallel — the data-parallel strategies, applied to the model from outside through its
+ * unit hooks and flat units: DDP, ZeRO-1, ZeRO-2, FSDP (ZeRO-3) and hybrid FSDP. One
+ * process is DDP over a group of one. Each strategy lives in its own file (ddp.c, zero.c,
+ * fsdp.c); this file holds what they share: shards, slots, the optimizer step. */
+#ifndef MESHTRAIN_PARALLEL_H
+#define MESHTRAIN_PARALLEL_H
+#include <stddef.h>
+#include <stdint.h>
+#include "mesh.h"
+#include "model.h"
+#include "optim.h"
+
+typedef enum { PAR_DDP, PAR_ZERO1, PAR_ZERO2, PAR_FSDP, PAR_HYBRID } ParallelKind;
+const char *parallel_kind_name(ParallelKind k);
+
+typedef struct Parallel Parallel;
+
+/* Builds the strategy's storage for a model laid out with pad_multiple = the shard group
+ * size (model_init_layout(..., alloc = 0)); points the model's units at it. overlap = 0
+ * waits for every collective as soon as it starts (for measuring what overlap buys). */
+Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap);
+void parallel_free(Parallel *p);
+const UnitHooks *parallel_hooks(Parallel *p);
+
+/* The model's init (model_init_unit), into whatever this rank holds. */
+void parallel_init_weights(Parallel *p, uint64_t seed);
+
+/* Before a step's forward: clears gradients. */
+void parallel_begin_step(Parallel *p);
+/* After the backward: finishes the gradient reductions, computes the global gradient norm,
+ * clips, runs AdamW on what this rank owns, and makes parameters whole again where the
+ * strategy keeps them whole. Returns the norm (before clipping); *lr gets the rate used. */
+double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
+int parallel_adam_steps(const Parallel *p);
+void parallel_set_adam_steps(Parallel *p, int steps);
+/* Seconds this rank spent blocked on gradient collectives in the last step. */
+double parallel_comm_wait(const Parallel *p);
+
+/* What this rank holds, in the model's packed order (for checkpoints): per unit u, the
+ * element range [lo, hi) of u's unpadded parameters and pointers to params, m, v of that
+ * range (each may be NULL). `write` = the disjoint ranges this rank saves; otherwise the
+ * ranges it must fill on load. */
+typedef struct { int unit; size_t lo, hi; float *params, *m, *v; } OwnedRange;
+int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
+
+/* Bytes per rank of parameters, gradients and optimizer state (for the estimate). */
+typedef struct { size_t params, grads, optim; } ParallelBytes;
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size);
+#endif

@@ -1,0 +1,68 @@
+/* Internals shared by parallel.c and the strategy files (ddp.c, zero.c, fsdp.c). */
+#ifndef MESHTRAIN_PARALLEL_IMPL_H
+#define MESHTRAIN_PARALLEL_IMPL_H
+#include "comm.h"
+#include "parallel.h"
+
+/* Units live in slots while gathered (FSDP) or while their gradient accumulates and
+ * drains (ZeRO-2, FSDP). At most two units are live at once (one in use, the next
+ * prefetched or the previous one reducing), and at most one of them is the embedding or
+ * the head; tied embeddings keep tok_embed live from the head to the end of the backward.
+ * So: one slot the size of the largest of tok_embed and the head, two the size of a layer,
+ * and a second big one when tied. */
+#define N_SLOTS 4
+
+typedef struct {
+    float *buf;
+    size_t cap;     /* floats; 0 = slot not used by this model */
+    int unit;       /* unit held, -1 = free */
+    CommReq req;    /* the collective filling (params) or draining (grads) it */
+} Slot;
+
+struct Parallel {
+    ParallelKind kind;
+    Model *m;
+    Mesh *mesh;
+    const Comm *group;      /* ranks a unit is sharded (or replicated) over */
+    const Comm *replicas;   /* hybrid: the same shard on other nodes; else a group of one */
+    int D, r, overlap;
+    size_t n_shard;
+    float *params, *grads;  /* full flat buffers where the strategy keeps them whole */
+    float *pshard, *gshard; /* this rank's shard of every unit (unit u at offset_u / D) */
+    float *mom1, *mom2;     /* AdamW moments: full (DDP) or over the shard */
+    Slot pslots[N_SLOTS], gslots[N_SLOTS];
+    CommReq *greq, *rreq;   /* per unit: gradient reduction, hybrid replica all-reduce */
+    int *refs;              /* per unit: FSDP gather references */
+    unsigned char *grad_open; /* per unit: gradient slot taken this step */
+    int adam_steps;
+    double wait_s;
+    UnitHooks hooks;
+};
+
+static inline size_t shard_len(const Parallel *p, int u) { return p->m->units[u].n_padded / (size_t)p->D; }
+static inline size_t shard_off(const Parallel *p, int u) { return p->m->units[u].offset / (size_t)p->D; }
+
+/* Capacities of the N_SLOTS slots for this model (0 = unused); allocation of a slot set. */
+void par_slot_caps(const Model *m, size_t caps[N_SLOTS]);
+void par_alloc_slots(Parallel *p, Slot *slots);
+/* The smallest free slot that holds unit u (free: see `is_free`), or NULL. */
+Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, Slot *));
+
+/* Waits on r, counting the time as communication wait. */
+void par_wait(Parallel *p, CommReq *r);
+/* Drives MPI progress of everything in flight (called at unit boundaries). */
+void par_progress(Parallel *p);
+/* Gradient slots (ZeRO-2, FSDP): the slot buffer for unit u's gradient, zeroed. */
+float *par_grad_slot(Parallel *p, int u);
+/* Starts reduce-scattering unit u's gradient from src into this rank's gshard. */
+void par_reduce_scatter_grad(Parallel *p, int u, float *src, CommReq *req);
+
+void ddp_setup(Parallel *p);
+void zero_setup(Parallel *p);
+void zero_gather_params(Parallel *p);
+/* ZeRO-2's gradient hooks (slots + reduce-scatter), FSDP uses them too. */
+void zero2_grad_begin(void *ctx, int u);
+void zero2_grad_ready(void *ctx, int u);
+void fsdp_setup(Parallel *p);
+void fsdp_drop_prefetch(Parallel *p);
+#endif

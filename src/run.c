@@ -1,0 +1,61 @@
+#include "run.h"
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "util.h"
+
+ModelConfig model_config_of(const Config *c) {
+    return (ModelConfig){c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
+}
+
+ParallelKind strategy_of(const Config *c) {
+    if (c->fsdp) {
+        if (!strcmp(c->shard_strategy, "no")) return PAR_DDP;
+        if (!strcmp(c->shard_strategy, "grad_op")) return PAR_ZERO2;
+        if (!strcmp(c->shard_strategy, "hybrid")) return PAR_HYBRID;
+        return PAR_FSDP;
+    }
+    return c->zero_opt ? PAR_ZERO1 : PAR_DDP;
+}
+
+void mkdir_p(const char *dir) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", dir);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') { *p = 0; mkdir(buf, 0755); *p = '/'; }
+    mkdir(buf, 0755);
+}
+
+void mkdir_parent(const char *path) {
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", path);
+    char *s = strrchr(buf, '/');
+    if (s && s != buf) { *s = 0; mkdir_p(buf); }
+}
+
+void open_shard_or_die(Shard *s, const char *path, const char *what) {
+    char err[512];
+    if (shard_open(s, path, err, sizeof err)) {
+        if (access(path, F_OK) != 0)
+            die(EXIT_BAD_INPUT, "%s data %s not found (run 'meshtrain prepare' or 'make data' first)", what, path);
+        die(EXIT_BAD_INPUT, "%s", err);
+    }
+}
+
+size_t shard_windows(const Shard *s, int T) { return s->n_tokens > 1 ? (s->n_tokens - 1) / (size_t)T : 0; }
+
+double evaluate(Model *m, Acts *a, const Shard *val, int max_batches, int rank, int world, const UnitHooks *hooks) {
+    Loader l;
+    char err[256];
+    if (loader_init(&l, val, a->B, a->T, rank, world, 0, 0, err, sizeof err)) return NAN;
+    int n = (int)(l.batches_per_epoch < (size_t)max_batches ? l.batches_per_epoch : (size_t)max_batches);
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        loader_next(&l, a->inputs, a->targets);
+        sum += model_step(m, a, 0, 0.0f, hooks);
+    }
+    loader_free(&l);
+    return sum / n;
+}

@@ -1,0 +1,21 @@
+/* run — what the subcommands that run the model share (train.c, infer.c). */
+#ifndef MESHTRAIN_RUN_H
+#define MESHTRAIN_RUN_H
+#include "config.h"
+#include "data.h"
+#include "model.h"
+#include "parallel.h"
+
+ModelConfig model_config_of(const Config *c);
+/* The data-parallel strategy the keys ask for (fsdp, shard_strategy, zero_opt). */
+ParallelKind strategy_of(const Config *c);
+void mkdir_p(const char *dir);
+void mkdir_parent(const char *path);
+/* Opens a shard or exits 2 with a line that says how to make it. */
+void open_shard_or_die(Shard *s, const char *path, const char *what);
+/* Windows of T+1 tokens in a shard. */
+size_t shard_windows(const Shard *s, int T);
+/* Mean loss of the first max_batches global batches of the validation shard, rank r of w
+ * taking its slice of each (the caller averages over ranks). hooks may be NULL. */
+double evaluate(Model *m, Acts *a, const Shard *val, int max_batches, int rank, int world, const UnitHooks *hooks);
+#endif

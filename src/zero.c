@@ -1,0 +1,59 @@
+/* ZeRO-1 and ZeRO-2: every rank holds the whole parameters, but AdamW's moments only for
+ * its shard of each unit. A unit's gradient is reduce-scattered (averaged) as soon as its
+ * backward ends; each rank updates its shard; the parameters are then all-gathered.
+ * ZeRO-1 keeps a whole gradient buffer; ZeRO-2 (shard_strategy=grad_op) accumulates a
+ * unit's gradient in a slot that is reused once its reduce-scatter has drained it, so the
+ * whole gradient never exists on one rank. */
+#include <string.h>
+#include "parallel_impl.h"
+#include "util.h"
+
+static void zero1_grad_ready(void *ctx, int u) {
+    Parallel *p = ctx;
+    par_reduce_scatter_grad(p, u, p->grads + p->m->units[u].offset, &p->greq[u]);
+    par_progress(p);
+}
+
+void zero2_grad_begin(void *ctx, int u) {
+    Parallel *p = ctx;
+    if (p->grad_open[u]) return;  /* tied tok_embed: opened by the head already */
+    p->grad_open[u] = 1;
+    p->m->ugrads[u] = par_grad_slot(p, u);
+    par_progress(p);
+}
+
+void zero2_grad_ready(void *ctx, int u) {
+    Parallel *p = ctx;
+    for (int i = 0; i < N_SLOTS; i++)
+        if (p->gslots[i].unit == u) par_reduce_scatter_grad(p, u, p->gslots[i].buf, &p->gslots[i].req);
+    p->grad_open[u] = 2;
+    p->m->ugrads[u] = NULL;
+    par_progress(p);
+}
+
+void zero_gather_params(Parallel *p) {
+    for (int u = 0; u < p->m->n_units; u++) {
+        comm_iallgather(p->group, p->params + p->m->units[u].offset, shard_len(p, u), &p->greq[u],
+                        "parameter all-gather");
+        if (!p->overlap) par_wait(p, &p->greq[u]);
+    }
+    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
+}
+
+void zero_setup(Parallel *p) {
+    size_t full = p->m->n_flat * sizeof(float), shard = p->n_shard * sizeof(float);
+    p->params = xaligned_alloc(full);
+    p->gshard = xaligned_alloc(shard);
+    p->mom1 = xaligned_alloc(shard);
+    p->mom2 = xaligned_alloc(shard);
+    if (p->kind == PAR_ZERO1) {
+        p->grads = xaligned_alloc(full);
+        model_point_units(p->m, p->params, p->grads);
+        p->hooks.grad_ready = zero1_grad_ready;
+    } else {
+        par_alloc_slots(p, p->gslots);
+        model_point_units(p->m, p->params, NULL);
+        p->hooks.grad_begin = zero2_grad_begin;
+        p->hooks.grad_ready = zero2_grad_ready;
+    }
+}

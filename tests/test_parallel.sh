@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Data parallelism over MPI on CPU ranks: every strategy follows the single-process run
+# on the same global batch (losses within 1e-5 relative for 5 steps, same final
+# parameters); memory per rank falls as the strategy predicts; checkpoints resume across
+# world sizes and strategies; a lost or hung rank ends the job quickly.
+set -u
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+DIFF=$(dirname "$BIN")/tests/ckpt_diff
+TMP=$(mktemp -d /tmp/meshtrain-par.XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+pass=0; fail=0
+ok()  { pass=$((pass + 1)); echo "ok   $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL $1"; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+# Quiet Open MPI's hints about the network of a container.
+export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
+MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
+
+D=$TMP/data
+head -c 400000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
+"$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "RESULT 0 1"; exit 1; }
+
+losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+# follows REF RUN: every step's loss within 1e-5 relative, and the final parameters
+follows() {
+  local a b
+  a=$(losses "$1"); b=$(losses "$2")
+  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || return 1
+  paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
+  "$DIFF" "$1/ckpt.bin" "$2/ckpt.bin" | awk '{exit !($2 < 1e-5)}'
+}
+
+M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+for tied in false true; do
+  "$BIN" train $M tie_embeddings=$tied batch_size=8 out_dir="$TMP/ref_$tied" >/dev/null
+done
+while IFS='|' read -r name np keys; do
+  for tied in false true; do
+    [ "$tied" = true ] && [ "$np" = 4 ] && [ "$name" != fsdp ] && continue  # tied: fsdp is the case that matters
+    out=$TMP/${name}_${np}_$tied
+    if $MPIRUN -np "$np" "$BIN" train $M tie_embeddings=$tied batch_size=$((8 / np)) $keys out_dir="$out" </dev/null \
+         >"$out.log" 2>&1 && follows "$TMP/ref_$tied" "$out"
+    then ok "${name}_np${np}$([ $tied = true ] && echo _tied)"
+    else bad "${name}_np${np}$([ $tied = true ] && echo _tied) ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+  done
+done <<'CASES'
+ddp|2|
+ddp|4|
+zero1|2|zero_opt=true
+zero1|4|zero_opt=true
+zero2|2|fsdp=true shard_strategy=grad_op
+zero2|4|fsdp=true shard_strategy=grad_op
+fsdp|2|fsdp=true shard_strategy=full
+fsdp|4|fsdp=true shard_strategy=full
+hybrid|4|fsdp=true shard_strategy=hybrid shard_group_size=2
+ddp_no_overlap|2|overlap=false
+fsdp_no_overlap|2|fsdp=true overlap=false
+CASES
+
+# -- memory per rank falls as each strategy predicts, and the estimate stays within 10%
+# of every rank's max RSS (a model whose state, not the runtime, dominates).
+B="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 batch_size=2 steps=2 progress=false threads=1 data_dir=$D"
+prev=""
+for s in "ddp|" "zero1|zero_opt=true" "zero2|fsdp=true shard_strategy=grad_op" "fsdp|fsdp=true"; do
+  name=${s%%|*}; keys=${s#*|}
+  $MPIRUN -np 4 "$BIN" train $B $keys out_dir="$TMP/mem_$name" >/dev/null 2>&1
+  line=$(grep '"done"' "$TMP/mem_$name/log.jsonl")
+  mx=$(echo "$line" | grep -o '"max_rss_bytes":[0-9]*' | cut -d: -f2)
+  mn=$(echo "$line" | grep -o '"min_rss_bytes":[0-9]*' | cut -d: -f2)
+  est=$(echo "$line" | grep -o '"estimate_bytes":[0-9]*' | cut -d: -f2)
+  if [ -n "$mx" ] && awk -v a="$mx" -v b="$mn" -v e="$est" 'BEGIN{d1=(e-a)/a; d2=(e-b)/b; if(d1<0)d1=-d1; if(d2<0)d2=-d2; exit !(d1<0.1 && d2<0.1)}'
+  then ok "mem_estimate_$name (rss $mn..$mx, estimate $est)"; else bad "mem_estimate_$name (rss $mn..$mx, estimate $est)"; fi
+  if [ -n "$prev" ]; then
+    awk -v a="$mx" -v p="$prev" 'BEGIN{exit !(a < p)}' && ok "mem_falls_$name ($mx < $prev)" || bad "mem_falls_$name ($mx vs $prev)"
+  fi
+  prev=$mx
+done
+
+# -- resume across world sizes and strategies: 2 ranks of FSDP die after the step-3
+# checkpoint; 4 ranks of DDP (batch 1 each: the same global batch) and one process of
+# ZeRO-free training each finish the run; both follow the uninterrupted run.
+R="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 data_dir=$D"
+"$BIN" train $R batch_size=4 out_dir="$TMP/straight" >/dev/null
+MESHTRAIN_FAULT_NAN_STEP=4 $MPIRUN -np 2 "$BIN" train $R batch_size=2 fsdp=true ckpt_every=3 out_dir="$TMP/cut" >/dev/null 2>&1
+for target in "4|batch_size=1" "1|batch_size=4" "2|batch_size=2 zero_opt=true"; do
+  np=${target%%|*}; keys=${target#*|}
+  out=$TMP/resume_$np
+  rm -rf "$out"; mkdir -p "$out"; cp "$TMP"/cut/ckpt.bin* "$out/"
+  if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
+  "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 >"$out.log" 2>&1
+  a=$(losses "$TMP/straight" | tail -3); b=$(losses "$out" | tail -3)
+  if [ "$(echo "$b" | wc -l)" -eq 3 ] && paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' \
+     && "$DIFF" "$TMP/straight/ckpt.bin" "$out/ckpt.bin" | awk '{exit !($2 < 1e-5)}'
+  then ok "resume_fsdp2_on_${np}_ranks ($keys)"; else bad "resume_fsdp2_on_${np}_ranks ($(tail -1 "$out.log"))"; fi
+done
+# a checkpoint missing one rank's shard names the shard
+out=$TMP/missing; mkdir -p "$out"; cp "$TMP"/cut/ckpt.bin* "$out/"; rm "$out"/ckpt.bin.*r1-of-2
+err=$("$BIN" train resume="$out/ckpt.bin" batch_size=4 out_dir="$out" data_dir="$D" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && echo "$err" | grep -q "r1-of-2" && ok missing_shard_named || bad "missing_shard_named ($rc: $err)"
+
+# -- a rank that dies, or hangs, ends the whole job within seconds, with a line naming it
+t0=$(date +%s)
+out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${R/steps=6/steps=50} batch_size=2 out_dir="$TMP/kill" 2>&1); rc=$?
+t=$(( $(date +%s) - t0 ))
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && echo "$out" | grep -q "rank 1.*signal 9" \
+  && ok "killed_rank_ends_job (${t}s)" || bad "killed_rank_ends_job (exit $rc after ${t}s)"
+t0=$(date +%s)
+out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${R/steps=6/steps=50} batch_size=2 comm_timeout=3 out_dir="$TMP/hang" 2>&1); rc=$?
+t=$(( $(date +%s) - t0 ))
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && echo "$out" | grep -q "did not complete within 3 s" \
+  && ok "hung_rank_times_out (${t}s)" || bad "hung_rank_times_out (exit $rc after ${t}s)"
+
+# -- a world size that does not divide a unit is padded, not refused
+$MPIRUN -np 3 "$BIN" train $M batch_size=2 fsdp=true out_dir="$TMP/np3" >/dev/null 2>&1 \
+  && "$DIFF" "$TMP/ref_false/ckpt.bin" "$TMP/np3/ckpt.bin" >/dev/null && ok world_of_3_pads || bad world_of_3_pads
+echo "RESULT $pass $fail"
