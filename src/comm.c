@@ -282,12 +282,15 @@ void comm_wait(CommReq *r) {
     }
 }
 
-/* Waits for a plain MPI request with the same bound. */
+/* Waits for a plain MPI request with the same bound, moving the rings in flight meanwhile
+ * (a peer may need one of them to move before it can reach this call). */
 static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
     check(rc, c, what);
     double t0 = now_seconds();
     for (long spins = 0;; spins++) {
         int done = 0;
+        for (int i = g_n_active - 1; i >= 0; i--)
+            if (i < g_n_active) ring_advance(g_active[i]);
         check(MPI_Test(q, &done, MPI_STATUS_IGNORE), c, what);
         if (done) break;
         if (spins > 1000) {

@@ -309,6 +309,7 @@ int cmd_train(Config *c) {
     shard_close(&train);
     shard_close(&val);
     mesh_free(&mesh);
+    comm_free(&world);
     comm_world_finalize();
     return 0;
 }
