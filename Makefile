@@ -54,7 +54,7 @@ test: deps
 # Same tests under AddressSanitizer + UndefinedBehaviorSanitizer, in their own build dir.
 test-asan: deps
 	@$(MAKE) --no-print-directory data
-	@$(MAKE) --no-print-directory check-tests BUILD=build-asan OPT=-O1 \
+	@MESHTRAIN_SANITIZED=1 $(MAKE) --no-print-directory check-tests BUILD=build-asan OPT=-O1 \
 	  SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 # The README's train command: a small default model on the mirrored TinyStories text.

@@ -30,10 +30,18 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->runtime = RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->total = e->params + e->grads + e->optim + e->acts + e->logits + e->data + e->runtime;
     model_free(&m);
-    /* The usual formula: weights + grads + Adam = 16 bytes/param, and per layer
-     * s*b*h*(34 + 5*a*s/h) bytes of 16-bit activations (Korthikanti et al.), doubled for fp32. */
+    /* The usual formula (ZeRO paper, fp32): weights + grads + Adam = 16 bytes/param, divided
+     * as the strategy shards them over N ranks, and per layer s*b*h*(34 + 5*a*s/h) bytes of
+     * 16-bit activations (Korthikanti et al.), doubled for fp32. */
+    double P = (double)e->n_params, N = shard_size, w;
+    switch (kind) {
+    case PAR_DDP: w = 16 * P; break;
+    case PAR_ZERO1: w = 8 * P + 8 * P / N; break;
+    case PAR_ZERO2: w = 4 * P + 12 * P / N; break;
+    default: w = 16 * P / N;
+    }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    e->formula = 16.0 * (double)e->n_params + (training ? 2.0 * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
+    e->formula = (training ? w : 4 * P) + (training ? 2.0 * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
 }
 
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {
@@ -48,7 +56,8 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
                            "data (mapped shards)", "runtime (code, threads)"};
     size_t vals[] = {e->params, e->grads, e->optim, e->acts, e->logits, e->data, e->runtime};
     for (int i = 0; i < 7; i++) printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
-    printf("  %-26s %12s   (rule of thumb 16 B/param + activations: %s)\n", "total", fmt_bytes(b1, (double)e->total),
+    printf("  %-26s %12s   (the usual formula, 16 B/param sharded as ZeRO + activations: %s)\n", "total",
+           fmt_bytes(b1, (double)e->total),
            fmt_bytes(b2, e->formula));
 }
 

@@ -121,7 +121,8 @@ E=$TMP/est
 "$BIN" train vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" out_dir="$E" progress=false > "$TMP/est.out"
 rss=$(grep -o '"max_rss_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
 est=$(grep -o '"estimate_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
-if [ -n "$rss" ] && [ -n "$est" ] && awk -v r="$rss" -v e="$est" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(d < 0.10)}'
+if [ -n "${MESHTRAIN_SANITIZED:-}" ]; then :  # ASan's shadow memory: RSS is no measure of the plan
+elif [ -n "$rss" ] && [ -n "$est" ] && awk -v r="$rss" -v e="$est" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(d < 0.10)}'
 then ok "estimate_within_10pct (rss $rss, estimate $est)"; else bad "estimate_within_10pct (rss $rss, estimate $est)"; fi
 
 # -- tokenize round trip through the CLI

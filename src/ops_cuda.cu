@@ -1,0 +1,1065 @@
+/* ops_cuda — the ops of ops.h as CUDA kernels on device pointers, fp32; matmuls through
+ * cuBLASLt in exact fp32 (TF32 only when asked for).
+ *
+ * Written as CUDA C: plain functions and kernels, no classes, templates or std::.
+ * One stream for everything, so ops are ordered without events and the one scratch buffer
+ * can be shared by all ops. Determinism: no float atomics anywhere; every reduction has an
+ * order fixed by the shapes alone (never by the number of SMs), so two runs of the same op
+ * are bitwise equal on any card.
+ *
+ * Where an op is a few separately rounded fp32 operations (rope, adamw, scale, add,
+ * embedding) the kernels use the __f*_rn intrinsics, which nvcc never fuses into FMAs, so
+ * they give bitwise the CPU backend's result (gcc -std=c11 does not contract either).
+ */
+#include "ops_cuda.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* util.h cannot be included in C++ (it uses C11's _Noreturn); die() is its error exit,
+ * which prefixes "meshtrain: " (and the rank when there are several). */
+extern "C" void die(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+
+/* ------------------------------------------------------------------------------------ */
+/* state and error checking                                                              */
+
+#define WORKSPACE_BYTES (32u << 20) /* cuBLASLt workspace: what llm.c gives Hopper */
+
+static struct {
+    int ready, device, sync_each, tf32;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *workspace;
+    void *scratch; /* grows on demand; ops use it only within one call, on the one stream */
+    size_t scratch_bytes;
+    size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
+    size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
+    char name[256];
+} g;
+
+/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment */
+typedef struct {
+    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32;
+    uint32_t al_a, al_b, al_d;
+    cublasLtMatmulAlgo_t algo;
+} AlgoEntry;
+#define ALGO_CACHE 64
+static AlgoEntry g_algos[ALGO_CACHE];
+static int g_algo_next;
+
+static void cuda_fail(const char *call, const char *msg, const char *file, int line) __attribute__((noreturn));
+static void cuda_fail(const char *call, const char *msg, const char *file, int line) {
+    die(1, "cuda: %s failed: %s (%s:%d)", call, msg, file, line);
+}
+
+#define CUDA_CHECK(call)                                                                   \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) cuda_fail(#call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+    } while (0)
+
+#define CUBLAS_CHECK(call)                                                                 \
+    do {                                                                                   \
+        cublasStatus_t s_ = (call);                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                   \
+            cuda_fail(#call, cublasLtGetStatusString(s_), __FILE__, __LINE__);             \
+    } while (0)
+
+/* After every launch: a bad launch configuration shows up here; with MESHTRAIN_CUDA_SYNC=1
+ * also a fault inside the kernel. */
+#define LAUNCH_CHECK(kernel) launch_check(#kernel "<<<>>>", __FILE__, __LINE__)
+static void launch_check(const char *what, const char *file, int line) {
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess && g.sync_each) e = cudaStreamSynchronize(g.stream);
+    if (e != cudaSuccess) cuda_fail(what, cudaGetErrorString(e), file, line);
+}
+
+static void *scratch(size_t bytes) {
+    if (bytes > g.scratch_bytes) {
+        if (g.scratch) {
+            CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* earlier kernels may still use it */
+            CUDA_CHECK(cudaFree(g.scratch));
+        }
+        g.scratch = NULL;
+        g.scratch_bytes = 0;
+        g.scratch = cuda_malloc(bytes);
+        g.scratch_bytes = bytes;
+    }
+    return g.scratch;
+}
+
+/* elementwise kernels: 256 threads, grid-stride loops, at most 2^20 blocks */
+#define EW_BLOCK 256
+static unsigned ew_grid(size_t n) {
+    size_t b = (n + EW_BLOCK - 1) / EW_BLOCK;
+    return (unsigned)(b < (1u << 20) ? b : (1u << 20));
+}
+#define GRID_STRIDE(i, n)                                                                  \
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);              \
+         i += (size_t)gridDim.x * blockDim.x)
+
+/* ------------------------------------------------------------------------------------ */
+/* reductions (blockDim.x must be a multiple of 32; every thread gets the result)        */
+
+#define FULL_MASK 0xffffffffu
+
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+static __device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+static __device__ __forceinline__ double warp_sum_double(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+static __device__ float block_max(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads(); /* sh may still be read by a previous call */
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    return warp_max(lane < nw ? sh[lane] : -INFINITY);
+}
+static __device__ double block_sum_double(double v) {
+    __shared__ double sh[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum_double(v);
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    return warp_sum_double(lane < nw ? sh[lane] : 0.0);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* backend state                                                                         */
+
+extern "C" {
+
+int cuda_init(int device, char *err, size_t errlen) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cuda: no usable GPU: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    if (device < 0 || device >= n) {
+        snprintf(err, errlen, "cuda: device %d does not exist (%d visible)", device, n);
+        return -1;
+    }
+    if (g.ready) cuda_shutdown();
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cuda: cannot use device %d: %s", device, cudaGetErrorString(e));
+        return -1;
+    }
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    snprintf(g.name, sizeof g.name, "%s", prop.name);
+    int optin = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    g.smem_optin = (size_t)optin;
+    g.device = device;
+    const char *s = getenv("MESHTRAIN_CUDA_SYNC");
+    g.sync_each = s && *s && strcmp(s, "0") != 0;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasLtCreate(&g.lt));
+    g.workspace = cuda_malloc(WORKSPACE_BYTES);
+    g.ready = 1;
+    return 0;
+}
+
+void cuda_shutdown(void) {
+    if (!g.ready) return;
+    CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    cuda_free(g.scratch);
+    cuda_free(g.workspace);
+    CUBLAS_CHECK(cublasLtDestroy(g.lt));
+    CUDA_CHECK(cudaStreamDestroy(g.stream));
+    memset(&g, 0, sizeof g);
+    memset(g_algos, 0, sizeof g_algos); /* algorithms belong to the handle and the card */
+    g_algo_next = 0;
+}
+
+const char *cuda_device_name(void) { return g.name; }
+void *cuda_stream(void) { return (void *)g.stream; }
+void cuda_set_tf32(int on) { g.tf32 = on != 0; }
+
+void *cuda_malloc(size_t bytes) {
+    if (bytes == 0) return NULL;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        size_t fr = 0, tot = 0;
+        (void)cudaGetLastError(); /* clear the allocation error before asking */
+        cudaMemGetInfo(&fr, &tot);
+        die(2, "cuda: cannot allocate %zu bytes on the GPU: %s (%zu MiB free of %zu MiB)", bytes,
+            cudaGetErrorString(e), fr >> 20, tot >> 20);
+    }
+    return p;
+}
+
+void cuda_free(void *p) {
+    if (!p) return;
+    CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* kernels in flight may still use it */
+    CUDA_CHECK(cudaFree(p));
+}
+
+void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream));
+    CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+void cuda_memcpy_d2h(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream));
+    CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+void cuda_memset_zero(void *p, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
+}
+
+void cuda_synchronize(void) { CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
+
+} /* extern "C" */
+
+/* ------------------------------------------------------------------------------------ */
+/* embedding                                                                             */
+
+/* One thread per output element; consecutive threads read consecutive channels. */
+static __global__ void embedding_forward_kernel(float *out, const int *tokens, const float *wte, int N, int C) {
+    size_t total = (size_t)N * C;
+    GRID_STRIDE(i, total) {
+        size_t n = i / C;
+        int c = (int)(i % C);
+        out[i] = wte[(size_t)tokens[n] * C + c];
+    }
+}
+
+/* Deterministic without sorting: a thread owns one channel c of one bucket of the
+ * vocabulary (token % EMB_BUCKETS == blockIdx.y) and walks ALL tokens in order, adding the
+ * ones in its bucket. So every dwte element gets its additions in token order, exactly as
+ * the CPU backend does (bitwise equal), and different tokens proceed in parallel. The
+ * tokens are staged through shared memory; the bucket test is uniform across the block, so
+ * there is no divergence. */
+#define EMB_BUCKETS 32
+#define EMB_BLOCK 128
+#define EMB_CHUNK 1024
+static __global__ void embedding_backward_kernel(float *dwte, const float *dout, const int *tokens, int N, int C) {
+    __shared__ int tok_s[EMB_CHUNK];
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int bucket = blockIdx.y;
+    for (int n0 = 0; n0 < N; n0 += EMB_CHUNK) {
+        int len = N - n0 < EMB_CHUNK ? N - n0 : EMB_CHUNK;
+        __syncthreads(); /* the previous chunk is consumed */
+        for (int i = threadIdx.x; i < len; i += blockDim.x) tok_s[i] = tokens[n0 + i];
+        __syncthreads();
+        if (c < C)
+            for (int i = 0; i < len; i++) {
+                int t = tok_s[i];
+                if (t % EMB_BUCKETS == bucket)
+                    dwte[(size_t)t * C + c] += dout[(size_t)(n0 + i) * C + c];
+            }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rmsnorm                                                                               */
+
+/* One warp per row (rows are short: C ~ 1e3), 8 rows per block; lanes stride the
+ * channels so loads coalesce. */
+#define ROW_WARPS 8
+static __global__ void rmsnorm_forward_kernel(float *out, float *rstd, const float *x, const float *w, int N, int C,
+                                              float eps) {
+    int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const float *xr = x + (size_t)row * C;
+    float *o = out + (size_t)row * C;
+    float ss = 0.0f;
+    for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
+    ss = warp_sum(ss);
+    float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (lane == 0) rstd[row] = r;
+    for (int c = lane; c < C; c += 32) o[c] = (xr[c] * r) * w[c];
+}
+
+/* dx: one warp per row, as the forward. */
+static __global__ void rmsnorm_backward_dx_kernel(float *dx, const float *dout, const float *x, const float *w,
+                                                  const float *rstd, int N, int C) {
+    int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const float *xr = x + (size_t)row * C, *g = dout + (size_t)row * C;
+    float *d = dx + (size_t)row * C;
+    float r = rstd[row];
+    float dot = 0.0f;
+    for (int c = lane; c < C; c += 32) dot += g[c] * w[c] * xr[c];
+    dot = warp_sum(dot);
+    float coef = r * r * r * dot / (float)C;
+    for (int c = lane; c < C; c += 32) d[c] += r * w[c] * g[c] - coef * xr[c];
+}
+
+/* dw, first pass: block (x, b) sums rows [N*b/nb, N*(b+1)/nb) in row order for 256
+ * channels (one per thread: coalesced), writing part[b, c]. */
+#define RMSNORM_DW_BLOCKS 128
+static __global__ void rmsnorm_dw_partial_kernel(float *part, const float *dout, const float *x, const float *rstd,
+                                                 int N, int C, int nb) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+    if (c >= C) return;
+    int n0 = (int)((long long)N * b / nb), n1 = (int)((long long)N * (b + 1) / nb);
+    float s = 0.0f;
+    for (int n = n0; n < n1; n++) s += dout[(size_t)n * C + c] * (x[(size_t)n * C + c] * rstd[n]);
+    part[(size_t)b * C + c] = s;
+}
+
+/* dw, second pass: the partials summed in block order. */
+static __global__ void rmsnorm_dw_reduce_kernel(float *dw, const float *part, int C, int nb) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float s = 0.0f;
+    for (int b = 0; b < nb; b++) s += part[(size_t)b * C + c];
+    dw[c] += s;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rope                                                                                  */
+
+/* One thread per (token, q-or-k head, pair). Separately rounded products and sums (no FMA),
+ * as the CPU backend computes them. */
+static __global__ void rope_kernel(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD,
+                                   float dir) {
+    int half = HD / 2, C = NH * HD;
+    size_t total = (size_t)B * T * 2 * NH * half;
+    GRID_STRIDE(idx, total) {
+        int i = (int)(idx % half);
+        size_t r = idx / half;
+        int hh = (int)(r % (2 * NH)); /* q heads, then k heads: contiguous in the row */
+        size_t bt = r / (2 * NH);
+        int t = (int)(bt % T);
+        float *x = qkv + bt * 3 * C + (size_t)hh * HD + 2 * i;
+        float c = cos_t[(size_t)t * half + i], s = dir * sin_t[(size_t)t * half + i];
+        float x0 = x[0], x1 = x[1];
+        x[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+        x[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* attention                                                                             */
+
+/* Flash-style, fp32, no T x T matrix anywhere. Three shapes of work:
+ *  - forward and dq: a block owns ATT_TILE query rows of one (b, h) and walks the key tiles
+ *    up to its last row (causal), holding K and V tiles in shared memory;
+ *  - dk/dv: a block owns ATT_TILE key rows and walks the query tiles from its first key on,
+ *    so every dk/dv element is summed by one thread in query order (no atomics).
+ * Inside a block, warp w handles rows w, w + 8, w + 16, w + 24 of its tile (interleaved, so
+ * the causal mask costs all warps alike). For one of its rows, lane l takes the l-th
+ * row of the other tile: it computes one score (a dot product over HD out of shared
+ * memory), and the row's accumulators (HD values: lane l holds d = l, l + 32, ...) are
+ * updated by broadcasting each lane's probability with a shuffle. Rows of a tile that
+ * are read lane-by-lane are padded to HD + 1 floats so the lanes hit different banks.
+ * q is pre-scaled by 1/sqrt(HD) when it is loaded, as in the CPU backend. */
+#define ATT_WARPS 8
+#define ATT_TILE 32                       /* = lanes per warp: lane l <-> row l of a tile */
+#define ATT_RPW (ATT_TILE / ATT_WARPS)    /* rows per warp */
+#define ATT_MAX_HD 256
+#define ATT_DPL (ATT_MAX_HD / 32)         /* accumulator registers per lane and row */
+
+static size_t att_forward_smem(int HD) { return (size_t)ATT_TILE * (3 * HD + 1) * sizeof(float); }
+static size_t att_dq_smem(int HD) { return (size_t)ATT_TILE * (4 * HD + 2) * sizeof(float); }
+static size_t att_dkdv_smem(int HD) { return (size_t)ATT_TILE * (4 * HD + 4) * sizeof(float); }
+
+/* grid (ceil(T/ATT_TILE), NH, B); the last query tiles (most keys) are started first. */
+static __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH, int HD, float scale) {
+    extern __shared__ float smem[];
+    int C = NH * HD, ldk = HD + 1;
+    float *q_s = smem;                   /* [TILE][HD], scaled */
+    float *k_s = q_s + ATT_TILE * HD;    /* [TILE][HD + 1]: read lane-by-lane */
+    float *v_s = k_s + ATT_TILE * ldk;   /* [TILE][HD] */
+    int h = blockIdx.y, b = blockIdx.z;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_TILE;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD; /* q of token 0, head h */
+
+    for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+        int r = idx / HD, d = idx % HD, t = q0 + r;
+        q_s[idx] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
+    }
+    float o[ATT_RPW][ATT_DPL], m[ATT_RPW], l[ATT_RPW];
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++) {
+        m[rr] = -INFINITY;
+        l[rr] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) o[rr][c] = 0.0f;
+    }
+    int q_last = (q0 + ATT_TILE < T ? q0 + ATT_TILE : T) - 1;
+    for (int k0 = 0; k0 <= q_last; k0 += ATT_TILE) {
+        __syncthreads(); /* the previous tile is no longer read (and q_s is complete) */
+        for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+            int r = idx / HD, d = idx % HD, t = k0 + r;
+            const float *src = base + (size_t)t * 3 * C;
+            k_s[r * ldk + d] = t < T ? src[C + d] : 0.0f;
+            v_s[r * HD + d] = t < T ? src[2 * C + d] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < ATT_RPW; rr++) {
+            int r = warp + rr * ATT_WARPS, i = q0 + r;
+            if (i >= T || k0 > i) continue; /* uniform across the warp */
+            int j = k0 + lane;
+            float s = -INFINITY;
+            if (j <= i) {
+                const float *qr = q_s + r * HD, *kr = k_s + lane * ldk;
+                float acc = 0.0f;
+                for (int d = 0; d < HD; d++) acc += qr[d] * kr[d];
+                s = acc;
+            }
+            float mnew = fmaxf(m[rr], warp_max(s)); /* finite: key k0 <= i is valid */
+            float alpha = expf(m[rr] - mnew);       /* 0 on the first tile */
+            float p = j <= i ? expf(s - mnew) : 0.0f;
+            l[rr] = l[rr] * alpha + warp_sum(p);
+            m[rr] = mnew;
+            int nk = i - k0 + 1 < ATT_TILE ? i - k0 + 1 : ATT_TILE; /* keys of this tile row i sees */
+#pragma unroll
+            for (int c = 0; c < ATT_DPL; c++) o[rr][c] *= alpha;
+            for (int jj = 0; jj < nk; jj++) {
+                float pj = __shfl_sync(FULL_MASK, p, jj);
+                const float *vr = v_s + jj * HD;
+#pragma unroll
+                for (int c = 0; c < ATT_DPL; c++) {
+                    int d = lane + 32 * c;
+                    if (d < HD) o[rr][c] += pj * vr[d];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++) {
+        int i = q0 + warp + rr * ATT_WARPS;
+        if (i >= T) continue;
+        float inv = 1.0f / l[rr];
+        float *dst = out + ((size_t)b * T + i) * C + (size_t)h * HD;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) dst[d] = o[rr][c] * inv;
+        }
+        if (lane == 0) lse[((size_t)b * NH + h) * T + i] = m[rr] + logf(l[rr]);
+    }
+}
+
+/* D[b, h, t] = dot(dout, out) over the head's HD values: one warp per (b, t, h). */
+static __global__ void attention_backward_D_kernel(float *D, const float *dout, const float *out, int B, int T,
+                                                   int NH, int HD) {
+    size_t row = (size_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31, C = NH * HD;
+    if (row >= (size_t)B * T * NH) return;
+    int h = (int)(row % NH);
+    size_t bt = row / NH;
+    size_t b = bt / T, t = bt % T;
+    const float *g = dout + bt * C + (size_t)h * HD, *y = out + bt * C + (size_t)h * HD;
+    float s = 0.0f;
+    for (int d = lane; d < HD; d += 32) s += g[d] * y[d];
+    s = warp_sum(s);
+    if (lane == 0) D[(b * NH + h) * T + t] = s;
+}
+
+/* dq = scale * sum_j dS_ij k_j, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp(s_ij - lse_i).
+ * Same shape as the forward: a block owns 32 query rows and walks the key tiles. */
+static __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, const float *lse, const float *D,
+                             int T, int NH, int HD, float scale) {
+    extern __shared__ float smem[];
+    int C = NH * HD, ldk = HD + 1;
+    float *q_s = smem;                   /* [TILE][HD], scaled */
+    float *do_s = q_s + ATT_TILE * HD;   /* [TILE][HD] */
+    float *k_s = do_s + ATT_TILE * HD;   /* [TILE][HD + 1] */
+    float *v_s = k_s + ATT_TILE * ldk;   /* [TILE][HD + 1] */
+    int h = blockIdx.y, b = blockIdx.z;
+    int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_TILE;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD;
+    const float *dbase = dout + (size_t)b * T * C + (size_t)h * HD;
+    const float *lse_bh = lse + ((size_t)b * NH + h) * T, *D_bh = D + ((size_t)b * NH + h) * T;
+
+    for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+        int r = idx / HD, d = idx % HD, t = q0 + r;
+        q_s[idx] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
+        do_s[idx] = t < T ? dbase[(size_t)t * C + d] : 0.0f;
+    }
+    float dq[ATT_RPW][ATT_DPL], lse_r[ATT_RPW], D_r[ATT_RPW];
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++) {
+        int i = q0 + warp + rr * ATT_WARPS;
+        lse_r[rr] = i < T ? lse_bh[i] : 0.0f;
+        D_r[rr] = i < T ? D_bh[i] : 0.0f;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) dq[rr][c] = 0.0f;
+    }
+    int q_last = (q0 + ATT_TILE < T ? q0 + ATT_TILE : T) - 1;
+    for (int k0 = 0; k0 <= q_last; k0 += ATT_TILE) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+            int r = idx / HD, d = idx % HD, t = k0 + r;
+            const float *src = base + (size_t)t * 3 * C;
+            k_s[r * ldk + d] = t < T ? src[C + d] : 0.0f;
+            v_s[r * ldk + d] = t < T ? src[2 * C + d] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < ATT_RPW; rr++) {
+            int r = warp + rr * ATT_WARPS, i = q0 + r;
+            if (i >= T || k0 > i) continue;
+            int j = k0 + lane;
+            float ds = 0.0f;
+            if (j <= i) {
+                const float *qr = q_s + r * HD, *gr = do_s + r * HD;
+                const float *kr = k_s + lane * ldk, *vr = v_s + lane * ldk;
+                float s = 0.0f, dp = 0.0f;
+                for (int d = 0; d < HD; d++) {
+                    s += qr[d] * kr[d];
+                    dp += gr[d] * vr[d];
+                }
+                float p = expf(s - lse_r[rr]);
+                ds = p * (dp - D_r[rr]);
+            }
+            int nk = i - k0 + 1 < ATT_TILE ? i - k0 + 1 : ATT_TILE;
+            for (int jj = 0; jj < nk; jj++) {
+                float dsj = __shfl_sync(FULL_MASK, ds, jj);
+                const float *kr = k_s + jj * ldk;
+#pragma unroll
+                for (int c = 0; c < ATT_DPL; c++) {
+                    int d = lane + 32 * c;
+                    if (d < HD) dq[rr][c] += dsj * kr[d];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++) {
+        int i = q0 + warp + rr * ATT_WARPS;
+        if (i >= T) continue;
+        float *dst = dqkv + ((size_t)b * T + i) * 3 * C + (size_t)h * HD;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) dst[d] += scale * dq[rr][c];
+        }
+    }
+}
+
+/* dk_j = sum_i dS_ij (scale q_i), dv_j = sum_i P_ij dO_i over i >= j. A block owns 32 keys
+ * (its K and V rows stay in shared memory) and walks the query tiles from its own tile to
+ * T; lane l takes query row l of the current tile. grid (ceil(T/ATT_TILE), NH, B); block 0
+ * (the first keys, which see the most queries) starts first. */
+static __global__ void __launch_bounds__(ATT_WARPS * 32)
+attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv, const float *lse, const float *D,
+                               int T, int NH, int HD, float scale) {
+    extern __shared__ float smem[];
+    int C = NH * HD, ldq = HD + 1;
+    float *k_s = smem;                   /* [TILE][HD] */
+    float *v_s = k_s + ATT_TILE * HD;    /* [TILE][HD] */
+    float *q_s = v_s + ATT_TILE * HD;    /* [TILE][HD + 1], scaled */
+    float *do_s = q_s + ATT_TILE * ldq;  /* [TILE][HD + 1] */
+    float *lse_s = do_s + ATT_TILE * ldq; /* [TILE] */
+    float *D_s = lse_s + ATT_TILE;       /* [TILE] */
+    int h = blockIdx.y, b = blockIdx.z;
+    int k0 = blockIdx.x * ATT_TILE;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD;
+    const float *dbase = dout + (size_t)b * T * C + (size_t)h * HD;
+    const float *lse_bh = lse + ((size_t)b * NH + h) * T, *D_bh = D + ((size_t)b * NH + h) * T;
+
+    for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+        int r = idx / HD, d = idx % HD, t = k0 + r;
+        const float *src = base + (size_t)t * 3 * C;
+        k_s[idx] = t < T ? src[C + d] : 0.0f;
+        v_s[idx] = t < T ? src[2 * C + d] : 0.0f;
+    }
+    float dk[ATT_RPW][ATT_DPL], dv[ATT_RPW][ATT_DPL];
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++)
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) dk[rr][c] = dv[rr][c] = 0.0f;
+
+    for (int q0 = k0; q0 < T; q0 += ATT_TILE) {
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
+            int r = idx / HD, d = idx % HD, t = q0 + r;
+            q_s[r * ldq + d] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
+            do_s[r * ldq + d] = t < T ? dbase[(size_t)t * C + d] : 0.0f;
+        }
+        if (threadIdx.x < ATT_TILE) {
+            int t = q0 + threadIdx.x;
+            lse_s[threadIdx.x] = t < T ? lse_bh[t] : 0.0f;
+            D_s[threadIdx.x] = t < T ? D_bh[t] : 0.0f;
+        }
+        __syncthreads();
+        int i_hi = T - q0 < ATT_TILE ? T - q0 : ATT_TILE; /* query rows of this tile */
+#pragma unroll
+        for (int rr = 0; rr < ATT_RPW; rr++) {
+            int r = warp + rr * ATT_WARPS, j = k0 + r;
+            if (j >= T) continue; /* uniform across the warp */
+            int i = q0 + lane;
+            float p = 0.0f, ds = 0.0f;
+            if (i >= j && i < T) {
+                const float *qr = q_s + lane * ldq, *gr = do_s + lane * ldq;
+                const float *kr = k_s + r * HD, *vr = v_s + r * HD;
+                float s = 0.0f, dp = 0.0f;
+                for (int d = 0; d < HD; d++) {
+                    s += qr[d] * kr[d];
+                    dp += gr[d] * vr[d];
+                }
+                p = expf(s - lse_s[lane]);
+                ds = p * (dp - D_s[lane]);
+            }
+            int i_lo = j - q0 > 0 ? j - q0 : 0; /* rows before the key have p = 0 */
+            for (int ii = i_lo; ii < i_hi; ii++) {
+                float pi = __shfl_sync(FULL_MASK, p, ii), dsi = __shfl_sync(FULL_MASK, ds, ii);
+                const float *qr = q_s + ii * ldq, *gr = do_s + ii * ldq;
+#pragma unroll
+                for (int c = 0; c < ATT_DPL; c++) {
+                    int d = lane + 32 * c;
+                    if (d < HD) {
+                        dv[rr][c] += pi * gr[d];
+                        dk[rr][c] += dsi * qr[d];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; rr++) {
+        int j = k0 + warp + rr * ATT_WARPS;
+        if (j >= T) continue;
+        float *dst = dqkv + ((size_t)b * T + j) * 3 * C + (size_t)h * HD;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) {
+                dst[C + d] += dk[rr][c];
+                dst[2 * C + d] += dv[rr][c];
+            }
+        }
+    }
+}
+
+/* Opts a kernel in to more than 48 KiB of dynamic shared memory, once per size. */
+static void att_smem(const void *kernel, size_t bytes, size_t *set, const char *what, int HD) {
+    if (bytes > g.smem_optin)
+        die(2, "cuda: attention %s with head_dim %d needs %zu bytes of shared memory; the GPU allows %zu", what, HD,
+            bytes, g.smem_optin);
+    if (bytes > 48 * 1024 && bytes > *set) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+        *set = bytes;
+    }
+}
+
+static void att_check_shape(int B, int NH, int HD) {
+    if (HD > ATT_MAX_HD) die(2, "cuda: attention head_dim %d is larger than the supported %d", HD, ATT_MAX_HD);
+    if (B > 65535 || NH > 65535) die(2, "cuda: attention batch %d or heads %d exceed the grid limit 65535", B, NH);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* swiglu                                                                                */
+
+static __global__ void swiglu_forward_kernel(float *out, const float *gu, int N, int H) {
+    size_t total = (size_t)N * H;
+    GRID_STRIDE(i, total) {
+        size_t n = i / H, k = i % H;
+        float gt = gu[n * 2 * H + k], up = gu[n * 2 * H + H + k];
+        out[i] = gt / (1.0f + expf(-gt)) * up;
+    }
+}
+
+static __global__ void swiglu_backward_kernel(float *dgu, const float *dout, const float *gu, int N, int H) {
+    size_t total = (size_t)N * H;
+    GRID_STRIDE(i, total) {
+        size_t n = i / H, k = i % H;
+        float gt = gu[n * 2 * H + k], up = gu[n * 2 * H + H + k], d = dout[i];
+        float s = 1.0f / (1.0f + expf(-gt));
+        float silu = gt * s;
+        dgu[n * 2 * H + k] += d * up * (s * (1.0f + gt * (1.0f - s)));
+        dgu[n * 2 * H + H + k] += d * silu;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* cross-entropy                                                                         */
+
+/* One block per row (V ~ 5e4: 50 elements per thread). Pass 1: max and a NaN flag;
+ * pass 2: sum of exp(l - max), each thread's part in double, the block sum in double;
+ * pass 3 (gradient): exp recomputed and written once, scaled, in place. The target's
+ * logit is read by every thread before the first block reduction, hence before any write. */
+#define CE_BLOCK 1024
+static __global__ void __launch_bounds__(CE_BLOCK)
+crossentropy_kernel(float *losses, float *logits, const int *targets, int V, float scale) {
+    int n = blockIdx.x;
+    float *row = logits + (size_t)n * V;
+    int tgt = targets[n];
+    int tgt_ok = tgt >= 0 && tgt < V;
+    float lt = tgt_ok ? row[tgt] : 0.0f;
+    float mx = -INFINITY;
+    int bad = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float x = row[j];
+        mx = fmaxf(mx, x); /* ignores NaN; the flag catches it */
+        bad |= x != x;
+    }
+    mx = block_max(mx);
+    bad = __syncthreads_or(bad);
+    if (bad || !tgt_ok || mx == INFINITY || mx == -INFINITY) {
+        if (threadIdx.x == 0) losses[n] = NAN;
+        if (scale != 0.0f)
+            for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = NAN;
+        return;
+    }
+    double sum = 0.0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(row[j] - mx);
+    sum = block_sum_double(sum);
+    if (threadIdx.x == 0) losses[n] = (float)((double)mx + log(sum) - (double)lt);
+    if (scale != 0.0f) {
+        float f = (float)((double)scale / sum);
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            float e = expf(row[j] - mx);
+            row[j] = j == tgt ? (float)((double)scale * ((double)e / sum - 1.0)) : e * f;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* adamw                                                                                 */
+
+/* Elementwise; the scalars come from the host computed as op_adamw computes them, and the
+ * operations are op_adamw's, one rounding each, in its order: bitwise the CPU result. */
+static __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, size_t n, float decay,
+                                    float w1, float w1c, int small, float b2, float w2, float neg_step, float bc2_sqrt,
+                                    float eps, float grad_scale) {
+    GRID_STRIDE(i, n) {
+        float gr = __fmul_rn(grad[i], grad_scale);
+        float mi = m[i];
+        float mn = small ? __fadd_rn(mi, __fmul_rn(w1, __fsub_rn(gr, mi)))
+                         : __fsub_rn(gr, __fmul_rn(__fsub_rn(gr, mi), w1c));
+        m[i] = mn;
+        float vi = __fmul_rn(v[i], b2);
+        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(w2, gr), gr));
+        v[i] = vi;
+        float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        float pi = __fmul_rn(param[i], decay);
+        param[i] = __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step, mn), den));
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* flat-buffer helpers                                                                   */
+
+/* sum of squares: a grid whose size depends only on n (never on the card), each thread's
+ * strided part in double, block sums in double, then one block adds the partials. */
+#define SUMSQ_BLOCK 256
+#define SUMSQ_MAX_BLOCKS 1024
+static __global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+    double s = 0.0;
+    GRID_STRIDE(i, n) s += (double)x[i] * x[i];
+    s = block_sum_double(s);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+static __global__ void sumsq_final_kernel(double *out, const double *part, int nb) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) s += part[i];
+    s = block_sum_double(s);
+    if (threadIdx.x == 0) out[0] = s;
+}
+
+static __global__ void scale_kernel(float *x, size_t n, float s) {
+    GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], s);
+}
+static __global__ void add_kernel(float *y, const float *x, size_t n) {
+    GRID_STRIDE(i, n) y[i] = __fadd_rn(y[i], x[i]);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* matmul through cuBLASLt                                                               */
+
+/* cuBLASLt is column-major. A row-major [R, K] matrix is, read column-major, its transpose
+ * [K, R] with leading dimension K. So every row-major product Y = X W^T is computed as the
+ * column-major Y^T = W X^T (see the callers). Each pointer's real alignment is passed to the
+ * heuristic (its default assumes 256 bytes), so slices at any float offset work. The chosen
+ * algorithm is cached per shape; the heuristic is deterministic, so is the choice. */
+
+static uint32_t ptr_alignment(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 4 && a % al) al >>= 1;
+    return al;
+}
+
+/* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * D */
+static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float *A, int lda,
+                      const float *B, int ldb, float beta, float *D, int ldd) {
+    if (!g.ready) die(1, "cuda: a matmul was called before cuda_init");
+    cublasComputeType_t ct = g.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    /* layouts describe the matrices as stored (before op) */
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
+
+    uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_d = ptr_alignment(D);
+    AlgoEntry *hit = NULL;
+    for (int i = 0; i < ALGO_CACHE && !hit; i++) {
+        AlgoEntry *e = &g_algos[i];
+        if (e->used && e->ta == (int)ta && e->tb == (int)tb && e->m == m && e->n == n && e->k == k &&
+            e->lda == lda && e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->al_a == al_a &&
+            e->al_b == al_b && e->al_d == al_d)
+            hit = e;
+    }
+    if (!hit) {
+        cublasLtMatmulPreference_t pref;
+        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+        uint64_t ws = WORKSPACE_BYTES;
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
+        cublasLtMatmulHeuristicResult_t res;
+        int nres = 0;
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &nres));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+        if (nres < 1)
+            die(1, "cuda: cuBLASLt has no algorithm for the matmul m=%d n=%d k=%d (transa %d transb %d)", m, n, k,
+                (int)ta, (int)tb);
+        hit = &g_algos[g_algo_next];
+        g_algo_next = (g_algo_next + 1) % ALGO_CACHE;
+        hit->used = 1;
+        hit->ta = (int)ta; hit->tb = (int)tb;
+        hit->m = m; hit->n = n; hit->k = k;
+        hit->lda = lda; hit->ldb = ldb; hit->ldd = ldd;
+        hit->tf32 = g.tf32;
+        hit->al_a = al_a; hit->al_b = al_b; hit->al_d = al_d;
+        hit->algo = res.algo;
+    }
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo, g.workspace,
+                                WORKSPACE_BYTES, g.stream));
+    if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(la));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(ld));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(op));
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* the ops (C entry points)                                                              */
+
+extern "C" {
+
+void cuda_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
+    if (N <= 0 || C <= 0) return;
+    embedding_forward_kernel<<<ew_grid((size_t)N * C), EW_BLOCK, 0, g.stream>>>(out, tokens, wte, N, C);
+    LAUNCH_CHECK(embedding_forward_kernel);
+}
+
+void cuda_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
+    if (!dwte || N <= 0 || C <= 0) return;
+    dim3 grid((C + EMB_BLOCK - 1) / EMB_BLOCK, EMB_BUCKETS);
+    embedding_backward_kernel<<<grid, EMB_BLOCK, 0, g.stream>>>(dwte, dout, tokens, N, C);
+    LAUNCH_CHECK(embedding_backward_kernel);
+}
+
+void cuda_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
+    if (N <= 0 || C <= 0) return;
+    rmsnorm_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
+                                                                                            eps);
+    LAUNCH_CHECK(rmsnorm_forward_kernel);
+}
+
+void cuda_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                           const float *rstd, int N, int C) {
+    if ((!dx && !dw) || N <= 0 || C <= 0) return;
+    if (dx) {
+        rmsnorm_backward_dx_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(dx, dout, x, w,
+                                                                                                    rstd, N, C);
+        LAUNCH_CHECK(rmsnorm_backward_dx_kernel);
+    }
+    if (dw) {
+        int nb = N < RMSNORM_DW_BLOCKS ? N : RMSNORM_DW_BLOCKS;
+        float *part = (float *)scratch((size_t)nb * C * sizeof(float));
+        dim3 grid((C + 255) / 256, nb);
+        rmsnorm_dw_partial_kernel<<<grid, 256, 0, g.stream>>>(part, dout, x, rstd, N, C, nb);
+        LAUNCH_CHECK(rmsnorm_dw_partial_kernel);
+        rmsnorm_dw_reduce_kernel<<<(C + 255) / 256, 256, 0, g.stream>>>(dw, part, C, nb);
+        LAUNCH_CHECK(rmsnorm_dw_reduce_kernel);
+    }
+}
+
+/* out[N, OC] = inp[N, C] @ w[OC, C]^T  <=>  (column-major) out^T[OC, N] = w^T' @ inp^T
+ * where w read column-major is [C, OC] (ld C), used transposed; inp read column-major is
+ * inp^T [C, N] (ld C); out read column-major is out^T [OC, N] (ld OC). */
+void cuda_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    if (C <= 0) {
+        cuda_memset_zero(out, (size_t)N * OC * sizeof(float));
+        return;
+    }
+    lt_matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w, C, inp, C, 0.0f, out, OC);
+}
+
+/* dinp[N, C] += dout[N, OC] @ w[OC, C]  <=>  dinp^T[C, N] += w_cm[C, OC] @ dout^T[OC, N]
+ *   (w column-major is [C, OC] ld C, dout column-major is [OC, N] ld OC: no transposes);
+ * dw[OC, C] += dout^T @ inp  <=>  dw^T[C, OC] += inp^T[C, N] @ (dout^T[OC, N])^T
+ *   (inp column-major is [C, N] ld C; dout column-major [OC, N] ld OC, transposed). */
+void cuda_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                          int N, int C, int OC) {
+    if (N <= 0 || C <= 0 || OC <= 0) return;
+    if (dinp) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, C, dout, OC, 1.0f, dinp, C);
+    if (dw) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, 1.0f, dw, C);
+}
+
+void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
+    int half = HD / 2;
+    if (T <= 0 || half <= 0) return;
+    size_t n = (size_t)T * half;
+    float *hc = (float *)malloc(n * sizeof(float)), *hs = (float *)malloc(n * sizeof(float));
+    if (!hc || !hs) die(2, "cannot allocate %zu bytes: out of memory", 2 * n * sizeof(float));
+    /* op_rope_tables, operation for operation (same libm, so the same bits) */
+    for (int i = 0; i < half; i++) {
+        float inv = 1.0f / powf(base, (float)(2 * i) / (float)HD);
+        for (int t = 0; t < T; t++) {
+            float f = (float)t * inv;
+            hc[(size_t)t * half + i] = cosf(f);
+            hs[(size_t)t * half + i] = sinf(f);
+        }
+    }
+    cuda_memcpy_h2d(cos_t, hc, n * sizeof(float));
+    cuda_memcpy_h2d(sin_t, hs, n * sizeof(float));
+    free(hc);
+    free(hs);
+}
+
+void cuda_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    size_t total = (size_t)B * T * 2 * NH * (HD / 2);
+    if (B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
+    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f);
+    LAUNCH_CHECK(rope_kernel);
+}
+
+void cuda_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    size_t total = (size_t)B * T * 2 * NH * (HD / 2);
+    if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
+    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f);
+    LAUNCH_CHECK(rope_kernel);
+}
+
+void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
+    if (B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    att_check_shape(B, NH, HD);
+    size_t smem = att_forward_smem(HD);
+    att_smem((const void *)attention_forward_kernel, smem, &g.att_smem_set[0], "forward", HD);
+    dim3 grid((T + ATT_TILE - 1) / ATT_TILE, NH, B);
+    float scale = 1.0f / sqrtf((float)HD);
+    attention_forward_kernel<<<grid, ATT_WARPS * 32, smem, g.stream>>>(out, lse, qkv, T, NH, HD, scale);
+    LAUNCH_CHECK(attention_forward_kernel);
+}
+
+void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                             const float *lse, int B, int T, int NH, int HD) {
+    if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    att_check_shape(B, NH, HD);
+    size_t smem_dq = att_dq_smem(HD), smem_dkdv = att_dkdv_smem(HD);
+    att_smem((const void *)attention_backward_dq_kernel, smem_dq, &g.att_smem_set[1], "backward", HD);
+    att_smem((const void *)attention_backward_dkdv_kernel, smem_dkdv, &g.att_smem_set[2], "backward", HD);
+    float scale = 1.0f / sqrtf((float)HD);
+    size_t rows = (size_t)B * T * NH;
+    float *D = (float *)scratch(rows * sizeof(float));
+    attention_backward_D_kernel<<<(unsigned)((rows + ROW_WARPS - 1) / ROW_WARPS), ROW_WARPS * 32, 0, g.stream>>>(
+        D, dout, out, B, T, NH, HD);
+    LAUNCH_CHECK(attention_backward_D_kernel);
+    dim3 grid((T + ATT_TILE - 1) / ATT_TILE, NH, B);
+    attention_backward_dq_kernel<<<grid, ATT_WARPS * 32, smem_dq, g.stream>>>(dqkv, dout, qkv, lse, D, T, NH, HD,
+                                                                             scale);
+    LAUNCH_CHECK(attention_backward_dq_kernel);
+    attention_backward_dkdv_kernel<<<grid, ATT_WARPS * 32, smem_dkdv, g.stream>>>(dqkv, dout, qkv, lse, D, T, NH,
+                                                                                 HD, scale);
+    LAUNCH_CHECK(attention_backward_dkdv_kernel);
+}
+
+void cuda_swiglu_forward(float *out, const float *gu, int N, int H) {
+    if (N <= 0 || H <= 0) return;
+    swiglu_forward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(out, gu, N, H);
+    LAUNCH_CHECK(swiglu_forward_kernel);
+}
+
+void cuda_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
+    if (!dgu || N <= 0 || H <= 0) return;
+    swiglu_backward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H);
+    LAUNCH_CHECK(swiglu_backward_kernel);
+}
+
+void cuda_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+                                        float dlogits_scale) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, targets, V, dlogits_scale);
+    LAUNCH_CHECK(crossentropy_kernel);
+}
+
+void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    if (n == 0) return;
+    /* the scalars exactly as op_adamw computes them */
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    float decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
+    float w1 = (float)(1.0 - (double)beta1), w1c = 1.0f - w1;
+    int small = fabsf(w1) < 0.5f;
+    float b2 = beta2, w2 = (float)(1.0 - (double)beta2);
+    float neg_step = (float)(-((double)lr / bc1));
+    float bc2_sqrt = (float)sqrt(bc2);
+    adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, decay, w1, w1c, small, b2, w2, neg_step,
+                                                        bc2_sqrt, eps, grad_scale);
+    LAUNCH_CHECK(adamw_kernel);
+}
+
+double cuda_sumsq(const float *x, size_t n) {
+    if (n == 0) return 0.0;
+    size_t per = (size_t)SUMSQ_BLOCK * 8; /* at least 8 elements per thread */
+    size_t nb64 = (n + per - 1) / per;
+    int nb = (int)(nb64 < SUMSQ_MAX_BLOCKS ? nb64 : SUMSQ_MAX_BLOCKS);
+    double *part = (double *)scratch((size_t)(nb + 1) * sizeof(double));
+    sumsq_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n);
+    LAUNCH_CHECK(sumsq_partial_kernel);
+    sumsq_final_kernel<<<1, 1024, 0, g.stream>>>(part + nb, part, nb);
+    LAUNCH_CHECK(sumsq_final_kernel);
+    double s = 0.0;
+    cuda_memcpy_d2h(&s, part + nb, sizeof s);
+    return s;
+}
+
+void cuda_scale(float *x, size_t n, float s) {
+    if (n == 0) return;
+    scale_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(x, n, s);
+    LAUNCH_CHECK(scale_kernel);
+}
+
+void cuda_add(float *y, const float *x, size_t n) {
+    if (n == 0) return;
+    add_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(y, x, n);
+    LAUNCH_CHECK(add_kernel);
+}
+
+} /* extern "C" */

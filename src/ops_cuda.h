@@ -1,0 +1,88 @@
+/* ops_cuda — the CUDA backend of the ops interface (fp32 for now).
+ *
+ * Every cuda_<name> has the same arguments and semantics as op_<name> in ops.h, with all
+ * tensor pointers being DEVICE pointers: row-major, nn.Linear weight layout, backward ops
+ * accumulate (+=) into their gradients, a NULL gradient pointer skips that gradient, and
+ * every op is deterministic (no float atomics; fixed reduction orders that depend only on
+ * the shapes, never on the card). Ops run asynchronously on the backend's one stream;
+ * only cuda_sumsq and the copies to the host wait for it.
+ *
+ * Errors: a failing CUDA or cuBLASLt call prints
+ *   "meshtrain: cuda: <call> failed: <error string> (file:line)"
+ * and exits with status 1. Set MESHTRAIN_CUDA_SYNC=1 to synchronize after every kernel, so
+ * that an asynchronous fault is reported at the kernel that caused it.
+ *
+ * This is a plain C header: the implementation (ops_cuda.cu) gives every function C linkage.
+ */
+#ifndef MESHTRAIN_OPS_CUDA_H
+#define MESHTRAIN_OPS_CUDA_H
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- backend state and memory ------------------------------------------------------ */
+
+/* Selects `device`, creates the stream, the cuBLASLt handle and its workspace. 0 on
+ * success; -1 with a message in err (no device, bad index, ...). */
+int cuda_init(int device, char *err, size_t errlen);
+void cuda_shutdown(void);
+const char *cuda_device_name(void);   /* "" before cuda_init */
+void *cuda_stream(void);              /* the backend's cudaStream_t, for comm overlap later */
+/* Matmuls in TF32 (faster, ~1e-3 relative error) instead of exact fp32. Default off. */
+void cuda_set_tf32(int on);
+
+/* Dies (exit 2, like xmalloc) with the size and the card's free memory on failure.
+ * cuda_malloc(0) returns NULL. */
+void *cuda_malloc(size_t bytes);
+void cuda_free(void *p);
+/* Synchronous with respect to the host: they return when the copy is done. */
+void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes);
+void cuda_memcpy_d2h(void *dst, const void *src, size_t bytes);
+void cuda_memset_zero(void *p, size_t bytes); /* asynchronous, on the stream */
+void cuda_synchronize(void);
+
+/* ---- ops (see ops.h for the semantics of each) ---------------------------------------- */
+
+void cuda_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C);
+void cuda_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C);
+
+void cuda_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
+void cuda_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                           const float *rstd, int N, int C);
+
+void cuda_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC);
+void cuda_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                          int N, int C, int OC);
+
+/* Computed on the host exactly as op_rope_tables does, then copied into the device arrays
+ * cos_t and sin_t ([T, HD/2] each), so both backends use bitwise the same tables. */
+void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base);
+void cuda_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+void cuda_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+
+/* head_dim up to 256 (larger dies with a message). */
+void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
+void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                             const float *lse, int B, int T, int NH, int HD);
+
+void cuda_swiglu_forward(float *out, const float *gu, int N, int H);
+void cuda_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H);
+
+/* A target outside [0, V) gives that row a NaN loss (and NaN gradient) rather than an
+ * out-of-bounds read. */
+void cuda_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+                                        float dlogits_scale);
+
+void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int step, float grad_scale);
+
+double cuda_sumsq(const float *x, size_t n); /* waits for the stream; returns on the host */
+void cuda_scale(float *x, size_t n, float s);
+void cuda_add(float *y, const float *x, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
