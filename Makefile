@@ -16,7 +16,15 @@ TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 
-.PHONY: all deps data train test test-asan check-tests bench clean
+# The CUDA backend (in progress: ops and their GPU test; the trainer does not use it yet).
+# Built whenever nvcc is found, so CI compiles it; `make test-gpu` runs it on a GPU machine.
+NVCC     ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
+CUDA_ARCH ?= -arch=sm_90
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lcublas -lstdc++
+GPU_TESTS := $(if $(NVCC),$(BUILD)/tests/gpu_test_ops_cuda)
+
+.PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu
 all: meshtrain
 
 deps:
@@ -40,11 +48,23 @@ $(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
 $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
+$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/ops_cuda.h src/ops.h | $(BUILD)/obj
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -Isrc -c $< -o $@
+
+$(BUILD)/tests/gpu_test_ops_cuda: tests/gpu/test_ops_cuda.c $(BUILD)/obj/ops_cuda.o $(BUILD)/obj/ops_cpu.o $(BUILD)/obj/util.o | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests $^ -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+cuda: $(GPU_TESTS)
+
+# On a GPU machine: every CUDA op against the CPU op.
+test-gpu: $(GPU_TESTS)
+	@$(BUILD)/tests/gpu_test_ops_cuda
+
 data:
 	@scripts/fetch-data.sh
 
 # Builds the test binaries and meshtrain, then runs them all; ends with "N passed, N failed".
-check-tests: $(BUILD)/meshtrain $(TESTS) $(TOOLS)
+check-tests: $(BUILD)/meshtrain $(TESTS) $(TOOLS) $(GPU_TESTS)
 	@scripts/run-tests.sh $(BUILD)
 
 test: deps

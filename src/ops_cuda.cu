@@ -146,6 +146,8 @@ static __device__ double block_sum_double(double v) {
 extern "C" {
 
 int cuda_init(int device, char *err, size_t errlen) {
+    char dummy[1];
+    if (!err || !errlen) err = dummy, errlen = sizeof dummy;
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
@@ -409,9 +411,13 @@ attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH
         __syncthreads(); /* the previous tile is no longer read (and q_s is complete) */
         for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
             int r = idx / HD, d = idx % HD, t = k0 + r;
-            const float *src = base + (size_t)t * 3 * C;
-            k_s[r * ldk + d] = t < T ? src[C + d] : 0.0f;
-            v_s[r * HD + d] = t < T ? src[2 * C + d] : 0.0f;
+            float kx = 0.0f, vx = 0.0f;
+            if (t < T) {
+                kx = base[(size_t)t * 3 * C + C + d];
+                vx = base[(size_t)t * 3 * C + 2 * C + d];
+            }
+            k_s[r * ldk + d] = kx;
+            v_s[r * HD + d] = vx;
         }
         __syncthreads();
 #pragma unroll
@@ -513,9 +519,13 @@ attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, c
         __syncthreads();
         for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
             int r = idx / HD, d = idx % HD, t = k0 + r;
-            const float *src = base + (size_t)t * 3 * C;
-            k_s[r * ldk + d] = t < T ? src[C + d] : 0.0f;
-            v_s[r * ldk + d] = t < T ? src[2 * C + d] : 0.0f;
+            float kx = 0.0f, vx = 0.0f;
+            if (t < T) {
+                kx = base[(size_t)t * 3 * C + C + d];
+                vx = base[(size_t)t * 3 * C + 2 * C + d];
+            }
+            k_s[r * ldk + d] = kx;
+            v_s[r * ldk + d] = vx;
         }
         __syncthreads();
 #pragma unroll
@@ -584,9 +594,13 @@ attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv,
 
     for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD, t = k0 + r;
-        const float *src = base + (size_t)t * 3 * C;
-        k_s[idx] = t < T ? src[C + d] : 0.0f;
-        v_s[idx] = t < T ? src[2 * C + d] : 0.0f;
+        float kx = 0.0f, vx = 0.0f;
+        if (t < T) {
+            kx = base[(size_t)t * 3 * C + C + d];
+            vx = base[(size_t)t * 3 * C + 2 * C + d];
+        }
+        k_s[idx] = kx;
+        v_s[idx] = vx;
     }
     float dk[ATT_RPW][ATT_DPL], dv[ATT_RPW][ATT_DPL];
 #pragma unroll

@@ -1,0 +1,522 @@
+/* GPU tests for the CUDA backend (ops_cuda.cu): every cuda_<op> against the CPU backend's
+ * op_<op> (itself tested against double references in tests/test_ops.c) on the same random
+ * inputs, at small odd sizes and at training-like sizes, plus the interface conventions:
+ * forward outputs are fully overwritten (outputs start as NaN), backward ops accumulate
+ * (gradients start random, not zero), NULL gradients are accepted, and two runs of an op
+ * are bitwise equal. Needs a GPU; usage: gpu_test_ops_cuda [device]. */
+#include "ops.h"
+#include "ops_cuda.h"
+#include "test.h"
+#include "util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOL_FWD 1e-5 /* norm-wise relative error, GPU vs CPU, forward */
+#define TOL_BWD 1e-4 /* backward */
+
+static Rng rng;
+
+/* ------------------------------------------------------------------------------------ */
+/* helpers                                                                               */
+
+static float *randf(size_t n, float scale) {
+    float *x = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) x[i] = scale * rng_normal(&rng);
+    return x;
+}
+static float *copyf(const float *x, size_t n) {
+    float *y = xmalloc(n * sizeof(float));
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+static int *rand_tokens(size_t n, int V) {
+    int *t = xmalloc(n * sizeof(int));
+    for (size_t i = 0; i < n; i++) t[i] = (int)(rng_u64(&rng) % (uint64_t)V);
+    return t;
+}
+
+/* Device buffers of one test case, freed together. `off` floats of offset make the pointer
+ * unaligned (4 bytes past a 256-byte boundary for off = 1). */
+#define MAX_DEV 64
+static void *dev_bufs[MAX_DEV];
+static int n_dev;
+static float *dalloc(size_t n, int off) {
+    if (n_dev == MAX_DEV) die(1, "test: too many device buffers");
+    float *p = cuda_malloc((n + (size_t)off) * sizeof(float) + 4);
+    dev_bufs[n_dev++] = p;
+    return p + off;
+}
+static void dfree_all(void) {
+    for (int i = 0; i < n_dev; i++) cuda_free(dev_bufs[i]);
+    n_dev = 0;
+}
+/* a device copy of host data */
+static float *dcopy(const float *h, size_t n, int off) {
+    float *d = dalloc(n, off);
+    cuda_memcpy_h2d(d, h, n * sizeof(float));
+    return d;
+}
+static int *dcopy_int(const int *h, size_t n) {
+    int *d = (int *)dalloc(n, 0);
+    cuda_memcpy_h2d(d, h, n * sizeof(int));
+    return d;
+}
+static void dset(float *d, const float *h, size_t n) { cuda_memcpy_h2d(d, h, n * sizeof(float)); }
+/* a device buffer full of NaN, for outputs that must be overwritten entirely */
+static float *dnan(size_t n, int off) {
+    float *h = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) h[i] = NAN;
+    float *d = dcopy(h, n, off);
+    free(h);
+    return d;
+}
+static float *hcopy(const float *d, size_t n) {
+    float *h = xmalloc(n * sizeof(float) + 4);
+    cuda_memcpy_d2h(h, d, n * sizeof(float));
+    return h;
+}
+
+/* norm-wise relative error ||a - ref|| / ||ref|| (0 when both are zero) */
+static double nerr(const float *a, const float *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return num == 0.0 ? 0.0 : sqrt(num) / fmax(sqrt(den), 1e-300);
+}
+static int same(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
+
+/* Compares device array d with the CPU result ref; prints the error, and whether the two
+ * are bitwise equal (expected for the ops made of single roundings). */
+static void expect_close(const char *what, const char *shape, const float *d, const float *ref, size_t n,
+                         double tol) {
+    float *h = hcopy(d, n);
+    double e = nerr(h, ref, n);
+    printf("    %-22s %-34s err %.2e%s\n", what, shape, e, same(h, ref, n) ? "  (bitwise equal)" : "");
+    CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs CPU (tolerance %.0e)", what, shape, e, tol);
+    free(h);
+}
+static void expect_bitwise(const char *what, const char *shape, const float *d, const float *ref, size_t n) {
+    float *h = hcopy(d, n);
+    CHECK(same(h, ref, n), "%s %s: not bitwise equal to the CPU result (err %.3g)", what, shape, nerr(h, ref, n));
+    free(h);
+}
+/* a device array bitwise equal to a host one saved earlier */
+static void expect_same_host(const char *what, const char *shape, const float *d, const float *h, size_t n) {
+    float *a = hcopy(d, n);
+    CHECK(same(a, h, n), "%s %s: differs from the first run (not deterministic)", what, shape);
+    free(a);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* matmul                                                                                */
+
+static void matmul_case(int N, int C, int OC, int off) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "N=%d C=%d OC=%d%s", N, C, OC, off ? " unaligned" : "");
+    size_t ni = (size_t)N * C, nw = (size_t)OC * C, no = (size_t)N * OC;
+    float *inp = randf(ni, 1.0f), *w = randf(nw, 1.0f), *dout = randf(no, 1.0f);
+    float *dinp0 = randf(ni, 1.0f), *dw0 = randf(nw, 1.0f);
+    float *out = xmalloc(no * sizeof(float)), *dinp = copyf(dinp0, ni), *dw = copyf(dw0, nw);
+    op_matmul_forward(out, inp, w, N, C, OC);
+    op_matmul_backward(dinp, dw, dout, inp, w, N, C, OC);
+
+    float *d_inp = dcopy(inp, ni, off), *d_w = dcopy(w, nw, off), *d_dout = dcopy(dout, no, off);
+    float *d_out = dnan(no, off), *d_dinp = dcopy(dinp0, ni, off), *d_dw = dcopy(dw0, nw, off);
+    cuda_matmul_forward(d_out, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(d_dinp, d_dw, d_dout, d_inp, d_w, N, C, OC);
+    expect_close("matmul forward", shape, d_out, out, no, TOL_FWD);
+    expect_close("matmul backward dinp", shape, d_dinp, dinp, ni, TOL_BWD);
+    expect_close("matmul backward dw", shape, d_dw, dw, nw, TOL_BWD);
+
+    /* determinism, and NULL gradients (each alone gives the same bits as both together) */
+    float *g_out = hcopy(d_out, no), *g_dinp = hcopy(d_dinp, ni), *g_dw = hcopy(d_dw, nw);
+    cuda_matmul_forward(d_out, d_inp, d_w, N, C, OC);
+    expect_same_host("matmul forward", shape, d_out, g_out, no);
+    dset(d_dinp, dinp0, ni);
+    dset(d_dw, dw0, nw);
+    cuda_matmul_backward(d_dinp, NULL, d_dout, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(NULL, d_dw, d_dout, d_inp, d_w, N, C, OC);
+    expect_same_host("matmul backward dinp", shape, d_dinp, g_dinp, ni);
+    expect_same_host("matmul backward dw", shape, d_dw, g_dw, nw);
+    cuda_matmul_backward(NULL, NULL, d_dout, d_inp, d_w, N, C, OC);
+
+    free(g_out); free(g_dinp); free(g_dw);
+    free(inp); free(w); free(dout); free(dinp0); free(dw0); free(out); free(dinp); free(dw);
+    dfree_all();
+}
+
+static void test_matmul(void) {
+    matmul_case(1, 1, 1, 0);
+    matmul_case(7, 13, 5, 0);
+    matmul_case(33, 65, 17, 1);
+    matmul_case(64, 128, 96, 0);
+    matmul_case(4096, 256, 768, 0);
+    matmul_case(1000, 768, 257, 1);
+    /* C = 0: out = 0 */
+    float *d_out = dnan(15, 0), z[15] = {0};
+    cuda_matmul_forward(d_out, NULL, NULL, 3, 0, 5);
+    expect_bitwise("matmul forward", "N=3 C=0 OC=5", d_out, z, 15);
+    dfree_all();
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* embedding                                                                             */
+
+static void embedding_case(int V, int N, int C) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "V=%d N=%d C=%d", V, N, C);
+    size_t nw = (size_t)V * C, no = (size_t)N * C;
+    int *tok = rand_tokens((size_t)N, V);
+    for (int n = 0; n < N; n += 2) tok[n] = (int)(rng_u64(&rng) % (uint64_t)(V < 50 ? V : 50)); /* repeats */
+    float *wte = randf(nw, 1.0f), *dout = randf(no, 1.0f), *dwte0 = randf(nw, 1.0f);
+    float *out = xmalloc(no * sizeof(float)), *dwte = copyf(dwte0, nw);
+    op_embedding_forward(out, tok, wte, N, C);
+    op_embedding_backward(dwte, dout, tok, N, C);
+
+    int *d_tok = dcopy_int(tok, (size_t)N);
+    float *d_wte = dcopy(wte, nw, 0), *d_dout = dcopy(dout, no, 0), *d_out = dnan(no, 0);
+    float *d_dwte = dcopy(dwte0, nw, 0);
+    cuda_embedding_forward(d_out, d_tok, d_wte, N, C);
+    cuda_embedding_backward(d_dwte, d_dout, d_tok, N, C);
+    expect_close("embedding forward", shape, d_out, out, no, TOL_FWD);
+    expect_close("embedding backward", shape, d_dwte, dwte, nw, TOL_BWD);
+
+    float *first = hcopy(d_dwte, nw);
+    dset(d_dwte, dwte0, nw);
+    cuda_embedding_backward(d_dwte, d_dout, d_tok, N, C);
+    expect_same_host("embedding backward", shape, d_dwte, first, nw);
+    cuda_embedding_backward(NULL, d_dout, d_tok, N, C);
+
+    free(first); free(tok); free(wte); free(dout); free(dwte0); free(out); free(dwte);
+    dfree_all();
+}
+
+static void test_embedding(void) {
+    embedding_case(13, 37, 19);
+    embedding_case(1000, 3000, 1);
+    embedding_case(50257, 4096, 768);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rmsnorm                                                                               */
+
+static void rmsnorm_case(int N, int C) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "N=%d C=%d", N, C);
+    size_t nx = (size_t)N * C;
+    float eps = 1e-5f;
+    float *x = randf(nx, 1.0f), *w = randf((size_t)C, 0.1f), *dout = randf(nx, 1.0f);
+    for (int c = 0; c < C; c++) w[c] += 1.0f;
+    float *dx0 = randf(nx, 1.0f), *dw0 = randf((size_t)C, 1.0f);
+    float *out = xmalloc(nx * sizeof(float)), *rstd = xmalloc((size_t)N * sizeof(float));
+    float *dx = copyf(dx0, nx), *dw = copyf(dw0, (size_t)C);
+    op_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+    op_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+
+    float *d_x = dcopy(x, nx, 0), *d_w = dcopy(w, (size_t)C, 0), *d_dout = dcopy(dout, nx, 0);
+    float *d_out = dnan(nx, 0), *d_rstd = dnan((size_t)N, 0);
+    float *d_dx = dcopy(dx0, nx, 0), *d_dw = dcopy(dw0, (size_t)C, 0);
+    cuda_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N, C, eps);
+    expect_close("rmsnorm forward", shape, d_out, out, nx, TOL_FWD);
+    expect_close("rmsnorm forward rstd", shape, d_rstd, rstd, (size_t)N, TOL_FWD);
+    cuda_rmsnorm_backward(d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    expect_close("rmsnorm backward dx", shape, d_dx, dx, nx, TOL_BWD);
+    expect_close("rmsnorm backward dw", shape, d_dw, dw, (size_t)C, TOL_BWD);
+
+    float *g_dx = hcopy(d_dx, nx), *g_dw = hcopy(d_dw, (size_t)C);
+    dset(d_dx, dx0, nx);
+    dset(d_dw, dw0, (size_t)C);
+    cuda_rmsnorm_backward(d_dx, NULL, d_dout, d_x, d_w, d_rstd, N, C);
+    cuda_rmsnorm_backward(NULL, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    expect_same_host("rmsnorm backward dx", shape, d_dx, g_dx, nx);
+    expect_same_host("rmsnorm backward dw", shape, d_dw, g_dw, (size_t)C);
+    cuda_rmsnorm_backward(NULL, NULL, d_dout, d_x, d_w, d_rstd, N, C);
+
+    free(g_dx); free(g_dw);
+    free(x); free(w); free(dout); free(dx0); free(dw0); free(out); free(rstd); free(dx); free(dw);
+    dfree_all();
+}
+
+static void test_rmsnorm(void) {
+    rmsnorm_case(1, 1);
+    rmsnorm_case(5, 7);
+    rmsnorm_case(37, 1000);
+    rmsnorm_case(300, 70);
+    rmsnorm_case(4096, 768);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* rope                                                                                  */
+
+static void rope_case(int B, int T, int NH, int HD) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "B=%d T=%d NH=%d HD=%d", B, T, NH, HD);
+    size_t nt = (size_t)T * (HD / 2), n = (size_t)B * T * 3 * NH * HD;
+    float *cs = xmalloc(nt * sizeof(float)), *sn = xmalloc(nt * sizeof(float));
+    op_rope_tables(cs, sn, T, HD, 10000.0f);
+    float *d_cs = dnan(nt, 0), *d_sn = dnan(nt, 0);
+    cuda_rope_tables(d_cs, d_sn, T, HD, 10000.0f);
+    expect_close("rope tables cos", shape, d_cs, cs, nt, TOL_FWD);
+    expect_close("rope tables sin", shape, d_sn, sn, nt, TOL_FWD);
+
+    float *qkv = randf(n, 1.0f), *dqkv = randf(n, 1.0f);
+    float *d_qkv = dcopy(qkv, n, 0), *d_dqkv = dcopy(dqkv, n, 0);
+    op_rope_forward(qkv, cs, sn, B, T, NH, HD);
+    op_rope_backward(dqkv, cs, sn, B, T, NH, HD);
+    cuda_rope_forward(d_qkv, d_cs, d_sn, B, T, NH, HD);
+    cuda_rope_backward(d_dqkv, d_cs, d_sn, B, T, NH, HD);
+    expect_close("rope forward", shape, d_qkv, qkv, n, TOL_FWD);
+    expect_close("rope backward", shape, d_dqkv, dqkv, n, TOL_BWD);
+    cuda_rope_backward(NULL, d_cs, d_sn, B, T, NH, HD);
+
+    free(cs); free(sn); free(qkv); free(dqkv);
+    dfree_all();
+}
+
+static void test_rope(void) {
+    rope_case(1, 5, 2, 2);
+    rope_case(2, 7, 3, 6);
+    rope_case(4, 256, 4, 64);
+    rope_case(2, 100, 2, 128);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* attention                                                                             */
+
+static void attention_case(int B, int T, int NH, int HD) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "B=%d T=%d NH=%d HD=%d", B, T, NH, HD);
+    int C = NH * HD;
+    size_t nq = (size_t)B * T * 3 * C, no = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    float *qkv = randf(nq, 1.0f), *dout = randf(no, 1.0f), *dqkv0 = randf(nq, 1.0f);
+    float *out = xmalloc(no * sizeof(float)), *lse = xmalloc(nl * sizeof(float)), *dqkv = copyf(dqkv0, nq);
+    op_attention_forward(out, lse, qkv, B, T, NH, HD);
+    op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD);
+
+    float *d_qkv = dcopy(qkv, nq, 0), *d_dout = dcopy(dout, no, 0), *d_dqkv = dcopy(dqkv0, nq, 0);
+    float *d_out = dnan(no, 0), *d_lse = dnan(nl, 0);
+    cuda_attention_forward(d_out, d_lse, d_qkv, B, T, NH, HD);
+    expect_close("attention forward", shape, d_out, out, no, TOL_FWD);
+    expect_close("attention forward lse", shape, d_lse, lse, nl, TOL_FWD);
+    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+    expect_close("attention backward", shape, d_dqkv, dqkv, nq, TOL_BWD);
+
+    float *g_out = hcopy(d_out, no), *g_lse = hcopy(d_lse, nl), *g_dqkv = hcopy(d_dqkv, nq);
+    cuda_attention_forward(d_out, d_lse, d_qkv, B, T, NH, HD);
+    expect_same_host("attention forward", shape, d_out, g_out, no);
+    expect_same_host("attention forward lse", shape, d_lse, g_lse, nl);
+    dset(d_dqkv, dqkv0, nq);
+    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+    expect_same_host("attention backward", shape, d_dqkv, g_dqkv, nq);
+    cuda_attention_backward(NULL, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+
+    free(g_out); free(g_lse); free(g_dqkv);
+    free(qkv); free(dout); free(dqkv0); free(out); free(lse); free(dqkv);
+    dfree_all();
+}
+
+static void test_attention(void) {
+    attention_case(1, 1, 1, 8);
+    attention_case(2, 37, 3, 16);
+    attention_case(1, 70, 2, 24);
+    attention_case(1, 64, 2, 40);
+    attention_case(2, 45, 2, 128); /* > 48 KiB of shared memory */
+    attention_case(1, 33, 1, 256); /* the largest head size */
+    attention_case(4, 256, 4, 64);
+    attention_case(1, 300, 2, 128);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* swiglu                                                                                */
+
+static void swiglu_case(int N, int H) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "N=%d H=%d", N, H);
+    size_t ng = (size_t)N * 2 * H, no = (size_t)N * H;
+    float *gu = randf(ng, 2.0f), *dout = randf(no, 1.0f), *dgu0 = randf(ng, 1.0f);
+    float *out = xmalloc(no * sizeof(float)), *dgu = copyf(dgu0, ng);
+    op_swiglu_forward(out, gu, N, H);
+    op_swiglu_backward(dgu, dout, gu, N, H);
+    float *d_gu = dcopy(gu, ng, 0), *d_dout = dcopy(dout, no, 0), *d_dgu = dcopy(dgu0, ng, 0), *d_out = dnan(no, 0);
+    cuda_swiglu_forward(d_out, d_gu, N, H);
+    cuda_swiglu_backward(d_dgu, d_dout, d_gu, N, H);
+    expect_close("swiglu forward", shape, d_out, out, no, TOL_FWD);
+    expect_close("swiglu backward", shape, d_dgu, dgu, ng, TOL_BWD);
+    cuda_swiglu_backward(NULL, d_dout, d_gu, N, H);
+    free(gu); free(dout); free(dgu0); free(out); free(dgu);
+    dfree_all();
+}
+
+static void test_swiglu(void) {
+    swiglu_case(1, 1);
+    swiglu_case(3, 5);
+    swiglu_case(4096, 1536);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* cross-entropy                                                                         */
+
+static void crossentropy_case(int N, int V) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "N=%d V=%d", N, V);
+    size_t nl = (size_t)N * V;
+    float *logits = randf(nl, 3.0f);
+    int *tgt = rand_tokens((size_t)N, V);
+    float *loss = xmalloc((size_t)N * sizeof(float)), *grad = copyf(logits, nl);
+    float *loss2 = xmalloc((size_t)N * sizeof(float));
+    float scale = 1.0f / (float)N;
+    op_crossentropy_forward_backward(loss, grad, tgt, N, V, scale);
+    op_crossentropy_forward_backward(loss2, logits, tgt, N, V, 0.0f); /* logits unchanged */
+
+    int *d_tgt = dcopy_int(tgt, (size_t)N);
+    float *d_logits = dcopy(logits, nl, 0), *d_loss = dnan((size_t)N, 0);
+    /* losses only: logits stay as they are */
+    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, 0.0f);
+    expect_close("crossentropy loss", shape, d_loss, loss2, (size_t)N, TOL_FWD);
+    expect_bitwise("crossentropy no grad", shape, d_logits, logits, nl);
+    /* losses and the gradient in place */
+    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, scale);
+    expect_close("crossentropy loss", shape, d_loss, loss, (size_t)N, TOL_FWD);
+    expect_close("crossentropy dlogits", shape, d_logits, grad, nl, TOL_BWD);
+    /* determinism */
+    float *g_loss = hcopy(d_loss, (size_t)N), *g_grad = hcopy(d_logits, nl);
+    dset(d_logits, logits, nl);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, scale);
+    expect_same_host("crossentropy loss", shape, d_loss, g_loss, (size_t)N);
+    expect_same_host("crossentropy dlogits", shape, d_logits, g_grad, nl);
+
+    free(g_loss); free(g_grad);
+    free(logits); free(tgt); free(loss); free(loss2); free(grad);
+    dfree_all();
+}
+
+/* Rows with NaN, +inf, all -inf (NaN loss and gradient, as on the CPU), some -inf (fine),
+ * and a target out of range (NaN on the GPU; the CPU op does not check). */
+static void test_crossentropy_special(void) {
+    enum { N = 6, V = 100 };
+    float *logits = randf((size_t)N * V, 2.0f);
+    int tgt[N] = {3, 4, 5, 6, 7, 8};
+    logits[1 * V + 50] = NAN;
+    logits[2 * V + 60] = INFINITY;
+    for (int j = 0; j < V; j++) logits[3 * V + j] = -INFINITY;
+    for (int j = 0; j < V; j += 3) logits[4 * V + j] = -INFINITY; /* target 8 is not one of them */
+    float *grad = copyf(logits, (size_t)N * V), loss[N];
+    op_crossentropy_forward_backward(loss, grad, tgt, N - 1, V, 0.5f); /* the CPU without row 5 */
+    tgt[5] = V;                                                       /* out of range */
+    int *d_tgt = dcopy_int(tgt, N);
+    float *d_logits = dcopy(logits, (size_t)N * V, 0), *d_loss = dnan(N, 0);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, 0.5f);
+    float *g_loss = hcopy(d_loss, N), *g_grad = hcopy(d_logits, (size_t)N * V);
+    for (int n = 0; n < N; n++) {
+        int expect_nan = n == 1 || n == 2 || n == 3 || n == 5;
+        CHECK((isnan(g_loss[n]) != 0) == expect_nan, "row %d: loss %g", n, g_loss[n]);
+        if (n < N - 1) CHECK((isnan(loss[n]) != 0) == expect_nan, "CPU row %d: loss %g", n, loss[n]);
+        int all_nan = 1, any_nan = 0;
+        for (int j = 0; j < V; j++) {
+            all_nan &= isnan(g_grad[n * V + j]) != 0;
+            any_nan |= isnan(g_grad[n * V + j]) != 0;
+        }
+        CHECK(expect_nan ? all_nan : !any_nan, "row %d: gradient NaN pattern", n);
+    }
+    CHECK(fabs(g_loss[0] - loss[0]) <= 1e-5 * fabs(loss[0]), "row 0: %g vs %g", g_loss[0], loss[0]);
+    CHECK(fabs(g_loss[4] - loss[4]) <= 1e-5 * fabs(loss[4]), "row 4: %g vs %g", g_loss[4], loss[4]);
+    CHECK(nerr(g_grad + 4 * V, grad + 4 * V, V) < TOL_BWD, "row 4 gradient");
+    free(logits); free(grad); free(g_loss); free(g_grad);
+    dfree_all();
+}
+
+static void test_crossentropy(void) {
+    crossentropy_case(2, 1);
+    crossentropy_case(3, 11);
+    crossentropy_case(7, 1000);
+    crossentropy_case(64, 50257);
+    test_crossentropy_special();
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* adamw: bitwise the CPU result                                                         */
+
+static void adamw_case(size_t n, int step, float beta1, float beta2, float wd, float grad_scale) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "n=%zu step=%d b1=%g wd=%g", n, step, beta1, wd);
+    float *p = randf(n, 1.0f), *gr = randf(n, 1.0f), *m = randf(n, 0.1f), *v = randf(n, 0.1f);
+    for (size_t i = 0; i < n; i++) v[i] *= v[i];
+    float *d_p = dcopy(p, n, 0), *d_g = dcopy(gr, n, 0), *d_m = dcopy(m, n, 0), *d_v = dcopy(v, n, 0);
+    op_adamw(p, gr, m, v, n, 3e-4f, beta1, beta2, 1e-8f, wd, step, grad_scale);
+    cuda_adamw(d_p, d_g, d_m, d_v, n, 3e-4f, beta1, beta2, 1e-8f, wd, step, grad_scale);
+    expect_close("adamw param", shape, d_p, p, n, TOL_FWD);
+    expect_close("adamw m", shape, d_m, m, n, TOL_FWD);
+    expect_close("adamw v", shape, d_v, v, n, TOL_FWD);
+    expect_bitwise("adamw param", shape, d_p, p, n);
+    expect_bitwise("adamw m", shape, d_m, m, n);
+    expect_bitwise("adamw v", shape, d_v, v, n);
+    free(p); free(gr); free(m); free(v);
+    dfree_all();
+}
+
+static void test_adamw(void) {
+    adamw_case(17, 1, 0.9f, 0.95f, 0.1f, 1.0f);
+    adamw_case(1000003, 1, 0.9f, 0.95f, 0.1f, 1.0f);
+    adamw_case(1000003, 7, 0.3f, 0.999f, 0.0f, 0.5f); /* the other lerp branch, no decay */
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* flat-buffer helpers and memory                                                        */
+
+static void test_flat(void) {
+    size_t sizes[] = {1, 1000, 1000003, 20000003};
+    CHECK(cuda_sumsq(NULL, 0) == 0.0, "sumsq of nothing");
+    for (int k = 0; k < 4; k++) {
+        size_t n = sizes[k];
+        char shape[64];
+        snprintf(shape, sizeof shape, "n=%zu", n);
+        float *x = randf(n, 1.0f), *y = randf(n, 1.0f);
+        float *d_x = dcopy(x, n, 0), *d_y = dcopy(y, n, 1);
+        double c = op_sumsq(x, n), g1 = cuda_sumsq(d_x, n), g2 = cuda_sumsq(d_x, n);
+        printf("    %-22s %-34s err %.2e\n", "sumsq", shape, fabs(g1 - c) / c);
+        CHECK(fabs(g1 - c) <= 1e-10 * c, "sumsq %s: %.17g vs CPU %.17g", shape, g1, c);
+        CHECK(g1 == g2, "sumsq %s: two runs differ", shape);
+        op_scale(x, n, 0.37f);
+        cuda_scale(d_x, n, 0.37f);
+        expect_bitwise("scale", shape, d_x, x, n);
+        op_add(y, x, n);
+        cuda_add(d_y, d_x, n);
+        expect_bitwise("add", shape, d_y, y, n);
+        cuda_memset_zero(d_y, n * sizeof(float));
+        memset(y, 0, n * sizeof(float));
+        expect_bitwise("memset_zero", shape, d_y, y, n);
+        free(x); free(y);
+        dfree_all();
+    }
+}
+
+int main(int argc, char **argv) {
+    int device = argc > 1 ? atoi(argv[1]) : 0;
+    setenv("MESHTRAIN_CUDA_SYNC", "1", 0); /* a fault is reported at the kernel that made it */
+    char err[256];
+    if (cuda_init(device, err, sizeof err)) {
+        fprintf(stderr, "meshtrain: %s\n", err);
+        printf("RESULT 0 1\n");
+        return 1;
+    }
+    ops_init(0);
+    rng_seed(&rng, 20240601);
+    printf("device %d: %s\n", device, cuda_device_name());
+    RUN(test_flat);
+    RUN(test_matmul);
+    RUN(test_embedding);
+    RUN(test_rmsnorm);
+    RUN(test_rope);
+    RUN(test_attention);
+    RUN(test_swiglu);
+    RUN(test_crossentropy);
+    RUN(test_adamw);
+    cuda_shutdown();
+    return TEST_SUMMARY();
+}
