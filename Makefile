@@ -10,19 +10,27 @@ CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -
 LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp $(MPI_LIBS) $(SAN)
 BUILD   ?= build
 
-SRC      := $(wildcard src/*.c)
-LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/main.c,$(SRC)))
-TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
-TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
-BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
-
-# The CUDA backend (in progress: ops and their GPU test; the trainer does not use it yet).
-# Built whenever nvcc is found, so CI compiles it; `make test-gpu` runs it on a GPU machine.
+# The CUDA backend (src/ops_cuda.cu) is built and linked in whenever nvcc is found, so CI
+# compiles it; `make NVCC=` builds without it (device=cuda then says so; use a fresh
+# BUILD dir or `make clean` when switching). The binary runs device=cpu on machines
+# without a GPU or driver: nothing calls CUDA until device=cuda.
 NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
 CUDA_ARCH ?= -arch=sm_90
-CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lcublas -lstdc++
-GPU_TESTS := $(if $(NVCC),$(BUILD)/tests/gpu_test_ops_cuda)
+ifneq ($(NVCC),)
+CUDA_OBJ := $(BUILD)/obj/ops_cuda.o
+CFLAGS   += -DMESHTRAIN_CUDA
+# cuBLASLt is not linked: ops_cuda.cu opens it when device=cuda starts (through this RUNPATH).
+LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -ldl -lstdc++
+endif
+
+SRC      := $(wildcard src/*.c)
+LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/main.c,$(SRC))) $(CUDA_OBJ)
+TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
+TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
+BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
+# GPU tests (tests/gpu/test_*.c and *.sh): built here, run by `make test-gpu` on a GPU machine.
+GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)))
 
 .PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu
 all: meshtrain
@@ -49,16 +57,17 @@ $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
 $(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/ops_cuda.h src/ops.h | $(BUILD)/obj
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -Isrc -c $< -o $@
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
 
-$(BUILD)/tests/gpu_test_ops_cuda: tests/gpu/test_ops_cuda.c $(BUILD)/obj/ops_cuda.o $(BUILD)/obj/ops_cpu.o $(BUILD)/obj/util.o | $(BUILD)/tests
-	$(CC) $(CFLAGS) -Itests $^ -o $@ $(LDLIBS) $(CUDA_LIBS)
+$(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests $< $(LIB_OBJ) -o $@ $(LDLIBS)
 
 cuda: $(GPU_TESTS)
 
-# On a GPU machine: every CUDA op against the CPU op.
-test-gpu: $(GPU_TESTS)
-	@$(BUILD)/tests/gpu_test_ops_cuda
+# On a GPU machine: every CUDA op against the CPU op, and whole training runs on CUDA
+# against the CPU (tests/gpu/). Ends with "N passed, N failed", like `make test`.
+test-gpu: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)
+	@scripts/run-tests.sh $(BUILD) gpu
 
 data:
 	@scripts/fetch-data.sh

@@ -183,7 +183,7 @@ static void bench_interleave(int N, int C) {
 int main(int argc, char **argv) {
     n_threads = argc > 1 ? atoi(argv[1]) : 0;
     if (n_threads <= 0) n_threads = omp_get_num_procs();
-    ops_init(n_threads);
+    ops_init("cpu", n_threads, NULL, 0);
     rng_seed(&rng, 1);
     printf("bench_ops: backend %s, %d threads\n", ops_backend_name(), n_threads);
     int B = 16, T = 256, E = 256, H = (int)(1.5 * E), V = 50257, N = B * T;

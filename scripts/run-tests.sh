@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Runs every test binary in $1/tests and every tests/test_*.sh, sums their RESULT lines,
 # and prints "N passed, N failed" last. Exit status is non-zero if anything failed.
+# With "gpu" as $2: the GPU tests instead ($1/tests/gpu_test_* and tests/gpu/test_*.sh).
 set -u
 build=${1:-build}
 export MESHTRAIN_BIN="$build/meshtrain"
+if [ "${2:-}" = gpu ]; then tests=("$build"/tests/gpu_test_* tests/gpu/test_*.sh)
+else tests=("$build"/tests/test_* tests/test_*.sh); fi
 passed=0; failed=0
-for t in "$build"/tests/test_* tests/test_*.sh; do
+for t in "${tests[@]}"; do
   [ -e "$t" ] || continue
   echo "== $t"
   out=$( { if [[ $t == *.sh ]]; then bash "$t"; else "$t"; fi; } 2>&1); rc=$?

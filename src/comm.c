@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "ops.h"
 #include "util.h"
 
 static int g_mpi;            /* MPI initialised by us */
@@ -176,8 +177,10 @@ static void req_end(CommReq *r) {
             if (r->avg) scale_block(r, R);
             if (r->out != r->buf + blk_lo(r, R)) memcpy(r->out, r->buf + blk_lo(r, R), r->n * sizeof(float));
         }
-    } else if (r->kind == K_REDUCE_SCATTER && r->out != r->buf) {
-        memcpy(r->out, r->buf, r->n * sizeof(float));
+    } else if (r->kind == K_REDUCE_SCATTER) {
+        /* A group of one: the buffers may be device memory (a one-GPU run), so the copy goes
+         * through the ops backend, in order with the ops that filled buf. */
+        op_copy(r->out, r->buf, r->n * sizeof(float));
     }
     if (r->sreq) untrack(r);
     free(r->stage); free(r->sreq); free(r->rreq);

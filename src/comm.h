@@ -1,6 +1,8 @@
 /* comm — collectives on groups of ranks, on flat buffers. Backends: MPI for CPU ranks,
  * and a built-in one for a group of one process (no MPI call at all, so a plain
- * `meshtrain train` needs no launcher). The NCCL backend (part 3) fits the same calls:
+ * `meshtrain train` needs no launcher). A group of one never reads or writes its buffers
+ * on the host (they may be device memory on a one-GPU run): its only data movement, the
+ * reduce-scatter's copy into recv, goes through op_copy. The NCCL backend (part 3) fits the same calls:
  * a CommReq then wraps a CUDA event on the communication stream instead of an MPI request.
  *
  * Every wait is bounded: a collective that does not complete within comm_timeout seconds

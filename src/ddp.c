@@ -2,6 +2,7 @@
  * gradient is averaged over dp with a non-blocking all-reduce started the moment that
  * unit's backward ends, so it overlaps the backward of the units below it (one bucket per
  * unit). Every rank then takes the same AdamW step. */
+#include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
 
@@ -20,10 +21,10 @@ static void ddp_progress(void *ctx, int u) {
 
 void ddp_setup(Parallel *p) {
     size_t bytes = p->m->n_flat * sizeof(float);
-    p->params = xaligned_alloc(bytes);
-    p->grads = xaligned_alloc(bytes);
-    p->mom1 = xaligned_alloc(bytes);
-    p->mom2 = xaligned_alloc(bytes);
+    p->params = op_alloc(bytes);
+    p->grads = op_alloc(bytes);
+    p->mom1 = op_alloc(bytes);
+    p->mom2 = op_alloc(bytes);
     model_point_units(p->m, p->params, p->grads);
     p->hooks.grad_begin = ddp_progress;
     p->hooks.grad_ready = ddp_grad_ready;

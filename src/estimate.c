@@ -10,10 +10,22 @@
 /* Open MPI's own share of a rank (shared-memory transport, progress buffers), measured
  * the same way with 2 and 4 ranks. */
 #define MPI_RUNTIME_BYTES ((size_t)14 << 20)
+/* What the cuda backend allocates besides the plan: the cuBLASLt workspace (ops_cuda.cu's
+ * WORKSPACE_BYTES); its scratch is added per shape below. */
+#define CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
+
+/* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
+ * (up to 128 rows of E), attention backward's row terms (B T NH), sumsq's 1025 doubles. */
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T) {
+    size_t a = (size_t)128 * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
+    size_t s = 1025 * sizeof(double);
+    return a > b ? (a > s ? a : s) : (b > s ? b : s);
+}
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, MemEstimate *e) {
+                     int world, int shard_size, int gpu, MemEstimate *e) {
     memset(e, 0, sizeof *e);
+    e->gpu = gpu;
     Model m;
     model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
@@ -26,8 +38,9 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     size_t acts = acts_bytes(c, B, T, training, &logit_bytes);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
-    e->data = data_bytes;
-    e->runtime = RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
+    e->data = gpu ? 0 : data_bytes;
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T)
+                     : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->total = e->params + e->grads + e->optim + e->acts + e->logits + e->data + e->runtime;
     model_free(&m);
     /* The usual formula (ZeRO paper, fp32): weights + grads + Adam = 16 bytes/param, divided
@@ -51,14 +64,17 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
     printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
            e->flops_per_token * B * T);
-    printf("memory per rank (fp32, cpu; %s over %d rank%s):\n", parallel_kind_name(kind), world, world > 1 ? "s" : "");
+    printf("memory per %s (fp32, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank", e->gpu ? "cuda" : "cpu",
+           parallel_kind_name(kind), world, world > 1 ? "s" : "");
     const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "activations", "logits (chunked)",
-                           "data (mapped shards)", "runtime (code, threads)"};
+                           "data (mapped shards)", e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)"};
     size_t vals[] = {e->params, e->grads, e->optim, e->acts, e->logits, e->data, e->runtime};
-    for (int i = 0; i < 7; i++) printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
+    for (int i = 0; i < 7; i++)
+        if (!(e->gpu && i == 5)) printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     printf("  %-26s %12s   (the usual formula, 16 B/param sharded as ZeRO + activations: %s)\n", "total",
            fmt_bytes(b1, (double)e->total),
            fmt_bytes(b2, e->formula));
+    if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
 }
 
 size_t available_memory_bytes(void) {

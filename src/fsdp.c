@@ -5,7 +5,7 @@
  * already in flight (prefetch). Gradients go through ZeRO-2's slots: accumulated per unit,
  * reduce-scattered into the shard as soon as the unit's backward ends. Hybrid shards
  * inside a group (a node) and all-reduces the gradient shards across the groups. */
-#include <string.h>
+#include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
 
@@ -26,7 +26,7 @@ static Slot *start_gather(Parallel *p, int u) {
     if (!s) return NULL;
     s->unit = u;
     size_t n = shard_len(p, u);
-    memcpy(s->buf + (size_t)p->r * n, p->pshard + shard_off(p, u), n * sizeof(float));
+    op_copy(s->buf + (size_t)p->r * n, p->pshard + shard_off(p, u), n * sizeof(float));
     comm_iallgather(p->group, s->buf, n, &s->req, "parameter all-gather");
     return s;
 }
@@ -66,10 +66,10 @@ void fsdp_drop_prefetch(Parallel *p) {
 
 void fsdp_setup(Parallel *p) {
     size_t shard = p->n_shard * sizeof(float);
-    p->pshard = xaligned_alloc(shard);
-    p->gshard = xaligned_alloc(shard);
-    p->mom1 = xaligned_alloc(shard);
-    p->mom2 = xaligned_alloc(shard);
+    p->pshard = op_alloc(shard);
+    p->gshard = op_alloc(shard);
+    p->mom1 = op_alloc(shard);
+    p->mom2 = op_alloc(shard);
     par_alloc_slots(p, p->pslots);
     par_alloc_slots(p, p->gslots);
     model_point_units(p->m, NULL, NULL);

@@ -12,21 +12,28 @@
 #include "tokenizer.h"
 #include "util.h"
 
-/* Builds a model from a checkpoint's config and loads its parameters. */
-static void load_model(const char *path, Model *m, CkptHeader *h) {
+/* Builds a model from a checkpoint's config and loads its parameters (into host memory).
+ * On a device backend they then move there: the units point at the device copy, which is
+ * returned for the caller to op_free (NULL on the cpu). */
+static float *load_model(const char *path, Model *m, CkptHeader *h) {
     char err[1024];
     if (ckpt_read_header(path, h, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     ModelConfig mc;
     ckpt_model_config(h, &mc);
     model_init_layout(m, &mc, 1, 1);
     if (ckpt_load(path, h, m, NULL, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    if (ops_host_memory()) return NULL;
+    float *dev = op_alloc(m->n_flat * sizeof(float));
+    op_upload(dev, m->params, m->n_flat * sizeof(float));
+    model_point_units(m, dev, NULL);
+    return dev;
 }
 
 int cmd_eval(Config *c) {
     Model m;
     CkptHeader h;
-    ops_init(c->threads);
-    load_model(c->checkpoint, &m, &h);
+    ops_init_or_die(c->device, c->threads);
+    float *dev_params = load_model(c->checkpoint, &m, &h);
     int T = config_was_set("context_len") ? c->context_len : h.context_len;
     Shard val;
     open_shard_or_die(&val, c->val_data, "validation");
@@ -44,6 +51,7 @@ int cmd_eval(Config *c) {
            batches, B, T, c->val_data);
     acts_free(&a);
     shard_close(&val);
+    op_free(dev_params);
     model_free(&m);
     return 0;
 }
@@ -57,8 +65,8 @@ int cmd_sample(Config *c) {
     if (!tok) die(EXIT_BAD_INPUT, "%s", err);
     Model m;
     CkptHeader h;
-    ops_init(c->threads);
-    load_model(c->checkpoint, &m, &h);
+    ops_init_or_die(c->device, c->threads);
+    float *dev_params = load_model(c->checkpoint, &m, &h);
     if (h.vocab_size != tokenizer_vocab_size(tok))
         die(EXIT_BAD_INPUT, "checkpoint %s has vocab_size=%d; the GPT-2 tokenizer has %d", c->checkpoint,
             h.vocab_size, tokenizer_vocab_size(tok));
@@ -114,6 +122,7 @@ int cmd_sample(Config *c) {
     free(idx); free(probs); free(logits); free(ctx);
     tokenbuf_free(&ids);
     acts_free(&a);
+    op_free(dev_params);
     model_free(&m);
     tokenizer_free(tok);
     return 0;
@@ -126,9 +135,11 @@ int cmd_estimate(Config *c) {
     int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : c->world_size) : c->world_size;
     if (c->world_size % group)
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide world_size=%d", group, c->world_size);
-    estimate_memory(&mc, c->batch_size, c->context_len, 1, 0, kind, c->world_size, group, &e);
+    int gpu = !strcmp(c->device, "cuda");
+    estimate_memory(&mc, c->batch_size, c->context_len, 1, 0, kind, c->world_size, group, gpu, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
-    size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : available_memory_bytes();
+    /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
+    size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();
     char b1[32];
     if (avail) printf("fits in %s available: %s\n", fmt_bytes(b1, (double)avail), e.total <= avail ? "yes" : "no");
     return 0;

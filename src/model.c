@@ -170,10 +170,14 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, Acts *a, 
     return n;
 }
 
+/* Besides the plan's buffers: the tokens (inputs, targets) on the host and on the device,
+ * and the per-row losses on the host. */
+static size_t acts_extra_bytes(int B, int T) { return (size_t)B * T * (4 * sizeof(int) + sizeof(float)); }
+
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t *logit_bytes) {
     Acts a;
     Slot s[32];
-    size_t logit_n, total = 2 * (size_t)B * T * sizeof(int);
+    size_t logit_n, total = acts_extra_bytes(B, T);
     int n = acts_plan(c, B, T, training, &a, s, &logit_n);
     for (int i = 0; i < n; i++) total += (s[i].n * sizeof(float) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * sizeof(float);
@@ -189,9 +193,12 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     a->logit_rows = acts_logit_rows(&m->c, B, T);
     a->inputs = xcalloc(a->N, sizeof(int));
     a->targets = xcalloc(a->N, sizeof(int));
-    a->bytes = 2 * a->N * sizeof(int);
+    a->host_losses = xcalloc(a->N, sizeof(float));
+    a->dev_inputs = op_alloc(a->N * sizeof(int));
+    a->dev_targets = op_alloc(a->N * sizeof(int));
+    a->bytes = acts_extra_bytes(B, T);
     for (int i = 0; i < n; i++) {
-        *s[i].p = xaligned_alloc(s[i].n * sizeof(float));
+        *s[i].p = op_alloc(s[i].n * sizeof(float));
         a->bytes += (s[i].n * sizeof(float) + 63) / 64 * 64;
     }
     op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);
@@ -202,9 +209,12 @@ void acts_free(Acts *a) {
                      &a->rstd2, &a->gu, &a->hsw, &a->xf, &a->rstdf, &a->logits, &a->losses,
                      &a->dres, &a->dxf, &a->dqkv, &a->datt, &a->dgu, &a->dh, &a->dxn,
                      &a->rope_cos, &a->rope_sin};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(*all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(*all[i]);
+    op_free(a->dev_inputs);
+    op_free(a->dev_targets);
     free(a->inputs);
     free(a->targets);
+    free(a->host_losses);
     memset(a, 0, sizeof *a);
 }
 
@@ -251,19 +261,19 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
     size_t NE = (size_t)N * E;
-    memset(a->dh, 0, (size_t)N * H * sizeof(float));
+    op_zero(a->dh, (size_t)N * H * sizeof(float));
     op_matmul_backward(a->dh, g + ly->down, a->dres, la->hsw, w + ly->down, N, H, E);
-    memset(a->dgu, 0, (size_t)N * 2 * H * sizeof(float));
+    op_zero(a->dgu, (size_t)N * 2 * H * sizeof(float));
     op_swiglu_backward(a->dgu, a->dh, la->gu, N, H);
-    memset(a->dxn, 0, NE * sizeof(float));
+    op_zero(a->dxn, NE * sizeof(float));
     op_matmul_backward(a->dxn, g + ly->gate_up, a->dgu, la->xn2, w + ly->gate_up, N, E, 2 * H);
     op_rmsnorm_backward(a->dres, g + ly->ffn_norm, a->dxn, la->mid, w + ly->ffn_norm, la->rstd2, N, E);
-    memset(a->datt, 0, NE * sizeof(float));
+    op_zero(a->datt, NE * sizeof(float));
     op_matmul_backward(a->datt, g + ly->att_out, a->dres, la->att, w + ly->att_out, N, E, E);
-    memset(a->dqkv, 0, 3 * NE * sizeof(float));
+    op_zero(a->dqkv, 3 * NE * sizeof(float));
     op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
     op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
-    memset(a->dxn, 0, NE * sizeof(float));
+    op_zero(a->dxn, NE * sizeof(float));
     op_matmul_backward(a->dxn, g + ly->qkv, a->dqkv, la->xn1, w + ly->qkv, N, E, 3 * E);
     op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, w + ly->att_norm, la->rstd1, N, E);
 }
@@ -275,12 +285,12 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
 static void trunk_forward(Model *m, Acts *a, int B, int T, int training, const UnitHooks *h) {
     int N = B * T;
     HOOK(h, gather, 0, 1);
-    op_embedding_forward(a->res, a->inputs, unit_params(m, 0), N, m->E);
+    op_embedding_forward(a->res, a->dev_inputs, unit_params(m, 0), N, m->E);
     HOOK(h, release, 0);
     for (int l = 0; l < m->L; l++) {
         int slot = training ? l : 0;
         LayerActs la = layer_acts(m, a, slot, B, T);
-        if (!training && l > 0) memcpy(la.x, la.out, (size_t)N * m->E * sizeof(float));
+        if (!training && l > 0) op_copy(la.x, la.out, (size_t)N * m->E * sizeof(float));
         HOOK(h, gather, 1 + l, 2 + l);
         layer_forward(m, a, l, &la, B, T);
         HOOK(h, release, 1 + l);
@@ -291,8 +301,20 @@ static const float *trunk_output(const Model *m, const Acts *a, int training) {
     return a->res + (size_t)(training ? m->L : 1) * a->N * m->E;
 }
 
+/* The per-row losses are read only at the end of the step, so that on a device the
+ * download (which waits for the queued work) does not stall the backward. Summed in row
+ * order in double. */
+static float mean_loss(Acts *a) {
+    op_download(a->host_losses, a->losses, a->N * sizeof(float));
+    double sum = 0;
+    for (size_t i = 0; i < a->N; i++) sum += a->host_losses[i];
+    return (float)(sum / (double)a->N);
+}
+
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
     int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V, HU = m->L + 1, tied = m->c.tie_embeddings;
+    op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
+    op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
     trunk_forward(m, a, B, T, grad, h);
     const float *last = trunk_output(m, a, grad);
     /* The head: output_norm, then lm_head (tok_embed's matrix when tied). */
@@ -305,7 +327,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, HU) + m->head_out_norm, N, E, RMS_EPS);
     const float *wlm = model_lm_head(m);
     float *glm = m->c.tie_embeddings ? unit_grads(m, 0) : unit_grads(m, m->L + 1) + m->head_lm;
-    if (grad) memset(a->dxf, 0, (size_t)N * E * sizeof(float));
+    if (grad) op_zero(a->dxf, (size_t)N * E * sizeof(float));
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
      * into their gradient in place and consumed at once. */
     float scale = grad ? grad_scale / (float)N : 0.0f;
@@ -313,20 +335,18 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
         int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
         const float *x = a->xf + r0 * E;
         op_matmul_forward(a->logits, x, wlm, rows, E, V);
-        op_crossentropy_forward_backward(a->losses + r0, a->logits, a->targets + r0, rows, V, scale);
+        op_crossentropy_forward_backward(a->losses + r0, a->logits, a->dev_targets + r0, rows, V, scale);
         if (grad) op_matmul_backward(a->dxf + r0 * E, glm, a->logits, x, wlm, rows, E, V);
     }
-    double sum = 0;
-    for (int i = 0; i < N; i++) sum += a->losses[i];
     if (grad) {
-        memset(a->dres, 0, (size_t)N * E * sizeof(float));
+        op_zero(a->dres, (size_t)N * E * sizeof(float));
         op_rmsnorm_backward(a->dres, unit_grads(m, HU) + m->head_out_norm, a->dxf, last,
                             unit_params(m, HU) + m->head_out_norm, a->rstdf, N, E);
         HOOK(h, grad_ready, HU);
     }
     if (tied) HOOK(h, release, 0);
     HOOK(h, release, HU);
-    if (!grad) return (float)(sum / N);
+    if (!grad) return mean_loss(a);
 
     for (int l = m->L - 1; l >= 0; l--) {
         LayerActs la = layer_acts(m, a, l, B, T);
@@ -338,18 +358,19 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     }
     /* The embedding's backward needs only the tokens, not its parameters. */
     HOOK(h, grad_begin, 0);
-    op_embedding_backward(unit_grads(m, 0), a->dres, a->inputs, N, E);
+    op_embedding_backward(unit_grads(m, 0), a->dres, a->dev_inputs, N, E);
     HOOK(h, grad_ready, 0);
-    return (float)(sum / N);
+    return mean_loss(a);
 }
 
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {
     if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
-    memcpy(a->inputs, tokens, (size_t)T * sizeof(int));
+    op_upload(a->dev_inputs, tokens, (size_t)T * sizeof(int));
     trunk_forward(m, a, 1, T, 0, NULL);
     const float *last = trunk_output(m, a, 0) + (size_t)(T - 1) * m->E;
     op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, m->L + 1) + m->head_out_norm, 1, m->E, RMS_EPS);
-    op_matmul_forward(logits, a->xf, model_lm_head(m), 1, m->E, m->V);
+    op_matmul_forward(a->logits, a->xf, model_lm_head(m), 1, m->E, m->V);
+    op_download(logits, a->logits, (size_t)m->V * sizeof(float));
 }
 
 double model_flops_per_token(const ModelConfig *c, int T) {

@@ -56,7 +56,9 @@ int model_tensors(const Model *m, TensorInfo *out, int max);
 
 /* Parameter count without building anything (estimate uses it). */
 size_t model_param_count(const ModelConfig *c);
-/* Sets shapes and layout; allocates params and grads (zeroed) unless alloc == 0. */
+/* Sets shapes and layout; allocates params and grads (zeroed, host memory: for tools and
+ * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies
+ * allocate on the backend instead (op_alloc) and point the units there. */
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
@@ -72,11 +74,14 @@ static inline const float *model_lm_head(const Model *m) {
     return m->c.tie_embeddings ? unit_params(m, 0) : unit_params(m, m->L + 1) + m->head_lm;
 }
 
-/* Activations for a B x T batch, planned once. */
+/* Activations for a B x T batch, planned once. Every buffer is op_alloc memory (on the
+ * backend's device) except inputs, targets and host_losses. */
 typedef struct {
     int B, T;
     size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
-    int *inputs, *targets;
+    int *inputs, *targets;  /* host: the loader fills them; model_step uploads them */
+    int *dev_inputs, *dev_targets;
+    float *host_losses;     /* [N] per-row losses, downloaded for the mean */
     float *res;             /* [L+1][N*E] residual stream: input of each layer, then the last output */
     float *xn1, *rstd1, *qkv, *att, *lse, *mid, *xn2, *rstd2, *gu, *hsw;  /* per layer */
     float *xf, *rstdf;      /* final norm output and its rstd */
@@ -97,7 +102,8 @@ void acts_free(Acts *a);
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is
  * that of the mean loss times grad_scale). */
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
-/* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only. */
+/* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only, into the
+ * host buffer `logits`. */
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);
 /* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU. */
 double model_flops_per_token(const ModelConfig *c, int T);

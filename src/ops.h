@@ -1,6 +1,7 @@
 /* ops — every kernel the model needs, forward and backward, behind one device-agnostic
- * interface. The model code calls only these; the CPU implementation (ops_cpu.c, fp32,
- * OpenMP + OpenBLAS) is the reference, a CUDA one comes later with the same signatures.
+ * interface. The model code calls only these. Two backends implement them: `cpu`
+ * (ops_cpu.c, fp32, OpenMP + OpenBLAS; the reference) and `cuda` (ops_cuda.cu, fp32, built
+ * when nvcc is found). ops_init picks one per process; every op_* then runs on it.
  *
  * Conventions
  * - Row-major. N = B*T rows (tokens), C = channels.
@@ -15,9 +16,40 @@
 #define MESHTRAIN_OPS_H
 #include <stddef.h>
 
-/* Once per process: thread counts (0 = all cores). */
-void ops_init(int n_threads);
-const char *ops_backend_name(void);
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Once per process, before any buffer is allocated: the backend, "cpu" or "cuda", and the
+ * CPU's thread count (0 = all cores). 0, or -1 with a one-line message in err (a build
+ * without CUDA, no usable GPU). Until it is called the cpu backend is active, with
+ * OpenMP's default thread count. */
+int ops_init(const char *device, int n_threads, char *err, size_t errlen);
+const char *ops_backend_name(void);  /* "cpu" or "cuda" */
+const char *ops_device_name(void);   /* the GPU's name; "" on the cpu */
+/* 1 when the backend's buffers are host memory (cpu): callers may then read and write them
+ * directly instead of staging copies through op_upload / op_download. */
+int ops_host_memory(void);
+/* Returns when every op issued so far has finished (ops may run asynchronously). */
+void ops_synchronize(void);
+/* Device memory: free and total bytes now; and the high-water marks since ops_init of the
+ * bytes op_alloc holds (`allocated`) and of the device's used memory as seen at each
+ * allocation (`used`: includes the runtime's context and other processes). Each returns -1
+ * (values untouched) on the cpu, whose memory is the host's (see max RSS). */
+int ops_device_memory(size_t *free_bytes, size_t *total_bytes);
+int ops_device_peak(size_t *allocated, size_t *used);
+
+/* ---- memory of the active backend ----
+ * Tensors passed to the ops live in memory from op_alloc. The host reads and writes it
+ * only through these calls, never with memcpy/memset, so the same code runs on either
+ * backend. Every call is ordered with the ops; op_upload and op_download return when the
+ * copy is done (the host buffer may then be reused or read). */
+void *op_alloc(size_t bytes);  /* zeroed, 64-byte aligned; exits 2 when out of memory; 0 bytes -> NULL */
+void op_free(void *p);         /* NULL is fine */
+void op_zero(void *p, size_t bytes);
+void op_copy(void *dst, const void *src, size_t bytes);          /* both op_alloc memory */
+void op_upload(void *dst, const void *src_host, size_t bytes);   /* host -> op_alloc memory */
+void op_download(void *dst_host, const void *src, size_t bytes); /* op_alloc memory -> host */
 
 /* out[n, :] = wte[tokens[n], :].  tokens in [0, V). */
 void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C);
@@ -78,4 +110,56 @@ double op_sumsq(const float *x, size_t n);
 void op_scale(float *x, size_t n, float s);
 /* y += x */
 void op_add(float *y, const float *x, size_t n);
+
+/* ---- backends ----
+ * A backend is one table of functions with the semantics above (ops.c dispatches every
+ * op_* through the active one). op_rope_tables computes on the host in both, so the tables
+ * are bitwise the same. */
+typedef struct OpsBackend {
+    const char *name;
+    int host_memory;
+    int (*init)(int n_threads, char *err, size_t errlen);
+    const char *(*device_name)(void);
+    void (*synchronize)(void);
+    int (*device_memory)(size_t *free_bytes, size_t *total_bytes); /* NULL on the cpu */
+    int (*device_peak)(size_t *allocated, size_t *used);           /* NULL on the cpu */
+    void *(*alloc)(size_t bytes);
+    void (*free)(void *p);
+    void (*zero)(void *p, size_t bytes);
+    void (*copy)(void *dst, const void *src, size_t bytes);
+    void (*upload)(void *dst, const void *src, size_t bytes);
+    void (*download)(void *dst, const void *src, size_t bytes);
+    void (*embedding_forward)(float *out, const int *tokens, const float *wte, int N, int C);
+    void (*embedding_backward)(float *dwte, const float *dout, const int *tokens, int N, int C);
+    void (*rmsnorm_forward)(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
+    void (*rmsnorm_backward)(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                             const float *rstd, int N, int C);
+    void (*matmul_forward)(float *out, const float *inp, const float *w, int N, int C, int OC);
+    void (*matmul_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N,
+                            int C, int OC);
+    void (*rope_tables)(float *cos_t, float *sin_t, int T, int HD, float base);
+    void (*rope_forward)(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+    void (*rope_backward)(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+    void (*attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
+    void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
+                               const float *lse, int B, int T, int NH, int HD);
+    void (*swiglu_forward)(float *out, const float *gu, int N, int H);
+    void (*swiglu_backward)(float *dgu, const float *dout, const float *gu, int N, int H);
+    void (*crossentropy_forward_backward)(float *losses, float *logits, const int *targets, int N, int V,
+                                          float dlogits_scale);
+    void (*adamw)(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, int step, float grad_scale);
+    double (*sumsq)(const float *x, size_t n);
+    void (*scale)(float *x, size_t n, float s);
+    void (*add)(float *y, const float *x, size_t n);
+} OpsBackend;
+
+extern const OpsBackend ops_backend_cpu;   /* ops_cpu.c */
+#ifdef MESHTRAIN_CUDA
+extern const OpsBackend ops_backend_cuda;  /* ops_cuda.cu, in builds made with nvcc */
+#endif
+
+#ifdef __cplusplus
+}
+#endif
 #endif

@@ -1,7 +1,7 @@
 /* ops_cpu — the reference backend: fp32, OpenMP across cores, OpenBLAS for the big matmuls.
  *
  * Threading: OpenMP only. OpenBLAS is set to one thread and called from inside OpenMP
- * regions, each thread on its own slab of a matmul's output (see ops_init).
+ * regions, each thread on its own slab of a matmul's output (see cpu_init).
  * Determinism: no atomics; every reduction has a fixed order that does not depend on the
  * thread count (per-channel or per-row ownership, or fixed blocks summed in block order).
  */
@@ -36,14 +36,14 @@
  * after an OpenMP op ran about 2x slower.) */
 static int g_blas_single; /* OpenBLAS set to one thread (by ops_init, or lazily) */
 
-void ops_init(int n_threads) {
+static int cpu_init(int n_threads, char *err, size_t errlen) {
+    (void)err, (void)errlen;
     if (n_threads <= 0) n_threads = omp_get_num_procs();
     omp_set_num_threads(n_threads);
     openblas_set_num_threads(1);
     g_blas_single = 1;
+    return 0;
 }
-
-const char *ops_backend_name(void) { return "cpu"; }
 
 /* exp(x) in fp32 without a libm call, so loops that use it vectorize: Cody-Waite range
  * reduction and the Cephes polynomial, max error ~1.5 ulp. Saturates above 88.37, and
@@ -71,13 +71,13 @@ static inline float exp_f32(float x) {
 /* ------------------------------------------------------------------------------------ */
 /* embedding                                                                             */
 
-void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
+static void cpu_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
         memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
 }
 
-void op_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
+static void cpu_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
     if (!dwte) return;
     /* Each thread owns a range of channels (multiples of 16 floats = one cache line) and
      * walks the tokens in order, so repeated tokens add up in a fixed order. */
@@ -98,7 +98,7 @@ void op_embedding_backward(float *dwte, const float *dout, const int *tokens, in
 /* ------------------------------------------------------------------------------------ */
 /* rmsnorm                                                                               */
 
-void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
+static void cpu_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *xr = x + (size_t)n * C;
@@ -116,8 +116,8 @@ void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w,
  * each block's partial sum in row order, the partials summed in block order. */
 #define RMSNORM_DW_BLOCKS 64
 
-void op_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
-                         const float *rstd, int N, int C) {
+static void cpu_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+                                 const float *rstd, int N, int C) {
     if (!dx && !dw) return;
     int nb = N < RMSNORM_DW_BLOCKS ? N : RMSNORM_DW_BLOCKS;
     float *part = dw ? xaligned_alloc((size_t)nb * C * sizeof(float)) : NULL;
@@ -184,14 +184,14 @@ static void sgemm_split(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, in
     }
 }
 
-void op_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
+static void cpu_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
     if (C <= 0) { memset(out, 0, (size_t)N * OC * sizeof(float)); return; }
     sgemm_split(CblasNoTrans, CblasTrans, N, OC, C, inp, C, w, C, 0.0f, out, OC);
 }
 
-void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                        int N, int C, int OC) {
+static void cpu_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
     if (dinp) sgemm_split(CblasNoTrans, CblasNoTrans, N, C, OC, dout, OC, w, C, 1.0f, dinp, C);
     if (dw) sgemm_split(CblasTrans, CblasNoTrans, OC, C, N, dout, OC, inp, C, 1.0f, dw, C);
@@ -200,7 +200,7 @@ void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *
 /* ------------------------------------------------------------------------------------ */
 /* rope                                                                                  */
 
-void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
+static void cpu_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
     int half = HD / 2;
     for (int i = 0; i < half; i++) {
         float inv = 1.0f / powf(base, (float)(2 * i) / (float)HD);
@@ -232,11 +232,11 @@ static void rope_apply(float *qkv, const float *cos_t, const float *sin_t, int B
     }
 }
 
-void op_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+static void cpu_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     rope_apply(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f);
 }
 
-void op_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+static void cpu_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     if (dqkv) rope_apply(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f);
 }
 
@@ -329,7 +329,7 @@ static void head_copy_t(float *dst, int ld, const float *qkv, int b, int h, int 
     }
 }
 
-void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
+static void cpu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
     int C = NH * HD, Tp = round16(T), BR = T < ATT_BR ? T : ATT_BR;
     float scale = 1.0f / sqrtf((float)HD);
 #pragma omp parallel
@@ -373,8 +373,8 @@ void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T
     }
 }
 
-void op_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
-                           const float *lse, int B, int T, int NH, int HD) {
+static void cpu_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                                   const float *lse, int B, int T, int NH, int HD) {
     if (!dqkv) return;
     int C = NH * HD, Tp = round16(T), BR = T < ATT_BR ? T : ATT_BR;
     float scale = 1.0f / sqrtf((float)HD);
@@ -441,7 +441,7 @@ void op_attention_backward(float *dqkv, const float *dout, const float *qkv, con
 /* ------------------------------------------------------------------------------------ */
 /* swiglu                                                                                */
 
-void op_swiglu_forward(float *out, const float *gu, int N, int H) {
+static void cpu_swiglu_forward(float *out, const float *gu, int N, int H) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * H, *u = g + H;
@@ -451,7 +451,7 @@ void op_swiglu_forward(float *out, const float *gu, int N, int H) {
     }
 }
 
-void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
+static void cpu_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
     if (!dgu) return;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -473,8 +473,8 @@ void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, i
 /* Per row: max, then exp(l - max) in fp32 (stored in place when the gradient is wanted)
  * summed in double; loss and the target's gradient (where 1 - p cancels) in double. A row
  * with a NaN or +inf logit gets a NaN loss (and NaN gradient) instead of garbage. */
-void op_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
-                                      float dlogits_scale) {
+static void cpu_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+                                              float dlogits_scale) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float *row = logits + (size_t)n * V;
@@ -532,8 +532,8 @@ static void sqrt_inplace(float *x, int n) {
  * with lerp_ and the step with addcdiv_, in their operation order. */
 #define ADAMW_BLOCK 1024
 
-void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
-              float beta2, float eps, float weight_decay, int step, float grad_scale) {
+static void cpu_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+                      float beta2, float eps, float weight_decay, int step, float grad_scale) {
     double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
     float decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
     float w1 = (float)(1.0 - (double)beta1), w1c = 1.0f - w1; /* exp_avg.lerp_(grad, 1 - beta1) */
@@ -571,7 +571,7 @@ void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, flo
 
 #define SUMSQ_CHUNK 65536
 
-double op_sumsq(const float *x, size_t n) {
+static double cpu_sumsq(const float *x, size_t n) {
     size_t nc = (n + SUMSQ_CHUNK - 1) / SUMSQ_CHUNK;
     if (nc == 0) return 0.0;
     double *part = xmalloc(nc * sizeof(double));
@@ -589,12 +589,56 @@ double op_sumsq(const float *x, size_t n) {
     return s;
 }
 
-void op_scale(float *x, size_t n, float s) {
+static void cpu_scale(float *x, size_t n, float s) {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) x[i] *= s;
 }
 
-void op_add(float *y, const float *x, size_t n) {
+static void cpu_add(float *y, const float *x, size_t n) {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) y[i] += x[i];
 }
+
+/* ------------------------------------------------------------------------------------ */
+/* memory and the backend table                                                          */
+
+static void *cpu_alloc(size_t bytes) { return xaligned_alloc(bytes); }
+static void cpu_free(void *p) { free(p); }
+static void cpu_zero(void *p, size_t bytes) { memset(p, 0, bytes); }
+static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src, bytes); }
+static const char *cpu_device_name(void) { return ""; }
+static void cpu_synchronize(void) {}
+
+const OpsBackend ops_backend_cpu = {
+    .name = "cpu",
+    .host_memory = 1,
+    .init = cpu_init,
+    .device_name = cpu_device_name,
+    .synchronize = cpu_synchronize,
+    .device_memory = NULL,
+    .device_peak = NULL,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .rmsnorm_forward = cpu_rmsnorm_forward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .matmul_forward = cpu_matmul_forward,
+    .matmul_backward = cpu_matmul_backward,
+    .rope_tables = cpu_rope_tables,
+    .rope_forward = cpu_rope_forward,
+    .rope_backward = cpu_rope_backward,
+    .attention_forward = cpu_attention_forward,
+    .attention_backward = cpu_attention_backward,
+    .swiglu_forward = cpu_swiglu_forward,
+    .swiglu_backward = cpu_swiglu_backward,
+    .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
+    .adamw = cpu_adamw,
+    .sumsq = cpu_sumsq,
+    .scale = cpu_scale,
+    .add = cpu_add,
+};

@@ -12,9 +12,11 @@
  * they give bitwise the CPU backend's result (gcc -std=c11 does not contract either).
  */
 #include "ops_cuda.h"
+#include "ops.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +27,49 @@
 /* util.h cannot be included in C++ (it uses C11's _Noreturn); die() is its error exit,
  * which prefixes "meshtrain: " (and the rank when there are several). */
 extern "C" void die(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+
+/* ------------------------------------------------------------------------------------ */
+/* cuBLASLt, opened at cuda_init                                                         */
+
+/* cuBLASLt is loaded with dlopen when the backend starts, not linked: loading the library
+ * costs about 150 MiB of resident memory (its relocations), which every cpu run of a
+ * CUDA-enabled build would otherwise pay. The soname is the one of the headers built
+ * against; the executable's RUNPATH (the CUDA toolkit's lib64) and LD_LIBRARY_PATH find it. */
+#define LT_STR2(x) #x
+#define LT_STR(x) LT_STR2(x)
+#define LT_SONAME "libcublasLt.so." LT_STR(CUBLAS_VER_MAJOR)
+#define LT_FUNCS(X)                                                                        \
+    X(cublasLtCreate) X(cublasLtDestroy) X(cublasLtGetStatusString) X(cublasLtMatmul)     \
+    X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmulDescCreate)                          \
+    X(cublasLtMatmulDescDestroy) X(cublasLtMatmulDescSetAttribute)                         \
+    X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceDestroy)                   \
+    X(cublasLtMatmulPreferenceSetAttribute) X(cublasLtMatrixLayoutCreate)                  \
+    X(cublasLtMatrixLayoutDestroy)
+static struct {
+#define LT_FIELD(f) decltype(&::f) f;
+    LT_FUNCS(LT_FIELD)
+#undef LT_FIELD
+    void *lib;
+} lt;
+
+static int lt_load(char *err, size_t errlen) {
+    if (lt.lib) return 0;
+    void *lib = dlopen(LT_SONAME, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(err, errlen, "cuda: cannot load cuBLASLt (%s)", dlerror());
+        return -1;
+    }
+#define LT_SYM(f)                                                                          \
+    if (!(lt.f = (decltype(lt.f))dlsym(lib, #f))) {                                       \
+        snprintf(err, errlen, "cuda: %s lacks %s", LT_SONAME, #f);                         \
+        dlclose(lib);                                                                      \
+        return -1;                                                                         \
+    }
+    LT_FUNCS(LT_SYM)
+#undef LT_SYM
+    lt.lib = lib;
+    return 0;
+}
 
 /* ------------------------------------------------------------------------------------ */
 /* state and error checking                                                              */
@@ -68,7 +113,7 @@ static void cuda_fail(const char *call, const char *msg, const char *file, int l
     do {                                                                                   \
         cublasStatus_t s_ = (call);                                                        \
         if (s_ != CUBLAS_STATUS_SUCCESS)                                                   \
-            cuda_fail(#call, cublasLtGetStatusString(s_), __FILE__, __LINE__);             \
+            cuda_fail(#call, lt.cublasLtGetStatusString(s_), __FILE__, __LINE__);          \
     } while (0)
 
 /* After every launch: a bad launch configuration shows up here; with MESHTRAIN_CUDA_SYNC=1
@@ -83,8 +128,7 @@ static void launch_check(const char *what, const char *file, int line) {
 static void *scratch(size_t bytes) {
     if (bytes > g.scratch_bytes) {
         if (g.scratch) {
-            CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* earlier kernels may still use it */
-            CUDA_CHECK(cudaFree(g.scratch));
+            cuda_free(g.scratch); /* waits: earlier kernels may still use it */
         }
         g.scratch = NULL;
         g.scratch_bytes = 0;
@@ -148,16 +192,23 @@ extern "C" {
 int cuda_init(int device, char *err, size_t errlen) {
     char dummy[1];
     if (!err || !errlen) err = dummy, errlen = sizeof dummy;
-    int n = 0;
+    int n = 0, driver = 0;
+    /* Without a driver, the runtime's error says "driver version is insufficient". */
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+        snprintf(err, errlen, "cuda: no usable GPU (no NVIDIA driver found)");
+        return -1;
+    }
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess) {
-        snprintf(err, errlen, "cuda: no usable GPU: %s", cudaGetErrorString(e));
+    if (e != cudaSuccess || n == 0) {
+        snprintf(err, errlen, "cuda: no usable GPU (%s)",
+                 e != cudaSuccess ? cudaGetErrorString(e) : "no device is visible");
         return -1;
     }
     if (device < 0 || device >= n) {
         snprintf(err, errlen, "cuda: device %d does not exist (%d visible)", device, n);
         return -1;
     }
+    if (lt_load(err, errlen)) return -1;
     if (g.ready) cuda_shutdown();
     e = cudaSetDevice(device);
     if (e != cudaSuccess) {
@@ -174,7 +225,7 @@ int cuda_init(int device, char *err, size_t errlen) {
     const char *s = getenv("MESHTRAIN_CUDA_SYNC");
     g.sync_each = s && *s && strcmp(s, "0") != 0;
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
-    CUBLAS_CHECK(cublasLtCreate(&g.lt));
+    CUBLAS_CHECK(lt.cublasLtCreate(&g.lt));
     g.workspace = cuda_malloc(WORKSPACE_BYTES);
     g.ready = 1;
     return 0;
@@ -185,7 +236,7 @@ void cuda_shutdown(void) {
     CUDA_CHECK(cudaStreamSynchronize(g.stream));
     cuda_free(g.scratch);
     cuda_free(g.workspace);
-    CUBLAS_CHECK(cublasLtDestroy(g.lt));
+    CUBLAS_CHECK(lt.cublasLtDestroy(g.lt));
     CUDA_CHECK(cudaStreamDestroy(g.stream));
     memset(&g, 0, sizeof g);
     memset(g_algos, 0, sizeof g_algos); /* algorithms belong to the handle and the card */
@@ -195,6 +246,38 @@ void cuda_shutdown(void) {
 const char *cuda_device_name(void) { return g.name; }
 void *cuda_stream(void) { return (void *)g.stream; }
 void cuda_set_tf32(int on) { g.tf32 = on != 0; }
+
+/* Live allocations, for the high-water mark of the bytes held on the card (cudaFree does
+ * not say how big a block was). They are few and long-lived, so a list does. Kept apart
+ * from g: the marks survive cuda_shutdown. */
+typedef struct { void *p; size_t bytes; } LiveAlloc;
+static LiveAlloc *g_live;
+static size_t g_n_live, g_cap_live, g_live_bytes, g_peak_alloc, g_peak_used;
+
+static void track_alloc(void *p, size_t bytes) {
+    if (g_n_live == g_cap_live) {
+        size_t cap = g_cap_live ? 2 * g_cap_live : 64;
+        void *q = realloc(g_live, cap * sizeof *g_live);
+        if (!q) die(2, "cannot allocate %zu bytes: out of memory", cap * sizeof *g_live);
+        g_live = (LiveAlloc *)q;
+        g_cap_live = cap;
+    }
+    g_live[g_n_live].p = p;
+    g_live[g_n_live++].bytes = bytes;
+    g_live_bytes += bytes;
+    if (g_live_bytes > g_peak_alloc) g_peak_alloc = g_live_bytes;
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess && tot - fr > g_peak_used) g_peak_used = tot - fr;
+}
+
+static void track_free(void *p) {
+    for (size_t i = 0; i < g_n_live; i++)
+        if (g_live[i].p == p) {
+            g_live_bytes -= g_live[i].bytes;
+            g_live[i] = g_live[--g_n_live];
+            return;
+        }
+}
 
 void *cuda_malloc(size_t bytes) {
     if (bytes == 0) return NULL;
@@ -207,6 +290,7 @@ void *cuda_malloc(size_t bytes) {
         die(2, "cuda: cannot allocate %zu bytes on the GPU: %s (%zu MiB free of %zu MiB)", bytes,
             cudaGetErrorString(e), fr >> 20, tot >> 20);
     }
+    track_alloc(p, bytes);
     return p;
 }
 
@@ -214,6 +298,20 @@ void cuda_free(void *p) {
     if (!p) return;
     CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* kernels in flight may still use it */
     CUDA_CHECK(cudaFree(p));
+    track_free(p);
+}
+
+void cuda_memory_peak(size_t *allocated, size_t *used) {
+    if (allocated) *allocated = g_peak_alloc;
+    if (used) *used = g_peak_used;
+}
+
+int cuda_memory_info(size_t *free_bytes, size_t *total_bytes) {
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) return -1;
+    if (free_bytes) *free_bytes = fr;
+    if (total_bytes) *total_bytes = tot;
+    return 0;
 }
 
 void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes) {
@@ -226,6 +324,10 @@ void cuda_memcpy_d2h(void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream));
     CUDA_CHECK(cudaStreamSynchronize(g.stream));
+}
+
+void cuda_memcpy_d2d(void *dst, const void *src, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, g.stream));
 }
 
 void cuda_memset_zero(void *p, size_t bytes) {
@@ -826,13 +928,13 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
     cublasComputeType_t ct = g.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, ld;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     /* layouts describe the matrices as stored (before op) */
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
 
     uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_d = ptr_alignment(D);
     AlgoEntry *hit = NULL;
@@ -845,17 +947,17 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
     }
     if (!hit) {
         cublasLtMatmulPreference_t pref;
-        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceCreate(&pref));
         uint64_t ws = WORKSPACE_BYTES;
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
         cublasLtMatmulHeuristicResult_t res;
         int nres = 0;
-        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &nres));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+        CUBLAS_CHECK(lt.cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &nres));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceDestroy(pref));
         if (nres < 1)
             die(1, "cuda: cuBLASLt has no algorithm for the matmul m=%d n=%d k=%d (transa %d transb %d)", m, n, k,
                 (int)ta, (int)tb);
@@ -870,13 +972,13 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
         hit->algo = res.algo;
     }
     const float alpha = 1.0f;
-    CUBLAS_CHECK(cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo, g.workspace,
+    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo, g.workspace,
                                 WORKSPACE_BYTES, g.stream));
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(la));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(lb));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(ld));
-    CUBLAS_CHECK(cublasLtMatmulDescDestroy(op));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(la));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(lb));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(ld));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescDestroy(op));
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1077,3 +1179,58 @@ void cuda_add(float *y, const float *x, size_t n) {
 }
 
 } /* extern "C" */
+
+/* ------------------------------------------------------------------------------------ */
+/* the backend table (ops.h)                                                             */
+
+/* One GPU per process: device 0 of those visible (CUDA_VISIBLE_DEVICES picks it). */
+static int backend_init(int n_threads, char *err, size_t errlen) {
+    (void)n_threads; /* host threads: the cuda backend does its work on the card */
+    return cuda_init(0, err, errlen);
+}
+
+/* op_alloc promises zeroed memory; the memset runs on the stream, before any later op. */
+static void *backend_alloc(size_t bytes) {
+    void *p = cuda_malloc(bytes);
+    cuda_memset_zero(p, bytes);
+    return p;
+}
+
+static int backend_device_peak(size_t *allocated, size_t *used) {
+    cuda_memory_peak(allocated, used);
+    return 0;
+}
+
+extern "C" const OpsBackend ops_backend_cuda = {
+    .name = "cuda",
+    .host_memory = 0,
+    .init = backend_init,
+    .device_name = cuda_device_name,
+    .synchronize = cuda_synchronize,
+    .device_memory = cuda_memory_info,
+    .device_peak = backend_device_peak,
+    .alloc = backend_alloc,
+    .free = cuda_free,
+    .zero = cuda_memset_zero,
+    .copy = cuda_memcpy_d2d,
+    .upload = cuda_memcpy_h2d,
+    .download = cuda_memcpy_d2h,
+    .embedding_forward = cuda_embedding_forward,
+    .embedding_backward = cuda_embedding_backward,
+    .rmsnorm_forward = cuda_rmsnorm_forward,
+    .rmsnorm_backward = cuda_rmsnorm_backward,
+    .matmul_forward = cuda_matmul_forward,
+    .matmul_backward = cuda_matmul_backward,
+    .rope_tables = cuda_rope_tables,
+    .rope_forward = cuda_rope_forward,
+    .rope_backward = cuda_rope_backward,
+    .attention_forward = cuda_attention_forward,
+    .attention_backward = cuda_attention_backward,
+    .swiglu_forward = cuda_swiglu_forward,
+    .swiglu_backward = cuda_swiglu_backward,
+    .crossentropy_forward_backward = cuda_crossentropy_forward_backward,
+    .adamw = cuda_adamw,
+    .sumsq = cuda_sumsq,
+    .scale = cuda_scale,
+    .add = cuda_add,
+};

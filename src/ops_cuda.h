@@ -13,6 +13,8 @@
  * that an asynchronous fault is reported at the kernel that caused it.
  *
  * This is a plain C header: the implementation (ops_cuda.cu) gives every function C linkage.
+ * The trainer does not call these directly: ops_cuda.cu also defines ops_backend_cuda
+ * (ops.h), the table through which op_* reaches them after ops_init("cuda", ...).
  */
 #ifndef MESHTRAIN_OPS_CUDA_H
 #define MESHTRAIN_OPS_CUDA_H
@@ -40,7 +42,13 @@ void cuda_free(void *p);
 /* Synchronous with respect to the host: they return when the copy is done. */
 void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes);
 void cuda_memcpy_d2h(void *dst, const void *src, size_t bytes);
+void cuda_memcpy_d2d(void *dst, const void *src, size_t bytes); /* asynchronous, on the stream */
 void cuda_memset_zero(void *p, size_t bytes); /* asynchronous, on the stream */
+/* High-water marks since the process started: of the bytes cuda_malloc holds, and of the
+ * card's used memory (total - free) as seen after each allocation (the CUDA context and
+ * other processes included). */
+void cuda_memory_peak(size_t *allocated, size_t *used);
+int cuda_memory_info(size_t *free_bytes, size_t *total_bytes); /* 0, or -1 */
 void cuda_synchronize(void);
 
 /* ---- ops (see ops.h for the semantics of each) ---------------------------------------- */

@@ -42,8 +42,9 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
 
 void parallel_free(Parallel *p) {
     if (!p) return;
-    free(p->params); free(p->grads); free(p->pshard); free(p->gshard); free(p->mom1); free(p->mom2);
-    for (int i = 0; i < N_SLOTS; i++) { free(p->pslots[i].buf); free(p->gslots[i].buf); }
+    op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
+    op_free(p->mom2);
+    for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
     free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open);
     free(p);
 }
@@ -64,7 +65,7 @@ void par_alloc_slots(Parallel *p, Slot *slots) {
     par_slot_caps(p->m, caps);
     for (int i = 0; i < N_SLOTS; i++) {
         slots[i].cap = caps[i];
-        slots[i].buf = caps[i] ? xaligned_alloc(caps[i] * sizeof(float)) : NULL;
+        slots[i].buf = op_alloc(caps[i] * sizeof(float));  /* NULL for an unused slot */
         slots[i].unit = -1;
     }
 }
@@ -77,18 +78,28 @@ Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, 
     return best;
 }
 
+/* model_init_unit writes host memory. On the cpu it writes straight into the whole
+ * parameters, or (FSDP) into the largest parameter slot, of which this rank keeps its
+ * shard; on a device each unit goes through one host buffer and is uploaded. */
 void parallel_init_weights(Parallel *p, uint64_t seed) {
     Model *m = p->m;
-    if (p->params) {
-        for (int u = 0; u < m->n_units; u++) model_init_unit(m, u, p->params + m->units[u].offset, seed);
-        return;
-    }
-    /* FSDP: one unit at a time through the big slot, keeping only this rank's shard. */
+    size_t caps[N_SLOTS];
+    int big = 0;
+    par_slot_caps(m, caps);
+    for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
+    float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
-        model_init_unit(m, u, p->pslots[0].buf, seed);
-        memcpy(p->pshard + shard_off(p, u), p->pslots[0].buf + (size_t)p->r * shard_len(p, u),
-               shard_len(p, u) * sizeof(float));
+        float *whole = p->params ? p->params + m->units[u].offset : NULL;
+        float *buf = host ? host : whole ? whole : p->pslots[big].buf;
+        model_init_unit(m, u, buf, seed);
+        if (whole) {
+            if (buf != whole) op_upload(whole, buf, m->units[u].n_padded * sizeof(float));
+        } else {
+            op_upload(p->pshard + shard_off(p, u), buf + (size_t)p->r * shard_len(p, u),
+                      shard_len(p, u) * sizeof(float));
+        }
     }
+    free(host);
 }
 
 void par_wait(Parallel *p, CommReq *r) {
@@ -126,7 +137,7 @@ float *par_grad_slot(Parallel *p, int u) {
     }
     if (!slot) die(EXIT_RUN_FAILURE, "internal: no free gradient slot for unit %d", u);
     slot->unit = u;
-    memset(slot->buf, 0, p->m->units[u].n_padded * sizeof(float));
+    op_zero(slot->buf, p->m->units[u].n_padded * sizeof(float));
     return slot->buf;
 }
 
@@ -139,7 +150,7 @@ void par_reduce_scatter_grad(Parallel *p, int u, float *src, CommReq *req) {
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
     if (p->pshard) fsdp_drop_prefetch(p);
-    if (p->grads) memset(p->grads, 0, p->m->n_flat * sizeof(float));
+    if (p->grads) op_zero(p->grads, p->m->n_flat * sizeof(float));
     memset(p->grad_open, 0, (size_t)p->m->n_units);
     for (int i = 0; i < N_SLOTS; i++) p->gslots[i].unit = -1;
 }

@@ -4,10 +4,16 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "ops.h"
 #include "util.h"
 
 ModelConfig model_config_of(const Config *c) {
     return (ModelConfig){c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
+}
+
+void ops_init_or_die(const char *device, int threads) {
+    char err[512];
+    if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
 }
 
 ParallelKind strategy_of(const Config *c) {

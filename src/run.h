@@ -7,6 +7,8 @@
 #include "parallel.h"
 
 ModelConfig model_config_of(const Config *c);
+/* Starts the ops backend of `device` (ops_init) or exits 2 with its one-line reason. */
+void ops_init_or_die(const char *device, int threads);
 /* The data-parallel strategy the keys ask for (fsdp, shard_strategy, zero_opt). */
 ParallelKind strategy_of(const Config *c);
 void mkdir_p(const char *dir);

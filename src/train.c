@@ -81,6 +81,51 @@ static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRang
     return n;
 }
 
+/* MFU's reference on a GPU: the H100 SXM's dense bf16 tensor-core peak, as the PyTorch peer
+ * and the post count it (an fp32 run reaches a small fraction of it). */
+#define GPU_PEAK_FLOPS 989e12
+
+/* Checkpoints read and write host memory. On a device backend the ranges are staged
+ * through one host buffer: downloaded before a save, uploaded after a load. On the cpu the
+ * ranges are used as they are (no copy, no extra memory). */
+typedef struct { StateRange *host; float *buf; } Staging;
+
+static const StateRange *stage(const StateRange *r, int n, Staging *s) {
+    s->host = NULL;
+    s->buf = NULL;
+    if (ops_host_memory()) return r;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += r[i].count * (1 + (r[i].m != NULL) + (r[i].v != NULL));
+    s->host = xmalloc((size_t)(n ? n : 1) * sizeof *s->host);
+    s->buf = xmalloc((total ? total : 1) * sizeof(float));
+    float *p = s->buf;
+    for (int i = 0; i < n; i++) {
+        float **dev[3] = {&s->host[i].params, &s->host[i].m, &s->host[i].v};
+        s->host[i] = r[i];
+        for (int k = 0; k < 3; k++)
+            if (*dev[k]) { *dev[k] = p; p += r[i].count; }
+    }
+    return s->host;
+}
+
+/* dir > 0: device -> host (before a save); dir < 0: host -> device (after a load). */
+static void stage_copy(const StateRange *r, int n, const Staging *s, int dir) {
+    if (!s->host) return;
+    for (int i = 0; i < n; i++) {
+        float *dev[3] = {r[i].params, r[i].m, r[i].v}, *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
+        for (int k = 0; k < 3; k++) {
+            if (!dev[k]) continue;
+            if (dir > 0) op_download(host[k], dev[k], r[i].count * sizeof(float));
+            else op_upload(dev[k], host[k], r[i].count * sizeof(float));
+        }
+    }
+}
+
+static void stage_free(Staging *s) {
+    free(s->host);
+    free(s->buf);
+}
+
 /* Test hooks for fault handling: MESHTRAIN_FAULT_KILL / _HANG = "rank:step" make that
  * rank die (SIGKILL) or stop responding at the start of that step. */
 static void inject_fault(int rank, int step) {
@@ -109,6 +154,14 @@ int cmd_train(Config *c) {
     Comm world;
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
+    int gpu = !strcmp(c->device, "cuda");
+    if (gpu && world.size > 1) {
+        /* The collectives move host memory; NCCL on device buffers is the next step. */
+        if (world.rank == 0)
+            fprintf(stderr, "meshtrain: device=cuda runs one process for now; multi-GPU (NCCL) comes next\n");
+        comm_world_finalize();
+        exit(EXIT_BAD_INPUT);
+    }
     Mesh mesh;
     if (mesh_init(&mesh, &world, c->tensor_parallel_size, c->pipeline_parallel_size,
                   c->fsdp && !strcmp(c->shard_strategy, "hybrid")
@@ -148,19 +201,21 @@ int cmd_train(Config *c) {
         die(EXIT_BAD_INPUT, "validation data %s (%zu tokens) is too short for context_len=%d on %d ranks",
             c->val_data, val.n_tokens, T, dp);
 
+    ops_init_or_die(c->device, c->threads);
     MemEstimate est;
-    size_t data_bytes = (train.n_tokens + val.n_tokens) * 2;
-    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, &est);
-    size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : available_memory_bytes();
+    size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
+    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, &est);
+    if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
+    size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
-        die(EXIT_BAD_INPUT, "this run needs about %s per rank but only %s is available (lower batch_size or "
-            "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), fmt_bytes(b2, (double)limit));
+        die(EXIT_BAD_INPUT, "this run needs about %s per %s but only %s is available (lower batch_size or "
+            "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), gpu ? "GPU" : "rank",
+            fmt_bytes(b2, (double)limit));
 
-    ops_init(c->threads);
     if (lead) {
-        printf("meshtrain train  (device %s, %d process%s: dp=%d tp=%d pp=%d, %s%s)\n", ops_backend_name(),
-               world.size, world.size > 1 ? "es" : "", dp, mesh.tp_size, mesh.pp_size, parallel_kind_name(kind),
-               kind == PAR_HYBRID ? "" : "");
+        printf("meshtrain train  (device %s%s%s%s, %d process%s: dp=%d tp=%d pp=%d, %s)\n", ops_backend_name(),
+               gpu ? " (" : "", ops_device_name(), gpu ? ")" : "", world.size, world.size > 1 ? "es" : "", dp,
+               mesh.tp_size, mesh.pp_size, parallel_kind_name(kind));
         if (kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", mesh.shard_size,
                                        dp / mesh.shard_size);
         config_print(c, CMD_TRAIN);
@@ -180,7 +235,11 @@ int cmd_train(Config *c) {
     StateRange *ranges = xmalloc((size_t)max_ranges * sizeof *ranges);
     if (resuming) {
         int n = ckpt_ranges(par, &m, 0, ranges, max_ranges);
-        if (ckpt_load_dist(c->resume, &resume_h, ranges, n, 1, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        Staging st;
+        const StateRange *need = stage(ranges, n, &st);
+        if (ckpt_load_dist(c->resume, &resume_h, need, n, 1, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        stage_copy(ranges, n, &st, -1);
+        stage_free(&st);
         parallel_set_adam_steps(par, resume_h.adam_step);
         LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
         if (loader_set_state(&loader, ls, err, sizeof err)) die(EXIT_BAD_INPUT, "%s: %s", c->resume, err);
@@ -239,19 +298,23 @@ int cmd_train(Config *c) {
             exit(EXIT_RUN_FAILURE);
         }
         double lr, norm = parallel_step(par, &oc, &lr);
+        ops_synchronize();  /* a device runs the optimizer step asynchronously: time all of it */
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,\"ms\":%.2f,\"comm_wait_ms\":%.2f,"
-                    "\"tokens_per_s\":%.1f,\"gflops\":%.2f}\n", step + 1, loss, lr, norm, dt * 1e3, wait * 1e3, tok_s,
-                    gflops);
+                    "\"tokens_per_s\":%.1f,\"gflops\":%.2f", step + 1, loss, lr, norm, dt * 1e3, wait * 1e3, tok_s, gflops);
+            if (gpu) fprintf(log, ",\"mfu\":%.6f", gflops * 1e9 / GPU_PEAK_FLOPS);
+            fprintf(log, "}\n");
             fflush(log);
         }
         if (lead && ((step + 1) % c->log_every == 0 || step + 1 == c->steps || step == start)) {
             progress_clear(&pr);
-            printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | %6.1f GFLOP/s\n",
-                   step + 1, c->steps, loss, lr, norm, dt * 1e3, tok_s, gflops);
+            printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | ", step + 1, c->steps,
+                   loss, lr, norm, dt * 1e3, tok_s);
+            if (gpu) printf("%6.2f TFLOP/s | MFU %5.2f%%\n", gflops / 1e3, 100 * gflops * 1e9 / GPU_PEAK_FLOPS);
+            else printf("%6.1f GFLOP/s\n", gflops);
             fflush(stdout);
         }
         int last = step + 1 == c->steps;
@@ -276,7 +339,11 @@ int cmd_train(Config *c) {
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
             int n = ckpt_ranges(par, &m, 1, ranges, max_ranges);
-            if (ckpt_save_dist(c->ckpt_path, &h, &world, ranges, n, err, sizeof err)) die(EXIT_RUN_FAILURE, "%s", err);
+            Staging st;
+            const StateRange *mine = stage(ranges, n, &st);
+            stage_copy(ranges, n, &st, 1);
+            if (ckpt_save_dist(c->ckpt_path, &h, &world, mine, n, err, sizeof err)) die(EXIT_RUN_FAILURE, "%s", err);
+            stage_free(&st);
         }
         progress_draw(&pr, step + 1, loss, tok_s);
     }
@@ -284,18 +351,34 @@ int cmd_train(Config *c) {
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
     world_max_min(&world, (double)max_rss_bytes(), &rss_max, &rss_min);
+    /* GPU: the high-water mark of the bytes op_alloc held (comparable to the estimate), and
+     * of the card's used memory seen at each allocation (the CUDA context included). */
+    size_t gpu_alloc = 0, gpu_used = 0;
+    if (gpu) ops_device_peak(&gpu_alloc, &gpu_used);
     if (lead) {
+        double flops = tok_s * est.flops_per_token;
         fprintf(log, "{\"done\":true,\"steps\":%d,\"world\":%d,\"strategy\":\"%s\",\"tokens_per_s\":%.1f,"
                 "\"gflops\":%.2f,\"comm_wait_fraction\":%.4f,\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,"
-                "\"estimate_bytes\":%zu,\"loss\":%.6f,\"val_loss\":%.6f}\n",
-                c->steps - start, world.size, parallel_kind_name(kind), tok_s, tok_s * est.flops_per_token / 1e9,
+                "\"estimate_bytes\":%zu,\"loss\":%.6f,\"val_loss\":%.6f",
+                c->steps - start, world.size, parallel_kind_name(kind), tok_s, flops / 1e9,
                 t_timed > 0 ? comm_timed / t_timed : 0.0, rss_max, rss_min, est.total, loss, val_loss);
+        if (gpu)
+            fprintf(log, ",\"device\":\"%s\",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
+                    ops_device_name(), flops / GPU_PEAK_FLOPS, gpu_alloc, gpu_used);
+        fprintf(log, "}\n");
         fclose(log);
-        char b3[32];
-        printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s, first step excluded) | peak memory per rank %s max, "
-               "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %.4f\n", c->steps - start, tok_s,
-               tok_s * est.flops_per_token / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min),
-               fmt_bytes(b3, (double)est.total), loss, val_loss);
+        char b3[32], b4[32];
+        if (gpu)
+            printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s, first step excluded) | "
+                   "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s | final loss %.4f "
+                   "| val_loss %.4f\n", c->steps - start, tok_s, flops / 1e12, 100 * flops / GPU_PEAK_FLOPS,
+                   GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc), fmt_bytes(b2, (double)est.total),
+                   fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max), loss, val_loss);
+        else
+            printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s, first step excluded) | peak memory per rank %s max, "
+                   "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %.4f\n", c->steps - start, tok_s,
+                   flops / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
+                   val_loss);
         if (world.size > 1 || comm_timed > 0)
             printf("communication: %.1f%% of the step blocked on gradient collectives (overlap=%s)\n",
                    t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");

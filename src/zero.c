@@ -4,7 +4,7 @@
  * ZeRO-1 keeps a whole gradient buffer; ZeRO-2 (shard_strategy=grad_op) accumulates a
  * unit's gradient in a slot that is reused once its reduce-scatter has drained it, so the
  * whole gradient never exists on one rank. */
-#include <string.h>
+#include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
 
@@ -42,12 +42,12 @@ void zero_gather_params(Parallel *p) {
 
 void zero_setup(Parallel *p) {
     size_t full = p->m->n_flat * sizeof(float), shard = p->n_shard * sizeof(float);
-    p->params = xaligned_alloc(full);
-    p->gshard = xaligned_alloc(shard);
-    p->mom1 = xaligned_alloc(shard);
-    p->mom2 = xaligned_alloc(shard);
+    p->params = op_alloc(full);
+    p->gshard = op_alloc(shard);
+    p->mom1 = op_alloc(shard);
+    p->mom2 = op_alloc(shard);
     if (p->kind == PAR_ZERO1) {
-        p->grads = xaligned_alloc(full);
+        p->grads = op_alloc(full);
         model_point_units(p->m, p->params, p->grads);
         p->hooks.grad_ready = zero1_grad_ready;
     } else {

@@ -430,7 +430,7 @@ static void test_shard_failures(void) {
 }
 
 int main(void) {
-    ops_init(1);
+    ops_init("cpu", 1, NULL, 0);
     RUN(test_full_ranges_match_tensors);
     RUN(test_round_trip_other_padding);
     RUN(test_dist_world_of_one);

@@ -184,7 +184,7 @@ static void test_init_statistics(void) {
 }
 
 int main(void) {
-    ops_init(0);
+    ops_init("cpu", 0, NULL, 0);
     RUN(test_param_counts);
     RUN(test_layout_padding);
     RUN(test_init_statistics);

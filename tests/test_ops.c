@@ -829,7 +829,7 @@ static void test_determinism(void) {
     size_t n0, n1;
     float *att[2], *dq[2], *dx[2], *dw[2], *de[2];
     for (int r = 0; r < 2; r++) {
-        ops_init(r == 0 ? 1 : 3);
+        ops_init("cpu", r == 0 ? 1 : 3, NULL, 0);
         float *l = zerosf((size_t)f.B * f.NH * f.T);
         att[r] = zerosf((size_t)f.N * f.C);
         op_attention_forward(att[r], l, f.qkv, f.B, f.T, f.NH, f.HD);
@@ -844,7 +844,7 @@ static void test_determinism(void) {
         bwd_call(&f, OP_EMB, de[r], NULL);
         free(l);
     }
-    ops_init(0);
+    ops_init("cpu", 0, NULL, 0);
     CHECK(same(att[0], att[1], (size_t)f.N * f.C), "attention forward depends on the thread count");
     CHECK(same(dq[0], dq[1], (size_t)f.N * f.C * 3), "attention backward depends on the thread count");
     CHECK(same(dx[0], dx[1], (size_t)f.N * f.C) && same(dw[0], dw[1], f.C), "rmsnorm backward depends on the thread count");
@@ -855,10 +855,50 @@ static void test_determinism(void) {
 
 static void test_backend_name(void) { CHECK(strcmp(ops_backend_name(), "cpu") == 0, "%s", ops_backend_name()); }
 
+/* Backend selection and the memory ops on the cpu: an unknown device is refused with a
+ * message; cuda either starts or says why in one line (no GPU here, or a build without
+ * nvcc) and leaves the cpu backend active; op_alloc is zeroed and aligned. */
+static void test_backend_memory(void) {
+    char err[256] = "";
+    CHECK(ops_init("tpu", 0, err, sizeof err) == -1 && strstr(err, "device=tpu"), "tpu: %s", err);
+    err[0] = 0;
+    if (ops_init("cuda", 0, err, sizeof err) == 0) {
+        CHECK(!ops_host_memory(), "cuda backend claims host memory");
+    } else {
+        CHECK(strstr(err, "no CUDA support") || strstr(err, "no usable GPU"), "cuda refused with: %s", err);
+        CHECK(!strchr(err, '\n'), "multi-line message: %s", err);
+    }
+    CHECK(ops_init("cpu", 0, err, sizeof err) == 0, "cpu: %s", err);
+    CHECK(ops_host_memory() && !strcmp(ops_backend_name(), "cpu"), "%s", ops_backend_name());
+    size_t f, t;
+    CHECK(ops_device_memory(&f, &t) == -1 && ops_device_peak(&f, &t) == -1, "cpu reports device memory");
+    CHECK(op_alloc(0) == NULL, "op_alloc(0)");
+    size_t n = 1001;
+    float *a = op_alloc(n * sizeof(float)), *b = op_alloc(n * sizeof(float)), *h = xmalloc(n * sizeof(float));
+    CHECK(((uintptr_t)a & 63) == 0, "op_alloc not 64-byte aligned");
+    int zero = 1;
+    for (size_t i = 0; i < n; i++) zero &= a[i] == 0.0f;
+    CHECK(zero, "op_alloc not zeroed");
+    for (size_t i = 0; i < n; i++) h[i] = (float)i;
+    op_upload(a, h, n * sizeof(float));
+    op_copy(b, a, n * sizeof(float));
+    op_zero(b, 10 * sizeof(float));
+    memset(h, 0xff, n * sizeof(float));
+    op_download(h, b, n * sizeof(float));
+    int okv = 1;
+    for (size_t i = 0; i < n; i++) okv &= h[i] == (i < 10 ? 0.0f : (float)i);
+    CHECK(okv, "upload / copy / zero / download");
+    op_free(a);
+    op_free(b);
+    op_free(NULL);
+    free(h);
+}
+
 int main(void) {
-    ops_init(0);
+    ops_init("cpu", 0, NULL, 0);
     rng_seed(&rng, 1234);
     RUN(test_backend_name);
+    RUN(test_backend_memory);
     RUN(test_embedding);
     RUN(test_rmsnorm);
     RUN(test_matmul);

@@ -496,6 +496,52 @@ static void test_flat(void) {
     }
 }
 
+/* The backend table the trainer uses (ops_backend_cuda): every entry is set; op_alloc's
+ * memory is zeroed; upload, device copy, zero and download move exactly the bytes asked
+ * for; the allocator's high-water mark counts what it holds. */
+static void test_backend_table(void) {
+    const OpsBackend *b = &ops_backend_cuda;
+    CHECK(!strcmp(b->name, "cuda") && !b->host_memory, "name %s, host_memory %d", b->name, b->host_memory);
+    void (*const fns[])(void) = {
+        (void (*)(void))b->init, (void (*)(void))b->device_name, (void (*)(void))b->synchronize,
+        (void (*)(void))b->device_memory, (void (*)(void))b->device_peak, (void (*)(void))b->alloc,
+        (void (*)(void))b->free, (void (*)(void))b->zero, (void (*)(void))b->copy, (void (*)(void))b->upload,
+        (void (*)(void))b->download, (void (*)(void))b->embedding_forward, (void (*)(void))b->embedding_backward,
+        (void (*)(void))b->rmsnorm_forward, (void (*)(void))b->rmsnorm_backward, (void (*)(void))b->matmul_forward,
+        (void (*)(void))b->matmul_backward, (void (*)(void))b->rope_tables, (void (*)(void))b->rope_forward,
+        (void (*)(void))b->rope_backward, (void (*)(void))b->attention_forward,
+        (void (*)(void))b->attention_backward, (void (*)(void))b->swiglu_forward,
+        (void (*)(void))b->swiglu_backward, (void (*)(void))b->crossentropy_forward_backward,
+        (void (*)(void))b->adamw, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add};
+    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
+
+    size_t n = 1000003, peak0 = 0, peak1 = 0, used = 0, fr = 0, tot = 0;
+    b->device_peak(&peak0, NULL);
+    float *d1 = b->alloc(n * sizeof(float)), *d2 = b->alloc(n * sizeof(float));
+    float *h = xmalloc(n * sizeof(float)), *x = randf(n, 1.0f);
+    b->download(h, d1, n * sizeof(float));
+    size_t nonzero = 0;
+    for (size_t i = 0; i < n; i++) nonzero += h[i] != 0.0f;
+    CHECK(nonzero == 0, "alloc: %zu of %zu floats not zero", nonzero, n);
+    b->upload(d1, x, n * sizeof(float));
+    b->copy(d2 + 1, d1, (n - 1) * sizeof(float));
+    b->download(h, d2, n * sizeof(float));
+    CHECK(h[0] == 0.0f && same(h + 1, x, n - 1), "upload / copy / download do not round-trip");
+    b->zero(d2 + 7, 100 * sizeof(float));
+    b->download(h, d2, n * sizeof(float));
+    nonzero = 0;
+    for (size_t i = 7; i < 107; i++) nonzero += h[i] != 0.0f;
+    CHECK(nonzero == 0 && same(h + 107, x + 106, n - 107) && same(h + 1, x, 6), "zero: wrong bytes");
+    b->device_peak(&peak1, &used);
+    CHECK(peak1 >= peak0 && peak1 >= 2 * n * sizeof(float), "allocation peak %zu (before: %zu)", peak1, peak0);
+    CHECK(b->device_memory(&fr, &tot) == 0 && fr <= tot && used <= tot, "device memory %zu / %zu (used %zu)", fr, tot,
+          used);
+    b->free(d1);
+    b->free(d2);
+    free(h);
+    free(x);
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     setenv("MESHTRAIN_CUDA_SYNC", "1", 0); /* a fault is reported at the kernel that made it */
@@ -505,10 +551,11 @@ int main(int argc, char **argv) {
         printf("RESULT 0 1\n");
         return 1;
     }
-    ops_init(0);
+    ops_init("cpu", 0, NULL, 0);
     rng_seed(&rng, 20240601);
     printf("device %d: %s\n", device, cuda_device_name());
     RUN(test_flat);
+    RUN(test_backend_table);
     RUN(test_matmul);
     RUN(test_embedding);
     RUN(test_rmsnorm);

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Whole training runs on one GPU (device=cuda, fp32) against the same runs on the CPU:
+# with the same config, data and init, every step's loss agrees within 1e-4 relative and
+# the final parameters within 1e-4 (norm-wise per tensor, tests/ckpt_diff), for DDP (one
+# process), ZeRO-1, ZeRO-2 and FSDP with tied embeddings. Also: a CUDA run is deterministic
+# and resumes bitwise from its checkpoint; eval and sample run on cuda; the GPU allocator's
+# peak is the estimate.
+#
+# Needs a GPU, the meshtrain binary ($MESHTRAIN_BIN, default build/meshtrain) and
+# build/tests/ckpt_diff beside it. Data: MESHTRAIN_GPU_SHARDS=DIR holding train.bin and
+# val.bin, or else prepared here from data/tinystories/TinyStories-train.head-2MiB.txt
+# with the tokenizer in data/gpt2 (run from the repository root).
+set -u
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+DIFF=$(dirname "$BIN")/tests/ckpt_diff
+TMP=$(mktemp -d /tmp/meshtrain-gpu.XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+pass=0; fail=0
+ok()  { pass=$((pass + 1)); echo "ok   $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL $1"; }
+TOL=1e-4
+
+if [ -n "${MESHTRAIN_GPU_SHARDS:-}" ]; then D=$MESHTRAIN_GPU_SHARDS
+else
+  D=$TMP/data
+  head -c 400000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt" &&
+    "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "cannot prepare data"; echo "RESULT 0 1"; exit 1; }
+fi
+
+losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+# close REF RUN: every step's loss within TOL relative, and the final parameters within TOL
+close() {
+  local a b d
+  a=$(losses "$1"); b=$(losses "$2")
+  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || { echo "  different step counts"; return 1; }
+  paste <(echo "$a") <(echo "$b") | awk -v t=$TOL '{d=($1-$2)/$1; if (d<0) d=-d; if (d>m) m=d; if (d>t) bad=1}
+    END{printf "  losses: max relative difference %.3g over %d steps\n", m, NR; exit bad}' || return 1
+  d=$("$DIFF" "$1/ckpt.bin" "$2/ckpt.bin") || return 1
+  echo "  parameters: $d"
+  echo "$d" | awk -v t=$TOL '{exit !($2 < t)}'
+}
+run() {  # run OUT KEYS...: one training run, its output in OUT.log
+  local out=$1; shift
+  "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
+}
+
+M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 batch_size=8 lr=1e-3 grad_clip=1 data_dir=$D"
+
+# -- the GPU is there (else one clear failure, not a page of them)
+if ! run "$TMP/smoke" $M steps=1 device=cuda; then
+  echo "device=cuda does not run here:"; tail -3 "$TMP/smoke.log"; echo "RESULT 0 1"; exit 1
+fi
+grep -m1 "device cuda" "$TMP/smoke.log"
+
+# -- CUDA follows the CPU, per strategy (one process each)
+for tied in false true; do run "$TMP/cpu_$tied" $M steps=5 tie_embeddings=$tied device=cpu; done
+while IFS='|' read -r name tied keys; do
+  out=$TMP/cuda_$name
+  if run "$out" $M steps=5 tie_embeddings=$tied device=cuda $keys && close "$TMP/cpu_$tied" "$out"; then ok "cuda_follows_cpu_$name"
+  else bad "cuda_follows_cpu_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+ddp|false|
+ddp_tied|true|
+zero1|false|zero_opt=true
+zero2|false|fsdp=true shard_strategy=grad_op
+fsdp_tied|true|fsdp=true shard_strategy=full
+CASES
+grep -m1 "^done:" "$TMP/cuda_ddp.log"
+
+# -- deterministic: the same CUDA run twice gives bitwise the same losses and parameters
+run "$TMP/cuda_again" $M steps=5 device=cuda
+strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
+if [ "$(strip "$TMP/cuda_ddp")" = "$(strip "$TMP/cuda_again")" ] && cmp -s "$TMP/cuda_ddp/ckpt.bin" "$TMP/cuda_again/ckpt.bin"
+then ok cuda_deterministic; else bad cuda_deterministic; fi
+
+# -- bitwise resume on CUDA: 8 straight steps, versus a run stopped (NaN) after its step-4
+# checkpoint and resumed to step 8 (checkpoints go through the host staging both ways)
+S="steps=8 lr_schedule=cosine warmup_steps=2 device=cuda"
+run "$TMP/ra" $M $S
+MESHTRAIN_FAULT_NAN_STEP=5 run "$TMP/rk" $M $S ckpt_every=4
+"$BIN" train resume="$TMP/rk/ckpt.bin" data_dir="$D" device=cuda progress=false out_dir="$TMP/rk" >"$TMP/rk2.log" 2>&1
+la=$(grep '^{"step":[5-8],"loss"' "$TMP/ra/log.jsonl" | sed 's/,"ms".*//')
+lb=$(grep '^{"step":[5-8],"loss"' "$TMP/rk/log.jsonl" | sed 's/,"ms".*//')
+if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$TMP/ra/ckpt.bin" "$TMP/rk/ckpt.bin"
+then ok cuda_resume_bitwise; else bad "cuda_resume_bitwise ($(tail -1 "$TMP/rk2.log"))"; echo "$la"; echo "$lb"; fi
+
+# -- a CPU checkpoint resumed on CUDA continues the CPU run (within TOL)
+run "$TMP/c8" $M steps=8 device=cpu
+MESHTRAIN_FAULT_NAN_STEP=5 run "$TMP/x4" $M steps=8 ckpt_every=4 device=cpu
+"$BIN" train resume="$TMP/x4/ckpt.bin" data_dir="$D" device=cuda progress=false out_dir="$TMP/x4" >"$TMP/x4b.log" 2>&1
+if close "$TMP/c8" "$TMP/x4"; then ok cpu_checkpoint_resumes_on_cuda; else bad "cpu_checkpoint_resumes_on_cuda ($(tail -1 "$TMP/x4b.log"))"; fi
+
+# -- eval and sample on cuda, from the CPU run's checkpoint
+vc=$("$BIN" eval checkpoint="$TMP/cpu_false/ckpt.bin" data_dir="$D" batch_size=8 device=cpu | grep -o 'val_loss [0-9.]*' | cut -d' ' -f2)
+vg=$("$BIN" eval checkpoint="$TMP/cpu_false/ckpt.bin" data_dir="$D" batch_size=8 device=cuda | grep -o 'val_loss [0-9.]*' | cut -d' ' -f2)
+if [ -n "$vc" ] && [ -n "$vg" ] && awk -v a="$vc" -v b="$vg" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d <= 2e-4)}'
+then ok "eval_cuda ($vg vs cpu $vc)"; else bad "eval_cuda ($vg vs cpu $vc)"; fi
+s1=$("$BIN" sample checkpoint="$TMP/cpu_false/ckpt.bin" prompt="Once upon a time" length=20 seed=1 device=cuda 2>&1)
+s2=$("$BIN" sample checkpoint="$TMP/cpu_false/ckpt.bin" prompt="Once upon a time" length=20 seed=1 device=cuda 2>&1)
+if [ "${s1#Once upon a time}" != "$s1" ] && [ "$s1" = "$s2" ]; then ok sample_cuda; else bad "sample_cuda ($s1 / $s2)"; fi
+
+# -- the allocator's peak on the GPU is the estimate (within 10%), on a run big enough to matter
+E=$TMP/est
+run "$E" vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" device=cuda
+peak=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
+est=$(grep -o '"estimate_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
+if [ -n "$peak" ] && [ -n "$est" ] && awk -v r="$peak" -v e="$est" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(d < 0.10)}'
+then ok "gpu_peak_within_10pct_of_estimate (peak $peak, estimate $est)"
+else bad "gpu_peak_within_10pct_of_estimate (peak $peak, estimate $est)"; fi
+grep -m1 "^done:" "$E.log"
+
+echo "RESULT $pass $fail"
