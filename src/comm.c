@@ -266,38 +266,14 @@ void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char
     comm_test(r);
 }
 
-/* Polls so a lost peer ends the run after g_timeout seconds instead of hanging. */
-void comm_wait(CommReq *r) {
-    if (!r->active) return;
+/* The one waiting loop: polls `done` (which moves every ring in flight) so that a lost
+ * peer ends the run after g_timeout seconds instead of hanging it. */
+static void wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what) {
     double t0 = now_seconds();
     for (long spins = 0;; spins++) {
-        if (comm_test(r)) return;
+        if (done(arg)) return;
         if (spins > 1000) {
             struct timespec ts = {0, 20000};  /* 20 us: don't starve the other ranks' cores */
-            nanosleep(&ts, NULL);
-        }
-        if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
-            char msg[256];
-            snprintf(msg, sizeof msg, "rank %d: %s on group %s did not complete within %.0f s: a peer rank died "
-                     "or hangs; aborting the job", g_world_rank, r->what, r->c->name, g_timeout);
-            comm_abort(EXIT_RUN_FAILURE, msg);
-        }
-    }
-}
-
-/* Waits for a plain MPI request with the same bound, moving the rings in flight meanwhile
- * (a peer may need one of them to move before it can reach this call). */
-static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
-    check(rc, c, what);
-    double t0 = now_seconds();
-    for (long spins = 0;; spins++) {
-        int done = 0;
-        for (int i = g_n_active - 1; i >= 0; i--)
-            if (i < g_n_active) ring_advance(g_active[i]);
-        check(MPI_Test(q, &done, MPI_STATUS_IGNORE), c, what);
-        if (done) break;
-        if (spins > 1000) {
-            struct timespec ts = {0, 20000};
             nanosleep(&ts, NULL);
         }
         if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
@@ -307,6 +283,31 @@ static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
             comm_abort(EXIT_RUN_FAILURE, msg);
         }
     }
+}
+
+static int req_done(void *arg) { return comm_test(arg); }
+
+void comm_wait(CommReq *r) {
+    if (r->active) wait_until(req_done, r, r->c, r->what);
+}
+
+/* A plain MPI request (a peer may need one of our rings to move before it can reach the
+ * call this request belongs to, so the rings move too). */
+typedef struct { MPI_Request *q; const Comm *c; const char *what; } Plain;
+
+static int plain_done(void *arg) {
+    Plain *p = arg;
+    for (int i = g_n_active - 1; i >= 0; i--)
+        if (i < g_n_active) ring_advance(g_active[i]);
+    int done = 0;
+    check(MPI_Test(p->q, &done, MPI_STATUS_IGNORE), p->c, p->what);
+    return done;
+}
+
+static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
+    check(rc, c, what);
+    Plain p = {q, c, what};
+    wait_until(plain_done, &p, c, what);
     free(q);
 }
 
