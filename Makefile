@@ -22,6 +22,17 @@ CUDA_OBJ := $(BUILD)/obj/ops_cuda.o
 CFLAGS   += -DMESHTRAIN_CUDA
 # cuBLASLt is not linked: ops_cuda.cu opens it when device=cuda starts (through this RUNPATH).
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -ldl -lstdc++
+# NCCL (several GPUs: mpirun -np N ... device=cuda), in CUDA builds where nccl.h and
+# libnccl are found; else device=cuda with more than one process says this build has none.
+# `make NCCL_INC=` builds without it; NCCL_INC=DIR NCCL_LIB=DIR point at another install.
+NCCL_INC ?= $(firstword $(foreach d,$(CUDA_HOME)/include $(wildcard $(CUDA_HOME)/targets/*/include) /usr/include \
+              /usr/local/include,$(if $(wildcard $(d)/nccl.h),$(d))))
+NCCL_LIB ?= $(firstword $(foreach d,$(CUDA_HOME)/lib64 $(CUDA_HOME)/lib $(wildcard $(CUDA_HOME)/targets/*/lib) \
+              /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/lib,$(if $(wildcard $(d)/libnccl.so*),$(d))))
+ifneq ($(and $(NCCL_INC),$(NCCL_LIB)),)
+CFLAGS   += -DMESHTRAIN_NCCL -isystem $(CUDA_HOME)/include $(if $(filter-out /usr/include $(CUDA_HOME)/include,$(NCCL_INC)),-isystem $(NCCL_INC))
+LDLIBS   += -L$(NCCL_LIB) -Wl,-rpath,$(NCCL_LIB) -lnccl
+endif
 endif
 
 SRC      := $(wildcard src/*.c)

@@ -10,6 +10,10 @@ else tests=("$build"/tests/test_* tests/test_*.sh); fi
 passed=0; failed=0
 for t in "${tests[@]}"; do
   [ -e "$t" ] || continue
+  if [[ $t == *test_multi_gpu* ]]; then  # several GPUs of one machine: needs 2 visible
+    n_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "$n_gpus" -lt 2 ]; then echo "== $t skipped ($n_gpus GPU(s) visible, needs 2)"; continue; fi
+  fi
   echo "== $t"
   out=$( { if [[ $t == *.sh ]]; then bash "$t"; else "$t"; fi; } 2>&1); rc=$?
   echo "$out" | grep -v '^RESULT'

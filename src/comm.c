@@ -6,6 +6,11 @@
 #include <time.h>
 #include "ops.h"
 #include "util.h"
+#ifdef MESHTRAIN_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include "ops_cuda.h"
+#endif
 
 static int g_mpi;            /* MPI initialised by us */
 static double g_timeout;     /* seconds; 0 = forever */
@@ -13,7 +18,11 @@ static int g_world_rank;
 
 /* The MPI communicator and a count of the collectives started on it: every rank starts
  * them in the same order, so the count gives each one its own message tag. */
-typedef struct { MPI_Comm mc; unsigned seq; } CommImpl;
+typedef struct {
+    MPI_Comm mc;
+    unsigned seq;
+    void *nccl;  /* ncclComm_t, made at the group's first collective on a device=cuda run */
+} CommImpl;
 static MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
 int comm_using_mpi(void) { return g_mpi; }
@@ -93,14 +102,123 @@ void comm_split(const Comm *parent, int color, int key, const char *name, Comm *
     else { MPI_Comm_free(&ci->mc); free(ci); }
 }
 
+#ifdef MESHTRAIN_NCCL
+static void nccl_free(CommImpl *ci);
+#endif
+
 void comm_free(Comm *c) {
     if (c->impl) {
+#ifdef MESHTRAIN_NCCL
+        nccl_free(c->impl);
+#endif
         MPI_Comm_free(&((CommImpl *)c->impl)->mc);
         free(c->impl);
     }
     c->impl = NULL;
 }
 
+
+#ifdef MESHTRAIN_NCCL
+/* ---- NCCL: float collectives on device buffers (device=cuda, groups of more than one) ---- */
+
+#define MAX_NCCL 64
+static ncclComm_t g_nccl[MAX_NCCL];  /* every NCCL communicator made, to abort them all */
+static int g_n_nccl;
+static cudaStream_t g_cstream;       /* the communication stream */
+
+static void nccl_abort_all(void) {
+    for (int i = 0; i < g_n_nccl; i++) ncclCommAbort(g_nccl[i]);
+    g_n_nccl = 0;
+}
+
+static _Noreturn void nccl_die(const Comm *c, const char *what, const char *call, const char *err) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "rank %d: %s on group %s: %s failed: %s", g_world_rank, what, c ? c->name : "world",
+             call, err);
+    nccl_abort_all();
+    comm_abort(EXIT_RUN_FAILURE, msg);
+}
+
+static void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call) {
+    if (rc != ncclSuccess && rc != ncclInProgress) nccl_die(c, what, call, ncclGetErrorString(rc));
+}
+
+static void cchk(cudaError_t e, const Comm *c, const char *what, const char *call) {
+    if (e != cudaSuccess) nccl_die(c, what, call, cudaGetErrorString(e));
+}
+
+/* The buffers are device memory and the group spans processes. */
+static int use_nccl(const Comm *c) { return c->impl && !ops_host_memory(); }
+
+/* The group's NCCL communicator, made at its first collective: every rank of the group
+ * starts its collectives in the same order, so all of them arrive here together. */
+static ncclComm_t nccl_of(const Comm *c, const char *what) {
+    CommImpl *ci = c->impl;
+    if (ci->nccl) return ci->nccl;
+    if (!g_cstream) cchk(cudaStreamCreateWithFlags(&g_cstream, cudaStreamNonBlocking), c, what, "cudaStreamCreate");
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (c->rank == 0) nchk(ncclGetUniqueId(&id), c, what, "ncclGetUniqueId");
+    comm_broadcast(c, &id, sizeof id, 0);
+    ncclComm_t nc;
+    nchk(ncclCommInitRank(&nc, c->size, id, c->rank), c, what, "ncclCommInitRank");
+    if (g_n_nccl == MAX_NCCL) comm_abort(EXIT_RUN_FAILURE, "internal: too many NCCL communicators");
+    g_nccl[g_n_nccl++] = nc;
+    ci->nccl = nc;
+    return nc;
+}
+
+static void nccl_free(CommImpl *ci) {
+    if (!ci->nccl) return;
+    for (int i = 0; i < g_n_nccl; i++)
+        if (g_nccl[i] == ci->nccl) { g_nccl[i] = g_nccl[--g_n_nccl]; break; }
+    ncclCommDestroy(ci->nccl);
+    ci->nccl = NULL;
+}
+
+/* Before the collective: the comm stream waits for the compute stream's work so far (which
+ * wrote the buffers). Returns the communicator. */
+static ncclComm_t nccl_begin(const Comm *c, CommReq *r, const char *what) {
+    memset(r, 0, sizeof *r);
+    r->c = c; r->what = what; r->active = 1;
+    ncclComm_t nc = nccl_of(c, what);
+    cudaEvent_t ready;
+    cchk(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), c, what, "cudaEventCreate");
+    cchk(cudaEventRecord(ready, (cudaStream_t)cuda_stream()), c, what, "cudaEventRecord");
+    cchk(cudaStreamWaitEvent(g_cstream, ready, 0), c, what, "cudaStreamWaitEvent");
+    cchk(cudaEventDestroy(ready), c, what, "cudaEventDestroy");
+    return nc;
+}
+
+/* After it: the event that says it is done. */
+static void nccl_launched(CommReq *r) {
+    cudaEvent_t done;
+    cchk(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), r->c, r->what, "cudaEventCreate");
+    cchk(cudaEventRecord(done, g_cstream), r->c, r->what, "cudaEventRecord");
+    r->ev = (void *)done;
+}
+
+static int nccl_test(CommReq *r) {
+    cudaEvent_t ev = (cudaEvent_t)r->ev;
+    cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaErrorNotReady) {
+        ncclResult_t async = ncclSuccess;
+        ncclComm_t nc = ((CommImpl *)r->c->impl)->nccl;
+        if (nc && ncclCommGetAsyncError(nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+            nccl_die(r->c, r->what, "NCCL (asynchronous error)", ncclGetErrorString(async));
+        return 0;
+    }
+    cchk(e, r->c, r->what, "cudaEventQuery");
+    /* Later ops on the compute stream see the result. */
+    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), ev, 0), r->c, r->what, "cudaStreamWaitEvent");
+    cchk(cudaEventDestroy(ev), r->c, r->what, "cudaEventDestroy");
+    r->ev = NULL;
+    r->active = 0;
+    return 1;
+}
+
+static ncclRedOp_t nccl_op(CommOp op) { return op == COMM_AVG ? ncclAvg : ncclSum; }
+#endif
 
 /* Counts travel as int. */
 static int count_of(size_t n, const Comm *c, const char *what) {
@@ -220,6 +338,9 @@ static int ring_advance(CommReq *r);
 
 int comm_test(CommReq *r) {
     if (!r->active) return 1;
+#ifdef MESHTRAIN_NCCL
+    if (r->ev) return nccl_test(r);
+#endif
     if (!r->c->impl) { req_end(r); return 1; }
     for (int i = g_n_active - 1; i >= 0; i--)
         if (i < g_n_active && g_active[i] != r) ring_advance(g_active[i]);
@@ -250,6 +371,14 @@ static int ring_advance(CommReq *r) {
 }
 
 void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r, const char *what) {
+#ifdef MESHTRAIN_NCCL
+    if (use_nccl(c)) {
+        ncclComm_t nc = nccl_begin(c, r, what);
+        nchk(ncclAllReduce(buf, buf, n, ncclFloat32, nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
+        nccl_launched(r);
+        return;
+    }
+#endif
     size_t D = (size_t)c->size;
     req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, op, what);
     comm_test(r);
@@ -257,11 +386,28 @@ void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r,
 
 void comm_ireduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op, CommReq *r,
                           const char *what) {
+#ifdef MESHTRAIN_NCCL
+    if (use_nccl(c)) {
+        ncclComm_t nc = nccl_begin(c, r, what);
+        nchk(ncclReduceScatter(send, recv, recv_n, ncclFloat32, nccl_op(op), nc, g_cstream), c, what,
+             "ncclReduceScatter");
+        nccl_launched(r);
+        return;
+    }
+#endif
     req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, op, what);
     comm_test(r);
 }
 
 void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char *what) {
+#ifdef MESHTRAIN_NCCL
+    if (use_nccl(c)) {  /* in place: this rank's block is the send buffer */
+        ncclComm_t nc = nccl_begin(c, r, what);
+        nchk(ncclAllGather(buf + (size_t)c->rank * n, buf, n, ncclFloat32, nc, g_cstream), c, what, "ncclAllGather");
+        nccl_launched(r);
+        return;
+    }
+#endif
     req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, COMM_SUM, what);
     comm_test(r);
 }
@@ -280,6 +426,9 @@ static void wait_until(int (*done)(void *), void *arg, const Comm *c, const char
             char msg[256];
             snprintf(msg, sizeof msg, "rank %d: %s on group %s did not complete within %.0f s: a peer rank died "
                      "or hangs; aborting the job", g_world_rank, what, c->name, g_timeout);
+#ifdef MESHTRAIN_NCCL
+            nccl_abort_all();
+#endif
             comm_abort(EXIT_RUN_FAILURE, msg);
         }
     }

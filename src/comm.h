@@ -2,8 +2,18 @@
  * and a built-in one for a group of one process (no MPI call at all, so a plain
  * `meshtrain train` needs no launcher). A group of one never reads or writes its buffers
  * on the host (they may be device memory on a one-GPU run): its only data movement, the
- * reduce-scatter's copy into recv, goes through op_copy. The NCCL backend (part 3) fits the same calls:
- * a CommReq then wraps a CUDA event on the communication stream instead of an MPI request.
+ * reduce-scatter's copy into recv, goes through op_copy.
+ *
+ * NCCL backend (builds with MESHTRAIN_NCCL, i.e. nvcc and nccl.h found): on a device=cuda
+ * run (ops_host_memory() == 0) the float collectives of a group of more than one rank run
+ * as ncclAllReduce / ncclReduceScatter / ncclAllGather on one communication stream. Each
+ * group's NCCL communicator is made at its first float collective (rank 0 of the group
+ * makes the id, broadcast over the group's MPI communicator), so the device is already
+ * selected by ops_init. The comm stream first waits for the compute stream's work so far;
+ * the CommReq then holds a CUDA event recorded after the collective: comm_test queries it,
+ * and once it is done makes the compute stream wait on it, so later ops see the result.
+ * comm_wait polls it within comm_timeout (and checks ncclCommGetAsyncError). The host-scalar
+ * collectives (doubles, ints, bytes, barrier) stay on MPI.
  *
  * Every wait is bounded: a collective that does not complete within comm_timeout seconds
  * (a peer rank died or hangs) ends this rank with a one-line message and aborts the job,
@@ -31,6 +41,8 @@ typedef struct {
     int tag;
     void *sreq, *rreq; /* MPI_Request* */
     const char *what;  /* for timeout messages */
+    void *ev;          /* NCCL backend: cudaEvent_t recorded on the comm stream after the
+                        * collective; NULL for MPI and for a group of one */
 } CommReq;
 
 /* Starts the world: MPI when this process was started by a launcher (mpirun, srun; it

@@ -66,7 +66,7 @@ static const Key KEYS[] = {
     S(resume, "", TR, "checkpoint to continue from (model keys come from it)"),
     S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL, "checkpoint to sample from / evaluate"),
     E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
-      "compute device (cuda: one GPU, fp32, one process for now)"),
+      "compute device (cuda: one GPU per process, fp32; several with mpirun and NCCL)"),
     E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE,
       "auto = fp32 (on cuda too, for now); mixed/bf16 need a GPU and are not implemented yet"),
     F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE,

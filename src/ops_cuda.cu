@@ -1183,10 +1183,24 @@ void cuda_add(float *y, const float *x, size_t n) {
 /* ------------------------------------------------------------------------------------ */
 /* the backend table (ops.h)                                                             */
 
-/* One GPU per process: device 0 of those visible (CUDA_VISIBLE_DEVICES picks it). */
+/* One GPU per process: with several processes on a machine (mpirun -np N), the process's
+ * rank on its machine modulo the devices visible (OMPI_COMM_WORLD_LOCAL_RANK, or MPICH's
+ * MPI_LOCALRANKID, or SLURM_LOCALID); device 0 for a plain run. CUDA_VISIBLE_DEVICES still
+ * narrows what is visible (one visible device: every process takes it). */
+static int local_rank(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v);
+    }
+    return 0;
+}
+
 static int backend_init(int n_threads, char *err, size_t errlen) {
     (void)n_threads; /* host threads: the cuda backend does its work on the card */
-    return cuda_init(0, err, errlen);
+    int n = 0, local = local_rank();
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n <= 0) n = 1; /* cuda_init says what is wrong */
+    return cuda_init(local < 0 ? 0 : local % n, err, errlen);
 }
 
 /* op_alloc promises zeroed memory; the memset runs on the stream, before any later op. */

@@ -155,13 +155,17 @@ int cmd_train(Config *c) {
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int gpu = !strcmp(c->device, "cuda");
+#ifndef MESHTRAIN_NCCL
     if (gpu && world.size > 1) {
-        /* The collectives move host memory; NCCL on device buffers is the next step. */
+        /* Several GPUs: the collectives on device buffers need NCCL (comm.c). */
         if (world.rank == 0)
-            fprintf(stderr, "meshtrain: device=cuda runs one process for now; multi-GPU (NCCL) comes next\n");
+            fprintf(stderr, "meshtrain: device=cuda with %d processes needs NCCL, and this build has no NCCL "
+                    "(nccl.h or libnccl was not found at build time); run one process, or rebuild with NCCL\n",
+                    world.size);
         comm_world_finalize();
         exit(EXIT_BAD_INPUT);
     }
+#endif
     Mesh mesh;
     if (mesh_init(&mesh, &world, c->tensor_parallel_size, c->pipeline_parallel_size,
                   c->fsdp && !strcmp(c->shard_strategy, "hybrid")

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Several GPUs of one machine (NCCL): `mpirun -np 2 meshtrain train device=cuda ...
+# batch_size=B` against one GPU with batch_size=2B (the same global batches): every step's
+# loss within 1e-4 relative and the final parameters within 1e-4 (norm-wise per tensor,
+# tests/ckpt_diff), for DDP, ZeRO-1, ZeRO-2, FSDP (tied embeddings) and hybrid sharding
+# (shard groups of 1, the gradient averaged across 2 replicas).
+#
+# Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
+# NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
+# MESHTRAIN_GPU_SHARDS=DIR holding train.bin and val.bin, or else prepared here from
+# data/tinystories/TinyStories-train.head-2MiB.txt (run from the repository root).
+set -u
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+DIFF=$(dirname "$BIN")/tests/ckpt_diff
+NP=${MESHTRAIN_GPU_NP:-2}
+TMP=$(mktemp -d /tmp/meshtrain-mgpu.XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+pass=0; fail=0
+ok()  { pass=$((pass + 1)); echo "ok   $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL $1"; }
+TOL=1e-4
+
+if [ -n "${MESHTRAIN_GPU_SHARDS:-}" ]; then D=$MESHTRAIN_GPU_SHARDS
+else
+  D=$TMP/data
+  head -c 400000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt" &&
+    "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "cannot prepare data"; echo "RESULT 0 1"; exit 1; }
+fi
+
+losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+# close REF RUN: every step's loss within TOL relative, and the final parameters within TOL
+close() {
+  local a b d
+  a=$(losses "$1"); b=$(losses "$2")
+  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || { echo "  different step counts"; return 1; }
+  paste <(echo "$a") <(echo "$b") | awk -v t=$TOL '{d=($1-$2)/$1; if (d<0) d=-d; if (d>m) m=d; if (d>t) bad=1}
+    END{printf "  losses: max relative difference %.3g over %d steps\n", m, NR; exit bad}' || return 1
+  d=$("$DIFF" "$1/ckpt.bin" "$2/ckpt.bin") || return 1
+  echo "  parameters: $d"
+  echo "$d" | awk -v t=$TOL '{exit !($2 < t)}'
+}
+run1() {  # run1 OUT KEYS...: one process, one GPU
+  local out=$1; shift
+  "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
+}
+runn() {  # runn OUT KEYS...: NP processes, one GPU each
+  local out=$1; shift
+  timeout 600 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
+    "$BIN" train "$@" comm_timeout=120 out_dir="$out" progress=false >"$out.log" 2>&1
+}
+
+B=4
+M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D"
+
+# -- two processes run at all (else one clear failure, not a page of them)
+if ! runn "$TMP/smoke" $M steps=1 batch_size=$B; then
+  echo "mpirun -np $NP ... device=cuda does not run here:"; tail -5 "$TMP/smoke.log"; echo "RESULT 0 1"; exit 1
+fi
+
+# -- NP GPUs with batch_size=B follow one GPU with batch_size=NP*B, per strategy
+for tied in false true; do run1 "$TMP/one_$tied" $M tie_embeddings=$tied batch_size=$((NP * B)); done
+while IFS='|' read -r name tied keys; do
+  out=$TMP/np_$name
+  if runn "$out" $M tie_embeddings=$tied batch_size=$B $keys && close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_follows_one_gpu_$name"
+  else bad "multi_gpu_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+ddp|false|
+ddp_tied|true|
+zero1|false|zero_opt=true
+zero2|false|fsdp=true shard_strategy=grad_op
+fsdp_tied|true|fsdp=true shard_strategy=full
+hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
+CASES
+grep -m1 "^done:" "$TMP/np_ddp.log"
+
+echo "RESULT $pass $fail"
