@@ -53,7 +53,7 @@ B=4
 M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D"
 
 # -- two processes run at all (else one clear failure, not a page of them)
-if ! runn "$TMP/smoke" $M steps=1 batch_size=$B; then
+if ! runn "$TMP/smoke" ${M/steps=5/steps=1} batch_size=$B; then
   echo "mpirun -np $NP ... device=cuda does not run here:"; tail -5 "$TMP/smoke.log"; echo "RESULT 0 1"; exit 1
 fi
 
