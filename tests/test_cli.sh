@@ -51,7 +51,7 @@ else bad "cuda_trains_or_says_why (exit $rc: $err)"; fi
 if command -v mpirun >/dev/null; then
   err=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader \
         OMPI_MCA_btl_vader_single_copy_mechanism=none ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" \
-        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda 2>&1 >/dev/null); rc=$?
+        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda data_dir="$D" steps=2 out_dir="$TMP/cuda_mp" 2>&1 >/dev/null); rc=$?
   if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
   then ok cuda_multi_process_trains_or_says_why; else bad "cuda_multi_process_trains_or_says_why (exit $rc: $err)"; fi
 fi
