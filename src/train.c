@@ -209,6 +209,11 @@ int cmd_train(Config *c) {
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
     estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, &est);
+    if (val_B != B) {  /* a short validation shard gets its own, smaller activations */
+        size_t extra = acts_bytes(&mc, val_B, T, 0, NULL);
+        est.acts += extra;
+        est.total += extra;
+    }
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
