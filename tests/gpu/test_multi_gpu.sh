@@ -9,36 +9,9 @@
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
 # MESHTRAIN_GPU_SHARDS=DIR holding train.bin and val.bin, or else prepared here from
 # data/tinystories/TinyStories-train.head-2MiB.txt (run from the repository root).
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
-DIFF=$(dirname "$BIN")/tests/ckpt_diff
+source "$(dirname "$0")/lib.sh"
 NP=${MESHTRAIN_GPU_NP:-2}
-TMP=$(mktemp -d /tmp/meshtrain-mgpu.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()  { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { fail=$((fail + 1)); echo "FAIL $1"; }
-TOL=1e-4
 
-if [ -n "${MESHTRAIN_GPU_SHARDS:-}" ]; then D=$MESHTRAIN_GPU_SHARDS
-else
-  D=$TMP/data
-  head -c 400000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt" &&
-    "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "cannot prepare data"; echo "RESULT 0 1"; exit 1; }
-fi
-
-losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
-# close REF RUN: every step's loss within TOL relative, and the final parameters within TOL
-close() {
-  local a b d
-  a=$(losses "$1"); b=$(losses "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || { echo "  different step counts"; return 1; }
-  paste <(echo "$a") <(echo "$b") | awk -v t=$TOL '{d=($1-$2)/$1; if (d<0) d=-d; if (d>m) m=d; if (d>t) bad=1}
-    END{printf "  losses: max relative difference %.3g over %d steps\n", m, NR; exit bad}' || return 1
-  d=$("$DIFF" "$1/ckpt.bin" "$2/ckpt.bin") || return 1
-  echo "  parameters: $d"
-  echo "$d" | awk -v t=$TOL '{exit !($2 < t)}'
-}
 run1() {  # run1 OUT KEYS...: one process, one GPU
   local out=$1; shift
   "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
