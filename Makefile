@@ -18,7 +18,7 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
 CUDA_ARCH ?= -arch=sm_90
 ifneq ($(NVCC),)
-CUDA_OBJ := $(BUILD)/obj/ops_cuda.o
+CUDA_OBJ := $(BUILD)/obj/ops_cuda.o $(BUILD)/obj/attn_bf16.o
 CFLAGS   += -DMESHTRAIN_CUDA
 # cuBLASLt is not linked: ops_cuda.cu opens it when device=cuda starts (through this RUNPATH).
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -ldl -lstdc++
@@ -41,7 +41,7 @@ TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 # GPU tests (tests/gpu/test_*.c and *.sh): built here, run by `make test-gpu` on a GPU machine.
-GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)))
+GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)) $(BUILD)/tests/gpu_test_attn_bf16)
 
 .PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu
 all: meshtrain
@@ -67,11 +67,19 @@ $(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
 $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
-$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/ops_cuda.h src/ops.h | $(BUILD)/obj
+$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/ops_cuda.h src/ops.h src/attn_bf16.h | $(BUILD)/obj
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
 
 $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests $< $(LIB_OBJ) -o $@ $(LDLIBS)
+
+# bf16 flash attention (tensor cores, mma.sync): its own object, linked wherever ops_cuda.o is,
+# and a standalone GPU test program built by nvcc.
+$(BUILD)/obj/attn_bf16.o: src/attn_bf16.cu src/attn_bf16.h | $(BUILD)/obj
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
+
+$(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu src/attn_bf16.h $(BUILD)/obj/attn_bf16.o | $(BUILD)/tests
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -Isrc $< $(BUILD)/obj/attn_bf16.o -o $@
 
 cuda: $(GPU_TESTS)
 

@@ -15,37 +15,42 @@
 #define CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
 
 /* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
- * (up to 128 rows of E), attention backward's row terms (B T NH), sumsq's 1025 doubles. */
+ * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
+ * sumsq's 1025 doubles. */
 static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T) {
-    size_t a = (size_t)128 * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
+    size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
+    size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
     size_t s = 1025 * sizeof(double);
     return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, MemEstimate *e) {
+                     int world, int shard_size, int gpu, int bf16, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     e->gpu = gpu;
+    e->bf16 = bf16;
+    size_t act_size = bf16 ? 2 : sizeof(float);
     Model m;
     model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
     e->flops_per_token = model_flops_per_token(c, T);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, bf16 ? 2 : 0);
     e->params = training ? pb.params : m.n_flat * sizeof(float);
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
+    e->compute = training ? pb.compute : 0;
     size_t logit_bytes;
-    size_t acts = acts_bytes(c, B, T, training, &logit_bytes);
+    size_t acts = acts_bytes(c, B, T, training, act_size, &logit_bytes);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
     e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
-    e->total = e->params + e->grads + e->optim + e->acts + e->logits + e->data + e->runtime;
+    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime;
     model_free(&m);
     /* The usual formula (ZeRO paper, fp32): weights + grads + Adam = 16 bytes/param, divided
      * as the strategy shards them over N ranks, and per layer s*b*h*(34 + 5*a*s/h) bytes of
-     * 16-bit activations (Korthikanti et al.), doubled for fp32. */
+     * 16-bit activations (Korthikanti et al.), doubled for fp32 activations. */
     double P = (double)e->n_params, N = shard_size, w;
     switch (kind) {
     case PAR_DDP: w = 16 * P; break;
@@ -54,7 +59,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     default: w = 16 * P / N;
     }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    e->formula = (training ? w : 4 * P) + (training ? 2.0 * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
+    double act_factor = bf16 ? 1.0 : 2.0;
+    e->formula = (training ? w : 4 * P) + (training ? act_factor * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
 }
 
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {
@@ -64,13 +70,16 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
     printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
            e->flops_per_token * B * T);
-    printf("memory per %s (fp32, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank", e->gpu ? "cuda" : "cpu",
+    printf("memory per %s (%s, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank",
+           e->bf16 ? "mixed: bf16 compute, fp32 master weights" : "fp32", e->gpu ? "cuda" : "cpu",
            parallel_kind_name(kind), world, world > 1 ? "s" : "");
-    const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "activations", "logits (chunked)",
-                           "data (mapped shards)", e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)"};
-    size_t vals[] = {e->params, e->grads, e->optim, e->acts, e->logits, e->data, e->runtime};
-    for (int i = 0; i < 7; i++)
-        if (!(e->gpu && i == 5)) printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
+    const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "bf16 weight copies",
+                           "activations", "logits (chunked)", "data (mapped shards)",
+                           e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)"};
+    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime};
+    for (int i = 0; i < 8; i++)
+        if (!(e->gpu && i == 6) && !(!e->bf16 && i == 3))
+            printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     printf("  %-26s %12s   (the usual formula, 16 B/param sharded as ZeRO + activations: %s)\n", "total",
            fmt_bytes(b1, (double)e->total),
            fmt_bytes(b2, e->formula));

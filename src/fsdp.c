@@ -25,6 +25,7 @@ static Slot *start_gather(Parallel *p, int u) {
     Slot *s = par_find_slot(p, p->pslots, u, pslot_free);
     if (!s) return NULL;
     s->unit = u;
+    s->cast = 0;
     size_t n = shard_len(p, u);
     op_copy(s->buf + (size_t)p->r * n, p->pshard + shard_off(p, u), n * sizeof(float));
     comm_iallgather(p->group, s->buf, n, &s->req, "parameter all-gather");
@@ -38,6 +39,12 @@ static void fsdp_gather(void *ctx, int u, int next) {
     par_wait(p, &s->req);
     p->refs[u]++;
     p->m->uparams[u] = s->buf;
+    void *cbuf = p->cslots[s - p->pslots];
+    if (cbuf) {  /* bf16 compute: cast the gathered unit once per gather */
+        if (!s->cast) op_to_act(cbuf, s->buf, p->m->units[u].n_padded);
+        s->cast = 1;
+        p->m->ucompute[u] = cbuf;
+    }
     if (next >= 0 && !slot_of(p, next)) {
         Slot *q = start_gather(p, next);
         if (q && !p->overlap) par_wait(p, &q->req);
@@ -51,6 +58,7 @@ static void fsdp_release(void *ctx, int u) {
     Slot *s = slot_of(p, u);
     if (s) s->unit = -1;
     p->m->uparams[u] = NULL;
+    p->m->ucompute[u] = NULL;
 }
 
 /* Prefetched copies become stale once the optimizer steps: drop them between steps. */

@@ -54,6 +54,7 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
     m->n_flat = off;
     m->uparams = xcalloc((size_t)m->n_units, sizeof(float *));
     m->ugrads = xcalloc((size_t)m->n_units, sizeof(float *));
+    m->ucompute = xcalloc((size_t)m->n_units, sizeof(void *));
     if (alloc) {
         m->params = xaligned_alloc(m->n_flat * sizeof(float));
         m->grads = xaligned_alloc(m->n_flat * sizeof(float));
@@ -74,6 +75,7 @@ void model_free(Model *m) {
     free(m->units);
     free(m->uparams);
     free(m->ugrads);
+    free(m->ucompute);
     memset(m, 0, sizeof *m);
 }
 
@@ -137,35 +139,43 @@ void model_init_weights(Model *m, uint64_t seed) {
 
 /* ---- activations ---- */
 
-size_t acts_logit_rows(const ModelConfig *c, int B, int T) {
-    /* About 64 MiB of logits at a time: the full [N, V] fp32 matrix is never held. */
-    size_t N = (size_t)B * T, rows = ((size_t)64 << 20) / ((size_t)c->vocab_size * sizeof(float));
+size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size) {
+    /* About 64 MiB of fp32 logits at a time: the full [N, V] matrix is never held. In bf16
+     * (on a GPU) 256 MiB: larger chunks make the lm_head's matmuls efficient, and every
+     * chunk reads and writes lm_head's whole fp32 gradient once. */
+    size_t budget = act_size == sizeof(float) ? (size_t)64 << 20 : (size_t)256 << 20;
+    size_t N = (size_t)B * T, rows = budget / ((size_t)ops_logit_stride(c->vocab_size) * act_size);
     if (rows < 16) rows = 16;
     return rows < N ? rows : N;
 }
 
-typedef struct { float **p; size_t n; } Slot;
+/* One buffer of the plan: where its pointer goes, its length, and whether it holds
+ * activations (act_size bytes each) or fp32 statistics. */
+typedef struct { void **p; size_t n; int act; } Slot;
 
 /* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan. */
-static int acts_plan(const ModelConfig *c, int B, int T, int training, Acts *a, Slot *s, size_t *logit_n) {
-    size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim), V = c->vocab_size;
+static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t act_size, Acts *a, Slot *s,
+                     size_t *logit_n) {
+    size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim), V = ops_logit_stride(c->vocab_size);
     size_t NH = c->n_heads, HD = E / NH;
     /* Training keeps every layer's activations for backward; inference reuses one slot. */
     size_t Ls = training ? (size_t)c->n_layers : 1;
-    size_t rows = acts_logit_rows(c, B, T);
+    size_t rows = acts_logit_rows(c, B, T, act_size);
     int n = 0;
-#define P(field, count) s[n++] = (Slot){&a->field, (count)}
+#define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
+#define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
     P(res, (Ls + 1) * N * E);
-    P(xn1, Ls * N * E); P(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
-    P(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); P(rstd2, Ls * N);
+    P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
+    F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    P(xf, N * E); P(rstdf, N); P(logits, rows * V); P(losses, N);
-    P(rope_cos, (size_t)T * HD / 2); P(rope_sin, (size_t)T * HD / 2);
+    P(xf, N * E); F(rstdf, N); P(logits, rows * V); F(losses, N);
+    F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
         P(dres, N * E); P(dxf, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
         P(dgu, N * 2 * H); P(dh, N * H); P(dxn, N * E);
     }
 #undef P
+#undef F
     *logit_n = rows * V;
     return n;
 }
@@ -174,13 +184,15 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, Acts *a, 
  * and the per-row losses on the host. */
 static size_t acts_extra_bytes(int B, int T) { return (size_t)B * T * (4 * sizeof(int) + sizeof(float)); }
 
-size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t *logit_bytes) {
+static size_t slot_bytes(const Slot *s, size_t act_size) { return s->n * (s->act ? act_size : sizeof(float)); }
+
+size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes) {
     Acts a;
     Slot s[32];
     size_t logit_n, total = acts_extra_bytes(B, T);
-    int n = acts_plan(c, B, T, training, &a, s, &logit_n);
-    for (int i = 0; i < n; i++) total += (s[i].n * sizeof(float) + 63) / 64 * 64;
-    if (logit_bytes) *logit_bytes = logit_n * sizeof(float);
+    int n = acts_plan(c, B, T, training, act_size, &a, s, &logit_n);
+    for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
+    if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
 }
 
@@ -188,9 +200,9 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     memset(a, 0, sizeof *a);
     Slot s[32];
     size_t logit_n;
-    int n = acts_plan(&m->c, B, T, training, a, s, &logit_n);
+    int n = acts_plan(&m->c, B, T, training, ops_act_size(), a, s, &logit_n);
     a->B = B; a->T = T; a->N = (size_t)B * T;
-    a->logit_rows = acts_logit_rows(&m->c, B, T);
+    a->logit_rows = acts_logit_rows(&m->c, B, T, ops_act_size());
     a->inputs = xcalloc(a->N, sizeof(int));
     a->targets = xcalloc(a->N, sizeof(int));
     a->host_losses = xcalloc(a->N, sizeof(float));
@@ -198,18 +210,19 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     a->dev_targets = op_alloc(a->N * sizeof(int));
     a->bytes = acts_extra_bytes(B, T);
     for (int i = 0; i < n; i++) {
-        *s[i].p = op_alloc(s[i].n * sizeof(float));
-        a->bytes += (s[i].n * sizeof(float) + 63) / 64 * 64;
+        size_t bytes = slot_bytes(&s[i], ops_act_size());
+        *s[i].p = op_alloc(bytes);
+        a->bytes += (bytes + 63) / 64 * 64;
     }
     op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);
 }
 
 void acts_free(Acts *a) {
-    float **all[] = {&a->res, &a->xn1, &a->rstd1, &a->qkv, &a->att, &a->lse, &a->mid, &a->xn2,
-                     &a->rstd2, &a->gu, &a->hsw, &a->xf, &a->rstdf, &a->logits, &a->losses,
-                     &a->dres, &a->dxf, &a->dqkv, &a->datt, &a->dgu, &a->dh, &a->dxn,
-                     &a->rope_cos, &a->rope_sin};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(*all[i]);
+    void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
+                   a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
+                   a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
+                   a->rope_cos, a->rope_sin};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(all[i]);
     op_free(a->dev_inputs);
     op_free(a->dev_targets);
     free(a->inputs);
@@ -221,61 +234,60 @@ void acts_free(Acts *a) {
 /* ---- forward / backward ---- */
 
 /* Per-layer activation pointers for layer slot s. */
-typedef struct { float *x, *xn1, *rstd1, *qkv, *att, *lse, *mid, *xn2, *rstd2, *gu, *hsw, *out; } LayerActs;
+typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
 
-static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int B, int T) {
-    size_t N = (size_t)B * T, E = m->E, H = m->H;
+static LayerActs layer_acts(const Model *m, const Acts *a, int slot) {
+    size_t E = m->E, H = m->H;
     size_t s = (size_t)slot, NA = a->N;  /* slots are strided by the planned N */
     LayerActs la = {
-        .x = a->res + s * NA * E, .xn1 = a->xn1 + s * NA * E, .rstd1 = a->rstd1 + s * NA,
-        .qkv = a->qkv + s * NA * 3 * E, .att = a->att + s * NA * E,
-        .lse = a->lse + s * (size_t)a->B * m->NH * a->T, .mid = a->mid + s * NA * E,
-        .xn2 = a->xn2 + s * NA * E, .rstd2 = a->rstd2 + s * NA, .gu = a->gu + s * NA * 2 * H,
-        .hsw = a->hsw + s * NA * H, .out = a->res + (s + 1) * NA * E,
+        .x = act_at(a->res, s * NA * E), .xn1 = act_at(a->xn1, s * NA * E), .rstd1 = a->rstd1 + s * NA,
+        .qkv = act_at(a->qkv, s * NA * 3 * E), .att = act_at(a->att, s * NA * E),
+        .lse = a->lse + s * (size_t)a->B * m->NH * a->T, .mid = act_at(a->mid, s * NA * E),
+        .xn2 = act_at(a->xn2, s * NA * E), .rstd2 = a->rstd2 + s * NA, .gu = act_at(a->gu, s * NA * 2 * H),
+        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, (s + 1) * NA * E),
     };
-    (void)N;
     return la;
 }
 
 static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T) {
-    const float *w = unit_params(m, 1 + l);
+    const void *w = unit_weights(m, 1 + l);
     const LayerLayout *ly = &m->layer;
     int N = B * T, E = m->E, H = m->H;
-    op_rmsnorm_forward(la->xn1, la->rstd1, la->x, w + ly->att_norm, N, E, RMS_EPS);
-    op_matmul_forward(la->qkv, la->xn1, w + ly->qkv, N, E, 3 * E);
+    op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), N, E, RMS_EPS);
+    op_matmul_forward(la->qkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NH, m->HD);
-    op_matmul_forward(la->mid, la->att, w + ly->att_out, N, E, E);
+    op_matmul_forward(la->mid, la->att, act_at(w, ly->att_out), N, E, E);
     op_add(la->mid, la->x, (size_t)N * E);
-    op_rmsnorm_forward(la->xn2, la->rstd2, la->mid, w + ly->ffn_norm, N, E, RMS_EPS);
-    op_matmul_forward(la->gu, la->xn2, w + ly->gate_up, N, E, 2 * H);
+    op_rmsnorm_forward(la->xn2, la->rstd2, la->mid, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
+    op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
-    op_matmul_forward(la->out, la->hsw, w + ly->down, N, H, E);
+    op_matmul_forward(la->out, la->hsw, act_at(w, ly->down), N, H, E);
     op_add(la->out, la->mid, (size_t)N * E);
 }
 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return. */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
-    const float *w = unit_params(m, 1 + l);
+    const void *w = unit_weights(m, 1 + l);
     float *g = unit_grads(m, 1 + l);
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
     size_t NE = (size_t)N * E;
-    op_zero(a->dh, (size_t)N * H * sizeof(float));
-    op_matmul_backward(a->dh, g + ly->down, a->dres, la->hsw, w + ly->down, N, H, E);
-    op_zero(a->dgu, (size_t)N * 2 * H * sizeof(float));
+    op_zero(a->dh, (size_t)N * H * ops_act_size());
+    op_matmul_backward(a->dh, g + ly->down, a->dres, la->hsw, act_at(w, ly->down), N, H, E);
+    op_zero(a->dgu, (size_t)N * 2 * H * ops_act_size());
     op_swiglu_backward(a->dgu, a->dh, la->gu, N, H);
-    op_zero(a->dxn, NE * sizeof(float));
-    op_matmul_backward(a->dxn, g + ly->gate_up, a->dgu, la->xn2, w + ly->gate_up, N, E, 2 * H);
-    op_rmsnorm_backward(a->dres, g + ly->ffn_norm, a->dxn, la->mid, w + ly->ffn_norm, la->rstd2, N, E);
-    op_zero(a->datt, NE * sizeof(float));
-    op_matmul_backward(a->datt, g + ly->att_out, a->dres, la->att, w + ly->att_out, N, E, E);
-    op_zero(a->dqkv, 3 * NE * sizeof(float));
+    op_zero(a->dxn, NE * ops_act_size());
+    op_matmul_backward(a->dxn, g + ly->gate_up, a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+    op_rmsnorm_backward(a->dres, g + ly->ffn_norm, a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
+    op_zero(a->datt, NE * ops_act_size());
+    op_matmul_backward(a->datt, g + ly->att_out, a->dres, la->att, act_at(w, ly->att_out), N, E, E);
+    op_zero(a->dqkv, 3 * NE * ops_act_size());
     op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
     op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
-    op_zero(a->dxn, NE * sizeof(float));
-    op_matmul_backward(a->dxn, g + ly->qkv, a->dqkv, la->xn1, w + ly->qkv, N, E, 3 * E);
-    op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, w + ly->att_norm, la->rstd1, N, E);
+    op_zero(a->dxn, NE * ops_act_size());
+    op_matmul_backward(a->dxn, g + ly->qkv, a->dqkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
+    op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -285,20 +297,20 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
 static void trunk_forward(Model *m, Acts *a, int B, int T, int training, const UnitHooks *h) {
     int N = B * T;
     HOOK(h, gather, 0, 1);
-    op_embedding_forward(a->res, a->dev_inputs, unit_params(m, 0), N, m->E);
+    op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, 0), N, m->E);
     HOOK(h, release, 0);
     for (int l = 0; l < m->L; l++) {
         int slot = training ? l : 0;
-        LayerActs la = layer_acts(m, a, slot, B, T);
-        if (!training && l > 0) op_copy(la.x, la.out, (size_t)N * m->E * sizeof(float));
+        LayerActs la = layer_acts(m, a, slot);
+        if (!training && l > 0) op_copy(la.x, la.out, (size_t)N * m->E * ops_act_size());
         HOOK(h, gather, 1 + l, 2 + l);
         layer_forward(m, a, l, &la, B, T);
         HOOK(h, release, 1 + l);
     }
 }
 
-static const float *trunk_output(const Model *m, const Acts *a, int training) {
-    return a->res + (size_t)(training ? m->L : 1) * a->N * m->E;
+static const void *trunk_output(const Model *m, const Acts *a, int training) {
+    return act_at(a->res, (size_t)(training ? m->L : 1) * a->N * m->E);
 }
 
 /* The per-row losses are read only at the end of the step, so that on a device the
@@ -316,7 +328,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
     op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
     trunk_forward(m, a, B, T, grad, h);
-    const float *last = trunk_output(m, a, grad);
+    const void *last = trunk_output(m, a, grad);
     /* The head: output_norm, then lm_head (tok_embed's matrix when tied). */
     HOOK(h, gather, HU, tied ? 0 : HU - 1);
     if (tied) HOOK(h, gather, 0, HU - 1);
@@ -324,24 +336,26 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
         HOOK(h, grad_begin, HU);
         if (tied) HOOK(h, grad_begin, 0);
     }
-    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, HU) + m->head_out_norm, N, E, RMS_EPS);
-    const float *wlm = model_lm_head(m);
+    const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
+    op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
+    const void *wlm = model_lm_head(m);
     float *glm = m->c.tie_embeddings ? unit_grads(m, 0) : unit_grads(m, m->L + 1) + m->head_lm;
-    if (grad) op_zero(a->dxf, (size_t)N * E * sizeof(float));
+    if (grad) op_zero(a->dxf, (size_t)N * E * ops_act_size());
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
      * into their gradient in place and consumed at once. */
     float scale = grad ? grad_scale / (float)N : 0.0f;
+    int ldl = ops_logit_stride(V);  /* logit rows padded: aligned for the tensor cores */
     for (size_t r0 = 0; r0 < (size_t)N; r0 += a->logit_rows) {
         int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
-        const float *x = a->xf + r0 * E;
-        op_matmul_forward(a->logits, x, wlm, rows, E, V);
-        op_crossentropy_forward_backward(a->losses + r0, a->logits, a->dev_targets + r0, rows, V, scale);
-        if (grad) op_matmul_backward(a->dxf + r0 * E, glm, a->logits, x, wlm, rows, E, V);
+        const void *x = act_at(a->xf, r0 * E);
+        op_matmul_forward_ld(a->logits, ldl, x, wlm, rows, E, V);
+        op_crossentropy_forward_backward_ld(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, scale);
+        if (grad) op_matmul_backward_ld(act_at(a->dxf, r0 * E), glm, a->logits, ldl, x, wlm, rows, E, V);
     }
     if (grad) {
-        op_zero(a->dres, (size_t)N * E * sizeof(float));
-        op_rmsnorm_backward(a->dres, unit_grads(m, HU) + m->head_out_norm, a->dxf, last,
-                            unit_params(m, HU) + m->head_out_norm, a->rstdf, N, E);
+        op_zero(a->dres, (size_t)N * E * ops_act_size());
+        op_rmsnorm_backward(a->dres, unit_grads(m, HU) + m->head_out_norm, a->dxf, last, w_out_norm, a->rstdf, N,
+                            E);
         HOOK(h, grad_ready, HU);
     }
     if (tied) HOOK(h, release, 0);
@@ -349,7 +363,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     if (!grad) return mean_loss(a);
 
     for (int l = m->L - 1; l >= 0; l--) {
-        LayerActs la = layer_acts(m, a, l, B, T);
+        LayerActs la = layer_acts(m, a, l);
         HOOK(h, gather, 1 + l, l > 0 ? l : -1);
         HOOK(h, grad_begin, 1 + l);
         layer_backward(m, a, l, &la);
@@ -367,10 +381,15 @@ void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logit
     if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
     op_upload(a->dev_inputs, tokens, (size_t)T * sizeof(int));
     trunk_forward(m, a, 1, T, 0, NULL);
-    const float *last = trunk_output(m, a, 0) + (size_t)(T - 1) * m->E;
-    op_rmsnorm_forward(a->xf, a->rstdf, last, unit_params(m, m->L + 1) + m->head_out_norm, 1, m->E, RMS_EPS);
+    const void *last = act_at(trunk_output(m, a, 0), (size_t)(T - 1) * m->E);
+    op_rmsnorm_forward(a->xf, a->rstdf, last, act_at(unit_weights(m, m->L + 1), m->head_out_norm), 1, m->E,
+                       RMS_EPS);
     op_matmul_forward(a->logits, a->xf, model_lm_head(m), 1, m->E, m->V);
-    op_download(logits, a->logits, (size_t)m->V * sizeof(float));
+    op_download_act(logits, a->logits, (size_t)m->V);
+}
+
+const void *model_lm_head(const Model *m) {
+    return m->c.tie_embeddings ? unit_weights(m, 0) : act_at(unit_weights(m, m->L + 1), m->head_lm);
 }
 
 double model_flops_per_token(const ModelConfig *c, int T) {

@@ -36,6 +36,10 @@ typedef struct {
     /* Where each unit's parameters and gradients are now. The model reads only these, so a
      * parallel strategy can point a unit at a gathered copy (FSDP) or a gradient slot. */
     float **uparams, **ugrads;
+    /* With bf16 compute (precision=mixed): where each unit's bf16 copy of its parameters is,
+     * which the ops read instead of uparams; the strategy that owns the parameters keeps it
+     * current. NULL entries (and fp32 runs): the ops read uparams. */
+    void **ucompute;
 } Model;
 
 /* Called by the model at unit boundaries, so that a strategy applied from outside can
@@ -67,34 +71,41 @@ void model_init_weights(Model *m, uint64_t seed);
 void model_init_unit(const Model *m, int u, float *buf, uint64_t seed);
 
 static inline float *unit_params(const Model *m, int u) { return m->uparams[u]; }
+/* The weights the ops compute with: the bf16 copy when there is one, else the parameters. */
+static inline const void *unit_weights(const Model *m, int u) {
+    return m->ucompute[u] ? (const void *)m->ucompute[u] : (const void *)m->uparams[u];
+}
 static inline float *unit_grads(const Model *m, int u) { return m->ugrads[u]; }
 /* Points every unit at its slice of the flat buffers params/grads (either may be NULL). */
 void model_point_units(Model *m, float *params, float *grads);
-static inline const float *model_lm_head(const Model *m) {
-    return m->c.tie_embeddings ? unit_params(m, 0) : unit_params(m, m->L + 1) + m->head_lm;
-}
+/* lm_head's compute weights: tok_embed's when tied. */
+const void *model_lm_head(const Model *m);
 
 /* Activations for a B x T batch, planned once. Every buffer is op_alloc memory (on the
- * backend's device) except inputs, targets and host_losses. */
+ * backend's device) except inputs, targets and host_losses. `void *` buffers hold
+ * activations (fp32 or bf16: ops_act_size()), `float *` ones fp32 statistics. */
 typedef struct {
     int B, T;
     size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
     int *inputs, *targets;  /* host: the loader fills them; model_step uploads them */
     int *dev_inputs, *dev_targets;
     float *host_losses;     /* [N] per-row losses, downloaded for the mean */
-    float *res;             /* [L+1][N*E] residual stream: input of each layer, then the last output */
-    float *xn1, *rstd1, *qkv, *att, *lse, *mid, *xn2, *rstd2, *gu, *hsw;  /* per layer */
-    float *xf, *rstdf;      /* final norm output and its rstd */
-    float *logits;          /* [logit_rows, V] */
+    void *res;              /* [L+1][N*E] residual stream: input of each layer, then the last output */
+    void *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw;  /* per layer */
+    float *rstd1, *lse, *rstd2;
+    void *xf;               /* final norm output */
+    float *rstdf;
+    void *logits;           /* [logit_rows, V] */
     float *losses;          /* [N] */
-    float *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
+    void *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
     float *rope_cos, *rope_sin;
     size_t bytes;
 } Acts;
 
-/* Bytes the activations of a B x T step take; the estimator and acts_alloc share it. */
-size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t *logit_bytes);
-size_t acts_logit_rows(const ModelConfig *c, int B, int T);
+/* Bytes the activations of a B x T step take with act_size-byte activations (4: fp32,
+ * 2: bf16); the estimator and acts_alloc share it. */
+size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes);
+size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size);
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
 void acts_free(Acts *a);
 
@@ -103,7 +114,7 @@ void acts_free(Acts *a);
  * that of the mean loss times grad_scale). */
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
 /* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only, into the
- * host buffer `logits`. */
+ * host buffer `logits` (fp32 whatever the activations' type). */
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);
 /* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU. */
 double model_flops_per_token(const ModelConfig *c, int T);

@@ -2,11 +2,49 @@
  * The backend is chosen once per process (ops_init) and never changes mid-run, so the
  * table pointer needs no synchronization. */
 #include "ops.h"
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "util.h"
 
 static const OpsBackend *g_ops = &ops_backend_cpu;
+static int g_bf16;
+
+/* MESHTRAIN_PROFILE=1: every op waits for the device before and after, and its time is
+ * added to its name's total; the table goes to stderr at exit. It slows the run (no
+ * overlap of launches with work) but says where a step's time goes. */
+#define PROF_MAX 32
+static struct { const char *name; double s; long n; } g_prof[PROF_MAX];
+static int g_prof_on, g_n_prof;
+static double g_prof_t0;
+static void prof_report(void) {
+    double total = 0;
+    for (int i = 0; i < g_n_prof; i++) total += g_prof[i].s;
+    fprintf(stderr, "ops profile (MESHTRAIN_PROFILE=1, %s): %.3f s in ops\n", g_ops->name, total);
+    for (int i = 0; i < g_n_prof; i++)
+        fprintf(stderr, "  %-34s %9.3f s %5.1f%% %8ld calls\n", g_prof[i].name, g_prof[i].s,
+                total > 0 ? 100 * g_prof[i].s / total : 0.0, g_prof[i].n);
+}
+static void prof_begin(void) {
+    if (!g_prof_on) return;
+    g_ops->synchronize();
+    g_prof_t0 = now_seconds();
+}
+static void prof_end(const char *name) {
+    if (!g_prof_on) return;
+    g_ops->synchronize();
+    double dt = now_seconds() - g_prof_t0;
+    int i = 0;
+    while (i < g_n_prof && strcmp(g_prof[i].name, name)) i++;
+    if (i == g_n_prof) {
+        if (g_n_prof == PROF_MAX) return;
+        g_prof[g_n_prof++].name = name;
+    }
+    g_prof[i].s += dt;
+    g_prof[i].n++;
+}
+#define PROF(name, call) do { prof_begin(); call; prof_end(name); } while (0)
 
 int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     char dummy[1];
@@ -22,6 +60,11 @@ int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     else return set_err(err, errlen, "device=%s: unknown device (cpu or cuda)", device);
     if (b->init(n_threads, err, errlen)) return -1;
     g_ops = b;
+    const char *prof = getenv("MESHTRAIN_PROFILE");
+    if (prof && *prof && strcmp(prof, "0") && !g_prof_on) {
+        g_prof_on = 1;
+        atexit(prof_report);
+    }
     return 0;
 }
 
@@ -38,59 +81,114 @@ int ops_device_peak(size_t *allocated, size_t *used) {
 
 void *op_alloc(size_t bytes) { return bytes ? g_ops->alloc(bytes) : NULL; }
 void op_free(void *p) { if (p) g_ops->free(p); }
-void op_zero(void *p, size_t bytes) { if (bytes) g_ops->zero(p, bytes); }
+void op_zero(void *p, size_t bytes) {
+    if (bytes) PROF("zero", g_ops->zero(p, bytes));
+}
 void op_copy(void *dst, const void *src, size_t bytes) { if (bytes && dst != src) g_ops->copy(dst, src, bytes); }
 void op_upload(void *dst, const void *src, size_t bytes) { if (bytes) g_ops->upload(dst, src, bytes); }
 void op_download(void *dst, const void *src, size_t bytes) { if (bytes) g_ops->download(dst, src, bytes); }
 
-void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
-    g_ops->embedding_forward(out, tokens, wte, N, C);
+int ops_set_bf16(int on, char *err, size_t errlen) {
+    char dummy[1];
+    if (!err || !errlen) err = dummy, errlen = sizeof dummy;
+    if (on && !g_ops->set_bf16) return set_err(err, errlen, "the %s backend computes in fp32 only", g_ops->name);
+    if (g_ops->set_bf16) g_ops->set_bf16(on);
+    g_bf16 = on != 0;
+    return 0;
 }
-void op_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
-    g_ops->embedding_backward(dwte, dout, tokens, N, C);
+int ops_bf16(void) { return g_bf16; }
+size_t ops_act_size(void) { return g_bf16 ? 2 : 4; }
+
+void op_download_act(float *dst, const void *src, size_t n) {
+    if (!n) return;
+    if (!g_bf16) {
+        PROF("download_act", g_ops->download(dst, src, n * sizeof(float)));
+        return;
+    }
+    /* bf16 is the top half of an fp32: widen in place, from the back */
+    uint16_t *h = (uint16_t *)dst;
+    PROF("download_act", g_ops->download(h, src, n * sizeof(uint16_t)));
+    for (size_t i = n; i-- > 0;) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(&dst[i], &bits, sizeof bits);
+    }
 }
-void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
-    g_ops->rmsnorm_forward(out, rstd, x, w, N, C, eps);
+void op_to_act(void *dst, const float *src, size_t n) {
+    if (n) PROF("to_act", g_ops->to_act(dst, src, n));
 }
-void op_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w, const float *rstd,
+
+void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
+    PROF("embedding_forward", g_ops->embedding_forward(out, tokens, wte, N, C));
+}
+void op_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
+    PROF("embedding_backward", g_ops->embedding_backward(dwte, dout, tokens, N, C));
+}
+void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
+    PROF("rmsnorm_forward", g_ops->rmsnorm_forward(out, rstd, x, w, N, C, eps));
+}
+void op_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w, const float *rstd,
                          int N, int C) {
-    g_ops->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+    PROF("rmsnorm_backward", g_ops->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C));
 }
-void op_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
-    g_ops->matmul_forward(out, inp, w, N, C, OC);
+void op_matmul_forward(void *out, const void *inp, const void *w, int N, int C, int OC) {
+    PROF("matmul_forward", g_ops->matmul_forward(out, OC, inp, w, N, C, OC));
 }
-void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int C,
+void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
+    PROF("matmul_forward (lm_head)", g_ops->matmul_forward(out, ldo, inp, w, N, C, OC));
+}
+int ops_logit_stride(int V) { return (V + 63) / 64 * 64; }
+void op_matmul_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, int N, int C,
                         int OC) {
-    g_ops->matmul_backward(dinp, dw, dout, inp, w, N, C, OC);
+    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC));
+}
+void op_matmul_backward_ld(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w, int N,
+                           int C, int OC) {
+    PROF("matmul_backward (lm_head)", g_ops->matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC));
 }
 void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
     g_ops->rope_tables(cos_t, sin_t, T, HD, base);
 }
-void op_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
-    g_ops->rope_forward(qkv, cos_t, sin_t, B, T, NH, HD);
+void op_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    PROF("rope_forward", g_ops->rope_forward(qkv, cos_t, sin_t, B, T, NH, HD));
 }
-void op_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
-    g_ops->rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
+void op_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    PROF("rope_backward", g_ops->rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD));
 }
-void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
-    g_ops->attention_forward(out, lse, qkv, B, T, NH, HD);
+void op_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD) {
+    PROF("attention_forward", g_ops->attention_forward(out, lse, qkv, B, T, NH, HD));
 }
-void op_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out, const float *lse,
+void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                            int B, int T, int NH, int HD) {
-    g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD);
+    PROF("attention_backward", g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
 }
-void op_swiglu_forward(float *out, const float *gu, int N, int H) { g_ops->swiglu_forward(out, gu, N, H); }
-void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
-    g_ops->swiglu_backward(dgu, dout, gu, N, H);
+void op_swiglu_forward(void *out, const void *gu, int N, int H) {
+    PROF("swiglu_forward", g_ops->swiglu_forward(out, gu, N, H));
 }
-void op_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+void op_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
+    PROF("swiglu_backward", g_ops->swiglu_backward(dgu, dout, gu, N, H));
+}
+void op_crossentropy_forward_backward(float *losses, void *logits, const int *targets, int N, int V,
                                       float dlogits_scale) {
-    g_ops->crossentropy_forward_backward(losses, logits, targets, N, V, dlogits_scale);
+    PROF("crossentropy_forward_backward",
+         g_ops->crossentropy_forward_backward(losses, logits, V, targets, N, V, dlogits_scale));
+}
+void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, const int *targets, int N, int V,
+                                         float dlogits_scale) {
+    PROF("crossentropy_forward_backward",
+         g_ops->crossentropy_forward_backward(losses, logits, ld, targets, N, V, dlogits_scale));
 }
 void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1, float beta2,
               float eps, float weight_decay, int step, float grad_scale) {
-    g_ops->adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    PROF("adamw", g_ops->adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
 }
-double op_sumsq(const float *x, size_t n) { return g_ops->sumsq(x, n); }
-void op_scale(float *x, size_t n, float s) { g_ops->scale(x, n, s); }
-void op_add(float *y, const float *x, size_t n) { g_ops->add(y, x, n); }
+double op_sumsq(const float *x, size_t n) {
+    double r;
+    PROF("sumsq", r = g_ops->sumsq(x, n));
+    return r;
+}
+void op_scale(float *x, size_t n, float s) {
+    PROF("scale", g_ops->scale(x, n, s));
+}
+void op_add(void *y, const void *x, size_t n) {
+    PROF("add", g_ops->add(y, x, n));
+}

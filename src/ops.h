@@ -11,6 +11,10 @@
  *   A gradient output pointer may be NULL when that gradient is not needed.
  * - Everything here is deterministic for a fixed thread count (no atomics, fixed
  *   reduction order), so a resumed run is bitwise identical to an uninterrupted one.
+ * - Precision. Tensors typed `void *` are activations (and their gradients) or compute
+ *   weights: fp32, or bf16 after ops_set_bf16(1) (cuda only: precision=mixed). Tensors
+ *   typed `float *` are always fp32: parameter gradients, optimizer state, and per-row
+ *   statistics (rstd, lse, losses). So bf16 products accumulate into fp32 gradients.
  */
 #ifndef MESHTRAIN_OPS_H
 #define MESHTRAIN_OPS_H
@@ -39,6 +43,15 @@ void ops_synchronize(void);
 int ops_device_memory(size_t *free_bytes, size_t *total_bytes);
 int ops_device_peak(size_t *allocated, size_t *used);
 
+/* Activations and compute weights in bf16 (on = 1) or fp32 (0, the default). Right after
+ * ops_init, before anything is allocated. 0, or -1 with a message (the cpu is fp32 only). */
+int ops_set_bf16(int on, char *err, size_t errlen);
+int ops_bf16(void);
+/* Bytes of one activation element: 2 in bf16, 4 in fp32. */
+size_t ops_act_size(void);
+/* Address of element i of an activation array (its element size is ops_act_size()). */
+static inline void *act_at(const void *base, size_t i) { return (char *)base + i * ops_act_size(); }
+
 /* ---- memory of the active backend ----
  * Tensors passed to the ops live in memory from op_alloc. The host reads and writes it
  * only through these calls, never with memcpy/memset, so the same code runs on either
@@ -50,53 +63,68 @@ void op_zero(void *p, size_t bytes);
 void op_copy(void *dst, const void *src, size_t bytes);          /* both op_alloc memory */
 void op_upload(void *dst, const void *src_host, size_t bytes);   /* host -> op_alloc memory */
 void op_download(void *dst_host, const void *src, size_t bytes); /* op_alloc memory -> host */
+/* n activations (op_alloc memory) -> host floats, widened from bf16 when need be. */
+void op_download_act(float *dst_host, const void *src, size_t n);
+/* dst (activation type) = src (fp32): the compute copy of weights; a copy in fp32. */
+void op_to_act(void *dst, const float *src, size_t n);
 
 /* out[n, :] = wte[tokens[n], :].  tokens in [0, V). */
-void op_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C);
+void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
 /* dwte[tokens[n], :] += dout[n, :]  (deterministic: parallel over channels, not tokens). */
-void op_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C);
+void op_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C);
 
 /* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
-void op_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
+void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
 /* dx += ..., dw += ...  (dw reduced over rows in a fixed order). */
-void op_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+void op_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
                          const float *rstd, int N, int C);
 
 /* out[N, OC] = inp[N, C] @ w[OC, C]^T   (overwrites out). */
-void op_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC);
+void op_matmul_forward(void *out, const void *inp, const void *w, int N, int C, int OC);
+/* The same with out's rows ldo >= OC elements apart (the logits: rows padded to
+ * ops_logit_stride(V) so that every row starts aligned, which tensor cores need). */
+void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+/* Row stride of a logits buffer of V columns: V rounded up to 64. */
+int ops_logit_stride(int V);
 /* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp. */
-void op_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+void op_matmul_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                         int N, int C, int OC);
+/* ... with dout's rows ldo elements apart. */
+void op_matmul_backward_ld(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+                           int N, int C, int OC);
 
 /* RoPE tables for positions 0..T-1: cos/sin[t, i] of t * base^(-2i/HD), i < HD/2,
  * computed in fp32 exactly as PyTorch does (inv = 1/base^(arange(0,HD,2)/HD); f = t*inv). */
 void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base);
 /* In place on the q and k parts of qkv [B, T, 3*NH*HD] (v untouched), interleaved pairs:
  * (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos). */
-void op_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+void op_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
 /* In place on dqkv: the inverse rotation (the transpose) of the q and k parts. */
-void op_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+void op_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
 
 /* Causal softmax attention, scale 1/sqrt(HD). qkv [B, T, 3*NH*HD] holds q | k | v, each
  * [NH*HD] per token with head h at columns h*HD..h*HD+HD-1. out [B, T, NH*HD].
  * lse [B, NH, T] saves each row's log-sum-exp (of the scaled scores) for backward,
  * which recomputes the probabilities instead of storing a T x T matrix. */
-void op_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
+void op_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
 /* dqkv += gradient w.r.t. qkv (q, k and v parts). */
-void op_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                            const float *lse, int B, int T, int NH, int HD);
 
 /* gu [N, 2H] holds gate | up per row; out[N, H] = silu(gate) * up. */
-void op_swiglu_forward(float *out, const float *gu, int N, int H);
+void op_swiglu_forward(void *out, const void *gu, int N, int H);
 /* dgu [N, 2H] += gradient w.r.t. gate | up. */
-void op_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H);
+void op_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H);
 
 /* Cross-entropy over logits [N, V] with targets [N]. losses[n] = logsumexp - logit[target].
  * If dlogits_scale != 0, logits is overwritten IN PLACE with its gradient
  * dlogits_scale * (softmax - onehot) (the caller passes 1/total_tokens), so a chunk of
  * logits never needs a second buffer. Computed in double per row for stability. */
-void op_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+void op_crossentropy_forward_backward(float *losses, void *logits, const int *targets, int N, int V,
                                       float dlogits_scale);
+/* ... with the rows of logits ld >= V elements apart. */
+void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, const int *targets, int N, int V,
+                                         float dlogits_scale);
 
 /* One AdamW step on a flat buffer (PyTorch semantics: decoupled weight decay
  * p -= lr*wd*p, bias-corrected moments, eps added to sqrt(v_hat)). `step` counts from 1.
@@ -108,8 +136,8 @@ void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, flo
 double op_sumsq(const float *x, size_t n);
 /* x *= s */
 void op_scale(float *x, size_t n, float s);
-/* y += x */
-void op_add(float *y, const float *x, size_t n);
+/* y += x (activations) */
+void op_add(void *y, const void *x, size_t n);
 
 /* ---- backends ----
  * A backend is one table of functions with the semantics above (ops.c dispatches every
@@ -129,29 +157,31 @@ typedef struct OpsBackend {
     void (*copy)(void *dst, const void *src, size_t bytes);
     void (*upload)(void *dst, const void *src, size_t bytes);
     void (*download)(void *dst, const void *src, size_t bytes);
-    void (*embedding_forward)(float *out, const int *tokens, const float *wte, int N, int C);
-    void (*embedding_backward)(float *dwte, const float *dout, const int *tokens, int N, int C);
-    void (*rmsnorm_forward)(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
-    void (*rmsnorm_backward)(float *dx, float *dw, const float *dout, const float *x, const float *w,
+    void (*set_bf16)(int on);  /* NULL: fp32 only */
+    void (*to_act)(void *dst, const float *src, size_t n);
+    void (*embedding_forward)(void *out, const int *tokens, const void *wte, int N, int C);
+    void (*embedding_backward)(float *dwte, const void *dout, const int *tokens, int N, int C);
+    void (*rmsnorm_forward)(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
+    void (*rmsnorm_backward)(void *dx, float *dw, const void *dout, const void *x, const void *w,
                              const float *rstd, int N, int C);
-    void (*matmul_forward)(float *out, const float *inp, const float *w, int N, int C, int OC);
-    void (*matmul_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N,
-                            int C, int OC);
+    void (*matmul_forward)(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+    void (*matmul_backward)(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+                            int N, int C, int OC);
     void (*rope_tables)(float *cos_t, float *sin_t, int T, int HD, float base);
-    void (*rope_forward)(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
-    void (*rope_backward)(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
-    void (*attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
-    void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
+    void (*rope_forward)(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+    void (*rope_backward)(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+    void (*attention_forward)(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
+    void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, int B, int T, int NH, int HD);
-    void (*swiglu_forward)(float *out, const float *gu, int N, int H);
-    void (*swiglu_backward)(float *dgu, const float *dout, const float *gu, int N, int H);
-    void (*crossentropy_forward_backward)(float *losses, float *logits, const int *targets, int N, int V,
+    void (*swiglu_forward)(void *out, const void *gu, int N, int H);
+    void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H);
+    void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                           float dlogits_scale);
     void (*adamw)(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int step, float grad_scale);
     double (*sumsq)(const float *x, size_t n);
     void (*scale)(float *x, size_t n, float s);
-    void (*add)(float *y, const float *x, size_t n);
+    void (*add)(void *y, const void *x, size_t n);
 } OpsBackend;
 
 extern const OpsBackend ops_backend_cpu;   /* ops_cpu.c */

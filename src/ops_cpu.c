@@ -184,17 +184,21 @@ static void sgemm_split(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, in
     }
 }
 
-static void cpu_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
+/* out's (dout's) rows are ldo >= OC floats apart */
+static void cpu_matmul_forward(float *out, int ldo, const float *inp, const float *w, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
-    if (C <= 0) { memset(out, 0, (size_t)N * OC * sizeof(float)); return; }
-    sgemm_split(CblasNoTrans, CblasTrans, N, OC, C, inp, C, w, C, 0.0f, out, OC);
+    if (C <= 0) {
+        for (int n = 0; n < N; n++) memset(out + (size_t)n * ldo, 0, (size_t)OC * sizeof(float));
+        return;
+    }
+    sgemm_split(CblasNoTrans, CblasTrans, N, OC, C, inp, C, w, C, 0.0f, out, ldo);
 }
 
-static void cpu_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                int N, int C, int OC) {
+static void cpu_matmul_backward(float *dinp, float *dw, const float *dout, int ldo, const float *inp,
+                                const float *w, int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
-    if (dinp) sgemm_split(CblasNoTrans, CblasNoTrans, N, C, OC, dout, OC, w, C, 1.0f, dinp, C);
-    if (dw) sgemm_split(CblasTrans, CblasNoTrans, OC, C, N, dout, OC, inp, C, 1.0f, dw, C);
+    if (dinp) sgemm_split(CblasNoTrans, CblasNoTrans, N, C, OC, dout, ldo, w, C, 1.0f, dinp, C);
+    if (dw) sgemm_split(CblasTrans, CblasNoTrans, OC, C, N, dout, ldo, inp, C, 1.0f, dw, C);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -473,11 +477,11 @@ static void cpu_swiglu_backward(float *dgu, const float *dout, const float *gu, 
 /* Per row: max, then exp(l - max) in fp32 (stored in place when the gradient is wanted)
  * summed in double; loss and the target's gradient (where 1 - p cancels) in double. A row
  * with a NaN or +inf logit gets a NaN loss (and NaN gradient) instead of garbage. */
-static void cpu_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
-                                              float dlogits_scale) {
+static void cpu_crossentropy_forward_backward(float *losses, float *logits, int ld, const int *targets, int N,
+                                              int V, float dlogits_scale) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        float *row = logits + (size_t)n * V;
+        float *row = logits + (size_t)n * ld;
         int tgt = targets[n];
         float mx = -INFINITY;
         int bad = 0;
@@ -609,6 +613,51 @@ static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src
 static const char *cpu_device_name(void) { return ""; }
 static void cpu_synchronize(void) {}
 
+/* The table's activation arguments are `void *` (ops.h); on the cpu they are always fp32. */
+static void cpu_to_act(void *dst, const float *src, size_t n) { memcpy(dst, src, n * sizeof(float)); }
+static void t_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
+    cpu_embedding_forward(out, tokens, wte, N, C);
+}
+static void t_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
+    cpu_embedding_backward(dwte, dout, tokens, N, C);
+}
+static void t_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
+    cpu_rmsnorm_forward(out, rstd, x, w, N, C, eps);
+}
+static void t_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
+                               const float *rstd, int N, int C) {
+    cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+}
+static void t_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
+    cpu_matmul_forward(out, ldo, inp, w, N, C, OC);
+}
+static void t_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+                              int N, int C, int OC) {
+    cpu_matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC);
+}
+static void t_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    cpu_rope_forward(qkv, cos_t, sin_t, B, T, NH, HD);
+}
+static void t_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    cpu_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
+}
+static void t_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD) {
+    cpu_attention_forward(out, lse, qkv, B, T, NH, HD);
+}
+static void t_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                 int B, int T, int NH, int HD) {
+    cpu_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD);
+}
+static void t_swiglu_forward(void *out, const void *gu, int N, int H) { cpu_swiglu_forward(out, gu, N, H); }
+static void t_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
+    cpu_swiglu_backward(dgu, dout, gu, N, H);
+}
+static void t_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
+                                            float scale) {
+    cpu_crossentropy_forward_backward(losses, logits, ld, targets, N, V, scale);
+}
+static void t_add(void *y, const void *x, size_t n) { cpu_add(y, x, n); }
+
 const OpsBackend ops_backend_cpu = {
     .name = "cpu",
     .host_memory = 1,
@@ -623,22 +672,24 @@ const OpsBackend ops_backend_cpu = {
     .copy = cpu_copy,
     .upload = cpu_copy,
     .download = cpu_copy,
-    .embedding_forward = cpu_embedding_forward,
-    .embedding_backward = cpu_embedding_backward,
-    .rmsnorm_forward = cpu_rmsnorm_forward,
-    .rmsnorm_backward = cpu_rmsnorm_backward,
-    .matmul_forward = cpu_matmul_forward,
-    .matmul_backward = cpu_matmul_backward,
+    .set_bf16 = NULL,
+    .to_act = cpu_to_act,
+    .embedding_forward = t_embedding_forward,
+    .embedding_backward = t_embedding_backward,
+    .rmsnorm_forward = t_rmsnorm_forward,
+    .rmsnorm_backward = t_rmsnorm_backward,
+    .matmul_forward = t_matmul_forward,
+    .matmul_backward = t_matmul_backward,
     .rope_tables = cpu_rope_tables,
-    .rope_forward = cpu_rope_forward,
-    .rope_backward = cpu_rope_backward,
-    .attention_forward = cpu_attention_forward,
-    .attention_backward = cpu_attention_backward,
-    .swiglu_forward = cpu_swiglu_forward,
-    .swiglu_backward = cpu_swiglu_backward,
-    .crossentropy_forward_backward = cpu_crossentropy_forward_backward,
+    .rope_forward = t_rope_forward,
+    .rope_backward = t_rope_backward,
+    .attention_forward = t_attention_forward,
+    .attention_backward = t_attention_backward,
+    .swiglu_forward = t_swiglu_forward,
+    .swiglu_backward = t_swiglu_backward,
+    .crossentropy_forward_backward = t_crossentropy_forward_backward,
     .adamw = cpu_adamw,
     .sumsq = cpu_sumsq,
     .scale = cpu_scale,
-    .add = cpu_add,
+    .add = t_add,
 };

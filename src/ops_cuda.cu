@@ -12,9 +12,11 @@
  * they give bitwise the CPU backend's result (gcc -std=c11 does not contract either).
  */
 #include "ops_cuda.h"
+#include "attn_bf16.h"
 #include "ops.h"
 
 #include <cublasLt.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
@@ -77,7 +79,7 @@ static int lt_load(char *err, size_t errlen) {
 #define WORKSPACE_BYTES (32u << 20) /* cuBLASLt workspace: what llm.c gives Hopper */
 
 static struct {
-    int ready, device, sync_each, tf32;
+    int ready, device, sync_each, tf32, bf16; /* bf16: activations and compute weights */
     cudaStream_t stream;
     cublasLtHandle_t lt;
     void *workspace;
@@ -85,12 +87,13 @@ static struct {
     size_t scratch_bytes;
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
+    size_t rms_smem_set;    /* ... and the rmsnorm backward */
     char name[256];
 } g;
 
 /* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment */
 typedef struct {
-    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32;
+    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td;
     uint32_t al_a, al_b, al_d;
     cublasLtMatmulAlgo_t algo;
 } AlgoEntry;
@@ -152,6 +155,28 @@ static unsigned ew_grid(size_t n) {
 /* reductions (blockDim.x must be a multiple of 32; every thread gets the result)        */
 
 #define FULL_MASK 0xffffffffu
+
+/* Activations are fp32 or bf16 (precision=mixed), chosen once per process; kernels take
+ * them as void pointers and a flag `bf`, uniform across the grid, so one kernel serves
+ * both. Arithmetic is always fp32. */
+typedef __nv_bfloat16 bf16;
+static __device__ __forceinline__ float ld(const void *p, size_t i, int bf) {
+    return bf ? __bfloat162float(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+static __device__ __forceinline__ void st(void *p, size_t i, float v, int bf) {
+    if (bf) ((bf16 *)p)[i] = __float2bfloat16(v);
+    else ((float *)p)[i] = v;
+}
+/* Elements i and i+1 in one load or store (i even, the array 4-byte (bf16) or 8-byte (fp32)
+ * aligned: every activation buffer and row of even length is). */
+static __device__ __forceinline__ float2 ld2(const void *p, size_t i, int bf) {
+    if (bf) return __bfloat1622float2(*(const __nv_bfloat162 *)((const bf16 *)p + i));
+    return *(const float2 *)((const float *)p + i);
+}
+static __device__ __forceinline__ void st2(void *p, size_t i, float2 v, int bf) {
+    if (bf) *(__nv_bfloat162 *)((bf16 *)p + i) = __float22bfloat162_rn(v);
+    else *(float2 *)((float *)p + i) = v;
+}
 
 static __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -342,12 +367,13 @@ void cuda_synchronize(void) { CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
 /* embedding                                                                             */
 
 /* One thread per output element; consecutive threads read consecutive channels. */
-static __global__ void embedding_forward_kernel(float *out, const int *tokens, const float *wte, int N, int C) {
+static __global__ void embedding_forward_kernel(void *out, const int *tokens, const void *wte, int N, int C,
+                                                int bf) {
     size_t total = (size_t)N * C;
     GRID_STRIDE(i, total) {
         size_t n = i / C;
         int c = (int)(i % C);
-        out[i] = wte[(size_t)tokens[n] * C + c];
+        st(out, i, ld(wte, (size_t)tokens[n] * C + c, bf), bf);
     }
 }
 
@@ -360,7 +386,8 @@ static __global__ void embedding_forward_kernel(float *out, const int *tokens, c
 #define EMB_BUCKETS 32
 #define EMB_BLOCK 128
 #define EMB_CHUNK 1024
-static __global__ void embedding_backward_kernel(float *dwte, const float *dout, const int *tokens, int N, int C) {
+static __global__ void embedding_backward_kernel(float *dwte, const void *dout, const int *tokens, int N, int C,
+                                                 int bf) {
     __shared__ int tok_s[EMB_CHUNK];
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int bucket = blockIdx.y;
@@ -373,7 +400,7 @@ static __global__ void embedding_backward_kernel(float *dwte, const float *dout,
             for (int i = 0; i < len; i++) {
                 int t = tok_s[i];
                 if (t % EMB_BUCKETS == bucket)
-                    dwte[(size_t)t * C + c] += dout[(size_t)(n0 + i) * C + c];
+                    dwte[(size_t)t * C + c] += ld(dout, (size_t)(n0 + i) * C + c, bf);
             }
     }
 }
@@ -384,46 +411,91 @@ static __global__ void embedding_backward_kernel(float *dwte, const float *dout,
 /* One warp per row (rows are short: C ~ 1e3), 8 rows per block; lanes stride the
  * channels so loads coalesce. */
 #define ROW_WARPS 8
-static __global__ void rmsnorm_forward_kernel(float *out, float *rstd, const float *x, const float *w, int N, int C,
-                                              float eps) {
+static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, const void *x, const void *w, int N, int C,
+                                              float eps, int bf) {
     int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
-    const float *xr = x + (size_t)row * C;
-    float *o = out + (size_t)row * C;
+    size_t r0 = (size_t)row * C;
     float ss = 0.0f;
-    for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
+    if (!(C & 1)) { /* two channels per load */
+        for (int c = 2 * lane; c < C; c += 64) {
+            float2 xv = ld2(x, r0 + c, bf);
+            ss += xv.x * xv.x + xv.y * xv.y;
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) {
+            float xv = ld(x, r0 + c, bf);
+            ss += xv * xv;
+        }
+    }
     ss = warp_sum(ss);
     float r = 1.0f / sqrtf(ss / (float)C + eps);
     if (lane == 0) rstd[row] = r;
-    for (int c = lane; c < C; c += 32) o[c] = (xr[c] * r) * w[c];
+    if (!(C & 1)) {
+        for (int c = 2 * lane; c < C; c += 64) {
+            float2 xv = ld2(x, r0 + c, bf), wv = ld2(w, c, bf);
+            st2(out, r0 + c, make_float2((xv.x * r) * wv.x, (xv.y * r) * wv.y), bf);
+        }
+    } else {
+        for (int c = lane; c < C; c += 32) st(out, r0 + c, (ld(x, r0 + c, bf) * r) * ld(w, c, bf), bf);
+    }
 }
 
-/* dx: one warp per row, as the forward. */
-static __global__ void rmsnorm_backward_dx_kernel(float *dx, const float *dout, const float *x, const float *w,
-                                                  const float *rstd, int N, int C) {
-    int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= N) return;
-    const float *xr = x + (size_t)row * C, *g = dout + (size_t)row * C;
-    float *d = dx + (size_t)row * C;
-    float r = rstd[row];
-    float dot = 0.0f;
-    for (int c = lane; c < C; c += 32) dot += g[c] * w[c] * xr[c];
-    dot = warp_sum(dot);
-    float coef = r * r * r * dot / (float)C;
-    for (int c = lane; c < C; c += 32) d[c] += r * w[c] * g[c] - coef * xr[c];
-}
-
-/* dw, first pass: block (x, b) sums rows [N*b/nb, N*(b+1)/nb) in row order for 256
- * channels (one per thread: coalesced), writing part[b, c]. */
-#define RMSNORM_DW_BLOCKS 128
-static __global__ void rmsnorm_dw_partial_kernel(float *part, const float *dout, const float *x, const float *rstd,
-                                                 int N, int C, int nb) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-    if (c >= C) return;
+/* Backward in one pass over the rows: block b owns rows [N*b/nb, N*(b+1)/nb), its warps take
+ * every RMS_BWD_WARPS-th of them. Per row, dx += rstd*w*g - rstd^3 (g.w.x)/C x; and the
+ * warp adds the row's dw terms g*x*rstd into its own shared-memory row of C floats. At the
+ * end the block sums its warps' rows in warp order into part[b, :] (the second pass adds
+ * the blocks in order): deterministic, and x and dout are read once. Even C goes two
+ * channels per load. */
+#define RMS_BWD_WARPS 4
+#define RMSNORM_DW_BLOCKS 1024 /* keep estimate.c's cuda_scratch_bytes in step */
+static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
+rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
+                        int N, int C, int nb, int bf) {
+    extern __shared__ float acc[]; /* [RMS_BWD_WARPS][C] */
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x, pairs = !(C & 1);
+    float *my = acc + (size_t)warp * C;
+    for (int c = lane; c < C; c += 32) my[c] = 0.0f;
     int n0 = (int)((long long)N * b / nb), n1 = (int)((long long)N * (b + 1) / nb);
-    float s = 0.0f;
-    for (int n = n0; n < n1; n++) s += dout[(size_t)n * C + c] * (x[(size_t)n * C + c] * rstd[n]);
-    part[(size_t)b * C + c] = s;
+    for (int row = n0 + warp; row < n1; row += RMS_BWD_WARPS) {
+        size_t r0 = (size_t)row * C;
+        float r = rstd[row], dot = 0.0f;
+        if (pairs) {
+            for (int c = 2 * lane; c < C; c += 64) {
+                float2 g = ld2(dout, r0 + c, bf), xv = ld2(x, r0 + c, bf), wv = ld2(w, c, bf);
+                dot += g.x * wv.x * xv.x + g.y * wv.y * xv.y;
+                my[c] += g.x * (xv.x * r);
+                my[c + 1] += g.y * (xv.y * r);
+            }
+        } else {
+            for (int c = lane; c < C; c += 32) {
+                float g = ld(dout, r0 + c, bf), xv = ld(x, r0 + c, bf);
+                dot += g * ld(w, c, bf) * xv;
+                my[c] += g * (xv * r);
+            }
+        }
+        dot = warp_sum(dot);
+        if (!dx) continue;
+        float coef = r * r * r * dot / (float)C;
+        if (pairs) {
+            for (int c = 2 * lane; c < C; c += 64) {
+                float2 g = ld2(dout, r0 + c, bf), xv = ld2(x, r0 + c, bf), wv = ld2(w, c, bf), d = ld2(dx, r0 + c, bf);
+                d.x += r * wv.x * g.x - coef * xv.x;
+                d.y += r * wv.y * g.y - coef * xv.y;
+                st2(dx, r0 + c, d, bf);
+            }
+        } else {
+            for (int c = lane; c < C; c += 32)
+                st(dx, r0 + c, ld(dx, r0 + c, bf) + (r * ld(w, c, bf) * ld(dout, r0 + c, bf) - coef * ld(x, r0 + c, bf)),
+                   bf);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int k = 0; k < RMS_BWD_WARPS; k++) sum += acc[(size_t)k * C + c];
+        part[(size_t)b * C + c] = sum;
+    }
 }
 
 /* dw, second pass: the partials summed in block order. */
@@ -440,8 +512,8 @@ static __global__ void rmsnorm_dw_reduce_kernel(float *dw, const float *part, in
 
 /* One thread per (token, q-or-k head, pair). Separately rounded products and sums (no FMA),
  * as the CPU backend computes them. */
-static __global__ void rope_kernel(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD,
-                                   float dir) {
+static __global__ void rope_kernel(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD,
+                                   float dir, int bf) {
     int half = HD / 2, C = NH * HD;
     size_t total = (size_t)B * T * 2 * NH * half;
     GRID_STRIDE(idx, total) {
@@ -450,11 +522,11 @@ static __global__ void rope_kernel(float *qkv, const float *cos_t, const float *
         int hh = (int)(r % (2 * NH)); /* q heads, then k heads: contiguous in the row */
         size_t bt = r / (2 * NH);
         int t = (int)(bt % T);
-        float *x = qkv + bt * 3 * C + (size_t)hh * HD + 2 * i;
+        size_t x = bt * 3 * C + (size_t)hh * HD + 2 * i;
         float c = cos_t[(size_t)t * half + i], s = dir * sin_t[(size_t)t * half + i];
-        float x0 = x[0], x1 = x[1];
-        x[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-        x[1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+        float2 v = ld2(qkv, x, bf); /* x is even: HD and the row lengths are */
+        st2(qkv, x, make_float2(__fsub_rn(__fmul_rn(v.x, c), __fmul_rn(v.y, s)), __fadd_rn(__fmul_rn(v.x, s), __fmul_rn(v.y, c))),
+            bf);
     }
 }
 
@@ -485,7 +557,7 @@ static size_t att_dkdv_smem(int HD) { return (size_t)ATT_TILE * (4 * HD + 4) * s
 
 /* grid (ceil(T/ATT_TILE), NH, B); the last query tiles (most keys) are started first. */
 static __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH, int HD, float scale) {
+attention_forward_kernel(void *out, float *lse, const void *qkv, int T, int NH, int HD, float scale, int bf) {
     extern __shared__ float smem[];
     int C = NH * HD, ldk = HD + 1;
     float *q_s = smem;                   /* [TILE][HD], scaled */
@@ -494,11 +566,11 @@ attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH
     int h = blockIdx.y, b = blockIdx.z;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_TILE;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD; /* q of token 0, head h */
+    size_t base = (size_t)b * T * 3 * C + (size_t)h * HD; /* q of token 0, head h */
 
     for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD, t = q0 + r;
-        q_s[idx] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
+        q_s[idx] = t < T ? ld(qkv, base + (size_t)t * 3 * C + d, bf) * scale : 0.0f;
     }
     float o[ATT_RPW][ATT_DPL], m[ATT_RPW], l[ATT_RPW];
 #pragma unroll
@@ -515,8 +587,8 @@ attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH
             int r = idx / HD, d = idx % HD, t = k0 + r;
             float kx = 0.0f, vx = 0.0f;
             if (t < T) {
-                kx = base[(size_t)t * 3 * C + C + d];
-                vx = base[(size_t)t * 3 * C + 2 * C + d];
+                kx = ld(qkv, base + (size_t)t * 3 * C + C + d, bf);
+                vx = ld(qkv, base + (size_t)t * 3 * C + 2 * C + d, bf);
             }
             k_s[r * ldk + d] = kx;
             v_s[r * HD + d] = vx;
@@ -558,28 +630,28 @@ attention_forward_kernel(float *out, float *lse, const float *qkv, int T, int NH
         int i = q0 + warp + rr * ATT_WARPS;
         if (i >= T) continue;
         float inv = 1.0f / l[rr];
-        float *dst = out + ((size_t)b * T + i) * C + (size_t)h * HD;
+        size_t dst = ((size_t)b * T + i) * C + (size_t)h * HD;
 #pragma unroll
         for (int c = 0; c < ATT_DPL; c++) {
             int d = lane + 32 * c;
-            if (d < HD) dst[d] = o[rr][c] * inv;
+            if (d < HD) st(out, dst + d, o[rr][c] * inv, bf);
         }
         if (lane == 0) lse[((size_t)b * NH + h) * T + i] = m[rr] + logf(l[rr]);
     }
 }
 
 /* D[b, h, t] = dot(dout, out) over the head's HD values: one warp per (b, t, h). */
-static __global__ void attention_backward_D_kernel(float *D, const float *dout, const float *out, int B, int T,
-                                                   int NH, int HD) {
+static __global__ void attention_backward_D_kernel(float *D, const void *dout, const void *out, int B, int T,
+                                                   int NH, int HD, int bf) {
     size_t row = (size_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31, C = NH * HD;
     if (row >= (size_t)B * T * NH) return;
     int h = (int)(row % NH);
     size_t bt = row / NH;
     size_t b = bt / T, t = bt % T;
-    const float *g = dout + bt * C + (size_t)h * HD, *y = out + bt * C + (size_t)h * HD;
+    size_t o = bt * C + (size_t)h * HD;
     float s = 0.0f;
-    for (int d = lane; d < HD; d += 32) s += g[d] * y[d];
+    for (int d = lane; d < HD; d += 32) s += ld(dout, o + d, bf) * ld(out, o + d, bf);
     s = warp_sum(s);
     if (lane == 0) D[(b * NH + h) * T + t] = s;
 }
@@ -587,8 +659,8 @@ static __global__ void attention_backward_D_kernel(float *D, const float *dout, 
 /* dq = scale * sum_j dS_ij k_j, dS_ij = P_ij (dO_i . v_j - D_i), P_ij = exp(s_ij - lse_i).
  * Same shape as the forward: a block owns 32 query rows and walks the key tiles. */
 static __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, const float *lse, const float *D,
-                             int T, int NH, int HD, float scale) {
+attention_backward_dq_kernel(void *dqkv, const void *dout, const void *qkv, const float *lse, const float *D,
+                             int T, int NH, int HD, float scale, int bf) {
     extern __shared__ float smem[];
     int C = NH * HD, ldk = HD + 1;
     float *q_s = smem;                   /* [TILE][HD], scaled */
@@ -598,14 +670,14 @@ attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, c
     int h = blockIdx.y, b = blockIdx.z;
     int q0 = (gridDim.x - 1 - blockIdx.x) * ATT_TILE;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD;
-    const float *dbase = dout + (size_t)b * T * C + (size_t)h * HD;
+    size_t base = (size_t)b * T * 3 * C + (size_t)h * HD;
+    size_t dbase = (size_t)b * T * C + (size_t)h * HD;
     const float *lse_bh = lse + ((size_t)b * NH + h) * T, *D_bh = D + ((size_t)b * NH + h) * T;
 
     for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD, t = q0 + r;
-        q_s[idx] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
-        do_s[idx] = t < T ? dbase[(size_t)t * C + d] : 0.0f;
+        q_s[idx] = t < T ? ld(qkv, base + (size_t)t * 3 * C + d, bf) * scale : 0.0f;
+        do_s[idx] = t < T ? ld(dout, dbase + (size_t)t * C + d, bf) : 0.0f;
     }
     float dq[ATT_RPW][ATT_DPL], lse_r[ATT_RPW], D_r[ATT_RPW];
 #pragma unroll
@@ -623,8 +695,8 @@ attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, c
             int r = idx / HD, d = idx % HD, t = k0 + r;
             float kx = 0.0f, vx = 0.0f;
             if (t < T) {
-                kx = base[(size_t)t * 3 * C + C + d];
-                vx = base[(size_t)t * 3 * C + 2 * C + d];
+                kx = ld(qkv, base + (size_t)t * 3 * C + C + d, bf);
+                vx = ld(qkv, base + (size_t)t * 3 * C + 2 * C + d, bf);
             }
             k_s[r * ldk + d] = kx;
             v_s[r * ldk + d] = vx;
@@ -663,11 +735,11 @@ attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, c
     for (int rr = 0; rr < ATT_RPW; rr++) {
         int i = q0 + warp + rr * ATT_WARPS;
         if (i >= T) continue;
-        float *dst = dqkv + ((size_t)b * T + i) * 3 * C + (size_t)h * HD;
+        size_t dst = ((size_t)b * T + i) * 3 * C + (size_t)h * HD;
 #pragma unroll
         for (int c = 0; c < ATT_DPL; c++) {
             int d = lane + 32 * c;
-            if (d < HD) dst[d] += scale * dq[rr][c];
+            if (d < HD) st(dqkv, dst + d, ld(dqkv, dst + d, bf) + scale * dq[rr][c], bf);
         }
     }
 }
@@ -677,8 +749,8 @@ attention_backward_dq_kernel(float *dqkv, const float *dout, const float *qkv, c
  * T; lane l takes query row l of the current tile. grid (ceil(T/ATT_TILE), NH, B); block 0
  * (the first keys, which see the most queries) starts first. */
 static __global__ void __launch_bounds__(ATT_WARPS * 32)
-attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv, const float *lse, const float *D,
-                               int T, int NH, int HD, float scale) {
+attention_backward_dkdv_kernel(void *dqkv, const void *dout, const void *qkv, const float *lse, const float *D,
+                               int T, int NH, int HD, float scale, int bf) {
     extern __shared__ float smem[];
     int C = NH * HD, ldq = HD + 1;
     float *k_s = smem;                   /* [TILE][HD] */
@@ -690,16 +762,16 @@ attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv,
     int h = blockIdx.y, b = blockIdx.z;
     int k0 = blockIdx.x * ATT_TILE;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float *base = qkv + (size_t)b * T * 3 * C + (size_t)h * HD;
-    const float *dbase = dout + (size_t)b * T * C + (size_t)h * HD;
+    size_t base = (size_t)b * T * 3 * C + (size_t)h * HD;
+    size_t dbase = (size_t)b * T * C + (size_t)h * HD;
     const float *lse_bh = lse + ((size_t)b * NH + h) * T, *D_bh = D + ((size_t)b * NH + h) * T;
 
     for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD, t = k0 + r;
         float kx = 0.0f, vx = 0.0f;
         if (t < T) {
-            kx = base[(size_t)t * 3 * C + C + d];
-            vx = base[(size_t)t * 3 * C + 2 * C + d];
+            kx = ld(qkv, base + (size_t)t * 3 * C + C + d, bf);
+            vx = ld(qkv, base + (size_t)t * 3 * C + 2 * C + d, bf);
         }
         k_s[idx] = kx;
         v_s[idx] = vx;
@@ -714,8 +786,8 @@ attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv,
         __syncthreads();
         for (int idx = threadIdx.x; idx < ATT_TILE * HD; idx += blockDim.x) {
             int r = idx / HD, d = idx % HD, t = q0 + r;
-            q_s[r * ldq + d] = t < T ? base[(size_t)t * 3 * C + d] * scale : 0.0f;
-            do_s[r * ldq + d] = t < T ? dbase[(size_t)t * C + d] : 0.0f;
+            q_s[r * ldq + d] = t < T ? ld(qkv, base + (size_t)t * 3 * C + d, bf) * scale : 0.0f;
+            do_s[r * ldq + d] = t < T ? ld(dout, dbase + (size_t)t * C + d, bf) : 0.0f;
         }
         if (threadIdx.x < ATT_TILE) {
             int t = q0 + threadIdx.x;
@@ -760,13 +832,14 @@ attention_backward_dkdv_kernel(float *dqkv, const float *dout, const float *qkv,
     for (int rr = 0; rr < ATT_RPW; rr++) {
         int j = k0 + warp + rr * ATT_WARPS;
         if (j >= T) continue;
-        float *dst = dqkv + ((size_t)b * T + j) * 3 * C + (size_t)h * HD;
+        size_t dst = ((size_t)b * T + j) * 3 * C + (size_t)h * HD;
 #pragma unroll
         for (int c = 0; c < ATT_DPL; c++) {
             int d = lane + 32 * c;
             if (d < HD) {
-                dst[C + d] += dk[rr][c];
-                dst[2 * C + d] += dv[rr][c];
+                size_t ik = dst + C + d, iv = dst + 2 * C + d;
+                st(dqkv, ik, ld(dqkv, ik, bf) + dk[rr][c], bf);
+                st(dqkv, iv, ld(dqkv, iv, bf) + dv[rr][c], bf);
             }
         }
     }
@@ -791,24 +864,49 @@ static void att_check_shape(int B, int NH, int HD) {
 /* ------------------------------------------------------------------------------------ */
 /* swiglu                                                                                */
 
-static __global__ void swiglu_forward_kernel(float *out, const float *gu, int N, int H) {
+/* Two hidden units per thread when H is even (pairs: step 2), else one (step 1). */
+static __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
+static __global__ void swiglu2_forward_kernel(void *out, const void *gu, int N, int H, int bf) {
+    size_t total = (size_t)N * H / 2;
+    GRID_STRIDE(j, total) {
+        size_t i = 2 * j, n = i / H, k = i % H;
+        float2 gt = ld2(gu, n * 2 * H + k, bf), up = ld2(gu, n * 2 * H + H + k, bf);
+        st2(out, i, make_float2(silu_f(gt.x) * up.x, silu_f(gt.y) * up.y), bf);
+    }
+}
+static __global__ void swiglu2_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf) {
+    size_t total = (size_t)N * H / 2;
+    GRID_STRIDE(j, total) {
+        size_t i = 2 * j, n = i / H, k = i % H, ig = n * 2 * H + k, iu = ig + H;
+        float2 gt = ld2(gu, ig, bf), up = ld2(gu, iu, bf), d = ld2(dout, i, bf), dg = ld2(dgu, ig, bf),
+               du = ld2(dgu, iu, bf);
+        float s0 = 1.0f / (1.0f + expf(-gt.x)), s1 = 1.0f / (1.0f + expf(-gt.y));
+        dg.x += d.x * up.x * (s0 * (1.0f + gt.x * (1.0f - s0)));
+        dg.y += d.y * up.y * (s1 * (1.0f + gt.y * (1.0f - s1)));
+        du.x += d.x * (gt.x * s0);
+        du.y += d.y * (gt.y * s1);
+        st2(dgu, ig, dg, bf);
+        st2(dgu, iu, du, bf);
+    }
+}
+static __global__ void swiglu_forward_kernel(void *out, const void *gu, int N, int H, int bf) {
     size_t total = (size_t)N * H;
     GRID_STRIDE(i, total) {
         size_t n = i / H, k = i % H;
-        float gt = gu[n * 2 * H + k], up = gu[n * 2 * H + H + k];
-        out[i] = gt / (1.0f + expf(-gt)) * up;
+        float gt = ld(gu, n * 2 * H + k, bf), up = ld(gu, n * 2 * H + H + k, bf);
+        st(out, i, gt / (1.0f + expf(-gt)) * up, bf);
     }
 }
 
-static __global__ void swiglu_backward_kernel(float *dgu, const float *dout, const float *gu, int N, int H) {
+static __global__ void swiglu_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf) {
     size_t total = (size_t)N * H;
     GRID_STRIDE(i, total) {
-        size_t n = i / H, k = i % H;
-        float gt = gu[n * 2 * H + k], up = gu[n * 2 * H + H + k], d = dout[i];
+        size_t n = i / H, k = i % H, ig = n * 2 * H + k, iu = ig + H;
+        float gt = ld(gu, ig, bf), up = ld(gu, iu, bf), d = ld(dout, i, bf);
         float s = 1.0f / (1.0f + expf(-gt));
         float silu = gt * s;
-        dgu[n * 2 * H + k] += d * up * (s * (1.0f + gt * (1.0f - s)));
-        dgu[n * 2 * H + H + k] += d * silu;
+        st(dgu, ig, ld(dgu, ig, bf) + d * up * (s * (1.0f + gt * (1.0f - s))), bf);
+        st(dgu, iu, ld(dgu, iu, bf) + d * silu, bf);
     }
 }
 
@@ -821,16 +919,16 @@ static __global__ void swiglu_backward_kernel(float *dgu, const float *dout, con
  * logit is read by every thread before the first block reduction, hence before any write. */
 #define CE_BLOCK 1024
 static __global__ void __launch_bounds__(CE_BLOCK)
-crossentropy_kernel(float *losses, float *logits, const int *targets, int V, float scale) {
+crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, int V, float scale, int bf) {
     int n = blockIdx.x;
-    float *row = logits + (size_t)n * V;
+    void *row = bf ? (void *)((bf16 *)logits + (size_t)n * ldl) : (void *)((float *)logits + (size_t)n * ldl);
     int tgt = targets[n];
     int tgt_ok = tgt >= 0 && tgt < V;
-    float lt = tgt_ok ? row[tgt] : 0.0f;
+    float lt = tgt_ok ? ld(row, tgt, bf) : 0.0f;
     float mx = -INFINITY;
     int bad = 0;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = row[j];
+        float x = ld(row, j, bf);
         mx = fmaxf(mx, x); /* ignores NaN; the flag catches it */
         bad |= x != x;
     }
@@ -839,18 +937,18 @@ crossentropy_kernel(float *losses, float *logits, const int *targets, int V, flo
     if (bad || !tgt_ok || mx == INFINITY || mx == -INFINITY) {
         if (threadIdx.x == 0) losses[n] = NAN;
         if (scale != 0.0f)
-            for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = NAN;
+            for (int j = threadIdx.x; j < V; j += blockDim.x) st(row, j, NAN, bf);
         return;
     }
     double sum = 0.0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(row[j] - mx);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(ld(row, j, bf) - mx);
     sum = block_sum_double(sum);
     if (threadIdx.x == 0) losses[n] = (float)((double)mx + log(sum) - (double)lt);
     if (scale != 0.0f) {
         float f = (float)((double)scale / sum);
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float e = expf(row[j] - mx);
-            row[j] = j == tgt ? (float)((double)scale * ((double)e / sum - 1.0)) : e * f;
+            float e = expf(ld(row, j, bf) - mx);
+            st(row, j, j == tgt ? (float)((double)scale * ((double)e / sum - 1.0)) : e * f, bf);
         }
     }
 }
@@ -901,8 +999,18 @@ static __global__ void sumsq_final_kernel(double *out, const double *part, int n
 static __global__ void scale_kernel(float *x, size_t n, float s) {
     GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], s);
 }
-static __global__ void add_kernel(float *y, const float *x, size_t n) {
-    GRID_STRIDE(i, n) y[i] = __fadd_rn(y[i], x[i]);
+static __global__ void add_kernel(void *y, const void *x, size_t n, int bf) {
+    GRID_STRIDE(i, n) st(y, i, __fadd_rn(ld(y, i, bf), ld(x, i, bf)), bf);
+}
+/* the same on pairs (n2 = n / 2, n even) */
+static __global__ void add2_kernel(void *y, const void *x, size_t n2, int bf) {
+    GRID_STRIDE(i, n2) {
+        float2 a = ld2(y, 2 * i, bf), b = ld2(x, 2 * i, bf);
+        st2(y, 2 * i, make_float2(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y)), bf);
+    }
+}
+static __global__ void to_act_kernel(void *dst, const float *src, size_t n, int bf) {
+    GRID_STRIDE(i, n) st(dst, i, src[i], bf);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -917,31 +1025,35 @@ static __global__ void add_kernel(float *y, const float *x, size_t n) {
 static uint32_t ptr_alignment(const void *p) {
     uintptr_t a = (uintptr_t)p;
     uint32_t al = 256;
-    while (al > 4 && a % al) al >>= 1;
+    while (al > 2 && a % al) al >>= 1;
     return al;
 }
 
-/* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * D */
-static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float *A, int lda,
-                      const float *B, int ldb, float beta, float *D, int ldd) {
+/* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * D. A and B are activations or
+ * compute weights (fp32, or bf16 with precision=mixed); D is that type too, or fp32
+ * (d_f32: weight gradients). Accumulation is always fp32. */
+static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
+                      const void *B, int ldb, float beta, void *D, int ldd, int d_f32) {
     if (!g.ready) die(1, "cuda: a matmul was called before cuda_init");
-    cublasComputeType_t ct = g.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F, td = d_f32 ? CUDA_R_32F : tab;
+    cublasComputeType_t ct = g.tf32 && !g.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, ld;
     CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     /* layouts describe the matrices as stored (before op) */
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, m, n, ldd));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&la, tab, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&ld, td, m, n, ldd));
 
     uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_d = ptr_alignment(D);
     AlgoEntry *hit = NULL;
     for (int i = 0; i < ALGO_CACHE && !hit; i++) {
         AlgoEntry *e = &g_algos[i];
         if (e->used && e->ta == (int)ta && e->tb == (int)tb && e->m == m && e->n == n && e->k == k &&
-            e->lda == lda && e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->al_a == al_a &&
+            e->lda == lda && e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->tab == (int)tab &&
+            e->td == (int)td && e->al_a == al_a &&
             e->al_b == al_b && e->al_d == al_d)
             hit = e;
     }
@@ -968,6 +1080,7 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
         hit->m = m; hit->n = n; hit->k = k;
         hit->lda = lda; hit->ldb = ldb; hit->ldd = ldd;
         hit->tf32 = g.tf32;
+        hit->tab = (int)tab; hit->td = (int)td;
         hit->al_a = al_a; hit->al_b = al_b; hit->al_d = al_d;
         hit->algo = res.algo;
     }
@@ -986,40 +1099,61 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
 
 extern "C" {
 
-void cuda_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C) {
+/* bytes of one activation element, and the address of element i of an activation array */
+static size_t act_size(void) { return g.bf16 ? 2 : 4; }
+
+void cuda_set_bf16(int on) { g.bf16 = on != 0; }
+int cuda_bf16(void) { return g.bf16; }
+
+void cuda_to_act(void *dst, const float *src, size_t n) {
+    if (n == 0) return;
+    if (!g.bf16) {
+        cuda_memcpy_d2d(dst, src, n * sizeof(float));
+        return;
+    }
+    to_act_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(dst, src, n, 1);
+    LAUNCH_CHECK(to_act_kernel);
+}
+
+void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
     if (N <= 0 || C <= 0) return;
-    embedding_forward_kernel<<<ew_grid((size_t)N * C), EW_BLOCK, 0, g.stream>>>(out, tokens, wte, N, C);
+    embedding_forward_kernel<<<ew_grid((size_t)N * C), EW_BLOCK, 0, g.stream>>>(out, tokens, wte, N, C, g.bf16);
     LAUNCH_CHECK(embedding_forward_kernel);
 }
 
-void cuda_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
+void cuda_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
     if (!dwte || N <= 0 || C <= 0) return;
     dim3 grid((C + EMB_BLOCK - 1) / EMB_BLOCK, EMB_BUCKETS);
-    embedding_backward_kernel<<<grid, EMB_BLOCK, 0, g.stream>>>(dwte, dout, tokens, N, C);
+    embedding_backward_kernel<<<grid, EMB_BLOCK, 0, g.stream>>>(dwte, dout, tokens, N, C, g.bf16);
     LAUNCH_CHECK(embedding_backward_kernel);
 }
 
-void cuda_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     if (N <= 0 || C <= 0) return;
     rmsnorm_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
-                                                                                            eps);
+                                                                                            eps, g.bf16);
     LAUNCH_CHECK(rmsnorm_forward_kernel);
 }
 
-void cuda_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+void cuda_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C) {
     if ((!dx && !dw) || N <= 0 || C <= 0) return;
-    if (dx) {
-        rmsnorm_backward_dx_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(dx, dout, x, w,
-                                                                                                    rstd, N, C);
-        LAUNCH_CHECK(rmsnorm_backward_dx_kernel);
+    /* blocks of about 16 rows, at most RMSNORM_DW_BLOCKS: a count fixed by N alone */
+    int nb = (N + 15) / 16 < RMSNORM_DW_BLOCKS ? (N + 15) / 16 : RMSNORM_DW_BLOCKS;
+    size_t smem = (size_t)RMS_BWD_WARPS * C * sizeof(float);
+    if (smem > g.smem_optin)
+        die(2, "cuda: rmsnorm backward with %d channels needs %zu bytes of shared memory; the GPU allows %zu", C, smem,
+            g.smem_optin);
+    if (smem > 48 * 1024 && smem > g.rms_smem_set) {
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)rmsnorm_backward_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        g.rms_smem_set = smem;
     }
+    float *part = (float *)scratch((size_t)nb * C * sizeof(float));
+    rmsnorm_backward_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C, nb,
+                                                                        g.bf16);
+    LAUNCH_CHECK(rmsnorm_backward_kernel);
     if (dw) {
-        int nb = N < RMSNORM_DW_BLOCKS ? N : RMSNORM_DW_BLOCKS;
-        float *part = (float *)scratch((size_t)nb * C * sizeof(float));
-        dim3 grid((C + 255) / 256, nb);
-        rmsnorm_dw_partial_kernel<<<grid, 256, 0, g.stream>>>(part, dout, x, rstd, N, C, nb);
-        LAUNCH_CHECK(rmsnorm_dw_partial_kernel);
         rmsnorm_dw_reduce_kernel<<<(C + 255) / 256, 256, 0, g.stream>>>(dw, part, C, nb);
         LAUNCH_CHECK(rmsnorm_dw_reduce_kernel);
     }
@@ -1028,24 +1162,43 @@ void cuda_rmsnorm_backward(float *dx, float *dw, const float *dout, const float 
 /* out[N, OC] = inp[N, C] @ w[OC, C]^T  <=>  (column-major) out^T[OC, N] = w^T' @ inp^T
  * where w read column-major is [C, OC] (ld C), used transposed; inp read column-major is
  * inp^T [C, N] (ld C); out read column-major is out^T [OC, N] (ld OC). */
-void cuda_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC) {
+/* An output dimension that is not a multiple of 64 (the vocabulary, 50257) makes cuBLASLt
+ * fall back to slow kernels (5x slower for the lm_head). Such a dimension is split: the
+ * largest multiple of 64, then the few rows left, as a second small product. */
+static int oc_main(int OC) { return OC >= 128 && OC % 64 ? OC / 64 * 64 : OC; }
+static const void *act_off(const void *p, size_t i) { return (const char *)p + i * act_size(); }
+
+void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
     if (C <= 0) {
-        cuda_memset_zero(out, (size_t)N * OC * sizeof(float));
+        CUDA_CHECK(cudaMemset2DAsync(out, (size_t)ldo * act_size(), 0, (size_t)OC * act_size(), N, g.stream));
         return;
     }
-    lt_matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w, C, inp, C, 0.0f, out, OC);
+    int OCa = oc_main(OC);
+    lt_matmul(CUBLAS_OP_T, CUBLAS_OP_N, OCa, N, C, w, C, inp, C, 0.0f, out, ldo, 0);
+    if (OCa < OC)
+        lt_matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC - OCa, N, C, act_off(w, (size_t)OCa * C), C, inp, C, 0.0f,
+                  (void *)act_off(out, OCa), ldo, 0);
 }
 
 /* dinp[N, C] += dout[N, OC] @ w[OC, C]  <=>  dinp^T[C, N] += w_cm[C, OC] @ dout^T[OC, N]
  *   (w column-major is [C, OC] ld C, dout column-major is [OC, N] ld OC: no transposes);
  * dw[OC, C] += dout^T @ inp  <=>  dw^T[C, OC] += inp^T[C, N] @ (dout^T[OC, N])^T
- *   (inp column-major is [C, N] ld C; dout column-major [OC, N] ld OC, transposed). */
-void cuda_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+ *   (inp column-major is [C, N] ld C; dout column-major [OC, N] ld OC, transposed).
+ * dw is fp32 in every precision: bf16 products accumulate into fp32 gradients. */
+void cuda_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
                           int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
-    if (dinp) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, C, dout, OC, 1.0f, dinp, C);
-    if (dw) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, 1.0f, dw, C);
+    int OCa = oc_main(OC), OCt = OC - OCa; /* see cuda_matmul_forward */
+    const void *w_t = act_off(w, (size_t)OCa * C), *dout_t = act_off(dout, OCa);
+    if (dinp) {
+        lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCa, w, C, dout, ldo, 1.0f, dinp, C, 0);
+        if (OCt) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCt, w_t, C, dout_t, ldo, 1.0f, dinp, C, 0);
+    }
+    if (dw) {
+        lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OCa, N, inp, C, dout, ldo, 1.0f, dw, C, 1);
+        if (OCt) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OCt, N, inp, C, dout_t, ldo, 1.0f, dw + (size_t)OCa * C, C, 1);
+    }
 }
 
 void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
@@ -1069,34 +1222,45 @@ void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
     free(hs);
 }
 
-void cuda_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+void cuda_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     size_t total = (size_t)B * T * 2 * NH * (HD / 2);
     if (B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
-    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f);
+    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f, g.bf16);
     LAUNCH_CHECK(rope_kernel);
 }
 
-void cuda_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     size_t total = (size_t)B * T * 2 * NH * (HD / 2);
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
-    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f);
+    rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f, g.bf16);
     LAUNCH_CHECK(rope_kernel);
 }
 
-void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD) {
+void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD) {
     if (B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (g.bf16 && attn_bf16_supported(HD)) {
+        attn_bf16_forward(out, lse, qkv, B, T, NH, HD, (void *)g.stream);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
     att_check_shape(B, NH, HD);
     size_t smem = att_forward_smem(HD);
     att_smem((const void *)attention_forward_kernel, smem, &g.att_smem_set[0], "forward", HD);
     dim3 grid((T + ATT_TILE - 1) / ATT_TILE, NH, B);
     float scale = 1.0f / sqrtf((float)HD);
-    attention_forward_kernel<<<grid, ATT_WARPS * 32, smem, g.stream>>>(out, lse, qkv, T, NH, HD, scale);
+    attention_forward_kernel<<<grid, ATT_WARPS * 32, smem, g.stream>>>(out, lse, qkv, T, NH, HD, scale, g.bf16);
     LAUNCH_CHECK(attention_forward_kernel);
 }
 
-void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (g.bf16 && attn_bf16_supported(HD)) {
+        void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
+        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, (void *)g.stream);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
     att_check_shape(B, NH, HD);
     size_t smem_dq = att_dq_smem(HD), smem_dkdv = att_dkdv_smem(HD);
     att_smem((const void *)attention_backward_dq_kernel, smem_dq, &g.att_smem_set[1], "backward", HD);
@@ -1105,33 +1269,43 @@ void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, c
     size_t rows = (size_t)B * T * NH;
     float *D = (float *)scratch(rows * sizeof(float));
     attention_backward_D_kernel<<<(unsigned)((rows + ROW_WARPS - 1) / ROW_WARPS), ROW_WARPS * 32, 0, g.stream>>>(
-        D, dout, out, B, T, NH, HD);
+        D, dout, out, B, T, NH, HD, g.bf16);
     LAUNCH_CHECK(attention_backward_D_kernel);
     dim3 grid((T + ATT_TILE - 1) / ATT_TILE, NH, B);
     attention_backward_dq_kernel<<<grid, ATT_WARPS * 32, smem_dq, g.stream>>>(dqkv, dout, qkv, lse, D, T, NH, HD,
-                                                                             scale);
+                                                                             scale, g.bf16);
     LAUNCH_CHECK(attention_backward_dq_kernel);
     attention_backward_dkdv_kernel<<<grid, ATT_WARPS * 32, smem_dkdv, g.stream>>>(dqkv, dout, qkv, lse, D, T, NH,
-                                                                                 HD, scale);
+                                                                                 HD, scale, g.bf16);
     LAUNCH_CHECK(attention_backward_dkdv_kernel);
 }
 
-void cuda_swiglu_forward(float *out, const float *gu, int N, int H) {
+void cuda_swiglu_forward(void *out, const void *gu, int N, int H) {
     if (N <= 0 || H <= 0) return;
-    swiglu_forward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(out, gu, N, H);
+    if (!(H & 1)) {
+        swiglu2_forward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(out, gu, N, H, g.bf16);
+        LAUNCH_CHECK(swiglu2_forward_kernel);
+        return;
+    }
+    swiglu_forward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(out, gu, N, H, g.bf16);
     LAUNCH_CHECK(swiglu_forward_kernel);
 }
 
-void cuda_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H) {
+void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
     if (!dgu || N <= 0 || H <= 0) return;
-    swiglu_backward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H);
+    if (!(H & 1)) {
+        swiglu2_backward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16);
+        LAUNCH_CHECK(swiglu2_backward_kernel);
+        return;
+    }
+    swiglu_backward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16);
     LAUNCH_CHECK(swiglu_backward_kernel);
 }
 
-void cuda_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                         float dlogits_scale) {
     if (N <= 0 || V <= 0) return;
-    crossentropy_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, targets, V, dlogits_scale);
+    crossentropy_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, ld, targets, V, dlogits_scale, g.bf16);
     LAUNCH_CHECK(crossentropy_kernel);
 }
 
@@ -1172,9 +1346,14 @@ void cuda_scale(float *x, size_t n, float s) {
     LAUNCH_CHECK(scale_kernel);
 }
 
-void cuda_add(float *y, const float *x, size_t n) {
+void cuda_add(void *y, const void *x, size_t n) {
     if (n == 0) return;
-    add_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(y, x, n);
+    if (!(n & 1) && ptr_alignment(y) >= 8 && ptr_alignment(x) >= 8) {
+        add2_kernel<<<ew_grid(n / 2), EW_BLOCK, 0, g.stream>>>(y, x, n / 2, g.bf16);
+        LAUNCH_CHECK(add2_kernel);
+        return;
+    }
+    add_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(y, x, n, g.bf16);
     LAUNCH_CHECK(add_kernel);
 }
 
@@ -1229,6 +1408,8 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .copy = cuda_memcpy_d2d,
     .upload = cuda_memcpy_h2d,
     .download = cuda_memcpy_d2h,
+    .set_bf16 = cuda_set_bf16,
+    .to_act = cuda_to_act,
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,
     .rmsnorm_forward = cuda_rmsnorm_forward,

@@ -1,4 +1,4 @@
-/* ops_cuda — the CUDA backend of the ops interface (fp32 for now).
+/* ops_cuda — the CUDA backend of the ops interface (fp32, or bf16 activations).
  *
  * Every cuda_<name> has the same arguments and semantics as op_<name> in ops.h, with all
  * tensor pointers being DEVICE pointers: row-major, nn.Linear weight layout, backward ops
@@ -53,34 +53,41 @@ void cuda_synchronize(void);
 
 /* ---- ops (see ops.h for the semantics of each) ---------------------------------------- */
 
-void cuda_embedding_forward(float *out, const int *tokens, const float *wte, int N, int C);
-void cuda_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C);
+/* Activations and compute weights in bf16 (1) or fp32 (0, the default); see ops.h. */
+void cuda_set_bf16(int on);
+int cuda_bf16(void);
+void cuda_to_act(void *dst, const float *src, size_t n);
 
-void cuda_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps);
-void cuda_rmsnorm_backward(float *dx, float *dw, const float *dout, const float *x, const float *w,
+void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
+void cuda_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C);
+
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
+void cuda_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C);
 
-void cuda_matmul_forward(float *out, const float *inp, const float *w, int N, int C, int OC);
-void cuda_matmul_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+/* out's (dout's) rows are ldo >= OC elements apart */
+void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+void cuda_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
                           int N, int C, int OC);
 
 /* Computed on the host exactly as op_rope_tables does, then copied into the device arrays
  * cos_t and sin_t ([T, HD/2] each), so both backends use bitwise the same tables. */
 void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base);
-void cuda_rope_forward(float *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
-void cuda_rope_backward(float *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+void cuda_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
+void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
 
-/* head_dim up to 256 (larger dies with a message). */
-void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int NH, int HD);
-void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+/* head_dim up to 256 (larger dies with a message). In bf16, head dims that attn_bf16.h
+ * supports run on tensor cores. */
+void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD);
 
-void cuda_swiglu_forward(float *out, const float *gu, int N, int H);
-void cuda_swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int H);
+void cuda_swiglu_forward(void *out, const void *gu, int N, int H);
+void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H);
 
 /* A target outside [0, V) gives that row a NaN loss (and NaN gradient) rather than an
  * out-of-bounds read. */
-void cuda_crossentropy_forward_backward(float *losses, float *logits, const int *targets, int N, int V,
+void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                         float dlogits_scale);
 
 void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
@@ -88,7 +95,7 @@ void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, f
 
 double cuda_sumsq(const float *x, size_t n); /* waits for the stream; returns on the host */
 void cuda_scale(float *x, size_t n, float s);
-void cuda_add(float *y, const float *x, size_t n);
+void cuda_add(void *y, const void *x, size_t n);
 
 #ifdef __cplusplus
 }

@@ -37,11 +37,40 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     case PAR_ZERO1: case PAR_ZERO2: zero_setup(p); break;
     case PAR_FSDP: case PAR_HYBRID: fsdp_setup(p); break;
     }
+    par_setup_compute(p);
     return p;
+}
+
+/* Whole parameters, bf16 compute: the copy is refreshed lazily, at the first unit the model
+ * asks for after the parameters changed (init, load, optimizer step). */
+static void whole_gather(void *ctx, int u, int next) {
+    Parallel *p = ctx;
+    (void)u; (void)next;
+    if (p->cstale) {
+        op_to_act(p->cparams, p->params, p->m->n_flat);
+        p->cstale = 0;
+    }
+}
+
+void par_setup_compute(Parallel *p) {
+    if (!ops_bf16()) return;
+    Model *m = p->m;
+    if (p->params) {
+        p->cparams = op_alloc(m->n_flat * ops_act_size());
+        for (int u = 0; u < m->n_units; u++) m->ucompute[u] = act_at(p->cparams, m->units[u].offset);
+        p->cstale = 1;
+        p->hooks.gather = whole_gather;
+    } else {
+        size_t caps[N_SLOTS];
+        par_slot_caps(m, caps);
+        for (int i = 0; i < N_SLOTS; i++) p->cslots[i] = op_alloc(caps[i] * ops_act_size());
+    }
 }
 
 void parallel_free(Parallel *p) {
     if (!p) return;
+    op_free(p->cparams);
+    for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
@@ -51,7 +80,11 @@ void parallel_free(Parallel *p) {
 
 const UnitHooks *parallel_hooks(Parallel *p) { return &p->hooks; }
 int parallel_adam_steps(const Parallel *p) { return p->adam_steps; }
-void parallel_set_adam_steps(Parallel *p, int steps) { p->adam_steps = steps; }
+/* Called after a checkpoint's parameters were loaded: the compute copy is stale too. */
+void parallel_set_adam_steps(Parallel *p, int steps) {
+    p->adam_steps = steps;
+    p->cstale = 1;
+}
 double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void par_slot_caps(const Model *m, size_t caps[N_SLOTS]) {
@@ -100,6 +133,7 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
         }
     }
     free(host);
+    p->cstale = 1;
 }
 
 void par_wait(Parallel *p, CommReq *r) {
@@ -194,6 +228,7 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         }
         zero_gather_params(p);
     }
+    p->cstale = 1;
     *lr_out = lr;
     return norm;
 }
@@ -227,14 +262,16 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
     return n;
 }
 
-ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D) {
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t compute_size) {
     size_t full = layout->n_flat * sizeof(float), shard = full / (size_t)D, caps[N_SLOTS], slots = 0;
     par_slot_caps(layout, caps);
     for (int i = 0; i < N_SLOTS; i++) slots += caps[i] * sizeof(float);
+    /* bf16 compute copies: of the whole parameters, or of each parameter slot (FSDP) */
+    size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? slots / 4 * compute_size : 0;
     switch (kind) {
-    case PAR_DDP: return (ParallelBytes){full, full, 2 * full};
-    case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard};
-    case PAR_ZERO2: return (ParallelBytes){full, slots + shard, 2 * shard};
-    default: return (ParallelBytes){shard + slots, slots + shard, 2 * shard};
+    case PAR_DDP: return (ParallelBytes){full, full, 2 * full, cw};
+    case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard, cw};
+    case PAR_ZERO2: return (ParallelBytes){full, slots + shard, 2 * shard, cw};
+    default: return (ParallelBytes){shard + slots, slots + shard, 2 * shard, cs};
     }
 }

@@ -43,7 +43,9 @@ double parallel_comm_wait(const Parallel *p);
 typedef struct { int unit; size_t lo, hi; float *params, *m, *v; } OwnedRange;
 int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
 
-/* Bytes per rank of parameters, gradients and optimizer state (for the estimate). */
-typedef struct { size_t params, grads, optim; } ParallelBytes;
-ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size);
+/* Bytes per rank of parameters, gradients, optimizer state and the compute copy of the
+ * weights (for the estimate). compute_size: bytes per element of that copy (2 for bf16),
+ * or 0 where the ops compute with the fp32 parameters themselves. */
+typedef struct { size_t params, grads, optim, compute; } ParallelBytes;
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t compute_size);
 #endif

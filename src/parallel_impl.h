@@ -17,6 +17,7 @@ typedef struct {
     size_t cap;     /* floats; 0 = slot not used by this model */
     int unit;       /* unit held, -1 = free */
     CommReq req;    /* the collective filling (params) or draining (grads) it */
+    int cast;       /* parameter slots with bf16 compute: the bf16 copy matches buf */
 } Slot;
 
 struct Parallel {
@@ -31,6 +32,11 @@ struct Parallel {
     float *pshard, *gshard; /* this rank's shard of every unit (unit u at offset_u / D) */
     float *mom1, *mom2;     /* AdamW moments: full (DDP) or over the shard */
     Slot pslots[N_SLOTS], gslots[N_SLOTS];
+    /* bf16 compute (precision=mixed): the copy the ops read, of the whole parameters
+     * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
+     * for pslots[i], FSDP); cstale: cparams is behind params. */
+    void *cparams, *cslots[N_SLOTS];
+    int cstale;
     CommReq *greq, *rreq;   /* per unit: gradient reduction, hybrid replica all-reduce */
     int *refs;              /* per unit: FSDP gather references */
     unsigned char *grad_open; /* per unit: gradient slot taken this step */
@@ -64,5 +70,8 @@ void zero_gather_params(Parallel *p);
 void zero2_grad_begin(void *ctx, int u);
 void zero2_grad_ready(void *ctx, int u);
 void fsdp_setup(Parallel *p);
+/* Points the model's units at their bf16 compute copies where the strategy holds whole
+ * parameters; a no-op in fp32. Called by each setup once params exist. */
+void par_setup_compute(Parallel *p);
 void fsdp_drop_prefetch(Parallel *p);
 #endif

@@ -16,6 +16,10 @@ void ops_init_or_die(const char *device, int threads) {
     if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
 }
 
+int bf16_compute_of(const Config *c) {
+    return !strcmp(c->precision, "mixed") || (!strcmp(c->precision, "auto") && !strcmp(c->device, "cuda"));
+}
+
 ParallelKind strategy_of(const Config *c) {
     if (c->fsdp) {
         if (!strcmp(c->shard_strategy, "no")) return PAR_DDP;

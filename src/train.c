@@ -206,11 +206,13 @@ int cmd_train(Config *c) {
             c->val_data, val.n_tokens, T, dp);
 
     ops_init_or_die(c->device, c->threads);
+    int bf16 = bf16_compute_of(c);
+    if (ops_set_bf16(bf16, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
-    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, &est);
+    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, bf16, &est);
     if (val_B != B) {  /* a short validation shard gets its own, smaller activations */
-        size_t extra = acts_bytes(&mc, val_B, T, 0, NULL);
+        size_t extra = acts_bytes(&mc, val_B, T, 0, ops_act_size(), NULL);
         est.acts += extra;
         est.total += extra;
     }

@@ -55,7 +55,13 @@ if command -v mpirun >/dev/null; then
   if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
   then ok cuda_multi_process_trains_or_says_why; else bad "cuda_multi_process_trains_or_says_why (exit $rc: $err)"; fi
 fi
-"$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
+"$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=fp32 | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
+# cuda defaults to mixed precision: bf16 activations (half of fp32's) and bf16 weight copies
+est_acts() { "$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda "$@" | awk '$1 == "activations" {print $2 $3}'; }
+m=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda)
+if grep -q "memory per GPU (mixed" <<<"$m" && grep -q "bf16 weight copies" <<<"$m" && [ "$(est_acts)" != "$(est_acts precision=fp32)" ]; then
+  ok estimate_cuda_mixed; else bad estimate_cuda_mixed; fi
+expect_exit 2 "precision=bf16.*not implemented" bf16_not_yet -- "$BIN" train precision=bf16 device=cuda
 
 # -- bad data
 expect_exit 2 "not found" missing_shard -- "$BIN" train $TINY data_dir="$TMP/nowhere"

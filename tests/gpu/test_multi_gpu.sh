@@ -2,8 +2,9 @@
 # Several GPUs of one machine (NCCL): `mpirun -np 2 meshtrain train device=cuda ...
 # batch_size=B` against one GPU with batch_size=2B (the same global batches): every step's
 # loss within 1e-4 relative and the final parameters within 1e-4 (norm-wise per tensor,
-# tests/ckpt_diff), for DDP, ZeRO-1, ZeRO-2, FSDP (tied embeddings) and hybrid sharding
-# (shard groups of 1, the gradient averaged across 2 replicas).
+# tests/ckpt_diff), in fp32, for DDP, ZeRO-1, ZeRO-2, FSDP (tied embeddings) and hybrid
+# sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
+# precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -23,7 +24,7 @@ runn() {  # runn OUT KEYS...: NP processes, one GPU each
 }
 
 B=4
-M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D"
+M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D precision=fp32"
 
 # -- two processes run at all (else one clear failure, not a page of them)
 if ! runn "$TMP/smoke" ${M/steps=5/steps=1} batch_size=$B; then
@@ -46,5 +47,15 @@ fsdp_tied|true|fsdp=true shard_strategy=full
 hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
 CASES
 grep -m1 "^done:" "$TMP/np_ddp.log"
+
+TOL=2e-2
+MM=${M/precision=fp32/precision=mixed}
+run1 "$TMP/one_mixed" $MM tie_embeddings=true batch_size=$((NP * B))
+for keys in "" "fsdp=true shard_strategy=full"; do
+  out=$TMP/np_mixed_${keys//[ =]/_}
+  if runn "$out" $MM tie_embeddings=true batch_size=$B $keys && close "$TMP/one_mixed" "$out"
+  then ok "multi_gpu_mixed_follows_one_gpu ${keys:-ddp}"
+  else bad "multi_gpu_mixed_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
 
 echo "RESULT $pass $fail"

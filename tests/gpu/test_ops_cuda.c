@@ -128,23 +128,23 @@ static void matmul_case(int N, int C, int OC, int off) {
 
     float *d_inp = dcopy(inp, ni, off), *d_w = dcopy(w, nw, off), *d_dout = dcopy(dout, no, off);
     float *d_out = dnan(no, off), *d_dinp = dcopy(dinp0, ni, off), *d_dw = dcopy(dw0, nw, off);
-    cuda_matmul_forward(d_out, d_inp, d_w, N, C, OC);
-    cuda_matmul_backward(d_dinp, d_dw, d_dout, d_inp, d_w, N, C, OC);
+    cuda_matmul_forward(d_out, OC, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(d_dinp, d_dw, d_dout, OC, d_inp, d_w, N, C, OC);
     expect_close("matmul forward", shape, d_out, out, no, TOL_FWD);
     expect_close("matmul backward dinp", shape, d_dinp, dinp, ni, TOL_BWD);
     expect_close("matmul backward dw", shape, d_dw, dw, nw, TOL_BWD);
 
     /* determinism, and NULL gradients (each alone gives the same bits as both together) */
     float *g_out = hcopy(d_out, no), *g_dinp = hcopy(d_dinp, ni), *g_dw = hcopy(d_dw, nw);
-    cuda_matmul_forward(d_out, d_inp, d_w, N, C, OC);
+    cuda_matmul_forward(d_out, OC, d_inp, d_w, N, C, OC);
     expect_same_host("matmul forward", shape, d_out, g_out, no);
     dset(d_dinp, dinp0, ni);
     dset(d_dw, dw0, nw);
-    cuda_matmul_backward(d_dinp, NULL, d_dout, d_inp, d_w, N, C, OC);
-    cuda_matmul_backward(NULL, d_dw, d_dout, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(d_dinp, NULL, d_dout, OC, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(NULL, d_dw, d_dout, OC, d_inp, d_w, N, C, OC);
     expect_same_host("matmul backward dinp", shape, d_dinp, g_dinp, ni);
     expect_same_host("matmul backward dw", shape, d_dw, g_dw, nw);
-    cuda_matmul_backward(NULL, NULL, d_dout, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(NULL, NULL, d_dout, OC, d_inp, d_w, N, C, OC);
 
     free(g_out); free(g_dinp); free(g_dw);
     free(inp); free(w); free(dout); free(dinp0); free(dw0); free(out); free(dinp); free(dw);
@@ -160,7 +160,7 @@ static void test_matmul(void) {
     matmul_case(1000, 768, 257, 1);
     /* C = 0: out = 0 */
     float *d_out = dnan(15, 0), z[15] = {0};
-    cuda_matmul_forward(d_out, NULL, NULL, 3, 0, 5);
+    cuda_matmul_forward(d_out, 5, NULL, NULL, 3, 0, 5);
     expect_bitwise("matmul forward", "N=3 C=0 OC=5", d_out, z, 15);
     dfree_all();
 }
@@ -377,17 +377,17 @@ static void crossentropy_case(int N, int V) {
     int *d_tgt = dcopy_int(tgt, (size_t)N);
     float *d_logits = dcopy(logits, nl, 0), *d_loss = dnan((size_t)N, 0);
     /* losses only: logits stay as they are */
-    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, 0.0f);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, V, d_tgt, N, V, 0.0f);
     expect_close("crossentropy loss", shape, d_loss, loss2, (size_t)N, TOL_FWD);
     expect_bitwise("crossentropy no grad", shape, d_logits, logits, nl);
     /* losses and the gradient in place */
-    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, scale);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, V, d_tgt, N, V, scale);
     expect_close("crossentropy loss", shape, d_loss, loss, (size_t)N, TOL_FWD);
     expect_close("crossentropy dlogits", shape, d_logits, grad, nl, TOL_BWD);
     /* determinism */
     float *g_loss = hcopy(d_loss, (size_t)N), *g_grad = hcopy(d_logits, nl);
     dset(d_logits, logits, nl);
-    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, scale);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, V, d_tgt, N, V, scale);
     expect_same_host("crossentropy loss", shape, d_loss, g_loss, (size_t)N);
     expect_same_host("crossentropy dlogits", shape, d_logits, g_grad, nl);
 
@@ -411,7 +411,7 @@ static void test_crossentropy_special(void) {
     tgt[5] = V;                                                       /* out of range */
     int *d_tgt = dcopy_int(tgt, N);
     float *d_logits = dcopy(logits, (size_t)N * V, 0), *d_loss = dnan(N, 0);
-    cuda_crossentropy_forward_backward(d_loss, d_logits, d_tgt, N, V, 0.5f);
+    cuda_crossentropy_forward_backward(d_loss, d_logits, V, d_tgt, N, V, 0.5f);
     float *g_loss = hcopy(d_loss, N), *g_grad = hcopy(d_logits, (size_t)N * V);
     for (int n = 0; n < N; n++) {
         int expect_nan = n == 1 || n == 2 || n == 3 || n == 5;

@@ -1,0 +1,137 @@
+/* bench_ops_cuda — the cuda backend's ops at the sizes of one layer of the post's
+ * configuration (E=1024, 8 heads, B*T = 128*256 tokens), in bf16 (precision=mixed) or fp32.
+ * Usage: bench_ops_cuda [fp32] [E] [NH] [B] [T]
+ * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
+ * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
+ * visible. Needs a GPU. */
+#include "ops.h"
+#include "util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static Rng rng;
+
+/* random device activations (uploaded as fp32 and converted, so bf16 gets real values) */
+static void *rand_act(size_t n, float s) {
+    float *h = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) h[i] = s * rng_normal(&rng);
+    float *d = op_alloc(n * sizeof(float));
+    op_upload(d, h, n * sizeof(float));
+    void *a = op_alloc(n * ops_act_size());
+    op_to_act(a, d, n);
+    op_free(d);
+    free(h);
+    return a;
+}
+
+/* seconds per call: one warm-up, then repeats for at least 0.2 s */
+#define TIME(secs, body)                                                                     \
+    do {                                                                                     \
+        body;                                                                                \
+        ops_synchronize();                                                                   \
+        int n_ = 0;                                                                          \
+        double t0_ = now_seconds(), t_;                                                      \
+        do { body; n_++; ops_synchronize(); t_ = now_seconds() - t0_; } while (n_ < 5 || t_ < 0.2); \
+        secs = t_ / n_;                                                                      \
+    } while (0)
+
+static void report_flops(const char *what, double s, double flops) {
+    printf("  %-44s %8.3f ms  %7.1f TFLOP/s\n", what, s * 1e3, flops / s / 1e12);
+}
+static void report_bytes(const char *what, double s, double bytes) {
+    printf("  %-44s %8.3f ms  %7.1f GB/s\n", what, s * 1e3, bytes / s / 1e9);
+}
+
+int main(int argc, char **argv) {
+    char err[256];
+    int fp32 = argc > 1 && !strcmp(argv[1], "fp32");
+    int E = argc > 2 ? atoi(argv[2]) : 1024, NH = argc > 3 ? atoi(argv[3]) : 8;
+    int B = argc > 4 ? atoi(argv[4]) : 128, T = argc > 5 ? atoi(argv[5]) : 256;
+    if (ops_init("cuda", 0, err, sizeof err) || ops_set_bf16(!fp32, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
+    rng_seed(&rng, 7);
+    int N = B * T, H = (int)(1.5 * E), HD = E / NH, V = 50257;
+    size_t a = ops_act_size();
+    printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)\n", ops_device_name(), fp32 ? "fp32" : "bf16", E, NH, H, N, B, T);
+    double s;
+    char what[96];
+    /* matmuls of a layer, and one lm_head chunk */
+    int shapes[][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        int n = shapes[i][0], c = shapes[i][1], oc = shapes[i][2];
+        int ld = oc == V ? ops_logit_stride(V) : oc; /* the lm_head writes padded logit rows */
+        void *x = rand_act((size_t)n * c, 1), *w = rand_act((size_t)oc * c, 0.02f), *y = rand_act((size_t)n * ld, 1);
+        void *dx = rand_act((size_t)n * c, 1);
+        float *dw = op_alloc((size_t)oc * c * sizeof(float));
+        double f = 2.0 * n * c * oc;
+        snprintf(what, sizeof what, "matmul fwd   %6d x %5d -> %5d", n, c, oc);
+        TIME(s, op_matmul_forward_ld(y, ld, x, w, n, c, oc));
+        report_flops(what, s, f);
+        snprintf(what, sizeof what, "matmul dinp  %6d x %5d <- %5d", n, c, oc);
+        TIME(s, op_matmul_backward_ld(dx, NULL, y, ld, x, w, n, c, oc));
+        report_flops(what, s, f);
+        snprintf(what, sizeof what, "matmul dw    %6d x %5d <- %5d", n, c, oc);
+        TIME(s, op_matmul_backward_ld(NULL, dw, y, ld, x, w, n, c, oc));
+        report_flops(what, s, f);
+        op_free(x); op_free(w); op_free(y); op_free(dx); op_free(dw);
+    }
+    /* attention */
+    {
+        size_t nq = (size_t)N * 3 * E, no = (size_t)N * E;
+        void *qkv = rand_act(nq, 1), *out = rand_act(no, 1), *dout = rand_act(no, 1), *dqkv = rand_act(nq, 1);
+        float *lse = op_alloc((size_t)B * NH * T * sizeof(float));
+        double f = 4.0 * B * NH * (double)T * T * HD / 2;
+        TIME(s, op_attention_forward(out, lse, qkv, B, T, NH, HD));
+        report_flops("attention forward (causal FLOPs)", s, f);
+        TIME(s, op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
+        report_flops("attention backward (2.5x forward)", s, 2.5 * f);
+        float *cs = op_alloc((size_t)T * HD / 2 * sizeof(float)), *sn = op_alloc((size_t)T * HD / 2 * sizeof(float));
+        op_rope_tables(cs, sn, T, HD, 10000.0f);
+        TIME(s, op_rope_forward(qkv, cs, sn, B, T, NH, HD));
+        report_bytes("rope forward (q, k read + written)", s, 2.0 * 2 * no * a);
+        op_free(qkv); op_free(out); op_free(dout); op_free(dqkv); op_free(lse); op_free(cs); op_free(sn);
+    }
+    /* row ops and elementwise */
+    {
+        size_t ne = (size_t)N * E, nh = (size_t)N * H;
+        void *x = rand_act(ne, 1), *y = rand_act(ne, 1), *w = rand_act(E, 1), *dx = rand_act(ne, 1);
+        float *rstd = op_alloc((size_t)N * sizeof(float)), *dw = op_alloc((size_t)E * sizeof(float));
+        TIME(s, op_rmsnorm_forward(y, rstd, x, w, N, E, 1e-5f));
+        report_bytes("rmsnorm forward", s, 2.0 * ne * a);
+        TIME(s, op_rmsnorm_backward(dx, dw, y, x, w, rstd, N, E));
+        report_bytes("rmsnorm backward (dx += , dw)", s, 4.0 * ne * a);
+        TIME(s, op_add(y, x, ne));
+        report_bytes("add (residual)", s, 3.0 * ne * a);
+        TIME(s, op_zero(dx, ne * a));
+        report_bytes("zero", s, 1.0 * ne * a);
+        void *gu = rand_act(2 * nh, 1), *h = rand_act(nh, 1), *dgu = rand_act(2 * nh, 1);
+        TIME(s, op_swiglu_forward(h, gu, N, H));
+        report_bytes("swiglu forward", s, 3.0 * nh * a);
+        TIME(s, op_swiglu_backward(dgu, h, gu, N, H));
+        report_bytes("swiglu backward (+=)", s, 7.0 * nh * a);
+        op_free(x); op_free(y); op_free(w); op_free(dx); op_free(rstd); op_free(dw);
+        op_free(gu); op_free(h); op_free(dgu);
+        int rows = 4096;
+        void *logits = rand_act((size_t)rows * V, 2);
+        int *tg = xmalloc(rows * sizeof(int));
+        for (int i = 0; i < rows; i++) tg[i] = (int)(rng_u64(&rng) % V);
+        int *dtg = op_alloc(rows * sizeof(int));
+        op_upload(dtg, tg, rows * sizeof(int));
+        float *losses = op_alloc(rows * sizeof(float));
+        TIME(s, op_crossentropy_forward_backward(losses, logits, dtg, rows, V, 0.0f));
+        report_bytes("cross-entropy forward only, 4096 rows", s, 1.0 * rows * V * a);
+        op_free(logits);
+        logits = rand_act((size_t)rows * V, 2);
+        s = now_seconds();
+        op_crossentropy_forward_backward(losses, logits, dtg, rows, V, 1.0f / rows); /* in place: once */
+        ops_synchronize();
+        report_bytes("cross-entropy fwd+bwd, 4096 rows (once)", now_seconds() - s, 2.0 * rows * V * a);
+        op_free(logits); op_free(dtg); op_free(losses);
+        free(tg);
+    }
+    return 0;
+}
