@@ -146,6 +146,9 @@ size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size) {
     size_t budget = act_size == sizeof(float) ? (size_t)64 << 20 : (size_t)256 << 20;
     size_t N = (size_t)B * T, rows = budget / ((size_t)ops_logit_stride(c->vocab_size) * act_size);
     if (rows < 16) rows = 16;
+    /* a multiple of 64 rows: the chunk is the inner dimension of lm_head's weight gradient,
+     * and cuBLASLt's fast kernels want it aligned (as the vocabulary showed, ops_cuda.cu) */
+    if (rows >= 128) rows = rows / 64 * 64;
     return rows < N ? rows : N;
 }
 

@@ -316,7 +316,7 @@ int cmd_train(Config *c) {
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,\"ms\":%.2f,\"comm_wait_ms\":%.2f,"
                     "\"tokens_per_s\":%.1f,\"gflops\":%.2f", step + 1, loss, lr, norm, dt * 1e3, wait * 1e3, tok_s, gflops);
-            if (gpu) fprintf(log, ",\"mfu\":%.6f", gflops * 1e9 / GPU_PEAK_FLOPS);
+            if (gpu) fprintf(log, ",\"mfu\":%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
             fprintf(log, "}\n");
             fflush(log);
         }
@@ -324,7 +324,7 @@ int cmd_train(Config *c) {
             progress_clear(&pr);
             printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | ", step + 1, c->steps,
                    loss, lr, norm, dt * 1e3, tok_s);
-            if (gpu) printf("%6.2f TFLOP/s | MFU %5.2f%%\n", gflops / 1e3, 100 * gflops * 1e9 / GPU_PEAK_FLOPS);
+            if (gpu) printf("%6.2f TFLOP/s | MFU %5.2f%%\n", gflops / 1e3, 100 * gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
             else printf("%6.1f GFLOP/s\n", gflops);
             fflush(stdout);
         }
@@ -375,14 +375,14 @@ int cmd_train(Config *c) {
                 t_timed > 0 ? comm_timed / t_timed : 0.0, rss_max, rss_min, est.total, loss, val_loss);
         if (gpu)
             fprintf(log, ",\"device\":\"%s\",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
-                    ops_device_name(), flops / GPU_PEAK_FLOPS, gpu_alloc, gpu_used);
+                    ops_device_name(), flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
         fprintf(log, "}\n");
         fclose(log);
         char b3[32], b4[32];
         if (gpu)
-            printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s, first step excluded) | "
+            printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s per GPU, first step excluded) | "
                    "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s | final loss %.4f "
-                   "| val_loss %.4f\n", c->steps - start, tok_s, flops / 1e12, 100 * flops / GPU_PEAK_FLOPS,
+                   "| val_loss %.4f\n", c->steps - start, tok_s, flops / 1e12, 100 * flops / (GPU_PEAK_FLOPS * world.size),
                    GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc), fmt_bytes(b2, (double)est.total),
                    fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max), loss, val_loss);
         else

@@ -43,7 +43,7 @@ grep -m1 "^done:" "$TMP/cuda_ddp.log"
 
 # -- precision=mixed (bf16 compute, fp32 master weights) follows fp32 over 100 steps: every
 # step's loss within 3% and the mean difference under 1%, and it learns as much
-L100="steps=100 lr=3e-3 lr_schedule=cosine warmup_steps=10 device=cuda"
+L100="steps=100 lr_schedule=cosine warmup_steps=10 device=cuda"
 run "$TMP/f100" $M $L100 precision=fp32
 while IFS='|' read -r name keys; do
   out=$TMP/m100_$name
