@@ -159,7 +159,8 @@ typedef struct { void **p; size_t n; int act; } Slot;
 /* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan. */
 static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t act_size, Acts *a, Slot *s,
                      size_t *logit_n) {
-    size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim), V = ops_logit_stride(c->vocab_size);
+    size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
+    size_t ldl = (size_t)ops_logit_stride(c->vocab_size);  /* logit rows are padded */
     size_t NH = c->n_heads, HD = E / NH;
     /* Training keeps every layer's activations for backward; inference reuses one slot. */
     size_t Ls = training ? (size_t)c->n_layers : 1;
@@ -171,7 +172,7 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t ac
     P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    P(xf, N * E); F(rstdf, N); P(logits, rows * V); F(losses, N);
+    P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N);
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
         P(dres, N * E); P(dxf, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
@@ -179,7 +180,7 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t ac
     }
 #undef P
 #undef F
-    *logit_n = rows * V;
+    *logit_n = rows * ldl;
     return n;
 }
 

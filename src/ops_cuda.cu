@@ -1103,7 +1103,6 @@ extern "C" {
 static size_t act_size(void) { return g.bf16 ? 2 : 4; }
 
 void cuda_set_bf16(int on) { g.bf16 = on != 0; }
-int cuda_bf16(void) { return g.bf16; }
 
 void cuda_to_act(void *dst, const float *src, size_t n) {
     if (n == 0) return;

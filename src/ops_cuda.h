@@ -55,7 +55,6 @@ void cuda_synchronize(void);
 
 /* Activations and compute weights in bf16 (1) or fp32 (0, the default); see ops.h. */
 void cuda_set_bf16(int on);
-int cuda_bf16(void);
 void cuda_to_act(void *dst, const float *src, size_t n);
 
 void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);

@@ -3,6 +3,7 @@
 #ifndef MESHTRAIN_TEST_H
 #define MESHTRAIN_TEST_H
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 
 static int test_failed_checks_;
@@ -29,6 +30,18 @@ static int tests_passed_, tests_failed_;
 
 #define TEST_SUMMARY()                                                                       \
     (printf("RESULT %d %d\n", tests_passed_, tests_failed_), tests_failed_ ? 1 : 0)
+
+/* norm-wise relative error ||a - ref|| / ||ref|| of two float arrays, in double (0 when
+ * they are equal, even both zero) */
+static inline double norm_rel_err(const float *a, const float *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return num == 0.0 ? 0.0 : sqrt(num) / fmax(sqrt(den), 1e-300);
+}
 
 /* relative error with an absolute floor, for comparing to references */
 static inline double rel_err(double a, double b) {

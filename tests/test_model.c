@@ -59,11 +59,6 @@ static void scatter(const Model *m, float *flat, const float *packed) {
     }
 }
 
-static double normwise_err(const float *a, const float *b, size_t n) {
-    double d = 0, s = 0;
-    for (size_t i = 0; i < n; i++) { d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]); s += (double)b[i] * b[i]; }
-    return sqrt(d) / fmax(sqrt(s), 1e-30);
-}
 
 static void set_batch(const Fixture *f, Acts *a, int step) {
     const int *tk = f->tokens + (size_t)step * f->B * (f->T + 1);
@@ -93,7 +88,7 @@ static void check_fixture(const char *path) {
     float *lg = xmalloc((size_t)f.B * f.T * f.V * sizeof(float));
     for (size_t r = 0; r < (size_t)f.B * f.T; r++)
         memcpy(lg + r * f.V, (const float *)a.logits + r * ldl, (size_t)f.V * sizeof(float));
-    double le = normwise_err(lg, f.logits, (size_t)f.B * f.T * f.V);
+    double le = norm_rel_err(lg, f.logits, (size_t)f.B * f.T * f.V);
     free(lg);
     CHECK(le < 1e-4, "%s logits rel err %.3g", path, le);
     CHECK(rel_err(loss, f.loss) < 1e-5, "%s forward loss %.7f vs torch %.7f", path, loss, f.loss);
@@ -107,7 +102,7 @@ static void check_fixture(const char *path) {
     int nt = model_tensors(&m, t, 64);
     for (int i = 0; i < nt; i++) {
         size_t k = (size_t)t[i].rows * t[i].cols;
-        double e = normwise_err(m.grads + t[i].offset, want + t[i].offset, k);
+        double e = norm_rel_err(m.grads + t[i].offset, want + t[i].offset, k);
         CHECK(e < 1e-4, "%s grad of %s rel err %.3g", path, t[i].name, e);
     }
     /* padding never receives gradient */
@@ -131,7 +126,7 @@ static void check_fixture(const char *path) {
         adam_step(&opt, &oc, m.params, m.grads, clip_scale(&oc, norm));
     }
     scatter(&m, want, f.final);
-    double pe = normwise_err(m.params, want, m.n_flat);
+    double pe = norm_rel_err(m.params, want, m.n_flat);
     CHECK(pe < 1e-4, "%s params after %d steps rel err %.3g", path, f.n_steps, pe);
     free(want);
     adam_free(&opt);

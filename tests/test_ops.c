@@ -43,16 +43,6 @@ static double nerr(const float *a, const double *ref, size_t n) {
     }
     return sqrt(num) / fmax(sqrt(den), 1e-300);
 }
-/* same for two float arrays */
-static double nerrf(const float *a, const float *b, size_t n) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return sqrt(num) / fmax(sqrt(den), 1e-300);
-}
 static int same(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 
 /* Central finite differences of a scalar loss(x) (double, reference forward) at `samples`
@@ -412,7 +402,7 @@ static void test_rope(void) {
     /* backward is the inverse rotation: backward(forward(x)) = x */
     float *z = copyf(y, n);
     op_rope_backward(z, cs, sn, B, T, NH, HD);
-    e = nerrf(z, x, n);
+    e = norm_rel_err(z, x, n);
     CHECK(e < 1e-6, "rope backward(forward(x)) != x: %g", e);
     /* and it is the gradient of sum(g * rope(x)) */
     float *g = randf(n, 1.0f), *dg = copyf(g, n);
@@ -755,7 +745,7 @@ static void test_backward_accumulates(void) {
         bwd_call(&f, k, b0, b1);
         for (size_t i = 0; i < n0; i++) b0[i] *= 0.5f;
         for (size_t i = 0; i < n1; i++) b1[i] *= 0.5f;
-        double e = nerrf(b0, a0, n0) + (n1 ? nerrf(b1, a1, n1) : 0.0);
+        double e = norm_rel_err(b0, a0, n0) + (n1 ? norm_rel_err(b1, a1, n1) : 0.0);
         CHECK(e < 1e-6, "%s: calling backward twice does not double the gradient (%g)", bwd_name[k], e);
         /* into random values: adds to them */
         float *c0 = randf(n0, 1.0f), *c1 = n1 ? randf(n1, 1.0f) : NULL;
@@ -763,9 +753,9 @@ static void test_backward_accumulates(void) {
         bwd_call(&f, k, c0, c1);
         for (size_t i = 0; i < n0; i++) c0[i] -= p0[i];
         for (size_t i = 0; i < n1; i++) c1[i] -= p1[i];
-        e = nerrf(c0, a0, n0) + (n1 ? nerrf(c1, a1, n1) : 0.0);
+        e = norm_rel_err(c0, a0, n0) + (n1 ? norm_rel_err(c1, a1, n1) : 0.0);
         CHECK(e < 1e-5, "%s: backward does not accumulate into existing values (%g)", bwd_name[k], e);
-        CHECK(nerrf(a0, p0, n0) > 0.1, "%s: gradient is trivially zero", bwd_name[k]);
+        CHECK(norm_rel_err(a0, p0, n0) > 0.1, "%s: gradient is trivially zero", bwd_name[k]);
         /* NULL gradient outputs: the other output is unchanged, nothing crashes */
         bwd_call(&f, k, NULL, NULL);
         if (n1) {

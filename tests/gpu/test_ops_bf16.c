@@ -57,19 +57,10 @@ static float *up_f32(const float *h, size_t n) {
     op_upload(d, h, n * sizeof(float));
     return d;
 }
-static double nerr(const float *a, const float *ref, size_t n) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return num == 0.0 ? 0.0 : sqrt(num) / fmax(sqrt(den), 1e-300);
-}
 static void expect_act(const char *what, const char *shape, const void *d, const float *ref, size_t n, double tol) {
     float *h = xmalloc(n * sizeof(float) + 4);
     op_download_act(h, d, n);
-    double e = nerr(h, ref, n);
+    double e = norm_rel_err(h, ref, n);
     printf("    %-22s %-30s err %.2e\n", what, shape, e);
     CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs the fp32 CPU op (tolerance %.0e)", what, shape, e, tol);
     free(h);
@@ -77,7 +68,7 @@ static void expect_act(const char *what, const char *shape, const void *d, const
 static void expect_f32(const char *what, const char *shape, const float *d, const float *ref, size_t n, double tol) {
     float *h = xmalloc(n * sizeof(float) + 4);
     op_download(h, d, n * sizeof(float));
-    double e = nerr(h, ref, n);
+    double e = norm_rel_err(h, ref, n);
     printf("    %-22s %-30s err %.2e\n", what, shape, e);
     CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs the fp32 CPU op (tolerance %.0e)", what, shape, e, tol);
     free(h);

@@ -79,16 +79,6 @@ static float *hcopy(const float *d, size_t n) {
     return h;
 }
 
-/* norm-wise relative error ||a - ref|| / ||ref|| (0 when both are zero) */
-static double nerr(const float *a, const float *ref, size_t n) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return num == 0.0 ? 0.0 : sqrt(num) / fmax(sqrt(den), 1e-300);
-}
 static int same(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 
 /* Compares device array d with the CPU result ref; prints the error, and whether the two
@@ -96,14 +86,14 @@ static int same(const float *a, const float *b, size_t n) { return memcmp(a, b, 
 static void expect_close(const char *what, const char *shape, const float *d, const float *ref, size_t n,
                          double tol) {
     float *h = hcopy(d, n);
-    double e = nerr(h, ref, n);
+    double e = norm_rel_err(h, ref, n);
     printf("    %-22s %-34s err %.2e%s\n", what, shape, e, same(h, ref, n) ? "  (bitwise equal)" : "");
     CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs CPU (tolerance %.0e)", what, shape, e, tol);
     free(h);
 }
 static void expect_bitwise(const char *what, const char *shape, const float *d, const float *ref, size_t n) {
     float *h = hcopy(d, n);
-    CHECK(same(h, ref, n), "%s %s: not bitwise equal to the CPU result (err %.3g)", what, shape, nerr(h, ref, n));
+    CHECK(same(h, ref, n), "%s %s: not bitwise equal to the CPU result (err %.3g)", what, shape, norm_rel_err(h, ref, n));
     free(h);
 }
 /* a device array bitwise equal to a host one saved earlier */
@@ -426,7 +416,7 @@ static void test_crossentropy_special(void) {
     }
     CHECK(fabs(g_loss[0] - loss[0]) <= 1e-5 * fabs(loss[0]), "row 0: %g vs %g", g_loss[0], loss[0]);
     CHECK(fabs(g_loss[4] - loss[4]) <= 1e-5 * fabs(loss[4]), "row 4: %g vs %g", g_loss[4], loss[4]);
-    CHECK(nerr(g_grad + 4 * V, grad + 4 * V, V) < TOL_BWD, "row 4 gradient");
+    CHECK(norm_rel_err(g_grad + 4 * V, grad + 4 * V, V) < TOL_BWD, "row 4 gradient");
     free(logits); free(grad); free(g_loss); free(g_grad);
     dfree_all();
 }
