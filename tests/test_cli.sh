@@ -27,6 +27,11 @@ head -c 300000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.
 if "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" val_fraction=0.1 >/dev/null && [ -s "$D/train.bin" ] && [ -s "$D/val.bin" ]
 then ok prepare; else bad prepare; fi
 
+# -- MESHTRAIN_PROFILE=1: a per-op time table on stderr at exit, naming the ops that ran
+prof=$(MESHTRAIN_PROFILE=1 "$BIN" train $TINY steps=2 data_dir="$D" out_dir="$TMP/prof" progress=false 2>&1 >/dev/null)
+if grep -q "^ops profile (MESHTRAIN_PROFILE=1, cpu)" <<<"$prof" && grep -q "matmul_backward (lm_head) .* 2 calls" <<<"$prof" &&
+   grep -q "attention_backward .* 2 calls" <<<"$prof"; then ok profile_table; else bad "profile_table ($prof)"; fi
+
 # -- bad keys and values
 expect_exit 2 "unknown key 'embed_dimm'" unknown_key -- "$BIN" train embed_dimm=3
 expect_exit 2 "embed_dim=abc: not an integer" malformed_int -- "$BIN" train embed_dim=abc
