@@ -49,7 +49,7 @@ int main(int argc, char **argv) {
     int fp32 = argc > 1 && !strcmp(argv[1], "fp32");
     int E = argc > 2 ? atoi(argv[2]) : 1024, NH = argc > 3 ? atoi(argv[3]) : 8;
     int B = argc > 4 ? atoi(argv[4]) : 128, T = argc > 5 ? atoi(argv[5]) : 256;
-    if (ops_init("cuda", 0, err, sizeof err) || ops_set_bf16(!fp32, err, sizeof err)) {
+    if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(fp32 ? OPS_FP32 : OPS_MIXED, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }

@@ -267,10 +267,14 @@ static void untrack(CommReq *r) {
         if (g_active[i] == r) { g_active[i] = g_active[--g_n_active]; return; }
 }
 
-static void req_begin(const Comm *c, CommReq *r, int kind, float *buf, float *out, size_t n, size_t total, CommOp op,
-                      const char *what) {
+static void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
+                      CommOp op, const char *what) {
     memset(r, 0, sizeof *r);
     r->c = c; r->kind = kind; r->buf = buf; r->out = out; r->n = n; r->total = total; r->what = what;
+    r->esz = t == COMM_BF16 ? 2 : sizeof(float);
+    /* The rings add and scale in fp32 on the host; bf16 buffers live on a GPU, where
+     * NCCL moves them (use_nccl), and a group of one only copies. */
+    if (c->impl && t != COMM_F32) die(EXIT_RUN_FAILURE, "internal: %s: bf16 collectives need NCCL", what);
     r->avg = op == COMM_AVG;
     r->phase = kind == K_ALLGATHER ? 1 : 0;
     r->active = 1;
@@ -298,7 +302,7 @@ static void req_end(CommReq *r) {
     } else if (r->kind == K_REDUCE_SCATTER) {
         /* A group of one: the buffers may be device memory (a one-GPU run), so the copy goes
          * through the ops backend, in order with the ops that filled buf. */
-        op_copy(r->out, r->buf, r->n * sizeof(float));
+        op_copy(r->out, r->buf, r->n * r->esz);
     }
     if (r->sreq) untrack(r);
     free(r->stage); free(r->sreq); free(r->rreq);
@@ -370,45 +374,51 @@ static int ring_advance(CommReq *r) {
     }
 }
 
-void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r, const char *what) {
+#ifdef MESHTRAIN_NCCL
+static ncclDataType_t nccl_type(CommType t) { return t == COMM_BF16 ? ncclBfloat16 : ncclFloat32; }
+#endif
+
+void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
-        nchk(ncclAllReduce(buf, buf, n, ncclFloat32, nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
+        nchk(ncclAllReduce(buf, buf, n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
         nccl_launched(r);
         return;
     }
 #endif
     size_t D = (size_t)c->size;
-    req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, op, what);
+    req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, t, op, what);
     comm_test(r);
 }
 
-void comm_ireduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op, CommReq *r,
+void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
                           const char *what) {
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
-        nchk(ncclReduceScatter(send, recv, recv_n, ncclFloat32, nccl_op(op), nc, g_cstream), c, what,
+        nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what,
              "ncclReduceScatter");
         nccl_launched(r);
         return;
     }
 #endif
-    req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, op, what);
+    req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, t, op, what);
     comm_test(r);
 }
 
-void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char *what) {
+void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what) {
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {  /* in place: this rank's block is the send buffer */
         ncclComm_t nc = nccl_begin(c, r, what);
-        nchk(ncclAllGather(buf + (size_t)c->rank * n, buf, n, ncclFloat32, nc, g_cstream), c, what, "ncclAllGather");
+        size_t esz = t == COMM_BF16 ? 2 : sizeof(float);
+        nchk(ncclAllGather((char *)buf + (size_t)c->rank * n * esz, buf, n, nccl_type(t), nc, g_cstream), c, what,
+             "ncclAllGather");
         nccl_launched(r);
         return;
     }
 #endif
-    req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, COMM_SUM, what);
+    req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, t, COMM_SUM, what);
     comm_test(r);
 }
 
@@ -462,7 +472,7 @@ static void blocking(const Comm *c, int rc, MPI_Request *q, const char *what) {
 
 void comm_allreduce(const Comm *c, float *buf, size_t n, CommOp op) {
     CommReq r;
-    comm_iallreduce(c, buf, n, op, &r, "all-reduce");
+    comm_iallreduce(c, buf, n, COMM_F32, op, &r, "all-reduce");
     comm_wait(&r);
 }
 
@@ -482,13 +492,13 @@ void comm_allreduce_max_int(const Comm *c, int *buf, size_t n) {
 
 void comm_reduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op) {
     CommReq r;
-    comm_ireduce_scatter(c, send, recv, recv_n, op, &r, "reduce-scatter");
+    comm_ireduce_scatter(c, send, recv, recv_n, COMM_F32, op, &r, "reduce-scatter");
     comm_wait(&r);
 }
 
 void comm_allgather(const Comm *c, float *buf, size_t n) {
     CommReq r;
-    comm_iallgather(c, buf, n, &r, "all-gather");
+    comm_iallgather(c, buf, n, COMM_F32, &r, "all-gather");
     comm_wait(&r);
 }
 

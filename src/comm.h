@@ -23,6 +23,9 @@
 #include <stddef.h>
 
 typedef enum { COMM_SUM, COMM_AVG } CommOp;
+/* Element type of the non-blocking collectives' buffers: fp32, or bf16 (precision=bf16's
+ * gradients and parameters; NCCL and groups of one only, the MPI rings are fp32). */
+typedef enum { COMM_F32, COMM_BF16 } CommType;
 
 typedef struct {
     int rank, size;
@@ -37,7 +40,8 @@ typedef struct {
     const Comm *c;
     int kind, phase, step, chunk, posted, active, avg;
     float *buf, *out, *stage;
-    size_t n, total;   /* block length; total length of buf */
+    size_t n, total;   /* block length; total length of buf (elements) */
+    size_t esz;        /* bytes per element */
     int tag;
     void *sreq, *rreq; /* MPI_Request* */
     const char *what;  /* for timeout messages */
@@ -58,14 +62,14 @@ int comm_local_size(void);
 void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out);
 void comm_free(Comm *c);
 
-/* Non-blocking collectives; in place where it says so. */
-void comm_iallreduce(const Comm *c, float *buf, size_t n, CommOp op, CommReq *r, const char *what);
-/* send holds size * recv_n floats; rank i receives block i (reduced) into recv. send is
+/* Non-blocking collectives on n elements of type t; in place where it says so. */
+void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
+/* send holds size * recv_n elements; rank i receives block i (reduced) into recv. send is
  * used as scratch: its contents are undefined afterwards. */
-void comm_ireduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op, CommReq *r,
+void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
                           const char *what);
-/* In place: buf holds size * n floats, this rank's block at rank * n; every block is filled. */
-void comm_iallgather(const Comm *c, float *buf, size_t n, CommReq *r, const char *what);
+/* In place: buf holds size * n elements, this rank's block at rank * n; every block is filled. */
+void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
 /* Returns 1 when done (and completes it), 0 if still in flight. Drives MPI progress. */
 int comm_test(CommReq *r);
 void comm_wait(CommReq *r);

@@ -68,7 +68,8 @@ static const Key KEYS[] = {
     E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
       "compute device (cuda: one GPU per process; several with mpirun and NCCL)"),
     E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE,
-      "auto = mixed on cuda, fp32 on cpu; mixed = bf16 compute, fp32 master weights and AdamW"),
+      "auto = mixed on cuda, fp32 on cpu; mixed = bf16 compute, fp32 master weights and AdamW; "
+      "bf16 = bf16 weights, gradients and AdamW state"),
     F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE,
       "refuse runs whose estimate exceeds this (0 = available RAM, or the GPU's free memory)"),
     B(fsdp, "false", MODEL_CMDS, "fully sharded data parallel (see shard_strategy)"),
@@ -192,9 +193,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                            (long long)c->batch_size * c->context_len);
         if (strcmp(c->precision, "auto") && strcmp(c->precision, "fp32") && !strcmp(c->device, "cpu"))
             return set_err(err, errlen, "precision=%s needs a GPU; the cpu device computes in fp32", c->precision);
-        if (!strcmp(c->precision, "bf16"))
-            return set_err(err, errlen, "precision=bf16 (pure bf16 weights and optimizer) is not implemented yet; "
-                           "use precision=mixed (bf16 compute, fp32 master weights) or fp32");
         if (c->warmup_steps > c->steps && !strcmp(c->lr_schedule, "cosine"))
             return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d", c->warmup_steps, c->steps);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);

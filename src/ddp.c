@@ -9,7 +9,8 @@
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     const Unit *un = &p->m->units[u];
-    comm_iallreduce(p->group, p->grads + un->offset, un->n_padded, COMM_AVG, &p->greq[u], "gradient all-reduce");
+    comm_iallreduce(p->group, st_at(p->grads, un->offset), un->n_padded, par_ctype(), COMM_AVG, &p->greq[u],
+                    "gradient all-reduce");
     if (!p->overlap) par_wait(p, &p->greq[u]);
     par_progress(p);
 }
@@ -20,7 +21,7 @@ static void ddp_progress(void *ctx, int u) {
 }
 
 void ddp_setup(Parallel *p) {
-    size_t bytes = p->m->n_flat * sizeof(float);
+    size_t bytes = p->m->n_flat * ops_state_size();
     p->params = op_alloc(bytes);
     p->grads = op_alloc(bytes);
     p->mom1 = op_alloc(bytes);

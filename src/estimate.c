@@ -25,17 +25,17 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T) {
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, int bf16, MemEstimate *e) {
+                     int world, int shard_size, int gpu, OpsPrecision prec, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     e->gpu = gpu;
-    e->bf16 = bf16;
-    size_t act_size = bf16 ? 2 : sizeof(float);
+    e->prec = prec;
+    size_t act_size = prec != OPS_FP32 ? 2 : sizeof(float), state_size = prec == OPS_BF16 ? 2 : sizeof(float);
     Model m;
     model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
     e->flops_per_token = model_flops_per_token(c, T);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, bf16 ? 2 : 0);
-    e->params = training ? pb.params : m.n_flat * sizeof(float);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0);
+    e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
@@ -48,19 +48,20 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime;
     model_free(&m);
-    /* The usual formula (ZeRO paper, fp32): weights + grads + Adam = 16 bytes/param, divided
-     * as the strategy shards them over N ranks, and per layer s*b*h*(34 + 5*a*s/h) bytes of
-     * 16-bit activations (Korthikanti et al.), doubled for fp32 activations. */
-    double P = (double)e->n_params, N = shard_size, w;
+    /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
+     * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
+     * s*b*h*(34 + 5*a*s/h) bytes of 16-bit activations (Korthikanti et al.), doubled for
+     * fp32 activations. */
+    double P = (double)e->n_params * (double)state_size, N = shard_size, w;
     switch (kind) {
-    case PAR_DDP: w = 16 * P; break;
-    case PAR_ZERO1: w = 8 * P + 8 * P / N; break;
-    case PAR_ZERO2: w = 4 * P + 12 * P / N; break;
-    default: w = 16 * P / N;
+    case PAR_DDP: w = 4 * P; break;
+    case PAR_ZERO1: w = 2 * P + 2 * P / N; break;
+    case PAR_ZERO2: w = P + 3 * P / N; break;
+    default: w = 4 * P / N;
     }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    double act_factor = bf16 ? 1.0 : 2.0;
-    e->formula = (training ? w : 4 * P) + (training ? act_factor * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
+    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0;
+    e->formula = (training ? w : P) + (training ? act_factor * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
 }
 
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {
@@ -70,18 +71,20 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
     printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
            e->flops_per_token * B * T);
-    printf("memory per %s (%s, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank",
-           e->bf16 ? "mixed: bf16 compute, fp32 master weights" : "fp32", e->gpu ? "cuda" : "cpu",
+    static const char *pnames[] = {"fp32", "mixed: bf16 compute, fp32 master weights",
+                                   "bf16: bf16 weights, gradients and optimizer"};
+    printf("memory per %s (%s, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank", pnames[e->prec],
+           e->gpu ? "cuda" : "cpu",
            parallel_kind_name(kind), world, world > 1 ? "s" : "");
     const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)"};
     size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime};
     for (int i = 0; i < 8; i++)
-        if (!(e->gpu && i == 6) && !(!e->bf16 && i == 3))
+        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
-    printf("  %-26s %12s   (the usual formula, 16 B/param sharded as ZeRO + activations: %s)\n", "total",
-           fmt_bytes(b1, (double)e->total),
+    printf("  %-26s %12s   (the usual formula, %d B/param sharded as ZeRO + activations: %s)\n", "total",
+           fmt_bytes(b1, (double)e->total), e->prec == OPS_BF16 ? 8 : 16,
            fmt_bytes(b2, e->formula));
     if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
 }

@@ -4,6 +4,7 @@
 #define MESHTRAIN_ESTIMATE_H
 #include <stddef.h>
 #include "model.h"
+#include "ops.h"
 #include "parallel.h"
 
 typedef struct {
@@ -12,7 +13,7 @@ typedef struct {
     size_t params, grads, optim, compute, acts, logits, data, runtime, total;  /* bytes */
     double formula;  /* the usual rule of thumb: 16 bytes/param + Korthikanti activations */
     int gpu;         /* the plan is on a GPU (device=cuda): data and the host's runtime don't count */
-    int bf16;        /* bf16 compute: bf16 activations and weight copies (precision=mixed) */
+    OpsPrecision prec; /* fp32; mixed: bf16 activations and weight copies; bf16: everything */
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, AdamW moments, activations for
@@ -21,7 +22,7 @@ typedef struct {
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
  * cuBLASLt workspace and the ops' scratch (the CUDA context is outside the allocator). */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, int bf16, MemEstimate *e);
+                     int world, int shard_size, int gpu, OpsPrecision prec, MemEstimate *e);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);

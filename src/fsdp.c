@@ -27,8 +27,8 @@ static Slot *start_gather(Parallel *p, int u) {
     s->unit = u;
     s->cast = 0;
     size_t n = shard_len(p, u);
-    op_copy(s->buf + (size_t)p->r * n, p->pshard + shard_off(p, u), n * sizeof(float));
-    comm_iallgather(p->group, s->buf, n, &s->req, "parameter all-gather");
+    op_copy(st_at(s->buf, (size_t)p->r * n), st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
+    comm_iallgather(p->group, s->buf, n, par_ctype(), &s->req, "parameter all-gather");
     return s;
 }
 
@@ -40,7 +40,7 @@ static void fsdp_gather(void *ctx, int u, int next) {
     p->refs[u]++;
     p->m->uparams[u] = s->buf;
     void *cbuf = p->cslots[s - p->pslots];
-    if (cbuf) {  /* bf16 compute: cast the gathered unit once per gather */
+    if (cbuf) {  /* precision=mixed: cast the gathered unit once per gather */
         if (!s->cast) op_to_act(cbuf, s->buf, p->m->units[u].n_padded);
         s->cast = 1;
         p->m->ucompute[u] = cbuf;
@@ -73,7 +73,7 @@ void fsdp_drop_prefetch(Parallel *p) {
 }
 
 void fsdp_setup(Parallel *p) {
-    size_t shard = p->n_shard * sizeof(float);
+    size_t shard = p->n_shard * ops_state_size();
     p->pshard = op_alloc(shard);
     p->gshard = op_alloc(shard);
     p->mom1 = op_alloc(shard);

@@ -52,8 +52,8 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
         m->n_params += n;
     }
     m->n_flat = off;
-    m->uparams = xcalloc((size_t)m->n_units, sizeof(float *));
-    m->ugrads = xcalloc((size_t)m->n_units, sizeof(float *));
+    m->uparams = xcalloc((size_t)m->n_units, sizeof(void *));
+    m->ugrads = xcalloc((size_t)m->n_units, sizeof(void *));
     m->ucompute = xcalloc((size_t)m->n_units, sizeof(void *));
     if (alloc) {
         m->params = xaligned_alloc(m->n_flat * sizeof(float));
@@ -62,10 +62,10 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
     }
 }
 
-void model_point_units(Model *m, float *params, float *grads) {
+void model_point_units(Model *m, void *params, void *grads) {
     for (int u = 0; u < m->n_units; u++) {
-        m->uparams[u] = params ? params + m->units[u].offset : NULL;
-        m->ugrads[u] = grads ? grads + m->units[u].offset : NULL;
+        m->uparams[u] = params ? st_at(params, m->units[u].offset) : NULL;
+        m->ugrads[u] = grads ? st_at(grads, m->units[u].offset) : NULL;
     }
 }
 
@@ -273,25 +273,25 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return. */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     const void *w = unit_weights(m, 1 + l);
-    float *g = unit_grads(m, 1 + l);
+    void *g = unit_grads(m, 1 + l);
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
     size_t NE = (size_t)N * E;
     op_zero(a->dh, (size_t)N * H * ops_act_size());
-    op_matmul_backward(a->dh, g + ly->down, a->dres, la->hsw, act_at(w, ly->down), N, H, E);
+    op_matmul_backward(a->dh, st_at(g, ly->down), a->dres, la->hsw, act_at(w, ly->down), N, H, E);
     op_zero(a->dgu, (size_t)N * 2 * H * ops_act_size());
     op_swiglu_backward(a->dgu, a->dh, la->gu, N, H);
     op_zero(a->dxn, NE * ops_act_size());
-    op_matmul_backward(a->dxn, g + ly->gate_up, a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
-    op_rmsnorm_backward(a->dres, g + ly->ffn_norm, a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
+    op_matmul_backward(a->dxn, st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+    op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
     op_zero(a->datt, NE * ops_act_size());
-    op_matmul_backward(a->datt, g + ly->att_out, a->dres, la->att, act_at(w, ly->att_out), N, E, E);
+    op_matmul_backward(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, E, E);
     op_zero(a->dqkv, 3 * NE * ops_act_size());
     op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
     op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
     op_zero(a->dxn, NE * ops_act_size());
-    op_matmul_backward(a->dxn, g + ly->qkv, a->dqkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
-    op_rmsnorm_backward(a->dres, g + ly->att_norm, a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
+    op_matmul_backward(a->dxn, st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
+    op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -343,7 +343,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
     op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
     const void *wlm = model_lm_head(m);
-    float *glm = m->c.tie_embeddings ? unit_grads(m, 0) : unit_grads(m, m->L + 1) + m->head_lm;
+    void *glm = m->c.tie_embeddings ? unit_grads(m, 0) : st_at(unit_grads(m, m->L + 1), m->head_lm);
     if (grad) op_zero(a->dxf, (size_t)N * E * ops_act_size());
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
      * into their gradient in place and consumed at once. */
@@ -358,7 +358,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     }
     if (grad) {
         op_zero(a->dres, (size_t)N * E * ops_act_size());
-        op_rmsnorm_backward(a->dres, unit_grads(m, HU) + m->head_out_norm, a->dxf, last, w_out_norm, a->rstdf, N,
+        op_rmsnorm_backward(a->dres, st_at(unit_grads(m, HU), m->head_out_norm), a->dxf, last, w_out_norm, a->rstdf, N,
                             E);
         HOOK(h, grad_ready, HU);
     }

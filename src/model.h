@@ -32,13 +32,14 @@ typedef struct {
     size_t head_out_norm, head_lm;  /* offsets inside the head unit; head_lm unused if tied */
     size_t n_params;                /* real parameters */
     size_t n_flat;                  /* flat buffer length incl. padding */
-    float *params, *grads;          /* the flat buffers, when this process holds them whole */
-    /* Where each unit's parameters and gradients are now. The model reads only these, so a
-     * parallel strategy can point a unit at a gathered copy (FSDP) or a gradient slot. */
-    float **uparams, **ugrads;
-    /* With bf16 compute (precision=mixed): where each unit's bf16 copy of its parameters is,
-     * which the ops read instead of uparams; the strategy that owns the parameters keeps it
-     * current. NULL entries (and fp32 runs): the ops read uparams. */
+    float *params, *grads;          /* host fp32 flat buffers (model_init_layout with alloc) */
+    /* Where each unit's parameters and gradients are now, in the ops' state type (fp32, or
+     * bf16 with precision=bf16: ops_state_size). The model reads only these, so a parallel
+     * strategy can point a unit at a gathered copy (FSDP) or a gradient slot. */
+    void **uparams, **ugrads;
+    /* With precision=mixed: where each unit's bf16 copy of its parameters is, which the ops
+     * read instead of uparams; the strategy that owns the parameters keeps it current. NULL
+     * entries (fp32, and bf16 whose parameters are the compute weights): the ops read uparams. */
     void **ucompute;
 } Model;
 
@@ -70,14 +71,15 @@ void model_init_weights(Model *m, uint64_t seed);
 /* The same init for unit u alone, into buf (n_padded floats, padding zeroed). */
 void model_init_unit(const Model *m, int u, float *buf, uint64_t seed);
 
-static inline float *unit_params(const Model *m, int u) { return m->uparams[u]; }
+static inline void *unit_params(const Model *m, int u) { return m->uparams[u]; }
 /* The weights the ops compute with: the bf16 copy when there is one, else the parameters. */
 static inline const void *unit_weights(const Model *m, int u) {
     return m->ucompute[u] ? (const void *)m->ucompute[u] : (const void *)m->uparams[u];
 }
-static inline float *unit_grads(const Model *m, int u) { return m->ugrads[u]; }
-/* Points every unit at its slice of the flat buffers params/grads (either may be NULL). */
-void model_point_units(Model *m, float *params, float *grads);
+static inline void *unit_grads(const Model *m, int u) { return m->ugrads[u]; }
+/* Points every unit at its slice of the flat buffers params/grads, of the ops' state type
+ * (either may be NULL). */
+void model_point_units(Model *m, void *params, void *grads);
 /* lm_head's compute weights: tok_embed's when tied. */
 const void *model_lm_head(const Model *m);
 

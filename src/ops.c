@@ -9,7 +9,7 @@
 #include "util.h"
 
 static const OpsBackend *g_ops = &ops_backend_cpu;
-static int g_bf16;
+static OpsPrecision g_prec = OPS_FP32;
 
 /* MESHTRAIN_PROFILE=1: every op waits for the device before and after, and its time is
  * added to its name's total; the table goes to stderr at exit. It slows the run (no
@@ -88,30 +88,58 @@ void op_copy(void *dst, const void *src, size_t bytes) { if (bytes && dst != src
 void op_upload(void *dst, const void *src, size_t bytes) { if (bytes) g_ops->upload(dst, src, bytes); }
 void op_download(void *dst, const void *src, size_t bytes) { if (bytes) g_ops->download(dst, src, bytes); }
 
-int ops_set_bf16(int on, char *err, size_t errlen) {
+int ops_set_precision(OpsPrecision p, char *err, size_t errlen) {
     char dummy[1];
     if (!err || !errlen) err = dummy, errlen = sizeof dummy;
-    if (on && !g_ops->set_bf16) return set_err(err, errlen, "the %s backend computes in fp32 only", g_ops->name);
-    if (g_ops->set_bf16) g_ops->set_bf16(on);
-    g_bf16 = on != 0;
+    if (p != OPS_FP32 && !g_ops->set_precision)
+        return set_err(err, errlen, "the %s backend computes in fp32 only", g_ops->name);
+    if (g_ops->set_precision) g_ops->set_precision(p);
+    g_prec = p;
     return 0;
 }
-int ops_bf16(void) { return g_bf16; }
-size_t ops_act_size(void) { return g_bf16 ? 2 : 4; }
+OpsPrecision ops_precision(void) { return g_prec; }
+int ops_bf16(void) { return g_prec != OPS_FP32; }
+size_t ops_act_size(void) { return g_prec != OPS_FP32 ? 2 : 4; }
+size_t ops_state_size(void) { return g_prec == OPS_BF16 ? 2 : 4; }
 
-void op_download_act(float *dst, const void *src, size_t n) {
-    if (!n) return;
-    if (!g_bf16) {
-        PROF("download_act", g_ops->download(dst, src, n * sizeof(float)));
-        return;
-    }
-    /* bf16 is the top half of an fp32: widen in place, from the back */
-    uint16_t *h = (uint16_t *)dst;
-    PROF("download_act", g_ops->download(h, src, n * sizeof(uint16_t)));
+/* bf16 is the top half of an fp32: n bf16 in the first half of dst widen in place, from
+ * the back. */
+static void widen_bf16(float *dst, size_t n) {
+    const uint16_t *h = (const uint16_t *)dst;
     for (size_t i = n; i-- > 0;) {
         uint32_t bits = (uint32_t)h[i] << 16;
         memcpy(&dst[i], &bits, sizeof bits);
     }
+}
+static void download_widen(const char *name, float *dst, const void *src, size_t n, int bf16) {
+    if (!n) return;
+    PROF(name, g_ops->download(dst, src, n * (bf16 ? 2 : 4)));
+    if (bf16) widen_bf16(dst, n);
+}
+void op_download_act(float *dst, const void *src, size_t n) { download_widen("download_act", dst, src, n, ops_bf16()); }
+void op_download_state(float *dst, const void *src, size_t n) {
+    download_widen("download_state", dst, src, n, g_prec == OPS_BF16);
+}
+void op_upload_state(void *dst, const float *src, size_t n) {
+    if (!n) return;
+    if (g_prec != OPS_BF16) {
+        g_ops->upload(dst, src, n * sizeof(float));
+        return;
+    }
+    /* round to nearest even (NaN kept a NaN), in chunks through a small host buffer */
+    enum { CH = 1 << 16 };
+    uint16_t *h = xmalloc(CH * sizeof *h);
+    for (size_t i0 = 0; i0 < n; i0 += CH) {
+        size_t k = n - i0 < CH ? n - i0 : CH;
+        for (size_t i = 0; i < k; i++) {
+            uint32_t b;
+            memcpy(&b, &src[i0 + i], sizeof b);
+            if ((b & 0x7fffffffu) > 0x7f800000u) h[i] = (uint16_t)((b >> 16) | 0x40);
+            else h[i] = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+        }
+        g_ops->upload((char *)dst + i0 * 2, h, k * 2);
+    }
+    free(h);
 }
 void op_to_act(void *dst, const float *src, size_t n) {
     if (n) PROF("to_act", g_ops->to_act(dst, src, n));
@@ -120,13 +148,13 @@ void op_to_act(void *dst, const float *src, size_t n) {
 void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
     PROF("embedding_forward", g_ops->embedding_forward(out, tokens, wte, N, C));
 }
-void op_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
+void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     PROF("embedding_backward", g_ops->embedding_backward(dwte, dout, tokens, N, C));
 }
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     PROF("rmsnorm_forward", g_ops->rmsnorm_forward(out, rstd, x, w, N, C, eps));
 }
-void op_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w, const float *rstd,
+void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w, const float *rstd,
                          int N, int C) {
     PROF("rmsnorm_backward", g_ops->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C));
 }
@@ -137,11 +165,11 @@ void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, in
     PROF("matmul_forward (lm_head)", g_ops->matmul_forward(out, ldo, inp, w, N, C, OC));
 }
 int ops_logit_stride(int V) { return (V + 63) / 64 * 64; }
-void op_matmul_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, int N, int C,
+void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w, int N, int C,
                         int OC) {
     PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC));
 }
-void op_matmul_backward_ld(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w, int N,
+void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w, int N,
                            int C, int OC) {
     PROF("matmul_backward (lm_head)", g_ops->matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC));
 }
@@ -177,16 +205,16 @@ void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, co
     PROF("crossentropy_forward_backward",
          g_ops->crossentropy_forward_backward(losses, logits, ld, targets, N, V, dlogits_scale));
 }
-void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1, float beta2,
+void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
               float eps, float weight_decay, int step, float grad_scale) {
     PROF("adamw", g_ops->adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
 }
-double op_sumsq(const float *x, size_t n) {
+double op_sumsq(const void *x, size_t n) {
     double r;
     PROF("sumsq", r = g_ops->sumsq(x, n));
     return r;
 }
-void op_scale(float *x, size_t n, float s) {
+void op_scale(void *x, size_t n, float s) {
     PROF("scale", g_ops->scale(x, n, s));
 }
 void op_add(void *y, const void *x, size_t n) {

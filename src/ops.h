@@ -11,10 +11,12 @@
  *   A gradient output pointer may be NULL when that gradient is not needed.
  * - Everything here is deterministic for a fixed thread count (no atomics, fixed
  *   reduction order), so a resumed run is bitwise identical to an uninterrupted one.
- * - Precision. Tensors typed `void *` are activations (and their gradients) or compute
- *   weights: fp32, or bf16 after ops_set_bf16(1) (cuda only: precision=mixed). Tensors
- *   typed `float *` are always fp32: parameter gradients, optimizer state, and per-row
- *   statistics (rstd, lse, losses). So bf16 products accumulate into fp32 gradients.
+ * - Precision (ops_set_precision). Tensors typed `void *` hold one of two element types:
+ *   activations (and their gradients) and compute weights are the "act" type, fp32 or
+ *   bf16 (ops_act_size); parameters, their gradients and AdamW's moments are the "state"
+ *   type, fp32 or bf16 (ops_state_size). Tensors typed `float *` are always fp32: per-row
+ *   statistics (rstd, lse, losses) and the RoPE tables. bf16 products accumulate into
+ *   state-type gradients.
  */
 #ifndef MESHTRAIN_OPS_H
 #define MESHTRAIN_OPS_H
@@ -43,14 +45,25 @@ void ops_synchronize(void);
 int ops_device_memory(size_t *free_bytes, size_t *total_bytes);
 int ops_device_peak(size_t *allocated, size_t *used);
 
-/* Activations and compute weights in bf16 (on = 1) or fp32 (0, the default). Right after
- * ops_init, before anything is allocated. 0, or -1 with a message (the cpu is fp32 only). */
-int ops_set_bf16(int on, char *err, size_t errlen);
-int ops_bf16(void);
+/* Precision, right after ops_init and before anything is allocated. 0, or -1 with a
+ * message (the cpu backend is fp32 only).
+ * - OPS_FP32 (the default): everything fp32.
+ * - OPS_MIXED: activations and compute weights bf16 (a bf16 copy of the fp32 parameters);
+ *   parameters, gradients and moments fp32.
+ * - OPS_BF16: everything bf16, the parameters included, so they are the compute weights
+ *   themselves (no copy). AdamW still does its arithmetic in fp32 and rounds once. */
+typedef enum { OPS_FP32, OPS_MIXED, OPS_BF16 } OpsPrecision;
+int ops_set_precision(OpsPrecision p, char *err, size_t errlen);
+OpsPrecision ops_precision(void);
+int ops_bf16(void);  /* activations in bf16 (OPS_MIXED or OPS_BF16) */
 /* Bytes of one activation element: 2 in bf16, 4 in fp32. */
 size_t ops_act_size(void);
+/* Bytes of one element of parameter state (parameters, gradients, moments): 2 in OPS_BF16. */
+size_t ops_state_size(void);
 /* Address of element i of an activation array (its element size is ops_act_size()). */
 static inline void *act_at(const void *base, size_t i) { return (char *)base + i * ops_act_size(); }
+/* Address of element i of a parameter-state array (element size ops_state_size()). */
+static inline void *st_at(const void *base, size_t i) { return (char *)base + i * ops_state_size(); }
 
 /* ---- memory of the active backend ----
  * Tensors passed to the ops live in memory from op_alloc. The host reads and writes it
@@ -65,18 +78,22 @@ void op_upload(void *dst, const void *src_host, size_t bytes);   /* host -> op_a
 void op_download(void *dst_host, const void *src, size_t bytes); /* op_alloc memory -> host */
 /* n activations (op_alloc memory) -> host floats, widened from bf16 when need be. */
 void op_download_act(float *dst_host, const void *src, size_t n);
+/* n parameter-state elements: op_alloc memory -> host floats (widened from bf16), and host
+ * floats -> op_alloc memory (rounded to the nearest bf16 when the state is bf16). */
+void op_download_state(float *dst_host, const void *src, size_t n);
+void op_upload_state(void *dst, const float *src_host, size_t n);
 /* dst (activation type) = src (fp32): the compute copy of weights; a copy in fp32. */
 void op_to_act(void *dst, const float *src, size_t n);
 
 /* out[n, :] = wte[tokens[n], :].  tokens in [0, V). */
 void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
 /* dwte[tokens[n], :] += dout[n, :]  (deterministic: parallel over channels, not tokens). */
-void op_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C);
+void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
 
 /* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
 /* dx += ..., dw += ...  (dw reduced over rows in a fixed order). */
-void op_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
+void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                          const float *rstd, int N, int C);
 
 /* out[N, OC] = inp[N, C] @ w[OC, C]^T   (overwrites out). */
@@ -87,10 +104,10 @@ void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, in
 /* Row stride of a logits buffer of V columns: V rounded up to 64. */
 int ops_logit_stride(int V);
 /* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp. */
-void op_matmul_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w,
                         int N, int C, int OC);
 /* ... with dout's rows ldo elements apart. */
-void op_matmul_backward_ld(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                            int N, int C, int OC);
 
 /* RoPE tables for positions 0..T-1: cos/sin[t, i] of t * base^(-2i/HD), i < HD/2,
@@ -128,14 +145,14 @@ void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, co
 
 /* One AdamW step on a flat buffer (PyTorch semantics: decoupled weight decay
  * p -= lr*wd*p, bias-corrected moments, eps added to sqrt(v_hat)). `step` counts from 1.
- * grad is multiplied by grad_scale first (used for clipping). */
-void op_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+ * grad is multiplied by grad_scale first (used for clipping). All four are state type. */
+void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
               float beta2, float eps, float weight_decay, int step, float grad_scale);
 
-/* sum of squares of x, accumulated in double (for global gradient norm). */
-double op_sumsq(const float *x, size_t n);
-/* x *= s */
-void op_scale(float *x, size_t n, float s);
+/* sum of squares of x (state type), accumulated in double (for global gradient norm). */
+double op_sumsq(const void *x, size_t n);
+/* x *= s (state type) */
+void op_scale(void *x, size_t n, float s);
 /* y += x (activations) */
 void op_add(void *y, const void *x, size_t n);
 
@@ -157,15 +174,15 @@ typedef struct OpsBackend {
     void (*copy)(void *dst, const void *src, size_t bytes);
     void (*upload)(void *dst, const void *src, size_t bytes);
     void (*download)(void *dst, const void *src, size_t bytes);
-    void (*set_bf16)(int on);  /* NULL: fp32 only */
+    void (*set_precision)(OpsPrecision p);  /* NULL: fp32 only */
     void (*to_act)(void *dst, const float *src, size_t n);
     void (*embedding_forward)(void *out, const int *tokens, const void *wte, int N, int C);
-    void (*embedding_backward)(float *dwte, const void *dout, const int *tokens, int N, int C);
+    void (*embedding_backward)(void *dwte, const void *dout, const int *tokens, int N, int C);
     void (*rmsnorm_forward)(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
-    void (*rmsnorm_backward)(void *dx, float *dw, const void *dout, const void *x, const void *w,
+    void (*rmsnorm_backward)(void *dx, void *dw, const void *dout, const void *x, const void *w,
                              const float *rstd, int N, int C);
     void (*matmul_forward)(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
-    void (*matmul_backward)(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+    void (*matmul_backward)(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                             int N, int C, int OC);
     void (*rope_tables)(float *cos_t, float *sin_t, int T, int HD, float base);
     void (*rope_forward)(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
@@ -177,10 +194,10 @@ typedef struct OpsBackend {
     void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H);
     void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                           float dlogits_scale);
-    void (*adamw)(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+    void (*adamw)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int step, float grad_scale);
-    double (*sumsq)(const float *x, size_t n);
-    void (*scale)(float *x, size_t n, float s);
+    double (*sumsq)(const void *x, size_t n);
+    void (*scale)(void *x, size_t n, float s);
     void (*add)(void *y, const void *x, size_t n);
 } OpsBackend;
 

@@ -613,25 +613,25 @@ static void cpu_copy(void *dst, const void *src, size_t bytes) { memcpy(dst, src
 static const char *cpu_device_name(void) { return ""; }
 static void cpu_synchronize(void) {}
 
-/* The table's activation arguments are `void *` (ops.h); on the cpu they are always fp32. */
+/* The table's activation and state arguments are `void *` (ops.h); on the cpu they are always fp32. */
 static void cpu_to_act(void *dst, const float *src, size_t n) { memcpy(dst, src, n * sizeof(float)); }
 static void t_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
     cpu_embedding_forward(out, tokens, wte, N, C);
 }
-static void t_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
+static void t_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     cpu_embedding_backward(dwte, dout, tokens, N, C);
 }
 static void t_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     cpu_rmsnorm_forward(out, rstd, x, w, N, C, eps);
 }
-static void t_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
+static void t_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                                const float *rstd, int N, int C) {
     cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
 }
 static void t_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
     cpu_matmul_forward(out, ldo, inp, w, N, C, OC);
 }
-static void t_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+static void t_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                               int N, int C, int OC) {
     cpu_matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC);
 }
@@ -657,6 +657,12 @@ static void t_crossentropy_forward_backward(float *losses, void *logits, int ld,
     cpu_crossentropy_forward_backward(losses, logits, ld, targets, N, V, scale);
 }
 static void t_add(void *y, const void *x, size_t n) { cpu_add(y, x, n); }
+static void t_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
+                    float eps, float wd, int step, float grad_scale) {
+    cpu_adamw(param, grad, m, v, n, lr, beta1, beta2, eps, wd, step, grad_scale);
+}
+static double t_sumsq(const void *x, size_t n) { return cpu_sumsq(x, n); }
+static void t_scale(void *x, size_t n, float s) { cpu_scale(x, n, s); }
 
 const OpsBackend ops_backend_cpu = {
     .name = "cpu",
@@ -672,7 +678,7 @@ const OpsBackend ops_backend_cpu = {
     .copy = cpu_copy,
     .upload = cpu_copy,
     .download = cpu_copy,
-    .set_bf16 = NULL,
+    .set_precision = NULL,
     .to_act = cpu_to_act,
     .embedding_forward = t_embedding_forward,
     .embedding_backward = t_embedding_backward,
@@ -688,8 +694,8 @@ const OpsBackend ops_backend_cpu = {
     .swiglu_forward = t_swiglu_forward,
     .swiglu_backward = t_swiglu_backward,
     .crossentropy_forward_backward = t_crossentropy_forward_backward,
-    .adamw = cpu_adamw,
-    .sumsq = cpu_sumsq,
-    .scale = cpu_scale,
+    .adamw = t_adamw,
+    .sumsq = t_sumsq,
+    .scale = t_scale,
     .add = t_add,
 };

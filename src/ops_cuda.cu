@@ -79,7 +79,9 @@ static int lt_load(char *err, size_t errlen) {
 #define WORKSPACE_BYTES (32u << 20) /* cuBLASLt workspace: what llm.c gives Hopper */
 
 static struct {
-    int ready, device, sync_each, tf32, bf16; /* bf16: activations and compute weights */
+    int ready, device, sync_each, tf32;
+    int bf16;  /* activations and compute weights in bf16 (precision mixed or bf16) */
+    int sbf16; /* parameters, gradients and moments in bf16 (precision bf16) */
     cudaStream_t stream;
     cublasLtHandle_t lt;
     void *workspace;
@@ -386,8 +388,8 @@ static __global__ void embedding_forward_kernel(void *out, const int *tokens, co
 #define EMB_BUCKETS 32
 #define EMB_BLOCK 128
 #define EMB_CHUNK 1024
-static __global__ void embedding_backward_kernel(float *dwte, const void *dout, const int *tokens, int N, int C,
-                                                 int bf) {
+static __global__ void embedding_backward_kernel(void *dwte, const void *dout, const int *tokens, int N, int C,
+                                                 int bf, int sbf) {
     __shared__ int tok_s[EMB_CHUNK];
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int bucket = blockIdx.y;
@@ -399,8 +401,10 @@ static __global__ void embedding_backward_kernel(float *dwte, const void *dout, 
         if (c < C)
             for (int i = 0; i < len; i++) {
                 int t = tok_s[i];
-                if (t % EMB_BUCKETS == bucket)
-                    dwte[(size_t)t * C + c] += ld(dout, (size_t)(n0 + i) * C + c, bf);
+                if (t % EMB_BUCKETS == bucket) {
+                    size_t j = (size_t)t * C + c;
+                    st(dwte, j, ld(dwte, j, sbf) + ld(dout, (size_t)(n0 + i) * C + c, bf), sbf);
+                }
             }
     }
 }
@@ -499,12 +503,12 @@ rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, 
 }
 
 /* dw, second pass: the partials summed in block order. */
-static __global__ void rmsnorm_dw_reduce_kernel(float *dw, const float *part, int C, int nb) {
+static __global__ void rmsnorm_dw_reduce_kernel(void *dw, const float *part, int C, int nb, int sbf) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float s = 0.0f;
     for (int b = 0; b < nb; b++) s += part[(size_t)b * C + c];
-    dw[c] += s;
+    st(dw, c, ld(dw, c, sbf) + s, sbf);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -957,22 +961,24 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
 /* adamw                                                                                 */
 
 /* Elementwise; the scalars come from the host computed as op_adamw computes them, and the
- * operations are op_adamw's, one rounding each, in its order: bitwise the CPU result. */
-static __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, size_t n, float decay,
+ * operations are op_adamw's, one rounding each, in its order: bitwise the CPU result in
+ * fp32. With bf16 state (sbf) the same fp32 arithmetic runs on the widened values, and each
+ * of param, m and v is rounded to bf16 once, when stored. */
+static __global__ void adamw_kernel(void *param, const void *grad, void *m, void *v, size_t n, float decay,
                                     float w1, float w1c, int small, float b2, float w2, float neg_step, float bc2_sqrt,
-                                    float eps, float grad_scale) {
+                                    float eps, float grad_scale, int sbf) {
     GRID_STRIDE(i, n) {
-        float gr = __fmul_rn(grad[i], grad_scale);
-        float mi = m[i];
+        float gr = __fmul_rn(ld(grad, i, sbf), grad_scale);
+        float mi = ld(m, i, sbf);
         float mn = small ? __fadd_rn(mi, __fmul_rn(w1, __fsub_rn(gr, mi)))
                          : __fsub_rn(gr, __fmul_rn(__fsub_rn(gr, mi), w1c));
-        m[i] = mn;
-        float vi = __fmul_rn(v[i], b2);
+        st(m, i, mn, sbf);
+        float vi = __fmul_rn(ld(v, i, sbf), b2);
         vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(w2, gr), gr));
-        v[i] = vi;
+        st(v, i, vi, sbf);
         float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-        float pi = __fmul_rn(param[i], decay);
-        param[i] = __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step, mn), den));
+        float pi = __fmul_rn(ld(param, i, sbf), decay);
+        st(param, i, __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step, mn), den)), sbf);
     }
 }
 
@@ -983,9 +989,12 @@ static __global__ void adamw_kernel(float *param, const float *grad, float *m, f
  * strided part in double, block sums in double, then one block adds the partials. */
 #define SUMSQ_BLOCK 256
 #define SUMSQ_MAX_BLOCKS 1024
-static __global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+static __global__ void sumsq_partial_kernel(double *part, const void *x, size_t n, int sbf) {
     double s = 0.0;
-    GRID_STRIDE(i, n) s += (double)x[i] * x[i];
+    GRID_STRIDE(i, n) {
+        double xi = ld(x, i, sbf);
+        s += xi * xi;
+    }
     s = block_sum_double(s);
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
@@ -996,8 +1005,8 @@ static __global__ void sumsq_final_kernel(double *out, const double *part, int n
     if (threadIdx.x == 0) out[0] = s;
 }
 
-static __global__ void scale_kernel(float *x, size_t n, float s) {
-    GRID_STRIDE(i, n) x[i] = __fmul_rn(x[i], s);
+static __global__ void scale_kernel(void *x, size_t n, float s, int sbf) {
+    GRID_STRIDE(i, n) st(x, i, __fmul_rn(ld(x, i, sbf), s), sbf);
 }
 static __global__ void add_kernel(void *y, const void *x, size_t n, int bf) {
     GRID_STRIDE(i, n) st(y, i, __fadd_rn(ld(y, i, bf), ld(x, i, bf)), bf);
@@ -1030,12 +1039,14 @@ static uint32_t ptr_alignment(const void *p) {
 }
 
 /* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * D. A and B are activations or
- * compute weights (fp32, or bf16 with precision=mixed); D is that type too, or fp32
- * (d_f32: weight gradients). Accumulation is always fp32. */
+ * compute weights (fp32, or bf16 with precision mixed or bf16); D is that type too, or the
+ * state type (d_state: weight gradients, fp32 unless precision=bf16). Accumulation is
+ * always fp32. */
 static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
-                      const void *B, int ldb, float beta, void *D, int ldd, int d_f32) {
+                      const void *B, int ldb, float beta, void *D, int ldd, int d_state) {
     if (!g.ready) die(1, "cuda: a matmul was called before cuda_init");
-    cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F, td = d_f32 ? CUDA_R_32F : tab;
+    cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    cudaDataType_t td = d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
     cublasComputeType_t ct = g.tf32 && !g.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, ld;
@@ -1102,7 +1113,12 @@ extern "C" {
 /* bytes of one activation element, and the address of element i of an activation array */
 static size_t act_size(void) { return g.bf16 ? 2 : 4; }
 
-void cuda_set_bf16(int on) { g.bf16 = on != 0; }
+static size_t state_size(void) { return g.sbf16 ? 2 : 4; }
+
+void cuda_set_precision(OpsPrecision p) {
+    g.bf16 = p != OPS_FP32;
+    g.sbf16 = p == OPS_BF16;
+}
 
 void cuda_to_act(void *dst, const float *src, size_t n) {
     if (n == 0) return;
@@ -1120,10 +1136,10 @@ void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N
     LAUNCH_CHECK(embedding_forward_kernel);
 }
 
-void cuda_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C) {
+void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     if (!dwte || N <= 0 || C <= 0) return;
     dim3 grid((C + EMB_BLOCK - 1) / EMB_BLOCK, EMB_BUCKETS);
-    embedding_backward_kernel<<<grid, EMB_BLOCK, 0, g.stream>>>(dwte, dout, tokens, N, C, g.bf16);
+    embedding_backward_kernel<<<grid, EMB_BLOCK, 0, g.stream>>>(dwte, dout, tokens, N, C, g.bf16, g.sbf16);
     LAUNCH_CHECK(embedding_backward_kernel);
 }
 
@@ -1134,7 +1150,7 @@ void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, 
     LAUNCH_CHECK(rmsnorm_forward_kernel);
 }
 
-void cuda_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
+void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C) {
     if ((!dx && !dw) || N <= 0 || C <= 0) return;
     /* blocks of about 16 rows, at most RMSNORM_DW_BLOCKS: a count fixed by N alone */
@@ -1153,7 +1169,7 @@ void cuda_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x,
                                                                         g.bf16);
     LAUNCH_CHECK(rmsnorm_backward_kernel);
     if (dw) {
-        rmsnorm_dw_reduce_kernel<<<(C + 255) / 256, 256, 0, g.stream>>>(dw, part, C, nb);
+        rmsnorm_dw_reduce_kernel<<<(C + 255) / 256, 256, 0, g.stream>>>(dw, part, C, nb, g.sbf16);
         LAUNCH_CHECK(rmsnorm_dw_reduce_kernel);
     }
 }
@@ -1184,8 +1200,8 @@ void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int
  *   (w column-major is [C, OC] ld C, dout column-major is [OC, N] ld OC: no transposes);
  * dw[OC, C] += dout^T @ inp  <=>  dw^T[C, OC] += inp^T[C, N] @ (dout^T[OC, N])^T
  *   (inp column-major is [C, N] ld C; dout column-major [OC, N] ld OC, transposed).
- * dw is fp32 in every precision: bf16 products accumulate into fp32 gradients. */
-void cuda_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+ * dw is the state type: bf16 products accumulate into fp32 gradients unless precision=bf16. */
+void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                           int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
     int OCa = oc_main(OC), OCt = OC - OCa; /* see cuda_matmul_forward */
@@ -1196,7 +1212,9 @@ void cuda_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, cons
     }
     if (dw) {
         lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OCa, N, inp, C, dout, ldo, 1.0f, dw, C, 1);
-        if (OCt) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OCt, N, inp, C, dout_t, ldo, 1.0f, dw + (size_t)OCa * C, C, 1);
+        if (OCt)
+            lt_matmul(CUBLAS_OP_N, CUBLAS_OP_T, C, OCt, N, inp, C, dout_t, ldo, 1.0f,
+                      (char *)dw + (size_t)OCa * C * state_size(), C, 1);
     }
 }
 
@@ -1308,7 +1326,7 @@ void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, con
     LAUNCH_CHECK(crossentropy_kernel);
 }
 
-void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int step, float grad_scale) {
     if (n == 0) return;
     /* the scalars exactly as op_adamw computes them */
@@ -1320,17 +1338,17 @@ void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, f
     float neg_step = (float)(-((double)lr / bc1));
     float bc2_sqrt = (float)sqrt(bc2);
     adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, decay, w1, w1c, small, b2, w2, neg_step,
-                                                        bc2_sqrt, eps, grad_scale);
+                                                        bc2_sqrt, eps, grad_scale, g.sbf16);
     LAUNCH_CHECK(adamw_kernel);
 }
 
-double cuda_sumsq(const float *x, size_t n) {
+double cuda_sumsq(const void *x, size_t n) {
     if (n == 0) return 0.0;
     size_t per = (size_t)SUMSQ_BLOCK * 8; /* at least 8 elements per thread */
     size_t nb64 = (n + per - 1) / per;
     int nb = (int)(nb64 < SUMSQ_MAX_BLOCKS ? nb64 : SUMSQ_MAX_BLOCKS);
     double *part = (double *)scratch((size_t)(nb + 1) * sizeof(double));
-    sumsq_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n);
+    sumsq_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n, g.sbf16);
     LAUNCH_CHECK(sumsq_partial_kernel);
     sumsq_final_kernel<<<1, 1024, 0, g.stream>>>(part + nb, part, nb);
     LAUNCH_CHECK(sumsq_final_kernel);
@@ -1339,9 +1357,9 @@ double cuda_sumsq(const float *x, size_t n) {
     return s;
 }
 
-void cuda_scale(float *x, size_t n, float s) {
+void cuda_scale(void *x, size_t n, float s) {
     if (n == 0) return;
-    scale_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(x, n, s);
+    scale_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(x, n, s, g.sbf16);
     LAUNCH_CHECK(scale_kernel);
 }
 
@@ -1407,7 +1425,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .copy = cuda_memcpy_d2d,
     .upload = cuda_memcpy_h2d,
     .download = cuda_memcpy_d2h,
-    .set_bf16 = cuda_set_bf16,
+    .set_precision = cuda_set_precision,
     .to_act = cuda_to_act,
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,

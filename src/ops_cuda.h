@@ -1,4 +1,4 @@
-/* ops_cuda — the CUDA backend of the ops interface (fp32, or bf16 activations).
+/* ops_cuda — the CUDA backend of the ops interface (fp32, mixed, or pure bf16).
  *
  * Every cuda_<name> has the same arguments and semantics as op_<name> in ops.h, with all
  * tensor pointers being DEVICE pointers: row-major, nn.Linear weight layout, backward ops
@@ -19,6 +19,7 @@
 #ifndef MESHTRAIN_OPS_CUDA_H
 #define MESHTRAIN_OPS_CUDA_H
 #include <stddef.h>
+#include "ops.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,20 +54,20 @@ void cuda_synchronize(void);
 
 /* ---- ops (see ops.h for the semantics of each) ---------------------------------------- */
 
-/* Activations and compute weights in bf16 (1) or fp32 (0, the default); see ops.h. */
-void cuda_set_bf16(int on);
+/* fp32, mixed (bf16 activations and compute weights) or bf16 (the parameter state too); see ops.h. */
+void cuda_set_precision(OpsPrecision p);
 void cuda_to_act(void *dst, const float *src, size_t n);
 
 void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
-void cuda_embedding_backward(float *dwte, const void *dout, const int *tokens, int N, int C);
+void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
 
 void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
-void cuda_rmsnorm_backward(void *dx, float *dw, const void *dout, const void *x, const void *w,
+void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C);
 
 /* out's (dout's) rows are ldo >= OC elements apart */
 void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
-void cuda_matmul_backward(void *dinp, float *dw, const void *dout, int ldo, const void *inp, const void *w,
+void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                           int N, int C, int OC);
 
 /* Computed on the host exactly as op_rope_tables does, then copied into the device arrays
@@ -89,11 +90,11 @@ void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, in
 void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                         float dlogits_scale);
 
-void cuda_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
+void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int step, float grad_scale);
 
-double cuda_sumsq(const float *x, size_t n); /* waits for the stream; returns on the host */
-void cuda_scale(float *x, size_t n, float s);
+double cuda_sumsq(const void *x, size_t n); /* waits for the stream; returns on the host */
+void cuda_scale(void *x, size_t n, float s);
 void cuda_add(void *y, const void *x, size_t n);
 
 #ifdef __cplusplus

@@ -41,7 +41,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     return p;
 }
 
-/* Whole parameters, bf16 compute: the copy is refreshed lazily, at the first unit the model
+/* Whole parameters, precision=mixed: the bf16 copy is refreshed lazily, at the first unit the model
  * asks for after the parameters changed (init, load, optimizer step). */
 static void whole_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
@@ -53,7 +53,7 @@ static void whole_gather(void *ctx, int u, int next) {
 }
 
 void par_setup_compute(Parallel *p) {
-    if (!ops_bf16()) return;
+    if (ops_precision() != OPS_MIXED) return;
     Model *m = p->m;
     if (p->params) {
         p->cparams = op_alloc(m->n_flat * ops_act_size());
@@ -98,7 +98,7 @@ void par_alloc_slots(Parallel *p, Slot *slots) {
     par_slot_caps(p->m, caps);
     for (int i = 0; i < N_SLOTS; i++) {
         slots[i].cap = caps[i];
-        slots[i].buf = op_alloc(caps[i] * sizeof(float));  /* NULL for an unused slot */
+        slots[i].buf = op_alloc(caps[i] * ops_state_size());  /* NULL for an unused slot */
         slots[i].unit = -1;
     }
 }
@@ -111,9 +111,10 @@ Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, 
     return best;
 }
 
-/* model_init_unit writes host memory. On the cpu it writes straight into the whole
+/* model_init_unit writes host fp32. On the cpu it writes straight into the whole
  * parameters, or (FSDP) into the largest parameter slot, of which this rank keeps its
- * shard; on a device each unit goes through one host buffer and is uploaded. */
+ * shard; on a device each unit goes through one host buffer and is uploaded (rounded to
+ * bf16 with precision=bf16). */
 void parallel_init_weights(Parallel *p, uint64_t seed) {
     Model *m = p->m;
     size_t caps[N_SLOTS];
@@ -122,14 +123,13 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
     float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
-        float *whole = p->params ? p->params + m->units[u].offset : NULL;
+        void *whole = p->params ? st_at(p->params, m->units[u].offset) : NULL;
         float *buf = host ? host : whole ? whole : p->pslots[big].buf;
         model_init_unit(m, u, buf, seed);
         if (whole) {
-            if (buf != whole) op_upload(whole, buf, m->units[u].n_padded * sizeof(float));
+            if (host) op_upload_state(whole, buf, m->units[u].n_padded);
         } else {
-            op_upload(p->pshard + shard_off(p, u), buf + (size_t)p->r * shard_len(p, u),
-                      shard_len(p, u) * sizeof(float));
+            op_upload_state(st_at(p->pshard, shard_off(p, u)), buf + (size_t)p->r * shard_len(p, u), shard_len(p, u));
         }
     }
     free(host);
@@ -157,7 +157,7 @@ static int slot_free(Parallel *p, Slot *s) {
     return s->unit < 0 || (p->grad_open[s->unit] == 2 && comm_test(&s->req));
 }
 
-float *par_grad_slot(Parallel *p, int u) {
+void *par_grad_slot(Parallel *p, int u) {
     Slot *slot = par_find_slot(p, p->gslots, u, slot_free);
     if (!slot) {  /* all busy: wait for the reduction of a slot that fits */
         size_t need = p->m->units[u].n_padded;
@@ -171,20 +171,20 @@ float *par_grad_slot(Parallel *p, int u) {
     }
     if (!slot) die(EXIT_RUN_FAILURE, "internal: no free gradient slot for unit %d", u);
     slot->unit = u;
-    op_zero(slot->buf, p->m->units[u].n_padded * sizeof(float));
+    op_zero(slot->buf, p->m->units[u].n_padded * ops_state_size());
     return slot->buf;
 }
 
-void par_reduce_scatter_grad(Parallel *p, int u, float *src, CommReq *req) {
-    comm_ireduce_scatter(p->group, src, p->gshard + shard_off(p, u), shard_len(p, u), COMM_AVG, req,
-                         "gradient reduce-scatter");
+void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
+    comm_ireduce_scatter(p->group, src, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
+                         req, "gradient reduce-scatter");
     if (!p->overlap) par_wait(p, req);
 }
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
     if (p->pshard) fsdp_drop_prefetch(p);
-    if (p->grads) op_zero(p->grads, p->m->n_flat * sizeof(float));
+    if (p->grads) op_zero(p->grads, p->m->n_flat * ops_state_size());
     memset(p->grad_open, 0, (size_t)p->m->n_units);
     for (int i = 0; i < N_SLOTS; i++) p->gslots[i].unit = -1;
 }
@@ -196,8 +196,8 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->gslots[i].req);
     if (p->replicas)  /* hybrid: average each shard over the replicas too */
         for (int u = 0; u < m->n_units; u++) {
-            comm_iallreduce(p->replicas, p->gshard + shard_off(p, u), shard_len(p, u), COMM_AVG, &p->rreq[u],
-                            "gradient all-reduce across replicas");
+            comm_iallreduce(p->replicas, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
+                            &p->rreq[u], "gradient all-reduce across replicas");
             if (!p->overlap) par_wait(p, &p->rreq[u]);
         }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->rreq[u]);
@@ -223,8 +223,9 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         /* ZeRO: this rank updates its shard of the whole parameters, then all gather. */
         for (int u = 0; u < m->n_units; u++) {
             size_t so = shard_off(p, u);
-            op_adamw(p->params + m->units[u].offset + (size_t)p->r * shard_len(p, u), p->gshard + so, p->mom1 + so,
-                     p->mom2 + so, shard_len(p, u), (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
+            op_adamw(st_at(p->params, m->units[u].offset + (size_t)p->r * shard_len(p, u)), st_at(p->gshard, so),
+                     st_at(p->mom1, so), st_at(p->mom2, so), shard_len(p, u), (float)lr, b1, b2, eps, wd, p->adam_steps,
+                     scale);
         }
         zero_gather_params(p);
     }
@@ -242,32 +243,33 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         size_t s = shard_len(p, u), lo = (size_t)p->r * s, hi = lo + s, nu = m->units[u].n;
         if (hi > nu) hi = nu;
         int shard_ok = lo < hi;
-        float *base_p = p->params ? p->params + m->units[u].offset : NULL;
+        size_t off = m->units[u].offset, so = shard_off(p, u);
+        void *base_p = p->params ? st_at(p->params, off) : NULL;
         if (p->kind == PAR_DDP) {
             /* replicated: each rank saves its even slice; on load every rank needs all */
             if (write) {
-                if (shard_ok && n < max) out[n++] = (OwnedRange){u, lo, hi, base_p + lo, p->mom1 + m->units[u].offset + lo,
-                                                                 p->mom2 + m->units[u].offset + lo};
+                if (shard_ok && n < max)
+                    out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), st_at(p->mom1, off + lo), st_at(p->mom2, off + lo)};
             } else if (n < max) {
-                out[n++] = (OwnedRange){u, 0, nu, base_p, p->mom1 + m->units[u].offset, p->mom2 + m->units[u].offset};
+                out[n++] = (OwnedRange){u, 0, nu, base_p, st_at(p->mom1, off), st_at(p->mom2, off)};
             }
             continue;
         }
-        float *sp = p->pshard ? p->pshard + shard_off(p, u) : base_p + lo;
-        if (shard_ok && n < max)
-            out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 + shard_off(p, u), p->mom2 + shard_off(p, u)};
+        void *sp = p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
+        if (shard_ok && n < max) out[n++] = (OwnedRange){u, lo, hi, sp, st_at(p->mom1, so), st_at(p->mom2, so)};
         /* ZeRO keeps whole parameters: on load it needs every unit's parameters too. */
         if (!write && p->params && n < max) out[n++] = (OwnedRange){u, 0, nu, base_p, NULL, NULL};
     }
     return n;
 }
 
-ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t compute_size) {
-    size_t full = layout->n_flat * sizeof(float), shard = full / (size_t)D, caps[N_SLOTS], slots = 0;
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size) {
+    size_t full = layout->n_flat * state_size, shard = full / (size_t)D, caps[N_SLOTS], elems = 0;
     par_slot_caps(layout, caps);
-    for (int i = 0; i < N_SLOTS; i++) slots += caps[i] * sizeof(float);
+    for (int i = 0; i < N_SLOTS; i++) elems += caps[i];
+    size_t slots = elems * state_size;
     /* bf16 compute copies: of the whole parameters, or of each parameter slot (FSDP) */
-    size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? slots / 4 * compute_size : 0;
+    size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? elems * compute_size : 0;
     switch (kind) {
     case PAR_DDP: return (ParallelBytes){full, full, 2 * full, cw};
     case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard, cw};

@@ -40,12 +40,14 @@ double parallel_comm_wait(const Parallel *p);
  * element range [lo, hi) of u's unpadded parameters and pointers to params, m, v of that
  * range (each may be NULL). `write` = the disjoint ranges this rank saves; otherwise the
  * ranges it must fill on load. */
-typedef struct { int unit; size_t lo, hi; float *params, *m, *v; } OwnedRange;
+typedef struct { int unit; size_t lo, hi; void *params, *m, *v; } OwnedRange;  /* state type */
 int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
 
 /* Bytes per rank of parameters, gradients, optimizer state and the compute copy of the
- * weights (for the estimate). compute_size: bytes per element of that copy (2 for bf16),
- * or 0 where the ops compute with the fp32 parameters themselves. */
+ * weights (for the estimate). state_size: bytes per element of the parameter state (4, or
+ * 2 with precision=bf16); compute_size: bytes per element of the compute copy (2 with
+ * precision=mixed), or 0 where the ops compute with the parameters themselves. */
 typedef struct { size_t params, grads, optim, compute; } ParallelBytes;
-ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t compute_size);
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t state_size,
+                             size_t compute_size);
 #endif

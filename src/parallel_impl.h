@@ -2,6 +2,7 @@
 #ifndef MESHTRAIN_PARALLEL_IMPL_H
 #define MESHTRAIN_PARALLEL_IMPL_H
 #include "comm.h"
+#include "ops.h"
 #include "parallel.h"
 
 /* Units live in slots while gathered (FSDP) or while their gradient accumulates and
@@ -12,9 +13,11 @@
  * and a second big one when tied. */
 #define N_SLOTS 4
 
+/* Every flat buffer below (parameters, gradients, moments, slots) holds elements of the ops'
+ * state type: fp32, or bf16 with precision=bf16 (ops_state_size, st_at). */
 typedef struct {
-    float *buf;
-    size_t cap;     /* floats; 0 = slot not used by this model */
+    void *buf;
+    size_t cap;     /* elements; 0 = slot not used by this model */
     int unit;       /* unit held, -1 = free */
     CommReq req;    /* the collective filling (params) or draining (grads) it */
     int cast;       /* parameter slots with bf16 compute: the bf16 copy matches buf */
@@ -28,11 +31,11 @@ struct Parallel {
     const Comm *replicas;   /* hybrid: the same shard on other nodes; else a group of one */
     int D, r, overlap;
     size_t n_shard;
-    float *params, *grads;  /* full flat buffers where the strategy keeps them whole */
-    float *pshard, *gshard; /* this rank's shard of every unit (unit u at offset_u / D) */
-    float *mom1, *mom2;     /* AdamW moments: full (DDP) or over the shard */
+    void *params, *grads;   /* full flat buffers where the strategy keeps them whole */
+    void *pshard, *gshard;  /* this rank's shard of every unit (unit u at offset_u / D) */
+    void *mom1, *mom2;      /* AdamW moments: full (DDP) or over the shard */
     Slot pslots[N_SLOTS], gslots[N_SLOTS];
-    /* bf16 compute (precision=mixed): the copy the ops read, of the whole parameters
+    /* precision=mixed: the bf16 copy the ops read, of the whole parameters
      * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
      * for pslots[i], FSDP); cstale: cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
@@ -47,6 +50,8 @@ struct Parallel {
 
 static inline size_t shard_len(const Parallel *p, int u) { return p->m->units[u].n_padded / (size_t)p->D; }
 static inline size_t shard_off(const Parallel *p, int u) { return p->m->units[u].offset / (size_t)p->D; }
+/* The collectives' element type: the state type. */
+static inline CommType par_ctype(void) { return ops_state_size() == 2 ? COMM_BF16 : COMM_F32; }
 
 /* Capacities of the N_SLOTS slots for this model (0 = unused); allocation of a slot set. */
 void par_slot_caps(const Model *m, size_t caps[N_SLOTS]);
@@ -59,9 +64,9 @@ void par_wait(Parallel *p, CommReq *r);
 /* Drives MPI progress of everything in flight (called at unit boundaries). */
 void par_progress(Parallel *p);
 /* Gradient slots (ZeRO-2, FSDP): the slot buffer for unit u's gradient, zeroed. */
-float *par_grad_slot(Parallel *p, int u);
+void *par_grad_slot(Parallel *p, int u);
 /* Starts reduce-scattering unit u's gradient from src into this rank's gshard. */
-void par_reduce_scatter_grad(Parallel *p, int u, float *src, CommReq *req);
+void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 
 void ddp_setup(Parallel *p);
 void zero_setup(Parallel *p);
@@ -70,8 +75,9 @@ void zero_gather_params(Parallel *p);
 void zero2_grad_begin(void *ctx, int u);
 void zero2_grad_ready(void *ctx, int u);
 void fsdp_setup(Parallel *p);
-/* Points the model's units at their bf16 compute copies where the strategy holds whole
- * parameters; a no-op in fp32. Called by each setup once params exist. */
+/* precision=mixed: points the model's units at their bf16 compute copies where the strategy
+ * holds whole parameters, or makes the bf16 slots (FSDP); a no-op in fp32 and bf16. Called
+ * by parallel_create after the strategy's setup. */
 void par_setup_compute(Parallel *p);
 void fsdp_drop_prefetch(Parallel *p);
 #endif

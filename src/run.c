@@ -16,8 +16,11 @@ void ops_init_or_die(const char *device, int threads) {
     if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
 }
 
-int bf16_compute_of(const Config *c) {
-    return !strcmp(c->precision, "mixed") || (!strcmp(c->precision, "auto") && !strcmp(c->device, "cuda"));
+OpsPrecision precision_of(const Config *c) {
+    if (!strcmp(c->precision, "bf16")) return OPS_BF16;
+    if (!strcmp(c->precision, "mixed") || (!strcmp(c->precision, "auto") && !strcmp(c->device, "cuda")))
+        return OPS_MIXED;
+    return OPS_FP32;
 }
 
 ParallelKind strategy_of(const Config *c) {

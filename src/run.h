@@ -4,6 +4,7 @@
 #include "config.h"
 #include "data.h"
 #include "model.h"
+#include "ops.h"
 #include "parallel.h"
 
 ModelConfig model_config_of(const Config *c);
@@ -12,7 +13,7 @@ void ops_init_or_die(const char *device, int threads);
 /* The data-parallel strategy the keys ask for (fsdp, shard_strategy, zero_opt). */
 ParallelKind strategy_of(const Config *c);
 /* 1 when the run computes in bf16 (precision=mixed, or auto on cuda). */
-int bf16_compute_of(const Config *c);
+OpsPrecision precision_of(const Config *c);
 void mkdir_p(const char *dir);
 void mkdir_parent(const char *path);
 /* Opens a shard or exits 2 with a line that says how to make it. */

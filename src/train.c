@@ -68,7 +68,9 @@ static void progress_clear(Progress *p) {
     if (p->on) fprintf(stderr, "\r\033[K");
 }
 
-/* The strategy's ranges in the checkpoint's packed order. */
+/* The strategy's ranges in the checkpoint's packed order. Their pointers are the strategy's
+ * (state type); on the cpu that is fp32 host memory, which the checkpoint reads directly,
+ * and on a device they are staged (below) before the checkpoint sees them. */
 static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRange *out, int max) {
     OwnedRange *o = xmalloc((size_t)max * sizeof *o);
     int n = parallel_ranges(par, write, o, max);
@@ -112,11 +114,12 @@ static const StateRange *stage(const StateRange *r, int n, Staging *s) {
 static void stage_copy(const StateRange *r, int n, const Staging *s, int dir) {
     if (!s->host) return;
     for (int i = 0; i < n; i++) {
-        float *dev[3] = {r[i].params, r[i].m, r[i].v}, *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
+        void *dev[3] = {r[i].params, r[i].m, r[i].v};
+        float *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
         for (int k = 0; k < 3; k++) {
             if (!dev[k]) continue;
-            if (dir > 0) op_download(host[k], dev[k], r[i].count * sizeof(float));
-            else op_upload(dev[k], host[k], r[i].count * sizeof(float));
+            if (dir > 0) op_download_state(host[k], dev[k], r[i].count);  /* widened from bf16 */
+            else op_upload_state(dev[k], host[k], r[i].count);            /* rounded to bf16 */
         }
     }
 }
@@ -206,11 +209,11 @@ int cmd_train(Config *c) {
             c->val_data, val.n_tokens, T, dp);
 
     ops_init_or_die(c->device, c->threads);
-    int bf16 = bf16_compute_of(c);
-    if (ops_set_bf16(bf16, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    OpsPrecision prec = precision_of(c);
+    if (ops_set_precision(prec, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
-    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, bf16, &est);
+    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, prec, &est);
     if (val_B != B) {  /* a short validation shard gets its own, smaller activations */
         size_t extra = acts_bytes(&mc, val_B, T, 0, ops_act_size(), NULL);
         est.acts += extra;

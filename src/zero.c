@@ -10,7 +10,7 @@
 
 static void zero1_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
-    par_reduce_scatter_grad(p, u, p->grads + p->m->units[u].offset, &p->greq[u]);
+    par_reduce_scatter_grad(p, u, st_at(p->grads, p->m->units[u].offset), &p->greq[u]);
     par_progress(p);
 }
 
@@ -33,7 +33,7 @@ void zero2_grad_ready(void *ctx, int u) {
 
 void zero_gather_params(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) {
-        comm_iallgather(p->group, p->params + p->m->units[u].offset, shard_len(p, u), &p->greq[u],
+        comm_iallgather(p->group, st_at(p->params, p->m->units[u].offset), shard_len(p, u), par_ctype(), &p->greq[u],
                         "parameter all-gather");
         if (!p->overlap) par_wait(p, &p->greq[u]);
     }
@@ -41,7 +41,7 @@ void zero_gather_params(Parallel *p) {
 }
 
 void zero_setup(Parallel *p) {
-    size_t full = p->m->n_flat * sizeof(float), shard = p->n_shard * sizeof(float);
+    size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
     p->params = op_alloc(full);
     p->gshard = op_alloc(shard);
     p->mom1 = op_alloc(shard);

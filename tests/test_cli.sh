@@ -66,7 +66,17 @@ est_acts() { "$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda "$@"
 m=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda)
 if grep -q "memory per GPU (mixed" <<<"$m" && grep -q "bf16 weight copies" <<<"$m" && [ "$(est_acts)" != "$(est_acts precision=fp32)" ]; then
   ok estimate_cuda_mixed; else bad estimate_cuda_mixed; fi
-expect_exit 2 "precision=bf16.*not implemented" bf16_not_yet -- "$BIN" train precision=bf16 device=cuda
+# precision=bf16: parameters, gradients and moments in bf16 (half of mixed's), no weight copies
+half_of() { awk -v a="$1" -v b="$2" 'BEGIN { exit !(a > 0 && a * 2 > b * 0.999 && a * 2 < b * 1.001) }'; }
+m=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda precision=bf16)
+pb=$(awk '$1 == "parameters" && NF == 3 {print $2}' <<<"$m")
+pm=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda precision=mixed | awk '$1 == "parameters" && NF == 3 {print $2}')
+ob=$(awk '$1 == "optimizer" {print $5}' <<<"$m")
+om=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda precision=mixed | awk '$1 == "optimizer" {print $5}')
+if grep -q "memory per GPU (bf16" <<<"$m" && ! grep -q "weight copies" <<<"$m" && half_of "$pb" "$pm" && half_of "$ob" "$om" \
+   && [ "$(est_acts precision=bf16)" = "$(est_acts)" ]; then
+  ok estimate_cuda_bf16; else bad "estimate_cuda_bf16 ($pb vs $pm, $ob vs $om)"; fi
+expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data
 expect_exit 2 "not found" missing_shard -- "$BIN" train $TINY data_dir="$TMP/nowhere"

@@ -265,7 +265,7 @@ int main(void) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
-    if (ops_set_bf16(1, err, sizeof err)) {
+    if (ops_set_precision(OPS_MIXED, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
