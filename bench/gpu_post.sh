@@ -2,10 +2,11 @@
 # The post's configuration (embed_dim=1024 n_heads=8 n_layers=16 batch_size=128
 # context_len=256) on one GPU: meshtrain and the PyTorch peer in the same call, on the
 # same card, as one table with the ratios (like with like: meshtrain precision=mixed
-# against the peer's compile=1 amp=1; the peer's default is pure bf16).
+# against the peer's compile=1 amp=1, meshtrain precision=bf16 against the peer's
+# compile=1, whose default is pure bf16).
 # Usage: bench/gpu_post.sh [peer.py] [meshtrain keys...]
 # (The peer is ../shared/peers/torch_llama.py; carry a copy when the call runs elsewhere.)
-# MESHTRAIN_POST_RUNS="mixed fp32" and PEER_RUNS="eager compile amp" pick the rows.
+# MESHTRAIN_POST_RUNS="bf16 mixed fp32" and PEER_RUNS="eager compile amp" pick the rows.
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}; shift || true
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
@@ -14,7 +15,7 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 rows=()
-for prec in ${MESHTRAIN_POST_RUNS:-mixed fp32}; do
+for prec in ${MESHTRAIN_POST_RUNS:-bf16 mixed fp32}; do
   out=$(mktemp -d)
   "$BIN" train $CFG device=cuda precision=$prec steps=10 log_every=5 progress=false out_dir="$out" "$@" \
     | grep -E "^step|^done|memory per|total" >&2

@@ -4,7 +4,9 @@
 # loss within 1e-4 relative and the final parameters within 1e-4 (norm-wise per tensor,
 # tests/ckpt_diff), in fp32, for DDP, ZeRO-1, ZeRO-2, FSDP (tied embeddings) and hybrid
 # sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
-# precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP.
+# precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP;
+# and in pure bf16 (bf16 gradients reduced by NCCL in bf16) within 2e-2, for DDP, ZeRO-2
+# and FSDP.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -56,6 +58,15 @@ for keys in "" "fsdp=true shard_strategy=full"; do
   if runn "$out" $MM tie_embeddings=true batch_size=$B $keys && close "$TMP/one_mixed" "$out"
   then ok "multi_gpu_mixed_follows_one_gpu ${keys:-ddp}"
   else bad "multi_gpu_mixed_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
+
+MB=${M/precision=fp32/precision=bf16}
+run1 "$TMP/one_bf16" $MB tie_embeddings=true batch_size=$((NP * B))
+for keys in "" "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full"; do
+  out=$TMP/np_bf16_${keys//[ =]/_}
+  if runn "$out" $MB tie_embeddings=true batch_size=$B $keys && close "$TMP/one_bf16" "$out"
+  then ok "multi_gpu_bf16_follows_one_gpu ${keys:-ddp}"
+  else bad "multi_gpu_bf16_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 
 echo "RESULT $pass $fail"

@@ -3,9 +3,9 @@
 # CPU: with the same config, data and init, every step's loss agrees within 1e-4 relative
 # and the final parameters within 1e-4 (norm-wise per tensor, tests/ckpt_diff), for DDP
 # (one process), ZeRO-1, ZeRO-2 and FSDP with tied embeddings. precision=mixed (the cuda
-# default) follows fp32 over 100 steps, per strategy. Also: a CUDA run is deterministic
-# and resumes bitwise from its checkpoint; eval and sample run on cuda; the GPU
-# allocator's peak is the estimate (fp32 and mixed).
+# default) and precision=bf16 follow fp32 over 100 steps, per strategy. Also: a CUDA run
+# is deterministic and resumes bitwise from its checkpoint (mixed and bf16); eval and
+# sample run on cuda; the GPU allocator's peak is the estimate (fp32, mixed, bf16).
 #
 # Needs a GPU, the meshtrain binary ($MESHTRAIN_BIN, default build/meshtrain) and
 # build/tests/ckpt_diff beside it. Data: MESHTRAIN_GPU_SHARDS=DIR holding train.bin and
@@ -59,26 +59,49 @@ fsdp|fsdp=true shard_strategy=full
 CASES
 grep -m1 "memory per GPU" "$TMP/m100_ddp.log"
 
+# -- precision=bf16 (bf16 parameters, gradients and moments) follows fp32 too, more
+# loosely: every step's loss within 5%, the mean difference under 2%
+while IFS='|' read -r name keys; do
+  out=$TMP/b100_$name
+  if run "$out" $M $L100 precision=bf16 $keys &&
+     paste <(losses "$TMP/f100") <(losses "$out") | awk '{d=($1-$2)/$1; if(d<0)d=-d; s+=d; if(d>m)m=d; n++; f1=$1; f2=$2}
+       END{printf "  bf16 vs fp32: max %.3g mean %.3g over %d steps; last loss %.4f vs %.4f\n", m, s/n, n, f2, f1;
+           exit !(n == 100 && m < 0.05 && s/n < 0.02)}'
+  then ok "bf16_follows_fp32_100_steps_$name"; else bad "bf16_follows_fp32_100_steps_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+ddp|
+zero2|fsdp=true shard_strategy=grad_op
+fsdp|fsdp=true shard_strategy=full
+CASES
+grep -m1 "memory per GPU" "$TMP/b100_ddp.log"
+
 # -- deterministic: the same CUDA run twice gives bitwise the same losses and parameters
 # (fp32, and mixed)
 strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
 run "$TMP/cuda_again" $M steps=5 device=cuda precision=fp32
 run "$TMP/mixed_a" $M steps=5 device=cuda
 run "$TMP/mixed_b" $M steps=5 device=cuda
+run "$TMP/bf16_a" $M steps=5 device=cuda precision=bf16
+run "$TMP/bf16_b" $M steps=5 device=cuda precision=bf16
 if [ "$(strip "$TMP/cuda_ddp")" = "$(strip "$TMP/cuda_again")" ] && cmp -s "$TMP/cuda_ddp/ckpt.bin" "$TMP/cuda_again/ckpt.bin" &&
-   [ "$(strip "$TMP/mixed_a")" = "$(strip "$TMP/mixed_b")" ] && cmp -s "$TMP/mixed_a/ckpt.bin" "$TMP/mixed_b/ckpt.bin"
+   [ "$(strip "$TMP/mixed_a")" = "$(strip "$TMP/mixed_b")" ] && cmp -s "$TMP/mixed_a/ckpt.bin" "$TMP/mixed_b/ckpt.bin" &&
+   [ "$(strip "$TMP/bf16_a")" = "$(strip "$TMP/bf16_b")" ] && cmp -s "$TMP/bf16_a/ckpt.bin" "$TMP/bf16_b/ckpt.bin"
 then ok cuda_deterministic; else bad cuda_deterministic; fi
 
 # -- bitwise resume on CUDA: 8 straight steps, versus a run stopped (NaN) after its step-4
 # checkpoint and resumed to step 8 (checkpoints go through the host staging both ways)
-S="steps=8 lr_schedule=cosine warmup_steps=2 device=cuda"
-run "$TMP/ra" $M $S
-MESHTRAIN_FAULT_NAN_STEP=5 run "$TMP/rk" $M $S ckpt_every=4
-"$BIN" train resume="$TMP/rk/ckpt.bin" data_dir="$D" device=cuda progress=false out_dir="$TMP/rk" >"$TMP/rk2.log" 2>&1
-la=$(grep '^{"step":[5-8],"loss"' "$TMP/ra/log.jsonl" | sed 's/,"ms".*//')
-lb=$(grep '^{"step":[5-8],"loss"' "$TMP/rk/log.jsonl" | sed 's/,"ms".*//')
-if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$TMP/ra/ckpt.bin" "$TMP/rk/ckpt.bin"
-then ok cuda_resume_bitwise; else bad "cuda_resume_bitwise ($(tail -1 "$TMP/rk2.log"))"; echo "$la"; echo "$lb"; fi
+# (bf16 state: saved widened to fp32, rounded back to the same bf16 on load)
+for prec in mixed bf16; do
+  S="steps=8 lr_schedule=cosine warmup_steps=2 device=cuda precision=$prec"
+  run "$TMP/ra_$prec" $M $S
+  MESHTRAIN_FAULT_NAN_STEP=5 run "$TMP/rk_$prec" $M $S ckpt_every=4
+  "$BIN" train resume="$TMP/rk_$prec/ckpt.bin" data_dir="$D" device=cuda precision=$prec progress=false \
+    out_dir="$TMP/rk_$prec" >"$TMP/rk2_$prec.log" 2>&1
+  la=$(grep '^{"step":[5-8],"loss"' "$TMP/ra_$prec/log.jsonl" | sed 's/,"ms".*//')
+  lb=$(grep '^{"step":[5-8],"loss"' "$TMP/rk_$prec/log.jsonl" | sed 's/,"ms".*//')
+  if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$TMP/ra_$prec/ckpt.bin" "$TMP/rk_$prec/ckpt.bin"
+  then ok "cuda_resume_bitwise_$prec"; else bad "cuda_resume_bitwise_$prec ($(tail -1 "$TMP/rk2_$prec.log"))"; echo "$la"; echo "$lb"; fi
+done
 
 # -- a CPU checkpoint resumed on CUDA continues the CPU run (within TOL)
 run "$TMP/c8" $M steps=8 device=cpu
@@ -97,7 +120,7 @@ if [ "${s1#Once upon a time}" != "$s1" ] && [ "$s1" = "$s2" ]; then ok sample_cu
 
 # -- the allocator's peak on the GPU is the estimate (within 5%), on a run big enough to
 # matter, in fp32 and mixed, whole (ddp) and sharded (fsdp) parameters
-for keys in "precision=fp32" "precision=mixed" "precision=mixed fsdp=true"; do
+for keys in "precision=fp32" "precision=mixed" "precision=mixed fsdp=true" "precision=bf16" "precision=bf16 fsdp=true"; do
   E=$TMP/est_${keys//[ =]/_}
   run "$E" vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" device=cuda $keys
   peak=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
