@@ -2,8 +2,9 @@
  * Each rank keeps only its shard of every unit's parameters, gradients and moments. A
  * unit is all-gathered into a slot just before its forward, released right after, and
  * gathered again before its backward; while one unit computes, the next one's gather is
- * already in flight (prefetch). Gradients go through ZeRO-2's slots: accumulated per unit,
- * reduce-scattered into the shard as soon as the unit's backward ends. Hybrid shards
+ * already in flight (prefetch). Gradients go through ZeRO-2's hooks, in slots of the same
+ * pool (see N_SLOTS): accumulated per unit, reduce-scattered into the shard as soon as the
+ * unit's backward ends. Hybrid shards
  * inside a group (a node) and all-reduces the gradient shards across the groups. */
 #include "ops.h"
 #include "parallel_impl.h"
@@ -11,21 +12,16 @@
 
 static Slot *slot_of(Parallel *p, int u) {
     for (int i = 0; i < N_SLOTS; i++)
-        if (p->pslots[i].unit == u) return &p->pslots[i];
+        if (p->pslots[i].unit == u && !p->pslots[i].grad) return &p->pslots[i];
     return NULL;
 }
 
-static int pslot_free(Parallel *p, Slot *s) {
-    (void)p;
-    return s->unit < 0;
-}
-
-/* Starts gathering unit u into a free slot; NULL when every slot that fits is taken. */
-static Slot *start_gather(Parallel *p, int u) {
-    Slot *s = par_find_slot(p, p->pslots, u, pslot_free);
+/* Starts gathering unit u into a pool slot. A prefetch (may_fail) gives up, returning
+ * NULL, when every slot that fits is taken; a gather that is needed now may wait for a
+ * gradient slot to drain. */
+static Slot *start_gather(Parallel *p, int u, int may_fail) {
+    Slot *s = par_take_slot(p, p->pslots, u, 0, may_fail);
     if (!s) return NULL;
-    s->unit = u;
-    s->cast = 0;
     size_t n = shard_len(p, u);
     op_copy(st_at(s->buf, (size_t)p->r * n), st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
     comm_iallgather(p->group, s->buf, n, par_ctype(), &s->req, "parameter all-gather");
@@ -35,7 +31,7 @@ static Slot *start_gather(Parallel *p, int u) {
 static void fsdp_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
     Slot *s = slot_of(p, u);
-    if (!s && !(s = start_gather(p, u))) die(EXIT_RUN_FAILURE, "internal: no free parameter slot for unit %d", u);
+    if (!s) s = start_gather(p, u, 0);
     par_wait(p, &s->req);
     p->refs[u]++;
     p->m->uparams[u] = s->buf;
@@ -46,7 +42,7 @@ static void fsdp_gather(void *ctx, int u, int next) {
         p->m->ucompute[u] = cbuf;
     }
     if (next >= 0 && !slot_of(p, next)) {
-        Slot *q = start_gather(p, next);
+        Slot *q = start_gather(p, next, 1);
         if (q && !p->overlap) par_wait(p, &q->req);
     }
     par_progress(p);
@@ -65,7 +61,7 @@ static void fsdp_release(void *ctx, int u) {
 void fsdp_drop_prefetch(Parallel *p) {
     for (int i = 0; i < N_SLOTS; i++) {
         Slot *s = &p->pslots[i];
-        if (s->unit >= 0 && p->refs[s->unit] == 0) {
+        if (s->unit >= 0 && !s->grad && p->refs[s->unit] == 0) {
             par_wait(p, &s->req);
             s->unit = -1;
         }
@@ -78,8 +74,7 @@ void fsdp_setup(Parallel *p) {
     p->gshard = op_alloc(shard);
     p->mom1 = op_alloc(shard);
     p->mom2 = op_alloc(shard);
-    par_alloc_slots(p, p->pslots);
-    par_alloc_slots(p, p->gslots);
+    par_alloc_slots(p, p->pslots, 1);  /* one pool for parameters and gradients */
     model_point_units(p->m, NULL, NULL);
     p->hooks.gather = fsdp_gather;
     p->hooks.release = fsdp_release;

@@ -62,7 +62,7 @@ void par_setup_compute(Parallel *p) {
         p->hooks.gather = whole_gather;
     } else {
         size_t caps[N_SLOTS];
-        par_slot_caps(m, caps);
+        par_slot_caps(m, 1, caps);  /* a copy per pool slot (those holding gradients go unused) */
         for (int i = 0; i < N_SLOTS; i++) p->cslots[i] = op_alloc(caps[i] * ops_act_size());
     }
 }
@@ -87,15 +87,20 @@ void parallel_set_adam_steps(Parallel *p, int steps) {
 }
 double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
-void par_slot_caps(const Model *m, size_t caps[N_SLOTS]) {
+void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {
     size_t big = m->units[0].n_padded, layer = m->L > 0 ? m->units[1].n_padded : 0;
     if (m->units[m->L + 1].n_padded > big) big = m->units[m->L + 1].n_padded;
-    caps[0] = big; caps[1] = layer; caps[2] = layer; caps[3] = m->c.tie_embeddings ? big : 0;
+    int tied = m->c.tie_embeddings;
+    if (pool) {  /* see N_SLOTS */
+        caps[0] = big; caps[1] = big; caps[2] = layer; caps[3] = layer; caps[4] = tied ? layer : 0;
+    } else {
+        caps[0] = big; caps[1] = layer; caps[2] = layer; caps[3] = tied ? big : 0; caps[4] = 0;
+    }
 }
 
-void par_alloc_slots(Parallel *p, Slot *slots) {
+void par_alloc_slots(Parallel *p, Slot *slots, int pool) {
     size_t caps[N_SLOTS];
-    par_slot_caps(p->m, caps);
+    par_slot_caps(p->m, pool, caps);
     for (int i = 0; i < N_SLOTS; i++) {
         slots[i].cap = caps[i];
         slots[i].buf = op_alloc(caps[i] * ops_state_size());  /* NULL for an unused slot */
@@ -103,11 +108,31 @@ void par_alloc_slots(Parallel *p, Slot *slots) {
     }
 }
 
-Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, Slot *)) {
-    Slot *best = NULL;
+/* Free: holds nothing, or a gradient whose reduction has finished. A gradient still
+ * accumulating (tok_embed from the head to the end when tied) is never taken. */
+static int slot_free(Parallel *p, Slot *s) {
+    return s->unit < 0 || (s->grad && p->grad_open[s->unit] == 2 && comm_test(&s->req));
+}
+
+Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail) {
     size_t need = p->m->units[u].n_padded;
+    Slot *best = NULL;
     for (int i = 0; i < N_SLOTS; i++)
-        if (slots[i].cap >= need && (!best || slots[i].cap < best->cap) && is_free(p, &slots[i])) best = &slots[i];
+        if (slots[i].cap >= need && (!best || slots[i].cap < best->cap) && slot_free(p, &slots[i])) best = &slots[i];
+    for (int i = 0; i < N_SLOTS && !best && !may_fail; i++) {  /* all busy: wait for a draining one */
+        Slot *s = &slots[i];
+        if (s->cap >= need && s->unit >= 0 && s->grad && p->grad_open[s->unit] == 2) {
+            par_wait(p, &s->req);
+            best = s;
+        }
+    }
+    if (!best) {
+        if (may_fail) return NULL;
+        die(EXIT_RUN_FAILURE, "internal: no free %s slot for unit %d", grad ? "gradient" : "parameter", u);
+    }
+    best->unit = u;
+    best->grad = grad;
+    best->cast = 0;
     return best;
 }
 
@@ -119,7 +144,7 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
     Model *m = p->m;
     size_t caps[N_SLOTS];
     int big = 0;
-    par_slot_caps(m, caps);
+    par_slot_caps(m, 1, caps);
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
     float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
@@ -151,26 +176,8 @@ void par_progress(Parallel *p) {
     for (int i = 0; i < N_SLOTS; i++) { comm_test(&p->pslots[i].req); comm_test(&p->gslots[i].req); }
 }
 
-/* A gradient slot is free when it holds nothing, or a unit whose reduction has finished.
- * A slot still accumulating (tok_embed from the head to the end when tied) is never taken. */
-static int slot_free(Parallel *p, Slot *s) {
-    return s->unit < 0 || (p->grad_open[s->unit] == 2 && comm_test(&s->req));
-}
-
 void *par_grad_slot(Parallel *p, int u) {
-    Slot *slot = par_find_slot(p, p->gslots, u, slot_free);
-    if (!slot) {  /* all busy: wait for the reduction of a slot that fits */
-        size_t need = p->m->units[u].n_padded;
-        for (int i = 0; i < N_SLOTS && !slot; i++) {
-            Slot *s = &p->gslots[i];
-            if (s->cap >= need && s->unit >= 0 && p->grad_open[s->unit] == 2) {
-                par_wait(p, &s->req);
-                slot = s;
-            }
-        }
-    }
-    if (!slot) die(EXIT_RUN_FAILURE, "internal: no free gradient slot for unit %d", u);
-    slot->unit = u;
+    Slot *slot = par_take_slot(p, par_grad_slots(p), u, 1, 0);
     op_zero(slot->buf, p->m->units[u].n_padded * ops_state_size());
     return slot->buf;
 }
@@ -186,14 +193,17 @@ void parallel_begin_step(Parallel *p) {
     if (p->pshard) fsdp_drop_prefetch(p);
     if (p->grads) op_zero(p->grads, p->m->n_flat * ops_state_size());
     memset(p->grad_open, 0, (size_t)p->m->n_units);
-    for (int i = 0; i < N_SLOTS; i++) p->gslots[i].unit = -1;
+    for (int i = 0; i < N_SLOTS; i++) {
+        Slot *s = &par_grad_slots(p)[i];
+        if (s->grad) s->unit = -1;
+    }
 }
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     Model *m = p->m;
     /* Every gradient collective must be done: the gradient is now averaged over dp. */
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
-    for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->gslots[i].req);
+    for (int i = 0; i < N_SLOTS; i++) par_wait(p, &par_grad_slots(p)[i].req);
     if (p->replicas)  /* hybrid: average each shard over the replicas too */
         for (int u = 0; u < m->n_units; u++) {
             comm_iallreduce(p->replicas, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
@@ -264,16 +274,18 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
 }
 
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size) {
-    size_t full = layout->n_flat * state_size, shard = full / (size_t)D, caps[N_SLOTS], elems = 0;
-    par_slot_caps(layout, caps);
+    size_t full = layout->n_flat * state_size, shard = full / (size_t)D, caps[N_SLOTS], elems = 0, pool = 0;
+    par_slot_caps(layout, 0, caps);
     for (int i = 0; i < N_SLOTS; i++) elems += caps[i];
+    par_slot_caps(layout, 1, caps);
+    for (int i = 0; i < N_SLOTS; i++) pool += caps[i];
     size_t slots = elems * state_size;
-    /* bf16 compute copies: of the whole parameters, or of each parameter slot (FSDP) */
-    size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? elems * compute_size : 0;
+    /* bf16 compute copies: of the whole parameters, or of each pool slot (FSDP) */
+    size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? pool * compute_size : 0;
     switch (kind) {
     case PAR_DDP: return (ParallelBytes){full, full, 2 * full, cw};
     case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard, cw};
     case PAR_ZERO2: return (ParallelBytes){full, slots + shard, 2 * shard, cw};
-    default: return (ParallelBytes){shard + slots, slots + shard, 2 * shard, cs};
+    default: return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, cs};  /* pool counted once */
     }
 }

@@ -6,12 +6,20 @@
 #include "parallel.h"
 
 /* Units live in slots while gathered (FSDP) or while their gradient accumulates and
- * drains (ZeRO-2, FSDP). At most two units are live at once (one in use, the next
- * prefetched or the previous one reducing), and at most one of them is the embedding or
- * the head; tied embeddings keep tok_embed live from the head to the end of the backward.
- * So: one slot the size of the largest of tok_embed and the head, two the size of a layer,
- * and a second big one when tied. */
-#define N_SLOTS 4
+ * drains (ZeRO-2, FSDP).
+ * - ZeRO-2's gradient slots: at most two units are live at once (one accumulating, the
+ *   previous one reducing), and at most one of them is the embedding or the head; tied
+ *   embeddings keep tok_embed's gradient open from the head to the end of the backward.
+ *   So: one slot the size of the largest of tok_embed and the head ("big"), two the size
+ *   of a layer, and a second big one when tied.
+ * - FSDP's one pool, shared by gathered parameters and gradients (they are never all live
+ *   at once): in a layer's backward, its parameters, the next unit's prefetch, its
+ *   gradient and the previous unit's draining gradient (four slots, plus tok_embed's open
+ *   gradient when tied); in the head's backward, the head's parameters and gradient (two
+ *   big) and the next layer's prefetch. So: two big slots and two layer slots (three when
+ *   tied); a layer may take a big slot. When the pool is full a prefetch is skipped and a
+ *   gradient waits for the oldest draining one: slower, never wrong. */
+#define N_SLOTS 5
 
 /* Every flat buffer below (parameters, gradients, moments, slots) holds elements of the ops'
  * state type: fp32, or bf16 with precision=bf16 (ops_state_size, st_at). */
@@ -20,6 +28,7 @@ typedef struct {
     size_t cap;     /* elements; 0 = slot not used by this model */
     int unit;       /* unit held, -1 = free */
     CommReq req;    /* the collective filling (params) or draining (grads) it */
+    int grad;       /* holds a gradient (else parameters); FSDP's pool holds both */
     int cast;       /* parameter slots with bf16 compute: the bf16 copy matches buf */
 } Slot;
 
@@ -50,14 +59,20 @@ struct Parallel {
 
 static inline size_t shard_len(const Parallel *p, int u) { return p->m->units[u].n_padded / (size_t)p->D; }
 static inline size_t shard_off(const Parallel *p, int u) { return p->m->units[u].offset / (size_t)p->D; }
+/* Where gradient slots come from: FSDP's shared pool, or ZeRO-2's own set. */
+static inline Slot *par_grad_slots(Parallel *p) { return p->pshard ? p->pslots : p->gslots; }
 /* The collectives' element type: the state type. */
 static inline CommType par_ctype(void) { return ops_state_size() == 2 ? COMM_BF16 : COMM_F32; }
 
-/* Capacities of the N_SLOTS slots for this model (0 = unused); allocation of a slot set. */
-void par_slot_caps(const Model *m, size_t caps[N_SLOTS]);
-void par_alloc_slots(Parallel *p, Slot *slots);
-/* The smallest free slot that holds unit u (free: see `is_free`), or NULL. */
-Slot *par_find_slot(Parallel *p, Slot *slots, int u, int (*is_free)(Parallel *, Slot *));
+/* Capacities of the N_SLOTS slots for this model (0 = unused): ZeRO-2's gradient slots, or
+ * FSDP's pool (pool != 0); allocation of a slot set. */
+void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]);
+void par_alloc_slots(Parallel *p, Slot *slots, int pool);
+/* Takes a slot of `slots` for unit u's gradient (grad = 1) or parameters: the smallest free
+ * one that holds it, where a gradient slot whose reduction has finished counts as free;
+ * failing that, waits for a draining gradient slot that fits. may_fail: returns NULL
+ * instead of waiting (a prefetch). */
+Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail);
 
 /* Waits on r, counting the time as communication wait. */
 void par_wait(Parallel *p, CommReq *r);

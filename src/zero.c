@@ -24,8 +24,9 @@ void zero2_grad_begin(void *ctx, int u) {
 
 void zero2_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
+    Slot *slots = par_grad_slots(p);
     for (int i = 0; i < N_SLOTS; i++)
-        if (p->gslots[i].unit == u) par_reduce_scatter_grad(p, u, p->gslots[i].buf, &p->gslots[i].req);
+        if (slots[i].grad && slots[i].unit == u) par_reduce_scatter_grad(p, u, slots[i].buf, &slots[i].req);
     p->grad_open[u] = 2;
     p->m->ugrads[u] = NULL;
     par_progress(p);
@@ -51,7 +52,7 @@ void zero_setup(Parallel *p) {
         model_point_units(p->m, p->params, p->grads);
         p->hooks.grad_ready = zero1_grad_ready;
     } else {
-        par_alloc_slots(p, p->gslots);
+        par_alloc_slots(p, p->gslots, 0);
         model_point_units(p->m, p->params, NULL);
         p->hooks.grad_begin = zero2_grad_begin;
         p->hooks.grad_ready = zero2_grad_ready;
