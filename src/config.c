@@ -72,6 +72,8 @@ static const Key KEYS[] = {
       "bf16 = bf16 weights, gradients and AdamW state"),
     F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE,
       "refuse runs whose estimate exceeds this (0 = available RAM, or the GPU's free memory)"),
+    B(activation_checkpointing, "false", TR | CMD_ESTIMATE,
+      "keep only each layer's input; the backward recomputes the rest (less memory, one more forward)"),
     B(fsdp, "false", MODEL_CMDS, "fully sharded data parallel (see shard_strategy)"),
     E(shard_strategy, "full", "full|grad_op|no|hybrid", MODEL_CMDS,
       "with fsdp: full = ZeRO-3, grad_op = ZeRO-2, no = DDP, hybrid = ZeRO-3 inside shard groups"),

@@ -21,6 +21,7 @@ typedef struct {
     char out_dir[512], log_file[512], ckpt_path[512], resume[512], checkpoint[512], device[16], precision[16];
     double max_memory_gb;
     /* parallelism */
+    int activation_checkpointing;
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
     char shard_strategy[16];
     double comm_timeout;

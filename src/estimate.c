@@ -60,8 +60,10 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     default: w = 4 * P / N;
     }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0;
-    e->formula = (training ? w : P) + (training ? act_factor * c->n_layers * s * b * h * (34 + 5 * a * s / h) : 0);
+    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0, layer = s * b * h * (34 + 5 * a * s / h);
+    /* with activation checkpointing: each layer's 16-bit input, and one layer in full */
+    double acts_f = training == ACTS_RECOMPUTE ? c->n_layers * 2 * s * b * h + layer : c->n_layers * layer;
+    e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);
 }
 
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {

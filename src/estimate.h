@@ -17,7 +17,7 @@ typedef struct {
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, AdamW moments, activations for
- * backward, as the strategy `kind` over `world` data-parallel ranks (shard_size of them
+ * backward (training = ACTS_RECOMPUTE: with activation checkpointing, see model.h), as the strategy `kind` over `world` data-parallel ranks (shard_size of them
  * per shard group) holds them. data_bytes: the shards the run maps (they count in RSS as
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
  * cuBLASLt workspace and the ops' scratch (the CUDA context is outside the allocator). */

@@ -162,13 +162,15 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t ac
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     size_t ldl = (size_t)ops_logit_stride(c->vocab_size);  /* logit rows are padded */
     size_t NH = c->n_heads, HD = E / NH;
-    /* Training keeps every layer's activations for backward; inference reuses one slot. */
-    size_t Ls = training ? (size_t)c->n_layers : 1;
+    /* Training keeps every layer's activations for backward; inference, and training that
+     * recomputes them, use one layer's worth. The residual stream keeps every layer's input
+     * when training. */
+    size_t Ls = training == 1 ? (size_t)c->n_layers : 1, Lr = training ? (size_t)c->n_layers : 1;
     size_t rows = acts_logit_rows(c, B, T, act_size);
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
-    P(res, (Ls + 1) * N * E);
+    P(res, (Lr + 1) * N * E);
     P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
@@ -206,6 +208,7 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     size_t logit_n;
     int n = acts_plan(&m->c, B, T, training, ops_act_size(), a, s, &logit_n);
     a->B = B; a->T = T; a->N = (size_t)B * T;
+    a->recompute = training == ACTS_RECOMPUTE;
     a->logit_rows = acts_logit_rows(&m->c, B, T, ops_act_size());
     a->inputs = xcalloc(a->N, sizeof(int));
     a->targets = xcalloc(a->N, sizeof(int));
@@ -237,23 +240,26 @@ void acts_free(Acts *a) {
 
 /* ---- forward / backward ---- */
 
-/* Per-layer activation pointers for layer slot s. */
+/* Per-layer activation pointers: the layer's input and output in residual slots r and r+1,
+ * everything else in layer slot `slot`. */
 typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
 
-static LayerActs layer_acts(const Model *m, const Acts *a, int slot) {
+static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
     size_t E = m->E, H = m->H;
     size_t s = (size_t)slot, NA = a->N;  /* slots are strided by the planned N */
     LayerActs la = {
-        .x = act_at(a->res, s * NA * E), .xn1 = act_at(a->xn1, s * NA * E), .rstd1 = a->rstd1 + s * NA,
+        .x = act_at(a->res, (size_t)r * NA * E), .xn1 = act_at(a->xn1, s * NA * E), .rstd1 = a->rstd1 + s * NA,
         .qkv = act_at(a->qkv, s * NA * 3 * E), .att = act_at(a->att, s * NA * E),
         .lse = a->lse + s * (size_t)a->B * m->NH * a->T, .mid = act_at(a->mid, s * NA * E),
         .xn2 = act_at(a->xn2, s * NA * E), .rstd2 = a->rstd2 + s * NA, .gu = act_at(a->gu, s * NA * 2 * H),
-        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, (s + 1) * NA * E),
+        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NA * E),
     };
     return la;
 }
 
-static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T) {
+/* recompute != 0 (activation checkpointing, in the backward): everything the backward
+ * reads, but not the layer's output, which is already in the residual stream. */
+static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, 1 + l);
     const LayerLayout *ly = &m->layer;
     int N = B * T, E = m->E, H = m->H;
@@ -266,6 +272,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     op_rmsnorm_forward(la->xn2, la->rstd2, la->mid, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
     op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
+    if (recompute) return;
     op_matmul_forward(la->out, la->hsw, act_at(w, ly->down), N, H, E);
     op_add(la->out, la->mid, (size_t)N * E);
 }
@@ -304,11 +311,11 @@ static void trunk_forward(Model *m, Acts *a, int B, int T, int training, const U
     op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, 0), N, m->E);
     HOOK(h, release, 0);
     for (int l = 0; l < m->L; l++) {
-        int slot = training ? l : 0;
-        LayerActs la = layer_acts(m, a, slot);
+        int slot = training && !a->recompute ? l : 0, r = training ? l : 0;
+        LayerActs la = layer_acts(m, a, slot, r);
         if (!training && l > 0) op_copy(la.x, la.out, (size_t)N * m->E * ops_act_size());
         HOOK(h, gather, 1 + l, 2 + l);
-        layer_forward(m, a, l, &la, B, T);
+        layer_forward(m, a, l, &la, B, T, 0);
         HOOK(h, release, 1 + l);
     }
 }
@@ -367,8 +374,9 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     if (!grad) return mean_loss(a);
 
     for (int l = m->L - 1; l >= 0; l--) {
-        LayerActs la = layer_acts(m, a, l);
+        LayerActs la = layer_acts(m, a, a->recompute ? 0 : l, l);
         HOOK(h, gather, 1 + l, l > 0 ? l : -1);
+        if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
         HOOK(h, grad_begin, 1 + l);
         layer_backward(m, a, l, &la);
         HOOK(h, grad_ready, 1 + l);

@@ -88,6 +88,7 @@ const void *model_lm_head(const Model *m);
  * activations (fp32 or bf16: ops_act_size()), `float *` ones fp32 statistics. */
 typedef struct {
     int B, T;
+    int recompute;          /* activation checkpointing: see ACTS_RECOMPUTE */
     size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
     int *inputs, *targets;  /* host: the loader fills them; model_step uploads them */
     int *dev_inputs, *dev_targets;
@@ -104,8 +105,13 @@ typedef struct {
     size_t bytes;
 } Acts;
 
-/* Bytes the activations of a B x T step take with act_size-byte activations (4: fp32,
+/* `training`: 0 = inference (one layer's activations, reused), 1 = training (every layer's
+ * activations kept for backward), ACTS_RECOMPUTE = training with activation checkpointing:
+ * only each layer's input is kept, and the backward recomputes the layer's forward into
+ * one layer's buffers before its backward (one more forward of the layers per step).
+ * Bytes the activations of a B x T step take with act_size-byte activations (4: fp32,
  * 2: bf16); the estimator and acts_alloc share it. */
+#define ACTS_RECOMPUTE 2
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes);
 size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size);
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training);

@@ -23,6 +23,8 @@ OpsPrecision precision_of(const Config *c) {
     return OPS_FP32;
 }
 
+int train_acts_mode(const Config *c) { return c->activation_checkpointing ? ACTS_RECOMPUTE : 1; }
+
 ParallelKind strategy_of(const Config *c) {
     if (c->fsdp) {
         if (!strcmp(c->shard_strategy, "no")) return PAR_DDP;

@@ -14,6 +14,8 @@ void ops_init_or_die(const char *device, int threads);
 ParallelKind strategy_of(const Config *c);
 /* 1 when the run computes in bf16 (precision=mixed, or auto on cuda). */
 OpsPrecision precision_of(const Config *c);
+/* acts_alloc / acts_bytes' `training` for a training run: 1, or ACTS_RECOMPUTE. */
+int train_acts_mode(const Config *c);
 void mkdir_p(const char *dir);
 void mkdir_parent(const char *path);
 /* Opens a shard or exits 2 with a line that says how to make it. */

@@ -213,7 +213,7 @@ int cmd_train(Config *c) {
     if (ops_set_precision(prec, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
-    estimate_memory(&mc, B, T, 1, data_bytes, kind, world.size, mesh.shard_size, gpu, prec, &est);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, &est);
     if (val_B != B) {  /* a short validation shard gets its own, smaller activations */
         size_t extra = acts_bytes(&mc, val_B, T, 0, ops_act_size(), NULL);
         est.acts += extra;
@@ -244,7 +244,7 @@ int cmd_train(Config *c) {
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
     const UnitHooks *hooks = parallel_hooks(par);
     Acts a;
-    acts_alloc(&a, &m, B, T, 1);
+    acts_alloc(&a, &m, B, T, train_acts_mode(c));
     int start = 0, max_ranges = 2 * m.n_units + 2;
     StateRange *ranges = xmalloc((size_t)max_ranges * sizeof *ranges);
     if (resuming) {

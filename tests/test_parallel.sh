@@ -61,6 +61,22 @@ ddp_no_overlap|2|overlap=false
 fsdp_no_overlap|2|fsdp=true overlap=false
 CASES
 
+# -- activation checkpointing recomputes exactly what the forward kept: bitwise the same
+# losses and parameters, in one process and in FSDP over 2 ranks (tied)
+strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
+"$BIN" train $M tie_embeddings=false batch_size=8 activation_checkpointing=true out_dir="$TMP/ac1" >/dev/null 2>&1
+$MPIRUN -np 2 "$BIN" train $M tie_embeddings=true batch_size=4 fsdp=true activation_checkpointing=true \
+  out_dir="$TMP/ac2" </dev/null >/dev/null 2>&1
+if [ -n "$(strip "$TMP/ac1")" ] && [ "$(strip "$TMP/ac1")" = "$(strip "$TMP/ref_false")" ] &&
+   cmp -s "$TMP/ac1/ckpt.bin" "$TMP/ref_false/ckpt.bin" &&
+   [ -n "$(strip "$TMP/ac2")" ] && [ "$(strip "$TMP/ac2")" = "$(strip "$TMP/fsdp_2_true")" ] &&
+   cmp -s "$TMP/ac2/ckpt.bin" "$TMP/fsdp_2_true/ckpt.bin"
+then ok activation_checkpointing_bitwise; else bad activation_checkpointing_bitwise; fi
+EST="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=8"
+a1=$("$BIN" estimate $EST | awk '$1 == "activations" {print $2 $3}')
+a2=$("$BIN" estimate $EST activation_checkpointing=true | awk '$1 == "activations" {print $2 $3}')
+[ -n "$a1" ] && [ "$a1" != "$a2" ] && ok "activation_checkpointing_estimate ($a2 vs $a1)" || bad "activation_checkpointing_estimate ($a2 vs $a1)"
+
 # -- memory per rank falls as each strategy predicts, and the estimate stays within 10%
 # of every rank's max RSS (a model whose state, not the runtime, dominates).
 B="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 batch_size=2 steps=2 progress=false threads=1 data_dir=$D"
