@@ -108,29 +108,48 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
     return n;
 }
 
-void model_init_unit(const Model *m, int u, float *buf, uint64_t seed) {
+/* Elements are drawn in blocks of this many, each from its own jump into the tensor's
+ * stream: the values do not depend on the blocking or the thread count. */
+#define INIT_BLOCK ((size_t)1 << 18)
+
+void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
     const Unit *un = &m->units[u];
-    memset(buf, 0, un->n_padded * sizeof(float));
+    memset(buf, 0, (hi - lo) * sizeof(float));
     int max = 8 + 7 * m->L;
     TensorInfo *t = xmalloc((size_t)max * sizeof *t);
     int nt = model_tensors(m, t, max);
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->L);
     for (int i = 0; i < nt; i++) {
         if (t[i].offset < un->offset || t[i].offset >= un->offset + un->n) continue;
-        /* Each tensor has its own stream, so any unit can be built alone (FSDP ranks
-         * initialise one unit at a time and keep only their shard). */
-        Rng r;
-        rng_seed(&r, seed * 1000003ULL + (uint64_t)i);
-        float *p = buf + (t[i].offset - un->offset);
-        size_t n = (size_t)t[i].rows * t[i].cols;
+        /* Each tensor has its own stream, so any unit, or any range of it, can be built
+         * alone (FSDP ranks initialise only their shard). */
+        size_t t0 = t[i].offset - un->offset, n = (size_t)t[i].rows * t[i].cols;
+        if (hi <= t0 || lo >= t0 + n) continue;
+        size_t a = lo > t0 ? lo - t0 : 0, b = hi < t0 + n ? hi - t0 : n;  /* [a, b) of the tensor */
+        float *p = buf + (t0 + a - lo);  /* element a of the tensor */
         if (strstr(t[i].name, "norm")) {
-            for (size_t j = 0; j < n; j++) p[j] = 1.0f;
-        } else {
-            float std = (strstr(t[i].name, "att_out_proj") || strstr(t[i].name, "down_proj")) ? resid_std : 0.02f;
-            for (size_t j = 0; j < n; j++) p[j] = std * rng_normal(&r);
+            for (size_t j = 0; j < b - a; j++) p[j] = 1.0f;
+            continue;
+        }
+        float std = (strstr(t[i].name, "att_out_proj") || strstr(t[i].name, "down_proj")) ? resid_std : 0.02f;
+        uint64_t s = seed * 1000003ULL + (uint64_t)i;
+        long nb = (long)((b - 1) / INIT_BLOCK - a / INIT_BLOCK + 1);
+#pragma omp parallel for schedule(dynamic, 1)
+        for (long k = 0; k < nb; k++) {
+            size_t j0 = (a / INIT_BLOCK + (size_t)k) * INIT_BLOCK, j1 = j0 + INIT_BLOCK;
+            if (j0 < a) j0 = a;
+            if (j1 > b) j1 = b;
+            Rng r;
+            rng_seed(&r, s);
+            rng_jump(&r, 2 * (uint64_t)j0);  /* two draws per normal */
+            for (size_t j = j0; j < j1; j++) p[j - a] = std * rng_normal(&r);
         }
     }
     free(t);
+}
+
+void model_init_unit(const Model *m, int u, float *buf, uint64_t seed) {
+    model_init_range(m, u, 0, m->units[u].n_padded, buf, seed);
 }
 
 void model_init_weights(Model *m, uint64_t seed) {

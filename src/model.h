@@ -70,6 +70,9 @@ void model_free(Model *m);
 void model_init_weights(Model *m, uint64_t seed);
 /* The same init for unit u alone, into buf (n_padded floats, padding zeroed). */
 void model_init_unit(const Model *m, int u, float *buf, uint64_t seed);
+/* ... for elements [lo, hi) of unit u alone (offsets within the unit), into buf[0, hi-lo):
+ * the same values as those elements of model_init_unit, at a fraction of the work. */
+void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed);
 
 static inline void *unit_params(const Model *m, int u) { return m->uparams[u]; }
 /* The weights the ops compute with: the bf16 copy when there is one, else the parameters. */

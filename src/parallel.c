@@ -136,10 +136,9 @@ Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail) {
     return best;
 }
 
-/* model_init_unit writes host fp32. On the cpu it writes straight into the whole
- * parameters, or (FSDP) into the largest parameter slot, of which this rank keeps its
- * shard; on a device each unit goes through one host buffer and is uploaded (rounded to
- * bf16 with precision=bf16). */
+/* The init writes host fp32: on the cpu straight into the whole parameters or this rank's
+ * shard (FSDP builds only its shard of each unit); on a device through one host buffer,
+ * uploaded unit by unit (rounded to bf16 with precision=bf16). */
 void parallel_init_weights(Parallel *p, uint64_t seed) {
     Model *m = p->m;
     size_t caps[N_SLOTS];
@@ -148,14 +147,10 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
     float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
-        void *whole = p->params ? st_at(p->params, m->units[u].offset) : NULL;
-        float *buf = host ? host : whole ? whole : p->pslots[big].buf;
-        model_init_unit(m, u, buf, seed);
-        if (whole) {
-            if (host) op_upload_state(whole, buf, m->units[u].n_padded);
-        } else {
-            op_upload_state(st_at(p->pshard, shard_off(p, u)), buf + (size_t)p->r * shard_len(p, u), shard_len(p, u));
-        }
+        size_t n = p->params ? m->units[u].n_padded : shard_len(p, u), lo = p->params ? 0 : (size_t)p->r * n;
+        void *dst = p->params ? st_at(p->params, m->units[u].offset) : st_at(p->pshard, shard_off(p, u));
+        model_init_range(m, u, lo, lo + n, host ? host : dst, seed);
+        if (host) op_upload_state(dst, host, n);
     }
     free(host);
     p->cstale = 1;

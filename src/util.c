@@ -175,6 +175,31 @@ uint64_t rng_u64(Rng *r) {
     return x * 0x2545F4914F6CDD1DULL;
 }
 
+/* One xorshift step of a bare state, as rng_u64 takes it. */
+static uint64_t xs_step(uint64_t x) {
+    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
+    return x;
+}
+/* The linear map with columns col (col[i] = image of bit i) applied to v. */
+static uint64_t gf2_apply(const uint64_t col[64], uint64_t v) {
+    uint64_t r = 0;
+    for (int i = 0; v; i++, v >>= 1)
+        if (v & 1) r ^= col[i];
+    return r;
+}
+
+void rng_jump(Rng *r, uint64_t steps) {
+    uint64_t p[64], q[64];  /* p = the step's matrix raised to 2^b */
+    for (int i = 0; i < 64; i++) p[i] = xs_step(1ULL << i);
+    for (; steps; steps >>= 1) {
+        if (steps & 1) r->s = gf2_apply(p, r->s);
+        if (steps > 1) {
+            for (int i = 0; i < 64; i++) q[i] = gf2_apply(p, p[i]);
+            memcpy(p, q, sizeof p);
+        }
+    }
+}
+
 float rng_uniform(Rng *r) { return (float)((rng_u64(r) >> 40) * (1.0 / 16777216.0)); }
 
 float rng_normal(Rng *r) {

@@ -47,7 +47,11 @@ typedef struct { uint64_t s; } Rng;
 void rng_seed(Rng *r, uint64_t seed);
 uint64_t rng_u64(Rng *r);
 float rng_uniform(Rng *r);       /* [0, 1) */
-float rng_normal(Rng *r);        /* N(0, 1) */
+float rng_normal(Rng *r);        /* N(0, 1); draws exactly two rng_u64 */
+/* Advances r as `steps` calls of rng_u64 would (xorshift is linear over GF(2): the step's
+ * 64x64 bit matrix raised to `steps` by squaring), so that blocks of one stream can be
+ * generated in parallel, or a shard of it alone. */
+void rng_jump(Rng *r, uint64_t steps);
 
 /* Formats 1234567 as "1,234,567" into buf (size >= 32). */
 const char *fmt_commas(char *buf, long long v);

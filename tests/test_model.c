@@ -184,8 +184,56 @@ static void test_init_statistics(void) {
     model_free(&m);
 }
 
+/* rng_jump(k) is k draws; the init's blocks and ranges are its one sequential stream per
+ * tensor: any range of a unit is the same values as the whole unit, which are each
+ * tensor's stream drawn in order (seeded by tensor index, as model_init_unit documents). */
+static void test_init_ranges(void) {
+    uint64_t ks[] = {0, 1, 2, 63, 64, 1000, 123457, (1ULL << 33) + 5};
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
+        Rng a, b;
+        rng_seed(&a, 99);
+        rng_seed(&b, 99);
+        uint64_t k = ks[i] < 200000 ? ks[i] : 0;
+        for (uint64_t j = 0; j < k; j++) rng_u64(&a);
+        rng_jump(&b, k);
+        CHECK(rng_u64(&a) == rng_u64(&b), "jump %llu", (unsigned long long)k);
+    }
+    Rng c, d;  /* a long jump composes: 2^33 + 5 = (2^33) + 5 */
+    rng_seed(&c, 5); rng_seed(&d, 5);
+    rng_jump(&c, (1ULL << 33) + 5);
+    rng_jump(&d, 1ULL << 33); rng_jump(&d, 5);
+    CHECK(c.s == d.s, "jump composes");
+
+    ModelConfig mc = {300, 640, 4, 2, 16, 0};  /* tensors larger than one init block */
+    Model m;
+    model_init_layout(&m, &mc, 3, 0);
+    int u = 1;
+    size_t n = m.units[u].n_padded;
+    float *whole = xmalloc(n * sizeof(float)), *part = xmalloc(n * sizeof(float));
+    model_init_unit(&m, u, whole, 11);
+    size_t cuts[] = {0, 1, 262143, 262145, n / 3, 2 * n / 3, n - 1, n};
+    int bad = 0;
+    for (size_t i = 0; i + 1 < sizeof cuts / sizeof cuts[0]; i++) {
+        model_init_range(&m, u, cuts[i], cuts[i + 1], part + cuts[i], 11);
+    }
+    bad += memcmp(whole, part, n * sizeof(float)) != 0;
+    CHECK(!bad, "ranges differ from the whole unit");
+    /* the first tensor of the layer that is drawn (qkv) against its stream drawn in order */
+    TensorInfo t[32];
+    int nt = model_tensors(&m, t, 32), q = -1;
+    for (int i = 0; i < nt; i++) if (strstr(t[i].name, "blocks.0.qkv")) q = i;
+    Rng r;
+    rng_seed(&r, 11 * 1000003ULL + (uint64_t)q);
+    size_t off = t[q].offset - m.units[u].offset, k = (size_t)t[q].rows * t[q].cols;
+    for (size_t j = 0; j < k && !bad; j++) bad += whole[off + j] != 0.02f * rng_normal(&r);
+    CHECK(!bad, "qkv is not its stream in order");
+    free(whole); free(part);
+    model_free(&m);
+}
+
 int main(void) {
     ops_init("cpu", 0, NULL, 0);
+    RUN(test_init_ranges);
     RUN(test_param_counts);
     RUN(test_layout_padding);
     RUN(test_init_statistics);
