@@ -62,7 +62,7 @@ static const Key KEYS[] = {
     B(progress, "true", TR, "progress bar when stderr is a terminal"),
     S(out_dir, "runs", TR, "folder for the log and checkpoints"),
     S(log_file, "", TR, "JSON-lines log (default <out_dir>/log.jsonl)"),
-    S(ckpt_path, "", TR, "checkpoint file (default <out_dir>/ckpt.bin)"),
+    S(ckpt_path, "", TR, "checkpoint file (default <out_dir>/ckpt.bin; none = save no checkpoint)"),
     S(resume, "", TR, "checkpoint to continue from (model keys come from it)"),
     S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL, "checkpoint to sample from / evaluate"),
     E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,

@@ -268,10 +268,11 @@ int cmd_train(Config *c) {
     OptimConfig oc = {c->lr, c->min_lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip,
                       c->warmup_steps, c->steps, !strcmp(c->lr_schedule, "cosine")};
     FILE *log = NULL;
+    int saving = strcmp(c->ckpt_path, "none") != 0;
     if (lead) {
         mkdir_p(c->out_dir);
         mkdir_parent(c->log_file);
-        mkdir_parent(c->ckpt_path);
+        if (saving) mkdir_parent(c->ckpt_path);
         log = fopen(c->log_file, resuming ? "a" : "w");
         if (!log) die(EXIT_BAD_INPUT, "cannot open log file %s", c->log_file);
     }
@@ -347,7 +348,7 @@ int cmd_train(Config *c) {
                 fflush(log);
             }
         }
-        if ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last) {
+        if (saving && ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last)) {
             LoaderState ls = loader_get_state(&loader);
             h.step = step + 1; h.adam_step = parallel_adam_steps(par);
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
@@ -396,7 +397,7 @@ int cmd_train(Config *c) {
         if (world.size > 1 || comm_timed > 0)
             printf("communication: %.1f%% of the step blocked on gradient collectives (overlap=%s)\n",
                    t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
-        printf("checkpoint: %s\n", c->ckpt_path);
+        printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     free(ranges);
     acts_free(&a);
