@@ -80,11 +80,8 @@ void parallel_free(Parallel *p) {
 
 const UnitHooks *parallel_hooks(Parallel *p) { return &p->hooks; }
 int parallel_adam_steps(const Parallel *p) { return p->adam_steps; }
-/* Called after a checkpoint's parameters were loaded: the compute copy is stale too. */
-void parallel_set_adam_steps(Parallel *p, int steps) {
-    p->adam_steps = steps;
-    p->cstale = 1;
-}
+void parallel_set_adam_steps(Parallel *p, int steps) { p->adam_steps = steps; }
+void parallel_params_changed(Parallel *p) { p->cstale = 1; }
 double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {

@@ -33,6 +33,9 @@ void parallel_begin_step(Parallel *p);
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);
+/* The parameters were written from outside (a checkpoint loaded into parallel_ranges):
+ * copies made from them (precision=mixed's bf16 weights) are remade before next use. */
+void parallel_params_changed(Parallel *p);
 /* Seconds this rank spent blocked on gradient collectives in the last step. */
 double parallel_comm_wait(const Parallel *p);
 

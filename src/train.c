@@ -254,6 +254,7 @@ int cmd_train(Config *c) {
         if (ckpt_load_dist(c->resume, &resume_h, need, n, 1, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
         stage_copy(ranges, n, &st, -1);
         stage_free(&st);
+        parallel_params_changed(par);
         parallel_set_adam_steps(par, resume_h.adam_step);
         LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
         if (loader_set_state(&loader, ls, err, sizeof err)) die(EXIT_BAD_INPUT, "%s: %s", c->resume, err);
