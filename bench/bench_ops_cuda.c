@@ -2,6 +2,7 @@
  * configuration (E=1024, 8 heads, B*T = 128*256 tokens), in bf16 (precision=mixed), fp32, or
  * pure bf16 (precision=bf16: AdamW's state in bf16 too).
  * Usage: bench_ops_cuda [mixed|fp32|bf16] [E] [NH] [B] [T]
+ * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention).
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
  * visible. Needs a GPU. */
@@ -14,10 +15,19 @@
 
 static Rng rng;
 
+/* n random floats: a block of 2^20 + 7 normal draws repeated (drawing them all took most of
+ * a run's time; the repetition is far larger than any cache) */
+static float *rand_host(size_t n, float s) {
+    float *h = xmalloc(n * sizeof(float));
+    size_t blk = ((size_t)1 << 20) + 7;
+    for (size_t i = 0; i < n && i < blk; i++) h[i] = s * rng_normal(&rng);
+    for (size_t i = blk; i < n; i += blk) memcpy(h + i, h, (n - i < blk ? n - i : blk) * sizeof(float));
+    return h;
+}
+
 /* random device activations (uploaded as fp32 and converted, so bf16 gets real values) */
 static void *rand_act(size_t n, float s) {
-    float *h = xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) h[i] = s * rng_normal(&rng);
+    float *h = rand_host(n, s);
     float *d = op_alloc(n * sizeof(float));
     op_upload(d, h, n * sizeof(float));
     void *a = op_alloc(n * ops_act_size());
@@ -29,11 +39,9 @@ static void *rand_act(size_t n, float s) {
 
 /* random device parameter state (fp32, or bf16 in precision=bf16); |values| when positive */
 static void *rand_state(size_t n, float s, int positive) {
-    float *h = xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        float v = s * rng_normal(&rng);
-        h[i] = positive && v < 0 ? -v : v;
-    }
+    float *h = rand_host(n, s);
+    if (positive)
+        for (size_t i = 0; i < n; i++) h[i] = h[i] < 0 ? -h[i] : h[i];
     void *d = op_alloc(n * ops_state_size());
     op_upload_state(d, h, n);
     free(h);
@@ -73,9 +81,11 @@ int main(int argc, char **argv) {
     printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)\n", ops_device_name(), fp32 ? "fp32" : pure ? "bf16 (state too)" : "bf16", E, NH, H, N, B, T);
     double s;
     char what[96];
+    const char *only = getenv("BENCH_OPS");
+    int mem_only = only && !strcmp(only, "mem");
     /* matmuls of a layer, and one lm_head chunk */
     int shapes[][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    for (size_t i = 0; i < (mem_only ? 0 : sizeof shapes / sizeof shapes[0]); i++) {
         int n = shapes[i][0], c = shapes[i][1], oc = shapes[i][2];
         int ld = oc == V ? ops_logit_stride(V) : oc; /* the lm_head writes padded logit rows */
         void *x = rand_act((size_t)n * c, 1), *w = rand_act((size_t)oc * c, 0.02f), *y = rand_act((size_t)n * ld, 1);
@@ -99,10 +109,12 @@ int main(int argc, char **argv) {
         void *qkv = rand_act(nq, 1), *out = rand_act(no, 1), *dout = rand_act(no, 1), *dqkv = rand_act(nq, 1);
         float *lse = op_alloc((size_t)B * NH * T * sizeof(float));
         double f = 4.0 * B * NH * (double)T * T * HD / 2;
-        TIME(s, op_attention_forward(out, lse, qkv, B, T, NH, HD));
-        report_flops("attention forward (causal FLOPs)", s, f);
-        TIME(s, op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
-        report_flops("attention backward (2.5x forward)", s, 2.5 * f);
+        if (!mem_only) {
+            TIME(s, op_attention_forward(out, lse, qkv, B, T, NH, HD));
+            report_flops("attention forward (causal FLOPs)", s, f);
+            TIME(s, op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
+            report_flops("attention backward (2.5x forward)", s, 2.5 * f);
+        }
         float *cs = op_alloc((size_t)T * HD / 2 * sizeof(float)), *sn = op_alloc((size_t)T * HD / 2 * sizeof(float));
         op_rope_tables(cs, sn, T, HD, 10000.0f);
         TIME(s, op_rope_forward(qkv, cs, sn, B, T, NH, HD));
