@@ -201,6 +201,15 @@ static __device__ __forceinline__ void ld8(float *v, const void *p, size_t i, in
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
 }
+static __device__ __forceinline__ void unpack8_bf16(float *v, uint4 u) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float2 f = __bfloat1622float2(h[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+}
 static __device__ __forceinline__ uint4 pack8_bf16(const float *v) {
     uint4 u;
     __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
@@ -593,10 +602,29 @@ rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, 
  * vectors: a lane owns channels [8(32k + l), +8) of every row its warp takes, so it keeps
  * their dw sums in registers (in row order, as the shared-memory rows above do) and writes
  * them to shared memory once. dout, x and dx of a row are loaded together (one memory
- * latency per row) and kept in registers for the dx update. */
-static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
-rmsnorm8_backward_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
-                         int N, int C, int nb, int bf) {
+ * latency per row) and kept, as loaded, in registers for the dx update. The body is
+ * compiled once per element type (bf a constant), so bf16 rows take half the registers
+ * and more warps fit on an SM to hide the per-row latency. */
+static __device__ __forceinline__ void ldraw8(uint4 *r, const void *p, size_t i, int bf) {
+    if (bf) {
+        r[0] = *(const uint4 *)((const bf16 *)p + i);
+    } else {
+        r[0] = *(const uint4 *)((const float *)p + i);
+        r[1] = *(const uint4 *)((const float *)p + i + 4);
+    }
+}
+static __device__ __forceinline__ void unraw8(float *v, const uint4 *r, int bf) {
+    if (bf) {
+        unpack8_bf16(v, r[0]);
+    } else {
+        v[0] = __uint_as_float(r[0].x), v[1] = __uint_as_float(r[0].y), v[2] = __uint_as_float(r[0].z);
+        v[3] = __uint_as_float(r[0].w), v[4] = __uint_as_float(r[1].x), v[5] = __uint_as_float(r[1].y);
+        v[6] = __uint_as_float(r[1].z), v[7] = __uint_as_float(r[1].w);
+    }
+}
+static __device__ __forceinline__ void rmsnorm8_backward_body(void *dx, float *part, const void *dout, const void *x,
+                                                              const void *w, const float *rstd, int N, int C, int nb,
+                                                              const int bf) {
     extern __shared__ float acc[]; /* [RMS_BWD_WARPS][C] */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x;
     float dwa[RMS_VEC][8];
@@ -608,26 +636,28 @@ rmsnorm8_backward_kernel(void *dx, float *part, const void *dout, const void *x,
     for (int row = n0 + warp; row < n1; row += RMS_BWD_WARPS) {
         size_t r0 = (size_t)row * C;
         float r = rstd[row], dot = 0.0f;
-        float g[RMS_VEC][8], xv[RMS_VEC][8], d[RMS_VEC][8];
+        uint4 graw[RMS_VEC][2], xraw[RMS_VEC][2], draw[RMS_VEC][2];
 #pragma unroll
         for (int k = 0; k < RMS_VEC; k++) {
             int c = (32 * k + lane) * 8;
             if (c < C) {
-                ld8(g[k], dout, r0 + c, bf);
-                ld8(xv[k], x, r0 + c, bf);
-                if (dx) ld8(d[k], dx, r0 + c, bf);
+                ldraw8(graw[k], dout, r0 + c, bf);
+                ldraw8(xraw[k], x, r0 + c, bf);
+                if (dx) ldraw8(draw[k], dx, r0 + c, bf);
             }
         }
 #pragma unroll
         for (int k = 0; k < RMS_VEC; k++) {
             int c = (32 * k + lane) * 8;
             if (c < C) {
-                float wv[8];
+                float g[8], xv[8], wv[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
                 ld8(wv, w, c, bf);
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    dot += g[k][e] * wv[e] * xv[k][e];
-                    dwa[k][e] += g[k][e] * (xv[k][e] * r);
+                    dot += g[e] * wv[e] * xv[e];
+                    dwa[k][e] += g[e] * (xv[e] * r);
                 }
             }
         }
@@ -638,11 +668,14 @@ rmsnorm8_backward_kernel(void *dx, float *part, const void *dout, const void *x,
         for (int k = 0; k < RMS_VEC; k++) {
             int c = (32 * k + lane) * 8;
             if (c < C) {
-                float wv[8];
+                float g[8], xv[8], wv[8], d[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
+                unraw8(d, draw[k], bf);
                 ld8(wv, w, c, bf);
 #pragma unroll
-                for (int e = 0; e < 8; e++) d[k][e] += r * wv[e] * g[k][e] - coef * xv[k][e];
-                st8(dx, r0 + c, d[k], bf);
+                for (int e = 0; e < 8; e++) d[e] += r * wv[e] * g[e] - coef * xv[e];
+                st8(dx, r0 + c, d, bf);
             }
         }
     }
@@ -660,6 +693,16 @@ rmsnorm8_backward_kernel(void *dx, float *part, const void *dout, const void *x,
         for (int k = 0; k < RMS_BWD_WARPS; k++) sum += acc[(size_t)k * C + c];
         part[(size_t)b * C + c] = sum;
     }
+}
+static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
+rmsnorm8_backward_bf16_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
+                              int N, int C, int nb) {
+    rmsnorm8_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 1);
+}
+static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
+rmsnorm8_backward_f32_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
+                             int N, int C, int nb) {
+    rmsnorm8_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 0);
 }
 
 /* dw, second pass: a block of 32 x 32 threads per 32 channels; thread (x, y) sums the
@@ -1200,15 +1243,6 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
  * copied but never used or written. 512 threads: two blocks then have 64 registers a thread. */
 #define CE8_BLOCK 512
 #define CE_SMEM_BLOCKS 2
-static __device__ __forceinline__ void unpack8_bf16(float *v, uint4 u) {
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        float2 f = __bfloat1622float2(h[k]);
-        v[2 * k] = f.x;
-        v[2 * k + 1] = f.y;
-    }
-}
 static __global__ void __launch_bounds__(CE8_BLOCK, CE_SMEM_BLOCKS)
 crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, int V, float scale) {
     extern __shared__ uint4 ce_row[]; /* [ceil(V / 8)] */
@@ -1243,13 +1277,21 @@ crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, i
             for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = __float2bfloat16(NAN);
         return;
     }
+    /* each chunk's 8 exps (each <= 1) summed in fp32 (relative error ~1e-7), the chunks in
+     * double: the conversions to double cost as much as the exps themselves */
     double sum = 0.0;
     for (int k = threadIdx.x; k < nch; k += blockDim.x) {
-        float v[8];
+        float v[8], cs = 0.0f;
         unpack8_bf16(v, ce_row[k]);
+        if (8 * k + 8 <= V) {
 #pragma unroll
-        for (int e = 0; e < 8; e++)
-            if (8 * k + e < V) sum += (double)expf(v[e] - mx);
+            for (int e = 0; e < 8; e++) cs += expf(v[e] - mx);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (8 * k + e < V) cs += expf(v[e] - mx);
+        }
+        sum += (double)cs;
     }
     sum = block_sum_double(sum);
     if (threadIdx.x == 0) losses[n] = (float)((double)mx + log(sum) - (double)lt);
@@ -1549,8 +1591,12 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
     }
     float *part = (float *)scratch((size_t)nb * C * sizeof(float));
     if (C % 8 == 0 && C <= 256 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) { /* dx may be NULL */
-        rmsnorm8_backward_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C, nb,
-                                                                             g.bf16);
+        if (g.bf16)
+            rmsnorm8_backward_bf16_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C,
+                                                                                      nb);
+        else
+            rmsnorm8_backward_f32_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C,
+                                                                                     nb);
         LAUNCH_CHECK(rmsnorm8_backward_kernel);
     } else {
         rmsnorm_backward_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C, nb,
