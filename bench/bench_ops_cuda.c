@@ -1,6 +1,8 @@
 /* bench_ops_cuda — the cuda backend's ops at the sizes of one layer of the post's
- * configuration (E=1024, 8 heads, B*T = 128*256 tokens), in bf16 (precision=mixed) or fp32.
- * Usage: bench_ops_cuda [fp32] [E] [NH] [B] [T]
+ * configuration (E=1024, 8 heads, B*T = 128*256 tokens), in bf16 (precision=mixed), fp32, or
+ * pure bf16 (precision=bf16: AdamW's state in bf16 too).
+ * Usage: bench_ops_cuda [mixed|fp32|bf16] [E] [NH] [B] [T]
+ * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention).
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
  * visible. Needs a GPU. */
@@ -13,10 +15,19 @@
 
 static Rng rng;
 
+/* n random floats: a block of 2^20 + 7 normal draws repeated (drawing them all took most of
+ * a run's time; the repetition is far larger than any cache) */
+static float *rand_host(size_t n, float s) {
+    float *h = xmalloc(n * sizeof(float));
+    size_t blk = ((size_t)1 << 20) + 7;
+    for (size_t i = 0; i < n && i < blk; i++) h[i] = s * rng_normal(&rng);
+    for (size_t i = blk; i < n; i += blk) memcpy(h + i, h, (n - i < blk ? n - i : blk) * sizeof(float));
+    return h;
+}
+
 /* random device activations (uploaded as fp32 and converted, so bf16 gets real values) */
 static void *rand_act(size_t n, float s) {
-    float *h = xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) h[i] = s * rng_normal(&rng);
+    float *h = rand_host(n, s);
     float *d = op_alloc(n * sizeof(float));
     op_upload(d, h, n * sizeof(float));
     void *a = op_alloc(n * ops_act_size());
@@ -24,6 +35,17 @@ static void *rand_act(size_t n, float s) {
     op_free(d);
     free(h);
     return a;
+}
+
+/* random device parameter state (fp32, or bf16 in precision=bf16); |values| when positive */
+static void *rand_state(size_t n, float s, int positive) {
+    float *h = rand_host(n, s);
+    if (positive)
+        for (size_t i = 0; i < n; i++) h[i] = h[i] < 0 ? -h[i] : h[i];
+    void *d = op_alloc(n * ops_state_size());
+    op_upload_state(d, h, n);
+    free(h);
+    return d;
 }
 
 /* seconds per call: one warm-up, then repeats for at least 0.2 s */
@@ -46,22 +68,24 @@ static void report_bytes(const char *what, double s, double bytes) {
 
 int main(int argc, char **argv) {
     char err[256];
-    int fp32 = argc > 1 && !strcmp(argv[1], "fp32");
+    int fp32 = argc > 1 && !strcmp(argv[1], "fp32"), pure = argc > 1 && !strcmp(argv[1], "bf16");
     int E = argc > 2 ? atoi(argv[2]) : 1024, NH = argc > 3 ? atoi(argv[3]) : 8;
     int B = argc > 4 ? atoi(argv[4]) : 128, T = argc > 5 ? atoi(argv[5]) : 256;
-    if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(fp32 ? OPS_FP32 : OPS_MIXED, err, sizeof err)) {
+    if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(fp32 ? OPS_FP32 : pure ? OPS_BF16 : OPS_MIXED, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
         return 1;
     }
     rng_seed(&rng, 7);
     int N = B * T, H = (int)(1.5 * E), HD = E / NH, V = 50257;
     size_t a = ops_act_size();
-    printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)\n", ops_device_name(), fp32 ? "fp32" : "bf16", E, NH, H, N, B, T);
+    printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)\n", ops_device_name(), fp32 ? "fp32" : pure ? "bf16 (state too)" : "bf16", E, NH, H, N, B, T);
     double s;
     char what[96];
+    const char *only = getenv("BENCH_OPS");
+    int mem_only = only && !strcmp(only, "mem");
     /* matmuls of a layer, and one lm_head chunk */
     int shapes[][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    for (size_t i = 0; i < (mem_only ? 0 : sizeof shapes / sizeof shapes[0]); i++) {
         int n = shapes[i][0], c = shapes[i][1], oc = shapes[i][2];
         int ld = oc == V ? ops_logit_stride(V) : oc; /* the lm_head writes padded logit rows */
         void *x = rand_act((size_t)n * c, 1), *w = rand_act((size_t)oc * c, 0.02f), *y = rand_act((size_t)n * ld, 1);
@@ -85,10 +109,12 @@ int main(int argc, char **argv) {
         void *qkv = rand_act(nq, 1), *out = rand_act(no, 1), *dout = rand_act(no, 1), *dqkv = rand_act(nq, 1);
         float *lse = op_alloc((size_t)B * NH * T * sizeof(float));
         double f = 4.0 * B * NH * (double)T * T * HD / 2;
-        TIME(s, op_attention_forward(out, lse, qkv, B, T, NH, HD));
-        report_flops("attention forward (causal FLOPs)", s, f);
-        TIME(s, op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
-        report_flops("attention backward (2.5x forward)", s, 2.5 * f);
+        if (!mem_only) {
+            TIME(s, op_attention_forward(out, lse, qkv, B, T, NH, HD));
+            report_flops("attention forward (causal FLOPs)", s, f);
+            TIME(s, op_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
+            report_flops("attention backward (2.5x forward)", s, 2.5 * f);
+        }
         float *cs = op_alloc((size_t)T * HD / 2 * sizeof(float)), *sn = op_alloc((size_t)T * HD / 2 * sizeof(float));
         op_rope_tables(cs, sn, T, HD, 10000.0f);
         TIME(s, op_rope_forward(qkv, cs, sn, B, T, NH, HD));
@@ -116,22 +142,35 @@ int main(int argc, char **argv) {
         op_free(x); op_free(y); op_free(w); op_free(dx); op_free(rstd); op_free(dw);
         op_free(gu); op_free(h); op_free(dgu);
         int rows = 4096;
-        void *logits = rand_act((size_t)rows * V, 2);
+        /* the lm_head's form: rows padded to ops_logit_stride(V) */
+        int ldl = ops_logit_stride(V);
+        void *logits = rand_act((size_t)rows * ldl, 2);
         int *tg = xmalloc(rows * sizeof(int));
         for (int i = 0; i < rows; i++) tg[i] = (int)(rng_u64(&rng) % V);
         int *dtg = op_alloc(rows * sizeof(int));
         op_upload(dtg, tg, rows * sizeof(int));
         float *losses = op_alloc(rows * sizeof(float));
-        TIME(s, op_crossentropy_forward_backward(losses, logits, dtg, rows, V, 0.0f));
+        TIME(s, op_crossentropy_forward_backward_ld(losses, logits, ldl, dtg, rows, V, 0.0f));
         report_bytes("cross-entropy forward only, 4096 rows", s, 1.0 * rows * V * a);
-        op_free(logits);
-        logits = rand_act((size_t)rows * V, 2);
-        s = now_seconds();
-        op_crossentropy_forward_backward(losses, logits, dtg, rows, V, 1.0f / rows); /* in place: once */
-        ops_synchronize();
-        report_bytes("cross-entropy fwd+bwd, 4096 rows (once)", now_seconds() - s, 2.0 * rows * V * a);
+        /* in place: from the second call on it runs on the first call's gradient (same work) */
+        TIME(s, op_crossentropy_forward_backward_ld(losses, logits, ldl, dtg, rows, V, 1.0f / rows));
+        report_bytes("cross-entropy fwd+bwd, 4096 rows", s, 2.0 * rows * V * a);
         op_free(logits); op_free(dtg); op_free(losses);
         free(tg);
+    }
+    /* the optimizer over 64M parameters (a quarter of the post's model): p, g, m, v read,
+     * p, m, v written, in the state type */
+    {
+        size_t n = (size_t)64 << 20, st = ops_state_size();
+        void *p = rand_state(n, 1, 0), *g = rand_state(n, 1, 0), *m = rand_state(n, 0.1f, 0), *v = rand_state(n, 0.01f, 1);
+        int step = 1;
+        TIME(s, op_adamw(p, g, m, v, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, step++, 1.0f));
+        report_bytes(st == 2 ? "adamw 64M (bf16 state)" : "adamw 64M (fp32 state)", s, 7.0 * n * st);
+        TIME(s, op_scale(g, n, 0.999f));
+        report_bytes("scale 64M (state)", s, 2.0 * n * st);
+        TIME(s, (void)op_sumsq(g, n));
+        report_bytes("sumsq 64M (state, returns to host)", s, 1.0 * n * st);
+        op_free(p); op_free(g); op_free(m); op_free(v);
     }
     return 0;
 }

@@ -90,6 +90,7 @@ static struct {
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
+    size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
     char name[256];
 } g;
 
@@ -145,6 +146,9 @@ static void *scratch(size_t bytes) {
 
 /* elementwise kernels: 256 threads, grid-stride loops, at most 2^20 blocks */
 #define EW_BLOCK 256
+/* 16-byte vector paths need every pointer 16-byte aligned (op_alloc gives 64; slices of
+ * flat buffers may not be, and then the pair or scalar kernels run). */
+static int al16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 static unsigned ew_grid(size_t n) {
     size_t b = (n + EW_BLOCK - 1) / EW_BLOCK;
     return (unsigned)(b < (1u << 20) ? b : (1u << 20));
@@ -178,6 +182,48 @@ static __device__ __forceinline__ float2 ld2(const void *p, size_t i, int bf) {
 static __device__ __forceinline__ void st2(void *p, size_t i, float2 v, int bf) {
     if (bf) *(__nv_bfloat162 *)((bf16 *)p + i) = __float22bfloat162_rn(v);
     else *(float2 *)((float *)p + i) = v;
+}
+
+/* Eight consecutive elements, i a multiple of 8 and the array 16-byte aligned: one 16-byte
+ * access in bf16, two in fp32. The memory-bound kernels move their data in these. */
+static __device__ __forceinline__ void ld8(float *v, const void *p, size_t i, int bf) {
+    if (bf) {
+        uint4 u = *(const uint4 *)((const bf16 *)p + i);
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float2 f = __bfloat1622float2(h[k]);
+            v[2 * k] = f.x;
+            v[2 * k + 1] = f.y;
+        }
+    } else {
+        float4 a = *(const float4 *)((const float *)p + i), b = *(const float4 *)((const float *)p + i + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+}
+static __device__ __forceinline__ void unpack8_bf16(float *v, uint4 u) {
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float2 f = __bfloat1622float2(h[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+}
+static __device__ __forceinline__ uint4 pack8_bf16(const float *v) {
+    uint4 u;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k] = __float22bfloat162_rn(make_float2(v[2 * k], v[2 * k + 1]));
+    return u;
+}
+static __device__ __forceinline__ void st8(void *p, size_t i, const float *v, int bf) {
+    if (bf) {
+        *(uint4 *)((bf16 *)p + i) = pack8_bf16(v);
+    } else {
+        *(float4 *)((float *)p + i) = make_float4(v[0], v[1], v[2], v[3]);
+        *(float4 *)((float *)p + i + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
 }
 
 static __device__ __forceinline__ float warp_sum(float v) {
@@ -445,6 +491,56 @@ static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, const void
     }
 }
 
+/* The same with C % 8 == 0, in 16-byte vectors: lane l takes channels [8(32k + l), +8). The
+ * first RMS_VEC vectors of a lane stay in registers between the two passes, so rows of up
+ * to 32 * 8 * RMS_VEC channels are read from memory once; longer rows read the rest again. */
+#define RMS_VEC 4
+static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, const void *x, const void *w, int N, int C,
+                                               float eps, int bf) {
+    int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    size_t r0 = (size_t)row * C;
+    float xv[RMS_VEC][8], ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++) {
+        int c = (32 * k + lane) * 8;
+        if (c < C) ld8(xv[k], x, r0 + c, bf);
+    }
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++)
+        if ((32 * k + lane) * 8 < C)
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += xv[k][e] * xv[k][e];
+    for (int c = (32 * RMS_VEC + lane) * 8; c < C; c += 256) {
+        float t[8];
+        ld8(t, x, r0 + c, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) ss += t[e] * t[e];
+    }
+    ss = warp_sum(ss);
+    float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (lane == 0) rstd[row] = r;
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++) {
+        int c = (32 * k + lane) * 8;
+        if (c < C) {
+            float wv[8], o[8];
+            ld8(wv, w, c, bf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) o[e] = (xv[k][e] * r) * wv[e];
+            st8(out, r0 + c, o, bf);
+        }
+    }
+    for (int c = (32 * RMS_VEC + lane) * 8; c < C; c += 256) {
+        float t[8], wv[8];
+        ld8(t, x, r0 + c, bf);
+        ld8(wv, w, c, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) t[e] = (t[e] * r) * wv[e];
+        st8(out, r0 + c, t, bf);
+    }
+}
+
 /* Backward in one pass over the rows: block b owns rows [N*b/nb, N*(b+1)/nb), its warps take
  * every RMS_BWD_WARPS-th of them. Per row, dx += rstd*w*g - rstd^3 (g.w.x)/C x; and the
  * warp adds the row's dw terms g*x*rstd into its own shared-memory row of C floats. At the
@@ -502,13 +598,131 @@ rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, 
     }
 }
 
-/* dw, second pass: the partials summed in block order. */
+/* The same blocks, rows and partials with C % 8 == 0 and C <= 256 * RMS_VEC, in 16-byte
+ * vectors: a lane owns channels [8(32k + l), +8) of every row its warp takes, so it keeps
+ * their dw sums in registers (in row order, as the shared-memory rows above do) and writes
+ * them to shared memory once. dout, x and dx of a row are loaded together (one memory
+ * latency per row) and kept, as loaded, in registers for the dx update. The body is
+ * compiled once per element type (bf a constant), so bf16 rows take half the registers
+ * and more warps fit on an SM to hide the per-row latency. */
+static __device__ __forceinline__ void ldraw8(uint4 *r, const void *p, size_t i, int bf) {
+    if (bf) {
+        r[0] = *(const uint4 *)((const bf16 *)p + i);
+    } else {
+        r[0] = *(const uint4 *)((const float *)p + i);
+        r[1] = *(const uint4 *)((const float *)p + i + 4);
+    }
+}
+static __device__ __forceinline__ void unraw8(float *v, const uint4 *r, int bf) {
+    if (bf) {
+        unpack8_bf16(v, r[0]);
+    } else {
+        v[0] = __uint_as_float(r[0].x), v[1] = __uint_as_float(r[0].y), v[2] = __uint_as_float(r[0].z);
+        v[3] = __uint_as_float(r[0].w), v[4] = __uint_as_float(r[1].x), v[5] = __uint_as_float(r[1].y);
+        v[6] = __uint_as_float(r[1].z), v[7] = __uint_as_float(r[1].w);
+    }
+}
+static __device__ __forceinline__ void rmsnorm8_backward_body(void *dx, float *part, const void *dout, const void *x,
+                                                              const void *w, const float *rstd, int N, int C, int nb,
+                                                              const int bf) {
+    extern __shared__ float acc[]; /* [RMS_BWD_WARPS][C] */
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x;
+    float dwa[RMS_VEC][8];
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) dwa[k][e] = 0.0f;
+    int n0 = (int)((long long)N * b / nb), n1 = (int)((long long)N * (b + 1) / nb);
+    for (int row = n0 + warp; row < n1; row += RMS_BWD_WARPS) {
+        size_t r0 = (size_t)row * C;
+        float r = rstd[row], dot = 0.0f;
+        uint4 graw[RMS_VEC][2], xraw[RMS_VEC][2], draw[RMS_VEC][2];
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (32 * k + lane) * 8;
+            if (c < C) {
+                ldraw8(graw[k], dout, r0 + c, bf);
+                ldraw8(xraw[k], x, r0 + c, bf);
+                if (dx) ldraw8(draw[k], dx, r0 + c, bf);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (32 * k + lane) * 8;
+            if (c < C) {
+                float g[8], xv[8], wv[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
+                ld8(wv, w, c, bf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    dot += g[e] * wv[e] * xv[e];
+                    dwa[k][e] += g[e] * (xv[e] * r);
+                }
+            }
+        }
+        dot = warp_sum(dot);
+        if (!dx) continue;
+        float coef = r * r * r * dot / (float)C;
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (32 * k + lane) * 8;
+            if (c < C) {
+                float g[8], xv[8], wv[8], d[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
+                unraw8(d, draw[k], bf);
+                ld8(wv, w, c, bf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) d[e] += r * wv[e] * g[e] - coef * xv[e];
+                st8(dx, r0 + c, d, bf);
+            }
+        }
+    }
+    float *my = acc + (size_t)warp * C;
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++) {
+        int c = (32 * k + lane) * 8;
+        if (c < C)
+#pragma unroll
+            for (int e = 0; e < 8; e++) my[c + e] = dwa[k][e];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int k = 0; k < RMS_BWD_WARPS; k++) sum += acc[(size_t)k * C + c];
+        part[(size_t)b * C + c] = sum;
+    }
+}
+static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
+rmsnorm8_backward_bf16_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
+                              int N, int C, int nb) {
+    rmsnorm8_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 1);
+}
+static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
+rmsnorm8_backward_f32_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
+                             int N, int C, int nb) {
+    rmsnorm8_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 0);
+}
+
+/* dw, second pass: a block of 32 x 32 threads per 32 channels; thread (x, y) sums the
+ * partials of channel x in the y-th of 32 runs of consecutive blocks, in block order, and
+ * then y = 0 adds the 32 run sums in order. The order depends on nb (so on N) alone; one
+ * thread per channel walking all nb partials took 0.1 ms (a chain of 1024 dependent loads). */
 static __global__ void rmsnorm_dw_reduce_kernel(void *dw, const float *part, int C, int nb, int sbf) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float run[32][33];
+    int x = threadIdx.x & 31, y = threadIdx.x >> 5, c = blockIdx.x * 32 + x;
+    int len = (nb + 31) / 32, b0 = y * len, b1 = b0 + len < nb ? b0 + len : nb;
     float s = 0.0f;
-    for (int b = 0; b < nb; b++) s += part[(size_t)b * C + c];
-    st(dw, c, ld(dw, c, sbf) + s, sbf);
+    if (c < C)
+        for (int b = b0; b < b1; b++) s += part[(size_t)b * C + c];
+    run[y][x] = s;
+    __syncthreads();
+    if (y == 0 && c < C) {
+        float t = 0.0f;
+        for (int k = 0; k < 32; k++) t += run[k][x];
+        st(dw, c, ld(dw, c, sbf) + t, sbf);
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -531,6 +745,30 @@ static __global__ void rope_kernel(void *qkv, const float *cos_t, const float *s
         float2 v = ld2(qkv, x, bf); /* x is even: HD and the row lengths are */
         st2(qkv, x, make_float2(__fsub_rn(__fmul_rn(v.x, c), __fmul_rn(v.y, s)), __fadd_rn(__fmul_rn(v.x, s), __fmul_rn(v.y, c))),
             bf);
+    }
+}
+
+/* The same on 16-byte vectors (HD % 8 == 0): a thread rotates 4 pairs of one head with one
+ * load of the row and one float4 each of the cos and sin tables (which stay in cache). */
+static __global__ void rope8_kernel(void *qkv, const float *cos_t, const float *sin_t, int T, int NH, int HD,
+                                    size_t nvec, float dir, int bf) {
+    int half = HD / 2, C = NH * HD, per_tok = C / 4; /* vectors of q and k in one token */
+    GRID_STRIDE(idx, nvec) {
+        size_t bt = idx / per_tok;
+        int col = (int)(idx - bt * per_tok) * 8; /* in q | k of the token */
+        int t = (int)(bt % T), i = (col % HD) / 2;
+        size_t x = bt * 3 * C + col;
+        float4 c4 = *(const float4 *)(cos_t + (size_t)t * half + i), s4 = *(const float4 *)(sin_t + (size_t)t * half + i);
+        float cs[4] = {c4.x, c4.y, c4.z, c4.w}, sn[4] = {dir * s4.x, dir * s4.y, dir * s4.z, dir * s4.w};
+        float v[8], o[8];
+        ld8(v, qkv, x, bf);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float x0 = v[2 * k], x1 = v[2 * k + 1];
+            o[2 * k] = __fsub_rn(__fmul_rn(x0, cs[k]), __fmul_rn(x1, sn[k]));
+            o[2 * k + 1] = __fadd_rn(__fmul_rn(x0, sn[k]), __fmul_rn(x1, cs[k]));
+        }
+        st8(qkv, x, o, bf);
     }
 }
 
@@ -893,6 +1131,44 @@ static __global__ void swiglu2_backward_kernel(void *dgu, const void *dout, cons
         st2(dgu, iu, du, bf);
     }
 }
+/* Eight hidden units per thread in 16-byte vectors (H % 8 == 0); nvec = N * H / 8. */
+static __global__ void swiglu8_forward_kernel(void *out, const void *gu, int H, size_t nvec, int bf) {
+    int h8 = H / 8;
+    GRID_STRIDE(j, nvec) {
+        size_t n = j / h8;
+        int k = (int)(j - n * h8) * 8;
+        size_t ig = n * 2 * H + k;
+        float gt[8], up[8], o[8];
+        ld8(gt, gu, ig, bf);
+        ld8(up, gu, ig + H, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) o[e] = silu_f(gt[e]) * up[e];
+        st8(out, 8 * j, o, bf);
+    }
+}
+static __global__ void swiglu8_backward_kernel(void *dgu, const void *dout, const void *gu, int H, size_t nvec,
+                                               int bf) {
+    int h8 = H / 8;
+    GRID_STRIDE(j, nvec) {
+        size_t n = j / h8;
+        int k = (int)(j - n * h8) * 8;
+        size_t ig = n * 2 * H + k, iu = ig + H;
+        float gt[8], up[8], d[8], dg[8], du[8];
+        ld8(gt, gu, ig, bf);
+        ld8(up, gu, iu, bf);
+        ld8(d, dout, 8 * j, bf);
+        ld8(dg, dgu, ig, bf);
+        ld8(du, dgu, iu, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float s = 1.0f / (1.0f + expf(-gt[e]));
+            dg[e] += d[e] * up[e] * (s * (1.0f + gt[e] * (1.0f - s)));
+            du[e] += d[e] * (gt[e] * s);
+        }
+        st8(dgu, ig, dg, bf);
+        st8(dgu, iu, du, bf);
+    }
+}
 static __global__ void swiglu_forward_kernel(void *out, const void *gu, int N, int H, int bf) {
     size_t total = (size_t)N * H;
     GRID_STRIDE(i, total) {
@@ -957,6 +1233,87 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
     }
 }
 
+/* bf16 rows with ld % 8 == 0 (16-byte aligned rows): the same three passes and the same
+ * arithmetic, but the row (V rounded up to 8: 100 KB for the GPT-2 vocabulary) is first
+ * copied into shared memory with asynchronous 16-byte copies, so it is read from memory
+ * once and written once; with few registers and that much shared memory two blocks share an
+ * SM, and one's copy overlaps the other's exp work (one block per SM, with the row held in
+ * registers, left the memory idle during the exps: 0.45 ms vs this kernel's goal of 0.3).
+ * Thread t takes the 16-byte chunks t, t + CE8_BLOCK, ... Padding past V in the last chunk is
+ * copied but never used or written. 512 threads: two blocks then have 64 registers a thread. */
+#define CE8_BLOCK 512
+#define CE_SMEM_BLOCKS 2
+static __global__ void __launch_bounds__(CE8_BLOCK, CE_SMEM_BLOCKS)
+crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, int V, float scale) {
+    extern __shared__ uint4 ce_row[]; /* [ceil(V / 8)] */
+    int n = blockIdx.x, nch = (V + 7) / 8;
+    bf16 *row = logits + (size_t)n * ldl;
+    for (int k = threadIdx.x; k < nch; k += blockDim.x)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(ce_row + k)),
+                     "l"(row + 8 * (size_t)k));
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    int tgt = targets[n];
+    int tgt_ok = tgt >= 0 && tgt < V;
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+    float lt = tgt_ok ? __bfloat162float(((const bf16 *)ce_row)[tgt]) : 0.0f;
+    float mx = -INFINITY;
+    int bad = 0;
+    for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+        float v[8];
+        unpack8_bf16(v, ce_row[k]);
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            if (8 * k + e < V) {
+                mx = fmaxf(mx, v[e]); /* ignores NaN; the flag catches it */
+                bad |= v[e] != v[e];
+            }
+    }
+    mx = block_max(mx);
+    bad = __syncthreads_or(bad);
+    if (bad || !tgt_ok || mx == INFINITY || mx == -INFINITY) {
+        if (threadIdx.x == 0) losses[n] = NAN;
+        if (scale != 0.0f)
+            for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = __float2bfloat16(NAN);
+        return;
+    }
+    /* each chunk's 8 exps (each <= 1) summed in fp32 (relative error ~1e-7), the chunks in
+     * double: the conversions to double cost as much as the exps themselves */
+    double sum = 0.0;
+    for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+        float v[8], cs = 0.0f;
+        unpack8_bf16(v, ce_row[k]);
+        if (8 * k + 8 <= V) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) cs += expf(v[e] - mx);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (8 * k + e < V) cs += expf(v[e] - mx);
+        }
+        sum += (double)cs;
+    }
+    sum = block_sum_double(sum);
+    if (threadIdx.x == 0) losses[n] = (float)((double)mx + log(sum) - (double)lt);
+    if (scale == 0.0f) return;
+    float f = (float)((double)scale / sum);
+    float gt = (float)((double)scale * ((double)expf(lt - mx) / sum - 1.0)); /* the target's */
+    for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+        int j0 = 8 * k;
+        float v[8];
+        unpack8_bf16(v, ce_row[k]);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = j0 + e == tgt ? gt : expf(v[e] - mx) * f;
+        if (j0 + 8 <= V) {
+            *(uint4 *)(row + j0) = pack8_bf16(v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (j0 + e < V) row[j0 + e] = __float2bfloat16(v[e]);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* adamw                                                                                 */
 
@@ -964,21 +1321,56 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
  * operations are op_adamw's, one rounding each, in its order: bitwise the CPU result in
  * fp32. With bf16 state (sbf) the same fp32 arithmetic runs on the widened values, and each
  * of param, m and v is rounded to bf16 once, when stored. */
-static __global__ void adamw_kernel(void *param, const void *grad, void *m, void *v, size_t n, float decay,
-                                    float w1, float w1c, int small, float b2, float w2, float neg_step, float bc2_sqrt,
-                                    float eps, float grad_scale, int sbf) {
+typedef struct {
+    float decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, grad_scale;
+    int small;
+} AdamwArgs;
+/* one element: p, m, v updated in place (fp32 values) */
+static __device__ __forceinline__ void adamw_elem(float *p, float g, float *m, float *v, const AdamwArgs *a) {
+    float gr = __fmul_rn(g, a->grad_scale);
+    float mi = *m;
+    float mn = a->small ? __fadd_rn(mi, __fmul_rn(a->w1, __fsub_rn(gr, mi)))
+                        : __fsub_rn(gr, __fmul_rn(__fsub_rn(gr, mi), a->w1c));
+    *m = mn;
+    float vi = __fmul_rn(*v, a->b2);
+    vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(a->w2, gr), gr));
+    *v = vi;
+    float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), a->bc2_sqrt), a->eps);
+    float pi = __fmul_rn(*p, a->decay);
+    *p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(a->neg_step, mn), den));
+}
+static __global__ void adamw_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf) {
     GRID_STRIDE(i, n) {
-        float gr = __fmul_rn(ld(grad, i, sbf), grad_scale);
-        float mi = ld(m, i, sbf);
-        float mn = small ? __fadd_rn(mi, __fmul_rn(w1, __fsub_rn(gr, mi)))
-                         : __fsub_rn(gr, __fmul_rn(__fsub_rn(gr, mi), w1c));
-        st(m, i, mn, sbf);
-        float vi = __fmul_rn(ld(v, i, sbf), b2);
-        vi = __fadd_rn(vi, __fmul_rn(__fmul_rn(w2, gr), gr));
+        float p = ld(param, i, sbf), mi = ld(m, i, sbf), vi = ld(v, i, sbf);
+        adamw_elem(&p, ld(grad, i, sbf), &mi, &vi, &a);
+        st(m, i, mi, sbf);
         st(v, i, vi, sbf);
-        float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
-        float pi = __fmul_rn(ld(param, i, sbf), decay);
-        st(param, i, __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step, mn), den)), sbf);
+        st(param, i, p, sbf);
+    }
+}
+/* The same on 16-byte vectors (all four arrays 16-byte aligned): n / 8 vectors, then the
+ * n % 8 last elements by the first threads. */
+static __global__ void adamw8_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf) {
+    size_t nv = n / 8;
+    GRID_STRIDE(j, nv) {
+        float p[8], g[8], mi[8], vi[8];
+        ld8(p, param, 8 * j, sbf);
+        ld8(g, grad, 8 * j, sbf);
+        ld8(mi, m, 8 * j, sbf);
+        ld8(vi, v, 8 * j, sbf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) adamw_elem(&p[e], g[e], &mi[e], &vi[e], &a);
+        st8(m, 8 * j, mi, sbf);
+        st8(v, 8 * j, vi, sbf);
+        st8(param, 8 * j, p, sbf);
+    }
+    size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float p = ld(param, i, sbf), mi = ld(m, i, sbf), vi = ld(v, i, sbf);
+        adamw_elem(&p, ld(grad, i, sbf), &mi, &vi, &a);
+        st(m, i, mi, sbf);
+        st(v, i, vi, sbf);
+        st(param, i, p, sbf);
     }
 }
 
@@ -1017,6 +1409,33 @@ static __global__ void add2_kernel(void *y, const void *x, size_t n2, int bf) {
         float2 a = ld2(y, 2 * i, bf), b = ld2(x, 2 * i, bf);
         st2(y, 2 * i, make_float2(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y)), bf);
     }
+}
+/* scale and add on 16-byte vectors (pointers 16-byte aligned): n / 8 vectors, then the
+ * n % 8 last elements by the first threads. */
+static __global__ void scale8_kernel(void *x, size_t n, float s, int sbf) {
+    size_t nv = n / 8;
+    GRID_STRIDE(j, nv) {
+        float a[8];
+        ld8(a, x, 8 * j, sbf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = __fmul_rn(a[e], s);
+        st8(x, 8 * j, a, sbf);
+    }
+    size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) st(x, i, __fmul_rn(ld(x, i, sbf), s), sbf);
+}
+static __global__ void add8_kernel(void *y, const void *x, size_t n, int bf) {
+    size_t nv = n / 8;
+    GRID_STRIDE(j, nv) {
+        float a[8], b[8];
+        ld8(a, y, 8 * j, bf);
+        ld8(b, x, 8 * j, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], b[e]);
+        st8(y, 8 * j, a, bf);
+    }
+    size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) st(y, i, __fadd_rn(ld(y, i, bf), ld(x, i, bf)), bf);
 }
 static __global__ void to_act_kernel(void *dst, const float *src, size_t n, int bf) {
     GRID_STRIDE(i, n) st(dst, i, src[i], bf);
@@ -1145,6 +1564,12 @@ void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, in
 
 void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     if (N <= 0 || C <= 0) return;
+    if (C % 8 == 0 && al16(out) && al16(x) && al16(w)) {
+        rmsnorm8_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
+                                                                                                 eps, g.bf16);
+        LAUNCH_CHECK(rmsnorm8_forward_kernel);
+        return;
+    }
     rmsnorm_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
                                                                                             eps, g.bf16);
     LAUNCH_CHECK(rmsnorm_forward_kernel);
@@ -1159,17 +1584,27 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
     if (smem > g.smem_optin)
         die(2, "cuda: rmsnorm backward with %d channels needs %zu bytes of shared memory; the GPU allows %zu", C, smem,
             g.smem_optin);
-    if (smem > 48 * 1024 && smem > g.rms_smem_set) {
+    if (smem > 48 * 1024 && smem > g.rms_smem_set) { /* C > 3072: only the scalar kernel runs */
         CUDA_CHECK(cudaFuncSetAttribute((const void *)rmsnorm_backward_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         g.rms_smem_set = smem;
     }
     float *part = (float *)scratch((size_t)nb * C * sizeof(float));
-    rmsnorm_backward_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C, nb,
-                                                                        g.bf16);
-    LAUNCH_CHECK(rmsnorm_backward_kernel);
+    if (C % 8 == 0 && C <= 256 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) { /* dx may be NULL */
+        if (g.bf16)
+            rmsnorm8_backward_bf16_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C,
+                                                                                      nb);
+        else
+            rmsnorm8_backward_f32_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C,
+                                                                                     nb);
+        LAUNCH_CHECK(rmsnorm8_backward_kernel);
+    } else {
+        rmsnorm_backward_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C, nb,
+                                                                            g.bf16);
+        LAUNCH_CHECK(rmsnorm_backward_kernel);
+    }
     if (dw) {
-        rmsnorm_dw_reduce_kernel<<<(C + 255) / 256, 256, 0, g.stream>>>(dw, part, C, nb, g.sbf16);
+        rmsnorm_dw_reduce_kernel<<<(C + 31) / 32, 1024, 0, g.stream>>>(dw, part, C, nb, g.sbf16);
         LAUNCH_CHECK(rmsnorm_dw_reduce_kernel);
     }
 }
@@ -1242,6 +1677,11 @@ void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
 void cuda_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     size_t total = (size_t)B * T * 2 * NH * (HD / 2);
     if (B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
+    if (HD % 8 == 0 && al16(qkv) && al16(cos_t) && al16(sin_t)) {
+        rope8_kernel<<<ew_grid(total / 4), EW_BLOCK, 0, g.stream>>>(qkv, cos_t, sin_t, T, NH, HD, total / 4, 1.0f, g.bf16);
+        LAUNCH_CHECK(rope8_kernel);
+        return;
+    }
     rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(qkv, cos_t, sin_t, B, T, NH, HD, 1.0f, g.bf16);
     LAUNCH_CHECK(rope_kernel);
 }
@@ -1249,6 +1689,11 @@ void cuda_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B,
 void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     size_t total = (size_t)B * T * 2 * NH * (HD / 2);
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD < 2) return;
+    if (HD % 8 == 0 && al16(dqkv) && al16(cos_t) && al16(sin_t)) {
+        rope8_kernel<<<ew_grid(total / 4), EW_BLOCK, 0, g.stream>>>(dqkv, cos_t, sin_t, T, NH, HD, total / 4, -1.0f, g.bf16);
+        LAUNCH_CHECK(rope8_kernel);
+        return;
+    }
     rope_kernel<<<ew_grid(total), EW_BLOCK, 0, g.stream>>>(dqkv, cos_t, sin_t, B, T, NH, HD, -1.0f, g.bf16);
     LAUNCH_CHECK(rope_kernel);
 }
@@ -1299,6 +1744,12 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H) {
     if (N <= 0 || H <= 0) return;
+    if (H % 8 == 0 && al16(out) && al16(gu)) {
+        size_t nv = (size_t)N * H / 8;
+        swiglu8_forward_kernel<<<ew_grid(nv), EW_BLOCK, 0, g.stream>>>(out, gu, H, nv, g.bf16);
+        LAUNCH_CHECK(swiglu8_forward_kernel);
+        return;
+    }
     if (!(H & 1)) {
         swiglu2_forward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(out, gu, N, H, g.bf16);
         LAUNCH_CHECK(swiglu2_forward_kernel);
@@ -1310,6 +1761,12 @@ void cuda_swiglu_forward(void *out, const void *gu, int N, int H) {
 
 void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
     if (!dgu || N <= 0 || H <= 0) return;
+    if (H % 8 == 0 && al16(dgu) && al16(dout) && al16(gu)) {
+        size_t nv = (size_t)N * H / 8;
+        swiglu8_backward_kernel<<<ew_grid(nv), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, H, nv, g.bf16);
+        LAUNCH_CHECK(swiglu8_backward_kernel);
+        return;
+    }
     if (!(H & 1)) {
         swiglu2_backward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16);
         LAUNCH_CHECK(swiglu2_backward_kernel);
@@ -1322,6 +1779,17 @@ void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, in
 void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                         float dlogits_scale) {
     if (N <= 0 || V <= 0) return;
+    size_t smem = (size_t)((V + 7) / 8) * 16;
+    if (g.bf16 && ld % 8 == 0 && al16(logits) && smem <= g.smem_optin) {
+        if (smem > 48 * 1024 && smem > g.ce_smem_set) {
+            CUDA_CHECK(cudaFuncSetAttribute((const void *)crossentropy8_kernel,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            g.ce_smem_set = smem;
+        }
+        crossentropy8_kernel<<<N, CE8_BLOCK, smem, g.stream>>>(losses, (bf16 *)logits, ld, targets, V, dlogits_scale);
+        LAUNCH_CHECK(crossentropy8_kernel);
+        return;
+    }
     crossentropy_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, ld, targets, V, dlogits_scale, g.bf16);
     LAUNCH_CHECK(crossentropy_kernel);
 }
@@ -1337,8 +1805,13 @@ void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float
     float b2 = beta2, w2 = (float)(1.0 - (double)beta2);
     float neg_step = (float)(-((double)lr / bc1));
     float bc2_sqrt = (float)sqrt(bc2);
-    adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, decay, w1, w1c, small, b2, w2, neg_step,
-                                                        bc2_sqrt, eps, grad_scale, g.sbf16);
+    AdamwArgs a = {decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, grad_scale, small};
+    if (al16(param) && al16(grad) && al16(m) && al16(v)) {
+        adamw8_kernel<<<ew_grid((n + 7) / 8), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16);
+        LAUNCH_CHECK(adamw8_kernel);
+        return;
+    }
+    adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16);
     LAUNCH_CHECK(adamw_kernel);
 }
 
@@ -1359,12 +1832,22 @@ double cuda_sumsq(const void *x, size_t n) {
 
 void cuda_scale(void *x, size_t n, float s) {
     if (n == 0) return;
+    if (al16(x)) {
+        scale8_kernel<<<ew_grid((n + 7) / 8), EW_BLOCK, 0, g.stream>>>(x, n, s, g.sbf16);
+        LAUNCH_CHECK(scale8_kernel);
+        return;
+    }
     scale_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(x, n, s, g.sbf16);
     LAUNCH_CHECK(scale_kernel);
 }
 
 void cuda_add(void *y, const void *x, size_t n) {
     if (n == 0) return;
+    if (al16(y) && al16(x)) {
+        add8_kernel<<<ew_grid((n + 7) / 8), EW_BLOCK, 0, g.stream>>>(y, x, n, g.bf16);
+        LAUNCH_CHECK(add8_kernel);
+        return;
+    }
     if (!(n & 1) && ptr_alignment(y) >= 8 && ptr_alignment(x) >= 8) {
         add2_kernel<<<ew_grid(n / 2), EW_BLOCK, 0, g.stream>>>(y, x, n / 2, g.bf16);
         LAUNCH_CHECK(add2_kernel);

@@ -1,7 +1,11 @@
-/* GPU tests for bf16 compute (precision=mixed): every op through the ops interface with
+/* GPU tests for bf16 compute. precision=mixed: every op through the ops interface with
  * bf16 activations and compute weights on the cuda backend, against the CPU backend's fp32
  * op on the same inputs rounded to bf16. Tolerances are norm-wise relative errors sized
  * for bf16 (8 bits of mantissa: one rounding is ~2e-3); gradients of weights stay fp32.
+ * precision=bf16: the ops whose outputs are parameter state (weight gradients, AdamW's
+ * param, m and v, sumsq, scale) with that state in bf16; where the GPU rounds once per
+ * element after fp32 arithmetic, the CPU result rounded the same way must match bitwise.
+ * The precision is fixed per process, so the bf16 part runs in a child process.
  * Backward ops must accumulate (their outputs start non-zero). Needs a GPU. */
 #include "ops.h"
 #include "test.h"
@@ -12,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define TOL 1.5e-2      /* one or two bf16 roundings of the result */
 #define TOL_ATT 3e-2    /* attention: probabilities are rounded to bf16 before P @ V */
@@ -214,6 +220,62 @@ static void test_rows(void) {
     free(f);
 }
 
+/* Cross-entropy in bf16 on padded rows (the lm_head's form): rows with NaN, +inf, all -inf
+ * (NaN loss and gradient, as on the CPU), some -inf (fine), a target out of range (NaN);
+ * the padding past V is NaN, which must be neither used nor written; and losses alone
+ * (scale 0) leave the logits untouched. */
+static void test_crossentropy_special(void) {
+    enum { N = 6, V = 100 };
+    int ld = ops_logit_stride(V);
+    float *lg = randb((size_t)N * V, 2.0f);
+    int tgt[N] = {3, 4, 5, 6, 7, 8};
+    lg[1 * V + 50] = NAN;
+    lg[2 * V + 60] = INFINITY;
+    for (int j = 0; j < V; j++) lg[3 * V + j] = -INFINITY;
+    for (int j = 0; j < V; j += 3) lg[4 * V + j] = -INFINITY; /* target 8 is not one of them */
+    float *pad = xmalloc((size_t)N * ld * sizeof(float)), *grad = copyf(lg, (size_t)N * V), loss[N];
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < ld; j++) pad[(size_t)n * ld + j] = j < V ? lg[(size_t)n * V + j] : NAN;
+    cpu->crossentropy_forward_backward(loss, grad, V, tgt, N - 1, V, 0.5f); /* the CPU without row 5 */
+    tgt[5] = V;                                                              /* out of range */
+    int *dT = op_alloc(N * sizeof(int));
+    op_upload(dT, tgt, N * sizeof(int));
+    void *dL = up_act(pad, (size_t)N * ld);
+    float *dLS = op_alloc(N * sizeof(float)), g_loss[N];
+    float *before = xmalloc((size_t)N * ld * sizeof(float)), *after = xmalloc((size_t)N * ld * sizeof(float));
+    op_download_act(before, dL, (size_t)N * ld);
+    for (int pass = 0; pass < 2; pass++) {
+        float scale = pass ? 0.5f : 0.0f;
+        op_crossentropy_forward_backward_ld(dLS, dL, ld, dT, N, V, scale);
+        op_download(g_loss, dLS, sizeof g_loss);
+        op_download_act(after, dL, (size_t)N * ld);
+        for (int n = 0; n < N; n++) {
+            int expect_nan = n == 1 || n == 2 || n == 3 || n == 5;
+            CHECK((isnan(g_loss[n]) != 0) == expect_nan, "scale %g row %d: loss %g", scale, n, g_loss[n]);
+            if (n < N - 1) CHECK((isnan(loss[n]) != 0) == expect_nan, "CPU row %d: loss %g", n, loss[n]);
+            CHECK(memcmp(after + (size_t)n * ld + V, before + (size_t)n * ld + V, (size_t)(ld - V) * sizeof(float)) == 0,
+                  "scale %g row %d: the padding past V was written", scale, n);
+            if (!pass) {
+                CHECK(memcmp(after + (size_t)n * ld, before + (size_t)n * ld, V * sizeof(float)) == 0,
+                      "row %d: logits changed without a gradient", n);
+                continue;
+            }
+            int all_nan = 1, any_nan = 0;
+            for (int j = 0; j < V; j++) {
+                all_nan &= isnan(after[(size_t)n * ld + j]) != 0;
+                any_nan |= isnan(after[(size_t)n * ld + j]) != 0;
+            }
+            CHECK(expect_nan ? all_nan : !any_nan, "row %d: gradient NaN pattern", n);
+        }
+        CHECK(fabs(g_loss[0] - loss[0]) <= 1e-5 * fabs(loss[0]), "row 0: %g vs %g", g_loss[0], loss[0]);
+        CHECK(fabs(g_loss[4] - loss[4]) <= 1e-5 * fabs(loss[4]), "row 4: %g vs %g", g_loss[4], loss[4]);
+    }
+    CHECK(norm_rel_err(after, grad, V) < TOL, "row 0 gradient");
+    CHECK(norm_rel_err(after + 4 * ld, grad + 4 * V, V) < TOL, "row 4 gradient");
+    op_free(dT); op_free(dL); op_free(dLS);
+    free(lg); free(pad); free(grad); free(before); free(after);
+}
+
 static void attention_case(int B, int T, int NH, int HD) {
     char sh[64];
     snprintf(sh, sizeof sh, "B=%d T=%d NH=%d HD=%d", B, T, NH, HD);
@@ -259,20 +321,247 @@ static void test_attention(void) {
     attention_case(2, 50, 2, 32); /* a head_dim the tensor-core kernel may not take: the fallback */
 }
 
-int main(void) {
-    char err[256];
-    if (ops_init("cuda", 0, err, sizeof err)) {
-        fprintf(stderr, "%s\n", err);
-        return 1;
+/* ------------------------------------------------------------------------------------ */
+/* precision=bf16: parameter state in bf16                                               */
+
+static void round_bf16(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = from_bf16(to_bf16(x[i]));
+}
+/* device state (bf16 here) from host floats, and back */
+static void *up_state(const float *h, size_t n) {
+    void *d = op_alloc(n * ops_state_size());
+    op_upload_state(d, h, n);
+    return d;
+}
+static float *down_state(const void *d, size_t n) {
+    float *h = xmalloc(n * sizeof(float) + 4);
+    op_download_state(h, d, n);
+    return h;
+}
+static void expect_state(const char *what, const char *shape, const void *d, const float *ref, size_t n, double tol) {
+    float *h = down_state(d, n);
+    double e = norm_rel_err(h, ref, n);
+    printf("    %-22s %-30s err %.2e\n", what, shape, e);
+    CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs the fp32 CPU op (tolerance %.0e)", what, shape, e, tol);
+    free(h);
+}
+/* ref is already rounded to bf16 as the GPU must round */
+static void expect_state_bitwise(const char *what, const char *shape, const void *d, const float *ref, size_t n) {
+    float *h = down_state(d, n);
+    size_t bad = 0, first = n;
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&h[i], &ref[i], sizeof(float)) != 0 && bad++ == 0) first = i;
+    CHECK(bad == 0, "%s %s: %zu of %zu elements differ from the CPU result rounded to bf16 (first at %zu: %.9g vs %.9g)",
+          what, shape, bad, n, first, first < n ? h[first] : 0.0, first < n ? ref[first] : 0.0);
+    free(h);
+}
+
+/* dwte (bf16) += dout: every addition rounds to bf16, in token order, so a host loop doing
+ * the same gives the exact bits; the fp32 CPU op bounds the drift. */
+static void test_bf16_embedding_backward(void) {
+    int N = 300, C = 192, V = 1000;
+    char sh[64];
+    snprintf(sh, sizeof sh, "N=%d C=%d V=%d", N, C, V);
+    size_t NC = (size_t)N * C, VC = (size_t)V * C;
+    int *tok = xmalloc(N * sizeof(int));
+    for (int i = 0; i < N; i++) tok[i] = (int)(rng_u64(&rng) % (uint64_t)(V / 10)); /* repeats */
+    float *ge = randb(NC, 1.0f), *dwte0 = randb(VC, 0.1f), *dwte = copyf(dwte0, VC), *emu = copyf(dwte0, VC);
+    cpu->embedding_backward(dwte, ge, tok, N, C);
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++) {
+            float *e = &emu[(size_t)tok[n] * C + c];
+            *e = from_bf16(to_bf16(*e + ge[(size_t)n * C + c]));
+        }
+    int *dT = op_alloc(N * sizeof(int));
+    op_upload(dT, tok, N * sizeof(int));
+    void *dGE = up_act(ge, NC), *dDWTE = up_state(dwte0, VC);
+    op_embedding_backward(dDWTE, dGE, dT, N, C);
+    expect_state("embedding dwte (bf16)", sh, dDWTE, dwte, VC, TOL);
+    expect_state_bitwise("embedding dwte (bf16)", sh, dDWTE, emu, VC);
+    op_free(dT); op_free(dGE); op_free(dDWTE);
+    free(tok); free(ge); free(dwte0); free(dwte); free(emu);
+}
+
+static void test_bf16_rmsnorm_backward(void) {
+    int shapes[][2] = {{300, 192}, {1000, 77}};
+    for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
+        int N = shapes[k][0], C = shapes[k][1];
+        char sh[64];
+        snprintf(sh, sizeof sh, "N=%d C=%d", N, C);
+        size_t NC = (size_t)N * C;
+        float *x = randb(NC, 1.0f), *w = randb(C, 1.0f), *g = randb(NC, 1.0f), *dx0 = randb(NC, 0.1f);
+        float *dw0 = randb(C, 0.1f), *rstd = xmalloc(N * sizeof(float)), *y = xmalloc(NC * sizeof(float));
+        float *dx = copyf(dx0, NC), *dw = copyf(dw0, C);
+        cpu->rmsnorm_forward(y, rstd, x, w, N, C, 1e-5f);
+        cpu->rmsnorm_backward(dx, dw, g, x, w, rstd, N, C);
+        void *dX = up_act(x, NC), *dW = up_state(w, C), *dG = up_act(g, NC), *dY = op_alloc(NC * 2);
+        void *dDX = up_act(dx0, NC), *dDW = up_state(dw0, C);
+        float *dR = op_alloc(N * sizeof(float));
+        op_rmsnorm_forward(dY, dR, dX, dW, N, C, 1e-5f);
+        op_rmsnorm_backward(dDX, dDW, dG, dX, dW, dR, N, C);
+        expect_act("rmsnorm dx (+=)", sh, dDX, dx, NC, TOL);
+        expect_state("rmsnorm dw (bf16, +=)", sh, dDW, dw, C, TOL);
+        op_free(dX); op_free(dW); op_free(dG); op_free(dY); op_free(dDX); op_free(dDW); op_free(dR);
+        free(x); free(w); free(g); free(dx0); free(dw0); free(rstd); free(y); free(dx); free(dw);
     }
-    if (ops_set_precision(OPS_MIXED, err, sizeof err)) {
+}
+
+/* dw (bf16) += dout^T @ inp through cuBLASLt with a bf16 D. OC = 1001 is split into 960
+ * columns and a tail of 41 (as the 50257-wide lm_head is): the tail's dw lands at its own
+ * offset. dout's rows are padded to ops_logit_stride(OC) with NaN, which must not be read. */
+static void test_bf16_matmul_backward(void) {
+    int shapes[][3] = {{256, 128, 384}, {300, 64, 1001}, {33, 40, 5}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2], ld = ops_logit_stride(OC);
+        char sh[64];
+        snprintf(sh, sizeof sh, "N=%d C=%d OC=%d ld=%d", N, C, OC, ld);
+        float *x = randb((size_t)N * C, 1.0f), *w = randb((size_t)OC * C, 0.1f), *g = randb((size_t)N * OC, 1.0f);
+        float *dx0 = randb((size_t)N * C, 0.1f), *dw0 = randb((size_t)OC * C, 1.0f);
+        float *dx = copyf(dx0, (size_t)N * C), *dw = copyf(dw0, (size_t)OC * C);
+        cpu->matmul_backward(dx, dw, g, OC, x, w, N, C, OC);
+        float *gp = xmalloc((size_t)N * ld * sizeof(float));
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < ld; j++) gp[(size_t)n * ld + j] = j < OC ? g[(size_t)n * OC + j] : NAN;
+        void *dX = up_act(x, (size_t)N * C), *dW = up_state(w, (size_t)OC * C), *dG = up_act(gp, (size_t)N * ld);
+        void *dDX = up_act(dx0, (size_t)N * C), *dDW = up_state(dw0, (size_t)OC * C);
+        op_matmul_backward_ld(dDX, dDW, dG, ld, dX, dW, N, C, OC);
+        expect_act("matmul dinp (+=)", sh, dDX, dx, (size_t)N * C, TOL);
+        expect_state("matmul dw (bf16, +=)", sh, dDW, dw, (size_t)OC * C, TOL);
+        if (OC > 64) { /* the tail columns alone: a misplaced tail fails here, not in the mean */
+            int t0 = OC / 64 * 64;
+            float *h = down_state(dDW, (size_t)OC * C);
+            double e = norm_rel_err(h + (size_t)t0 * C, dw + (size_t)t0 * C, (size_t)(OC - t0) * C);
+            CHECK(e < TOL, "matmul dw tail rows %d..%d %s: error %.3g", t0, OC - 1, sh, e);
+            free(h);
+        }
+        op_free(dX); op_free(dW); op_free(dG); op_free(dDX); op_free(dDW);
+        free(x); free(w); free(g); free(dx0); free(dw0); free(dx); free(dw); free(gp);
+    }
+}
+
+/* AdamW with bf16 state computes in fp32 on the widened values and rounds param, m and v
+ * once each: bitwise the CPU's fp32 step on the same values, rounded to bf16, step after
+ * step. Against the fp32 trajectory (no rounding between steps) only a bf16-sized drift. */
+static void adamw_bf16_case(size_t n, int steps, float lr, float beta1, float beta2, float wd, float grad_scale) {
+    char sh[96];
+    snprintf(sh, sizeof sh, "n=%zu steps=%d b1=%g wd=%g", n, steps, beta1, wd);
+    float *p = randb(n, 1.0f), *m = randb(n, 0.1f), *v = randb(n, 0.1f);
+    for (size_t i = 0; i < n; i++) v[i] *= v[i];
+    round_bf16(v, n);
+    float *pf = copyf(p, n), *mf = copyf(m, n), *vf = copyf(v, n); /* the fp32 trajectory */
+    void *dP = up_state(p, n), *dM = up_state(m, n), *dV = up_state(v, n), *dG = op_alloc(n * 2);
+    for (int step = 1; step <= steps; step++) {
+        float *g = randb(n, 1.0f);
+        op_upload_state(dG, g, n);
+        op_adamw(dP, dG, dM, dV, n, lr, beta1, beta2, 1e-8f, wd, step, grad_scale);
+        cpu->adamw(p, g, m, v, n, lr, beta1, beta2, 1e-8f, wd, step, grad_scale);
+        cpu->adamw(pf, g, mf, vf, n, lr, beta1, beta2, 1e-8f, wd, step, grad_scale);
+        round_bf16(p, n);
+        round_bf16(m, n);
+        round_bf16(v, n);
+        free(g);
+    }
+    expect_state_bitwise("adamw param (bf16)", sh, dP, p, n);
+    expect_state_bitwise("adamw m (bf16)", sh, dM, m, n);
+    expect_state_bitwise("adamw v (bf16)", sh, dV, v, n);
+    expect_state("adamw param vs fp32", sh, dP, pf, n, TOL);
+    expect_state("adamw m vs fp32", sh, dM, mf, n, TOL);
+    expect_state("adamw v vs fp32", sh, dV, vf, n, TOL);
+    op_free(dP); op_free(dM); op_free(dV); op_free(dG);
+    free(p); free(m); free(v); free(pf); free(mf); free(vf);
+}
+
+static void test_bf16_adamw(void) {
+    adamw_bf16_case(17, 1, 1e-3f, 0.9f, 0.95f, 0.1f, 1.0f);
+    adamw_bf16_case(1000003, 1, 1e-3f, 0.9f, 0.95f, 0.1f, 1.0f);
+    adamw_bf16_case(1000003, 5, 1e-2f, 0.3f, 0.999f, 0.0f, 0.5f); /* the other lerp branch, no decay */
+    adamw_bf16_case(4099, 5, 3e-4f, 0.9f, 0.95f, 0.1f, 0.7f);
+}
+
+/* sumsq of bf16 state (in double: the CPU's value up to summation order), and scale (one
+ * fp32 product rounded to bf16: bitwise). Sizes odd and unaligned to any vector width. */
+static void test_bf16_flat(void) {
+    size_t sizes[] = {1, 1001, 1000003};
+    for (int k = 0; k < 3; k++) {
+        size_t n = sizes[k];
+        char sh[64];
+        snprintf(sh, sizeof sh, "n=%zu", n);
+        float *x = randb(n, 1.0f);
+        void *dX = up_state(x, n);
+        double c = cpu->sumsq(x, n), g1 = op_sumsq(dX, n), g2 = op_sumsq(dX, n);
+        printf("    %-22s %-30s err %.2e\n", "sumsq (bf16)", sh, fabs(g1 - c) / c);
+        CHECK(fabs(g1 - c) <= 1e-10 * c, "sumsq (bf16) %s: %.17g vs CPU %.17g", sh, g1, c);
+        CHECK(g1 == g2, "sumsq (bf16) %s: two runs differ", sh);
+        cpu->scale(x, n, 0.37f);
+        round_bf16(x, n);
+        op_scale(dX, n, 0.37f);
+        expect_state_bitwise("scale (bf16)", sh, dX, x, n);
+        op_free(dX);
+        free(x);
+    }
+}
+
+static int run_mode(OpsPrecision p) {
+    char err[256];
+    if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(p, err, sizeof err)) {
         fprintf(stderr, "%s\n", err);
-        return 1;
+        return -1;
+    }
+    if (p == OPS_BF16) {
+        rng_seed(&rng, 4321);
+        RUN(test_bf16_embedding_backward);
+        RUN(test_bf16_rmsnorm_backward);
+        RUN(test_bf16_matmul_backward);
+        RUN(test_bf16_adamw);
+        RUN(test_bf16_flat);
+        return 0;
     }
     rng_seed(&rng, 1234);
     RUN(test_matmul);
     RUN(test_lm_head_padded);
     RUN(test_rows);
+    RUN(test_crossentropy_special);
     RUN(test_attention);
+    return 0;
+}
+
+/* precision=bf16 first, in a child (the precision is set once per process, before any
+ * allocation, and no CUDA context exists yet to be inherited); its counts come back
+ * through a pipe and join this process's. Then precision=mixed here. */
+int main(void) {
+    int fd[2];
+    if (pipe(fd)) {
+        perror("pipe");
+        return 1;
+    }
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        return 1;
+    }
+    if (pid == 0) {
+        close(fd[0]);
+        printf("precision=bf16\n");
+        int counts[2] = {tests_passed_, tests_failed_};
+        if (run_mode(OPS_BF16)) counts[1]++;
+        else counts[0] = tests_passed_, counts[1] = tests_failed_;
+        fflush(stdout);
+        _exit(write(fd[1], counts, sizeof counts) == (ssize_t)sizeof counts ? 0 : 1);
+    }
+    close(fd[1]);
+    int counts[2] = {0, 0}, status = 0;
+    ssize_t got = read(fd[0], counts, sizeof counts);
+    close(fd[0]);
+    waitpid(pid, &status, 0);
+    if (got != (ssize_t)sizeof counts || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        printf("FAIL precision=bf16: the child process ended without reporting (status %d)\n", status);
+        tests_failed_++;
+    } else {
+        tests_passed_ += counts[0];
+        tests_failed_ += counts[1];
+    }
+    printf("precision=mixed\n");
+    if (run_mode(OPS_MIXED)) tests_failed_++;
     return TEST_SUMMARY();
 }

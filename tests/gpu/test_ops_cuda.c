@@ -239,6 +239,7 @@ static void test_rmsnorm(void) {
     rmsnorm_case(37, 1000);
     rmsnorm_case(300, 70);
     rmsnorm_case(4096, 768);
+    rmsnorm_case(40, 2056); /* forward: more vectors than a lane keeps; backward: the scalar kernel */
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -432,12 +433,12 @@ static void test_crossentropy(void) {
 /* ------------------------------------------------------------------------------------ */
 /* adamw: bitwise the CPU result                                                         */
 
-static void adamw_case(size_t n, int step, float beta1, float beta2, float wd, float grad_scale) {
+static void adamw_case(size_t n, int step, float beta1, float beta2, float wd, float grad_scale, int off) {
     char shape[96];
-    snprintf(shape, sizeof shape, "n=%zu step=%d b1=%g wd=%g", n, step, beta1, wd);
+    snprintf(shape, sizeof shape, "n=%zu step=%d b1=%g wd=%g%s", n, step, beta1, wd, off ? " unaligned" : "");
     float *p = randf(n, 1.0f), *gr = randf(n, 1.0f), *m = randf(n, 0.1f), *v = randf(n, 0.1f);
     for (size_t i = 0; i < n; i++) v[i] *= v[i];
-    float *d_p = dcopy(p, n, 0), *d_g = dcopy(gr, n, 0), *d_m = dcopy(m, n, 0), *d_v = dcopy(v, n, 0);
+    float *d_p = dcopy(p, n, off), *d_g = dcopy(gr, n, 0), *d_m = dcopy(m, n, 0), *d_v = dcopy(v, n, 0);
     op_adamw(p, gr, m, v, n, 3e-4f, beta1, beta2, 1e-8f, wd, step, grad_scale);
     cuda_adamw(d_p, d_g, d_m, d_v, n, 3e-4f, beta1, beta2, 1e-8f, wd, step, grad_scale);
     expect_close("adamw param", shape, d_p, p, n, TOL_FWD);
@@ -451,9 +452,10 @@ static void adamw_case(size_t n, int step, float beta1, float beta2, float wd, f
 }
 
 static void test_adamw(void) {
-    adamw_case(17, 1, 0.9f, 0.95f, 0.1f, 1.0f);
-    adamw_case(1000003, 1, 0.9f, 0.95f, 0.1f, 1.0f);
-    adamw_case(1000003, 7, 0.3f, 0.999f, 0.0f, 0.5f); /* the other lerp branch, no decay */
+    adamw_case(17, 1, 0.9f, 0.95f, 0.1f, 1.0f, 0);
+    adamw_case(1000003, 1, 0.9f, 0.95f, 0.1f, 1.0f, 0);
+    adamw_case(1000003, 7, 0.3f, 0.999f, 0.0f, 0.5f, 0); /* the other lerp branch, no decay */
+    adamw_case(100003, 3, 0.9f, 0.95f, 0.1f, 1.0f, 1);   /* unaligned: the scalar kernel */
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -476,8 +478,12 @@ static void test_flat(void) {
         cuda_scale(d_x, n, 0.37f);
         expect_bitwise("scale", shape, d_x, x, n);
         op_add(y, x, n);
-        cuda_add(d_y, d_x, n);
+        cuda_add(d_y, d_x, n); /* d_y unaligned: the scalar kernel */
         expect_bitwise("add", shape, d_y, y, n);
+        float *d_z = dcopy(y, n, 0); /* aligned: the vector kernel */
+        op_add(y, x, n);
+        cuda_add(d_z, d_x, n);
+        expect_bitwise("add (aligned)", shape, d_z, y, n);
         cuda_memset_zero(d_y, n * sizeof(float));
         memset(y, 0, n * sizeof(float));
         expect_bitwise("memset_zero", shape, d_y, y, n);
