@@ -155,7 +155,14 @@ static int use_nccl(const Comm *c) { return c->impl && !ops_host_memory(); }
 static ncclComm_t nccl_of(const Comm *c, const char *what) {
     CommImpl *ci = c->impl;
     if (ci->nccl) return ci->nccl;
-    if (!g_cstream) cchk(cudaStreamCreateWithFlags(&g_cstream, cudaStreamNonBlocking), c, what, "cudaStreamCreate");
+    if (!g_cstream) {
+        /* the highest priority: a collective's kernels start as soon as SMs free up, so the
+         * gradient of the last units to finish (the exposed tail) is not queued behind compute */
+        int least, greatest;
+        cchk(cudaDeviceGetStreamPriorityRange(&least, &greatest), c, what, "cudaDeviceGetStreamPriorityRange");
+        cchk(cudaStreamCreateWithPriority(&g_cstream, cudaStreamNonBlocking, greatest), c, what,
+             "cudaStreamCreateWithPriority");
+    }
     ncclUniqueId id;
     memset(&id, 0, sizeof id);
     if (c->rank == 0) nchk(ncclGetUniqueId(&id), c, what, "ncclGetUniqueId");
