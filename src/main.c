@@ -21,6 +21,18 @@ static void usage(FILE *f) {
     fprintf(f, "usage: meshtrain <command> [key=value ...]\n\ncommands:\n");
     for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].help);
     fprintf(f, "  %-10s %s\n", "help", "every key of every command, with its default (help <command>: one command)");
+    /* what this binary can run on (scripts probe it: make train picks the GPU model) */
+#ifdef MESHTRAIN_CUDA
+    const char *cuda = "cuda";
+#else
+    const char *cuda = "no cuda (nvcc was not found at build time)";
+#endif
+#ifdef MESHTRAIN_NCCL
+    const char *nccl = ", nccl";
+#else
+    const char *nccl = "";
+#endif
+    fprintf(f, "\nbuilt with: cpu, %s%s\n", cuda, nccl);
 }
 
 static void help(const char *which) {
