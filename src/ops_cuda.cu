@@ -186,21 +186,6 @@ static __device__ __forceinline__ void st2(void *p, size_t i, float2 v, int bf) 
 
 /* Eight consecutive elements, i a multiple of 8 and the array 16-byte aligned: one 16-byte
  * access in bf16, two in fp32. The memory-bound kernels move their data in these. */
-static __device__ __forceinline__ void ld8(float *v, const void *p, size_t i, int bf) {
-    if (bf) {
-        uint4 u = *(const uint4 *)((const bf16 *)p + i);
-        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            float2 f = __bfloat1622float2(h[k]);
-            v[2 * k] = f.x;
-            v[2 * k + 1] = f.y;
-        }
-    } else {
-        float4 a = *(const float4 *)((const float *)p + i), b = *(const float4 *)((const float *)p + i + 4);
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    }
-}
 static __device__ __forceinline__ void unpack8_bf16(float *v, uint4 u) {
     const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
 #pragma unroll
@@ -208,6 +193,14 @@ static __device__ __forceinline__ void unpack8_bf16(float *v, uint4 u) {
         float2 f = __bfloat1622float2(h[k]);
         v[2 * k] = f.x;
         v[2 * k + 1] = f.y;
+    }
+}
+static __device__ __forceinline__ void ld8(float *v, const void *p, size_t i, int bf) {
+    if (bf) {
+        unpack8_bf16(v, *(const uint4 *)((const bf16 *)p + i));
+    } else {
+        float4 a = *(const float4 *)((const float *)p + i), b = *(const float4 *)((const float *)p + i + 4);
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
 }
 static __device__ __forceinline__ uint4 pack8_bf16(const float *v) {
