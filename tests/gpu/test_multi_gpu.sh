@@ -6,7 +6,8 @@
 # sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
 # precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP;
 # and in pure bf16 (bf16 gradients reduced by NCCL in bf16) within 2e-2, for DDP, ZeRO-2
-# and FSDP.
+# and FSDP. A rank that is killed, or hangs, ends the job within seconds with a message
+# (DDP and FSDP), as on CPU ranks.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -67,6 +68,24 @@ for keys in "" "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full
   if runn "$out" $MB tie_embeddings=true batch_size=$B $keys && close "$TMP/one_bf16" "$out"
   then ok "multi_gpu_bf16_follows_one_gpu ${keys:-ddp}"
   else bad "multi_gpu_bf16_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
+
+# -- a rank that dies, or hangs, ends the whole job within seconds on GPUs too (NCCL
+# collectives in flight), with a line naming it: DDP and FSDP
+for keys in "" "fsdp=true"; do
+  name=${keys:-ddp}; name=${name%%=*}
+  t0=$(date +%s)
+  out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 120 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
+        "$BIN" train ${M/steps=5/steps=50} batch_size=$B $keys comm_timeout=20 out_dir="$TMP/kill_$name" 2>&1); rc=$?
+  t=$(( $(date +%s) - t0 ))
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && echo "$out" | grep -q "rank 1.*signal 9" \
+    && ok "gpu_killed_rank_ends_job_$name (${t}s)" || bad "gpu_killed_rank_ends_job_$name (exit $rc after ${t}s: $(tail -2 <<<"$out" | tr '\n' ' '))"
+  t0=$(date +%s)
+  out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 120 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
+        "$BIN" train ${M/steps=5/steps=50} batch_size=$B $keys comm_timeout=5 out_dir="$TMP/hang_$name" 2>&1); rc=$?
+  t=$(( $(date +%s) - t0 ))
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && echo "$out" | grep -q "did not complete within 5 s" \
+    && ok "gpu_hung_rank_times_out_$name (${t}s)" || bad "gpu_hung_rank_times_out_$name (exit $rc after ${t}s: $(tail -2 <<<"$out" | tr '\n' ' '))"
 done
 
 echo "RESULT $pass $fail"
