@@ -67,7 +67,7 @@ $(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
 $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
-$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/ops_cuda.h src/ops.h src/attn_bf16.h | $(BUILD)/obj
+$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/cuda/*.cuh src/ops_cuda.h src/ops.h src/attn_bf16.h | $(BUILD)/obj
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
 
 $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests

@@ -1,0 +1,69 @@
+/* src/cuda/flat.cuh: sum of squares, scale, add and the fp32 -> bf16 copy.
+ * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
+ * the helpers it uses): not a header to include anywhere else. */
+/* ------------------------------------------------------------------------------------ */
+/* flat-buffer helpers                                                                   */
+
+/* sum of squares: a grid whose size depends only on n (never on the card), each thread's
+ * strided part in double, block sums in double, then one block adds the partials. */
+#define SUMSQ_BLOCK 256
+#define SUMSQ_MAX_BLOCKS 1024
+static __global__ void sumsq_partial_kernel(double *part, const void *x, size_t n, int sbf) {
+    double s = 0.0;
+    GRID_STRIDE(i, n) {
+        double xi = ld(x, i, sbf);
+        s += xi * xi;
+    }
+    s = block_sum_double(s);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+static __global__ void sumsq_final_kernel(double *out, const double *part, int nb) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) s += part[i];
+    s = block_sum_double(s);
+    if (threadIdx.x == 0) out[0] = s;
+}
+
+static __global__ void scale_kernel(void *x, size_t n, float s, int sbf) {
+    GRID_STRIDE(i, n) st(x, i, __fmul_rn(ld(x, i, sbf), s), sbf);
+}
+static __global__ void add_kernel(void *y, const void *x, size_t n, int bf) {
+    GRID_STRIDE(i, n) st(y, i, __fadd_rn(ld(y, i, bf), ld(x, i, bf)), bf);
+}
+/* the same on pairs (n2 = n / 2, n even) */
+static __global__ void add2_kernel(void *y, const void *x, size_t n2, int bf) {
+    GRID_STRIDE(i, n2) {
+        float2 a = ld2(y, 2 * i, bf), b = ld2(x, 2 * i, bf);
+        st2(y, 2 * i, make_float2(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y)), bf);
+    }
+}
+/* scale and add on 16-byte vectors (pointers 16-byte aligned): n / 8 vectors, then the
+ * n % 8 last elements by the first threads. */
+static __global__ void scale8_kernel(void *x, size_t n, float s, int sbf) {
+    size_t nv = n / 8;
+    GRID_STRIDE(j, nv) {
+        float a[8];
+        ld8(a, x, 8 * j, sbf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = __fmul_rn(a[e], s);
+        st8(x, 8 * j, a, sbf);
+    }
+    size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) st(x, i, __fmul_rn(ld(x, i, sbf), s), sbf);
+}
+static __global__ void add8_kernel(void *y, const void *x, size_t n, int bf) {
+    size_t nv = n / 8;
+    GRID_STRIDE(j, nv) {
+        float a[8], b[8];
+        ld8(a, y, 8 * j, bf);
+        ld8(b, x, 8 * j, bf);
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], b[e]);
+        st8(y, 8 * j, a, bf);
+    }
+    size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) st(y, i, __fadd_rn(ld(y, i, bf), ld(x, i, bf)), bf);
+}
+static __global__ void to_act_kernel(void *dst, const float *src, size_t n, int bf) {
+    GRID_STRIDE(i, n) st(dst, i, src[i], bf);
+}
