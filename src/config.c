@@ -198,6 +198,8 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (c->warmup_steps > c->steps && !strcmp(c->lr_schedule, "cosine"))
             return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d", c->warmup_steps, c->steps);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
+        if ((cmd & CMD_TRAIN) && c->ckpt_every && !strcmp(c->ckpt_path, "none"))
+            return set_err(err, errlen, "ckpt_every=%d saves nothing with ckpt_path=none", c->ckpt_every);
         if (c->fsdp && c->zero_opt)
             return set_err(err, errlen, "zero_opt=true applies without fsdp; with fsdp=true choose shard_strategy");
         if (config_was_set("shard_strategy") && !c->fsdp)

@@ -32,6 +32,7 @@ then ok prepare; else bad prepare; fi
 o=$("$BIN" train $TINY steps=2 data_dir="$D" out_dir="$TMP/nockpt" ckpt_path=none progress=false 2>&1)
 if [ $? -eq 0 ] && grep -q "checkpoint: none" <<<"$o" && [ -s "$TMP/nockpt/log.jsonl" ] && ! ls "$TMP/nockpt" | grep -q ckpt
 then ok no_checkpoint; else bad "no_checkpoint ($(tail -1 <<<"$o"))"; fi
+expect_exit 2 "ckpt_every=5 saves nothing with ckpt_path=none" ckpt_every_without_path -- "$BIN" train $TINY ckpt_path=none ckpt_every=5
 prof=$(MESHTRAIN_PROFILE=1 "$BIN" train $TINY steps=2 data_dir="$D" out_dir="$TMP/prof" progress=false 2>&1 >/dev/null)
 if grep -q "^ops profile (MESHTRAIN_PROFILE=1, cpu)" <<<"$prof" && grep -q "matmul_backward (lm_head) .* 2 calls" <<<"$prof" &&
    grep -q "attention_backward .* 2 calls" <<<"$prof"; then ok profile_table; else bad "profile_table ($prof)"; fi
