@@ -4,8 +4,8 @@
  * gathered again before its backward; while one unit computes, the next one's gather is
  * already in flight (prefetch). Gradients go through ZeRO-2's hooks, in slots of the same
  * pool (see N_SLOTS): accumulated per unit, reduce-scattered into the shard as soon as the
- * unit's backward ends. Hybrid shards
- * inside a group (a node) and all-reduces the gradient shards across the groups. */
+ * unit's backward ends. Hybrid shards inside a group (a node) and all-reduces the gradient
+ * shards across the groups. */
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"

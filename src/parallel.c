@@ -41,8 +41,8 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     return p;
 }
 
-/* Whole parameters, precision=mixed: the bf16 copy is refreshed lazily, at the first unit the model
- * asks for after the parameters changed (init, load, optimizer step). */
+/* Whole parameters, precision=mixed: the bf16 copy is refreshed lazily, at the first unit
+ * the model asks for after the parameters changed (init, load, optimizer step). */
 static void whole_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
     (void)u; (void)next;
