@@ -69,6 +69,10 @@ void par_setup_compute(Parallel *p) {
 
 void parallel_free(Parallel *p) {
     if (!p) return;
+    /* Nothing may still be in flight into buffers about to go: an evaluation's forward
+     * leaves a prefetched gather behind (FSDP), with no step after it to wait for it. */
+    for (int u = 0; u < p->m->n_units; u++) { par_wait(p, &p->greq[u]); par_wait(p, &p->rreq[u]); }
+    for (int i = 0; i < N_SLOTS; i++) { par_wait(p, &p->pslots[i].req); par_wait(p, &p->gslots[i].req); }
     op_free(p->cparams);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);

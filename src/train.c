@@ -402,8 +402,8 @@ int cmd_train(Config *c) {
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     free(ranges);
+    parallel_free(par);  /* first: it waits for collectives still in flight into the buffers */
     acts_free(&a);
-    parallel_free(par);
     model_free(&m);
     loader_free(&loader);
     shard_close(&train);

@@ -72,6 +72,11 @@ if [ -n "$(strip "$TMP/ac1")" ] && [ "$(strip "$TMP/ac1")" = "$(strip "$TMP/ref_
    [ -n "$(strip "$TMP/ac2")" ] && [ "$(strip "$TMP/ac2")" = "$(strip "$TMP/fsdp_2_true")" ] &&
    cmp -s "$TMP/ac2/ckpt.bin" "$TMP/fsdp_2_true/ckpt.bin"
 then ok activation_checkpointing_bitwise; else bad activation_checkpointing_bitwise; fi
+# -- a run that saves no checkpoint ends cleanly: nothing is left in flight at exit (FSDP's
+# evaluation leaves a prefetched gather behind)
+NOCK="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 steps=3 progress=false threads=1 data_dir=$D"
+if $MPIRUN -np 4 "$BIN" train $NOCK batch_size=2 fsdp=true ckpt_path=none out_dir="$TMP/nock" </dev/null >"$TMP/nock.log" 2>&1
+then ok fsdp_exits_cleanly_without_checkpoint; else bad "fsdp_exits_cleanly_without_checkpoint ($(grep -m1 -i 'signal\|error' "$TMP/nock.log"))"; fi
 EST="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=8"
 a1=$("$BIN" estimate $EST | awk '$1 == "activations" {print $2 $3}')
 a2=$("$BIN" estimate $EST activation_checkpointing=true | awk '$1 == "activations" {print $2 $3}')
