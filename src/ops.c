@@ -102,14 +102,10 @@ int ops_bf16(void) { return g_prec != OPS_FP32; }
 size_t ops_act_size(void) { return g_prec != OPS_FP32 ? 2 : 4; }
 size_t ops_state_size(void) { return g_prec == OPS_BF16 ? 2 : 4; }
 
-/* bf16 is the top half of an fp32: n bf16 in the first half of dst widen in place, from
- * the back. */
+/* n bf16 in the first half of dst widen in place, from the back. */
 static void widen_bf16(float *dst, size_t n) {
     const uint16_t *h = (const uint16_t *)dst;
-    for (size_t i = n; i-- > 0;) {
-        uint32_t bits = (uint32_t)h[i] << 16;
-        memcpy(&dst[i], &bits, sizeof bits);
-    }
+    for (size_t i = n; i-- > 0;) dst[i] = bf16_widen(h[i]);
 }
 static void download_widen(const char *name, float *dst, const void *src, size_t n, int bf16) {
     if (!n) return;
@@ -126,17 +122,12 @@ void op_upload_state(void *dst, const float *src, size_t n) {
         g_ops->upload(dst, src, n * sizeof(float));
         return;
     }
-    /* round to nearest even (NaN kept a NaN), in chunks through a small host buffer */
+    /* rounded in chunks through a small host buffer */
     enum { CH = 1 << 16 };
     uint16_t *h = xmalloc(CH * sizeof *h);
     for (size_t i0 = 0; i0 < n; i0 += CH) {
         size_t k = n - i0 < CH ? n - i0 : CH;
-        for (size_t i = 0; i < k; i++) {
-            uint32_t b;
-            memcpy(&b, &src[i0 + i], sizeof b);
-            if ((b & 0x7fffffffu) > 0x7f800000u) h[i] = (uint16_t)((b >> 16) | 0x40);
-            else h[i] = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-        }
+        for (size_t i = 0; i < k; i++) h[i] = bf16_round(src[i0 + i]);
         g_ops->upload((char *)dst + i0 * 2, h, k * 2);
     }
     free(h);

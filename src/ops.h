@@ -21,6 +21,8 @@
 #ifndef MESHTRAIN_OPS_H
 #define MESHTRAIN_OPS_H
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -60,6 +62,21 @@ int ops_bf16(void);  /* activations in bf16 (OPS_MIXED or OPS_BF16) */
 size_t ops_act_size(void);
 /* Bytes of one element of parameter state (parameters, gradients, moments): 2 in OPS_BF16. */
 size_t ops_state_size(void);
+/* bf16 on the host: fp32 -> bf16 rounded to nearest even (a NaN stays a NaN), as the GPU's
+ * conversions round; bf16 -> fp32 is exact (bf16 is the top half of an fp32). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float bf16_widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* Address of element i of an activation array (its element size is ops_act_size()). */
 static inline void *act_at(const void *base, size_t i) { return (char *)base + i * ops_act_size(); }
 /* Address of element i of a parameter-state array (element size ops_state_size()). */

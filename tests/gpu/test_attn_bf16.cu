@@ -6,6 +6,7 @@
  * "RESULT <passed> <failed>" last, like tests/test.h.
  * Usage: gpu_test_attn_bf16 [--no-perf] [--small] [--perf-only] [--profile]. */
 #include "attn_bf16.h"
+#include "ops.h" /* bf16_round, bf16_widen */
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -53,19 +54,6 @@ static double urand(void) { /* xorshift64*, uniform in (0, 1) */
     return ((double)((rng_state * 2685821657736338717ull) >> 11) + 0.5) / 9007199254740992.0;
 }
 static double nrand(void) { return sqrt(-2.0 * log(urand())) * cos(6.283185307179586 * urand()); }
-
-static uint16_t f2bf(float f) { /* round to nearest even (inputs are finite) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float bf2f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* naive reference kernels (fp64 accumulation, from the bf16 inputs)                              */
@@ -153,7 +141,7 @@ static double rel_err_bf16(const uint16_t *a, const float *ref, size_t rows, int
     *refmax = 0;
     for (size_t r = 0; r < rows; r++)
         for (int k = 0; k < n; k++) {
-            const double x = bf2f(a[r * stride + off + k]), y = ref[r * stride + off + k];
+            const double x = bf16_widen(a[r * stride + off + k]), y = ref[r * stride + off + k];
             if (!isfinite(x)) md = INFINITY;
             md = fmax(md, fabs(x - y)), mr = fmax(mr, fabs(y));
         }
@@ -169,8 +157,8 @@ static void test_shape(int B, int NH, int T, int HD) {
     snprintf(name, sizeof name, "attn_bf16 B=%d NH=%d T=%d HD=%d", B, NH, T, HD);
 
     uint16_t *h_qkv = (uint16_t *)malloc(nqkv * 2), *h_dout = (uint16_t *)malloc(nout * 2);
-    for (size_t i = 0; i < nqkv; i++) h_qkv[i] = f2bf((float)nrand());
-    for (size_t i = 0; i < nout; i++) h_dout[i] = f2bf((float)nrand());
+    for (size_t i = 0; i < nqkv; i++) h_qkv[i] = bf16_round((float)nrand());
+    for (size_t i = 0; i < nout; i++) h_dout[i] = bf16_round((float)nrand());
 
     void *qkv, *dout, *out, *dqkv, *ws;
     float *lse, *r_out, *r_lse, *P, *dS, *r_dqkv;
@@ -248,7 +236,7 @@ static void test_shape(int B, int NH, int T, int HD) {
     report(!memcmp(h_d, h_d2, nqkv * 2), "%s backward: two runs bitwise equal", name);
 
     /* backward into a known prefill: result = bf16(prefill + gradient), within bf16 rounding of the sum */
-    for (size_t i = 0; i < nqkv; i++) h_pre[i] = f2bf((float)((int)(i % 7) - 3) * 0.25f);
+    for (size_t i = 0; i < nqkv; i++) h_pre[i] = bf16_round((float)((int)(i % 7) - 3) * 0.25f);
     CK(cudaMemcpy(dqkv, h_pre, nqkv * 2, cudaMemcpyHostToDevice));
     attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, NULL);
     CK(cudaDeviceSynchronize());
@@ -256,7 +244,7 @@ static void test_shape(int B, int NH, int T, int HD) {
     size_t bad = 0;
     double worst = 0;
     for (size_t i = 0; i < nqkv; i++) {
-        const double pre = bf2f(h_pre[i]), g = bf2f(h_d[i]), r = bf2f(h_d2[i]);
+        const double pre = bf16_widen(h_pre[i]), g = bf16_widen(h_d[i]), r = bf16_widen(h_d2[i]);
         const double tol = (fabs(pre + g) + fabs(g)) * (1.01 / 256) + 1e-30; /* two roundings, half an ulp each */
         const double d = fabs(r - (pre + g));
         if (!(d <= tol)) bad++;

@@ -25,23 +25,10 @@
 static Rng rng;
 static const OpsBackend *cpu = &ops_backend_cpu;
 
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-static float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 /* random values already representable in bf16, so both backends see the same inputs */
 static float *randb(size_t n, float scale) {
     float *x = xmalloc(n * sizeof(float) + 4);
-    for (size_t i = 0; i < n; i++) x[i] = from_bf16(to_bf16(scale * rng_normal(&rng)));
+    for (size_t i = 0; i < n; i++) x[i] = bf16_widen(bf16_round(scale * rng_normal(&rng)));
     return x;
 }
 static float *copyf(const float *x, size_t n) {
@@ -52,7 +39,7 @@ static float *copyf(const float *x, size_t n) {
 /* device bf16 copy of host floats */
 static void *up_act(const float *h, size_t n) {
     uint16_t *b = xmalloc(n * sizeof(uint16_t) + 2);
-    for (size_t i = 0; i < n; i++) b[i] = to_bf16(h[i]);
+    for (size_t i = 0; i < n; i++) b[i] = bf16_round(h[i]);
     void *d = op_alloc(n * sizeof(uint16_t));
     op_upload(d, b, n * sizeof(uint16_t));
     free(b);
@@ -117,7 +104,7 @@ static void test_lm_head_padded(void) {
     int *tok = xmalloc(N * sizeof(int));
     for (int i = 0; i < N; i++) tok[i] = (int)(rng_u64(&rng) % (uint64_t)V);
     cpu->matmul_forward(y, V, x, w, N, C, V);
-    for (size_t i = 0; i < (size_t)N * V; i++) y[i] = from_bf16(to_bf16(y[i])); /* the GPU's logits are bf16 */
+    for (size_t i = 0; i < (size_t)N * V; i++) y[i] = bf16_widen(bf16_round(y[i])); /* the GPU's logits are bf16 */
     cpu->crossentropy_forward_backward(losses, y, V, tok, N, V, 1.0f / N);
     cpu->matmul_backward(dx, dw, y, V, x, w, N, C, V);
     void *dX = up_act(x, (size_t)N * C), *dW = up_act(w, (size_t)V * C), *dL = op_alloc((size_t)N * ld * 2);
@@ -290,7 +277,7 @@ static void attention_case(int B, int T, int NH, int HD) {
     float *rr = NULL;
     { /* the GPU's rope output is rounded to bf16 before attention reads it: so is the CPU's */
         rr = copyf(r, nqkv);
-        for (size_t i = 0; i < nqkv; i++) rr[i] = from_bf16(to_bf16(rr[i]));
+        for (size_t i = 0; i < nqkv; i++) rr[i] = bf16_widen(bf16_round(rr[i]));
     }
     cpu->attention_forward(o, lse, rr, B, T, NH, HD);
     cpu->attention_backward(dq, g, rr, o, lse, B, T, NH, HD);
@@ -325,7 +312,7 @@ static void test_attention(void) {
 /* precision=bf16: parameter state in bf16                                               */
 
 static void round_bf16(float *x, size_t n) {
-    for (size_t i = 0; i < n; i++) x[i] = from_bf16(to_bf16(x[i]));
+    for (size_t i = 0; i < n; i++) x[i] = bf16_widen(bf16_round(x[i]));
 }
 /* device state (bf16 here) from host floats, and back */
 static void *up_state(const float *h, size_t n) {
@@ -370,7 +357,7 @@ static void test_bf16_embedding_backward(void) {
     for (int n = 0; n < N; n++)
         for (int c = 0; c < C; c++) {
             float *e = &emu[(size_t)tok[n] * C + c];
-            *e = from_bf16(to_bf16(*e + ge[(size_t)n * C + c]));
+            *e = bf16_widen(bf16_round(*e + ge[(size_t)n * C + c]));
         }
     int *dT = op_alloc(N * sizeof(int));
     op_upload(dT, tok, N * sizeof(int));
