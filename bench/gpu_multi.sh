@@ -27,12 +27,10 @@ gb() { awk -v b="${1:-0}" 'BEGIN{printf "%.1f", b/1e9}'; }
 rows=()
 mt() {  # mt LABEL NPROC KEYS...: one meshtrain run, a row of the table
   local label=$1 np=$2; shift 2
-  local out; out=$(mktemp -d)
-  if [ "$np" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=0 "$BIN" train "$@" device=cuda steps=10 log_every=5 progress=false ckpt_path=none out_dir="$out" >"$out/stdout" 2>&1
-  else
-    $MPI -np "$np" "$BIN" train "$@" device=cuda steps=10 log_every=5 progress=false ckpt_path=none out_dir="$out" >"$out/stdout" 2>&1
-  fi
+  local out launch=(env CUDA_VISIBLE_DEVICES=0); out=$(mktemp -d)
+  [ "$np" = 1 ] || launch=($MPI -np "$np")
+  "${launch[@]}" "$BIN" train "$@" device=cuda steps=10 log_every=5 progress=false ckpt_path=none out_dir="$out" \
+    >"$out/stdout" 2>&1
   grep -E "^done|communication" "$out/stdout" | sed "s/^/  [$label] /" >&2
   local d; d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
   [ -n "$d" ] || { echo "  [$label] failed: $(tail -3 "$out/stdout" | tr '\n' ' ')" >&2; }

@@ -72,20 +72,20 @@ done
 
 # -- a rank that dies, or hangs, ends the whole job within seconds on GPUs too (NCCL
 # collectives in flight), with a line naming it: DDP and FSDP
+# fault NAME VAR COMM_TIMEOUT PATTERN KEYS...: rank 1 killed or hung at step 3 (VAR=1:3)
+fault() {
+  local name=$1 var=$2 ct=$3 pat=$4 t0 out rc t; shift 4
+  t0=$(date +%s)
+  out=$(env "$var=1:3" timeout 120 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
+        "$BIN" train ${M/steps=5/steps=50} batch_size=$B "$@" comm_timeout=$ct out_dir="$TMP/$name" 2>&1); rc=$?
+  t=$(( $(date +%s) - t0 ))
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && echo "$out" | grep -q "$pat" \
+    && ok "$name (${t}s)" || bad "$name (exit $rc after ${t}s: $(tail -2 <<<"$out" | tr '\n' ' '))"
+}
 for keys in "" "fsdp=true"; do
   name=${keys:-ddp}; name=${name%%=*}
-  t0=$(date +%s)
-  out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 120 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
-        "$BIN" train ${M/steps=5/steps=50} batch_size=$B $keys comm_timeout=20 out_dir="$TMP/kill_$name" 2>&1); rc=$?
-  t=$(( $(date +%s) - t0 ))
-  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && echo "$out" | grep -q "rank 1.*signal 9" \
-    && ok "gpu_killed_rank_ends_job_$name (${t}s)" || bad "gpu_killed_rank_ends_job_$name (exit $rc after ${t}s: $(tail -2 <<<"$out" | tr '\n' ' '))"
-  t0=$(date +%s)
-  out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 120 mpirun --allow-run-as-root --bind-to none --stdin none -np "$NP" \
-        "$BIN" train ${M/steps=5/steps=50} batch_size=$B $keys comm_timeout=5 out_dir="$TMP/hang_$name" 2>&1); rc=$?
-  t=$(( $(date +%s) - t0 ))
-  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && echo "$out" | grep -q "did not complete within 5 s" \
-    && ok "gpu_hung_rank_times_out_$name (${t}s)" || bad "gpu_hung_rank_times_out_$name (exit $rc after ${t}s: $(tail -2 <<<"$out" | tr '\n' ' '))"
+  fault "gpu_killed_rank_ends_job_$name" MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" $keys
+  fault "gpu_hung_rank_times_out_$name" MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" $keys
 done
 
 echo "RESULT $pass $fail"
