@@ -29,7 +29,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     memset(e, 0, sizeof *e);
     e->gpu = gpu;
     e->prec = prec;
-    size_t act_size = prec != OPS_FP32 ? 2 : sizeof(float), state_size = prec == OPS_BF16 ? 2 : sizeof(float);
+    size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
     model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
@@ -86,7 +86,7 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
         if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     printf("  %-26s %12s   (the usual formula, %d B/param sharded as ZeRO + activations: %s)\n", "total",
-           fmt_bytes(b1, (double)e->total), e->prec == OPS_BF16 ? 8 : 16,
+           fmt_bytes(b1, (double)e->total), (int)(4 * ops_state_size_of(e->prec)),
            fmt_bytes(b2, e->formula));
     if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
 }

@@ -99,8 +99,8 @@ int ops_set_precision(OpsPrecision p, char *err, size_t errlen) {
 }
 OpsPrecision ops_precision(void) { return g_prec; }
 int ops_bf16(void) { return g_prec != OPS_FP32; }
-size_t ops_act_size(void) { return g_prec != OPS_FP32 ? 2 : 4; }
-size_t ops_state_size(void) { return g_prec == OPS_BF16 ? 2 : 4; }
+size_t ops_act_size(void) { return ops_act_size_of(g_prec); }
+size_t ops_state_size(void) { return ops_state_size_of(g_prec); }
 
 /* n bf16 in the first half of dst widen in place, from the back. */
 static void widen_bf16(float *dst, size_t n) {

@@ -62,6 +62,9 @@ int ops_bf16(void);  /* activations in bf16 (OPS_MIXED or OPS_BF16) */
 size_t ops_act_size(void);
 /* Bytes of one element of parameter state (parameters, gradients, moments): 2 in OPS_BF16. */
 size_t ops_state_size(void);
+/* The same for a precision that need not be the active one (the estimate plans any). */
+static inline size_t ops_act_size_of(OpsPrecision p) { return p != OPS_FP32 ? 2 : 4; }
+static inline size_t ops_state_size_of(OpsPrecision p) { return p == OPS_BF16 ? 2 : 4; }
 /* bf16 on the host: fp32 -> bf16 rounded to nearest even (a NaN stays a NaN), as the GPU's
  * conversions round; bf16 -> fp32 is exact (bf16 is the top half of an fp32). */
 static inline uint16_t bf16_round(float f) {
