@@ -274,11 +274,13 @@ static void untrack(CommReq *r) {
         if (g_active[i] == r) { g_active[i] = g_active[--g_n_active]; return; }
 }
 
+static size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(float); }
+
 static void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
                       CommOp op, const char *what) {
     memset(r, 0, sizeof *r);
     r->c = c; r->kind = kind; r->buf = buf; r->out = out; r->n = n; r->total = total; r->what = what;
-    r->esz = t == COMM_BF16 ? 2 : sizeof(float);
+    r->esz = type_size(t);
     /* The rings add and scale in fp32 on the host; bf16 buffers live on a GPU, where
      * NCCL moves them (use_nccl), and a group of one only copies. */
     if (c->impl && t != COMM_F32) die(EXIT_RUN_FAILURE, "internal: %s: bf16 collectives need NCCL", what);
@@ -418,8 +420,7 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {  /* in place: this rank's block is the send buffer */
         ncclComm_t nc = nccl_begin(c, r, what);
-        size_t esz = t == COMM_BF16 ? 2 : sizeof(float);
-        nchk(ncclAllGather((char *)buf + (size_t)c->rank * n * esz, buf, n, nccl_type(t), nc, g_cstream), c, what,
+        nchk(ncclAllGather((char *)buf + (size_t)c->rank * n * type_size(t), buf, n, nccl_type(t), nc, g_cstream), c, what,
              "ncclAllGather");
         nccl_launched(r);
         return;
