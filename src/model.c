@@ -296,8 +296,11 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     op_add(la->out, la->mid, (size_t)N * E);
 }
 
-/* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return. */
-static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
+/* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return.
+ * defer != 0: leaves out the weight gradients of gate_up and qkv, for
+ * layer_backward_deferred (their inputs, dgu and dqkv, stay in the scratch until the next
+ * layer_backward). */
+static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     const void *w = unit_weights(m, 1 + l);
     void *g = unit_grads(m, 1 + l);
     const LayerLayout *ly = &m->layer;
@@ -308,7 +311,8 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     op_zero(a->dgu, (size_t)N * 2 * H * ops_act_size());
     op_swiglu_backward(a->dgu, a->dh, la->gu, N, H);
     op_zero(a->dxn, NE * ops_act_size());
-    op_matmul_backward(a->dxn, st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+    op_matmul_backward(a->dxn, defer ? NULL : st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N, E,
+                       2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
     op_zero(a->datt, NE * ops_act_size());
     op_matmul_backward(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, E, E);
@@ -316,8 +320,17 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
     op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
     op_zero(a->dxn, NE * ops_act_size());
-    op_matmul_backward(a->dxn, st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
+    op_matmul_backward(a->dxn, defer ? NULL : st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
+}
+
+/* The two weight gradients layer_backward(..., defer = 1) left out; they need no weights. */
+static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la) {
+    void *g = unit_grads(m, 1 + l);
+    const LayerLayout *ly = &m->layer;
+    int N = a->B * a->T, E = m->E, H = m->H;
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, la->xn2, NULL, N, E, 2 * H);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, la->xn1, NULL, N, E, 3 * E);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -392,19 +405,28 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     HOOK(h, release, HU);
     if (!grad) return mean_loss(a);
 
+    /* Layer 0's last two weight gradients wait until after the embedding's backward: the
+     * embedding's gradient is then not the step's last, and its reduction (the largest
+     * unit's, otherwise exposed at the end of the step) overlaps them. */
+    LayerActs la0 = layer_acts(m, a, 0, 0);
     for (int l = m->L - 1; l >= 0; l--) {
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : l, l);
         HOOK(h, gather, 1 + l, l > 0 ? l : -1);
         if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
         HOOK(h, grad_begin, 1 + l);
-        layer_backward(m, a, l, &la);
-        HOOK(h, grad_ready, 1 + l);
-        HOOK(h, release, 1 + l);
+        layer_backward(m, a, l, &la, l == 0);
+        if (l > 0) HOOK(h, grad_ready, 1 + l);
+        HOOK(h, release, 1 + l);  /* the deferred gradients need no weights */
+        if (l == 0) la0 = la;
     }
     /* The embedding's backward needs only the tokens, not its parameters. */
     HOOK(h, grad_begin, 0);
     op_embedding_backward(unit_grads(m, 0), a->dres, a->dev_inputs, N, E);
     HOOK(h, grad_ready, 0);
+    if (m->L > 0) {
+        layer_backward_deferred(m, a, 0, &la0);
+        HOOK(h, grad_ready, 1);
+    }
     return mean_loss(a);
 }
 

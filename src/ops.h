@@ -123,7 +123,7 @@ void op_matmul_forward(void *out, const void *inp, const void *w, int N, int C, 
 void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
 /* Row stride of a logits buffer of V columns: V rounded up to 64. */
 int ops_logit_stride(int V);
-/* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp. */
+/* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp.  (w may be NULL when dinp is.) */
 void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w,
                         int N, int C, int OC);
 /* ... with dout's rows ldo elements apart. */

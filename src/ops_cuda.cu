@@ -535,7 +535,7 @@ void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const
                           int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
     int OCa = oc_main(OC), OCt = OC - OCa; /* see cuda_matmul_forward */
-    const void *w_t = act_off(w, (size_t)OCa * C), *dout_t = act_off(dout, OCa);
+    const void *w_t = dinp ? act_off(w, (size_t)OCa * C) : NULL, *dout_t = act_off(dout, OCa);
     if (dinp) {
         lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCa, w, C, dout, ldo, 1.0f, dinp, C, 0);
         if (OCt) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCt, w_t, C, dout_t, ldo, 1.0f, dinp, C, 0);

@@ -115,17 +115,36 @@ static int slot_free(Parallel *p, Slot *s) {
     return s->unit < 0 || (s->grad && p->grad_open[s->unit] == 2 && comm_test(&s->req));
 }
 
-Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail) {
-    size_t need = p->m->units[u].n_padded;
-    Slot *best = NULL;
+/* A gradient slot whose reduction is still in flight. */
+static int draining(Parallel *p, Slot *s) { return s->unit >= 0 && s->grad && p->grad_open[s->unit] == 2; }
+
+/* Of the draining slots of capacity in [lo, hi], the one that started first: the backward
+ * runs the units in decreasing order, so the highest unit. NULL if none. */
+static Slot *oldest_draining(Parallel *p, Slot *slots, size_t lo, size_t hi) {
+    Slot *o = NULL;
     for (int i = 0; i < N_SLOTS; i++)
-        if (slots[i].cap >= need && (!best || slots[i].cap < best->cap) && slot_free(p, &slots[i])) best = &slots[i];
-    for (int i = 0; i < N_SLOTS && !best && !may_fail; i++) {  /* all busy: wait for a draining one */
-        Slot *s = &slots[i];
-        if (s->cap >= need && s->unit >= 0 && s->grad && p->grad_open[s->unit] == 2) {
-            par_wait(p, &s->req);
-            best = s;
-        }
+        if (slots[i].cap >= lo && slots[i].cap <= hi && draining(p, &slots[i]) && (!o || slots[i].unit > o->unit))
+            o = &slots[i];
+    return o;
+}
+
+Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail) {
+    size_t need = p->m->units[u].n_padded, fit = 0;
+    Slot *best = NULL;
+    for (int i = 0; i < N_SLOTS; i++) {
+        if (slots[i].cap < need) continue;
+        if (!fit || slots[i].cap < fit) fit = slots[i].cap;
+        if ((!best || slots[i].cap < best->cap) && slot_free(p, &slots[i])) best = &slots[i];
+    }
+    /* A gradient does not take a larger slot while one of the size that fits it is only
+     * draining: it waits for that one. Else a layer's gradient, still open, could hold the
+     * big slot the embedding's gradient needs next (layer 0's stays open across it). */
+    Slot *w = NULL;
+    if (grad && best && best->cap > fit) w = oldest_draining(p, slots, fit, fit);
+    if (!best && !may_fail) w = oldest_draining(p, slots, need, (size_t)-1);  /* all busy: wait for one */
+    if (w) {
+        par_wait(p, &w->req);
+        best = w;
     }
     if (!best) {
         if (may_fail) return NULL;
