@@ -141,7 +141,10 @@ Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail) {
      * big slot the embedding's gradient needs next (layer 0's stays open across it). */
     Slot *w = NULL;
     if (grad && best && best->cap > fit) w = oldest_draining(p, slots, fit, fit);
-    if (!best && !may_fail) w = oldest_draining(p, slots, need, (size_t)-1);  /* all busy: wait for one */
+    if (!best && !may_fail) {  /* all busy: wait for one, of the size that fits if there is one */
+        w = oldest_draining(p, slots, fit, fit);
+        if (!w) w = oldest_draining(p, slots, need, (size_t)-1);
+    }
     if (w) {
         par_wait(p, &w->req);
         best = w;
