@@ -287,8 +287,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NH, m->HD);
     op_matmul_forward(la->mid, la->att, act_at(w, ly->att_out), N, E, E);
-    op_add(la->mid, la->x, (size_t)N * E);
-    op_rmsnorm_forward(la->xn2, la->rstd2, la->mid, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
+    op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
     op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;

@@ -145,6 +145,10 @@ void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int 
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     PROF("rmsnorm_forward", g_ops->rmsnorm_forward(out, rstd, x, w, N, C, eps));
 }
+void op_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                            float eps) {
+    PROF("add_rmsnorm_forward", g_ops->add_rmsnorm_forward(res, out, rstd, branch, w, N, C, eps));
+}
 void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w, const float *rstd,
                          int N, int C) {
     PROF("rmsnorm_backward", g_ops->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C));

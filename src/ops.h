@@ -112,6 +112,10 @@ void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int 
 
 /* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
+/* The residual add fused with the norm after it, in one pass over the rows: res += branch,
+ * then out = rmsnorm(res) exactly as op_rmsnorm_forward (res as stored: in bf16, rounded). */
+void op_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                            float eps);
 /* dx += ..., dw += ...  (dw reduced over rows in a fixed order). */
 void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                          const float *rstd, int N, int C);
@@ -199,6 +203,8 @@ typedef struct OpsBackend {
     void (*embedding_forward)(void *out, const int *tokens, const void *wte, int N, int C);
     void (*embedding_backward)(void *dwte, const void *dout, const int *tokens, int N, int C);
     void (*rmsnorm_forward)(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
+    void (*add_rmsnorm_forward)(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                                float eps);
     void (*rmsnorm_backward)(void *dx, void *dw, const void *dout, const void *x, const void *w,
                              const float *rstd, int N, int C);
     void (*matmul_forward)(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);

@@ -98,17 +98,29 @@ static void cpu_embedding_backward(float *dwte, const float *dout, const int *to
 /* ------------------------------------------------------------------------------------ */
 /* rmsnorm                                                                               */
 
+static void rmsnorm_row(float *o, float *rstd, const float *xr, const float *w, int C, float eps) {
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int c = 0; c < C; c++) ss += (double)xr[c] * xr[c];
+    float r = 1.0f / sqrtf((float)(ss / C) + eps);
+    *rstd = r;
+    for (int c = 0; c < C; c++) o[c] = (xr[c] * r) * w[c];
+}
+
 static void cpu_rmsnorm_forward(float *out, float *rstd, const float *x, const float *w, int N, int C, float eps) {
 #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) rmsnorm_row(out + (size_t)n * C, &rstd[n], x + (size_t)n * C, w, C, eps);
+}
+
+/* cpu_add's sums, then the same rows: bitwise the two ops one after the other. */
+static void cpu_add_rmsnorm_forward(float *res, float *out, float *rstd, const float *branch, const float *w, int N,
+                                    int C, float eps) {
+#pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const float *xr = x + (size_t)n * C;
-        float *o = out + (size_t)n * C;
-        double ss = 0.0;
-#pragma omp simd reduction(+ : ss)
-        for (int c = 0; c < C; c++) ss += (double)xr[c] * xr[c];
-        float r = 1.0f / sqrtf((float)(ss / C) + eps);
-        rstd[n] = r;
-        for (int c = 0; c < C; c++) o[c] = (xr[c] * r) * w[c];
+        float *xr = res + (size_t)n * C;
+        const float *br = branch + (size_t)n * C;
+        for (int c = 0; c < C; c++) xr[c] += br[c];
+        rmsnorm_row(out + (size_t)n * C, &rstd[n], xr, w, C, eps);
     }
 }
 
@@ -624,6 +636,10 @@ static void t_embedding_backward(void *dwte, const void *dout, const int *tokens
 static void t_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     cpu_rmsnorm_forward(out, rstd, x, w, N, C, eps);
 }
+static void t_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                                  float eps) {
+    cpu_add_rmsnorm_forward(res, out, rstd, branch, w, N, C, eps);
+}
 static void t_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                                const float *rstd, int N, int C) {
     cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
@@ -683,6 +699,7 @@ const OpsBackend ops_backend_cpu = {
     .embedding_forward = t_embedding_forward,
     .embedding_backward = t_embedding_backward,
     .rmsnorm_forward = t_rmsnorm_forward,
+    .add_rmsnorm_forward = t_add_rmsnorm_forward,
     .rmsnorm_backward = t_rmsnorm_backward,
     .matmul_forward = t_matmul_forward,
     .matmul_backward = t_matmul_backward,

@@ -457,17 +457,26 @@ void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, in
     LAUNCH_CHECK(embedding_backward_kernel);
 }
 
-void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
+static void rmsnorm_forward(void *out, float *rstd, void *x, const void *branch, const void *w, int N, int C,
+                            float eps) {
     if (N <= 0 || C <= 0) return;
-    if (C % 8 == 0 && al16(out) && al16(x) && al16(w)) {
-        rmsnorm8_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
-                                                                                                 eps, g.bf16);
+    unsigned blocks = (N + ROW_WARPS - 1) / ROW_WARPS;
+    if (C % 8 == 0 && al16(out) && al16(x) && al16(w) && (!branch || al16(branch))) {
+        rmsnorm8_forward_kernel<<<blocks, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, branch, w, N, C, eps, g.bf16);
         LAUNCH_CHECK(rmsnorm8_forward_kernel);
         return;
     }
-    rmsnorm_forward_kernel<<<(N + ROW_WARPS - 1) / ROW_WARPS, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, w, N, C,
-                                                                                            eps, g.bf16);
+    rmsnorm_forward_kernel<<<blocks, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, branch, w, N, C, eps, g.bf16);
     LAUNCH_CHECK(rmsnorm_forward_kernel);
+}
+
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
+    rmsnorm_forward(out, rstd, (void *)x, NULL, w, N, C, eps);  /* x is only read without a branch */
+}
+
+void cuda_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                              float eps) {
+    rmsnorm_forward(out, rstd, res, branch, w, N, C, eps);
 }
 
 void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
@@ -808,6 +817,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,
     .rmsnorm_forward = cuda_rmsnorm_forward,
+    .add_rmsnorm_forward = cuda_add_rmsnorm_forward,
     .rmsnorm_backward = cuda_rmsnorm_backward,
     .matmul_forward = cuda_matmul_forward,
     .matmul_backward = cuda_matmul_backward,

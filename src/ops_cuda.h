@@ -61,6 +61,8 @@ void cuda_to_act(void *dst, const float *src, size_t n);
 void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
 void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
 
+void cuda_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
+                              float eps);
 void cuda_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
 void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C);

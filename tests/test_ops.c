@@ -292,9 +292,24 @@ static void rmsnorm_case(int N, int C) {
     free(x), free(w), free(out), free(rstd), free(xd), free(wd), free(ref);
     free(g), free(dx), free(dw), free(gd), free(dxr), free(dwr);
 }
+/* The fused residual add + rmsnorm is bitwise op_add then op_rmsnorm_forward. */
+static void add_rmsnorm_case(int N, int C) {
+    size_t n = (size_t)N * C;
+    float *res = randf(n, 2.0f), *br = randf(n, 2.0f), *w = randf(C, 1.0f), *res2 = xmalloc(n * sizeof(float));
+    float *o1 = zerosf(n), *o2 = zerosf(n), *r1 = zerosf(N), *r2 = zerosf(N);
+    memcpy(res2, res, n * sizeof(float));
+    op_add(res2, br, n);
+    op_rmsnorm_forward(o2, r2, res2, w, N, C, 1e-5f);
+    op_add_rmsnorm_forward(res, o1, r1, br, w, N, C, 1e-5f);
+    CHECK(!memcmp(res, res2, n * sizeof(float)) && !memcmp(o1, o2, n * sizeof(float)) &&
+          !memcmp(r1, r2, (size_t)N * sizeof(float)), "add_rmsnorm %dx%d differs from add then rmsnorm", N, C);
+    free(res), free(br), free(w), free(res2), free(o1), free(o2), free(r1), free(r2);
+}
 static void test_rmsnorm(void) {
     rmsnorm_case(9, 37);
     rmsnorm_case(130, 256); /* more rows than the 64 fixed dw blocks */
+    add_rmsnorm_case(9, 37);
+    add_rmsnorm_case(130, 256);
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -5,10 +5,16 @@
 /* rmsnorm                                                                               */
 
 /* One warp per row (rows are short: C ~ 1e3), 8 rows per block; lanes stride the
- * channels so loads coalesce. */
+ * channels so loads coalesce.
+ * branch != NULL (op_add_rmsnorm_forward): x += branch first, each sum computed, rounded
+ * and stored exactly as add_kernel does, and the norm taken of the stored value, so the
+ * result is bitwise the two ops one after the other. A lane re-reads only what it wrote. */
 #define ROW_WARPS 8
-static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, const void *x, const void *w, int N, int C,
-                                              float eps, int bf) {
+static __device__ __forceinline__ float round_to(float v, int bf) {
+    return bf ? __bfloat162float(__float2bfloat16(v)) : v;
+}
+static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, void *x, const void *branch, const void *w,
+                                              int N, int C, float eps, int bf) {
     int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     size_t r0 = (size_t)row * C;
@@ -16,11 +22,20 @@ static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, const void
     if (!(C & 1)) { /* two channels per load */
         for (int c = 2 * lane; c < C; c += 64) {
             float2 xv = ld2(x, r0 + c, bf);
+            if (branch) {
+                float2 b = ld2(branch, r0 + c, bf);
+                xv = make_float2(round_to(__fadd_rn(xv.x, b.x), bf), round_to(__fadd_rn(xv.y, b.y), bf));
+                st2(x, r0 + c, xv, bf);
+            }
             ss += xv.x * xv.x + xv.y * xv.y;
         }
     } else {
         for (int c = lane; c < C; c += 32) {
             float xv = ld(x, r0 + c, bf);
+            if (branch) {
+                xv = round_to(__fadd_rn(xv, ld(branch, r0 + c, bf)), bf);
+                st(x, r0 + c, xv, bf);
+            }
             ss += xv * xv;
         }
     }
@@ -41,8 +56,16 @@ static __global__ void rmsnorm_forward_kernel(void *out, float *rstd, const void
  * first RMS_VEC vectors of a lane stay in registers between the two passes, so rows of up
  * to 32 * 8 * RMS_VEC channels are read from memory once; longer rows read the rest again. */
 #define RMS_VEC 4
-static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, const void *x, const void *w, int N, int C,
-                                               float eps, int bf) {
+/* x += 8 elements of branch at i (see rmsnorm_forward_kernel), leaving the stored sums in v. */
+static __device__ __forceinline__ void add8_round(float *v, void *x, const void *branch, size_t i, int bf) {
+    float b[8];
+    ld8(b, branch, i, bf);
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] = round_to(__fadd_rn(v[e], b[e]), bf);
+    st8(x, i, v, bf);
+}
+static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, void *x, const void *branch, const void *w,
+                                               int N, int C, float eps, int bf) {
     int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     size_t r0 = (size_t)row * C;
@@ -50,7 +73,10 @@ static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, const voi
 #pragma unroll
     for (int k = 0; k < RMS_VEC; k++) {
         int c = (32 * k + lane) * 8;
-        if (c < C) ld8(xv[k], x, r0 + c, bf);
+        if (c < C) {
+            ld8(xv[k], x, r0 + c, bf);
+            if (branch) add8_round(xv[k], x, branch, r0 + c, bf);
+        }
     }
 #pragma unroll
     for (int k = 0; k < RMS_VEC; k++)
@@ -60,6 +86,7 @@ static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, const voi
     for (int c = (32 * RMS_VEC + lane) * 8; c < C; c += 256) {
         float t[8];
         ld8(t, x, r0 + c, bf);
+        if (branch) add8_round(t, x, branch, r0 + c, bf);
 #pragma unroll
         for (int e = 0; e < 8; e++) ss += t[e] * t[e];
     }

@@ -145,6 +145,24 @@ static void test_rows(void) {
     cpu->add(s, g, NC);
     op_add(dX, dG, NC);
     expect_act("add", sh, dX, s, NC, TOL);
+    /* the fused residual add + rmsnorm: bitwise the add above, then rmsnorm of its sum */
+    {
+        void *dRes = up_act(x, NC), *dF = op_alloc(NC * 2), *dS = op_alloc(NC * 2);
+        float *dFR = op_alloc(N * sizeof(float)), *dSR = op_alloc(N * sizeof(float));
+        op_add_rmsnorm_forward(dRes, dF, dFR, dG, dWt, N, C, 1e-5f);
+        op_rmsnorm_forward(dS, dSR, dX, dWt, N, C, 1e-5f);
+        unsigned char *a = xmalloc(NC * 2), *b = xmalloc(NC * 2);
+        float ra[300], rb[300];
+        int same = 1;
+        op_download(a, dRes, NC * 2); op_download(b, dX, NC * 2); same &= !memcmp(a, b, NC * 2);
+        op_download(a, dF, NC * 2); op_download(b, dS, NC * 2); same &= !memcmp(a, b, NC * 2);
+        op_download(ra, dFR, N * sizeof(float)); op_download(rb, dSR, N * sizeof(float));
+        same &= !memcmp(ra, rb, N * sizeof(float));
+        printf("    %-22s %-30s %s\n", "add_rmsnorm", sh, same ? "bitwise add then rmsnorm" : "DIFFERS");
+        CHECK(same, "add_rmsnorm %s: not bitwise op_add then op_rmsnorm_forward", sh);
+        free(a); free(b);
+        op_free(dRes); op_free(dF); op_free(dS); op_free(dFR); op_free(dSR);
+    }
     op_free(dX); op_free(dWt); op_free(dG); op_free(dY); op_free(dDX); op_free(dR); op_free(dDW);
     free(x); free(w); free(g); free(dx0); free(dw0); free(y); free(rstd); free(dx); free(dw); free(s);
 

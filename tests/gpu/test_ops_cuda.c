@@ -228,6 +228,23 @@ static void rmsnorm_case(int N, int C) {
     expect_same_host("rmsnorm backward dw", shape, d_dw, g_dw, (size_t)C);
     cuda_rmsnorm_backward(NULL, NULL, d_dout, d_x, d_w, d_rstd, N, C);
 
+    /* the fused residual add + rmsnorm: the CPU's result, and bitwise the GPU's add then norm */
+    float *br = randf(nx, 1.0f), *res = copyf(x, nx), *fout = xmalloc(nx * sizeof(float));
+    float *frstd = xmalloc((size_t)N * sizeof(float));
+    op_add_rmsnorm_forward(res, fout, frstd, br, w, N, C, eps);
+    float *d_res = dcopy(x, nx, 0), *d_br = dcopy(br, nx, 0), *d_fout = dnan(nx, 0), *d_frstd = dnan((size_t)N, 0);
+    cuda_add_rmsnorm_forward(d_res, d_fout, d_frstd, d_br, d_w, N, C, eps);
+    expect_same_host("add_rmsnorm residual (bitwise the CPU's add)", shape, d_res, res, nx);
+    expect_close("add_rmsnorm forward", shape, d_fout, fout, nx, TOL_FWD);
+    expect_close("add_rmsnorm rstd", shape, d_frstd, frstd, (size_t)N, TOL_FWD);
+    float *d_sep = dcopy(x, nx, 0);
+    cuda_add(d_sep, d_br, nx);
+    cuda_rmsnorm_forward(d_out, d_rstd, d_sep, d_w, N, C, eps);
+    float *h_out = hcopy(d_out, nx), *h_rstd = hcopy(d_rstd, (size_t)N);
+    expect_same_host("add_rmsnorm vs add then rmsnorm", shape, d_fout, h_out, nx);
+    expect_same_host("add_rmsnorm rstd vs add then rmsnorm", shape, d_frstd, h_rstd, (size_t)N);
+    free(br); free(res); free(fout); free(frstd); free(h_out); free(h_rstd);
+
     free(g_dx); free(g_dw);
     free(x); free(w); free(dout); free(dx0); free(dw0); free(out); free(rstd); free(dx); free(dw);
     dfree_all();
