@@ -7,17 +7,22 @@
 # Usage: bench/gpu_post.sh [peer.py] [meshtrain keys...]
 # (The peer is ../shared/peers/torch_llama.py; carry a copy when the call runs elsewhere.)
 # MESHTRAIN_POST_RUNS="bf16 mixed fp32" and PEER_RUNS="eager compile amp" pick the rows.
+# STEPS timed steps each (default 60: meshtrain runs one more and excludes it, the peer runs
+# 3 warm-up steps first). Runs of 10 steps, as before 2026-11-26 session 4, end before the
+# cards reach their power-limited clocks and flatter both sides (see bench/RESULTS.md).
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}; shift || true
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
+STEPS=${STEPS:-60}
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 rows=()
 for prec in ${MESHTRAIN_POST_RUNS:-bf16 mixed fp32}; do
   out=$(mktemp -d)
-  "$BIN" train $CFG device=cuda precision=$prec steps=10 log_every=5 progress=false out_dir="$out" "$@" \
+  "$BIN" train $CFG device=cuda precision=$prec steps=$((STEPS + 1)) log_every=$STEPS progress=false \
+    ckpt_path=none out_dir="$out" "$@" \
     | grep -E "^step|^done|memory per|total" >&2
   d=$(grep '"done"' "$out/log.jsonl")
   tok=$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)
@@ -27,7 +32,7 @@ for prec in ${MESHTRAIN_POST_RUNS:-bf16 mixed fp32}; do
 done
 for p in ${PEER_RUNS:-eager compile amp}; do
   case $p in eager) extra="";; compile) extra="compile=1";; amp) extra="compile=1 amp=1";; esac
-  j=$(python3 "$PEER" $CFG steps=10 warmup=3 $extra 2>&1 | tail -1)
+  j=$(python3 "$PEER" $CFG steps=$STEPS warmup=3 $extra 2>&1 | tail -1)
   tok=$(grep -o '"tokens_per_s": [0-9.]*' <<<"$j" | cut -d' ' -f2)
   mem=$(grep -o '"peak_mem_gb": [0-9.]*' <<<"$j" | cut -d' ' -f2)
   rows+=("peer ${extra:-eager}|${tok:-0}|${mem:-0}|")

@@ -162,11 +162,15 @@ void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, in
 int ops_logit_stride(int V) { return (V + 63) / 64 * 64; }
 void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w, int N, int C,
                         int OC) {
-    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC));
+    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 1));
+}
+void op_matmul_backward_set(void *dinp, void *dw, const void *dout, const void *inp, const void *w, int N, int C,
+                            int OC) {
+    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 0));
 }
 void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w, int N,
                            int C, int OC) {
-    PROF("matmul_backward (lm_head)", g_ops->matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC));
+    PROF("matmul_backward (lm_head)", g_ops->matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC, 1));
 }
 void op_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
     g_ops->rope_tables(cos_t, sin_t, T, HD, base);
@@ -188,7 +192,10 @@ void op_swiglu_forward(void *out, const void *gu, int N, int H) {
     PROF("swiglu_forward", g_ops->swiglu_forward(out, gu, N, H));
 }
 void op_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
-    PROF("swiglu_backward", g_ops->swiglu_backward(dgu, dout, gu, N, H));
+    PROF("swiglu_backward", g_ops->swiglu_backward(dgu, dout, gu, N, H, 1));
+}
+void op_swiglu_backward_set(void *dgu, const void *dout, const void *gu, int N, int H) {
+    PROF("swiglu_backward", g_ops->swiglu_backward(dgu, dout, gu, N, H, 0));
 }
 void op_crossentropy_forward_backward(float *losses, void *logits, const int *targets, int N, int V,
                                       float dlogits_scale) {

@@ -7,7 +7,10 @@
  * - Row-major. N = B*T rows (tokens), C = channels.
  * - Weights use PyTorch's nn.Linear layout: W is [OC, C], y = x @ W^T.
  * - Every backward ACCUMULATES (+=) into its gradient outputs (dx, dw), so gradient
- *   accumulation and residual branches need no extra adds; callers zero buffers.
+ *   accumulation and residual branches need no extra adds; callers zero buffers. The `_set`
+ *   variants of matmul's and swiglu's backward WRITE their input gradient (=) instead:
+ *   the model's activation gradients start fresh, and on a device that saves zeroing them
+ *   and reading them back (the weight gradient still accumulates).
  *   A gradient output pointer may be NULL when that gradient is not needed.
  * - Everything here is deterministic for a fixed thread count (no atomics, fixed
  *   reduction order), so a resumed run is bitwise identical to an uninterrupted one.
@@ -130,6 +133,9 @@ int ops_logit_stride(int V);
 /* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp.  (w may be NULL when dinp is.) */
 void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w,
                         int N, int C, int OC);
+/* dinp[N, C] = dout @ w (written, not added);  dw[OC, C] += dout^T @ inp. */
+void op_matmul_backward_set(void *dinp, void *dw, const void *dout, const void *inp, const void *w,
+                            int N, int C, int OC);
 /* ... with dout's rows ldo elements apart. */
 void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                            int N, int C, int OC);
@@ -156,6 +162,8 @@ void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const 
 void op_swiglu_forward(void *out, const void *gu, int N, int H);
 /* dgu [N, 2H] += gradient w.r.t. gate | up. */
 void op_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H);
+/* dgu [N, 2H] = gradient w.r.t. gate | up (written, not added). */
+void op_swiglu_backward_set(void *dgu, const void *dout, const void *gu, int N, int H);
 
 /* Cross-entropy over logits [N, V] with targets [N]. losses[n] = logsumexp - logit[target].
  * If dlogits_scale != 0, logits is overwritten IN PLACE with its gradient
@@ -208,8 +216,9 @@ typedef struct OpsBackend {
     void (*rmsnorm_backward)(void *dx, void *dw, const void *dout, const void *x, const void *w,
                              const float *rstd, int N, int C);
     void (*matmul_forward)(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+    /* acc: dinp += (1) or dinp = (0); dw always accumulates */
     void (*matmul_backward)(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
-                            int N, int C, int OC);
+                            int N, int C, int OC, int acc);
     void (*rope_tables)(float *cos_t, float *sin_t, int T, int HD, float base);
     void (*rope_forward)(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
     void (*rope_backward)(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
@@ -217,7 +226,7 @@ typedef struct OpsBackend {
     void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, int B, int T, int NH, int HD);
     void (*swiglu_forward)(void *out, const void *gu, int N, int H);
-    void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H);
+    void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
     void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                           float dlogits_scale);
     void (*adamw)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,

@@ -647,8 +647,10 @@ static void t_rmsnorm_backward(void *dx, void *dw, const void *dout, const void 
 static void t_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
     cpu_matmul_forward(out, ldo, inp, w, N, C, OC);
 }
+/* acc = 0: zeroed here, then accumulated: the same bits as the caller zeroing first */
 static void t_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
-                              int N, int C, int OC) {
+                              int N, int C, int OC, int acc) {
+    if (!acc && dinp && N > 0 && C > 0) memset(dinp, 0, (size_t)N * C * sizeof(float));
     cpu_matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC);
 }
 static void t_rope_forward(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
@@ -665,7 +667,8 @@ static void t_attention_backward(void *dqkv, const void *dout, const void *qkv, 
     cpu_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD);
 }
 static void t_swiglu_forward(void *out, const void *gu, int N, int H) { cpu_swiglu_forward(out, gu, N, H); }
-static void t_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
+static void t_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc) {
+    if (!acc && dgu && N > 0 && H > 0) memset(dgu, 0, (size_t)N * 2 * H * sizeof(float));
     cpu_swiglu_backward(dgu, dout, gu, N, H);
 }
 static void t_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,

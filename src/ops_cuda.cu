@@ -541,12 +541,12 @@ void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int
  *   (inp column-major is [C, N] ld C; dout column-major [OC, N] ld OC, transposed).
  * dw is the state type: bf16 products accumulate into fp32 gradients unless precision=bf16. */
 void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
-                          int N, int C, int OC) {
+                          int N, int C, int OC, int acc) {
     if (N <= 0 || C <= 0 || OC <= 0) return;
     int OCa = oc_main(OC), OCt = OC - OCa; /* see cuda_matmul_forward */
     const void *w_t = dinp ? act_off(w, (size_t)OCa * C) : NULL, *dout_t = act_off(dout, OCa);
     if (dinp) {
-        lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCa, w, C, dout, ldo, 1.0f, dinp, C, 0);
+        lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCa, w, C, dout, ldo, acc ? 1.0f : 0.0f, dinp, C, 0);
         if (OCt) lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCt, w_t, C, dout_t, ldo, 1.0f, dinp, C, 0);
     }
     if (dw) {
@@ -663,20 +663,21 @@ void cuda_swiglu_forward(void *out, const void *gu, int N, int H) {
     LAUNCH_CHECK(swiglu_forward_kernel);
 }
 
-void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H) {
+void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc) {
     if (!dgu || N <= 0 || H <= 0) return;
     if (H % 8 == 0 && al16(dgu) && al16(dout) && al16(gu)) {
         size_t nv = (size_t)N * H / 8;
-        swiglu8_backward_kernel<<<ew_grid(nv), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, H, nv, g.bf16);
+        swiglu8_backward_kernel<<<ew_grid(nv), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, H, nv, g.bf16, acc);
         LAUNCH_CHECK(swiglu8_backward_kernel);
         return;
     }
     if (!(H & 1)) {
-        swiglu2_backward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16);
+        swiglu2_backward_kernel<<<ew_grid((size_t)N * H / 2), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16,
+                                                                                         acc);
         LAUNCH_CHECK(swiglu2_backward_kernel);
         return;
     }
-    swiglu_backward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16);
+    swiglu_backward_kernel<<<ew_grid((size_t)N * H), EW_BLOCK, 0, g.stream>>>(dgu, dout, gu, N, H, g.bf16, acc);
     LAUNCH_CHECK(swiglu_backward_kernel);
 }
 

@@ -70,7 +70,7 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
 /* out's (dout's) rows are ldo >= OC elements apart */
 void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
 void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
-                          int N, int C, int OC);
+                          int N, int C, int OC, int acc);
 
 /* Computed on the host exactly as op_rope_tables does, then copied into the device arrays
  * cos_t and sin_t ([T, HD/2] each), so both backends use bitwise the same tables. */
@@ -85,7 +85,7 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
                              const float *lse, int B, int T, int NH, int HD);
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H);
-void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H);
+void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
 
 /* A target outside [0, V) gives that row a NaN loss (and NaN gradient) rather than an
  * out-of-bounds read. */

@@ -785,6 +785,30 @@ static void test_backward_accumulates(void) {
     fix_free(&f);
 }
 
+/* The _set variants write the input gradient: over NaN they give the same bits as the
+ * accumulating op over zeros (so dinp is never read), and matmul's dw still accumulates. */
+static void test_backward_set_writes(void) {
+    Fix f = fix_make();
+    size_t NC = (size_t)f.N * f.C, nw = (size_t)3 * f.C * f.C, ng = (size_t)f.N * 2 * f.H;
+    float *want = zerosf(NC), *got = xmalloc(NC * sizeof(float));
+    float *dw0 = randf(nw, 1.0f), *dw_acc = copyf(dw0, nw), *dw_set = copyf(dw0, nw);
+    for (size_t i = 0; i < NC; i++) got[i] = NAN;
+    op_matmul_backward(want, dw_acc, f.gm, f.x, f.mw, f.N, f.C, 3 * f.C);
+    op_matmul_backward_set(got, dw_set, f.gm, f.x, f.mw, f.N, f.C, 3 * f.C);
+    CHECK(same(got, want, NC), "matmul_backward_set: dinp differs from accumulating into zeros");
+    CHECK(same(dw_set, dw_acc, nw) && norm_rel_err(dw_set, dw0, nw) > 0.1,
+          "matmul_backward_set: dw does not accumulate as op_matmul_backward does");
+    float *gwant = zerosf(ng), *ggot = xmalloc(ng * sizeof(float));
+    for (size_t i = 0; i < ng; i++) ggot[i] = NAN;
+    op_swiglu_backward(gwant, f.gsw, f.gu, f.N, f.H);
+    op_swiglu_backward_set(ggot, f.gsw, f.gu, f.N, f.H);
+    CHECK(same(ggot, gwant, ng), "swiglu_backward_set differs from accumulating into zeros");
+    op_matmul_backward_set(NULL, NULL, f.gm, f.x, f.mw, f.N, f.C, 3 * f.C);  /* NULLs: nothing to do */
+    op_swiglu_backward_set(NULL, f.gsw, f.gu, f.N, f.H);
+    free(want), free(got), free(dw0), free(dw_acc), free(dw_set), free(gwant), free(ggot);
+    fix_free(&f);
+}
+
 /* Runs every op once on the fixture and hashes all outputs. */
 static uint64_t run_all_ops(const Fix *f) {
     size_t NC = (size_t)f->N * f->C, NQ = NC * 3;
@@ -916,6 +940,7 @@ int main(void) {
     RUN(test_adamw);
     RUN(test_sumsq_scale_add);
     RUN(test_backward_accumulates);
+    RUN(test_backward_set_writes);
     RUN(test_determinism);
     return TEST_SUMMARY();
 }

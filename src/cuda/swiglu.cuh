@@ -14,12 +14,14 @@ static __global__ void swiglu2_forward_kernel(void *out, const void *gu, int N, 
         st2(out, i, make_float2(silu_f(gt.x) * up.x, silu_f(gt.y) * up.y), bf);
     }
 }
-static __global__ void swiglu2_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf) {
+static __global__ void swiglu2_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf,
+                                               int acc) {
     size_t total = (size_t)N * H / 2;
     GRID_STRIDE(j, total) {
         size_t i = 2 * j, n = i / H, k = i % H, ig = n * 2 * H + k, iu = ig + H;
-        float2 gt = ld2(gu, ig, bf), up = ld2(gu, iu, bf), d = ld2(dout, i, bf), dg = ld2(dgu, ig, bf),
-               du = ld2(dgu, iu, bf);
+        float2 gt = ld2(gu, ig, bf), up = ld2(gu, iu, bf), d = ld2(dout, i, bf), dg = {0.0f, 0.0f},
+               du = {0.0f, 0.0f};
+        if (acc) dg = ld2(dgu, ig, bf), du = ld2(dgu, iu, bf);
         float s0 = 1.0f / (1.0f + expf(-gt.x)), s1 = 1.0f / (1.0f + expf(-gt.y));
         dg.x += d.x * up.x * (s0 * (1.0f + gt.x * (1.0f - s0)));
         dg.y += d.y * up.y * (s1 * (1.0f + gt.y * (1.0f - s1)));
@@ -45,18 +47,20 @@ static __global__ void swiglu8_forward_kernel(void *out, const void *gu, int H, 
     }
 }
 static __global__ void swiglu8_backward_kernel(void *dgu, const void *dout, const void *gu, int H, size_t nvec,
-                                               int bf) {
+                                               int bf, int acc) {
     int h8 = H / 8;
     GRID_STRIDE(j, nvec) {
         size_t n = j / h8;
         int k = (int)(j - n * h8) * 8;
         size_t ig = n * 2 * H + k, iu = ig + H;
-        float gt[8], up[8], d[8], dg[8], du[8];
+        float gt[8], up[8], d[8], dg[8] = {0}, du[8] = {0};
         ld8(gt, gu, ig, bf);
         ld8(up, gu, iu, bf);
         ld8(d, dout, 8 * j, bf);
-        ld8(dg, dgu, ig, bf);
-        ld8(du, dgu, iu, bf);
+        if (acc) {  /* else written: dgu is not read */
+            ld8(dg, dgu, ig, bf);
+            ld8(du, dgu, iu, bf);
+        }
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             float s = 1.0f / (1.0f + expf(-gt[e]));
@@ -76,14 +80,15 @@ static __global__ void swiglu_forward_kernel(void *out, const void *gu, int N, i
     }
 }
 
-static __global__ void swiglu_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf) {
+static __global__ void swiglu_backward_kernel(void *dgu, const void *dout, const void *gu, int N, int H, int bf,
+                                              int acc) {
     size_t total = (size_t)N * H;
     GRID_STRIDE(i, total) {
         size_t n = i / H, k = i % H, ig = n * 2 * H + k, iu = ig + H;
         float gt = ld(gu, ig, bf), up = ld(gu, iu, bf), d = ld(dout, i, bf);
         float s = 1.0f / (1.0f + expf(-gt));
         float silu = gt * s;
-        st(dgu, ig, ld(dgu, ig, bf) + d * up * (s * (1.0f + gt * (1.0f - s))), bf);
-        st(dgu, iu, ld(dgu, iu, bf) + d * silu, bf);
+        st(dgu, ig, (acc ? ld(dgu, ig, bf) : 0.0f) + d * up * (s * (1.0f + gt * (1.0f - s))), bf);
+        st(dgu, iu, (acc ? ld(dgu, iu, bf) : 0.0f) + d * silu, bf);
     }
 }

@@ -78,7 +78,7 @@ static void test_matmul(void) {
         float *y = xmalloc((size_t)N * OC * sizeof(float)), *dx = copyf(dx0, (size_t)N * C),
               *dw = copyf(dw0, (size_t)OC * C);
         cpu->matmul_forward(y, OC, x, w, N, C, OC);
-        cpu->matmul_backward(dx, dw, g, OC, x, w, N, C, OC);
+        cpu->matmul_backward(dx, dw, g, OC, x, w, N, C, OC, 1);
         void *dX = up_act(x, (size_t)N * C), *dW = up_act(w, (size_t)OC * C), *dG = up_act(g, (size_t)N * OC);
         void *dY = op_alloc((size_t)N * OC * 2), *dDX = up_act(dx0, (size_t)N * C);
         float *dDW = up_f32(dw0, (size_t)OC * C);
@@ -106,7 +106,7 @@ static void test_lm_head_padded(void) {
     cpu->matmul_forward(y, V, x, w, N, C, V);
     for (size_t i = 0; i < (size_t)N * V; i++) y[i] = bf16_widen(bf16_round(y[i])); /* the GPU's logits are bf16 */
     cpu->crossentropy_forward_backward(losses, y, V, tok, N, V, 1.0f / N);
-    cpu->matmul_backward(dx, dw, y, V, x, w, N, C, V);
+    cpu->matmul_backward(dx, dw, y, V, x, w, N, C, V, 1);
     void *dX = up_act(x, (size_t)N * C), *dW = up_act(w, (size_t)V * C), *dL = op_alloc((size_t)N * ld * 2);
     void *dDX = op_alloc((size_t)N * C * 2);
     float *dDW = up_f32(dw0, (size_t)V * C), *dLS = op_alloc(N * sizeof(float));
@@ -172,12 +172,21 @@ static void test_rows(void) {
     float *gu = randb(NH2, 1.0f), *go = randb(NHn, 1.0f), *dgu0 = randb(NH2, 0.1f);
     float *o = xmalloc(NHn * sizeof(float)), *dgu = copyf(dgu0, NH2);
     cpu->swiglu_forward(o, gu, N, H);
-    cpu->swiglu_backward(dgu, go, gu, N, H);
+    cpu->swiglu_backward(dgu, go, gu, N, H, 1);
     void *dGU = up_act(gu, NH2), *dGO = up_act(go, NHn), *dO = op_alloc(NHn * 2), *dDGU = up_act(dgu0, NH2);
     op_swiglu_forward(dO, dGU, N, H);
     op_swiglu_backward(dDGU, dGO, dGU, N, H);
     expect_act("swiglu forward", sh, dO, o, NHn, TOL);
     expect_act("swiglu backward (+=)", sh, dDGU, dgu, NH2, TOL);
+    {   /* the _set variant writes dgu: over NaN, the CPU's gradient into zeros */
+        float *nan = xmalloc(NH2 * sizeof(float)), *dz = calloc(NH2, sizeof(float));
+        for (size_t i = 0; i < NH2; i++) nan[i] = NAN;
+        cpu->swiglu_backward(dz, go, gu, N, H, 1);
+        void *dS = up_act(nan, NH2);
+        op_swiglu_backward_set(dS, dGO, dGU, N, H);
+        expect_act("swiglu backward (=)", sh, dS, dz, NH2, TOL);
+        op_free(dS); free(nan); free(dz);
+    }
     op_free(dGU); op_free(dGO); op_free(dO); op_free(dDGU);
     free(gu); free(go); free(dgu0); free(o); free(dgu);
 
@@ -423,7 +432,7 @@ static void test_bf16_matmul_backward(void) {
         float *x = randb((size_t)N * C, 1.0f), *w = randb((size_t)OC * C, 0.1f), *g = randb((size_t)N * OC, 1.0f);
         float *dx0 = randb((size_t)N * C, 0.1f), *dw0 = randb((size_t)OC * C, 1.0f);
         float *dx = copyf(dx0, (size_t)N * C), *dw = copyf(dw0, (size_t)OC * C);
-        cpu->matmul_backward(dx, dw, g, OC, x, w, N, C, OC);
+        cpu->matmul_backward(dx, dw, g, OC, x, w, N, C, OC, 1);
         float *gp = xmalloc((size_t)N * ld * sizeof(float));
         for (int n = 0; n < N; n++)
             for (int j = 0; j < ld; j++) gp[(size_t)n * ld + j] = j < OC ? g[(size_t)n * OC + j] : NAN;
@@ -432,6 +441,16 @@ static void test_bf16_matmul_backward(void) {
         op_matmul_backward_ld(dDX, dDW, dG, ld, dX, dW, N, C, OC);
         expect_act("matmul dinp (+=)", sh, dDX, dx, (size_t)N * C, TOL);
         expect_state("matmul dw (bf16, +=)", sh, dDW, dw, (size_t)OC * C, TOL);
+        {   /* the _set variant writes dinp: over NaN, the CPU's gradient into zeros */
+            size_t NC = (size_t)N * C;
+            float *nan = xmalloc(NC * sizeof(float)), *dz = calloc(NC, sizeof(float));
+            for (size_t i = 0; i < NC; i++) nan[i] = NAN;
+            cpu->matmul_backward(dz, NULL, g, OC, x, w, N, C, OC, 1);
+            void *dS = up_act(nan, NC), *dG2 = up_act(g, (size_t)N * OC);
+            op_matmul_backward_set(dS, NULL, dG2, dX, dW, N, C, OC);
+            expect_act("matmul dinp (=)", sh, dS, dz, NC, TOL);
+            op_free(dS); op_free(dG2); free(nan); free(dz);
+        }
         if (OC > 64) { /* the tail columns alone: a misplaced tail fails here, not in the mean */
             int t0 = OC / 64 * 64;
             float *h = down_state(dDW, (size_t)OC * C);

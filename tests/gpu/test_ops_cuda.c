@@ -119,7 +119,7 @@ static void matmul_case(int N, int C, int OC, int off) {
     float *d_inp = dcopy(inp, ni, off), *d_w = dcopy(w, nw, off), *d_dout = dcopy(dout, no, off);
     float *d_out = dnan(no, off), *d_dinp = dcopy(dinp0, ni, off), *d_dw = dcopy(dw0, nw, off);
     cuda_matmul_forward(d_out, OC, d_inp, d_w, N, C, OC);
-    cuda_matmul_backward(d_dinp, d_dw, d_dout, OC, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(d_dinp, d_dw, d_dout, OC, d_inp, d_w, N, C, OC, 1);
     expect_close("matmul forward", shape, d_out, out, no, TOL_FWD);
     expect_close("matmul backward dinp", shape, d_dinp, dinp, ni, TOL_BWD);
     expect_close("matmul backward dw", shape, d_dw, dw, nw, TOL_BWD);
@@ -130,11 +130,18 @@ static void matmul_case(int N, int C, int OC, int off) {
     expect_same_host("matmul forward", shape, d_out, g_out, no);
     dset(d_dinp, dinp0, ni);
     dset(d_dw, dw0, nw);
-    cuda_matmul_backward(d_dinp, NULL, d_dout, OC, d_inp, d_w, N, C, OC);
-    cuda_matmul_backward(NULL, d_dw, d_dout, OC, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(d_dinp, NULL, d_dout, OC, d_inp, d_w, N, C, OC, 1);
+    cuda_matmul_backward(NULL, d_dw, d_dout, OC, d_inp, d_w, N, C, OC, 1);
     expect_same_host("matmul backward dinp", shape, d_dinp, g_dinp, ni);
     expect_same_host("matmul backward dw", shape, d_dw, g_dw, nw);
-    cuda_matmul_backward(NULL, NULL, d_dout, OC, d_inp, d_w, N, C, OC);
+    cuda_matmul_backward(NULL, NULL, d_dout, OC, d_inp, d_w, N, C, OC, 1);
+    /* acc = 0 writes dinp: over NaN, the same bits as accumulating into zeros */
+    float *zeros = calloc(ni, sizeof(float)), *d_z = dcopy(zeros, ni, off), *d_s = dnan(ni, off);
+    cuda_matmul_backward(d_z, NULL, d_dout, OC, d_inp, d_w, N, C, OC, 1);
+    cuda_matmul_backward(d_s, NULL, d_dout, OC, d_inp, d_w, N, C, OC, 0);
+    float *h_z = hcopy(d_z, ni);
+    expect_same_host("matmul backward dinp written (acc=0)", shape, d_s, h_z, ni);
+    free(zeros); free(h_z);
 
     free(g_out); free(g_dinp); free(g_dw);
     free(inp); free(w); free(dout); free(dinp0); free(dw0); free(out); free(dinp); free(dw);
@@ -353,10 +360,17 @@ static void swiglu_case(int N, int H) {
     op_swiglu_backward(dgu, dout, gu, N, H);
     float *d_gu = dcopy(gu, ng, 0), *d_dout = dcopy(dout, no, 0), *d_dgu = dcopy(dgu0, ng, 0), *d_out = dnan(no, 0);
     cuda_swiglu_forward(d_out, d_gu, N, H);
-    cuda_swiglu_backward(d_dgu, d_dout, d_gu, N, H);
+    cuda_swiglu_backward(d_dgu, d_dout, d_gu, N, H, 1);
     expect_close("swiglu forward", shape, d_out, out, no, TOL_FWD);
     expect_close("swiglu backward", shape, d_dgu, dgu, ng, TOL_BWD);
-    cuda_swiglu_backward(NULL, d_dout, d_gu, N, H);
+    cuda_swiglu_backward(NULL, d_dout, d_gu, N, H, 1);
+    /* acc = 0 writes dgu: over NaN, the same bits as accumulating into zeros */
+    float *zeros = calloc(ng, sizeof(float)), *d_z = dcopy(zeros, ng, 0), *d_s = dnan(ng, 0);
+    cuda_swiglu_backward(d_z, d_dout, d_gu, N, H, 1);
+    cuda_swiglu_backward(d_s, d_dout, d_gu, N, H, 0);
+    float *h_z = hcopy(d_z, ng);
+    expect_same_host("swiglu backward written (acc=0)", shape, d_s, h_z, ng);
+    free(zeros); free(h_z);
     free(gu); free(dout); free(dgu0); free(out); free(dgu);
     dfree_all();
 }

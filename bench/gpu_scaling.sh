@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Data-parallel scaling of meshtrain AND of the PyTorch peer, in one call on one machine:
+# each on one GPU and on NP GPUs (meshtrain DDP through mpirun, the peer through torchrun),
+# at the post's configuration per GPU, for both pairs (meshtrain bf16 vs the peer's
+# compile=1; meshtrain mixed vs compile=1 amp=1). Both run STEPS timed steps (meshtrain
+# excludes its first step; the peer runs 3 warm-up steps first), long enough for the cards
+# to reach their sustained (power-limited) clocks: 10-step runs flatter scaling.
+# Usage: NP=4 STEPS=60 bench/gpu_scaling.sh [peer.py]    PAIRS="bf16 mixed" picks pairs.
+set -u
+PEER=${1:-../shared/peers/torch_llama.py}
+NP=${NP:-4}
+STEPS=${STEPS:-60}
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
+MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+[ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
+
+mt() {  # mt NPROC KEYS... -> "tokens/s peakGB"
+  local np=$1; shift
+  local out launch=(env CUDA_VISIBLE_DEVICES=0); out=$(mktemp -d)
+  [ "$np" = 1 ] || launch=($MPI -np "$np")
+  "${launch[@]}" "$BIN" train $CFG "$@" device=cuda steps=$((STEPS + 1)) log_every=$STEPS progress=false \
+    ckpt_path=none val_batches=1 out_dir="$out" >"$out/stdout" 2>&1
+  local d; d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
+  [ -n "$d" ] || { echo "meshtrain failed: $(tail -2 "$out/stdout" | tr '\n' ' ')" >&2; echo "0 0"; return; }
+  awk -v t="$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)" \
+      -v m="$(grep -o '"gpu_peak_alloc_bytes":[0-9.]*' <<<"$d" | cut -d: -f2)" 'BEGIN{printf "%.0f %.1f", t, m/1e9}'
+}
+peer() {  # peer NPROC KEYS... -> "tokens/s peakGB"
+  local np=$1; shift
+  local j; j=$(torchrun --standalone --nproc_per_node="$np" "$PEER" $CFG "$@" steps=$STEPS warmup=3 2>&1 | grep '^{' | tail -1)
+  [ -n "$j" ] || { echo "peer failed" >&2; echo "0 0"; return; }
+  echo "$(grep -o '"tokens_per_s": [0-9.]*' <<<"$j" | cut -d' ' -f2) $(grep -o '"peak_mem_gb": [0-9.]*' <<<"$j" | cut -d' ' -f2)"
+}
+
+echo "| run ($card, $STEPS steps) | 1 GPU tokens/s | $NP GPUs tokens/s | scaling | peak GB per GPU ($NP GPUs) |"
+echo "|---|---|---|---|---|"
+row() {  # row LABEL "t1 m1" "tn mn"
+  read -r t1 _ <<<"$2"; read -r tn mn <<<"$3"
+  awk -v l="$1" -v a="$t1" -v b="$tn" -v n="$NP" -v m="$mn" \
+    'BEGIN{printf "| %s | %.0f | %.0f | %.1f%% | %s |\n", l, a, b, (a > 0 ? 100*b/(n*a) : 0), m}'
+}
+for pair in ${PAIRS:-bf16 mixed}; do
+  if [ "$pair" = bf16 ]; then pk="compile=1"; else pk="compile=1 amp=1"; fi
+  row "meshtrain precision=$pair" "$(mt 1 precision=$pair)" "$(mt "$NP" precision=$pair)"
+  row "peer $pk" "$(peer 1 $pk)" "$(peer "$NP" $pk)"
+done
