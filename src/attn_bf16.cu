@@ -339,7 +339,7 @@ __global__ void attn_bf16_D_kernel(float *D, const bf16 *dout, const bf16 *out, 
  * dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q. K and V fragments are re-read from shared
  * memory each step (registers hold dK and dV). A warp skips query steps entirely before its keys. */
 static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
-                                                 const float *Dw, int T, int NH, float scale, const int HD) {
+                                                 const float *Dw, int T, int NH, float scale, int acc, const int HD) {
     const int QR = DKDV_QROWS;
     const int nt = (T + TILE - 1) / TILE, nq = (T + QR - 1) / QR;
     const int bh = (int)(blockIdx.x / nt), kt = (int)(blockIdx.x % nt); /* kt 0 walks the most tiles: first */
@@ -446,8 +446,8 @@ static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, c
     const float mk[2] = {scale, scale}, mv[2] = {1.f, 1.f}; /* S = scale Q K^T, so dK carries the scale */
     float *stage = (float *)attn_smem + warp * 16 * (HD + 8);
     bf16 *dkg = dqkv + (size_t)b * T * ld + C + (size_t)h * HD;
-    store_rows(dkg, ld, kw, T, dk, mk, stage, 1, HD);
-    store_rows(dkg + C, ld, kw, T, dv, mv, stage, 1, HD);
+    store_rows(dkg, ld, kw, T, dk, mk, stage, acc, HD);
+    store_rows(dkg + C, ld, kw, T, dv, mv, stage, acc, HD);
 }
 
 /* dQ of 64 queries (16 per warp). Q and dO stay in shared memory (their fragments are re-read
@@ -455,7 +455,7 @@ static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, c
  * ring of two: step n computes with pair n (keys n*KT..) while pair n+1 loads. Per step:
  * S = Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K. */
 static __device__ __forceinline__ void dq_body(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
-                                                const float *Dw, int T, int NH, float scale, const int HD) {
+                                                const float *Dw, int T, int NH, float scale, int acc, const int HD) {
     const int nt = (T + TILE - 1) / TILE;
     const int bh = (int)(blockIdx.x / nt), qt = nt - 1 - (int)(blockIdx.x % nt); /* longest first */
     const int b = bh / NH, h = bh % NH, C = NH * HD;
@@ -545,7 +545,7 @@ static __device__ __forceinline__ void dq_body(bf16 *dqkv, const bf16 *dout, con
     const float mq[2] = {scale, scale};
     __syncthreads(); /* all warps done with the last pair before the stage overwrites shared memory */
     store_rows(dqkv + (size_t)b * T * ld + (size_t)h * HD, ld, q0, T, dq, mq,
-               (float *)attn_smem + warp * 16 * (HD + 8), 1, HD);
+               (float *)attn_smem + warp * 16 * (HD + 8), acc, HD);
 }
 
 /* one kernel per head dim, so HD is a compile-time constant inside */
@@ -565,23 +565,23 @@ __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_fwd_hd128(bf16 *out, fl
 #define DQ_SMEM(HD) (2 * (size_t)TILE * (HD) * 2 + 2 * 2 * (size_t)KT * (HD) * 2)
 __global__ void __launch_bounds__(NTHREADS, 1) attn_bf16_dkdv_hd64(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                                   const float *lse, const float *D, int T, int NH,
-                                                                  float scale) {
-    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, 64);
+                                                                  float scale, int acc) {
+    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 64);
 }
 __global__ void __launch_bounds__(NTHREADS, 1) attn_bf16_dkdv_hd128(bf16 *dqkv, const bf16 *dout,
                                                                    const bf16 *qkv, const float *lse, const float *D,
-                                                                   int T, int NH, float scale) {
-    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, 128);
+                                                                   int T, int NH, float scale, int acc) {
+    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 128);
 }
 __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_dq_hd64(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                               const float *lse, const float *D, int T, int NH,
-                                                              float scale) {
-    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, 64);
+                                                              float scale, int acc) {
+    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 64);
 }
 __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_dq_hd128(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                                const float *lse, const float *D, int T, int NH,
-                                                               float scale) {
-    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, 128);
+                                                               float scale, int acc) {
+    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 128);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -644,7 +644,7 @@ extern "C" void attn_bf16_forward(void *out, float *lse, const void *qkv, int B,
 }
 
 extern "C" void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                   const float *lse, void *workspace, int B, int T, int NH, int HD,
+                                   const float *lse, void *workspace, int B, int T, int NH, int HD, int acc,
                                    void *stream) {
     const unsigned grid = attn_grid(B, T, NH, HD);
     if (grid == 0) return;
@@ -660,17 +660,17 @@ extern "C" void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv
     const bf16 *dO = (const bf16 *)dout, *x = (const bf16 *)qkv;
     if (HD == 64) {
         attn_set_smem((const void *)attn_bf16_dkdv_hd64, smem_kv, "attn_bf16_dkdv_hd64");
-        attn_bf16_dkdv_hd64<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale);
+        attn_bf16_dkdv_hd64<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
         attn_check("attn_bf16_dkdv_hd64");
         attn_set_smem((const void *)attn_bf16_dq_hd64, smem_q, "attn_bf16_dq_hd64");
-        attn_bf16_dq_hd64<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale);
+        attn_bf16_dq_hd64<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
         attn_check("attn_bf16_dq_hd64");
     } else {
         attn_set_smem((const void *)attn_bf16_dkdv_hd128, smem_kv, "attn_bf16_dkdv_hd128");
-        attn_bf16_dkdv_hd128<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale);
+        attn_bf16_dkdv_hd128<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
         attn_check("attn_bf16_dkdv_hd128");
         attn_set_smem((const void *)attn_bf16_dq_hd128, smem_q, "attn_bf16_dq_hd128");
-        attn_bf16_dq_hd128<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale);
+        attn_bf16_dq_hd128<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
         attn_check("attn_bf16_dq_hd128");
     }
 }

@@ -25,11 +25,12 @@ size_t attn_bf16_workspace_bytes(int B, int T, int NH, int HD);
 /* out = causal softmax(q k^T / sqrt(HD)) v per head; lse as above. out and lse are overwritten. */
 void attn_bf16_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD, void *stream);
 
-/* dqkv [B, T, 3C] bf16: ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old bf16 value,
- * adds in fp32, rounds once). dout [B, T, C] bf16; out and lse from attn_bf16_forward; workspace:
+/* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
+ * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once, the
+ * old values never read). dout [B, T, C] bf16; out and lse from attn_bf16_forward; workspace:
  * attn_bf16_workspace_bytes(...) bytes of device memory. */
 void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                        void *workspace, int B, int T, int NH, int HD, void *stream);
+                        void *workspace, int B, int T, int NH, int HD, int acc, void *stream);
 
 #ifdef __cplusplus
 }

@@ -304,8 +304,7 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
     void *g = unit_grads(m, 1 + l);
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
-    size_t NE = (size_t)N * E;
-    /* The branch gradients (dh, dgu, dxn, datt) are written by the _set ops, not zeroed
+    /* The branch gradients (dh, dgu, dxn, datt, dqkv) are written by the _set ops, not zeroed
      * and added to; dres, the residual stream's gradient, accumulates. */
     op_matmul_backward_set(a->dh, st_at(g, ly->down), a->dres, la->hsw, act_at(w, ly->down), N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
@@ -313,8 +312,7 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
                            E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
     op_matmul_backward_set(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, E, E);
-    op_zero(a->dqkv, 3 * NE * ops_act_size());
-    op_attention_backward(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
+    op_attention_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
     op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
     op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E,
                            3 * E);

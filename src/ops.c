@@ -186,7 +186,11 @@ void op_attention_forward(void *out, float *lse, const void *qkv, int B, int T, 
 }
 void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                            int B, int T, int NH, int HD) {
-    PROF("attention_backward", g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD));
+    PROF("attention_backward", g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD, 1));
+}
+void op_attention_backward_set(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                               int B, int T, int NH, int HD) {
+    PROF("attention_backward", g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0));
 }
 void op_swiglu_forward(void *out, const void *gu, int N, int H) {
     PROF("swiglu_forward", g_ops->swiglu_forward(out, gu, N, H));

@@ -8,7 +8,7 @@
  * - Weights use PyTorch's nn.Linear layout: W is [OC, C], y = x @ W^T.
  * - Every backward ACCUMULATES (+=) into its gradient outputs (dx, dw), so gradient
  *   accumulation and residual branches need no extra adds; callers zero buffers. The `_set`
- *   variants of matmul's and swiglu's backward WRITE their input gradient (=) instead:
+ *   variants of matmul's, swiglu's and attention's backward WRITE their input gradient (=):
  *   the model's activation gradients start fresh, and on a device that saves zeroing them
  *   and reading them back (the weight gradient still accumulates).
  *   A gradient output pointer may be NULL when that gradient is not needed.
@@ -157,6 +157,9 @@ void op_attention_forward(void *out, float *lse, const void *qkv, int B, int T, 
 /* dqkv += gradient w.r.t. qkv (q, k and v parts). */
 void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                            const float *lse, int B, int T, int NH, int HD);
+/* dqkv = gradient w.r.t. qkv (written, not added). */
+void op_attention_backward_set(void *dqkv, const void *dout, const void *qkv, const void *out,
+                               const float *lse, int B, int T, int NH, int HD);
 
 /* gu [N, 2H] holds gate | up per row; out[N, H] = silu(gate) * up. */
 void op_swiglu_forward(void *out, const void *gu, int N, int H);
@@ -224,7 +227,7 @@ typedef struct OpsBackend {
     void (*rope_backward)(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
     void (*attention_forward)(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
     void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
-                               const float *lse, int B, int T, int NH, int HD);
+                               const float *lse, int B, int T, int NH, int HD, int acc);
     void (*swiglu_forward)(void *out, const void *gu, int N, int H);
     void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
     void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,

@@ -663,7 +663,8 @@ static void t_attention_forward(void *out, float *lse, const void *qkv, int B, i
     cpu_attention_forward(out, lse, qkv, B, T, NH, HD);
 }
 static void t_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                                 int B, int T, int NH, int HD) {
+                                 int B, int T, int NH, int HD, int acc) {
+    if (!acc && dqkv && B > 0 && T > 0) memset(dqkv, 0, (size_t)B * T * 3 * NH * HD * sizeof(float));
     cpu_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD);
 }
 static void t_swiglu_forward(void *out, const void *gu, int N, int H) { cpu_swiglu_forward(out, gu, N, H); }

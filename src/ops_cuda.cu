@@ -619,15 +619,17 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                             const float *lse, int B, int T, int NH, int HD) {
+                             const float *lse, int B, int T, int NH, int HD, int acc) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
     if (g.bf16 && attn_bf16_supported(HD)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
-        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, (void *)g.stream);
+        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, (void *)g.stream);
         if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
         return;
     }
     att_check_shape(B, NH, HD);
+    /* the fp32 kernels only accumulate: writing is zeroing first */
+    if (!acc) CUDA_CHECK(cudaMemsetAsync(dqkv, 0, (size_t)B * T * 3 * NH * HD * act_size(), g.stream));
     size_t smem_dq = att_dq_smem(HD), smem_dkdv = att_dkdv_smem(HD);
     att_smem((const void *)attention_backward_dq_kernel, smem_dq, &g.att_smem_set[1], "backward", HD);
     att_smem((const void *)attention_backward_dkdv_kernel, smem_dkdv, &g.att_smem_set[2], "backward", HD);

@@ -803,6 +803,14 @@ static void test_backward_set_writes(void) {
     op_swiglu_backward(gwant, f.gsw, f.gu, f.N, f.H);
     op_swiglu_backward_set(ggot, f.gsw, f.gu, f.N, f.H);
     CHECK(same(ggot, gwant, ng), "swiglu_backward_set differs from accumulating into zeros");
+    size_t nq = NC * 3;
+    float *qwant = zerosf(nq), *qgot = xmalloc(nq * sizeof(float));
+    for (size_t i = 0; i < nq; i++) qgot[i] = NAN;
+    op_attention_backward(qwant, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
+    op_attention_backward_set(qgot, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
+    CHECK(same(qgot, qwant, nq), "attention_backward_set differs from accumulating into zeros");
+    free(qwant), free(qgot);
+    op_attention_backward_set(NULL, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
     op_matmul_backward_set(NULL, NULL, f.gm, f.x, f.mw, f.N, f.C, 3 * f.C);  /* NULLs: nothing to do */
     op_swiglu_backward_set(NULL, f.gsw, f.gu, f.N, f.H);
     free(want), free(got), free(dw0), free(dw_acc), free(dw_set), free(gwant), free(ggot);

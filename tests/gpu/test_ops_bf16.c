@@ -307,7 +307,7 @@ static void attention_case(int B, int T, int NH, int HD) {
         for (size_t i = 0; i < nqkv; i++) rr[i] = bf16_widen(bf16_round(rr[i]));
     }
     cpu->attention_forward(o, lse, rr, B, T, NH, HD);
-    cpu->attention_backward(dq, g, rr, o, lse, B, T, NH, HD);
+    cpu->attention_backward(dq, g, rr, o, lse, B, T, NH, HD, 1);
     float *dqr = copyf(dq, nqkv);
     cpu->rope_backward(dqr, cs, sn, B, T, NH, HD);
 
@@ -321,6 +321,15 @@ static void attention_case(int B, int T, int NH, int HD) {
     expect_f32("attention lse", sh, dLSE, lse, nl, 1e-3);
     op_attention_backward(dDQ, dG, dQKV, dO, dLSE, B, T, NH, HD);
     expect_act("attention backward (+=)", sh, dDQ, dq, nqkv, TOL_ATT);
+    {   /* the _set variant writes dqkv: over NaN, the CPU's gradient into zeros */
+        float *nan = xmalloc(nqkv * sizeof(float)), *dz = calloc(nqkv, sizeof(float));
+        for (size_t i = 0; i < nqkv; i++) nan[i] = NAN;
+        cpu->attention_backward(dz, g, rr, o, lse, B, T, NH, HD, 1);
+        void *dS = up_act(nan, nqkv);
+        op_attention_backward_set(dS, dG, dQKV, dO, dLSE, B, T, NH, HD);
+        expect_act("attention backward (=)", sh, dS, dz, nqkv, TOL_ATT);
+        op_free(dS); free(nan); free(dz);
+    }
     op_rope_backward(dDQ, dCS, dSN, B, T, NH, HD);
     expect_act("rope backward", sh, dDQ, dqr, nqkv, TOL_ATT);
     op_free(dCS); op_free(dSN); op_free(dQKV); op_free(dG); op_free(dO); op_free(dDQ); op_free(dLSE);

@@ -319,7 +319,7 @@ static void attention_case(int B, int T, int NH, int HD) {
     cuda_attention_forward(d_out, d_lse, d_qkv, B, T, NH, HD);
     expect_close("attention forward", shape, d_out, out, no, TOL_FWD);
     expect_close("attention forward lse", shape, d_lse, lse, nl, TOL_FWD);
-    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 1);
     expect_close("attention backward", shape, d_dqkv, dqkv, nq, TOL_BWD);
 
     float *g_out = hcopy(d_out, no), *g_lse = hcopy(d_lse, nl), *g_dqkv = hcopy(d_dqkv, nq);
@@ -327,9 +327,16 @@ static void attention_case(int B, int T, int NH, int HD) {
     expect_same_host("attention forward", shape, d_out, g_out, no);
     expect_same_host("attention forward lse", shape, d_lse, g_lse, nl);
     dset(d_dqkv, dqkv0, nq);
-    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+    cuda_attention_backward(d_dqkv, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 1);
     expect_same_host("attention backward", shape, d_dqkv, g_dqkv, nq);
-    cuda_attention_backward(NULL, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD);
+    cuda_attention_backward(NULL, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 1);
+    /* acc = 0 writes dqkv: over NaN, the same bits as accumulating into zeros */
+    float *zeros = calloc(nq, sizeof(float)), *d_z = dcopy(zeros, nq, 0), *d_s = dnan(nq, 0);
+    cuda_attention_backward(d_z, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 1);
+    cuda_attention_backward(d_s, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 0);
+    float *h_z = hcopy(d_z, nq);
+    expect_same_host("attention backward written (acc=0)", shape, d_s, h_z, nq);
+    free(zeros); free(h_z);
 
     free(g_out); free(g_lse); free(g_dqkv);
     free(qkv); free(dout); free(dqkv0); free(out); free(lse); free(dqkv);
