@@ -5,7 +5,8 @@
 # compile=1; meshtrain mixed vs compile=1 amp=1). Both run STEPS timed steps (meshtrain
 # excludes its first step; the peer runs 3 warm-up steps first), long enough for the cards
 # to reach their sustained (power-limited) clocks: 10-step runs flatter scaling.
-# Usage: NP=4 STEPS=60 bench/gpu_scaling.sh [peer.py]    PAIRS="bf16 mixed" picks pairs.
+# Usage: NP=4 STEPS=60 bench/gpu_scaling.sh [peer.py]    PAIRS="bf16 mixed" picks pairs;
+# SIDES="meshtrain peer" picks the systems (SIDES=meshtrain skips the peer's compile time).
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}
 NP=${NP:-4}
@@ -43,6 +44,7 @@ row() {  # row LABEL "t1 m1" "tn mn"
 }
 for pair in ${PAIRS:-bf16 mixed}; do
   if [ "$pair" = bf16 ]; then pk="compile=1"; else pk="compile=1 amp=1"; fi
-  row "meshtrain precision=$pair" "$(mt 1 precision=$pair)" "$(mt "$NP" precision=$pair)"
-  row "peer $pk" "$(peer 1 $pk)" "$(peer "$NP" $pk)"
+  [[ " ${SIDES:-meshtrain peer} " == *" meshtrain "* ]] &&
+    row "meshtrain precision=$pair" "$(mt 1 precision=$pair)" "$(mt "$NP" precision=$pair)"
+  [[ " ${SIDES:-meshtrain peer} " == *" peer "* ]] && row "peer $pk" "$(peer 1 $pk)" "$(peer "$NP" $pk)"
 done
