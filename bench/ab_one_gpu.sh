@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A/B of several meshtrain binaries on one GPU at the post's configuration, in one call:
+# every binary runs bf16 and mixed (PRECS), REPS rounds, binaries alternating within a
+# round (so drift of the card's clocks hits all alike), STEPS timed steps each.
+# Usage: REPS=2 STEPS=60 bench/ab_one_gpu.sh build-main/meshtrain build-x/meshtrain ...
+# Prints one line per run, then the median tokens/s per binary and precision.
+set -u
+STEPS=${STEPS:-60}
+CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256 device=cuda"
+echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+res=$(mktemp)
+for ((r = 1; r <= ${REPS:-2}; r++)); do
+  for bin in "$@"; do
+    for prec in ${PRECS:-bf16 mixed}; do
+      out=$(mktemp -d)
+      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$bin" train $CFG precision=$prec steps=$((STEPS + 1)) \
+        log_every=$STEPS progress=false ckpt_path=none val_batches=1 out_dir="$out" >"$out/stdout" 2>&1
+      d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
+      t=$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)
+      m=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' <<<"$d" | cut -d: -f2)
+      [ -n "$t" ] || { echo "$bin $prec: failed: $(tail -2 "$out/stdout" | tr '\n' ' ')"; continue; }
+      printf '%-32s %-6s round %d  %8.0f tokens/s  %5.1f GiB\n' "$bin" "$prec" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')"
+      echo "$bin $prec $t" >>"$res"
+    done
+  done
+done
+echo "median tokens/s:"
+for bin in "$@"; do
+  for prec in ${PRECS:-bf16 mixed}; do
+    med=$(awk -v b="$bin" -v p="$prec" '$1 == b && $2 == p {print $3}' "$res" | sort -n |
+          awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}')
+    printf '  %-32s %-6s %s\n' "$bin" "$prec" "${med:-failed}"
+  done
+done
