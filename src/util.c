@@ -168,18 +168,17 @@ void rng_seed(Rng *r, uint64_t seed) {
     for (int i = 0; i < 4; i++) rng_u64(r);
 }
 
-uint64_t rng_u64(Rng *r) {
-    uint64_t x = r->s;
-    x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
-    r->s = x;
-    return x * 0x2545F4914F6CDD1DULL;
-}
-
-/* One xorshift step of a bare state, as rng_u64 takes it. */
+/* One xorshift step of the state: rng_u64 takes it, rng_jump takes its powers. */
 static uint64_t xs_step(uint64_t x) {
     x ^= x >> 12; x ^= x << 25; x ^= x >> 27;
     return x;
 }
+
+uint64_t rng_u64(Rng *r) {
+    r->s = xs_step(r->s);
+    return r->s * 0x2545F4914F6CDD1DULL;
+}
+
 /* The linear map with columns col (col[i] = image of bit i) applied to v. */
 static uint64_t gf2_apply(const uint64_t col[64], uint64_t v) {
     uint64_t r = 0;
