@@ -26,6 +26,27 @@ static size_t att_forward_smem(int HD) { return (size_t)ATT_TILE * (3 * HD + 1) 
 static size_t att_dq_smem(int HD) { return (size_t)ATT_TILE * (4 * HD + 2) * sizeof(float); }
 static size_t att_dkdv_smem(int HD) { return (size_t)ATT_TILE * (4 * HD + 4) * sizeof(float); }
 
+/* Keys of the tile starting at k0 that query row i sees (causal). */
+static __device__ __forceinline__ int att_keys_seen(int i, int k0) {
+    return i - k0 + 1 < ATT_TILE ? i - k0 + 1 : ATT_TILE;
+}
+
+/* A row's accumulators (lane holds d = lane, lane + 32, ...) += sum over the tile rows
+ * jj < n of coef_jj * rows[jj * ld + d], where coef_jj is lane jj's coef (a probability or
+ * a score gradient), in jj order: O += P V in the forward, dQ += dS K in the backward. */
+static __device__ __forceinline__ void att_acc_rows(float acc[ATT_DPL], float coef, const float *rows, int ld, int n,
+                                                    int lane, int HD) {
+    for (int jj = 0; jj < n; jj++) {
+        float cj = __shfl_sync(FULL_MASK, coef, jj);
+        const float *r = rows + jj * ld;
+#pragma unroll
+        for (int c = 0; c < ATT_DPL; c++) {
+            int d = lane + 32 * c;
+            if (d < HD) acc[c] += cj * r[d];
+        }
+    }
+}
+
 /* grid (ceil(T/ATT_TILE), NH, B); the last query tiles (most keys) are started first. */
 static __global__ void __launch_bounds__(ATT_WARPS * 32)
 attention_forward_kernel(void *out, float *lse, const void *qkv, int T, int NH, int HD, float scale, int bf) {
@@ -82,18 +103,9 @@ attention_forward_kernel(void *out, float *lse, const void *qkv, int T, int NH, 
             float p = j <= i ? expf(s - mnew) : 0.0f;
             l[rr] = l[rr] * alpha + warp_sum(p);
             m[rr] = mnew;
-            int nk = i - k0 + 1 < ATT_TILE ? i - k0 + 1 : ATT_TILE; /* keys of this tile row i sees */
 #pragma unroll
             for (int c = 0; c < ATT_DPL; c++) o[rr][c] *= alpha;
-            for (int jj = 0; jj < nk; jj++) {
-                float pj = __shfl_sync(FULL_MASK, p, jj);
-                const float *vr = v_s + jj * HD;
-#pragma unroll
-                for (int c = 0; c < ATT_DPL; c++) {
-                    int d = lane + 32 * c;
-                    if (d < HD) o[rr][c] += pj * vr[d];
-                }
-            }
+            att_acc_rows(o[rr], p, v_s, HD, att_keys_seen(i, k0), lane, HD);
         }
     }
 #pragma unroll
@@ -190,16 +202,7 @@ attention_backward_dq_kernel(void *dqkv, const void *dout, const void *qkv, cons
                 float p = expf(s - lse_r[rr]);
                 ds = p * (dp - D_r[rr]);
             }
-            int nk = i - k0 + 1 < ATT_TILE ? i - k0 + 1 : ATT_TILE;
-            for (int jj = 0; jj < nk; jj++) {
-                float dsj = __shfl_sync(FULL_MASK, ds, jj);
-                const float *kr = k_s + jj * ldk;
-#pragma unroll
-                for (int c = 0; c < ATT_DPL; c++) {
-                    int d = lane + 32 * c;
-                    if (d < HD) dq[rr][c] += dsj * kr[d];
-                }
-            }
+            att_acc_rows(dq[rr], ds, k_s, ldk, att_keys_seen(i, k0), lane, HD);
         }
     }
 #pragma unroll
