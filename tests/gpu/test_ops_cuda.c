@@ -428,13 +428,10 @@ static void crossentropy_case(int N, int V) {
 /* Rows with NaN, +inf, all -inf (NaN loss and gradient, as on the CPU), some -inf (fine),
  * and a target out of range (NaN on the GPU; the CPU op does not check). */
 static void test_crossentropy_special(void) {
-    enum { N = 6, V = 100 };
+    enum { N = CE_SPECIAL_N, V = 100 };
     float *logits = randf((size_t)N * V, 2.0f);
-    int tgt[N] = {3, 4, 5, 6, 7, 8};
-    logits[1 * V + 50] = NAN;
-    logits[2 * V + 60] = INFINITY;
-    for (int j = 0; j < V; j++) logits[3 * V + j] = -INFINITY;
-    for (int j = 0; j < V; j += 3) logits[4 * V + j] = -INFINITY; /* target 8 is not one of them */
+    int tgt[N];
+    ce_special_rows(logits, V, tgt);
     float *grad = copyf(logits, (size_t)N * V), loss[N];
     op_crossentropy_forward_backward(loss, grad, tgt, N - 1, V, 0.5f); /* the CPU without row 5 */
     tgt[5] = V;                                                       /* out of range */
@@ -443,7 +440,7 @@ static void test_crossentropy_special(void) {
     cuda_crossentropy_forward_backward(d_loss, d_logits, V, d_tgt, N, V, 0.5f);
     float *g_loss = hcopy(d_loss, N), *g_grad = hcopy(d_logits, (size_t)N * V);
     for (int n = 0; n < N; n++) {
-        int expect_nan = n == 1 || n == 2 || n == 3 || n == 5;
+        int expect_nan = ce_special_nan(n);
         CHECK((isnan(g_loss[n]) != 0) == expect_nan, "row %d: loss %g", n, g_loss[n]);
         if (n < N - 1) CHECK((isnan(loss[n]) != 0) == expect_nan, "CPU row %d: loss %g", n, loss[n]);
         int all_nan = 1, any_nan = 0;
