@@ -6,6 +6,7 @@
 # Prints one line per run, then the median tokens/s per binary and precision.
 set -u
 STEPS=${STEPS:-60}
+. "$(dirname "$0")/lib.sh"
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256 device=cuda"
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 res=$(mktemp)
@@ -13,12 +14,10 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
   for bin in "$@"; do
     for prec in ${PRECS:-bf16 mixed}; do
       out=$(mktemp -d)
-      CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$bin" train $CFG precision=$prec steps=$((STEPS + 1)) \
-        log_every=$STEPS progress=false ckpt_path=none val_batches=1 out_dir="$out" >"$out/stdout" 2>&1
-      d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
-      t=$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)
-      m=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' <<<"$d" | cut -d: -f2)
-      [ -n "$t" ] || { echo "$bin $prec: failed: $(tail -2 "$out/stdout" | tr '\n' ' ')"; continue; }
+      d=$(BIN=$bin mt_run "$out" 1 "" $CFG precision=$prec steps=$((STEPS + 1)) log_every=$STEPS progress=false \
+          ckpt_path=none val_batches=1)
+      t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
+      [ -n "$t" ] || { echo "$bin $prec: failed: $(mt_failed "$out")"; continue; }
       printf '%-32s %-6s round %d  %8.0f tokens/s  %5.1f GiB\n' "$bin" "$prec" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')"
       echo "$bin $prec $t" >>"$res"
     done

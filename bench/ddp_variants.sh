@@ -11,21 +11,15 @@ BIN=${MESHTRAIN_BIN:-build/meshtrain}
 STEPS=${STEPS:-30}
 CFG="${BASE:-embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256 device=cuda}"
 CFG="$CFG steps=$STEPS log_every=$STEPS progress=false ckpt_path=none val_batches=1"
-MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
+. "$(dirname "$0")/lib.sh"
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
 printf '%-36s %12s %12s %8s %6s\n' run tokens/s per-GPU peakGiB wait%
 for v in "$@"; do
   IFS='|' read -r label np envs keys <<<"$v"
   out=$(mktemp -d); echo "# $(date +%T) start: $label" >&2
-  if [ "$np" = 1 ]; then
-    env CUDA_VISIBLE_DEVICES=0 $envs "$BIN" train $CFG $keys out_dir="$out" >"$out/stdout" 2>&1
-  else
-    xs=(); for e in $envs; do xs+=(-x "$e"); done
-    env $envs $MPI -np "$np" "${xs[@]}" "$BIN" train $CFG $keys out_dir="$out" >"$out/stdout" 2>&1
-  fi
-  d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
-  if [ -z "$d" ]; then echo "$label: failed: $(tail -2 "$out/stdout" | tr '\n' ' ')"; continue; fi
-  f() { grep -o "\"$1\":[0-9.e+-]*" <<<"$d" | cut -d: -f2; }
-  awk -v l="$label" -v t="$(f tokens_per_s)" -v n="$np" -v m="$(f gpu_peak_alloc_bytes)" -v w="$(f comm_wait_fraction)" \
+  d=$(mt_run "$out" "$np" "$envs" $CFG $keys)
+  if [ -z "$d" ]; then echo "$label: failed: $(mt_failed "$out")"; continue; fi
+  awk -v l="$label" -v t="$(field tokens_per_s "$d")" -v n="$np" -v m="$(field gpu_peak_alloc_bytes "$d")" \
+    -v w="$(field comm_wait_fraction "$d")" \
     'BEGIN{printf "%-36s %12.0f %12.0f %8.1f %6.1f\n", l, t, t/n, m/2^30, 100*w}'
 done

@@ -17,30 +17,26 @@ PEER=${1:-../shared/peers/torch_llama.py}
 NP=${NP:-2}
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
-MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
+. "$(dirname "$0")/lib.sh"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $NP x $card"
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 
-field() { grep -o "\"$1\":[0-9.]*" <<<"$2" | cut -d: -f2; }
 gb() { awk -v b="${1:-0}" 'BEGIN{printf "%.1f", b/1e9}'; }
 rows=()
 mt() {  # mt LABEL NPROC KEYS...: one meshtrain run, a row of the table
   local label=$1 np=$2; shift 2
-  local out launch=(env CUDA_VISIBLE_DEVICES=0); out=$(mktemp -d)
-  [ "$np" = 1 ] || launch=($MPI -np "$np")
-  "${launch[@]}" "$BIN" train "$@" device=cuda steps=10 log_every=5 progress=false ckpt_path=none out_dir="$out" \
-    >"$out/stdout" 2>&1
+  local out d; out=$(mktemp -d)
+  d=$(mt_run "$out" "$np" "" "$@" device=cuda steps=10 log_every=5 progress=false ckpt_path=none)
   grep -E "^done|communication" "$out/stdout" | sed "s/^/  [$label] /" >&2
-  local d; d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
-  [ -n "$d" ] || { echo "  [$label] failed: $(tail -3 "$out/stdout" | tr '\n' ' ')" >&2; }
+  [ -n "$d" ] || { echo "  [$label] failed: $(mt_failed "$out" 3)" >&2; }
   rows+=("$label|$(field tokens_per_s "$d")|$(gb "$(field gpu_peak_alloc_bytes "$d")")|$(gb "$(field estimate_bytes "$d")")")
 }
 peer() {  # peer LABEL NPROC KEYS...
   local label=$1 np=$2; shift 2
-  local j; j=$(torchrun --standalone --nproc_per_node="$np" "$PEER" "$@" steps=10 warmup=3 2>&1 | grep '^{' | tail -1)
+  local j; j=$(peer_run "$np" "$@" steps=10 warmup=3)
   [ -n "$j" ] || echo "  [$label] failed" >&2
-  rows+=("$label|$(grep -o '"tokens_per_s": [0-9.]*' <<<"$j" | cut -d' ' -f2)|$(grep -o '"peak_mem_gb": [0-9.]*' <<<"$j" | cut -d' ' -f2)|")
+  rows+=("$label|$(field tokens_per_s "$j")|$(field peak_mem_gb "$j")|")
 }
 
 for r in ${RUNS:-1:bf16 ddp:bf16 zero1:bf16 zero2:bf16 1:mixed ddp:mixed}; do

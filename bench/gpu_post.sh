@@ -15,26 +15,23 @@ PEER=${1:-../shared/peers/torch_llama.py}; shift || true
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
 STEPS=${STEPS:-60}
+. "$(dirname "$0")/lib.sh"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 rows=()
 for prec in ${MESHTRAIN_POST_RUNS:-bf16 mixed fp32}; do
   out=$(mktemp -d)
-  "$BIN" train $CFG device=cuda precision=$prec steps=$((STEPS + 1)) log_every=$STEPS progress=false \
-    ckpt_path=none out_dir="$out" "$@" \
-    | grep -E "^step|^done|memory per|total" >&2
-  d=$(grep '"done"' "$out/log.jsonl")
-  tok=$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)
-  mem=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' <<<"$d" | cut -d: -f2)
-  est=$(grep -o '"estimate_bytes":[0-9]*' <<<"$d" | cut -d: -f2)
+  d=$(mt_run "$out" 1 "" $CFG device=cuda precision=$prec steps=$((STEPS + 1)) log_every=$STEPS progress=false \
+      ckpt_path=none "$@")
+  grep -E "^step|^done|memory per|total" "$out/stdout" >&2
+  tok=$(field tokens_per_s "$d") mem=$(field gpu_peak_alloc_bytes "$d") est=$(field estimate_bytes "$d")
   rows+=("meshtrain precision=$prec|${tok:-0}|$(awk -v m="${mem:-0}" 'BEGIN{printf "%.1f", m/1e9}')|$(awk -v e="${est:-0}" 'BEGIN{printf "%.1f", e/1e9}')")
 done
 for p in ${PEER_RUNS:-eager compile amp}; do
   case $p in eager) extra="";; compile) extra="compile=1";; amp) extra="compile=1 amp=1";; esac
   j=$(python3 "$PEER" $CFG steps=$STEPS warmup=3 $extra 2>&1 | tail -1)
-  tok=$(grep -o '"tokens_per_s": [0-9.]*' <<<"$j" | cut -d' ' -f2)
-  mem=$(grep -o '"peak_mem_gb": [0-9.]*' <<<"$j" | cut -d' ' -f2)
+  tok=$(field tokens_per_s "$j") mem=$(field peak_mem_gb "$j")
   rows+=("peer ${extra:-eager}|${tok:-0}|${mem:-0}|")
   [ -n "$tok" ] || echo "peer $extra failed: $j" >&2
 done

@@ -13,26 +13,23 @@ NP=${NP:-4}
 STEPS=${STEPS:-60}
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
 CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
-MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
+. "$(dirname "$0")/lib.sh"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 
 mt() {  # mt NPROC KEYS... -> "tokens/s peakGB"
   local np=$1; shift
-  local out launch=(env CUDA_VISIBLE_DEVICES=0); out=$(mktemp -d)
-  [ "$np" = 1 ] || launch=($MPI -np "$np")
-  "${launch[@]}" "$BIN" train $CFG "$@" device=cuda steps=$((STEPS + 1)) log_every=$STEPS progress=false \
-    ckpt_path=none val_batches=1 out_dir="$out" >"$out/stdout" 2>&1
-  local d; d=$(grep '"done"' "$out/log.jsonl" 2>/dev/null)
-  [ -n "$d" ] || { echo "meshtrain failed: $(tail -2 "$out/stdout" | tr '\n' ' ')" >&2; echo "0 0"; return; }
-  awk -v t="$(grep -o '"tokens_per_s":[0-9.]*' <<<"$d" | cut -d: -f2)" \
-      -v m="$(grep -o '"gpu_peak_alloc_bytes":[0-9.]*' <<<"$d" | cut -d: -f2)" 'BEGIN{printf "%.0f %.1f", t, m/1e9}'
+  local out d; out=$(mktemp -d)
+  d=$(mt_run "$out" "$np" "" $CFG "$@" device=cuda steps=$((STEPS + 1)) log_every=$STEPS progress=false \
+      ckpt_path=none val_batches=1)
+  [ -n "$d" ] || { echo "meshtrain failed: $(mt_failed "$out")" >&2; echo "0 0"; return; }
+  awk -v t="$(field tokens_per_s "$d")" -v m="$(field gpu_peak_alloc_bytes "$d")" 'BEGIN{printf "%.0f %.1f", t, m/1e9}'
 }
 peer() {  # peer NPROC KEYS... -> "tokens/s peakGB"
   local np=$1; shift
-  local j; j=$(torchrun --standalone --nproc_per_node="$np" "$PEER" $CFG "$@" steps=$STEPS warmup=3 2>&1 | grep '^{' | tail -1)
+  local j; j=$(peer_run "$np" $CFG "$@" steps=$STEPS warmup=3)
   [ -n "$j" ] || { echo "peer failed" >&2; echo "0 0"; return; }
-  echo "$(grep -o '"tokens_per_s": [0-9.]*' <<<"$j" | cut -d' ' -f2) $(grep -o '"peak_mem_gb": [0-9.]*' <<<"$j" | cut -d' ' -f2)"
+  echo "$(field tokens_per_s "$j") $(field peak_mem_gb "$j")"
 }
 
 echo "| run ($card, $STEPS steps) | 1 GPU tokens/s | $NP GPUs tokens/s | scaling | peak GB per GPU ($NP GPUs) |"

@@ -1,0 +1,30 @@
+# Sourced by the GPU benchmark scripts: one way to run meshtrain and the PyTorch peer, and
+# to read their result lines. Expects BIN (meshtrain) and, for peer_run, PEER.
+MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
+
+# mt_run OUT NPROC ENVS KEYS...: `$BIN train KEYS... out_dir=OUT` on one GPU (the first of
+# CUDA_VISIBLE_DEVICES, else GPU 0) or under mpirun -np NPROC, with ENVS (space-separated
+# VAR=value, may be empty) set on every rank; its output goes to OUT/stdout. Prints the
+# log's "done" line, nothing if the run failed (mt_failed OUT then says why).
+mt_run() {
+  local out=$1 np=$2 envs=$3; shift 3
+  if [ "$np" = 1 ]; then
+    env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" $envs "$BIN" train "$@" out_dir="$out" >"$out/stdout" 2>&1
+  else
+    local xs=() e
+    for e in $envs; do xs+=(-x "$e"); done
+    env $envs $MPI -np "$np" "${xs[@]}" "$BIN" train "$@" out_dir="$out" >"$out/stdout" 2>&1
+  fi
+  grep '"done"' "$out/log.jsonl" 2>/dev/null
+}
+# mt_failed OUT [LINES]: the last lines of a run's output, on one line
+mt_failed() { tail -"${2:-2}" "$1/stdout" | tr '\n' ' '; }
+
+# field NAME LINE: a number from a JSON line ("k":v as meshtrain writes it, "k": v the peer)
+field() { grep -o "\"$1\": *[0-9.e+-]*" <<<"$2" | head -1 | sed 's/.*: *//'; }
+
+# peer_run NPROC KEYS...: the peer under torchrun; prints its JSON result line
+peer_run() {
+  local np=$1; shift
+  torchrun --standalone --nproc_per_node="$np" "$PEER" "$@" 2>&1 | grep '^{' | tail -1
+}
