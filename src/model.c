@@ -291,8 +291,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
-    op_matmul_forward(la->out, la->hsw, act_at(w, ly->down), N, H, E);
-    op_add(la->out, la->mid, (size_t)N * E);
+    op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
 }
 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return.

@@ -156,6 +156,14 @@ void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, co
 void op_matmul_forward(void *out, const void *inp, const void *w, int N, int C, int OC) {
     PROF("matmul_forward", g_ops->matmul_forward(out, OC, inp, w, N, C, OC));
 }
+void op_matmul_forward_add(void *out, const void *inp, const void *w, const void *res, int N, int C, int OC) {
+    if (g_ops->matmul_forward_add) {
+        PROF("matmul_forward (+ residual)", g_ops->matmul_forward_add(out, inp, w, res, N, C, OC));
+        return;
+    }
+    op_matmul_forward(out, inp, w, N, C, OC);
+    op_add(out, res, (size_t)N * OC);
+}
 void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
     PROF("matmul_forward (lm_head)", g_ops->matmul_forward(out, ldo, inp, w, N, C, OC));
 }

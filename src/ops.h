@@ -128,6 +128,10 @@ void op_matmul_forward(void *out, const void *inp, const void *w, int N, int C, 
 /* The same with out's rows ldo >= OC elements apart (the logits: rows padded to
  * ops_logit_stride(V) so that every row starts aligned, which tensor cores need). */
 void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+/* out[N, OC] = inp @ w^T + res (res [N, OC], distinct from out): a residual add fused into
+ * the product where the backend can (the cuda one adds in the matmul's epilogue, before
+ * rounding); else the product, then op_add. */
+void op_matmul_forward_add(void *out, const void *inp, const void *w, const void *res, int N, int C, int OC);
 /* Row stride of a logits buffer of V columns: V rounded up to 64. */
 int ops_logit_stride(int V);
 /* dinp[N, C] += dout @ w ;  dw[OC, C] += dout^T @ inp.  (w may be NULL when dinp is.) */
@@ -219,6 +223,8 @@ typedef struct OpsBackend {
     void (*rmsnorm_backward)(void *dx, void *dw, const void *dout, const void *x, const void *w,
                              const float *rstd, int N, int C);
     void (*matmul_forward)(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
+    /* NULL: op_matmul_forward_add is matmul_forward then add */
+    void (*matmul_forward_add)(void *out, const void *inp, const void *w, const void *res, int N, int C, int OC);
     /* acc: dinp += (1) or dinp = (0); dw always accumulates */
     void (*matmul_backward)(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                             int N, int C, int OC, int acc);

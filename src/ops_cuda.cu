@@ -104,7 +104,7 @@ static struct {
 /* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment */
 typedef struct {
     int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td;
-    uint32_t al_a, al_b, al_d;
+    uint32_t al_a, al_b, al_c, al_d;
     cublasLtMatmulAlgo_t algo;
 } AlgoEntry;
 #define ALGO_CACHE 64
@@ -352,12 +352,14 @@ static uint32_t ptr_alignment(const void *p) {
     return al;
 }
 
-/* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * D. A and B are activations or
- * compute weights (fp32, or bf16 with precision mixed or bf16); D is that type too, or the
- * state type (d_state: weight gradients, fp32 unless precision=bf16). Accumulation is
+/* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * C, where C is D unless given
+ * (then of D's type and layout: the residual added in the epilogue). A and B are activations
+ * or compute weights (fp32, or bf16 with precision mixed or bf16); D is that type too, or
+ * the state type (d_state: weight gradients, fp32 unless precision=bf16). Accumulation is
  * always fp32. */
-static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
-                      const void *B, int ldb, float beta, void *D, int ldd, int d_state) {
+static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
+                        const void *B, int ldb, float beta, const void *C, void *D, int ldd, int d_state) {
+    if (!C) C = D;
     if (!g.ready) die(1, "cuda: a matmul was called before cuda_init");
     cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
     cudaDataType_t td = d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
@@ -372,14 +374,14 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&ld, td, m, n, ldd));
 
-    uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_d = ptr_alignment(D);
+    uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_c = ptr_alignment(C), al_d = ptr_alignment(D);
     AlgoEntry *hit = NULL;
     for (int i = 0; i < ALGO_CACHE && !hit; i++) {
         AlgoEntry *e = &g_algos[i];
         if (e->used && e->ta == (int)ta && e->tb == (int)tb && e->m == m && e->n == n && e->k == k &&
             e->lda == lda && e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->tab == (int)tab &&
             e->td == (int)td && e->al_a == al_a &&
-            e->al_b == al_b && e->al_d == al_d)
+            e->al_b == al_b && e->al_c == al_c && e->al_d == al_d)
             hit = e;
     }
     if (!hit) {
@@ -389,7 +391,7 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
         CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
         CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
         CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d));
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
         CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
         cublasLtMatmulHeuristicResult_t res;
         int nres = 0;
@@ -406,17 +408,21 @@ static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, 
         hit->lda = lda; hit->ldb = ldb; hit->ldd = ldd;
         hit->tf32 = g.tf32;
         hit->tab = (int)tab; hit->td = (int)td;
-        hit->al_a = al_a; hit->al_b = al_b; hit->al_d = al_d;
+        hit->al_a = al_a; hit->al_b = al_b; hit->al_c = al_c; hit->al_d = al_d;
         hit->algo = res.algo;
     }
     const float alpha = 1.0f;
-    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, D, ld, D, ld, &hit->algo, g.workspace,
+    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, C, ld, D, ld, &hit->algo, g.workspace,
                                 WORKSPACE_BYTES, g.stream));
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(la));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(lb));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(ld));
     CUBLAS_CHECK(lt.cublasLtMatmulDescDestroy(op));
+}
+static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
+                      const void *B, int ldb, float beta, void *D, int ldd, int d_state) {
+    lt_matmul_c(ta, tb, m, n, k, A, lda, B, ldb, beta, NULL, D, ldd, d_state);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -533,6 +539,21 @@ void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int
     if (OCa < OC)
         lt_matmul(CUBLAS_OP_T, CUBLAS_OP_N, OC - OCa, N, C, act_off(w, (size_t)OCa * C), C, inp, C, 0.0f,
                   (void *)act_off(out, OCa), ldo, 0);
+}
+
+/* out = inp @ w^T + res: the same product with res as the epilogue's C (one rounding of
+ * the sum in bf16, where a separate add rounds the product first). */
+void cuda_matmul_forward_add(void *out, const void *inp, const void *w, const void *res, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    if (C <= 0) {
+        cuda_memcpy_d2d(out, res, (size_t)N * OC * act_size());
+        return;
+    }
+    int OCa = oc_main(OC);
+    lt_matmul_c(CUBLAS_OP_T, CUBLAS_OP_N, OCa, N, C, w, C, inp, C, 1.0f, res, out, OC, 0);
+    if (OCa < OC)
+        lt_matmul_c(CUBLAS_OP_T, CUBLAS_OP_N, OC - OCa, N, C, act_off(w, (size_t)OCa * C), C, inp, C, 1.0f,
+                    act_off(res, OCa), (void *)act_off(out, OCa), OC, 0);
 }
 
 /* dinp[N, C] += dout[N, OC] @ w[OC, C]  <=>  dinp^T[C, N] += w_cm[C, OC] @ dout^T[OC, N]
@@ -823,6 +844,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .add_rmsnorm_forward = cuda_add_rmsnorm_forward,
     .rmsnorm_backward = cuda_rmsnorm_backward,
     .matmul_forward = cuda_matmul_forward,
+    .matmul_forward_add = cuda_matmul_forward_add,
     .matmul_backward = cuda_matmul_backward,
     .rope_tables = cuda_rope_tables,
     .rope_forward = cuda_rope_forward,

@@ -357,6 +357,19 @@ static void matmul_case(int N, int C, int OC) {
     free(inp), free(w), free(out), free(ind), free(wd), free(ref);
     free(g), free(dinp), free(dw), free(gd), free(dinr), free(dwr);
 }
+/* op_matmul_forward_add is the product plus the residual (on the cpu backend: the product,
+ * then op_add: bitwise). */
+static void test_matmul_forward_add(void) {
+    int N = 33, C = 20, OC = 70;
+    float *inp = randf((size_t)N * C, 1.0f), *w = randf((size_t)OC * C, 0.3f), *res = randf((size_t)N * OC, 1.0f);
+    float *want = zerosf((size_t)N * OC), *got = xmalloc((size_t)N * OC * sizeof(float));
+    for (size_t i = 0; i < (size_t)N * OC; i++) got[i] = NAN;
+    op_matmul_forward(want, inp, w, N, C, OC);
+    op_add(want, res, (size_t)N * OC);
+    op_matmul_forward_add(got, inp, w, res, N, C, OC);
+    CHECK(same(got, want, (size_t)N * OC), "matmul_forward_add differs from matmul then add");
+    free(inp), free(w), free(res), free(want), free(got);
+}
 static void test_matmul(void) {
     matmul_case(37, 29, 53);
     matmul_case(1, 5, 3);
@@ -939,6 +952,7 @@ int main(void) {
     RUN(test_embedding);
     RUN(test_rmsnorm);
     RUN(test_matmul);
+    RUN(test_matmul_forward_add);
     RUN(test_rope_tables);
     RUN(test_rope);
     RUN(test_attention);

@@ -68,7 +68,7 @@ static void expect_f32(const char *what, const char *shape, const float *d, cons
 }
 
 static void test_matmul(void) {
-    int shapes[][3] = {{7, 16, 24}, {256, 128, 384}, {1000, 96, 200}};
+    int shapes[][3] = {{7, 16, 24}, {256, 128, 384}, {1000, 96, 200}, {40, 64, 1000}};  /* 1000: a 960 + 40 split */
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         int N = shapes[s][0], C = shapes[s][1], OC = shapes[s][2];
         char sh[64];
@@ -85,6 +85,15 @@ static void test_matmul(void) {
         op_matmul_forward(dY, dX, dW, N, C, OC);
         op_matmul_backward(dDX, dDW, dG, dX, dW, N, C, OC);
         expect_act("matmul forward", sh, dY, y, (size_t)N * OC, TOL);
+        {   /* the residual in the epilogue (one rounding), over NaN: y + res */
+            size_t no = (size_t)N * OC;
+            float *res = randb(no, 1.0f), *want = xmalloc(no * sizeof(float)), *nan = xmalloc(no * sizeof(float));
+            for (size_t i = 0; i < no; i++) want[i] = y[i] + res[i], nan[i] = NAN;
+            void *dR = up_act(res, no), *dS = up_act(nan, no);
+            op_matmul_forward_add(dS, dX, dW, dR, N, C, OC);
+            expect_act("matmul forward + residual", sh, dS, want, no, TOL);
+            op_free(dR); op_free(dS); free(res); free(want); free(nan);
+        }
         expect_act("matmul dinp (+=)", sh, dDX, dx, (size_t)N * C, TOL);
         expect_f32("matmul dw (fp32, +=)", sh, dDW, dw, (size_t)OC * C, TOL);
         op_free(dX); op_free(dW); op_free(dG); op_free(dY); op_free(dDX); op_free(dDW);

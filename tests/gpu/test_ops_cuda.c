@@ -121,6 +121,14 @@ static void matmul_case(int N, int C, int OC, int off) {
     cuda_matmul_forward(d_out, OC, d_inp, d_w, N, C, OC);
     cuda_matmul_backward(d_dinp, d_dw, d_dout, OC, d_inp, d_w, N, C, OC, 1);
     expect_close("matmul forward", shape, d_out, out, no, TOL_FWD);
+    {   /* with the residual in the epilogue: out + res, every element written */
+        float *res = randf(no, 1.0f), *want = xmalloc(no * sizeof(float));
+        for (size_t i = 0; i < no; i++) want[i] = out[i] + res[i];
+        float *d_res = dcopy(res, no, off), *d_sum = dnan(no, off);
+        cuda_matmul_forward_add(d_sum, d_inp, d_w, d_res, N, C, OC);
+        expect_close("matmul forward + residual", shape, d_sum, want, no, TOL_FWD);
+        free(res); free(want);
+    }
     expect_close("matmul backward dinp", shape, d_dinp, dinp, ni, TOL_BWD);
     expect_close("matmul backward dw", shape, d_dw, dw, nw, TOL_BWD);
 
