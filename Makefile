@@ -81,7 +81,8 @@ $(BUILD)/obj/attn_bf16.o: src/attn_bf16.cu src/attn_bf16.h | $(BUILD)/obj
 $(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu src/attn_bf16.h $(BUILD)/obj/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -Isrc $< $(BUILD)/obj/attn_bf16.o -o $@
 
-cuda: $(GPU_TESTS)
+# Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
+cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)
 
 # On a GPU machine: every CUDA op against the CPU op, and whole training runs on CUDA
 # against the CPU (tests/gpu/). Ends with "N passed, N failed", like `make test`.
