@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 #include "ops.h"
+#include "trace.h"
 #include "util.h"
 #ifdef MESHTRAIN_NCCL
 #include <cuda_runtime_api.h>
@@ -391,7 +392,9 @@ void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, 
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, n * type_size(t));
         nchk(ncclAllReduce(buf, buf, n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
@@ -406,8 +409,10 @@ void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, recv_n * (size_t)c->size * type_size(t));
         nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what,
              "ncclReduceScatter");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
@@ -420,8 +425,10 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {  /* in place: this rank's block is the send buffer */
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, n * (size_t)c->size * type_size(t));
         nchk(ncclAllGather((char *)buf + (size_t)c->rank * n * type_size(t), buf, n, nccl_type(t), nc, g_cstream), c, what,
              "ncclAllGather");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
