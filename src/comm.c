@@ -400,6 +400,7 @@ void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, 
     }
 #endif
     size_t D = (size_t)c->size;
+    trace_span_begin(NULL, what, n * type_size(t));
     req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, t, op, what);
     comm_test(r);
 }
@@ -417,6 +418,7 @@ void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
         return;
     }
 #endif
+    trace_span_begin(NULL, what, recv_n * (size_t)c->size * type_size(t));
     req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, t, op, what);
     comm_test(r);
 }
@@ -433,6 +435,7 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
         return;
     }
 #endif
+    trace_span_begin(NULL, what, n * (size_t)c->size * type_size(t));
     req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, t, COMM_SUM, what);
     comm_test(r);
 }

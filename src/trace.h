@@ -1,10 +1,11 @@
-/* trace — the GPU timeline of one training step, for seeing how compute and collectives
- * overlap. MESHTRAIN_TIMELINE=S makes every rank record CUDA events during step S: on the
- * compute stream where each unit's backward begins and ends, on the communication stream
- * where each collective starts (its inputs ready) and ends. After the step it prints them in
- * time order, in ms from the step's start, with each collective's duration and bandwidth
- * (to stderr, one line each, "timeline rank R: ..."). Without CUDA, or without the variable,
- * every call is a no-op. The events cost a few microseconds; only that step has them. */
+/* trace — the timeline of one training step, for seeing how compute and collectives
+ * overlap. MESHTRAIN_TIMELINE=S makes every rank record, during step S, where each layer's
+ * backward begins on the compute stream and when each collective starts (its inputs ready)
+ * and ends on the communication stream: CUDA events on a GPU; on the CPU backend host
+ * clock readings (a collective's start only: the MPI rings progress on the host). After the
+ * step it prints them in time order, in ms from the step's start, with each collective's
+ * duration and bandwidth where known (stderr, "timeline rank R: ..."). Without the variable
+ * every call returns at once; only step S pays for the events (microseconds). */
 #ifndef MESHTRAIN_TRACE_H
 #define MESHTRAIN_TRACE_H
 #include <stddef.h>
