@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 #include "ops.h"
+#include "trace.h"
 #include "util.h"
 #ifdef MESHTRAIN_NCCL
 #include <cuda_runtime_api.h>
@@ -391,12 +392,15 @@ void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, 
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, n * type_size(t));
         nchk(ncclAllReduce(buf, buf, n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
 #endif
     size_t D = (size_t)c->size;
+    trace_span_begin(NULL, what, n * type_size(t));
     req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, t, op, what);
     comm_test(r);
 }
@@ -406,12 +410,15 @@ void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, recv_n * (size_t)c->size * type_size(t));
         nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what,
              "ncclReduceScatter");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
 #endif
+    trace_span_begin(NULL, what, recv_n * (size_t)c->size * type_size(t));
     req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, t, op, what);
     comm_test(r);
 }
@@ -420,12 +427,15 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
 #ifdef MESHTRAIN_NCCL
     if (use_nccl(c)) {  /* in place: this rank's block is the send buffer */
         ncclComm_t nc = nccl_begin(c, r, what);
+        int span = trace_span_begin(g_cstream, what, n * (size_t)c->size * type_size(t));
         nchk(ncclAllGather((char *)buf + (size_t)c->rank * n * type_size(t), buf, n, nccl_type(t), nc, g_cstream), c, what,
              "ncclAllGather");
+        trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;
     }
 #endif
+    trace_span_begin(NULL, what, n * (size_t)c->size * type_size(t));
     req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, t, COMM_SUM, what);
     comm_test(r);
 }

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "ops.h"
+#include "trace.h"
 #include "util.h"
 
 #define RMS_EPS 1e-5f
@@ -379,6 +380,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
         HOOK(h, grad_begin, HU);
         if (tied) HOOK(h, grad_begin, 0);
     }
+    trace_mark(NULL, "trunk forward done, head");
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
     op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
     const void *wlm = model_lm_head(m);
@@ -409,24 +411,33 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
      * embedding's gradient is then not the step's last, and its reduction (the largest
      * unit's, otherwise exposed at the end of the step) overlaps them. */
     LayerActs la0 = layer_acts(m, a, 0, 0);
+    trace_mark(NULL, "head done, layers' backward");
     for (int l = m->L - 1; l >= 0; l--) {
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : l, l);
         HOOK(h, gather, 1 + l, l > 0 ? l : -1);
         if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
         HOOK(h, grad_begin, 1 + l);
+        if (trace_active()) {
+            char label[48];
+            snprintf(label, sizeof label, "layer %d backward", l);
+            trace_mark(NULL, label);
+        }
         layer_backward(m, a, l, &la, l == 0);
         if (l > 0) HOOK(h, grad_ready, 1 + l);
         HOOK(h, release, 1 + l);  /* the deferred gradients need no weights */
         if (l == 0) la0 = la;
     }
     /* The embedding's backward needs only the tokens, not its parameters. */
+    trace_mark(NULL, "embedding backward");
     HOOK(h, grad_begin, 0);
     op_embedding_backward(unit_grads(m, 0), a->dres, a->dev_inputs, N, E);
     HOOK(h, grad_ready, 0);
     if (m->L > 0) {
+        trace_mark(NULL, "layer 0 deferred weight gradients");
         layer_backward_deferred(m, a, 0, &la0);
         HOOK(h, grad_ready, 1);
     }
+    trace_mark(NULL, "backward done");
     return mean_loss(a);
 }
 

@@ -11,6 +11,7 @@
 #include "estimate.h"
 #include "mesh.h"
 #include "ops.h"
+#include "trace.h"
 #include "optim.h"
 #include "parallel.h"
 #include "run.h"
@@ -299,6 +300,7 @@ int cmd_train(Config *c) {
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
         loader_next(&loader, a.inputs, a.targets);
+        trace_step(step + 1);
         parallel_begin_step(par);
         double l = model_step(&m, &a, 1, 1.0f, hooks);
         if (step + 1 == nan_step && lead) l = NAN;
@@ -313,8 +315,11 @@ int cmd_train(Config *c) {
             comm_world_finalize();
             exit(EXIT_RUN_FAILURE);
         }
+        trace_mark(NULL, "optimizer step");
         double lr, norm = parallel_step(par, &oc, &lr);
+        trace_mark(NULL, "optimizer step enqueued");
         ops_synchronize();  /* a device runs the optimizer step asynchronously: time all of it */
+        trace_dump(world.rank);
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
