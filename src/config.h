@@ -24,7 +24,7 @@ typedef struct {
     int activation_checkpointing;
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
     char shard_strategy[16];
-    double comm_timeout;
+    double comm_timeout, bucket_mb;
     /* sample / tokenize */
     char prompt[2048];
     int length, top_k, decode;

@@ -1,17 +1,30 @@
 /* DDP: every rank holds the whole model, gradients and optimizer state; each unit's
  * gradient is averaged over dp with a non-blocking all-reduce started the moment that
  * unit's backward ends, so it overlaps the backward of the units below it (one bucket per
- * unit). Every rank then takes the same AdamW step. */
+ * unit; bucket_mb joins units that finish one after another into fewer, larger ones). Every rank then takes the same AdamW step. */
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
 
+void ddp_flush(Parallel *p) {
+    if (!p->bkt_n) return;
+    CommReq *r = &p->greq[p->bkt_unit];
+    comm_iallreduce(p->group, st_at(p->grads, p->bkt_off), p->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
+    p->bkt_n = 0;
+    if (!p->overlap) par_wait(p, r);
+}
+
+/* Unit u's gradient joins the bucket (a new one unless it borders the pending range); a
+ * bucket of bucket_bytes or more is reduced at once, the last one by parallel_step. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     const Unit *un = &p->m->units[u];
-    comm_iallreduce(p->group, st_at(p->grads, un->offset), un->n_padded, par_ctype(), COMM_AVG, &p->greq[u],
-                    "gradient all-reduce");
-    if (!p->overlap) par_wait(p, &p->greq[u]);
+    size_t lo = un->offset, hi = lo + un->n_padded;
+    if (p->bkt_n && hi != p->bkt_off && lo != p->bkt_off + p->bkt_n) ddp_flush(p);
+    if (!p->bkt_n) p->bkt_unit = u, p->bkt_off = lo;
+    if (lo < p->bkt_off) p->bkt_off = lo;
+    p->bkt_n += un->n_padded;
+    if (p->bkt_n * ops_state_size() >= p->bucket_bytes) ddp_flush(p);
     par_progress(p);
 }
 

@@ -67,6 +67,8 @@ void par_setup_compute(Parallel *p) {
     }
 }
 
+void parallel_set_bucket(Parallel *p, size_t bytes) { p->bucket_bytes = bytes; }
+
 void parallel_free(Parallel *p) {
     if (!p) return;
     /* Nothing may still be in flight into buffers about to go: an evaluation's forward
@@ -219,6 +221,7 @@ void parallel_begin_step(Parallel *p) {
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     Model *m = p->m;
+    if (p->kind == PAR_DDP) ddp_flush(p);
     /* Every gradient collective must be done: the gradient is now averaged over dp. */
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &par_grad_slots(p)[i].req);

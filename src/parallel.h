@@ -20,6 +20,9 @@ typedef struct Parallel Parallel;
  * waits for every collective as soon as it starts (for measuring what overlap buys). */
 Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap);
 void parallel_free(Parallel *p);
+/* DDP: gradients of units that finish one after another (adjacent in the flat buffer) are
+ * all-reduced together until they hold at least `bytes` (0 = one collective per unit). */
+void parallel_set_bucket(Parallel *p, size_t bytes);
 const UnitHooks *parallel_hooks(Parallel *p);
 
 /* The model's init (model_init_unit), into whatever this rank holds. */

@@ -53,6 +53,10 @@ struct Parallel {
     int *refs;              /* per unit: FSDP gather references */
     unsigned char *grad_open; /* per unit: gradient slot taken this step */
     int adam_steps;
+    /* DDP's bucket: the gradient range [bkt_off, bkt_off + bkt_n) not yet reduced, whose
+     * all-reduce goes in greq[bkt_unit] (its first unit); flushed at bucket_bytes. */
+    size_t bucket_bytes, bkt_off, bkt_n;
+    int bkt_unit;
     double wait_s;
     UnitHooks hooks;
 };
@@ -84,6 +88,8 @@ void *par_grad_slot(Parallel *p, int u);
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 
 void ddp_setup(Parallel *p);
+/* DDP: starts the all-reduce of the pending bucket, if any. */
+void ddp_flush(Parallel *p);
 void zero_setup(Parallel *p);
 void zero_gather_params(Parallel *p);
 /* ZeRO-2's gradient hooks (slots + reduce-scatter), FSDP uses them too. */

@@ -243,6 +243,7 @@ int cmd_train(Config *c) {
     Model m;
     model_init_layout(&m, &mc, mesh.shard_size, 0);
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
+    parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
     const UnitHooks *hooks = parallel_hooks(par);
     Acts a;
     acts_alloc(&a, &m, B, T, train_acts_mode(c));
