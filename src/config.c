@@ -82,7 +82,7 @@ static const Key KEYS[] = {
     I(tensor_parallel_size, "1", 1, 1, MODEL_CMDS, "tensor parallel ranks (1 until tensor parallel lands)"),
     I(pipeline_parallel_size, "1", 1, 1, MODEL_CMDS, "pipeline stages (1 until pipeline parallel lands)"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
-    F(bucket_mb, "0", 0, 1e6, TR,
+    F(bucket_mb, "100", 0, 1e6, TR,
       "DDP: all-reduce the gradients of units that finish one after another together, up to this many MB "
       "(0 = one all-reduce per unit)"),
     F(comm_timeout, "600", 0, 1e9, TR, "seconds a collective may wait for a peer before the job aborts (0 = forever)"),

@@ -15,7 +15,10 @@ void ddp_flush(Parallel *p) {
 }
 
 /* Unit u's gradient joins the bucket (a new one unless it borders the pending range); a
- * bucket of bucket_bytes or more is reduced at once, the last one by parallel_step. */
+ * bucket of bucket_bytes or more is reduced at once, the last one by parallel_step. So is
+ * one that reaches layer 1 (unit 2): layer 0's gradient completes only after the
+ * embedding's (model_step defers its last weight gradients), and waiting for it would
+ * leave the bucket to the end of the step, exposed. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     const Unit *un = &p->m->units[u];
@@ -24,7 +27,7 @@ static void ddp_grad_ready(void *ctx, int u) {
     if (!p->bkt_n) p->bkt_unit = u, p->bkt_off = lo;
     if (lo < p->bkt_off) p->bkt_off = lo;
     p->bkt_n += un->n_padded;
-    if (p->bkt_n * ops_state_size() >= p->bucket_bytes) ddp_flush(p);
+    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || u == 2) ddp_flush(p);
     par_progress(p);
 }
 

@@ -59,6 +59,7 @@ fsdp|4|fsdp=true shard_strategy=full
 hybrid|4|fsdp=true shard_strategy=hybrid shard_group_size=2
 ddp_no_overlap|2|overlap=false
 ddp_bucket|2|bucket_mb=0.1
+ddp_unit_buckets|2|bucket_mb=0
 ddp_bucket|4|bucket_mb=100
 fsdp_no_overlap|2|fsdp=true overlap=false
 CASES
@@ -81,7 +82,7 @@ if $MPIRUN -np 4 "$BIN" train $NOCK batch_size=2 fsdp=true ckpt_path=none out_di
 then ok fsdp_exits_cleanly_without_checkpoint; else bad "fsdp_exits_cleanly_without_checkpoint ($(grep -m1 -i 'signal\|error' "$TMP/nock.log"))"; fi
 # -- MESHTRAIN_TIMELINE=2: each rank prints step 2's timeline: every layer's backward and
 # every unit's gradient collective (4 layers: 4 + embedding + head = 6), in time order
-MESHTRAIN_TIMELINE=2 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE "$BIN" train $NOCK batch_size=2 ckpt_path=none \
+MESHTRAIN_TIMELINE=2 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE "$BIN" train $NOCK batch_size=2 ckpt_path=none bucket_mb=0 \
   out_dir="$TMP/tl" </dev/null >"$TMP/tl.log" 2>&1
 tl_ok=1
 for r in 0 1; do
@@ -92,12 +93,15 @@ for r in 0 1; do
   sort -c -g -k4,4 <(grep -o 'rank [0-9]*: *[0-9.]*' <<<"$lines" | awk '{print $1, $2, $3, $3}') 2>/dev/null || tl_ok=0
 done
 [ "$tl_ok" = 1 ] && ok timeline_per_rank || bad "timeline_per_rank ($(grep -c timeline "$TMP/tl.log") lines)"
-# -- bucket_mb joins units finishing one after another: the head and layers 4..2 in one
-# all-reduce, the embedding and layer 0 (whose last gradients come after it) in another
+# -- bucket_mb joins units finishing one after another: the head and layers 3..1 in one
+# all-reduce, started before layer 0's backward (not left to the end of the step), the
+# embedding and layer 0 (whose last gradients come after it) in another
 MESHTRAIN_TIMELINE=2 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE "$BIN" train $NOCK batch_size=2 ckpt_path=none bucket_mb=100 \
   out_dir="$TMP/bk" </dev/null >"$TMP/bk.log" 2>&1
 n=$(grep -c '^timeline rank 0:.*gradient all-reduce' "$TMP/bk.log")
-[ "$n" = 2 ] && ok "ddp_bucket_joins_units (2 all-reduces, not 6)" || bad "ddp_bucket_joins_units ($n all-reduces)"
+first=$(grep -m1 -E '^timeline rank 0:.*(gradient all-reduce|layer 0 backward)' "$TMP/bk.log")
+why="$n all-reduces"; [[ $first == *all-reduce* ]] || why="$why, the first after layer 0's backward began"
+[ "$why" = "2 all-reduces" ] && ok "ddp_bucket_joins_units (2 all-reduces, not 6)" || bad "ddp_bucket_joins_units ($why)"
 EST="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=8"
 a1=$("$BIN" estimate $EST | awk '$1 == "activations" {print $2 $3}')
 a2=$("$BIN" estimate $EST activation_checkpointing=true | awk '$1 == "activations" {print $2 $3}')

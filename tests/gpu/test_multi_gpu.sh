@@ -44,7 +44,7 @@ while IFS='|' read -r name tied keys; do
 done <<'CASES'
 ddp|false|
 ddp_tied|true|
-ddp_bucket|false|bucket_mb=100
+ddp_unit_buckets|false|bucket_mb=0
 zero1|false|zero_opt=true
 zero2|false|fsdp=true shard_strategy=grad_op
 fsdp_tied|true|fsdp=true shard_strategy=full
@@ -55,7 +55,7 @@ grep -m1 "^done:" "$TMP/np_ddp.log"
 TOL=2e-2
 MM=${M/precision=fp32/precision=mixed}
 run1 "$TMP/one_mixed" $MM tie_embeddings=true batch_size=$((NP * B))
-for keys in "" "bucket_mb=100" "fsdp=true shard_strategy=full"; do
+for keys in "" "bucket_mb=0" "fsdp=true shard_strategy=full"; do
   out=$TMP/np_mixed_${keys//[ =]/_}
   if runn "$out" $MM tie_embeddings=true batch_size=$B $keys && close "$TMP/one_mixed" "$out"
   then ok "multi_gpu_mixed_follows_one_gpu ${keys:-ddp}"
