@@ -512,6 +512,20 @@ void loader_next(Loader *l, int *inputs, int *targets) {
     }
 }
 
+size_t loader_batch_tokens(const Loader *l, int V, unsigned char *seen, int *rows) {
+    memset(seen, 0, (size_t)V);
+    size_t per_batch = (size_t)l->B * (size_t)l->world;
+    for (size_t i = 0; i < per_batch; i++) {
+        const uint16_t *w = l->shard->tokens + (size_t)l->order[l->st.window + i] * (size_t)l->T;
+        for (int t = 0; t < l->T; t++)
+            if (w[t] < V) seen[w[t]] = 1;
+    }
+    size_t n = 0;
+    for (int v = 0; v < V; v++)
+        if (seen[v]) rows[n++] = v;
+    return n;
+}
+
 LoaderState loader_get_state(const Loader *l) { return l->st; }
 
 int loader_set_state(Loader *l, LoaderState st, char *err, size_t errlen) {

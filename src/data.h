@@ -63,6 +63,10 @@ int loader_init(Loader *l, const Shard *s, int B, int T, int rank, int world, ui
 void loader_free(Loader *l);
 /* Fills inputs[B*T] and targets[B*T] (the window shifted by one) and advances. */
 void loader_next(Loader *l, int *inputs, int *targets);
+/* The distinct input tokens below V of the global batch that the next loader_next takes
+ * from (every rank's part of it, the same on every rank), ascending, into rows (room for
+ * V); returns how many. seen: V bytes of scratch. */
+size_t loader_batch_tokens(const Loader *l, int V, unsigned char *seen, int *rows);
 LoaderState loader_get_state(const Loader *l);
 /* Restores a position saved by loader_get_state (same shard, T and seed; B and world may
  * differ: when the rest of the epoch is shorter than one global batch, the next epoch starts). */

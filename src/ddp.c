@@ -2,9 +2,36 @@
  * gradient is averaged over dp with a non-blocking all-reduce started the moment that
  * unit's backward ends, so it overlaps the backward of the units below it (one bucket per
  * unit; bucket_mb joins units that finish one after another into fewer, larger ones). Every rank then takes the same AdamW step. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
+
+size_t ddp_erows_cap(const Model *m, int D) {
+    if (D <= 1 || m->c.tie_embeddings) return 0;
+    return m->V / 4 > 0 ? (size_t)m->V / 4 : 1;
+}
+
+/* The embedding's gradient, only the rows the global batch uses: gathered, then reduced. */
+static void ddp_reduce_erows(Parallel *p) {
+    size_t E = (size_t)p->m->E;
+    p->erows_pending = p->n_erows > 0;
+    if (!p->erows_pending) return;  /* no rows: the gradient is zero everywhere */
+    op_gather_rows(p->ebuf, st_at(p->grads, p->m->units[0].offset), p->erows, p->n_erows, E * ops_state_size());
+    comm_iallreduce(p->group, p->ebuf, p->n_erows * E, par_ctype(), COMM_AVG, &p->greq[0],
+                    "gradient all-reduce (embedding rows)");
+    if (!p->overlap) par_wait(p, &p->greq[0]);
+}
+
+void ddp_finish_erows(Parallel *p) {
+    if (p->erows_pending)
+        op_scatter_rows(st_at(p->grads, p->m->units[0].offset), p->ebuf, p->erows, p->n_erows,
+                        (size_t)p->m->E * ops_state_size());
+    p->erows_pending = 0;
+    p->n_erows = SIZE_MAX;  /* rows are set for one step */
+}
 
 void ddp_flush(Parallel *p) {
     if (!p->bkt_n) return;
@@ -21,6 +48,12 @@ void ddp_flush(Parallel *p) {
  * leave the bucket to the end of the step, exposed. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
+    if (u == 0 && p->n_erows != SIZE_MAX) {
+        ddp_flush(p);
+        ddp_reduce_erows(p);
+        par_progress(p);
+        return;
+    }
     const Unit *un = &p->m->units[u];
     size_t lo = un->offset, hi = lo + un->n_padded;
     if (p->bkt_n && hi != p->bkt_off && lo != p->bkt_off + p->bkt_n) ddp_flush(p);
@@ -43,6 +76,11 @@ void ddp_setup(Parallel *p) {
     p->mom1 = op_alloc(bytes);
     p->mom2 = op_alloc(bytes);
     model_point_units(p->m, p->params, p->grads);
+    const char *env = getenv("MESHTRAIN_EMBED_ROWS");  /* =0: reduce the whole embedding (A/B) */
+    p->erows_cap = env && !strcmp(env, "0") ? 0 : ddp_erows_cap(p->m, p->D);
+    p->erows = op_alloc(p->erows_cap * sizeof(int));
+    p->ebuf = op_alloc(p->erows_cap * (size_t)p->m->E * ops_state_size());
+    p->n_erows = SIZE_MAX;
     p->hooks.grad_begin = ddp_progress;
     p->hooks.grad_ready = ddp_grad_ready;
 }

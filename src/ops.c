@@ -234,3 +234,9 @@ void op_scale(void *x, size_t n, float s) {
 void op_add(void *y, const void *x, size_t n) {
     PROF("add", g_ops->add(y, x, n));
 }
+void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes) {
+    if (n && row_bytes) PROF("copy_rows", g_ops->copy_rows(dst, src, rows, n, row_bytes, 0));
+}
+void op_scatter_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes) {
+    if (n && row_bytes) PROF("copy_rows", g_ops->copy_rows(dst, src, rows, n, row_bytes, 1));
+}

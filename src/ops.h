@@ -194,6 +194,10 @@ double op_sumsq(const void *x, size_t n);
 void op_scale(void *x, size_t n, float s);
 /* y += x (activations) */
 void op_add(void *y, const void *x, size_t n);
+/* Rows of row_bytes bytes picked by rows[0..n) (op_alloc memory, ints): gather copies src
+ * row rows[i] to dst row i; scatter copies src row i to dst row rows[i] (rows distinct). */
+void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes);
+void op_scatter_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes);
 
 /* ---- backends ----
  * A backend is one table of functions with the semantics above (ops.c dispatches every
@@ -243,6 +247,7 @@ typedef struct OpsBackend {
     double (*sumsq)(const void *x, size_t n);
     void (*scale)(void *x, size_t n, float s);
     void (*add)(void *y, const void *x, size_t n);
+    void (*copy_rows)(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
 } OpsBackend;
 
 extern const OpsBackend ops_backend_cpu;   /* ops_cpu.c */

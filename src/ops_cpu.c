@@ -615,6 +615,14 @@ static void cpu_add(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
 }
 
+static void cpu_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        size_t r = (size_t)rows[i], d = scatter ? r : i, s = scatter ? i : r;
+        memcpy((char *)dst + d * row_bytes, (const char *)src + s * row_bytes, row_bytes);
+    }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* memory and the backend table                                                          */
 
@@ -719,4 +727,5 @@ const OpsBackend ops_backend_cpu = {
     .sumsq = t_sumsq,
     .scale = t_scale,
     .add = t_add,
+    .copy_rows = cpu_copy_rows,
 };

@@ -785,6 +785,19 @@ void cuda_add(void *y, const void *x, size_t n) {
     LAUNCH_CHECK(add_kernel);
 }
 
+void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter) {
+    unsigned grid = (unsigned)(n < 65535 ? n : 65535);
+    if (row_bytes % 16 == 0 && al16(dst) && al16(src)) {
+        copy_rows16_kernel<<<grid, 256, 0, g.stream>>>((uint4 *)dst, (const uint4 *)src, rows, n, row_bytes / 16,
+                                                       scatter);
+        LAUNCH_CHECK(copy_rows16_kernel);
+        return;
+    }
+    copy_rows_kernel<<<grid, 256, 0, g.stream>>>((unsigned char *)dst, (const unsigned char *)src, rows, n, row_bytes,
+                                                 scatter);
+    LAUNCH_CHECK(copy_rows_kernel);
+}
+
 } /* extern "C" */
 
 /* ------------------------------------------------------------------------------------ */
@@ -858,4 +871,5 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .sumsq = cuda_sumsq,
     .scale = cuda_scale,
     .add = cuda_add,
+    .copy_rows = cuda_copy_rows,
 };

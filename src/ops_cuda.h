@@ -99,6 +99,7 @@ void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float
 double cuda_sumsq(const void *x, size_t n); /* waits for the stream; returns on the host */
 void cuda_scale(void *x, size_t n, float s);
 void cuda_add(void *y, const void *x, size_t n);
+void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
 
 #ifdef __cplusplus
 }

@@ -69,6 +69,15 @@ void par_setup_compute(Parallel *p) {
 
 void parallel_set_bucket(Parallel *p, size_t bytes) { p->bucket_bytes = bytes; }
 
+int parallel_wants_embedding_rows(const Parallel *p) { return p->erows_cap > 0; }
+
+void parallel_set_embedding_rows(Parallel *p, const int *rows, size_t n) {
+    p->n_erows = SIZE_MAX;
+    if (!p->erows_cap || n > p->erows_cap) return;
+    op_upload(p->erows, rows, n * sizeof(int));
+    p->n_erows = n;
+}
+
 void parallel_free(Parallel *p) {
     if (!p) return;
     /* Nothing may still be in flight into buffers about to go: an evaluation's forward
@@ -76,6 +85,7 @@ void parallel_free(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) { par_wait(p, &p->greq[u]); par_wait(p, &p->rreq[u]); }
     for (int i = 0; i < N_SLOTS; i++) { par_wait(p, &p->pslots[i].req); par_wait(p, &p->gslots[i].req); }
     op_free(p->cparams);
+    op_free(p->erows); op_free(p->ebuf);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
@@ -225,6 +235,7 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     /* Every gradient collective must be done: the gradient is now averaged over dp. */
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &par_grad_slots(p)[i].req);
+    if (p->kind == PAR_DDP) ddp_finish_erows(p);
     if (p->replicas)  /* hybrid: average each shard over the replicas too */
         for (int u = 0; u < m->n_units; u++) {
             comm_iallreduce(p->replicas, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
@@ -304,7 +315,10 @@ ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size
     /* bf16 compute copies: of the whole parameters, or of each pool slot (FSDP) */
     size_t cw = compute_size ? layout->n_flat * compute_size : 0, cs = compute_size ? pool * compute_size : 0;
     switch (kind) {
-    case PAR_DDP: return (ParallelBytes){full, full, 2 * full, cw};
+    case PAR_DDP: {  /* plus the embedding rows' buffer and their indices */
+        size_t cap = ddp_erows_cap(layout, D);
+        return (ParallelBytes){full, full + cap * ((size_t)layout->E * state_size + sizeof(int)), 2 * full, cw};
+    }
     case PAR_ZERO1: return (ParallelBytes){full, full + shard, 2 * shard, cw};
     case PAR_ZERO2: return (ParallelBytes){full, slots + shard, 2 * shard, cw};
     default: return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, cs};  /* pool counted once */

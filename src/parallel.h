@@ -23,6 +23,13 @@ void parallel_free(Parallel *p);
 /* DDP: gradients of units that finish one after another (adjacent in the flat buffer) are
  * all-reduced together until they hold at least `bytes` (0 = one collective per unit). */
 void parallel_set_bucket(Parallel *p, size_t bytes);
+/* DDP over several ranks with an untied embedding: whether the trainer should say, before
+ * each step, which embedding rows the step's global batch uses (ascending, distinct: from
+ * loader_batch_tokens). That step's embedding gradient is then all-reduced in those rows
+ * only, the others being zero on every rank; with more rows than a quarter of the
+ * vocabulary, or without the call, the whole unit is. For one step. */
+int parallel_wants_embedding_rows(const Parallel *p);
+void parallel_set_embedding_rows(Parallel *p, const int *rows, size_t n);
 const UnitHooks *parallel_hooks(Parallel *p);
 
 /* The model's init (model_init_unit), into whatever this rank holds. */

@@ -57,6 +57,15 @@ struct Parallel {
      * all-reduce goes in greq[bkt_unit] (its first unit); flushed at bucket_bytes. */
     size_t bucket_bytes, bkt_off, bkt_n;
     int bkt_unit;
+    /* DDP over several ranks, untied embedding: the embedding's gradient is all-reduced only
+     * in the rows this step's global batch uses (the others are zero on every rank):
+     * erows (op_alloc, ascending, n_erows of them, at most erows_cap), gathered into ebuf,
+     * reduced, and scattered back before the update. n_erows == SIZE_MAX: not set for this
+     * step (or too many), the whole unit is reduced. */
+    int *erows;
+    void *ebuf;
+    size_t erows_cap, n_erows;
+    int erows_pending;
     double wait_s;
     UnitHooks hooks;
 };
@@ -90,6 +99,11 @@ void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 void ddp_setup(Parallel *p);
 /* DDP: starts the all-reduce of the pending bucket, if any. */
 void ddp_flush(Parallel *p);
+/* DDP: the most embedding rows reduced by themselves (a quarter of the vocabulary), 0 where
+ * the whole unit always is (one rank, tied embeddings). */
+size_t ddp_erows_cap(const Model *m, int D);
+/* DDP, after the collectives: the reduced embedding rows back into the gradient. */
+void ddp_finish_erows(Parallel *p);
 void zero_setup(Parallel *p);
 void zero_gather_params(Parallel *p);
 /* ZeRO-2's gradient hooks (slots + reduce-scatter), FSDP uses them too. */

@@ -297,6 +297,15 @@ int cmd_train(Config *c) {
     double t_timed = 0, comm_timed = 0, val_loss = NAN;
     int timed_steps = 0;
     float loss = 0;
+    /* DDP: which embedding rows each step's global batch uses, found on the host (the next
+     * step's while the GPU runs this step's optimizer), so that only those are reduced. */
+    unsigned char *eseen = NULL;
+    int *erows = NULL;
+    if (parallel_wants_embedding_rows(par)) {
+        eseen = xmalloc((size_t)m.V);
+        erows = xmalloc((size_t)m.V * sizeof *erows);
+        parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
+    }
     for (int step = start; step < c->steps; step++) {
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
@@ -319,6 +328,7 @@ int cmd_train(Config *c) {
         trace_mark(NULL, "optimizer step");
         double lr, norm = parallel_step(par, &oc, &lr);
         trace_mark(NULL, "optimizer step enqueued");
+        if (erows) parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
         ops_synchronize();  /* a device runs the optimizer step asynchronously: time all of it */
         trace_dump(world.rank);
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
@@ -408,6 +418,8 @@ int cmd_train(Config *c) {
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     free(ranges);
+    free(eseen);
+    free(erows);
     parallel_free(par);  /* first: it waits for collectives still in flight into the buffers */
     acts_free(&a);
     model_free(&m);

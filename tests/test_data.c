@@ -302,6 +302,39 @@ static void test_loader_ranks(void) {
     shard_close(&s);
 }
 
+/* loader_batch_tokens, on any rank, before each loader_next: exactly the distinct input
+ * tokens of the global batch (the union of every rank's inputs), ascending; across an
+ * epoch's end too. Tokens repeat (i*i mod 97), so the sets are small. */
+static void test_loader_batch_tokens(void) {
+    size_t n = 3000;
+    uint16_t *tok = xmalloc(n * sizeof *tok);
+    for (size_t i = 0; i < n; i++) tok[i] = (uint16_t)((i * i) % 97);
+    Shard s;
+    memset(&s, 0, sizeof s);
+    CHECK(shard_write(tpath("sq.bin"), tok, n, GPT2_VOCAB_SIZE, err, sizeof err) == 0, "%s", err);
+    CHECK(shard_open(&s, tpath("sq.bin"), err, sizeof err) == 0, "%s", err);
+    int world = 4, B = 2, T = 8, V = 90, G = B * world;  /* V < 97: tokens >= V are left out */
+    Loader ls[4];
+    for (int r = 0; r < world; r++) CHECK(loader_init(&ls[r], &s, B, T, r, world, 3, 1, err, sizeof err) == 0, "%s", err);
+    unsigned char *seen = xmalloc((size_t)V);
+    int *rows = xmalloc((size_t)V * sizeof *rows), *in = xmalloc((size_t)G * T * sizeof *in);
+    int *tg = xmalloc((size_t)B * T * sizeof *tg), ok = 1, steps = (int)(2 * ls[0].batches_per_epoch + 1);
+    for (int k = 0; k < steps; k++) {
+        size_t got = loader_batch_tokens(&ls[k % world], V, seen, rows);
+        for (int r = 0; r < world; r++) loader_next(&ls[r], in + (size_t)r * B * T, tg);
+        unsigned char want[97] = {0};
+        for (int i = 0; i < G * T; i++) want[in[i]] = 1;
+        size_t m = 0;
+        for (int v = 0; v < V; v++)
+            if (want[v]) ok &= m < got && rows[m++] == v;
+        ok &= m == got;
+    }
+    CHECK(ok, "the batch's tokens differ from the union of the ranks' inputs");
+    for (int r = 0; r < world; r++) loader_free(&ls[r]);
+    free(tok); free(seen); free(rows); free(in); free(tg);
+    shard_close(&s);
+}
+
 static void test_loader_resume(void) {
     Shard s = seq_shard("seq.bin", 2000);
     int B = 2, T = 16, per = B * T;
@@ -606,6 +639,7 @@ int main(void) {
     RUN(test_loader_windows);
     RUN(test_loader_order);
     RUN(test_loader_ranks);
+    RUN(test_loader_batch_tokens);
     RUN(test_loader_resume);
     RUN(test_loader_resume_other_world);
     RUN(test_loader_init_failure);

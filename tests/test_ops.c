@@ -700,6 +700,38 @@ static void test_sumsq_scale_add(void) {
     free(x), free(y), free(xs), free(ya);
 }
 
+/* gather / scatter of rows by an index list: every byte where it belongs, nothing else
+ * written; rows of floats, and of 6 bytes (row_bytes need not be a multiple of anything) */
+static void test_copy_rows(void) {
+    const size_t R = 1000, E = 37, n = 300;
+    int rows[300];
+    for (size_t i = 0; i < n; i++) rows[i] = (int)((i * 7 + 3) % R);  /* distinct: 7 is prime to R */
+    float *src = randf(R * E, 1.0f), *g = randf(n * E, 1.0f), *s = zerosf(R * E);
+    op_gather_rows(g, src, rows, n, E * sizeof(float));
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) ok &= !memcmp(g + i * E, src + (size_t)rows[i] * E, E * sizeof(float));
+    CHECK(ok, "gather: rows not where they belong");
+    op_scatter_rows(s, g, rows, n, E * sizeof(float));
+    unsigned char *hit = calloc(R, 1);
+    for (size_t i = 0; i < n; i++) hit[rows[i]] = 1;
+    ok = 1;
+    for (size_t r = 0; r < R; r++)
+        for (size_t e = 0; e < E; e++) ok &= s[r * E + e] == (hit[r] ? src[r * E + e] : 0.0f);
+    CHECK(ok, "scatter: wrong rows written, or others touched");
+    unsigned char b[60], bg[30], bs[60] = {0};
+    for (int i = 0; i < 60; i++) b[i] = (unsigned char)(i + 1);
+    int r3[] = {7, 2, 9, 0, 5};
+    op_gather_rows(bg, b, r3, 5, 6);
+    op_scatter_rows(bs, bg, r3, 5, 6);
+    ok = bg[0] == 43 && bg[29] == 36;
+    for (int i = 0; i < 60; i++) {
+        int r = i / 6, in = r == 0 || r == 2 || r == 5 || r == 7 || r == 9;
+        ok &= bs[i] == (in ? b[i] : 0);
+    }
+    CHECK(ok, "6-byte rows");
+    free(src), free(g), free(s), free(hit);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* conventions: accumulate, NULL gradients, determinism                                   */
 
@@ -961,6 +993,7 @@ int main(void) {
     RUN(test_crossentropy);
     RUN(test_adamw);
     RUN(test_sumsq_scale_add);
+    RUN(test_copy_rows);
     RUN(test_backward_accumulates);
     RUN(test_backward_set_writes);
     RUN(test_determinism);

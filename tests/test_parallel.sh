@@ -94,14 +94,26 @@ for r in 0 1; do
 done
 [ "$tl_ok" = 1 ] && ok timeline_per_rank || bad "timeline_per_rank ($(grep -c timeline "$TMP/tl.log") lines)"
 # -- bucket_mb joins units finishing one after another: the head and layers 3..1 in one
-# all-reduce, started before layer 0's backward (not left to the end of the step), the
-# embedding and layer 0 (whose last gradients come after it) in another
+# all-reduce, started before layer 0's backward (not left to the end of the step); then
+# the embedding's, of only the rows the global batch uses (2 ranks x 2 x 16 tokens: at
+# most 64 rows of 128 floats, not 50257), and layer 0's (its last gradients come after)
 MESHTRAIN_TIMELINE=2 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE "$BIN" train $NOCK batch_size=2 ckpt_path=none bucket_mb=100 \
   out_dir="$TMP/bk" </dev/null >"$TMP/bk.log" 2>&1
 n=$(grep -c '^timeline rank 0:.*gradient all-reduce' "$TMP/bk.log")
 first=$(grep -m1 -E '^timeline rank 0:.*(gradient all-reduce|layer 0 backward)' "$TMP/bk.log")
 why="$n all-reduces"; [[ $first == *all-reduce* ]] || why="$why, the first after layer 0's backward began"
-[ "$why" = "2 all-reduces" ] && ok "ddp_bucket_joins_units (2 all-reduces, not 6)" || bad "ddp_bucket_joins_units ($why)"
+[ "$why" = "3 all-reduces" ] && ok "ddp_bucket_joins_units (3 all-reduces, not 6)" || bad "ddp_bucket_joins_units ($why)"
+emb=$(grep -m1 '^timeline rank 0:.*(embedding rows)' "$TMP/bk.log" | grep -o '[0-9.]* MB')
+awk -v m="${emb% MB}" 'BEGIN {exit !(m != "" && m + 0 < 0.05)}' && ok "ddp_embedding_rows_only ($emb, the whole unit is 25.7 MB)" ||
+  bad "ddp_embedding_rows_only (${emb:-no embedding-rows all-reduce})"
+# ... and with the whole embedding reduced (MESHTRAIN_EMBED_ROWS=0), DDP still follows one process
+out=$TMP/ddp_whole_embedding
+if MESHTRAIN_EMBED_ROWS=0 $MPIRUN -np 2 -x MESHTRAIN_EMBED_ROWS "$BIN" train $M tie_embeddings=false batch_size=4 \
+     out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref_false" "$out" &&
+   ! grep -q 'embedding rows' <(MESHTRAIN_TIMELINE=2 MESHTRAIN_EMBED_ROWS=0 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE \
+     -x MESHTRAIN_EMBED_ROWS "$BIN" train $NOCK batch_size=2 ckpt_path=none out_dir="$TMP/we" </dev/null 2>&1)
+then ok ddp_whole_embedding_np2; else bad "ddp_whole_embedding_np2 ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+
 EST="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=8"
 a1=$("$BIN" estimate $EST | awk '$1 == "activations" {print $2 $3}')
 a2=$("$BIN" estimate $EST activation_checkpointing=true | awk '$1 == "activations" {print $2 $3}')

@@ -1,4 +1,4 @@
-/* src/cuda/flat.cuh: sum of squares, scale, add and the fp32 -> bf16 copy.
+/* src/cuda/flat.cuh: sum of squares, scale, add, the fp32 -> bf16 copy and row copies.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */
@@ -66,4 +66,21 @@ static __global__ void add8_kernel(void *y, const void *x, size_t n, int bf) {
 }
 static __global__ void to_act_kernel(void *dst, const float *src, size_t n, int bf) {
     GRID_STRIDE(i, n) st(dst, i, src[i], bf);
+}
+
+/* rows picked by an index list: gather (dst row i = src row rows[i]) or scatter (dst row
+ * rows[i] = src row i); a block per row (striding), in 16-byte words or in bytes */
+static __global__ void copy_rows16_kernel(uint4 *dst, const uint4 *src, const int *rows, size_t n, size_t words,
+                                          int scatter) {
+    for (size_t i = blockIdx.x; i < n; i += gridDim.x) {
+        size_t r = (size_t)rows[i], d = scatter ? r : i, s = scatter ? i : r;
+        for (size_t j = threadIdx.x; j < words; j += blockDim.x) dst[d * words + j] = src[s * words + j];
+    }
+}
+static __global__ void copy_rows_kernel(unsigned char *dst, const unsigned char *src, const int *rows, size_t n,
+                                        size_t bytes, int scatter) {
+    for (size_t i = blockIdx.x; i < n; i += gridDim.x) {
+        size_t r = (size_t)rows[i], d = scatter ? r : i, s = scatter ? i : r;
+        for (size_t j = threadIdx.x; j < bytes; j += blockDim.x) dst[d * bytes + j] = src[s * bytes + j];
+    }
 }

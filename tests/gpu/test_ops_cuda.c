@@ -535,6 +535,34 @@ static void test_flat(void) {
     }
 }
 
+/* Row gather and scatter by an index list, against the CPU op, bitwise: rows of 1024 floats
+ * (the 16-byte kernel) and of 37 floats, unaligned (the byte kernel). Scatter must leave
+ * the rows not listed untouched. */
+static void test_copy_rows(void) {
+    const size_t R = 50257, n = 4647;
+    int *rows = xmalloc(n * sizeof(int));
+    for (size_t i = 0; i < n; i++) rows[i] = (int)((i * 10007 + 11) % R);  /* distinct: 10007 is prime */
+    size_t widths[] = {1024, 37};
+    for (int k = 0; k < 2; k++) {
+        size_t E = widths[k], rb = E * sizeof(float);
+        int off = k;  /* k = 1: unaligned */
+        char shape[64];
+        snprintf(shape, sizeof shape, "%zu rows of %zu of %zu", n, E, R);
+        float *src = randf(R * E, 1.0f), *dst = randf(R * E, 1.0f), *g = xmalloc(n * rb);
+        float *d_src = dcopy(src, R * E, off), *d_dst = dcopy(dst, R * E, off), *d_g = dnan(n * E, off);
+        int *d_rows = dcopy_int(rows, n);
+        op_gather_rows(g, src, rows, n, rb);
+        cuda_copy_rows(d_g, d_src, d_rows, n, rb, 0);
+        expect_bitwise("gather rows", shape, d_g, g, n * E);
+        op_scatter_rows(dst, g, rows, n, rb);
+        cuda_copy_rows(d_dst, d_g, d_rows, n, rb, 1);
+        expect_bitwise("scatter rows", shape, d_dst, dst, R * E);
+        free(src); free(dst); free(g);
+        dfree_all();
+    }
+    free(rows);
+}
+
 /* The backend table the trainer uses (ops_backend_cuda): every entry is set; op_alloc's
  * memory is zeroed; upload, device copy, zero and download move exactly the bytes asked
  * for; the allocator's high-water mark counts what it holds. */
@@ -551,7 +579,8 @@ static void test_backend_table(void) {
         (void (*)(void))b->rope_backward, (void (*)(void))b->attention_forward,
         (void (*)(void))b->attention_backward, (void (*)(void))b->swiglu_forward,
         (void (*)(void))b->swiglu_backward, (void (*)(void))b->crossentropy_forward_backward,
-        (void (*)(void))b->adamw, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add};
+        (void (*)(void))b->adamw, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
+        (void (*)(void))b->copy_rows};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
 
     size_t n = 1000003, peak0 = 0, peak1 = 0, used = 0, fr = 0, tot = 0;
@@ -594,6 +623,7 @@ int main(int argc, char **argv) {
     rng_seed(&rng, 20240601);
     printf("device %d: %s\n", device, cuda_device_name());
     RUN(test_flat);
+    RUN(test_copy_rows);
     RUN(test_backend_table);
     RUN(test_matmul);
     RUN(test_embedding);
