@@ -1,7 +1,9 @@
 /* DDP: every rank holds the whole model, gradients and optimizer state; each unit's
- * gradient is averaged over dp with a non-blocking all-reduce started the moment that
- * unit's backward ends, so it overlaps the backward of the units below it (one bucket per
- * unit; bucket_mb joins units that finish one after another into fewer, larger ones). Every rank then takes the same AdamW step. */
+ * gradient is averaged over dp with a non-blocking all-reduce started as soon as that
+ * unit's backward ends, so it overlaps the backward of the units below it. bucket_mb joins
+ * units that finish one after another into fewer, larger all-reduces; an untied
+ * embedding's is reduced only in the rows the step's batch uses. Every rank then takes
+ * the same AdamW step. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
