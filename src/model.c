@@ -250,6 +250,14 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);
 }
 
+void acts_view(Acts *v, const Acts *a, const Model *m, int B) {
+    *v = *a;
+    v->B = B;
+    v->N = (size_t)B * a->T;
+    size_t rows = acts_logit_rows(&m->c, B, a->T, ops_act_size());
+    v->logit_rows = rows < a->logit_rows ? rows : a->logit_rows;  /* the logits buffer's rows */
+}
+
 void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,

@@ -215,11 +215,6 @@ int cmd_train(Config *c) {
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, &est);
-    if (val_B != B) {  /* a short validation shard gets its own, smaller activations */
-        size_t extra = acts_bytes(&mc, val_B, T, 0, ops_act_size(), NULL);
-        est.acts += extra;
-        est.total += extra;
-    }
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -351,11 +346,9 @@ int cmd_train(Config *c) {
         }
         int last = step + 1 == c->steps;
         if ((c->val_every && (step + 1) % c->val_every == 0) || last) {
-            Acts va;  /* a smaller batch when the validation shard is short */
-            Acts *ap = &a;
-            if (val_B != B) { acts_alloc(&va, &m, val_B, T, 0); ap = &va; }
-            val_loss = evaluate(&m, ap, &val, c->val_batches, mesh.dp_rank, dp, hooks);
-            if (ap == &va) acts_free(&va);
+            Acts va;  /* a short validation shard: a smaller batch, in the training buffers */
+            acts_view(&va, &a, &m, val_B);
+            val_loss = evaluate(&m, &va, &val, c->val_batches, mesh.dp_rank, dp, hooks);
             comm_allreduce_double(&mesh.dp, &val_loss, 1);
             val_loss /= dp;
             if (lead) {

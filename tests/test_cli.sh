@@ -108,6 +108,23 @@ if "$BIN" train $TINY data_dir="$D" steps=30 lr=3e-3 out_dir="$R" progress=false
   grep -q "val_loss" "$TMP/train.out" && ok train_prints_val_loss || bad train_prints_val_loss
 else bad "train (exit $?)"; fi
 
+# -- a validation shard shorter than one batch (224 windows of 32, batch_size=256): the
+# smaller validation batch runs in the training buffers; its loss is what eval gives with
+# batch_size=224, and the run's estimate is `meshtrain estimate`'s (plus the mapped data:
+# within 1%, same unit), with no second set of activations
+S=$TMP/shortval
+if "$BIN" train ${TINY/batch_size=4/batch_size=256} data_dir="$D" steps=2 out_dir="$S" progress=false threads=2 \
+     > "$S.out" 2>&1; then
+  vt=$(grep -o 'val_loss [0-9.]*' "$S.out" | tail -1 | cut -d' ' -f2)
+  ve=$("$BIN" eval checkpoint="$S/ckpt.bin" data_dir="$D" batch_size=224 threads=2 | grep -o 'val_loss [0-9.]*' | cut -d' ' -f2)
+  est=$("$BIN" estimate ${TINY/batch_size=4/batch_size=256} | awk '$1 == "total" {print $2, $3}')
+  run=$(grep -o 'estimate [0-9.]* [KMG]iB' "$S.out" | awk '{print $2, $3}')
+  close=$(awk -v a="$run" -v b="$est" 'BEGIN {split(a, x, " "); split(b, y, " ");
+    print (x[2] == y[2] && x[1] >= y[1] && x[1] <= 1.01 * y[1]) ? 1 : 0}')
+  [ -n "$vt" ] && [ "$vt" = "$ve" ] && [ "$close" = 1 ] && ok "short_validation_shard (val_loss $vt, estimate $run)" ||
+    bad "short_validation_shard (val_loss $vt vs eval $ve, estimate $run vs $est)"
+else bad "short_validation_shard (exit $?: $(tail -1 "$S.out"))"; fi
+
 # -- eval and sample from the checkpoint
 "$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "val_loss" && ok eval || bad eval
 out=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
