@@ -417,7 +417,8 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
 
     /* Layer 0's last two weight gradients wait until after the embedding's backward: the
      * embedding's gradient is then not the step's last, and its reduction (the largest
-     * unit's, otherwise exposed at the end of the step) overlaps them. */
+     * unit's, otherwise exposed at the end of the step) overlaps them. (DDP's buckets rely
+     * on this order: ddp_grad_ready starts the one reaching layer 1 at once.) */
     LayerActs la0 = layer_acts(m, a, 0, 0);
     trace_mark(NULL, "head done, layers' backward");
     for (int l = m->L - 1; l >= 0; l--) {

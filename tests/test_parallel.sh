@@ -60,7 +60,7 @@ hybrid|4|fsdp=true shard_strategy=hybrid shard_group_size=2
 ddp_no_overlap|2|overlap=false
 ddp_bucket|2|bucket_mb=0.1
 ddp_unit_buckets|2|bucket_mb=0
-ddp_bucket|4|bucket_mb=100
+ddp_unit_buckets|4|bucket_mb=0
 fsdp_no_overlap|2|fsdp=true overlap=false
 CASES
 
