@@ -214,14 +214,19 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t ac
 
 /* Besides the plan's buffers: the tokens (inputs, targets) on the host and on the device,
  * and the per-row losses on the host. */
-static size_t acts_extra_bytes(int B, int T) { return (size_t)B * T * (4 * sizeof(int) + sizeof(float)); }
+/* inputs and targets (host and op_alloc), host_losses, and the embedding's row index (host
+ * and op_alloc, 3N + 1 ints each, with V ints of scratch) */
+static size_t acts_extra_bytes(int B, int T, int V) {
+    size_t N = (size_t)B * T;
+    return N * (4 * sizeof(int) + sizeof(float)) + (2 * (3 * N + 1) + (size_t)V) * sizeof(int);
+}
 
 static size_t slot_bytes(const Slot *s, size_t act_size) { return s->n * (s->act ? act_size : sizeof(float)); }
 
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes) {
     Acts a;
     Slot s[32];
-    size_t logit_n, total = acts_extra_bytes(B, T);
+    size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
     int n = acts_plan(c, B, T, training, act_size, &a, s, &logit_n);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
@@ -241,7 +246,10 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     a->host_losses = xcalloc(a->N, sizeof(float));
     a->dev_inputs = op_alloc(a->N * sizeof(int));
     a->dev_targets = op_alloc(a->N * sizeof(int));
-    a->bytes = acts_extra_bytes(B, T);
+    a->emb_index = xcalloc(3 * a->N + 1, sizeof(int));
+    a->emb_count = xcalloc((size_t)m->V, sizeof(int));
+    a->dev_emb_index = op_alloc((3 * a->N + 1) * sizeof(int));
+    a->bytes = acts_extra_bytes(B, T, m->V);
     for (int i = 0; i < n; i++) {
         size_t bytes = slot_bytes(&s[i], ops_act_size());
         *s[i].p = op_alloc(bytes);
@@ -266,6 +274,9 @@ void acts_free(Acts *a) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(all[i]);
     op_free(a->dev_inputs);
     op_free(a->dev_targets);
+    op_free(a->dev_emb_index);
+    free(a->emb_index);
+    free(a->emb_count);
     free(a->inputs);
     free(a->targets);
     free(a->host_losses);
@@ -379,6 +390,10 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V, HU = m->L + 1, tied = m->c.tie_embeddings;
     op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
     op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
+    if (grad) {  /* the embedding's backward goes by row */
+        a->emb_nr = embedding_rows_index(a->inputs, N, m->V, a->emb_count, a->emb_index);
+        op_upload(a->dev_emb_index, a->emb_index, (2 * (size_t)a->emb_nr + 1 + (size_t)N) * sizeof(int));
+    }
     trunk_forward(m, a, B, T, grad, h);
     const void *last = trunk_output(m, a, grad);
     /* The head: output_norm, then lm_head (tok_embed's matrix when tied). */
@@ -439,7 +454,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     /* The embedding's backward needs only the tokens, not its parameters. */
     trace_mark(NULL, "embedding backward");
     HOOK(h, grad_begin, 0);
-    op_embedding_backward(unit_grads(m, 0), a->dres, a->dev_inputs, N, E);
+    op_embedding_backward_rows(unit_grads(m, 0), a->dres, a->dev_emb_index, a->emb_nr, N, E);
     HOOK(h, grad_ready, 0);
     if (m->L > 0) {
         trace_mark(NULL, "layer 0 deferred weight gradients");

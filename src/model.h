@@ -95,6 +95,9 @@ typedef struct {
     size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
     int *inputs, *targets;  /* host: the loader fills them; model_step uploads them */
     int *dev_inputs, *dev_targets;
+    /* the inputs grouped by token (embedding_rows_index), for the embedding's backward:
+     * built on the host (emb_count: V ints of scratch), uploaded to dev_emb_index */
+    int *emb_index, *emb_count, *dev_emb_index, emb_nr;
     float *host_losses;     /* [N] per-row losses, downloaded for the mean */
     void *res;              /* [L+1][N*E] residual stream: input of each layer, then the last output */
     void *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw;  /* per layer */

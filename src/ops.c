@@ -142,6 +142,26 @@ void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, 
 void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     PROF("embedding_backward", g_ops->embedding_backward(dwte, dout, tokens, N, C));
 }
+int embedding_rows_index(const int *tokens, int N, int V, int *count, int *out) {
+    memset(count, 0, (size_t)V * sizeof *count);
+    for (int n = 0; n < N; n++) count[tokens[n]]++;
+    int nr = 0;
+    for (int v = 0; v < V; v++) nr += count[v] > 0;
+    int *rows = out, *off = out + nr, *pos = off + nr + 1, k = 0, o = 0;
+    for (int v = 0; v < V; v++)
+        if (count[v]) {
+            rows[k] = v;
+            off[k++] = o;
+            o += count[v];
+            count[v] = off[k - 1];  /* from here: where v's next position goes */
+        }
+    off[nr] = o;
+    for (int n = 0; n < N; n++) pos[count[tokens[n]]++] = n;
+    return nr;
+}
+void op_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C) {
+    PROF("embedding_backward", g_ops->embedding_backward_rows(dwte, dout, idx, nr, N, C));
+}
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     PROF("rmsnorm_forward", g_ops->rmsnorm_forward(out, rstd, x, w, N, C, eps));
 }

@@ -112,6 +112,15 @@ void op_to_act(void *dst, const float *src, size_t n);
 void op_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
 /* dwte[tokens[n], :] += dout[n, :]  (deterministic: parallel over channels, not tokens). */
 void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
+/* The tokens grouped by row, on the host, for op_embedding_backward_rows: out = rows[nr] |
+ * off[nr + 1] | pos[N] (3N + 1 ints at most), rows the distinct tokens ascending and
+ * pos[off[i]..off[i+1]) the positions n holding rows[i], ascending. count: V ints of
+ * scratch. Returns nr. */
+int embedding_rows_index(const int *tokens, int N, int V, int *count, int *out);
+/* The same as op_embedding_backward, bitwise (every row's additions in the same order),
+ * from that index (idx: op_alloc memory holding it, nr rows): the work goes by row, with no
+ * pass over every token for each part of the vocabulary. */
+void op_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
 
 /* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
@@ -221,6 +230,7 @@ typedef struct OpsBackend {
     void (*to_act)(void *dst, const float *src, size_t n);
     void (*embedding_forward)(void *out, const int *tokens, const void *wte, int N, int C);
     void (*embedding_backward)(void *dwte, const void *dout, const int *tokens, int N, int C);
+    void (*embedding_backward_rows)(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
     void (*rmsnorm_forward)(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
     void (*add_rmsnorm_forward)(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
                                 float eps);

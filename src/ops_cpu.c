@@ -641,6 +641,20 @@ static void t_embedding_forward(void *out, const int *tokens, const void *wte, i
 static void t_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     cpu_embedding_backward(dwte, dout, tokens, N, C);
 }
+/* By row: each row's positions in order, so every element's additions are op_embedding_backward's */
+static void t_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C) {
+    const int *off = idx + nr, *pos = off + nr + 1;
+    (void)N;
+    if (!dwte) return;
+#pragma omp parallel for schedule(dynamic, 16)
+    for (int i = 0; i < nr; i++) {
+        float *d = (float *)dwte + (size_t)idx[i] * C;
+        for (int k = off[i]; k < off[i + 1]; k++) {
+            const float *g = (const float *)dout + (size_t)pos[k] * C;
+            for (int c = 0; c < C; c++) d[c] += g[c];
+        }
+    }
+}
 static void t_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps) {
     cpu_rmsnorm_forward(out, rstd, x, w, N, C, eps);
 }
@@ -710,6 +724,7 @@ const OpsBackend ops_backend_cpu = {
     .to_act = cpu_to_act,
     .embedding_forward = t_embedding_forward,
     .embedding_backward = t_embedding_backward,
+    .embedding_backward_rows = t_embedding_backward_rows,
     .rmsnorm_forward = t_rmsnorm_forward,
     .add_rmsnorm_forward = t_add_rmsnorm_forward,
     .rmsnorm_backward = t_rmsnorm_backward,

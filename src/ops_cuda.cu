@@ -456,6 +456,14 @@ void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N
     LAUNCH_CHECK(embedding_forward_kernel);
 }
 
+void cuda_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C) {
+    (void)N;
+    if (!dwte || nr <= 0 || C <= 0) return;
+    dim3 grid((unsigned)nr, (C + EMBR_BLOCK - 1) / EMBR_BLOCK);
+    embedding_backward_rows_kernel<<<grid, EMBR_BLOCK, 0, g.stream>>>(dwte, dout, idx, nr, C, g.bf16, g.sbf16);
+    LAUNCH_CHECK(embedding_backward_rows_kernel);
+}
+
 void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     if (!dwte || N <= 0 || C <= 0) return;
     dim3 grid((C + EMB_BLOCK - 1) / EMB_BLOCK, EMB_BUCKETS);
@@ -853,6 +861,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .to_act = cuda_to_act,
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,
+    .embedding_backward_rows = cuda_embedding_backward_rows,
     .rmsnorm_forward = cuda_rmsnorm_forward,
     .add_rmsnorm_forward = cuda_add_rmsnorm_forward,
     .rmsnorm_backward = cuda_rmsnorm_backward,

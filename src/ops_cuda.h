@@ -59,6 +59,7 @@ void cuda_set_precision(OpsPrecision p);
 void cuda_to_act(void *dst, const float *src, size_t n);
 
 void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
+void cuda_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
 void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
 
 void cuda_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,

@@ -246,6 +246,40 @@ static void test_embedding(void) {
     free(wte), free(out), free(dout), free(dwte), free(ref);
 }
 
+/* embedding_rows_index groups the positions by token (rows ascending and distinct, each
+ * row's positions ascending, every position once), and the backward by row gives
+ * op_embedding_backward's result bitwise */
+static void test_embedding_rows(void) {
+    int V = 50, N = 300, C = 37;
+    int *tok = xmalloc((size_t)N * sizeof(int)), *count = xmalloc((size_t)V * sizeof(int));
+    int *idx = xmalloc((3 * (size_t)N + 1) * sizeof(int));
+    for (int n = 0; n < N; n++) tok[n] = n % 7 == 0 ? 3 : (int)(rng_u64(&rng) % 20) * 2;  /* repeats, gaps */
+    int nr = embedding_rows_index(tok, N, V, count, idx);
+    const int *rows = idx, *off = idx + nr, *pos = off + nr + 1;
+    int ok = nr > 0 && off[0] == 0 && off[nr] == N, seen[300] = {0};
+    for (int i = 0; ok && i < nr; i++) {
+        ok &= (i == 0 || rows[i] > rows[i - 1]) && off[i + 1] > off[i];
+        for (int k = off[i]; k < off[i + 1]; k++) {
+            ok &= tok[pos[k]] == rows[i] && (k == off[i] || pos[k] > pos[k - 1]);
+            seen[pos[k]]++;
+        }
+    }
+    for (int n = 0; n < N; n++) ok &= seen[n] == 1;
+    int distinct = 0;
+    for (int v = 0; v < V; v++) {
+        int any = 0;
+        for (int n = 0; n < N; n++) any |= tok[n] == v;
+        distinct += any;
+    }
+    CHECK(ok && nr == distinct, "index: %d rows (%d distinct tokens), or wrong grouping", nr, distinct);
+    float *dout = randf((size_t)N * C, 1.0f), *d1 = randf((size_t)V * C, 1.0f), *d2 = copyf(d1, (size_t)V * C);
+    op_embedding_backward(d1, dout, tok, N, C);
+    op_embedding_backward_rows(d2, dout, idx, nr, N, C);
+    CHECK(!memcmp(d1, d2, (size_t)V * C * sizeof(float)), "by row: not bitwise op_embedding_backward");
+    op_embedding_backward_rows(NULL, dout, idx, nr, N, C);
+    free(tok), free(count), free(idx), free(dout), free(d1), free(d2);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* rmsnorm                                                                               */
 
@@ -982,6 +1016,7 @@ int main(void) {
     RUN(test_backend_name);
     RUN(test_backend_memory);
     RUN(test_embedding);
+    RUN(test_embedding_rows);
     RUN(test_rmsnorm);
     RUN(test_matmul);
     RUN(test_matmul_forward_add);

@@ -44,3 +44,35 @@ static __global__ void embedding_backward_kernel(void *dwte, const void *dout, c
             }
     }
 }
+
+/* From the tokens grouped by row (embedding_rows_index): a thread owns one channel of one
+ * row and adds that row's positions in order in a register, rounded to the state type
+ * after each add as a store would round it, so the result is embedding_backward_kernel's
+ * bitwise; one read and one write of dwte. Loads go EMBR_UNROLL at a time (frequent
+ * tokens have thousands of positions, added in a fixed order). */
+#define EMBR_BLOCK 128
+#define EMBR_UNROLL 16
+static __global__ void embedding_backward_rows_kernel(void *dwte, const void *dout, const int *idx, int nr, int C,
+                                                      int bf, int sbf) {
+    int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int *off = idx + nr, *pos = off + nr + 1;
+    size_t j = (size_t)idx[i] * C + c;
+    float acc = ld(dwte, j, sbf);
+    int k = off[i], end = off[i + 1];
+    for (; k + EMBR_UNROLL <= end; k += EMBR_UNROLL) {
+        float v[EMBR_UNROLL];
+#pragma unroll
+        for (int u = 0; u < EMBR_UNROLL; u++) v[u] = ld(dout, (size_t)pos[k + u] * C + c, bf);
+#pragma unroll
+        for (int u = 0; u < EMBR_UNROLL; u++) {
+            acc = __fadd_rn(acc, v[u]);
+            if (sbf) acc = __bfloat162float(__float2bfloat16(acc));
+        }
+    }
+    for (; k < end; k++) {
+        acc = __fadd_rn(acc, ld(dout, (size_t)pos[k] * C + c, bf));
+        if (sbf) acc = __bfloat162float(__float2bfloat16(acc));
+    }
+    st(dwte, j, acc, sbf);
+}

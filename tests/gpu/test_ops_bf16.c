@@ -215,6 +215,18 @@ static void test_rows(void) {
     op_embedding_backward(dDWTE, dGE, dT, N, C);
     expect_act("embedding forward", sh, dE, e, NC, 1e-6); /* a copy: exact */
     expect_f32("embedding dwte (fp32)", sh, dDWTE, dwte, (size_t)V * C, 1e-6);
+    {  /* by row: bitwise the kernel above */
+        int *cnt = xmalloc((size_t)V * sizeof(int)), *ix = xmalloc((3 * (size_t)N + 1) * sizeof(int));
+        int nr = embedding_rows_index(tok, N, V, cnt, ix);
+        int *dIX = op_alloc((3 * (size_t)N + 1) * sizeof(int));
+        op_upload(dIX, ix, (3 * (size_t)N + 1) * sizeof(int));
+        float *dR = up_f32(dwte0, (size_t)V * C), *a = xmalloc((size_t)V * C * 4), *b = xmalloc((size_t)V * C * 4);
+        op_embedding_backward_rows(dR, dGE, dIX, nr, N, C);
+        op_download(a, dDWTE, (size_t)V * C * 4);
+        op_download(b, dR, (size_t)V * C * 4);
+        CHECK(!memcmp(a, b, (size_t)V * C * 4), "embedding dwte by row (fp32) %s: not bitwise the kernel's", sh);
+        op_free(dIX); op_free(dR); free(cnt); free(ix); free(a); free(b);
+    }
     op_free(dWTE); op_free(dGE); op_free(dE); op_free(dDWTE);
     free(wte); free(ge); free(dwte0); free(e); free(dwte);
 
@@ -407,6 +419,16 @@ static void test_bf16_embedding_backward(void) {
     op_embedding_backward(dDWTE, dGE, dT, N, C);
     expect_state("embedding dwte (bf16)", sh, dDWTE, dwte, VC, TOL);
     expect_state_bitwise("embedding dwte (bf16)", sh, dDWTE, emu, VC);
+    {  /* by row: the same rounding after every add */
+        int *cnt = xmalloc((size_t)V * sizeof(int)), *ix = xmalloc((3 * (size_t)N + 1) * sizeof(int));
+        int nr = embedding_rows_index(tok, N, V, cnt, ix);
+        int *dIX = op_alloc((3 * (size_t)N + 1) * sizeof(int));
+        op_upload(dIX, ix, (3 * (size_t)N + 1) * sizeof(int));
+        void *dR = up_state(dwte0, VC);
+        op_embedding_backward_rows(dR, dGE, dIX, nr, N, C);
+        expect_state_bitwise("embedding dwte by row (bf16)", sh, dR, emu, VC);
+        op_free(dIX); op_free(dR); free(cnt); free(ix);
+    }
     op_free(dT); op_free(dGE); op_free(dDWTE);
     free(tok); free(ge); free(dwte0); free(dwte); free(emu);
 }

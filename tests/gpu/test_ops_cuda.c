@@ -198,6 +198,16 @@ static void embedding_case(int V, int N, int C) {
     expect_same_host("embedding backward", shape, d_dwte, first, nw);
     cuda_embedding_backward(NULL, d_dout, d_tok, N, C);
 
+    /* by row, from the index: bitwise the kernel above */
+    int *count = xmalloc((size_t)V * sizeof(int)), *idx = xmalloc((3 * (size_t)N + 1) * sizeof(int));
+    int nr = embedding_rows_index(tok, N, V, count, idx);
+    int *d_idx = dcopy_int(idx, 3 * (size_t)N + 1);
+    dset(d_dwte, dwte0, nw);
+    cuda_embedding_backward_rows(d_dwte, d_dout, d_idx, nr, N, C);
+    expect_same_host("embedding backward by row", shape, d_dwte, first, nw);
+    cuda_embedding_backward_rows(NULL, d_dout, d_idx, nr, N, C);
+    free(count); free(idx);
+
     free(first); free(tok); free(wte); free(dout); free(dwte0); free(out); free(dwte);
     dfree_all();
 }
@@ -206,6 +216,7 @@ static void test_embedding(void) {
     embedding_case(13, 37, 19);
     embedding_case(1000, 3000, 1);
     embedding_case(50257, 4096, 768);
+    embedding_case(50257, 32768, 1024);  /* the post's batch: rows with thousands of positions */
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -574,6 +585,7 @@ static void test_backend_table(void) {
         (void (*)(void))b->device_memory, (void (*)(void))b->device_peak, (void (*)(void))b->alloc,
         (void (*)(void))b->free, (void (*)(void))b->zero, (void (*)(void))b->copy, (void (*)(void))b->upload,
         (void (*)(void))b->download, (void (*)(void))b->embedding_forward, (void (*)(void))b->embedding_backward,
+        (void (*)(void))b->embedding_backward_rows,
         (void (*)(void))b->rmsnorm_forward, (void (*)(void))b->rmsnorm_backward, (void (*)(void))b->matmul_forward,
         (void (*)(void))b->matmul_backward, (void (*)(void))b->rope_tables, (void (*)(void))b->rope_forward,
         (void (*)(void))b->rope_backward, (void (*)(void))b->attention_forward,
