@@ -33,6 +33,7 @@ void ddp_finish_erows(Parallel *p) {
                         (size_t)p->m->E * ops_state_size());
     p->erows_pending = 0;
     p->n_erows = SIZE_MAX;  /* rows are set for one step */
+    p->hooks.embed_last = 0;
 }
 
 void ddp_flush(Parallel *p) {
@@ -44,10 +45,10 @@ void ddp_flush(Parallel *p) {
 }
 
 /* Unit u's gradient joins the bucket (a new one unless it borders the pending range); a
- * bucket of bucket_bytes or more is reduced at once, the last one by parallel_step. So is
- * one that reaches layer 1 (unit 2): layer 0's gradient completes only after the
- * embedding's (model_step defers its last weight gradients), and waiting for it would
- * leave the bucket to the end of the step, exposed. */
+ * bucket of bucket_bytes or more is reduced at once. So is one that reaches layer 1 (unit
+ * 2), and any holding layer 0 or the embedding (units 1 and 0), whichever order the two
+ * finish in (UnitHooks.embed_last): they are the step's last, and waiting longer, for
+ * parallel_step, would leave their reduction exposed at the end of the step. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     if (u == 0 && p->n_erows != SIZE_MAX) {
@@ -62,7 +63,7 @@ static void ddp_grad_ready(void *ctx, int u) {
     if (!p->bkt_n) p->bkt_unit = u, p->bkt_off = lo;
     if (lo < p->bkt_off) p->bkt_off = lo;
     p->bkt_n += un->n_padded;
-    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || u == 2) ddp_flush(p);
+    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || u <= 2) ddp_flush(p);
     par_progress(p);
 }
 

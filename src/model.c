@@ -430,10 +430,11 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     HOOK(h, release, HU);
     if (!grad) return mean_loss(a);
 
-    /* Layer 0's last two weight gradients wait until after the embedding's backward: the
-     * embedding's gradient is then not the step's last, and its reduction (the largest
-     * unit's, otherwise exposed at the end of the step) overlaps them. (DDP's buckets rely
-     * on this order: ddp_grad_ready starts the one reaching layer 1 at once.) */
+    /* Unless the hooks ask for the embedding last, layer 0's last two weight gradients wait
+     * until after the embedding's backward: the embedding's gradient is then not the step's
+     * last, and its reduction (the largest unit's, otherwise exposed at the end of the step)
+     * overlaps them. */
+    int defer = m->L > 0 && !(h && h->embed_last);
     LayerActs la0 = layer_acts(m, a, 0, 0);
     trace_mark(NULL, "head done, layers' backward");
     for (int l = m->L - 1; l >= 0; l--) {
@@ -446,8 +447,8 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
             snprintf(label, sizeof label, "layer %d backward", l);
             trace_mark(NULL, label);
         }
-        layer_backward(m, a, l, &la, l == 0);
-        if (l > 0) HOOK(h, grad_ready, 1 + l);
+        layer_backward(m, a, l, &la, l == 0 && defer);
+        if (l > 0 || !defer) HOOK(h, grad_ready, 1 + l);
         HOOK(h, release, 1 + l);  /* the deferred gradients need no weights */
         if (l == 0) la0 = la;
     }
@@ -456,7 +457,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     HOOK(h, grad_begin, 0);
     op_embedding_backward_rows(unit_grads(m, 0), a->dres, a->dev_emb_index, a->emb_nr, N, E);
     HOOK(h, grad_ready, 0);
-    if (m->L > 0) {
+    if (defer) {
         trace_mark(NULL, "layer 0 deferred weight gradients");
         layer_backward_deferred(m, a, 0, &la0);
         HOOK(h, grad_ready, 1);

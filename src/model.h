@@ -52,6 +52,11 @@ typedef struct {
     void (*release)(void *ctx, int unit);           /* ... no longer needed for now */
     void (*grad_begin)(void *ctx, int unit);        /* gradient of unit about to accumulate */
     void (*grad_ready)(void *ctx, int unit);        /* gradient of unit is complete */
+    /* 0: layer 0's last weight gradients wait until after the embedding's backward, so that
+     * the embedding's reduction (the largest unit's) overlaps them. 1: layer 0 completes
+     * first, and its reduction overlaps the embedding's backward (DDP, when it reduces only
+     * the embedding rows a step uses, which are few). */
+    int embed_last;
 } UnitHooks;
 
 /* One named tensor of the model, for checkpoints, fixtures and printing. */

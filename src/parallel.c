@@ -73,9 +73,11 @@ int parallel_wants_embedding_rows(const Parallel *p) { return p->erows_cap > 0; 
 
 void parallel_set_embedding_rows(Parallel *p, const int *rows, size_t n) {
     p->n_erows = SIZE_MAX;
+    p->hooks.embed_last = 0;
     if (!p->erows_cap || n > p->erows_cap) return;
     op_upload(p->erows, rows, n * sizeof(int));
     p->n_erows = n;
+    p->hooks.embed_last = 1;  /* its reduction is small: layer 0's overlaps its backward instead */
 }
 
 void parallel_free(Parallel *p) {

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A/B of data-parallel scaling in one call: every spec runs the post's configuration on one
+# GPU and as NP-GPU DDP, in each precision of PRECS, REPS rounds, specs alternating within a
+# round (so drift of the cards' clocks hits all alike), STEPS timed steps each. A spec is a
+# binary, optionally with environment for every rank: BIN or BIN@VAR=v,VAR2=w; a leading
+# "^" runs it on NP GPUs only, its scaling taken against the first spec's one-GPU runs (for
+# changes that cannot touch one GPU's step).
+# Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1
+# BASE replaces the model and device keys.
+# Prints one line per run, then per spec and precision the median tokens/s on 1 and NP GPUs,
+# the scaling (NP-GPU tokens/s / (NP x one GPU's)) and the peak memory per GPU.
+set -u
+STEPS=${STEPS:-60}
+NP=${NP:-4}
+. "$(dirname "$0")/lib.sh"
+CFG="${BASE:-embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256 device=cuda}"
+echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
+res=$(mktemp)
+for ((r = 1; r <= ${REPS:-2}; r++)); do
+  for spec in "$@"; do
+    nps="1 $NP" s=$spec
+    [ "${s:0:1}" = "^" ] && nps=$NP s=${s:1}
+    bin=${s%%@*} envs=""
+    [ "$bin" != "$s" ] && envs=${s#*@} && envs=${envs//,/ }
+    for prec in ${PRECS:-bf16 mixed}; do
+      for np in $nps; do
+        out=$(mktemp -d)
+        d=$(BIN=$bin mt_run "$out" "$np" "$envs" $CFG precision=$prec steps=$((STEPS + 1)) log_every=$STEPS \
+            progress=false ckpt_path=none val_batches=1)
+        t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
+        [ -n "$t" ] || { echo "$spec $prec np=$np: failed: $(mt_failed "$out")"; continue; }
+        printf '%-48s %-6s np=%d round %d %10.0f tokens/s %5.1f GiB\n' "$spec" "$prec" "$np" "$r" "$t" \
+          "$(awk -v m="$m" 'BEGIN{print m/2^30}')"
+        echo "$spec $prec $np $t $m" >>"$res"
+      done
+    done
+  done
+done
+median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
+printf '%-48s %-6s %10s %12s %8s %8s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB
+for spec in "$@"; do
+  for prec in ${PRECS:-bf16 mixed}; do
+    s1=$spec
+    [ "${spec:0:1}" = "^" ] && s1=$1
+    one=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == 1 {print $4}' "$res" | median)
+    many=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $4}' "$res" | median)
+    peak=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $5}' "$res" | median)
+    awk -v s="$spec" -v p="$prec" -v a="${one:-0}" -v b="${many:-0}" -v n="$NP" -v m="${peak:-0}" \
+      'BEGIN{printf "%-48s %-6s %10.0f %12.0f %7.1f%% %8.1f\n", s, p, a, b, a ? 100 * b / (n * a) : 0, m / 2^30}'
+  done
+done
