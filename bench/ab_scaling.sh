@@ -7,7 +7,8 @@
 # changes that cannot touch one GPU's step).
 # Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1
 # BASE replaces the model and device keys.
-# Prints one line per run, then per spec and precision the median tokens/s on 1 and NP GPUs,
+# Prints one line per run (with its median and slowest step; with OUT set, its log goes to
+# OUT/logs), then per spec and precision the median tokens/s on 1 and NP GPUs,
 # the scaling (NP-GPU tokens/s / (NP x one GPU's)) and the peak memory per GPU.
 set -u
 STEPS=${STEPS:-60}
@@ -29,8 +30,12 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
             progress=false ckpt_path=none val_batches=1)
         t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
         [ -n "$t" ] || { echo "$spec $prec np=$np: failed: $(mt_failed "$out")"; continue; }
-        printf '%-48s %-6s np=%d round %d %10.0f tokens/s %5.1f GiB\n' "$spec" "$prec" "$np" "$r" "$t" \
-          "$(awk -v m="$m" 'BEGIN{print m/2^30}')"
+        # the timed steps' times (step 1 is not timed): median and slowest, in ms
+        ms=$(grep -o '"step":[0-9]*,.*"ms":[0-9.]*' "$out/log.jsonl" | awk -F'"ms":' '$0 !~ /"step":1,/ {print $2}' |
+             sort -n | awk '{a[NR] = $1} END {if (NR) printf "%.1f / %.1f", a[int((NR + 1) / 2)], a[NR]}')
+        printf '%-48s %-6s np=%d round %d %10.0f tokens/s %5.1f GiB  step ms median / max %s\n' "$spec" "$prec" \
+          "$np" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')" "$ms"
+        [ -n "${OUT:-}" ] && mkdir -p "$OUT/logs" && cp "$out/log.jsonl" "$OUT/logs/$(printf '%s' "$spec" | tr -c 'a-zA-Z0-9_.=-' _)-$prec-$np-$r.jsonl"
         echo "$spec $prec $np $t $m" >>"$res"
       done
     done
