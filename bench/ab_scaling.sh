@@ -6,7 +6,8 @@
 # "^" runs it on NP GPUs only, its scaling taken against the first spec's one-GPU runs (for
 # changes that cannot touch one GPU's step).
 # Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1
-# BASE replaces the model and device keys.
+# BASE replaces the model and device keys. ONE_ALL=1 runs the one-GPU case on each of the NP
+# GPUs at once and also gives the scaling against their mean.
 # Prints one line per run (with its median and slowest step; with OUT set, its log goes to
 # OUT/logs), then per spec and precision the median tokens/s on 1 and NP GPUs,
 # the scaling (NP-GPU tokens/s / (NP x one GPU's)) and the peak memory per GPU.
@@ -25,32 +26,54 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
     [ "$bin" != "$s" ] && envs=${s#*@} && envs=${envs//,/ }
     for prec in ${PRECS:-bf16 mixed}; do
       for np in $nps; do
-        out=$(mktemp -d)
-        d=$(BIN=$bin mt_run "$out" "$np" "$envs" $CFG precision=$prec steps=$((STEPS + 1)) log_every=$STEPS \
-            progress=false ckpt_path=none val_batches=1)
-        t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
-        [ -n "$t" ] || { echo "$spec $prec np=$np: failed: $(mt_failed "$out")"; continue; }
-        # the timed steps' times (step 1 is not timed): median and slowest, in ms
-        ms=$(grep -o '"step":[0-9]*,.*"ms":[0-9.]*' "$out/log.jsonl" | awk -F'"ms":' '$0 !~ /"step":1,/ {print $2}' |
-             sort -n | awk '{a[NR] = $1} END {if (NR) printf "%.1f / %.1f", a[int((NR + 1) / 2)], a[NR]}')
-        printf '%-48s %-6s np=%d round %d %10.0f tokens/s %5.1f GiB  step ms median / max %s\n' "$spec" "$prec" \
-          "$np" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')" "$ms"
-        [ -n "${OUT:-}" ] && mkdir -p "$OUT/logs" && cp "$out/log.jsonl" "$OUT/logs/$(printf '%s' "$spec" | tr -c 'a-zA-Z0-9_.=-' _)-$prec-$np-$r.jsonl"
-        echo "$spec $prec $np $t $m" >>"$res"
+        # ONE_ALL=1: the one-GPU run on every GPU at once (independent runs), GPU 0's figure
+        # as "1" and the mean of all as "m": DDP runs at its slowest card's pace, and the
+        # cards of one machine differ by a percent or so
+        gpus=0
+        [ "$np" = 1 ] && [ "${ONE_ALL:-0}" = 1 ] && gpus=$(seq 0 $((NP - 1)))
+        outs=()
+        for g in $gpus; do
+          o=$(mktemp -d); outs+=("$o")
+          (  # DDP: every rank sees all GPUs
+            [ "$np" = 1 ] && export CUDA_VISIBLE_DEVICES=$g
+            BIN=$bin mt_run "$o" "$np" "$envs" $CFG precision=$prec steps=$((STEPS + 1)) log_every=$STEPS \
+              progress=false ckpt_path=none val_batches=1 >"$o/done"
+          ) &
+        done
+        wait
+        sum=0 k=0
+        for o in "${outs[@]}"; do
+          d=$(cat "$o/done")
+          t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
+          [ -n "$t" ] || { echo "$spec $prec np=$np: failed: $(mt_failed "$o")"; continue 2; }
+          # the timed steps' times (step 1 is not timed): median and slowest, in ms
+          ms=$(grep -o '"step":[0-9]*,.*"ms":[0-9.]*' "$o/log.jsonl" | awk -F'"ms":' '$0 !~ /"step":1,/ {print $2}' |
+               sort -n | awk '{a[NR] = $1} END {if (NR) printf "%.1f / %.1f", a[int((NR + 1) / 2)], a[NR]}')
+          tag=$np; [ ${#outs[@]} -gt 1 ] && tag="1@gpu$k"
+          printf '%-48s %-6s np=%s round %d %10.0f tokens/s %5.1f GiB  step ms median / max %s\n' "$spec" "$prec" \
+            "$tag" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')" "$ms"
+          [ -n "${OUT:-}" ] && mkdir -p "$OUT/logs" &&
+            cp "$o/log.jsonl" "$OUT/logs/$(printf '%s' "$spec" | tr -c 'a-zA-Z0-9_.=-' _)-$prec-$tag-$r.jsonl"
+          [ "$k" = 0 ] && echo "$spec $prec $np $t $m" >>"$res"
+          sum=$(awk -v a="$sum" -v b="$t" 'BEGIN{print a + b}') k=$((k + 1))
+        done
+        [ "$k" -gt 1 ] && echo "$spec $prec m $(awk -v a="$sum" -v k="$k" 'BEGIN{print a / k}') 0" >>"$res"
       done
     done
   done
 done
 median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
-printf '%-48s %-6s %10s %12s %8s %8s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB
+printf '%-48s %-6s %10s %12s %8s %8s %s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB "$([ "${ONE_ALL:-0}" = 1 ] && echo "vs the GPUs' mean")"
 for spec in "$@"; do
   for prec in ${PRECS:-bf16 mixed}; do
     s1=$spec
     [ "${spec:0:1}" = "^" ] && s1=$1
     one=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == 1 {print $4}' "$res" | median)
+    mean=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == "m" {print $4}' "$res" | median)
     many=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $4}' "$res" | median)
     peak=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $5}' "$res" | median)
-    awk -v s="$spec" -v p="$prec" -v a="${one:-0}" -v b="${many:-0}" -v n="$NP" -v m="${peak:-0}" \
-      'BEGIN{printf "%-48s %-6s %10.0f %12.0f %7.1f%% %8.1f\n", s, p, a, b, a ? 100 * b / (n * a) : 0, m / 2^30}'
+    awk -v s="$spec" -v p="$prec" -v a="${one:-0}" -v b="${many:-0}" -v n="$NP" -v m="${peak:-0}" -v c="${mean:-0}" \
+      'BEGIN{printf "%-48s %-6s %10.0f %12.0f %7.1f%% %8.1f", s, p, a, b, a ? 100 * b / (n * a) : 0, m / 2^30
+             if (c > 0) printf " %7.1f%% (mean %.0f)", 100 * b / (n * c), c; printf "\n"}'
   done
 done
