@@ -149,13 +149,24 @@ static __device__ __forceinline__ void acc_to_a(uint32_t a[4], float (*acc)[4], 
     a[3] = pack_bf16(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
+/* RoPE's backward on one pair: (x0, x1) -> (x0 c - x1 s', x0 s' + x1 c) with s' = -sin. */
+static __device__ __forceinline__ void rope_back(float &x0, float &x1, float c, float sn) {
+    const float s = -sn, a = x0, b = x1;
+    x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    x1 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+
 /* Writes (accumulate = 0) or adds (accumulate = 1: old bf16 + value in fp32, rounded once) a warp's
  * 16 x HD accumulator rows, row r scaled by mult[r / 8], to rows row0..row0+15 (< T) of g (bf16, row
  * stride ld). Goes through the warp's fp32 stage in shared memory (16 x (HD+8) floats; the 8 floats
- * of padding make the fragment writes conflict-free) so global accesses are 16 bytes, coalesced. */
+ * of padding make the fragment writes conflict-free) so global accesses are 16 bytes, coalesced.
+ * rc / rs (writing only): RoPE's inverse rotation of each interleaved pair of row t (= the
+ * position) by the tables' row t, in fp32 before the rounding, with the products and sums
+ * separately rounded as the rope kernel and the CPU backend compute them. */
 static __device__ __forceinline__ void store_rows(bf16 *g, size_t ld, int row0, int T, float (*acc)[4],
                                                   const float mult[2], float *stage, int accumulate,
-                                                  const int HD) {
+                                                  const int HD, const float *rc = nullptr,
+                                                  const float *rs = nullptr) {
     const int lane = threadIdx.x & 31, gr = lane >> 2, t = lane & 3, SS = HD + 8, CH = HD / 8;
 #pragma unroll
     for (int n = 0; n < HD / 8; n++) {
@@ -169,6 +180,12 @@ static __device__ __forceinline__ void store_rows(bf16 *g, size_t ld, int row0, 
         if (row < T) {
             float4 x0 = *(const float4 *)&stage[r * SS + c * 8], x1 = *(const float4 *)&stage[r * SS + c * 8 + 4];
             uint4 *p = (uint4 *)(g + (size_t)row * ld + c * 8);
+            if (rc) { /* the 4 pairs of these 8 columns: pair index c * 4 + k of row `row` */
+                const float4 c4 = *(const float4 *)(rc + (size_t)row * (HD / 2) + c * 4);
+                const float4 s4 = *(const float4 *)(rs + (size_t)row * (HD / 2) + c * 4);
+                rope_back(x0.x, x0.y, c4.x, s4.x), rope_back(x0.z, x0.w, c4.y, s4.y);
+                rope_back(x1.x, x1.y, c4.z, s4.z), rope_back(x1.z, x1.w, c4.w, s4.w);
+            }
             if (accumulate) {
                 const uint4 o = *p;
                 x0.x += bf16_lo(o.x), x0.y += bf16_hi(o.x), x0.z += bf16_lo(o.y), x0.w += bf16_hi(o.y);
@@ -339,7 +356,8 @@ __global__ void attn_bf16_D_kernel(float *D, const bf16 *dout, const bf16 *out, 
  * dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q. K and V fragments are re-read from shared
  * memory each step (registers hold dK and dV). A warp skips query steps entirely before its keys. */
 static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
-                                                 const float *Dw, int T, int NH, float scale, int acc, const int HD) {
+                                                 const float *Dw, int T, int NH, float scale, int acc,
+                                                 const float *rc, const float *rs, const int HD) {
     const int QR = DKDV_QROWS;
     const int nt = (T + TILE - 1) / TILE, nq = (T + QR - 1) / QR;
     const int bh = (int)(blockIdx.x / nt), kt = (int)(blockIdx.x % nt); /* kt 0 walks the most tiles: first */
@@ -446,7 +464,7 @@ static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, c
     const float mk[2] = {scale, scale}, mv[2] = {1.f, 1.f}; /* S = scale Q K^T, so dK carries the scale */
     float *stage = (float *)attn_smem + warp * 16 * (HD + 8);
     bf16 *dkg = dqkv + (size_t)b * T * ld + C + (size_t)h * HD;
-    store_rows(dkg, ld, kw, T, dk, mk, stage, acc, HD);
+    store_rows(dkg, ld, kw, T, dk, mk, stage, acc, HD, rc, rs);
     store_rows(dkg + C, ld, kw, T, dv, mv, stage, acc, HD);
 }
 
@@ -455,7 +473,8 @@ static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, c
  * ring of two: step n computes with pair n (keys n*KT..) while pair n+1 loads. Per step:
  * S = Q K^T, dP = dO V^T, P = exp(S - lse), dS = P (dP - D), dQ += dS K. */
 static __device__ __forceinline__ void dq_body(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const float *lse,
-                                                const float *Dw, int T, int NH, float scale, int acc, const int HD) {
+                                                const float *Dw, int T, int NH, float scale, int acc, const float *rc,
+                                                const float *rs, const int HD) {
     const int nt = (T + TILE - 1) / TILE;
     const int bh = (int)(blockIdx.x / nt), qt = nt - 1 - (int)(blockIdx.x % nt); /* longest first */
     const int b = bh / NH, h = bh % NH, C = NH * HD;
@@ -545,7 +564,7 @@ static __device__ __forceinline__ void dq_body(bf16 *dqkv, const bf16 *dout, con
     const float mq[2] = {scale, scale};
     __syncthreads(); /* all warps done with the last pair before the stage overwrites shared memory */
     store_rows(dqkv + (size_t)b * T * ld + (size_t)h * HD, ld, q0, T, dq, mq,
-               (float *)attn_smem + warp * 16 * (HD + 8), acc, HD);
+               (float *)attn_smem + warp * 16 * (HD + 8), acc, HD, rc, rs);
 }
 
 /* one kernel per head dim, so HD is a compile-time constant inside */
@@ -565,23 +584,23 @@ __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_fwd_hd128(bf16 *out, fl
 #define DQ_SMEM(HD) (2 * (size_t)TILE * (HD) * 2 + 2 * 2 * (size_t)KT * (HD) * 2)
 __global__ void __launch_bounds__(NTHREADS, 1) attn_bf16_dkdv_hd64(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                                   const float *lse, const float *D, int T, int NH,
-                                                                  float scale, int acc) {
-    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 64);
+                                                                  float scale, int acc, const float *rc, const float *rs) {
+    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, rc, rs, 64);
 }
 __global__ void __launch_bounds__(NTHREADS, 1) attn_bf16_dkdv_hd128(bf16 *dqkv, const bf16 *dout,
                                                                    const bf16 *qkv, const float *lse, const float *D,
-                                                                   int T, int NH, float scale, int acc) {
-    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 128);
+                                                                   int T, int NH, float scale, int acc, const float *rc, const float *rs) {
+    dkdv_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, rc, rs, 128);
 }
 __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_dq_hd64(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                               const float *lse, const float *D, int T, int NH,
-                                                              float scale, int acc) {
-    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 64);
+                                                              float scale, int acc, const float *rc, const float *rs) {
+    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, rc, rs, 64);
 }
 __global__ void __launch_bounds__(NTHREADS, 3) attn_bf16_dq_hd128(bf16 *dqkv, const bf16 *dout, const bf16 *qkv,
                                                                const float *lse, const float *D, int T, int NH,
-                                                               float scale, int acc) {
-    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, 128);
+                                                               float scale, int acc, const float *rc, const float *rs) {
+    dq_body(dqkv, dout, qkv, lse, D, T, NH, scale, acc, rc, rs, 128);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -645,7 +664,7 @@ extern "C" void attn_bf16_forward(void *out, float *lse, const void *qkv, int B,
 
 extern "C" void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                    const float *lse, void *workspace, int B, int T, int NH, int HD, int acc,
-                                   void *stream) {
+                                   const float *rope_cos, const float *rope_sin, void *stream) {
     const unsigned grid = attn_grid(B, T, NH, HD);
     if (grid == 0) return;
     cudaStream_t st = (cudaStream_t)stream;
@@ -655,22 +674,27 @@ extern "C" void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv
     attn_bf16_D_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, st>>>(D, (const bf16 *)dout,
                                                                            (const bf16 *)out, B, T, NH, HD);
     attn_check("attn_bf16_D_kernel");
+    if (rope_cos && (acc || ((uintptr_t)rope_cos | (uintptr_t)rope_sin) % 16)) {
+        fprintf(stderr, "meshtrain: cuda: attention backward with RoPE needs acc = 0 and 16-byte aligned tables\n");
+        exit(1);
+    }
+    const float *rc = rope_cos, *rs = rope_cos ? rope_sin : NULL;
     const size_t smem_kv = DKDV_SMEM(HD), smem_q = DQ_SMEM(HD);
     bf16 *dq = (bf16 *)dqkv;
     const bf16 *dO = (const bf16 *)dout, *x = (const bf16 *)qkv;
     if (HD == 64) {
         attn_set_smem((const void *)attn_bf16_dkdv_hd64, smem_kv, "attn_bf16_dkdv_hd64");
-        attn_bf16_dkdv_hd64<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
+        attn_bf16_dkdv_hd64<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc, rc, rs);
         attn_check("attn_bf16_dkdv_hd64");
         attn_set_smem((const void *)attn_bf16_dq_hd64, smem_q, "attn_bf16_dq_hd64");
-        attn_bf16_dq_hd64<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
+        attn_bf16_dq_hd64<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc, rc, rs);
         attn_check("attn_bf16_dq_hd64");
     } else {
         attn_set_smem((const void *)attn_bf16_dkdv_hd128, smem_kv, "attn_bf16_dkdv_hd128");
-        attn_bf16_dkdv_hd128<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
+        attn_bf16_dkdv_hd128<<<grid, NTHREADS, smem_kv, st>>>(dq, dO, x, lse, D, T, NH, scale, acc, rc, rs);
         attn_check("attn_bf16_dkdv_hd128");
         attn_set_smem((const void *)attn_bf16_dq_hd128, smem_q, "attn_bf16_dq_hd128");
-        attn_bf16_dq_hd128<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc);
+        attn_bf16_dq_hd128<<<grid, NTHREADS, smem_q, st>>>(dq, dO, x, lse, D, T, NH, scale, acc, rc, rs);
         attn_check("attn_bf16_dq_hd128");
     }
 }

@@ -28,9 +28,13 @@ void attn_bf16_forward(void *out, float *lse, const void *qkv, int B, int T, int
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once, the
  * old values never read). dout [B, T, C] bf16; out and lse from attn_bf16_forward; workspace:
- * attn_bf16_workspace_bytes(...) bytes of device memory. */
+ * attn_bf16_workspace_bytes(...) bytes of device memory. rope_cos / rope_sin (the [T, HD/2] RoPE
+ * tables, 16-byte aligned; only with acc = 0, else NULL): dq and dk are rotated back (RoPE's
+ * backward, interleaved pairs) in fp32 before their one rounding, so that q and k get the
+ * gradient w.r.t. their values before the rotation. */
 void attn_bf16_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                        void *workspace, int B, int T, int NH, int HD, int acc, void *stream);
+                        void *workspace, int B, int T, int NH, int HD, int acc, const float *rope_cos,
+                        const float *rope_sin, void *stream);
 
 #ifdef __cplusplus
 }

@@ -337,8 +337,8 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
                            E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
     op_matmul_backward_set(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, E, E);
-    op_attention_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, B, T, m->NH, m->HD);
-    op_rope_backward(a->dqkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
+    op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NH,
+                                   m->HD);
     op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E,
                            3 * E);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);

@@ -220,6 +220,16 @@ void op_attention_backward_set(void *dqkv, const void *dout, const void *qkv, co
                                int B, int T, int NH, int HD) {
     PROF("attention_backward", g_ops->attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0));
 }
+void op_attention_rope_backward_set(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                    const float *lse, const float *cos_t, const float *sin_t, int B, int T, int NH,
+                                    int HD) {
+    if (g_ops->attention_rope_backward) {
+        PROF("attention_backward", g_ops->attention_rope_backward(dqkv, dout, qkv, out, lse, cos_t, sin_t, B, T, NH, HD));
+        return;
+    }
+    op_attention_backward_set(dqkv, dout, qkv, out, lse, B, T, NH, HD);
+    op_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
+}
 void op_swiglu_forward(void *out, const void *gu, int N, int H) {
     PROF("swiglu_forward", g_ops->swiglu_forward(out, gu, N, H));
 }

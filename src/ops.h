@@ -174,6 +174,13 @@ void op_attention_backward(void *dqkv, const void *dout, const void *qkv, const 
 void op_attention_backward_set(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, int B, int T, int NH, int HD);
 
+/* dqkv = the gradient w.r.t. qkv before RoPE: op_attention_backward_set then op_rope_backward,
+ * fused where the backend can (bf16 on CUDA: dq and dk rotated back in fp32 before their one
+ * rounding, instead of a second pass over dqkv). */
+void op_attention_rope_backward_set(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                    const float *lse, const float *cos_t, const float *sin_t, int B, int T, int NH,
+                                    int HD);
+
 /* gu [N, 2H] holds gate | up per row; out[N, H] = silu(gate) * up. */
 void op_swiglu_forward(void *out, const void *gu, int N, int H);
 /* dgu [N, 2H] += gradient w.r.t. gate | up. */
@@ -248,6 +255,10 @@ typedef struct OpsBackend {
     void (*attention_forward)(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
     void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, int B, int T, int NH, int HD, int acc);
+    /* NULL: op_attention_rope_backward_set is attention_backward (acc = 0) then rope_backward */
+    void (*attention_rope_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                    const float *lse, const float *cos_t, const float *sin_t, int B, int T, int NH,
+                                    int HD);
     void (*swiglu_forward)(void *out, const void *gu, int N, int H);
     void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
     void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,

@@ -652,7 +652,7 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
     if (g.bf16 && attn_bf16_supported(HD)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
-        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, (void *)g.stream);
+        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, NULL, NULL, (void *)g.stream);
         if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
         return;
     }
@@ -675,6 +675,20 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     attention_backward_dkdv_kernel<<<grid, ATT_WARPS * 32, smem_dkdv, g.stream>>>(dqkv, dout, qkv, lse, D, T, NH,
                                                                                  HD, scale, g.bf16);
     LAUNCH_CHECK(attention_backward_dkdv_kernel);
+}
+
+/* The tensor-core kernels rotate dq and dk back as they store them; elsewhere, two passes. */
+void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                  const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
+    if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (g.bf16 && attn_bf16_supported(HD) && al16(cos_t) && al16(sin_t)) {
+        void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
+        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 0, cos_t, sin_t, (void *)g.stream);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
+    cuda_attention_backward(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0);
+    cuda_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
 }
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H) {
@@ -873,6 +887,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .rope_backward = cuda_rope_backward,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
+    .attention_rope_backward = cuda_attention_rope_backward,
     .swiglu_forward = cuda_swiglu_forward,
     .swiglu_backward = cuda_swiglu_backward,
     .crossentropy_forward_backward = cuda_crossentropy_forward_backward,

@@ -85,6 +85,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD, int acc);
+void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                  const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H);
 void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc);

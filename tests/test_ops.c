@@ -888,6 +888,13 @@ static void test_backward_set_writes(void) {
     op_attention_backward(qwant, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
     op_attention_backward_set(qgot, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
     CHECK(same(qgot, qwant, nq), "attention_backward_set differs from accumulating into zeros");
+    /* with RoPE's backward: the same, then rotated back */
+    for (size_t i = 0; i < nq; i++) qgot[i] = NAN;
+    op_rope_backward(qwant, f.cs, f.sn, f.B, f.T, f.NH, f.HD);
+    op_attention_rope_backward_set(qgot, f.gatt, f.qkv, f.att, f.lse, f.cs, f.sn, f.B, f.T, f.NH, f.HD);
+    CHECK(same(qgot, qwant, nq) && norm_rel_err(qgot, f.qkv, nq) > 0.1,
+          "attention_rope_backward_set differs from attention_backward_set then rope_backward");
+    op_attention_rope_backward_set(NULL, f.gatt, f.qkv, f.att, f.lse, f.cs, f.sn, f.B, f.T, f.NH, f.HD);
     free(qwant), free(qgot);
     op_attention_backward_set(NULL, f.gatt, f.qkv, f.att, f.lse, f.B, f.T, f.NH, f.HD);
     op_matmul_backward_set(NULL, NULL, f.gm, f.x, f.mw, f.N, f.C, 3 * f.C);  /* NULLs: nothing to do */

@@ -220,7 +220,7 @@ static void test_shape(int B, int NH, int T, int HD) {
     uint16_t *h_pre = (uint16_t *)malloc(nqkv * 2);
     CK(cudaMemset(dqkv, 0, nqkv * 2));
     CK(cudaMemset(ws, 0xff, wsb));
-    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(h_d, dqkv, nqkv * 2, cudaMemcpyDeviceToHost));
     static const char *part[3] = {"dq", "dk", "dv"};
@@ -230,13 +230,13 @@ static void test_shape(int B, int NH, int T, int HD) {
                TOL_BF16, mr);
     }
     CK(cudaMemset(dqkv, 0, nqkv * 2));
-    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(h_d2, dqkv, nqkv * 2, cudaMemcpyDeviceToHost));
     report(!memcmp(h_d, h_d2, nqkv * 2), "%s backward: two runs bitwise equal", name);
     /* acc = 0 writes every element: over NaN, the same bits as accumulating into zeros */
     CK(cudaMemset(dqkv, 0xff, nqkv * 2));
-    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 0, NULL);
+    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 0, NULL, NULL, NULL);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(h_d2, dqkv, nqkv * 2, cudaMemcpyDeviceToHost));
     report(!memcmp(h_d, h_d2, nqkv * 2), "%s backward written (acc=0) over NaN: bitwise the result into zeros", name);
@@ -244,7 +244,7 @@ static void test_shape(int B, int NH, int T, int HD) {
     /* backward into a known prefill: result = bf16(prefill + gradient), within bf16 rounding of the sum */
     for (size_t i = 0; i < nqkv; i++) h_pre[i] = bf16_round((float)((int)(i % 7) - 3) * 0.25f);
     CK(cudaMemcpy(dqkv, h_pre, nqkv * 2, cudaMemcpyHostToDevice));
-    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+    attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(h_d2, dqkv, nqkv * 2, cudaMemcpyDeviceToHost));
     size_t bad = 0;
@@ -297,7 +297,7 @@ static void time_shape(int B, int NH, int T, int HD, int reps) {
     float ms_f, ms_b;
     if (reps == 0) {
         attn_bf16_forward(out, lse, qkv, B, T, NH, HD, NULL);
-        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+        attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
         CK(cudaDeviceSynchronize());
         return;
     }
@@ -307,9 +307,9 @@ static void time_shape(int B, int NH, int T, int HD, int reps) {
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaEventElapsedTime(&ms_f, e0, e1));
-    for (int i = 0; i < 3; i++) attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+    for (int i = 0; i < 3; i++) attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
     CK(cudaEventRecord(e0));
-    for (int i = 0; i < reps; i++) attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL);
+    for (int i = 0; i < reps; i++) attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 1, NULL, NULL, NULL);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaEventElapsedTime(&ms_b, e0, e1));

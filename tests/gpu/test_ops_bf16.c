@@ -346,6 +346,17 @@ static void attention_case(int B, int T, int NH, int HD) {
         void *dS = up_act(nan, nqkv);
         op_attention_backward_set(dS, dG, dQKV, dO, dLSE, B, T, NH, HD);
         expect_act("attention backward (=)", sh, dS, dz, nqkv, TOL_ATT);
+        /* with RoPE's backward, fused (dq, dk rotated back before their one rounding): against
+         * the CPU's two ops, and against the GPU's two passes within a rounding or two */
+        cpu->rope_backward(dz, cs, sn, B, T, NH, HD);
+        void *dR = up_act(nan, nqkv);
+        op_attention_rope_backward_set(dR, dG, dQKV, dO, dLSE, dCS, dSN, B, T, NH, HD);
+        expect_act("attention+rope backward", sh, dR, dz, nqkv, TOL_ATT);
+        float *two = xmalloc(nqkv * sizeof(float));
+        op_rope_backward(dS, dCS, dSN, B, T, NH, HD);
+        op_download_act(two, dS, nqkv);
+        expect_act("  ... vs two passes", sh, dR, two, nqkv, TOL);
+        op_free(dR); free(two);
         op_free(dS); free(nan); free(dz);
     }
     op_rope_backward(dDQ, dCS, dSN, B, T, NH, HD);

@@ -355,7 +355,14 @@ static void attention_case(int B, int T, int NH, int HD) {
     cuda_attention_backward(d_s, d_dout, d_qkv, d_out, d_lse, B, T, NH, HD, 0);
     float *h_z = hcopy(d_z, nq);
     expect_same_host("attention backward written (acc=0)", shape, d_s, h_z, nq);
-    free(zeros); free(h_z);
+    /* with RoPE's backward (fp32: the two passes): the same bits as the two ops */
+    float *d_cs = dnan((size_t)T * (HD / 2) + 1, 0), *d_sn = dnan((size_t)T * (HD / 2) + 1, 0);
+    cuda_rope_tables(d_cs, d_sn, T, HD, 10000.0f);
+    cuda_rope_backward(d_z, d_cs, d_sn, B, T, NH, HD);
+    float *d_r = dnan(nq, 0), *h_zr = hcopy(d_z, nq);
+    cuda_attention_rope_backward(d_r, d_dout, d_qkv, d_out, d_lse, d_cs, d_sn, B, T, NH, HD);
+    expect_same_host("attention + rope backward", shape, d_r, h_zr, nq);
+    free(zeros); free(h_z); free(h_zr);
 
     free(g_out); free(g_lse); free(g_dqkv);
     free(qkv); free(dout); free(dqkv0); free(out); free(lse); free(dqkv);
