@@ -53,7 +53,7 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
           printf '%-48s %-6s np=%s round %d %10.0f tokens/s %5.1f GiB  step ms median / max %s\n' "$spec" "$prec" \
             "$tag" "$r" "$t" "$(awk -v m="$m" 'BEGIN{print m/2^30}')" "$ms"
           [ -n "${OUT:-}" ] && mkdir -p "$OUT/logs" &&
-            cp "$o/log.jsonl" "$OUT/logs/$(printf '%s' "$spec" | tr -c 'a-zA-Z0-9_.=-' _)-$prec-$tag-$r.jsonl"
+            cp "$o/log.jsonl" "$OUT/logs/$(printf '%s-%s-%s-%s' "$spec" "$prec" "$tag" "$r" | tr -c 'a-zA-Z0-9_.-' _).jsonl"
           [ "$k" = 0 ] && echo "$spec $prec $np $t $m" >>"$res"
           sum=$(awk -v a="$sum" -v b="$t" 'BEGIN{print a + b}') k=$((k + 1))
         done
