@@ -26,8 +26,7 @@ done
 echo "median tokens/s:"
 for bin in "$@"; do
   for prec in ${PRECS:-bf16 mixed}; do
-    med=$(awk -v b="$bin" -v p="$prec" '$1 == b && $2 == p {print $3}' "$res" | sort -n |
-          awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}')
+    med=$(awk -v b="$bin" -v p="$prec" '$1 == b && $2 == p {print $3}' "$res" | median)
     printf '  %-32s %-6s %s\n' "$bin" "$prec" "${med:-failed}"
   done
 done

@@ -62,7 +62,6 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
     done
   done
 done
-median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
 printf '%-48s %-6s %10s %12s %8s %8s %s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB "$([ "${ONE_ALL:-0}" = 1 ] && echo "vs the GPUs' mean")"
 for spec in "$@"; do
   for prec in ${PRECS:-bf16 mixed}; do

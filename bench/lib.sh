@@ -20,6 +20,9 @@ mt_run() {
 # mt_failed OUT [LINES]: the last lines of a run's output, on one line
 mt_failed() { tail -"${2:-2}" "$1/stdout" | tr '\n' ' '; }
 
+# median: the median of the numbers on stdin, one a line (nothing for none)
+median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
+
 # field NAME LINE: a number from a JSON line ("k":v as meshtrain writes it, "k": v the peer)
 field() { grep -o "\"$1\": *[0-9.e+-]*" <<<"$2" | head -1 | sed 's/.*: *//'; }
 
