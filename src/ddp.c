@@ -4,6 +4,7 @@
  * units that finish one after another into fewer, larger all-reduces; an untied
  * embedding's is reduced only in the rows the step's batch uses. Every rank then takes
  * the same AdamW step. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,18 +17,25 @@ size_t ddp_erows_cap(const Model *m, int D) {
     return m->V / 4 > 0 ? (size_t)m->V / 4 : 1;
 }
 
+/* A reduction started at the end of the backward, covering [0, hi). */
+static void mark_late(Parallel *p, int u, size_t hi) {
+    p->greq_late[u] = 1;
+    if (hi > p->late_hi) p->late_hi = hi;
+}
+
 /* The embedding's gradient, only the rows the global batch uses: gathered, then reduced. */
 static void ddp_reduce_erows(Parallel *p) {
     size_t E = (size_t)p->m->E;
     p->erows_pending = p->n_erows > 0;
     if (!p->erows_pending) return;  /* no rows: the gradient is zero everywhere */
+    mark_late(p, 0, p->m->units[0].offset + p->m->units[0].n_padded);
     op_gather_rows(p->ebuf, st_at(p->grads, p->m->units[0].offset), p->erows, p->n_erows, E * ops_state_size());
     comm_iallreduce(p->group, p->ebuf, p->n_erows * E, par_ctype(), COMM_AVG, &p->greq[0],
                     "gradient all-reduce (embedding rows)");
     if (!p->overlap) par_wait(p, &p->greq[0]);
 }
 
-void ddp_finish_erows(Parallel *p) {
+static void ddp_finish_erows(Parallel *p) {
     if (p->erows_pending)
         op_scatter_rows(st_at(p->grads, p->m->units[0].offset), p->ebuf, p->erows, p->n_erows,
                         (size_t)p->m->E * ops_state_size());
@@ -36,13 +44,16 @@ void ddp_finish_erows(Parallel *p) {
     p->hooks.embed_last = 0;
 }
 
-void ddp_flush(Parallel *p) {
+static void flush(Parallel *p, int late) {
     if (!p->bkt_n) return;
     CommReq *r = &p->greq[p->bkt_unit];
+    if (late) mark_late(p, p->bkt_unit, p->bkt_off + p->bkt_n);
     comm_iallreduce(p->group, st_at(p->grads, p->bkt_off), p->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
     p->bkt_n = 0;
     if (!p->overlap) par_wait(p, r);
 }
+
+void ddp_flush(Parallel *p) { flush(p, 1); }
 
 /* Unit u's gradient joins the bucket (a new one unless it borders the pending range); a
  * bucket of bucket_bytes or more is reduced at once. So is one that reaches layer 1 (unit
@@ -51,19 +62,20 @@ void ddp_flush(Parallel *p) {
  * parallel_step, would leave their reduction exposed at the end of the step. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
+    int late = u <= 2;
     if (u == 0 && p->n_erows != SIZE_MAX) {
-        ddp_flush(p);
+        flush(p, late);
         ddp_reduce_erows(p);
         par_progress(p);
         return;
     }
     const Unit *un = &p->m->units[u];
     size_t lo = un->offset, hi = lo + un->n_padded;
-    if (p->bkt_n && hi != p->bkt_off && lo != p->bkt_off + p->bkt_n) ddp_flush(p);
+    if (p->bkt_n && hi != p->bkt_off && lo != p->bkt_off + p->bkt_n) flush(p, late);
     if (!p->bkt_n) p->bkt_unit = u, p->bkt_off = lo;
     if (lo < p->bkt_off) p->bkt_off = lo;
     p->bkt_n += un->n_padded;
-    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || u <= 2) ddp_flush(p);
+    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || late) flush(p, late);
     par_progress(p);
 }
 
@@ -72,7 +84,37 @@ static void ddp_progress(void *ctx, int u) {
     par_progress(ctx);
 }
 
+/* Without clipping, the update runs in two parts: [late_hi, n_flat), whose reductions are
+ * done, while the late ones finish; then [0, late_hi). AdamW is elementwise, so the result
+ * is bitwise that of one update; only the logged norm is summed in two parts. Clipping
+ * needs the whole norm before any update: one part. */
+double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
+    const Model *m = p->m;
+    size_t n = m->n_flat, split = oc->grad_clip > 0 || p->late_hi > n ? n : p->late_hi;
+    ddp_flush(p);
+    double lr = lr_at(oc, p->adam_steps);
+    int step = ++p->adam_steps;
+    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
+    for (int u = 0; u < m->n_units; u++)
+        if (!p->greq_late[u]) par_wait(p, &p->greq[u]);
+    double sumsq = 0;
+    if (split < n) {
+        sumsq = op_sumsq(st_at(p->grads, split), n - split);
+        op_adamw(st_at(p->params, split), st_at(p->grads, split), st_at(p->mom1, split), st_at(p->mom2, split),
+                 n - split, (float)lr, b1, b2, eps, wd, step, 1.0f);
+    }
+    for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
+    ddp_finish_erows(p);
+    sumsq += op_sumsq(p->grads, split);
+    double norm = sqrt(sumsq);
+    op_adamw(p->params, p->grads, p->mom1, p->mom2, split, (float)lr, b1, b2, eps, wd, step, clip_scale(oc, norm));
+    p->cstale = 1;
+    *lr_out = lr;
+    return norm;
+}
+
 void ddp_setup(Parallel *p) {
+    p->greq_late = xcalloc((size_t)p->m->n_units, 1);
     size_t bytes = p->m->n_flat * ops_state_size();
     p->params = op_alloc(bytes);
     p->grads = op_alloc(bytes);

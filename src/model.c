@@ -379,7 +379,7 @@ static const void *trunk_output(const Model *m, const Acts *a, int training) {
 /* The per-row losses are read only at the end of the step, so that on a device the
  * download (which waits for the queued work) does not stall the backward. Summed in row
  * order in double. */
-static float mean_loss(Acts *a) {
+float model_loss(Acts *a) {
     op_download(a->host_losses, a->losses, a->N * sizeof(float));
     double sum = 0;
     for (size_t i = 0; i < a->N; i++) sum += a->host_losses[i];
@@ -387,6 +387,11 @@ static float mean_loss(Acts *a) {
 }
 
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
+    model_enqueue_step(m, a, grad, grad_scale, h);
+    return model_loss(a);
+}
+
+void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
     int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V, HU = m->L + 1, tied = m->c.tie_embeddings;
     op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
     op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
@@ -428,7 +433,7 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
     }
     if (tied) HOOK(h, release, 0);
     HOOK(h, release, HU);
-    if (!grad) return mean_loss(a);
+    if (!grad) return;
 
     /* Unless the hooks ask for the embedding last, layer 0's last two weight gradients wait
      * until after the embedding's backward: the embedding's gradient is then not the step's
@@ -463,7 +468,6 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
         HOOK(h, grad_ready, 1);
     }
     trace_mark(NULL, "backward done");
-    return mean_loss(a);
 }
 
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {

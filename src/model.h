@@ -135,6 +135,11 @@ void acts_free(Acts *a);
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is
  * that of the mean loss times grad_scale). */
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
+/* model_step in two halves: the work enqueued on the device (nothing waits for it), then the
+ * mean loss (waits for everything queued). Training reads the loss after the optimizer step
+ * is queued, so that the device goes from the backward into the update without a pause. */
+void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
+float model_loss(Acts *a);
 /* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only, into the
  * host buffer `logits` (fp32 whatever the activations' type). */
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);

@@ -92,7 +92,7 @@ void parallel_free(Parallel *p) {
     op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
-    free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open);
+    free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open); free(p->greq_late);
     free(p);
 }
 
@@ -225,6 +225,8 @@ void parallel_begin_step(Parallel *p) {
     if (p->pshard) fsdp_drop_prefetch(p);
     if (p->grads) op_zero(p->grads, p->m->n_flat * ops_state_size());
     memset(p->grad_open, 0, (size_t)p->m->n_units);
+    if (p->greq_late) memset(p->greq_late, 0, (size_t)p->m->n_units);
+    p->late_hi = 0;
     for (int i = 0; i < N_SLOTS; i++) {
         Slot *s = &par_grad_slots(p)[i];
         if (s->grad) s->unit = -1;
@@ -232,12 +234,11 @@ void parallel_begin_step(Parallel *p) {
 }
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
+    if (p->kind == PAR_DDP) return ddp_step(p, oc, lr_out);
     Model *m = p->m;
-    if (p->kind == PAR_DDP) ddp_flush(p);
-    /* Every gradient collective must be done: the gradient is now averaged over dp. */
+    /* Every gradient collective must be done: the gradient is now averaged over the group. */
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &par_grad_slots(p)[i].req);
-    if (p->kind == PAR_DDP) ddp_finish_erows(p);
     if (p->replicas)  /* hybrid: average each shard over the replicas too */
         for (int u = 0; u < m->n_units; u++) {
             comm_iallreduce(p->replicas, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
@@ -246,22 +247,15 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->rreq[u]);
 
-    /* Global norm: the whole gradient is here (DDP), or its shards across the group. */
-    double sumsq;
-    if (p->kind == PAR_DDP) {
-        sumsq = op_sumsq(p->grads, m->n_flat);
-    } else {
-        sumsq = op_sumsq(p->gshard, p->n_shard);
-        comm_allreduce_double(p->group, &sumsq, 1);
-    }
+    /* Global norm: over the shards across the group. */
+    double sumsq = op_sumsq(p->gshard, p->n_shard);
+    comm_allreduce_double(p->group, &sumsq, 1);
     double norm = sqrt(sumsq);
     float scale = clip_scale(oc, norm);
     double lr = lr_at(oc, p->adam_steps);
     p->adam_steps++;
     float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
-    if (p->kind == PAR_DDP) {
-        op_adamw(p->params, p->grads, p->mom1, p->mom2, m->n_flat, (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
-    } else if (p->pshard) {
+    if (p->pshard) {
         op_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, (float)lr, b1, b2, eps, wd, p->adam_steps, scale);
     } else {
         /* ZeRO: this rank updates its shard of the whole parameters, then all gather. */

@@ -57,6 +57,12 @@ struct Parallel {
      * all-reduce goes in greq[bkt_unit] (its first unit); flushed at bucket_bytes. */
     size_t bucket_bytes, bkt_off, bkt_n;
     int bkt_unit;
+    /* DDP: greq_late[u]: greq[u] was started at the end of the backward (by units 2..0, the
+     * embedding rows or parallel_step), likely still in flight; they cover [0, late_hi).
+     * Every reduction above late_hi started earlier, so without clipping the update of
+     * [late_hi, n_flat) runs while the late ones finish. */
+    unsigned char *greq_late;
+    size_t late_hi;
     /* DDP over several ranks, untied embedding: the embedding's gradient is all-reduced only
      * in the rows this step's global batch uses (the others are zero on every rank):
      * erows (op_alloc, ascending, n_erows of them, at most erows_cap), gathered into ebuf,
@@ -102,8 +108,8 @@ void ddp_flush(Parallel *p);
 /* DDP: the most embedding rows reduced by themselves (a quarter of the vocabulary), 0 where
  * the whole unit always is (one rank, tied embeddings). */
 size_t ddp_erows_cap(const Model *m, int D);
-/* DDP, after the collectives: the reduced embedding rows back into the gradient. */
-void ddp_finish_erows(Parallel *p);
+/* DDP's optimizer step (parallel_step). */
+double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out);
 void zero_setup(Parallel *p);
 void zero_gather_params(Parallel *p);
 /* ZeRO-2's gradient hooks (slots + reduce-scatter), FSDP uses them too. */

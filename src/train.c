@@ -307,7 +307,15 @@ int cmd_train(Config *c) {
         loader_next(&loader, a.inputs, a.targets);
         trace_step(step + 1);
         parallel_begin_step(par);
-        double l = model_step(&m, &a, 1, 1.0f, hooks);
+        /* The optimizer step is queued before the loss is read: the device goes from the
+         * backward into the update while the host waits. A non-finite loss still stops the
+         * run before anything is saved. */
+        model_enqueue_step(&m, &a, 1, 1.0f, hooks);
+        trace_mark(NULL, "optimizer step");
+        double lr, norm = parallel_step(par, &oc, &lr);
+        trace_mark(NULL, "optimizer step enqueued");
+        if (erows) parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
+        double l = model_loss(&a);
         if (step + 1 == nan_step && lead) l = NAN;
         comm_allreduce_double(&mesh.dp, &l, 1);  /* the mean loss of the global batch */
         loss = (float)(l / dp);
@@ -320,10 +328,6 @@ int cmd_train(Config *c) {
             comm_world_finalize();
             exit(EXIT_RUN_FAILURE);
         }
-        trace_mark(NULL, "optimizer step");
-        double lr, norm = parallel_step(par, &oc, &lr);
-        trace_mark(NULL, "optimizer step enqueued");
-        if (erows) parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
         ops_synchronize();  /* a device runs the optimizer step asynchronously: time all of it */
         trace_dump(world.rank);
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);

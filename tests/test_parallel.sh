@@ -75,6 +75,21 @@ if [ -n "$(strip "$TMP/ac1")" ] && [ "$(strip "$TMP/ac1")" = "$(strip "$TMP/ref_
    [ -n "$(strip "$TMP/ac2")" ] && [ "$(strip "$TMP/ac2")" = "$(strip "$TMP/fsdp_2_true")" ] &&
    cmp -s "$TMP/ac2/ckpt.bin" "$TMP/fsdp_2_true/ckpt.bin"
 then ok activation_checkpointing_bitwise; else bad activation_checkpointing_bitwise; fi
+# -- without clipping DDP updates in two parts, the part whose reductions are done first
+# (ddp_step): the parameters equal those of the update in one part, which a clip
+# too large to bite (1e9) takes; in one process and on 2 ranks with the embedding rows.
+# One all-reduce per unit: the head's and layer 3's are done before the end (units 2..0).
+M4="${M/n_layers=2/n_layers=4} bucket_mb=0"
+for np in 1 2; do
+  if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
+  for clip in 0 1e9; do
+    "${run[@]}" train ${M4/grad_clip=1/grad_clip=$clip} batch_size=$((8 / np)) out_dir="$TMP/split_${np}_$clip" \
+      </dev/null >/dev/null 2>&1
+  done
+  [ -n "$(losses "$TMP/split_${np}_0")" ] && [ "$(losses "$TMP/split_${np}_0")" = "$(losses "$TMP/split_${np}_1e9")" ] &&
+    "$DIFF" "$TMP/split_${np}_0/ckpt.bin" "$TMP/split_${np}_1e9/ckpt.bin" | grep -qx 'max_rel_diff 0' \
+    && ok "ddp_update_in_two_parts_np$np" || bad "ddp_update_in_two_parts_np$np"
+done
 # -- a run that saves no checkpoint ends cleanly: nothing is left in flight at exit (FSDP's
 # evaluation leaves a prefetched gather behind)
 NOCK="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 steps=3 progress=false threads=1 data_dir=$D"

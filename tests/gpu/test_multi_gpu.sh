@@ -71,6 +71,17 @@ for keys in "" "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full
   else bad "multi_gpu_bf16_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 
+# -- without clipping DDP updates in two parts, first the part whose all-reduces are done
+# (the head's and layer 3's; units 2..0 and the embedding rows are reduced at the end of
+# the backward): the same parameters as the update in one part (a clip of 1e9 never bites)
+for prec in mixed bf16; do
+  MS="${M/precision=fp32/precision=$prec}"
+  MS="${MS/n_layers=2/n_layers=4} bucket_mb=0 tie_embeddings=false batch_size=$B"
+  runn "$TMP/split0_$prec" ${MS/grad_clip=1/grad_clip=0} && runn "$TMP/split1_$prec" ${MS/grad_clip=1/grad_clip=1e9}
+  d=$("$DIFF" "$TMP/split0_$prec/ckpt.bin" "$TMP/split1_$prec/ckpt.bin" 2>&1)
+  [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_ddp_update_in_two_parts_$prec" || bad "multi_gpu_ddp_update_in_two_parts_$prec ($d)"
+done
+
 # -- a rank that dies, or hangs, ends the whole job within seconds on GPUs too (NCCL
 # collectives in flight), with a line naming it: DDP and FSDP
 # fault NAME VAR COMM_TIMEOUT PATTERN KEYS...: rank 1 killed or hung at step 3 (VAR=1:3)
