@@ -84,6 +84,15 @@ static void ddp_progress(void *ctx, int u) {
     par_progress(ctx);
 }
 
+/* AdamW over [lo, lo + n); with precision=mixed it also writes the bf16 compute copy of
+ * what it updates, so the next forward need not make it from the whole parameters. */
+static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, double lr, int step, float scale) {
+    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
+    void *pa = st_at(p->params, lo), *g = st_at(p->grads, lo), *m1 = st_at(p->mom1, lo), *m2 = st_at(p->mom2, lo);
+    if (p->cparams) op_adamw_cast(pa, g, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale, act_at(p->cparams, lo));
+    else op_adamw(pa, g, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
+}
+
 /* Without clipping, the update runs in two parts: [late_hi, n_flat), whose reductions are
  * done, while the late ones finish; then [0, late_hi). AdamW is elementwise, so the result
  * is bitwise that of one update; only the logged norm is summed in two parts. Clipping
@@ -94,21 +103,19 @@ double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     ddp_flush(p);
     double lr = lr_at(oc, p->adam_steps);
     int step = ++p->adam_steps;
-    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
     for (int u = 0; u < m->n_units; u++)
         if (!p->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
     if (split < n) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
-        op_adamw(st_at(p->params, split), st_at(p->grads, split), st_at(p->mom1, split), st_at(p->mom2, split),
-                 n - split, (float)lr, b1, b2, eps, wd, step, 1.0f);
+        update(p, split, n - split, oc, lr, step, 1.0f);
     }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     ddp_finish_erows(p);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(sumsq);
-    op_adamw(p->params, p->grads, p->mom1, p->mom2, split, (float)lr, b1, b2, eps, wd, step, clip_scale(oc, norm));
-    p->cstale = 1;
+    update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
+    p->cstale = !p->cparams;
     *lr_out = lr;
     return norm;
 }

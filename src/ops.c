@@ -253,6 +253,17 @@ void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float l
               float eps, float weight_decay, int step, float grad_scale) {
     PROF("adamw", g_ops->adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
 }
+void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
+                   float eps, float weight_decay, int step, float grad_scale, void *act) {
+    if (ops_state_size() != sizeof(float)) die(EXIT_RUN_FAILURE, "internal: op_adamw_cast needs fp32 state");
+    if (g_ops->adamw_cast) {
+        PROF("adamw", g_ops->adamw_cast(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                                        act));
+        return;
+    }
+    op_adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    op_to_act(act, param, n);
+}
 double op_sumsq(const void *x, size_t n) {
     double r;
     PROF("sumsq", r = g_ops->sumsq(x, n));

@@ -203,6 +203,11 @@ void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, co
  * grad is multiplied by grad_scale first (used for clipping). All four are state type. */
 void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
               float beta2, float eps, float weight_decay, int step, float grad_scale);
+/* op_adamw on fp32 state, then act = the updated parameters in the compute type (op_to_act),
+ * in the same pass where the backend can: precision=mixed's bf16 copy without reading the
+ * parameters again. */
+void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                   float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
 
 /* sum of squares of x (state type), accumulated in double (for global gradient norm). */
 double op_sumsq(const void *x, size_t n);
@@ -265,6 +270,9 @@ typedef struct OpsBackend {
                                           float dlogits_scale);
     void (*adamw)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int step, float grad_scale);
+    /* NULL: op_adamw_cast is adamw then to_act */
+    void (*adamw_cast)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
     double (*sumsq)(const void *x, size_t n);
     void (*scale)(void *x, size_t n, float s);
     void (*add)(void *y, const void *x, size_t n);

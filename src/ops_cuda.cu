@@ -744,8 +744,8 @@ void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, con
     LAUNCH_CHECK(crossentropy_kernel);
 }
 
-void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
-                float beta2, float eps, float weight_decay, int step, float grad_scale) {
+static void adamw_launch(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                         float beta2, float eps, float weight_decay, int step, float grad_scale, bf16 *act) {
     if (n == 0) return;
     /* the scalars exactly as op_adamw computes them */
     double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
@@ -756,13 +756,27 @@ void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float
     float neg_step = (float)(-((double)lr / bc1));
     float bc2_sqrt = (float)sqrt(bc2);
     AdamwArgs a = {decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, grad_scale, small};
-    if (al16(param) && al16(grad) && al16(m) && al16(v)) {
-        adamw8_kernel<<<ew_grid((n + 7) / 8), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16);
+    if (al16(param) && al16(grad) && al16(m) && al16(v) && (!act || al16(act))) {
+        adamw8_kernel<<<ew_grid((n + 7) / 8), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16, act);
         LAUNCH_CHECK(adamw8_kernel);
         return;
     }
-    adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16);
+    adamw_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(param, grad, m, v, n, a, g.sbf16, act);
     LAUNCH_CHECK(adamw_kernel);
+}
+
+void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    adamw_launch(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, NULL);
+}
+
+/* precision=mixed: the bf16 copy written in the update's pass; in fp32 the copy is the
+ * parameters themselves, as cuda_to_act makes it */
+void cuda_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                     float beta2, float eps, float weight_decay, int step, float grad_scale, void *act) {
+    adamw_launch(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                 g.bf16 ? (bf16 *)act : NULL);
+    if (!g.bf16) cuda_to_act(act, (const float *)param, n);
 }
 
 double cuda_sumsq(const void *x, size_t n) {
@@ -892,6 +906,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .swiglu_backward = cuda_swiglu_backward,
     .crossentropy_forward_backward = cuda_crossentropy_forward_backward,
     .adamw = cuda_adamw,
+    .adamw_cast = cuda_adamw_cast,
     .sumsq = cuda_sumsq,
     .scale = cuda_scale,
     .add = cuda_add,

@@ -98,6 +98,8 @@ void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, con
 
 void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int step, float grad_scale);
+void cuda_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
+                     float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
 
 double cuda_sumsq(const void *x, size_t n); /* waits for the stream; returns on the host */
 void cuda_scale(void *x, size_t n, float s);

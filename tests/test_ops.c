@@ -708,6 +708,10 @@ static void test_adamw(void) {
     op_adamw(&p, &g, &m, &v, 1, 0.1f, 0.9f, 0.95f, 0.0f, 0.5f, 1, 1.0f);
     CHECK(fabs(p - (1.0 * (1.0 - 0.05) + 0.1)) < 1e-6, "adamw one step: p = %.9g", p);
     CHECK(fabs(m + 0.2) < 1e-6 && fabs(v - 0.2) < 1e-6, "adamw one step: m %g v %g", m, v);
+    /* op_adamw_cast: the same step, and the compute copy (fp32 here) of its result */
+    float p2 = 1.0f, m2 = 0.0f, v2 = 0.0f, act = 0.0f;
+    op_adamw_cast(&p2, &g, &m2, &v2, 1, 0.1f, 0.9f, 0.95f, 0.0f, 0.5f, 1, 1.0f, &act);
+    CHECK(p2 == p && m2 == m && v2 == v && act == p, "adamw_cast one step: p %.9g copy %.9g (adamw: %.9g)", p2, act, p);
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -7,7 +7,8 @@
 /* Elementwise; the scalars come from the host computed as op_adamw computes them, and the
  * operations are op_adamw's, one rounding each, in its order: bitwise the CPU result in
  * fp32. With bf16 state (sbf) the same fp32 arithmetic runs on the widened values, and each
- * of param, m and v is rounded to bf16 once, when stored. */
+ * of param, m and v is rounded to bf16 once, when stored. act (NULL: none) receives the
+ * updated fp32 parameters rounded to bf16, as to_act_kernel rounds them. */
 typedef struct {
     float decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, grad_scale;
     int small;
@@ -26,18 +27,21 @@ static __device__ __forceinline__ void adamw_elem(float *p, float g, float *m, f
     float pi = __fmul_rn(*p, a->decay);
     *p = __fadd_rn(pi, __fdiv_rn(__fmul_rn(a->neg_step, mn), den));
 }
-static __global__ void adamw_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf) {
+static __global__ void adamw_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf,
+                                    bf16 *act) {
     GRID_STRIDE(i, n) {
         float p = ld(param, i, sbf), mi = ld(m, i, sbf), vi = ld(v, i, sbf);
         adamw_elem(&p, ld(grad, i, sbf), &mi, &vi, &a);
         st(m, i, mi, sbf);
         st(v, i, vi, sbf);
         st(param, i, p, sbf);
+        if (act) st(act, i, p, 1);
     }
 }
 /* The same on 16-byte vectors (all four arrays 16-byte aligned): n / 8 vectors, then the
  * n % 8 last elements by the first threads. */
-static __global__ void adamw8_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf) {
+static __global__ void adamw8_kernel(void *param, const void *grad, void *m, void *v, size_t n, AdamwArgs a, int sbf,
+                                     bf16 *act) {
     size_t nv = n / 8;
     GRID_STRIDE(j, nv) {
         float p[8], g[8], mi[8], vi[8];
@@ -50,6 +54,7 @@ static __global__ void adamw8_kernel(void *param, const void *grad, void *m, voi
         st8(m, 8 * j, mi, sbf);
         st8(v, 8 * j, vi, sbf);
         st8(param, 8 * j, p, sbf);
+        if (act) st8(act, 8 * j, p, 1);
     }
     size_t i = 8 * nv + (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
@@ -58,5 +63,6 @@ static __global__ void adamw8_kernel(void *param, const void *grad, void *m, voi
         st(m, i, mi, sbf);
         st(v, i, vi, sbf);
         st(param, i, p, sbf);
+        if (act) st(act, i, p, 1);
     }
 }

@@ -573,6 +573,48 @@ static void test_bf16_flat(void) {
     }
 }
 
+/* precision=mixed: AdamW that also writes the bf16 compute copy (DDP's update) gives the
+ * parameters and moments of op_adamw and the copy op_to_act makes of them, bitwise; on the
+ * 16-byte path, and one element off alignment (the scalar path). */
+static void test_mixed_adamw_cast(void) {
+    size_t sizes[] = {17, 1000003};
+    for (int k = 0; k < 2; k++)
+        for (size_t off = 0; off < 2; off++) {
+            size_t n = sizes[k];
+            char sh[64];
+            snprintf(sh, sizeof sh, "n=%zu offset=%zu", n, off);
+            float *p = randb(n + 1, 1.0f), *m = randb(n + 1, 0.1f), *v = randb(n + 1, 0.1f), *g = randb(n + 1, 1.0f);
+            for (size_t i = 0; i < n + 1; i++) v[i] *= v[i];
+            void *P[2], *M[2], *V[2], *A[2], *G = up_state(g, n + 1);
+            for (int c = 0; c < 2; c++) {
+                P[c] = up_state(p, n + 1), M[c] = up_state(m, n + 1), V[c] = up_state(v, n + 1);
+                A[c] = op_alloc((n + 1) * ops_act_size());
+                op_zero(A[c], (n + 1) * ops_act_size());
+            }
+            for (int step = 1; step <= 3; step++) {
+                op_adamw_cast(st_at(P[0], off), st_at(G, off), st_at(M[0], off), st_at(V[0], off), n, 1e-3f, 0.9f,
+                              0.95f, 1e-8f, 0.1f, step, 0.7f, act_at(A[0], off));
+                op_adamw(st_at(P[1], off), st_at(G, off), st_at(M[1], off), st_at(V[1], off), n, 1e-3f, 0.9f, 0.95f,
+                         1e-8f, 0.1f, step, 0.7f);
+                op_to_act(act_at(A[1], off), st_at(P[1], off), n);
+            }
+            float *ref[3] = {down_state(P[1], n + 1), down_state(M[1], n + 1), down_state(V[1], n + 1)};
+            expect_state_bitwise("adamw_cast param", sh, P[0], ref[0], n + 1);
+            expect_state_bitwise("adamw_cast m", sh, M[0], ref[1], n + 1);
+            expect_state_bitwise("adamw_cast v", sh, V[0], ref[2], n + 1);
+            size_t bytes = (n + 1) * ops_act_size();
+            unsigned char *a0 = xmalloc(bytes), *a1 = xmalloc(bytes);
+            op_download(a0, A[0], bytes);
+            op_download(a1, A[1], bytes);
+            CHECK(memcmp(a0, a1, bytes) == 0, "adamw_cast %s: the bf16 copy differs from op_to_act's", sh);
+            free(a0); free(a1);
+            for (int c = 0; c < 3; c++) free(ref[c]);
+            for (int c = 0; c < 2; c++) { op_free(P[c]); op_free(M[c]); op_free(V[c]); op_free(A[c]); }
+            op_free(G);
+            free(p); free(m); free(v); free(g);
+        }
+}
+
 static int run_mode(OpsPrecision p) {
     char err[256];
     if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(p, err, sizeof err)) {
@@ -594,6 +636,7 @@ static int run_mode(OpsPrecision p) {
     RUN(test_rows);
     RUN(test_crossentropy_special);
     RUN(test_attention);
+    RUN(test_mixed_adamw_cast);
     return 0;
 }
 
