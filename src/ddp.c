@@ -115,7 +115,7 @@ double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(sumsq);
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
-    p->cstale = !p->cparams;
+    /* with precision=mixed AdamW wrote the bf16 copy too: it is current */
     *lr_out = lr;
     return norm;
 }

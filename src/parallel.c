@@ -41,14 +41,18 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     return p;
 }
 
-/* Whole parameters, precision=mixed: the bf16 copy is refreshed lazily, at the first unit
- * the model asks for after the parameters changed (init, load, optimizer step). */
-static void whole_gather(void *ctx, int u, int next) {
+void par_params_stale(Parallel *p) {
+    if (p->cstale) memset(p->cstale, 1, (size_t)p->m->n_units);
+}
+
+void par_whole_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
-    (void)u; (void)next;
-    if (p->cstale) {
-        op_to_act(p->cparams, p->params, p->m->n_flat);
-        p->cstale = 0;
+    (void)next;
+    if (p->kind == PAR_ZERO1 || p->kind == PAR_ZERO2) par_wait(p, &p->greq[u]);
+    if (p->cstale && p->cstale[u]) {
+        const Unit *un = &p->m->units[u];
+        op_to_act(act_at(p->cparams, un->offset), st_at(p->params, un->offset), un->n_padded);
+        p->cstale[u] = 0;
     }
 }
 
@@ -58,8 +62,9 @@ void par_setup_compute(Parallel *p) {
     if (p->params) {
         p->cparams = op_alloc(m->n_flat * ops_act_size());
         for (int u = 0; u < m->n_units; u++) m->ucompute[u] = act_at(p->cparams, m->units[u].offset);
-        p->cstale = 1;
-        p->hooks.gather = whole_gather;
+        p->cstale = xmalloc((size_t)m->n_units);
+        par_params_stale(p);
+        p->hooks.gather = par_whole_gather;
     } else {
         size_t caps[N_SLOTS];
         par_slot_caps(m, 1, caps);  /* a copy per pool slot (those holding gradients go unused) */
@@ -92,14 +97,14 @@ void parallel_free(Parallel *p) {
     op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
-    free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open); free(p->greq_late);
+    free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open); free(p->greq_late); free(p->cstale);
     free(p);
 }
 
 const UnitHooks *parallel_hooks(Parallel *p) { return &p->hooks; }
 int parallel_adam_steps(const Parallel *p) { return p->adam_steps; }
 void parallel_set_adam_steps(Parallel *p, int steps) { p->adam_steps = steps; }
-void parallel_params_changed(Parallel *p) { p->cstale = 1; }
+void parallel_params_changed(Parallel *p) { par_params_stale(p); }
 double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {
@@ -190,7 +195,7 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
         if (host) op_upload_state(dst, host, n);
     }
     free(host);
-    p->cstale = 1;
+    par_params_stale(p);
 }
 
 void par_wait(Parallel *p, CommReq *r) {
@@ -267,7 +272,7 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         }
         zero_gather_params(p);
     }
-    p->cstale = 1;
+    par_params_stale(p);
     *lr_out = lr;
     return norm;
 }

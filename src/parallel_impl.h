@@ -46,9 +46,9 @@ struct Parallel {
     Slot pslots[N_SLOTS], gslots[N_SLOTS];
     /* precision=mixed: the bf16 copy the ops read, of the whole parameters
      * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
-     * for pslots[i], FSDP); cstale: cparams is behind params. */
+     * for pslots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
-    int cstale;
+    unsigned char *cstale;
     CommReq *greq, *rreq;   /* per unit: gradient reduction, hybrid replica all-reduce */
     int *refs;              /* per unit: FSDP gather references */
     unsigned char *grad_open; /* per unit: gradient slot taken this step */
@@ -120,5 +120,11 @@ void fsdp_setup(Parallel *p);
  * holds whole parameters, or makes the bf16 slots (FSDP); a no-op in fp32 and bf16. Called
  * by parallel_create after the strategy's setup. */
 void par_setup_compute(Parallel *p);
+/* The parameters changed (init, load, update): every unit's compute copy is to be remade. */
+void par_params_stale(Parallel *p);
+/* The gather hook of strategies holding whole parameters (DDP, ZeRO): ZeRO waits for unit
+ * u's parameter all-gather (started after the last update, overlapping this forward), and
+ * with precision=mixed unit u's bf16 copy is remade if it is behind. */
+void par_whole_gather(void *ctx, int u, int next);
 void fsdp_drop_prefetch(Parallel *p);
 #endif

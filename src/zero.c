@@ -32,18 +32,21 @@ void zero2_grad_ready(void *ctx, int u) {
     par_progress(p);
 }
 
+/* Started in the order the next forward needs the units (the embedding first); each is
+ * waited for by the gather hook of its unit (par_whole_gather), so they overlap the
+ * forward instead of ending the step. */
 void zero_gather_params(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) {
         comm_iallgather(p->group, st_at(p->params, p->m->units[u].offset), shard_len(p, u), par_ctype(), &p->greq[u],
                         "parameter all-gather");
         if (!p->overlap) par_wait(p, &p->greq[u]);
     }
-    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
 }
 
 void zero_setup(Parallel *p) {
     size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
     p->params = op_alloc(full);
+    p->hooks.gather = par_whole_gather;
     p->gshard = op_alloc(shard);
     p->mom1 = op_alloc(shard);
     p->mom2 = op_alloc(shard);
