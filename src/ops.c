@@ -72,6 +72,7 @@ const char *ops_backend_name(void) { return g_ops->name; }
 const char *ops_device_name(void) { return g_ops->device_name(); }
 int ops_host_memory(void) { return g_ops->host_memory; }
 void ops_synchronize(void) { g_ops->synchronize(); }
+int ops_idle(void) { return g_ops->idle ? g_ops->idle() : 1; }
 int ops_device_memory(size_t *free_bytes, size_t *total_bytes) {
     return g_ops->device_memory ? g_ops->device_memory(free_bytes, total_bytes) : -1;
 }

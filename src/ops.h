@@ -43,6 +43,9 @@ const char *ops_device_name(void);   /* the GPU's name; "" on the cpu */
 int ops_host_memory(void);
 /* Returns when every op issued so far has finished (ops may run asynchronously). */
 void ops_synchronize(void);
+/* 1 when the device has run all the work queued so far (always on the cpu, whose ops run
+ * as they are called). */
+int ops_idle(void);
 /* Device memory: free and total bytes now; and the high-water marks since ops_init of the
  * bytes op_alloc holds (`allocated`) and of the device's used memory as seen at each
  * allocation (`used`: includes the runtime's context and other processes). Each returns -1
@@ -230,6 +233,7 @@ typedef struct OpsBackend {
     int (*init)(int n_threads, char *err, size_t errlen);
     const char *(*device_name)(void);
     void (*synchronize)(void);
+    int (*idle)(void);  /* NULL: ops run synchronously, always idle */
     int (*device_memory)(size_t *free_bytes, size_t *total_bytes); /* NULL on the cpu */
     int (*device_peak)(size_t *allocated, size_t *used);           /* NULL on the cpu */
     void *(*alloc)(size_t bytes);

@@ -318,6 +318,13 @@ void cuda_memset_zero(void *p, size_t bytes) {
 
 void cuda_synchronize(void) { CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
 
+int cuda_idle(void) {
+    cudaError_t e = cudaStreamQuery(g.stream);
+    if (e == cudaErrorNotReady) return 0;
+    CUDA_CHECK(e);
+    return 1;
+}
+
 } /* extern "C" */
 
 #include "cuda/embedding.cuh"
@@ -877,6 +884,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .init = backend_init,
     .device_name = cuda_device_name,
     .synchronize = cuda_synchronize,
+    .idle = cuda_idle,
     .device_memory = cuda_memory_info,
     .device_peak = backend_device_peak,
     .alloc = backend_alloc,

@@ -50,6 +50,7 @@ void cuda_memset_zero(void *p, size_t bytes); /* asynchronous, on the stream */
  * other processes included). */
 void cuda_memory_peak(size_t *allocated, size_t *used);
 int cuda_memory_info(size_t *free_bytes, size_t *total_bytes); /* 0, or -1 */
+int cuda_idle(void);
 void cuda_synchronize(void);
 
 /* ---- ops (see ops.h for the semantics of each) ---------------------------------------- */

@@ -39,14 +39,16 @@ void parallel_init_weights(Parallel *p, uint64_t seed);
 void parallel_begin_step(Parallel *p);
 /* After the backward: finishes the gradient reductions, computes the global gradient norm,
  * clips, runs AdamW on what this rank owns, and makes parameters whole again where the
- * strategy keeps them whole. Returns the norm (before clipping); *lr gets the rate used. */
+ * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather
+ * hooks). Returns the norm (before clipping); *lr gets the rate used. */
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);
 /* The parameters were written from outside (a checkpoint loaded into parallel_ranges):
  * copies made from them (precision=mixed's bf16 weights) are remade before next use. */
 void parallel_params_changed(Parallel *p);
-/* Seconds this rank spent blocked on gradient collectives in the last step. */
+/* Seconds of the last step this rank waited on collectives with nothing left queued on its
+ * device: communication the compute did not hide. */
 double parallel_comm_wait(const Parallel *p);
 
 /* What this rank holds, in the model's packed order (for checkpoints): per unit u, the

@@ -409,9 +409,8 @@ int cmd_train(Config *c) {
                    flops / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
                    val_loss);
         if (world.size > 1 || comm_timed > 0)
-            printf("communication: the host waited on collectives %.1f%% of the step (overlap=%s)%s\n",
-                   t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false",
-                   gpu ? "; on a GPU that includes the compute queued before them" : "");
+            printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
+                   "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     free(ranges);
