@@ -1,6 +1,7 @@
 /* ZeRO-1 and ZeRO-2: every rank holds the whole parameters, but AdamW's moments only for
  * its shard of each unit. A unit's gradient is reduce-scattered (averaged) as soon as its
- * backward ends; each rank updates its shard; the parameters are then all-gathered.
+ * backward ends; each rank updates its shard; the parameters are then all-gathered,
+ * overlapping the next forward.
  * ZeRO-1 keeps a whole gradient buffer; ZeRO-2 (shard_strategy=grad_op) accumulates a
  * unit's gradient in a slot that is reused once its reduce-scatter has drained it, so the
  * whole gradient never exists on one rank. */
