@@ -44,8 +44,8 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
     }
 }
 
-/* bf16 rows with ld % 8 == 0 (16-byte aligned rows): the same three passes and the same
- * arithmetic, but the row (V rounded up to 8: 100 KB for the GPT-2 vocabulary) is first
+/* bf16 rows with ld % 8 == 0 (16-byte aligned rows): the same three passes (the exps on the
+ * SFU, ce_exp, except the target's), but the row (V rounded up to 8: 100 KB for the GPT-2 vocabulary) is first
  * copied into shared memory with asynchronous 16-byte copies, so it is read from memory
  * once and written once; with few registers and that much shared memory two blocks share an
  * SM, and one's copy overlaps the other's exp work (one block per SM, with the row held in
@@ -54,6 +54,15 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
  * copied but never used or written. 512 threads: two blocks then have 64 registers a thread. */
 #define CE8_BLOCK 512
 #define CE_SMEM_BLOCKS 2
+/* e^(x - mx) as 2^(x log2 e - mx log2 e): one FMA and the SFU's ex2.approx (relative error
+ * about 2^-22, -inf -> 0) where expf takes several instructions; the exp passes issue two
+ * exps per logit and are bound by instruction issue more than by memory. */
+#define CE_LOG2E 1.4426950408889634f
+static __device__ __forceinline__ float ce_exp(float x, float mxl) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, CE_LOG2E, -mxl)));
+    return y;
+}
 static __global__ void __launch_bounds__(CE8_BLOCK, CE_SMEM_BLOCKS)
 crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, int V, float scale) {
     extern __shared__ uint4 ce_row[]; /* [ceil(V / 8)] */
@@ -90,17 +99,18 @@ crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, i
     }
     /* each chunk's 8 exps (each <= 1) summed in fp32 (relative error ~1e-7), the chunks in
      * double: the conversions to double cost as much as the exps themselves */
+    const float mxl = mx * CE_LOG2E;
     double sum = 0.0;
     for (int k = threadIdx.x; k < nch; k += blockDim.x) {
         float v[8], cs = 0.0f;
         unpack8_bf16(v, ce_row[k]);
         if (8 * k + 8 <= V) {
 #pragma unroll
-            for (int e = 0; e < 8; e++) cs += expf(v[e] - mx);
+            for (int e = 0; e < 8; e++) cs += ce_exp(v[e], mxl);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; e++)
-                if (8 * k + e < V) cs += expf(v[e] - mx);
+                if (8 * k + e < V) cs += ce_exp(v[e], mxl);
         }
         sum += (double)cs;
     }
@@ -114,7 +124,7 @@ crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, i
         float v[8];
         unpack8_bf16(v, ce_row[k]);
 #pragma unroll
-        for (int e = 0; e < 8; e++) v[e] = j0 + e == tgt ? gt : expf(v[e] - mx) * f;
+        for (int e = 0; e < 8; e++) v[e] = j0 + e == tgt ? gt : ce_exp(v[e], mxl) * f;
         if (j0 + 8 <= V) {
             *(uint4 *)(row + j0) = pack8_bf16(v);
         } else {
