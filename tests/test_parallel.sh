@@ -172,25 +172,25 @@ for target in "4|batch_size=1" "1|batch_size=4" "2|batch_size=2 zero_opt=true"; 
      && "$DIFF" "$TMP/straight/ckpt.bin" "$out/ckpt.bin" | awk '{exit !($2 < 1e-5)}'
   then ok "resume_fsdp2_on_${np}_ranks ($keys)"; else bad "resume_fsdp2_on_${np}_ranks ($(tail -1 "$out.log"))"; fi
 done
+# resumes_bitwise NAME STRAIGHT CUT: 2 ranks resume CUT's step-3 checkpoint and follow the
+# uninterrupted run STRAIGHT bitwise (losses of steps 4-6 and the final checkpoint)
+resumes_bitwise() {
+  local out=$TMP/resume_$1 a b
+  rm -rf "$out"; mkdir -p "$out"; cp "$3"/ckpt.bin* "$out/"
+  $MPIRUN -np 2 "$BIN" train resume="$out/ckpt.bin" out_dir="$out" data_dir="$D" progress=false threads=1 >/dev/null 2>&1
+  a=$(grep '^{"step":[4-6],"loss"' "$2/log.jsonl" | sed 's/,"ms".*//')
+  b=$(grep '^{"step":[4-6],"loss"' "$out/log.jsonl" | sed 's/,"ms".*//')
+  [ "$(echo "$a" | wc -l)" -eq 3 ] && [ "$a" = "$b" ] && cmp -s "$2/ckpt.bin" "$out/ckpt.bin" && ok "$1" || bad "$1"
+}
 # on the same layout (2 FSDP ranks) the resumed run is bitwise the uninterrupted one
 $MPIRUN -np 2 "$BIN" train $R batch_size=2 fsdp=true out_dir="$TMP/fsdp_straight" >/dev/null 2>&1
-out=$TMP/resume_same; rm -rf "$out"; mkdir -p "$out"; cp "$TMP"/cut/ckpt.bin* "$out/"
-$MPIRUN -np 2 "$BIN" train resume="$out/ckpt.bin" out_dir="$out" data_dir="$D" progress=false threads=1 >/dev/null 2>&1
-a=$(grep '^{"step":[4-6],"loss"' "$TMP/fsdp_straight/log.jsonl" | sed 's/,"ms".*//')
-b=$(grep '^{"step":[4-6],"loss"' "$out/log.jsonl" | sed 's/,"ms".*//')
-[ "$(echo "$a" | wc -l)" -eq 3 ] && [ "$a" = "$b" ] && cmp -s "$TMP/fsdp_straight/ckpt.bin" "$out/ckpt.bin" \
-  && ok resume_same_layout_bitwise || bad "resume_same_layout_bitwise"
+resumes_bitwise resume_same_layout_bitwise "$TMP/fsdp_straight" "$TMP/cut"
 # ZeRO-1 too: its step-3 checkpoint is written while the parameter all-gathers it started
-# are still in flight (they overlap the next forward); resumed, it is bitwise the straight run
+# are still in flight (they overlap the next forward)
 $MPIRUN -np 2 "$BIN" train $R batch_size=2 zero_opt=true out_dir="$TMP/zero_straight" >/dev/null 2>&1
 MESHTRAIN_FAULT_NAN_STEP=4 $MPIRUN -np 2 "$BIN" train $R batch_size=2 zero_opt=true ckpt_every=3 out_dir="$TMP/zero_cut" \
   >/dev/null 2>&1
-out=$TMP/zero_resume; rm -rf "$out"; mkdir -p "$out"; cp "$TMP"/zero_cut/ckpt.bin* "$out/"
-$MPIRUN -np 2 "$BIN" train resume="$out/ckpt.bin" out_dir="$out" data_dir="$D" progress=false threads=1 >/dev/null 2>&1
-a=$(grep '^{"step":[4-6],"loss"' "$TMP/zero_straight/log.jsonl" | sed 's/,"ms".*//')
-b=$(grep '^{"step":[4-6],"loss"' "$out/log.jsonl" | sed 's/,"ms".*//')
-[ "$(echo "$a" | wc -l)" -eq 3 ] && [ "$a" = "$b" ] && cmp -s "$TMP/zero_straight/ckpt.bin" "$out/ckpt.bin" \
-  && ok resume_zero1_bitwise || bad "resume_zero1_bitwise"
+resumes_bitwise resume_zero1_bitwise "$TMP/zero_straight" "$TMP/zero_cut"
 # a checkpoint missing one rank's shard names the shard
 out=$TMP/missing; mkdir -p "$out"; cp "$TMP"/cut/ckpt.bin* "$out/"; rm "$out"/ckpt.bin.*r1-of-2
 err=$("$BIN" train resume="$out/ckpt.bin" batch_size=4 out_dir="$out" data_dir="$D" 2>&1 >/dev/null); rc=$?
