@@ -440,16 +440,22 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
     comm_test(r);
 }
 
+/* Between polls: spin a while, then sleep 20 us a round so as not to starve the other
+ * ranks' cores. */
+static void backoff(long spins) {
+    if (spins > 1000) {
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* The one waiting loop: polls `done` (which moves every ring in flight) so that a lost
  * peer ends the run after g_timeout seconds instead of hanging it. */
 static void wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what) {
     double t0 = now_seconds();
     for (long spins = 0;; spins++) {
         if (done(arg)) return;
-        if (spins > 1000) {
-            struct timespec ts = {0, 20000};  /* 20 us: don't starve the other ranks' cores */
-            nanosleep(&ts, NULL);
-        }
+        backoff(spins);
         if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
             char msg[256];
             snprintf(msg, sizeof msg, "rank %d: %s on group %s did not complete within %.0f s: a peer rank died "
@@ -466,6 +472,11 @@ static int req_done(void *arg) { return comm_test(arg); }
 
 void comm_wait(CommReq *r) {
     if (r->active) wait_until(req_done, r, r->c, r->what);
+}
+
+void comm_poll(CommReq *r, int (*stop)(void), double max_s) {
+    double t0 = now_seconds();
+    for (long spins = 0; !comm_test(r) && !stop() && now_seconds() - t0 < max_s; spins++) backoff(spins);
 }
 
 /* A plain MPI request (a peer may need one of our rings to move before it can reach the

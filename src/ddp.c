@@ -99,8 +99,8 @@ static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, doub
  * needs the whole norm before any update: one part. */
 double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
-    size_t n = m->n_flat, split = oc->grad_clip > 0 || p->late_hi > n ? n : p->late_hi;
-    ddp_flush(p);
+    ddp_flush(p);  /* first: a bucket it starts is a late one, which moves late_hi */
+    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : p->late_hi;
     double lr = lr_at(oc, p->adam_steps);
     int step = ++p->adam_steps;
     for (int u = 0; u < m->n_units; u++)

@@ -1,7 +1,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
@@ -204,13 +203,7 @@ void par_wait(Parallel *p, CommReq *r) {
     /* While the device still runs work queued before this wait, waiting costs the step
      * nothing (the host is ahead): only the rest counts. After a few seconds comm_wait takes
      * over anyway, with its timeout for a lost peer. */
-    double t0 = now_seconds();
-    for (long spins = 0; !comm_test(r) && !ops_idle() && now_seconds() - t0 < 5.0; spins++) {
-        if (spins > 1000) {
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
-    }
+    comm_poll(r, ops_idle, 5.0);
     double t1 = now_seconds();
     comm_wait(r);
     p->wait_s += now_seconds() - t1;
