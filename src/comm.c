@@ -23,6 +23,9 @@ typedef struct {
     MPI_Comm mc;
     unsigned seq;
     void *nccl;  /* ncclComm_t, made at the group's first collective on a device=cuda run */
+    char *a2a;   /* copy-engine all-reduce: the all-to-all's receive buffer (comm_alloc), or NULL */
+    size_t a2a_bytes;
+    void *a2a_win;  /* its ncclWindow_t */
 } CommImpl;
 static MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
@@ -127,7 +130,14 @@ static ncclComm_t g_nccl[MAX_NCCL];  /* every NCCL communicator made, to abort t
 static int g_n_nccl;
 static cudaStream_t g_cstream;       /* the communication stream */
 
+static int g_ce_any;  /* some communicator reduces on the copy engines (comm_alloc) */
+
+/* Before MPI_Abort on an error or a lost peer. Not with copy-engine collectives: they wait
+ * in the stream (memory-op waits) for flags that a lost peer never writes, nothing aborts
+ * those waits, and ncclCommAbort would wait behind them; MPI_Abort ends the process, and
+ * the driver frees the GPU with it. */
 static void nccl_abort_all(void) {
+    if (g_ce_any) return;
     for (int i = 0; i < g_n_nccl; i++) ncclCommAbort(g_nccl[i]);
     g_n_nccl = 0;
 }
@@ -153,9 +163,16 @@ static int use_nccl(const Comm *c) { return c->impl && !ops_host_memory(); }
 
 /* The group's NCCL communicator, made at its first collective: every rank of the group
  * starts its collectives in the same order, so all of them arrive here together. */
+static ncclComm_t nccl_make(const Comm *c, const char *what, int cta_zero);
 static ncclComm_t nccl_of(const Comm *c, const char *what) {
     CommImpl *ci = c->impl;
-    if (ci->nccl) return ci->nccl;
+    return ci->nccl ? ci->nccl : nccl_make(c, what, 0);
+}
+
+/* cta_zero: NCCL runs what it can (the all-to-all and all-gather over symmetric windows) on
+ * the copy engines, with no CTA (NCCL_CTA_POLICY_ZERO, NCCL 2.28 and later). */
+static ncclComm_t nccl_make(const Comm *c, const char *what, int cta_zero) {
+    CommImpl *ci = c->impl;
     if (!g_cstream) {
         /* the highest priority: a collective's kernels start as soon as SMs free up, so the
          * gradient of the last units to finish (the exposed tail) is not queued behind compute */
@@ -169,15 +186,23 @@ static ncclComm_t nccl_of(const Comm *c, const char *what) {
     if (c->rank == 0) nchk(ncclGetUniqueId(&id), c, what, "ncclGetUniqueId");
     comm_broadcast(c, &id, sizeof id, 0);
     ncclComm_t nc;
-    nchk(ncclCommInitRank(&nc, c->size, id, c->rank), c, what, "ncclCommInitRank");
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (cta_zero) cfg.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+#else
+    (void)cta_zero;
+#endif
+    nchk(ncclCommInitRankConfig(&nc, c->size, id, c->rank, &cfg), c, what, "ncclCommInitRankConfig");
     if (g_n_nccl == MAX_NCCL) comm_abort(EXIT_RUN_FAILURE, "internal: too many NCCL communicators");
     g_nccl[g_n_nccl++] = nc;
     ci->nccl = nc;
     return nc;
 }
 
+static void ce_release(CommImpl *ci, const char *what);
 static void nccl_free(CommImpl *ci) {
     if (!ci->nccl) return;
+    ce_release(ci, "communicator release");
     for (int i = 0; i < g_n_nccl; i++)
         if (g_nccl[i] == ci->nccl) { g_nccl[i] = g_nccl[--g_n_nccl]; break; }
     ncclCommDestroy(ci->nccl);
@@ -226,7 +251,134 @@ static int nccl_test(CommReq *r) {
 }
 
 static ncclRedOp_t nccl_op(CommOp op) { return op == COMM_AVG ? ncclAvg : ncclSum; }
+
+/* Copy-engine all-reduce (comm_alloc). Buffers in NCCL symmetric windows, to find the
+ * all-reduces over them and to deregister and free them. */
+typedef struct { char *p; size_t bytes; void *win; ncclComm_t nc; const Comm *c; } RegBuf;
+#define MAX_REG 16
+static RegBuf g_reg[MAX_REG];
+static int g_n_reg;
+
+static const RegBuf *reg_of(const Comm *c, const void *p, size_t bytes) {
+    for (int i = 0; i < g_n_reg; i++)
+        if (g_reg[i].c == c && (const char *)p >= g_reg[i].p && (const char *)p + bytes <= g_reg[i].p + g_reg[i].bytes)
+            return &g_reg[i];
+    return NULL;
+}
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define HAVE_CE 1
+/* Memory in a symmetric window of nc (collective: every rank of c together). */
+static void *win_alloc(const Comm *c, ncclComm_t nc, size_t bytes, void **win, const char *what) {
+    void *p = NULL;
+    ncclWindow_t w;
+    nchk(ncclMemAlloc(&p, bytes), c, what, "ncclMemAlloc");
+    nchk(ncclCommWindowRegister(nc, p, bytes, &w, NCCL_WIN_COLL_SYMMETRIC), c, what, "ncclCommWindowRegister");
+    cuda_note_alloc(p, bytes);
+    *win = (void *)w;
+    return p;
+}
+static void win_free(const Comm *c, ncclComm_t nc, void *p, void *win, const char *what) {
+    ops_synchronize();  /* kernels and copies in flight may still use it */
+    cchk(cudaStreamSynchronize(g_cstream), c, what, "cudaStreamSynchronize");
+    nchk(ncclCommWindowDeregister(nc, (ncclWindow_t)win), c, what, "ncclCommWindowDeregister");
+    nchk(ncclMemFree(p), c, what, "ncclMemFree");
+    cuda_note_free(p);
+}
+
+/* Whether every rank of c can take the copy-engine path: NCCL 2.28 or later at run time, and
+ * all of c's ranks on one machine (symmetric windows span one NVLink domain). Decided
+ * together, so that all ranks register (collectively) or none does. */
+static int ce_possible(const Comm *c) {
+    int v = 0, ok, local;
+    ok = ncclGetVersion(&v) == ncclSuccess && v >= NCCL_VERSION(2, 28, 0);
+    MPI_Comm shm;
+    check(MPI_Comm_split_type(mpi(c), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shm), c, "comm split (node)");
+    MPI_Comm_size(shm, &local);
+    MPI_Comm_free(&shm);
+    ok = ok && local == c->size;
+    check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, "copy-engine check");
+    return ok;
+}
+#else
+#define HAVE_CE 0
 #endif
+
+static void ce_release(CommImpl *ci, const char *what) {
+#if HAVE_CE
+    if (!ci->a2a) return;
+    for (int i = 0; i < g_n_reg; i++)  /* buffers still registered on this communicator */
+        if (g_reg[i].nc == ci->nccl) {
+            RegBuf r = g_reg[i];
+            g_reg[i--] = g_reg[--g_n_reg];
+            win_free(r.c, r.nc, r.p, r.win, what);
+        }
+    win_free(NULL, ci->nccl, ci->a2a, ci->a2a_win, what);
+    ci->a2a = NULL;
+#else
+    (void)ci; (void)what;
+#endif
+}
+#endif
+
+static int g_ce_wanted = 1;
+void comm_set_copy_engines(int on) { g_ce_wanted = on; }
+
+int comm_copy_engines_active(const Comm *c) {
+#ifdef MESHTRAIN_NCCL
+    return c->impl && ((CommImpl *)c->impl)->a2a != NULL;
+#else
+    (void)c;
+    return 0;
+#endif
+}
+
+size_t comm_ce_buffer_bytes(size_t bytes) {
+    const char *e = getenv("MESHTRAIN_CE_BUFFER_BYTES");  /* test hook: all-reduces in many pieces */
+    size_t cap = e && atoll(e) > 0 ? (size_t)atoll(e) : COMM_CE_BUFFER_BYTES;
+    return bytes < cap ? bytes : cap;
+}
+
+void *comm_alloc(const Comm *c, size_t bytes) {
+#if defined(MESHTRAIN_NCCL) && HAVE_CE
+    const char *what = "copy-engine buffer registration";
+    CommImpl *ci = c->impl;
+    /* The communicator must be new, to be made with the zero-CTA policy; every rank takes
+     * the same branch (the same calls have reached here on all of them). */
+    if (bytes && g_ce_wanted && use_nccl(c) && g_n_reg < MAX_REG && (ci->a2a || (!ci->nccl && ce_possible(c)))) {
+        ncclComm_t nc = ci->nccl ? ci->nccl : nccl_make(c, what, 1);
+        if (!ci->a2a) {  /* sized by the first buffer: later ones are reduced in pieces of it */
+            ci->a2a_bytes = comm_ce_buffer_bytes(bytes);
+            ci->a2a = win_alloc(c, nc, ci->a2a_bytes, &ci->a2a_win, what);
+            g_ce_any = 1;
+        }
+        void *win;
+        char *p = win_alloc(c, nc, bytes, &win, what);
+        op_zero(p, bytes);
+        g_reg[g_n_reg++] = (RegBuf){p, bytes, win, nc, c};
+        return p;
+    }
+#else
+    (void)c;
+#endif
+    return op_alloc(bytes);
+}
+
+void comm_buffer_free(void *p) {
+    if (!p) return;
+#ifdef MESHTRAIN_NCCL
+    for (int i = 0; i < g_n_reg; i++)
+        if (g_reg[i].p == p) {
+            RegBuf r = g_reg[i];
+            g_reg[i] = g_reg[--g_n_reg];
+#if HAVE_CE
+            win_free(r.c, r.nc, p, r.win, "copy-engine buffer release");
+#endif
+            return;
+        }
+#endif
+    op_free(p);
+}
 
 /* Counts travel as int. */
 static int count_of(size_t n, const Comm *c, const char *what) {
@@ -386,6 +538,28 @@ static int ring_advance(CommReq *r) {
 
 #ifdef MESHTRAIN_NCCL
 static ncclDataType_t nccl_type(CommType t) { return t == COMM_BF16 ? ncclBfloat16 : ncclFloat32; }
+
+#if HAVE_CE
+/* The copy-engine all-reduce of a comm_alloc buffer, queued on the comm stream; 0 if buf is
+ * not one (or n does not divide into the group's blocks). In pieces of the all-to-all
+ * buffer's size: an all-to-all gives this rank every rank's copy of its block, one kernel
+ * sums them in rank order, an all-gather sends the sum to all; NCCL moves both by copy
+ * engine. */
+static int ce_allreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, ncclComm_t nc, const char *what) {
+    CommImpl *ci = c->impl;
+    size_t es = type_size(t), D = (size_t)c->size, piece = ci->a2a ? ci->a2a_bytes / es / D * D : 0;
+    if (piece >= 8 * D) piece = piece / (8 * D) * (8 * D);  /* 16-byte blocks for the sum */
+    if (!piece || n % D || !reg_of(c, buf, n * es)) return 0;
+    for (size_t off = 0; off < n; off += piece) {
+        size_t len = n - off < piece ? n - off : piece, cnt = len / D;
+        char *base = (char *)buf + off * es, *mine = base + (size_t)c->rank * cnt * es;
+        nchk(ncclAlltoAll(base, ci->a2a, cnt, nccl_type(t), nc, g_cstream), c, what, "ncclAlltoAll");
+        cuda_sum_blocks(mine, ci->a2a, cnt, c->size, op == COMM_AVG ? 1.0f / (float)D : 1.0f, t == COMM_BF16, g_cstream);
+        nchk(ncclAllGather(mine, base, cnt, nccl_type(t), nc, g_cstream), c, what, "ncclAllGather");
+    }
+    return 1;
+}
+#endif
 #endif
 
 void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
@@ -393,7 +567,10 @@ void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, 
     if (use_nccl(c)) {
         ncclComm_t nc = nccl_begin(c, r, what);
         int span = trace_span_begin(g_cstream, what, n * type_size(t));
-        nchk(ncclAllReduce(buf, buf, n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
+#if HAVE_CE
+        if (!ce_allreduce(c, buf, n, t, op, nc, what))
+#endif
+            nchk(ncclAllReduce(buf, buf, n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclAllReduce");
         trace_span_end(g_cstream, span);
         nccl_launched(r);
         return;

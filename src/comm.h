@@ -62,6 +62,26 @@ int comm_local_size(void);
 void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out);
 void comm_free(Comm *c);
 
+/* Device memory for a buffer that c's all-reduces run over (DDP's gradients); zeroed. On
+ * an NCCL group whose ranks share one machine (NCCL 2.28 or later; comm_set_copy_engines,
+ * on by default) it lies in a symmetric NCCL window, and an all-reduce over it runs on the
+ * GPUs' copy engines: an all-to-all gives each rank every rank's copy of its block, one
+ * short kernel on the comm stream sums them in rank order, and an all-gather sends the sums
+ * to all. No SM is held while the bytes move or while a rank waits for a slower peer, which
+ * leaves the backward beside it more of the card (and of its power). It takes one more
+ * buffer of comm_ce_buffer_bytes, in pieces of which larger all-reduces run. Elsewhere it
+ * is op_alloc memory and NCCL's all-reduce. Every rank of c calls it together (it may make
+ * c's NCCL communicator, with NCCL's zero-CTA policy). */
+#define COMM_CE_BUFFER_BYTES ((size_t)64 << 20)
+void *comm_alloc(const Comm *c, size_t bytes);
+/* Frees comm_alloc memory (or op_alloc memory); before c itself is freed. */
+void comm_buffer_free(void *p);
+void comm_set_copy_engines(int on);
+/* Whether c's comm_alloc buffers are reduced by the copy engines. */
+int comm_copy_engines_active(const Comm *c);
+/* The all-to-all buffer that comm_alloc adds for a first buffer of `bytes`. */
+size_t comm_ce_buffer_bytes(size_t bytes);
+
 /* Non-blocking collectives on n elements of type t; in place where it says so. */
 void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
 /* send holds size * recv_n elements; rank i receives block i (reduced) into recv. send is

@@ -85,6 +85,9 @@ static const Key KEYS[] = {
     F(bucket_mb, "100", 0, 1e6, TR,
       "DDP: all-reduce the gradients of units that finish one after another together, up to this many MB "
       "(0 = one all-reduce per unit)"),
+    B(copy_engines, "true", TR | CMD_ESTIMATE,
+      "DDP on one machine's GPUs: all-reduce the gradients on the copy engines (an all-to-all, a sum kernel, an "
+      "all-gather; NCCL 2.28+), not NCCL's all-reduce kernels on the SMs"),
     F(comm_timeout, "600", 0, 1e9, TR, "seconds a collective may wait for a peer before the job aborts (0 = forever)"),
     I(world_size, "1", 1, 1 << 20, CMD_ESTIMATE, "ranks to estimate for (train takes it from the launcher)"),
     S(prompt, "Once upon a time", CMD_SAMPLE, "text to continue"),

@@ -23,6 +23,7 @@ typedef struct {
     /* parallelism */
     int activation_checkpointing;
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
+    int copy_engines;
     char shard_strategy[16];
     double comm_timeout, bucket_mb;
     /* sample / tokenize */

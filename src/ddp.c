@@ -3,7 +3,8 @@
  * unit's backward ends, so it overlaps the backward of the units below it. bucket_mb joins
  * units that finish one after another into fewer, larger all-reduces; an untied
  * embedding's is reduced only in the rows the step's batch uses. Every rank then takes
- * the same AdamW step. */
+ * the same AdamW step. On one machine's GPUs the gradient buffer comes from comm_alloc,
+ * whose all-reduces run on the copy engines (comm.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -124,7 +125,7 @@ void ddp_setup(Parallel *p) {
     p->greq_late = xcalloc((size_t)p->m->n_units, 1);
     size_t bytes = p->m->n_flat * ops_state_size();
     p->params = op_alloc(bytes);
-    p->grads = op_alloc(bytes);
+    p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
     p->mom1 = op_alloc(bytes);
     p->mom2 = op_alloc(bytes);
     model_point_units(p->m, p->params, p->grads);

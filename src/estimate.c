@@ -1,6 +1,7 @@
 #include "estimate.h"
 #include <stdio.h>
 #include <string.h>
+#include "comm.h"
 #include "util.h"
 
 /* What a CPU process holds besides the plan: code and libraries, OpenMP and OpenBLAS
@@ -25,7 +26,7 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T) {
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, MemEstimate *e) {
+                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     e->gpu = gpu;
     e->prec = prec;
@@ -46,7 +47,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->data = gpu ? 0 : data_bytes;
     e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
-    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime;
+    e->comm = gpu && training && kind == PAR_DDP && world > 1 && copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
+    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;
     model_free(&m);
     /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
@@ -80,10 +82,11 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
            parallel_kind_name(kind), world, world > 1 ? "s" : "");
     const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
-                           e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)"};
-    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime};
-    for (int i = 0; i < 8; i++)
-        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3))
+                           e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
+                           "all-to-all buffer"};
+    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm};
+    for (int i = 0; i < 9; i++)
+        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     printf("  %-26s %12s   (the usual formula, %d B/param sharded as ZeRO + activations: %s)\n", "total",
            fmt_bytes(b1, (double)e->total), (int)(4 * ops_state_size_of(e->prec)),

@@ -10,7 +10,7 @@
 typedef struct {
     size_t n_params;
     double flops_per_token;
-    size_t params, grads, optim, compute, acts, logits, data, runtime, total;  /* bytes */
+    size_t params, grads, optim, compute, acts, logits, data, runtime, comm, total;  /* bytes */
     double formula;  /* the usual rule of thumb: 16 bytes/param + Korthikanti activations */
     int gpu;         /* the plan is on a GPU (device=cuda): data and the host's runtime don't count */
     OpsPrecision prec; /* fp32; mixed: bf16 activations and weight copies; bf16: everything */
@@ -21,8 +21,10 @@ typedef struct {
  * per shard group) holds them. data_bytes: the shards the run maps (they count in RSS as
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
  * cuBLASLt workspace and the ops' scratch (the CUDA context is outside the allocator). */
+/* copy_engines: DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer
+ * (comm_alloc in comm.h) counts as `comm`. */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, MemEstimate *e);
+                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, MemEstimate *e);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);

@@ -137,7 +137,7 @@ int cmd_estimate(Config *c) {
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide world_size=%d", group, c->world_size);
     int gpu = !strcmp(c->device, "cuda");
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, gpu, precision_of(c),
-                    &e);
+                    c->copy_engines, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();

@@ -283,6 +283,9 @@ void cuda_free(void *p) {
     track_free(p);
 }
 
+void cuda_note_alloc(void *p, size_t bytes) { if (p) track_alloc(p, bytes); }
+void cuda_note_free(void *p) { if (p) track_free(p); }
+
 void cuda_memory_peak(size_t *allocated, size_t *used) {
     if (allocated) *allocated = g_peak_alloc;
     if (used) *used = g_peak_used;
@@ -878,6 +881,17 @@ static int backend_device_peak(size_t *allocated, size_t *used) {
     return 0;
 }
 
+void cuda_sum_blocks(void *dst, const void *src, size_t c, int D, float s, int bf16, void *stream) {
+    if (!c) return;
+    cudaStream_t st = (cudaStream_t)stream;
+    size_t es = bf16 ? 2 : 4;
+    if (c % 8 == 0 && ((uintptr_t)dst | (uintptr_t)src | (c * es)) % 16 == 0)
+        sum_blocks8_kernel<<<ew_grid(c / 8), EW_BLOCK, 0, st>>>(dst, src, c, D, s, bf16);
+    else
+        sum_blocks_kernel<<<ew_grid(c), EW_BLOCK, 0, st>>>(dst, src, c, D, s, bf16);
+    LAUNCH_CHECK(sum_blocks_kernel);
+}
+
 extern "C" const OpsBackend ops_backend_cuda = {
     .name = "cuda",
     .host_memory = 0,
@@ -920,3 +934,4 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .add = cuda_add,
     .copy_rows = cuda_copy_rows,
 };
+

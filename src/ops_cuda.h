@@ -40,6 +40,13 @@ void cuda_set_tf32(int on);
  * cuda_malloc(0) returns NULL. */
 void *cuda_malloc(size_t bytes);
 void cuda_free(void *p);
+/* Device memory allocated outside cuda_malloc (NCCL's registrable buffers), counted in the
+ * high-water marks below all the same. */
+void cuda_note_alloc(void *p, size_t bytes);
+void cuda_note_free(void *p);
+/* dst[i] = s * (src[i] + src[c + i] + ... + src[(D - 1) c + i]) for i < c, summed in fp32 in that
+ * order, on `stream` (a cudaStream_t: the communication stream); bf16 buffers when bf16. */
+void cuda_sum_blocks(void *dst, const void *src, size_t c, int D, float s, int bf16, void *stream);
 /* Synchronous with respect to the host: they return when the copy is done. */
 void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes);
 void cuda_memcpy_d2h(void *dst, const void *src, size_t bytes);

@@ -94,7 +94,7 @@ void parallel_free(Parallel *p) {
     op_free(p->cparams);
     op_free(p->erows); op_free(p->ebuf);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
-    op_free(p->params); op_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
+    op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
     free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open); free(p->greq_late); free(p->cstale);

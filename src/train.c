@@ -214,7 +214,8 @@ int cmd_train(Config *c) {
     if (ops_set_precision(prec, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, &est);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, c->copy_engines,
+                    &est);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -237,8 +238,13 @@ int cmd_train(Config *c) {
 
     Model m;
     model_init_layout(&m, &mc, mesh.shard_size, 0);
+    comm_set_copy_engines(c->copy_engines);
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
+    if (lead && kind == PAR_DDP && gpu && dp > 1)
+        printf("gradient all-reduce: %s\n", comm_copy_engines_active(&mesh.dp)
+                   ? "copy engines (NCCL all-to-all, sum kernel, all-gather; copy_engines=true)"
+                   : "NCCL all-reduce kernels");
     const UnitHooks *hooks = parallel_hooks(par);
     Acts a;
     acts_alloc(&a, &m, B, T, train_acts_mode(c));

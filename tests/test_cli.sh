@@ -81,6 +81,14 @@ om=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda precision=mi
 if grep -q "memory per GPU (bf16" <<<"$m" && ! grep -q "weight copies" <<<"$m" && half_of "$pb" "$pm" && half_of "$ob" "$om" \
    && [ "$(est_acts precision=bf16)" = "$(est_acts)" ]; then
   ok estimate_cuda_bf16; else bad "estimate_cuda_bf16 ($pb vs $pm, $ob vs $om)"; fi
+# DDP on several GPUs: the copy-engine all-reduce's receive buffer, 64 MiB (or the gradients'
+# size when smaller), only with world_size > 1 and copy_engines=true, and in the total
+ce() { "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda "$@"; }
+a=$(ce world_size=4 | awk '$1 == "all-to-all" {print $3, $4}')
+t1=$(ce world_size=4 | awk '$1 == "total" {print $2}'); t0=$(ce world_size=4 copy_engines=false | awk '$1 == "total" {print $2}')
+if [ "$a" = "64.0 MiB" ] && ! ce world_size=4 copy_engines=false | grep -q "all-to-all" && ! ce | grep -q "all-to-all" \
+   && ! ce world_size=4 zero_opt=true | grep -q "all-to-all" && [ "$t1" != "$t0" ]; then
+  ok estimate_copy_engine_buffer; else bad "estimate_copy_engine_buffer ($a; $t1 vs $t0)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

@@ -84,3 +84,26 @@ static __global__ void copy_rows_kernel(unsigned char *dst, const unsigned char 
         for (size_t j = threadIdx.x; j < bytes; j += blockDim.x) dst[d * bytes + j] = src[s * bytes + j];
     }
 }
+
+/* The reduction half of the copy-engine all-reduce: D blocks of c elements summed in rank
+ * order in fp32, scaled, into dst (cuda_sum_blocks). */
+static __global__ void sum_blocks_kernel(void *dst, const void *src, size_t c, int D, float s, int bf) {
+    GRID_STRIDE(i, c) {
+        float a = 0.0f;
+        for (int k = 0; k < D; k++) a = __fadd_rn(a, ld(src, (size_t)k * c + i, bf));
+        st(dst, i, __fmul_rn(a, s), bf);
+    }
+}
+static __global__ void sum_blocks8_kernel(void *dst, const void *src, size_t c, int D, float s, int bf) {
+    GRID_STRIDE(j, c / 8) {
+        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8];
+        for (int k = 0; k < D; k++) {
+            ld8(b, src, (size_t)k * c + 8 * j, bf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], b[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = __fmul_rn(a[e], s);
+        st8(dst, 8 * j, a, bf);
+    }
+}

@@ -5,8 +5,9 @@
 # tests/ckpt_diff), in fp32, for DDP, ZeRO-1, ZeRO-2, FSDP (tied embeddings) and hybrid
 # sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
 # precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP;
-# and in pure bf16 (bf16 gradients reduced by NCCL in bf16) within 2e-2, for DDP, ZeRO-2
-# and FSDP. A rank that is killed, or hangs, ends the job within seconds with a message
+# and in pure bf16 (bf16 gradients, reduced in bf16) within 2e-2, for DDP, ZeRO-2 and
+# FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
+# NCCL's all-reduce. A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP), as on CPU ranks.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
@@ -45,12 +46,24 @@ done <<'CASES'
 ddp|false|
 ddp_tied|true|
 ddp_unit_buckets|false|bucket_mb=0
+ddp_nccl_allreduce|false|copy_engines=false
 zero1|false|zero_opt=true
 zero2|false|fsdp=true shard_strategy=grad_op
 fsdp_tied|true|fsdp=true shard_strategy=full
 hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
 CASES
 grep -m1 "^done:" "$TMP/np_ddp.log"
+# -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
+# in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
+# copy_engines=false (above) on NCCL's all-reduce kernels
+grep -q "^gradient all-reduce: copy engines" "$TMP/np_ddp.log" && ok multi_gpu_ddp_on_copy_engines ||
+  bad "multi_gpu_ddp_on_copy_engines ($(grep -m1 "^gradient all-reduce" "$TMP/np_ddp.log"))"
+grep -q "^gradient all-reduce: NCCL all-reduce" "$TMP/np_ddp_nccl_allreduce.log" && ok multi_gpu_ddp_copy_engines_off ||
+  bad multi_gpu_ddp_copy_engines_off
+out=$TMP/np_ddp_pieces
+if MESHTRAIN_CE_BUFFER_BYTES=100000 runn "$out" $M tie_embeddings=true batch_size=$B && close "$TMP/one_true" "$out"
+then ok multi_gpu_ddp_copy_engines_in_pieces
+else bad "multi_gpu_ddp_copy_engines_in_pieces ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 
 TOL=2e-2
 MM=${M/precision=fp32/precision=mixed}

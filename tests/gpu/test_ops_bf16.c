@@ -8,6 +8,7 @@
  * The precision is fixed per process, so the bf16 part runs in a child process.
  * Backward ops must accumulate (their outputs start non-zero). Needs a GPU. */
 #include "ops.h"
+#include "ops_cuda.h"
 #include "test.h"
 #include "util.h"
 
@@ -573,6 +574,31 @@ static void test_bf16_flat(void) {
     }
 }
 
+/* precision=bf16: the copy-engine all-reduce's sum of bf16 gradients (cuda_sum_blocks):
+ * each element summed in rank order in fp32, scaled, rounded to bf16 once. */
+static void test_bf16_sum_blocks(void) {
+    size_t cs[] = {1001, 4096};
+    for (int k = 0; k < 2; k++)
+        for (int D = 2; D <= 4; D += 2) {
+            size_t c = cs[k];
+            float s = 1.0f / (float)D, *x = randb(c * D, 1.0f), *y = xmalloc(c * sizeof(float));
+            char sh[64];
+            snprintf(sh, sizeof sh, "c=%zu D=%d", c, D);
+            for (size_t i = 0; i < c; i++) {
+                float a = 0.0f;
+                for (int d = 0; d < D; d++) a += x[(size_t)d * c + i];
+                y[i] = a * s;
+            }
+            round_bf16(y, c);
+            void *dX = up_state(x, c * D), *dY = op_alloc(c * ops_state_size());
+            cuda_sum_blocks(dY, dX, c, D, s, 1, cuda_stream());
+            cuda_synchronize();
+            expect_state_bitwise("sum_blocks (bf16)", sh, dY, y, c);
+            op_free(dX); op_free(dY);
+            free(x); free(y);
+        }
+}
+
 /* precision=mixed: AdamW that also writes the bf16 compute copy (DDP's update) gives the
  * parameters and moments of op_adamw and the copy op_to_act makes of them, bitwise; on the
  * 16-byte path, and one element off alignment (the scalar path). */
@@ -628,6 +654,7 @@ static int run_mode(OpsPrecision p) {
         RUN(test_bf16_matmul_backward);
         RUN(test_bf16_adamw);
         RUN(test_bf16_flat);
+        RUN(test_bf16_sum_blocks);
         return 0;
     }
     rng_seed(&rng, 1234);

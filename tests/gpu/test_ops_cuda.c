@@ -553,6 +553,35 @@ static void test_flat(void) {
     }
 }
 
+/* The copy-engine all-reduce's sum (cuda_sum_blocks, on a stream of its own): D blocks of c
+ * floats added in rank order in fp32 and scaled, bitwise against the same sum on the host;
+ * c % 8 == 0 takes the 16-byte kernel, the odd c the scalar one. (Here on the compute
+ * stream; comm.c passes its communication stream.) */
+static void test_sum_blocks(void) {
+    size_t cs[] = {1, 1003, 4096, 1000000};
+    int Ds[] = {2, 3, 4, 8};
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 4; j++) {
+            size_t c = cs[k];
+            int D = Ds[j];
+            float s = 1.0f / (float)D;
+            char shape[64];
+            snprintf(shape, sizeof shape, "c=%zu D=%d", c, D);
+            float *x = randf(c * D, 1.0f), *y = xmalloc(c * sizeof(float));
+            for (size_t i = 0; i < c; i++) {
+                float a = 0.0f;
+                for (int d = 0; d < D; d++) a += x[(size_t)d * c + i];
+                y[i] = a * s;
+            }
+            float *d_x = dcopy(x, c * D, 0), *d_y = dalloc(c, 0);
+            cuda_sum_blocks(d_y, d_x, c, D, s, 0, cuda_stream());
+            cuda_synchronize();
+            expect_bitwise("sum_blocks", shape, d_y, y, c);
+            free(x); free(y);
+            dfree_all();
+        }
+}
+
 /* Row gather and scatter by an index list, against the CPU op, bitwise: rows of 1024 floats
  * (the 16-byte kernel) and of 37 floats, unaligned (the byte kernel). Scatter must leave
  * the rows not listed untouched. */
@@ -643,6 +672,7 @@ int main(int argc, char **argv) {
     printf("device %d: %s\n", device, cuda_device_name());
     RUN(test_flat);
     RUN(test_copy_rows);
+    RUN(test_sum_blocks);
     RUN(test_backend_table);
     RUN(test_matmul);
     RUN(test_embedding);
