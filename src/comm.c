@@ -341,7 +341,7 @@ size_t comm_ce_buffer_bytes(size_t bytes) {
 
 void *comm_alloc(const Comm *c, size_t bytes) {
 #if defined(MESHTRAIN_NCCL) && HAVE_CE
-    const char *what = "copy-engine buffer registration";
+    const char *what = "copy-engine buffer registration (copy_engines=false avoids it)";
     CommImpl *ci = c->impl;
     /* The communicator must be new, to be made with the zero-CTA policy; every rank takes
      * the same branch (the same calls have reached here on all of them). */
