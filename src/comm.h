@@ -6,7 +6,8 @@
  *
  * NCCL backend (builds with MESHTRAIN_NCCL, i.e. nvcc and nccl.h found): on a device=cuda
  * run (ops_host_memory() == 0) the float collectives of a group of more than one rank run
- * as ncclAllReduce / ncclReduceScatter / ncclAllGather on one communication stream. Each
+ * as ncclAllReduce / ncclReduceScatter / ncclAllGather on one communication stream (an
+ * all-reduce over a comm_alloc buffer on the copy engines instead, see there). Each
  * group's NCCL communicator is made at its first float collective (rank 0 of the group
  * makes the id, broadcast over the group's MPI communicator), so the device is already
  * selected by ops_init. The comm stream first waits for the compute stream's work so far;
