@@ -252,6 +252,8 @@ static int nccl_test(CommReq *r) {
 
 static ncclRedOp_t nccl_op(CommOp op) { return op == COMM_AVG ? ncclAvg : ncclSum; }
 
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define HAVE_CE 1
 /* Copy-engine all-reduce (comm_alloc). Buffers in NCCL symmetric windows, to find the
  * all-reduces over them and to deregister and free them. */
 typedef struct { char *p; size_t bytes; void *win; ncclComm_t nc; const Comm *c; } RegBuf;
@@ -266,8 +268,6 @@ static const RegBuf *reg_of(const Comm *c, const void *p, size_t bytes) {
     return NULL;
 }
 
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-#define HAVE_CE 1
 /* Memory in a symmetric window of nc (collective: every rank of c together). */
 static void *win_alloc(const Comm *c, ncclComm_t nc, size_t bytes, void **win, const char *what) {
     void *p = NULL;
@@ -366,14 +366,12 @@ void *comm_alloc(const Comm *c, size_t bytes) {
 
 void comm_buffer_free(void *p) {
     if (!p) return;
-#ifdef MESHTRAIN_NCCL
+#if defined(MESHTRAIN_NCCL) && HAVE_CE
     for (int i = 0; i < g_n_reg; i++)
         if (g_reg[i].p == p) {
             RegBuf r = g_reg[i];
             g_reg[i] = g_reg[--g_n_reg];
-#if HAVE_CE
             win_free(r.c, r.nc, p, r.win, "copy-engine buffer release");
-#endif
             return;
         }
 #endif
