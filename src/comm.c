@@ -261,6 +261,14 @@ typedef struct { char *p; size_t bytes; void *win; ncclComm_t nc; const Comm *c;
 static RegBuf g_reg[MAX_REG];
 static int g_n_reg;
 
+static void win_free(const Comm *c, ncclComm_t nc, void *p, void *win, const char *what);
+/* Takes g_reg[i] off the list (the last entry moves into its place) and frees its memory. */
+static void reg_drop(int i, const char *what) {
+    RegBuf r = g_reg[i];
+    g_reg[i] = g_reg[--g_n_reg];
+    win_free(r.c, r.nc, r.p, r.win, what);
+}
+
 static const RegBuf *reg_of(const Comm *c, const void *p, size_t bytes) {
     for (int i = 0; i < g_n_reg; i++)
         if (g_reg[i].c == c && (const char *)p >= g_reg[i].p && (const char *)p + bytes <= g_reg[i].p + g_reg[i].bytes)
@@ -307,12 +315,8 @@ static int ce_possible(const Comm *c) {
 static void ce_release(CommImpl *ci, const char *what) {
 #if HAVE_CE
     if (!ci->a2a) return;
-    for (int i = 0; i < g_n_reg; i++)  /* buffers still registered on this communicator */
-        if (g_reg[i].nc == ci->nccl) {
-            RegBuf r = g_reg[i];
-            g_reg[i--] = g_reg[--g_n_reg];
-            win_free(r.c, r.nc, r.p, r.win, what);
-        }
+    for (int i = g_n_reg - 1; i >= 0; i--)  /* buffers still registered on this communicator */
+        if (g_reg[i].nc == ci->nccl) reg_drop(i, what);
     win_free(NULL, ci->nccl, ci->a2a, ci->a2a_win, what);
     ci->a2a = NULL;
 #else
@@ -369,9 +373,7 @@ void comm_buffer_free(void *p) {
 #if defined(MESHTRAIN_NCCL) && HAVE_CE
     for (int i = 0; i < g_n_reg; i++)
         if (g_reg[i].p == p) {
-            RegBuf r = g_reg[i];
-            g_reg[i] = g_reg[--g_n_reg];
-            win_free(r.c, r.nc, p, r.win, "copy-engine buffer release");
+            reg_drop(i, "copy-engine buffer release");
             return;
         }
 #endif

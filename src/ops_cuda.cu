@@ -885,10 +885,12 @@ void cuda_sum_blocks(void *dst, const void *src, size_t c, int D, float s, int b
     if (!c) return;
     cudaStream_t st = (cudaStream_t)stream;
     size_t es = bf16 ? 2 : 4;
-    if (c % 8 == 0 && ((uintptr_t)dst | (uintptr_t)src | (c * es)) % 16 == 0)
+    if (c % 8 == 0 && ((uintptr_t)dst | (uintptr_t)src | (c * es)) % 16 == 0) {
         sum_blocks8_kernel<<<ew_grid(c / 8), EW_BLOCK, 0, st>>>(dst, src, c, D, s, bf16);
-    else
-        sum_blocks_kernel<<<ew_grid(c), EW_BLOCK, 0, st>>>(dst, src, c, D, s, bf16);
+        LAUNCH_CHECK(sum_blocks8_kernel);
+        return;
+    }
+    sum_blocks_kernel<<<ew_grid(c), EW_BLOCK, 0, st>>>(dst, src, c, D, s, bf16);
     LAUNCH_CHECK(sum_blocks_kernel);
 }
 
@@ -934,4 +936,3 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .add = cuda_add,
     .copy_rows = cuda_copy_rows,
 };
-
