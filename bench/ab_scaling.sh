@@ -7,7 +7,8 @@
 # changes that cannot touch one GPU's step).
 # Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1
 # BASE replaces the model and device keys. ONE_ALL=1 runs the one-GPU case on each of the NP
-# GPUs at once and also gives the scaling against their mean.
+# GPUs at once and also gives the scaling against their mean and against the slowest of
+# them (DDP cannot outrun its slowest card).
 # Prints one line per run (with its median and slowest step; with OUT set, its log goes to
 # OUT/logs), then per spec and precision the median tokens/s on 1 and NP GPUs,
 # the scaling (NP-GPU tokens/s / (NP x one GPU's)) and the peak memory per GPU.
@@ -41,7 +42,7 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
           ) &
         done
         wait
-        sum=0 k=0
+        sum=0 k=0 slow=0
         for o in "${outs[@]}"; do
           d=$(cat "$o/done")
           t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
@@ -56,23 +57,27 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
             cp "$o/log.jsonl" "$OUT/logs/$(printf '%s-%s-%s-%s' "$spec" "$prec" "$tag" "$r" | tr -c 'a-zA-Z0-9_.-' _).jsonl"
           [ "$k" = 0 ] && echo "$spec $prec $np $t $m" >>"$res"
           sum=$(awk -v a="$sum" -v b="$t" 'BEGIN{print a + b}') k=$((k + 1))
+          slow=$(awk -v a="$slow" -v b="$t" 'BEGIN{print (a == 0 || b < a) ? b : a}')
         done
-        [ "$k" -gt 1 ] && echo "$spec $prec m $(awk -v a="$sum" -v k="$k" 'BEGIN{print a / k}') 0" >>"$res"
+        [ "$k" -gt 1 ] && echo "$spec $prec m $(awk -v a="$sum" -v k="$k" 'BEGIN{print a / k}') 0" >>"$res" &&
+          echo "$spec $prec s $slow 0" >>"$res"
       done
     done
   done
 done
-printf '%-48s %-6s %10s %12s %8s %8s %s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB "$([ "${ONE_ALL:-0}" = 1 ] && echo "vs the GPUs' mean")"
+printf '%-48s %-6s %10s %12s %8s %8s %s\n' spec prec 1-GPU "$NP-GPU" scaling peakGiB "$([ "${ONE_ALL:-0}" = 1 ] && echo "vs the GPUs' mean / the slowest GPU")"
 for spec in "$@"; do
   for prec in ${PRECS:-bf16 mixed}; do
     s1=$spec
     [ "${spec:0:1}" = "^" ] && s1=$1
     one=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == 1 {print $4}' "$res" | median)
     mean=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == "m" {print $4}' "$res" | median)
+    slow=$(awk -v s="$s1" -v p="$prec" '$1 == s && $2 == p && $3 == "s" {print $4}' "$res" | median)
     many=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $4}' "$res" | median)
     peak=$(awk -v s="$spec" -v p="$prec" -v n="$NP" '$1 == s && $2 == p && $3 == n {print $5}' "$res" | median)
-    awk -v s="$spec" -v p="$prec" -v a="${one:-0}" -v b="${many:-0}" -v n="$NP" -v m="${peak:-0}" -v c="${mean:-0}" \
+    awk -v s="$spec" -v p="$prec" -v a="${one:-0}" -v b="${many:-0}" -v n="$NP" -v m="${peak:-0}" -v c="${mean:-0}" -v w="${slow:-0}" \
       'BEGIN{printf "%-48s %-6s %10.0f %12.0f %7.1f%% %8.1f", s, p, a, b, a ? 100 * b / (n * a) : 0, m / 2^30
-             if (c > 0) printf " %7.1f%% (mean %.0f)", 100 * b / (n * c), c; printf "\n"}'
+             if (c > 0) printf " %7.1f%% (mean %.0f)", 100 * b / (n * c), c
+             if (w > 0) printf " / %.1f%% (slowest %.0f)", 100 * b / (n * w), w; printf "\n"}'
   done
 done

@@ -7,6 +7,9 @@
 # to reach their sustained (power-limited) clocks: 10-step runs flatter scaling.
 # Usage: NP=4 STEPS=60 bench/gpu_scaling.sh [peer.py]    PAIRS="bf16 mixed" picks pairs;
 # SIDES="meshtrain peer" picks the systems (SIDES=meshtrain skips the peer's compile time).
+# ONE_ALL=1 runs each one-GPU case on every GPU at once (independent runs) and adds the
+# scaling against their mean and against the slowest: DDP cannot outrun its slowest card,
+# and the cards of one machine can differ by a few percent.
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}
 NP=${NP:-4}
@@ -32,16 +35,29 @@ peer() {  # peer NPROC KEYS... -> "tokens/s peakGB"
   echo "$(field tokens_per_s "$j") $(field peak_mem_gb "$j")"
 }
 
-echo "| run ($card, $STEPS steps) | 1 GPU tokens/s | $NP GPUs tokens/s | scaling | peak GB per GPU ($NP GPUs) |"
-echo "|---|---|---|---|---|"
-row() {  # row LABEL "t1 m1" "tn mn"
-  read -r t1 _ <<<"$2"; read -r tn mn <<<"$3"
-  awk -v l="$1" -v a="$t1" -v b="$tn" -v n="$NP" -v m="$mn" \
-    'BEGIN{printf "| %s | %.0f | %.0f | %.1f%% | %s |\n", l, a, b, (a > 0 ? 100*b/(n*a) : 0), m}'
+one() {  # one FUNC KEYS... -> "tokens/s peakGB [mean slowest]": FUNC on GPU 0 (ONE_ALL=1: on each GPU at once)
+  local f=$1; shift
+  [ "${ONE_ALL:-0}" = 1 ] || { "$f" 1 "$@"; return; }
+  local d g; d=$(mktemp -d)
+  for ((g = 0; g < NP; g++)); do CUDA_VISIBLE_DEVICES=$g "$f" 1 "$@" >"$d/$g" & done
+  wait
+  for ((g = 0; g < NP; g++)); do cat "$d/$g"; echo; done |
+    awk 'NF {if (!n) first = $0; s += $1; if (!n || $1 < w) w = $1; n++}
+         END {printf "%s %.0f %.0f", first, s / n, w}'
+}
+
+all=""; [ "${ONE_ALL:-0}" = 1 ] && all=" vs the GPUs' mean / the slowest |"
+echo "| run ($card, $STEPS steps) | 1 GPU tokens/s | $NP GPUs tokens/s | scaling | peak GB per GPU ($NP GPUs) |$all"
+echo "|---|---|---|---|---|${all:+---|}"
+row() {  # row LABEL "t1 m1 [mean slowest]" "tn mn"
+  read -r t1 _ c w <<<"$2"; read -r tn mn <<<"$3"
+  awk -v l="$1" -v a="$t1" -v b="$tn" -v n="$NP" -v m="$mn" -v c="${c:-0}" -v w="${w:-0}" \
+    'BEGIN{printf "| %s | %.0f | %.0f | %.1f%% | %s |", l, a, b, (a > 0 ? 100*b/(n*a) : 0), m
+           if (c > 0 && w > 0) printf " %.1f%% / %.1f%% |", 100*b/(n*c), 100*b/(n*w); printf "\n"}'
 }
 for pair in ${PAIRS:-bf16 mixed}; do
   if [ "$pair" = bf16 ]; then pk="compile=1"; else pk="compile=1 amp=1"; fi
   [[ " ${SIDES:-meshtrain peer} " == *" meshtrain "* ]] &&
-    row "meshtrain precision=$pair" "$(mt 1 precision=$pair)" "$(mt "$NP" precision=$pair)"
-  [[ " ${SIDES:-meshtrain peer} " == *" peer "* ]] && row "peer $pk" "$(peer 1 $pk)" "$(peer "$NP" $pk)"
+    row "meshtrain precision=$pair" "$(one mt precision=$pair)" "$(mt "$NP" precision=$pair)"
+  [[ " ${SIDES:-meshtrain peer} " == *" peer "* ]] && row "peer $pk" "$(one peer $pk)" "$(peer "$NP" $pk)"
 done
