@@ -42,7 +42,7 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
           ) &
         done
         wait
-        sum=0 k=0 slow=0
+        k=0 ts=""
         for o in "${outs[@]}"; do
           d=$(cat "$o/done")
           t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")
@@ -56,11 +56,12 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
           [ -n "${OUT:-}" ] && mkdir -p "$OUT/logs" &&
             cp "$o/log.jsonl" "$OUT/logs/$(printf '%s-%s-%s-%s' "$spec" "$prec" "$tag" "$r" | tr -c 'a-zA-Z0-9_.-' _).jsonl"
           [ "$k" = 0 ] && echo "$spec $prec $np $t $m" >>"$res"
-          sum=$(awk -v a="$sum" -v b="$t" 'BEGIN{print a + b}') k=$((k + 1))
-          slow=$(awk -v a="$slow" -v b="$t" 'BEGIN{print (a == 0 || b < a) ? b : a}')
+          ts+="$t"$'\n' k=$((k + 1))
         done
-        [ "$k" -gt 1 ] && echo "$spec $prec m $(awk -v a="$sum" -v k="$k" 'BEGIN{print a / k}') 0" >>"$res" &&
-          echo "$spec $prec s $slow 0" >>"$res"
+        if [ "$k" -gt 1 ]; then
+          read -r mean slow <<<"$(mean_min <<<"$ts")"
+          echo "$spec $prec m $mean 0" >>"$res"; echo "$spec $prec s $slow 0" >>"$res"
+        fi
       done
     done
   done

@@ -41,9 +41,7 @@ one() {  # one FUNC KEYS... -> "tokens/s peakGB [mean slowest]": FUNC on GPU 0 (
   local d g; d=$(mktemp -d)
   for ((g = 0; g < NP; g++)); do CUDA_VISIBLE_DEVICES=$g "$f" 1 "$@" >"$d/$g" & done
   wait
-  for ((g = 0; g < NP; g++)); do cat "$d/$g"; echo; done |
-    awk 'NF {if (!n) first = $0; s += $1; if (!n || $1 < w) w = $1; n++}
-         END {printf "%s %.0f %.0f", first, s / n, w}'
+  echo "$(cat "$d/0") $(for ((g = 0; g < NP; g++)); do cat "$d/$g"; echo; done | mean_min)"
 }
 
 all=""; [ "${ONE_ALL:-0}" = 1 ] && all=" vs the GPUs' mean / the slowest |"

@@ -22,6 +22,9 @@ mt_failed() { tail -"${2:-2}" "$1/stdout" | tr '\n' ' '; }
 
 # median: the median of the numbers on stdin, one a line (nothing for none)
 median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2)}'; }
+# mean_min: "MEAN MIN" of the first field of the non-empty lines on stdin (the GPUs' one-GPU
+# runs: their mean, and the slowest, whose pace DDP cannot beat); nothing for none
+mean_min() { awk 'NF {s += $1; if (!n || $1 < w) w = $1; n++} END {if (n) printf "%.0f %.0f\n", s / n, w}'; }
 
 # field NAME LINE: a number from a JSON line ("k":v as meshtrain writes it, "k": v the peer)
 field() { grep -o "\"$1\": *[0-9.e+-]*" <<<"$2" | head -1 | sed 's/.*: *//'; }
