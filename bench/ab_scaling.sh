@@ -8,7 +8,8 @@
 # Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1
 # BASE replaces the model and device keys. ONE_ALL=1 runs the one-GPU case on each of the NP
 # GPUs at once and also gives the scaling against their mean and against the slowest of
-# them (DDP cannot outrun its slowest card).
+# them (DDP cannot outrun its slowest card). CLOCKS=1 prints after each group of runs the
+# cards' median SM clock, power and temperature while busy (MHz/W/C, bench/lib.sh smi_start).
 # Prints one line per run (with its median and slowest step; with OUT set, its log goes to
 # OUT/logs), then per spec and precision the median tokens/s on 1 and NP GPUs,
 # the scaling (NP-GPU tokens/s / (NP x one GPU's)) and the peak memory per GPU.
@@ -32,7 +33,8 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
         # cards of one machine differ by a percent or so
         gpus=0
         [ "$np" = 1 ] && [ "${ONE_ALL:-0}" = 1 ] && gpus=$(seq 0 $((NP - 1)))
-        outs=()
+        outs=() pids=()
+        [ "${CLOCKS:-0}" = 1 ] && smi=$(mktemp) && smi_start "$smi"
         for g in $gpus; do
           o=$(mktemp -d); outs+=("$o")
           (  # DDP: every rank sees all GPUs
@@ -40,8 +42,10 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
             BIN=$bin mt_run "$o" "$np" "$envs" $CFG precision=$prec steps=$((STEPS + 1)) log_every=$STEPS \
               progress=false ckpt_path=none val_batches=1 >"$o/done"
           ) &
+          pids+=($!)
         done
-        wait
+        wait "${pids[@]}"
+        [ "${CLOCKS:-0}" = 1 ] && smi_stop
         k=0 ts=""
         for o in "${outs[@]}"; do
           d=$(cat "$o/done")
@@ -58,6 +62,7 @@ for ((r = 1; r <= ${REPS:-2}; r++)); do
           [ "$k" = 0 ] && echo "$spec $prec $np $t $m" >>"$res"
           ts+="$t"$'\n' k=$((k + 1))
         done
+        [ "${CLOCKS:-0}" = 1 ] && printf '%-48s %-6s np=%s round %d clocks MHz/W/C:%s\n' "$spec" "$prec" "$np" "$r" "$(smi_summary "$smi")"
         if [ "$k" -gt 1 ]; then
           read -r mean slow <<<"$(mean_min <<<"$ts")"
           echo "$spec $prec m $mean 0" >>"$res"; echo "$spec $prec s $slow 0" >>"$res"

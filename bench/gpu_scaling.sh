@@ -9,7 +9,8 @@
 # SIDES="meshtrain peer" picks the systems (SIDES=meshtrain skips the peer's compile time).
 # ONE_ALL=1 runs each one-GPU case on every GPU at once (independent runs) and adds the
 # scaling against their mean and against the slowest: DDP cannot outrun its slowest card,
-# and the cards of one machine can differ by a few percent.
+# and the cards of one machine can differ by a few percent. CLOCKS=1 adds, after the
+# table, the cards' median SM clock, power and temperature while busy during each run.
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}
 NP=${NP:-4}
@@ -38,10 +39,18 @@ peer() {  # peer NPROC KEYS... -> "tokens/s peakGB"
 one() {  # one FUNC KEYS... -> "tokens/s peakGB [mean slowest]": FUNC on GPU 0 (ONE_ALL=1: on each GPU at once)
   local f=$1; shift
   [ "${ONE_ALL:-0}" = 1 ] || { "$f" 1 "$@"; return; }
-  local d g; d=$(mktemp -d)
-  for ((g = 0; g < NP; g++)); do CUDA_VISIBLE_DEVICES=$g "$f" 1 "$@" >"$d/$g" & done
-  wait
+  local d g pids=(); d=$(mktemp -d)
+  for ((g = 0; g < NP; g++)); do CUDA_VISIBLE_DEVICES=$g "$f" 1 "$@" >"$d/$g" & pids+=($!); done
+  wait "${pids[@]}"
   echo "$(cat "$d/0") $(for ((g = 0; g < NP; g++)); do cat "$d/$g"; echo; done | mean_min)"
+}
+
+CLK=$(mktemp)
+clk() {  # clk LABEL FUNC ARGS...: FUNC's output; with CLOCKS=1 the cards' clocks meanwhile go to CLK
+  local l=$1; shift
+  [ "${CLOCKS:-0}" = 1 ] || { "$@"; return; }
+  local f; f=$(mktemp); smi_start "$f"; "$@"; smi_stop
+  echo "$l:$(smi_summary "$f")" >>"$CLK"
 }
 
 all=""; [ "${ONE_ALL:-0}" = 1 ] && all=" vs the GPUs' mean / the slowest |"
@@ -56,6 +65,9 @@ row() {  # row LABEL "t1 m1 [mean slowest]" "tn mn"
 for pair in ${PAIRS:-bf16 mixed}; do
   if [ "$pair" = bf16 ]; then pk="compile=1"; else pk="compile=1 amp=1"; fi
   [[ " ${SIDES:-meshtrain peer} " == *" meshtrain "* ]] &&
-    row "meshtrain precision=$pair" "$(one mt precision=$pair)" "$(mt "$NP" precision=$pair)"
-  [[ " ${SIDES:-meshtrain peer} " == *" peer "* ]] && row "peer $pk" "$(one peer $pk)" "$(peer "$NP" $pk)"
+    row "meshtrain precision=$pair" "$(clk "meshtrain $pair, 1 GPU" one mt precision=$pair)" \
+      "$(clk "meshtrain $pair, $NP GPUs" mt "$NP" precision=$pair)"
+  [[ " ${SIDES:-meshtrain peer} " == *" peer "* ]] &&
+    row "peer $pk" "$(clk "peer $pk, 1 GPU" one peer $pk)" "$(clk "peer $pk, $NP GPUs" peer "$NP" $pk)"
 done
+[ -s "$CLK" ] && { echo; echo "clocks while busy (median MHz/W/C per GPU):"; cat "$CLK"; }

@@ -34,3 +34,26 @@ peer_run() {
   local np=$1; shift
   torchrun --standalone --nproc_per_node="$np" "$PEER" "$@" 2>&1 | grep '^{' | tail -1
 }
+
+# smi_start FILE: samples every GPU's SM clock, power, utilization and temperature each
+# 100 ms into FILE, in the background, until smi_stop; smi_summary FILE prints, per GPU,
+# the medians over the samples where it was busy (utilization >= 95%): "gpuN MHz/W/C".
+# The cards run under their power cap: a card that draws more for communication lowers
+# its clock, and this shows it.
+smi_start() {
+  nvidia-smi --query-gpu=index,clocks.sm,power.draw,utilization.gpu,temperature.gpu \
+    --format=csv,noheader,nounits -lms 100 >"$1" 2>/dev/null &
+  SMI_PID=$!
+}
+smi_stop() { [ -n "${SMI_PID:-}" ] && kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; SMI_PID=; }
+smi_summary() {
+  local g c
+  for g in $(awk -F', *' '{print $1}' "$1" | sort -un); do
+    printf ' gpu%s' "$g"
+    for c in 2 3 5; do
+      awk -F', *' -v g="$g" -v c="$c" '$1 == g && $4 >= 95 {print $c}' "$1" | median |
+        awk -v c="$c" '{v = sprintf("%.0f", $1)} END {printf "%s%s", c == 2 ? " " : "/", NR ? v : "-"}'
+    done
+  done
+  echo
+}
