@@ -337,6 +337,15 @@ int comm_copy_engines_active(const Comm *c) {
 #endif
 }
 
+int comm_copy_engines_possible(const Comm *c) {
+#if defined(MESHTRAIN_NCCL) && HAVE_CE
+    return g_ce_wanted && c->size > 1 && use_nccl(c) && ce_possible(c);
+#else
+    (void)c;
+    return 0;
+#endif
+}
+
 size_t comm_ce_buffer_bytes(size_t bytes) {
     const char *e = getenv("MESHTRAIN_CE_BUFFER_BYTES");  /* test hook: all-reduces in many pieces */
     size_t cap = e && atoll(e) > 0 ? (size_t)atoll(e) : COMM_CE_BUFFER_BYTES;

@@ -80,6 +80,10 @@ void comm_buffer_free(void *p);
 void comm_set_copy_engines(int on);
 /* Whether c's comm_alloc buffers are reduced by the copy engines. */
 int comm_copy_engines_active(const Comm *c);
+/* Whether comm_alloc on c will take the copy-engine path (asked before any buffer, for the
+ * memory estimate): comm_set_copy_engines on, and c's ranks on one machine with NCCL 2.28
+ * or later. Every rank of c calls it together. */
+int comm_copy_engines_possible(const Comm *c);
 /* The all-to-all buffer that comm_alloc adds for a first buffer of `bytes`. */
 size_t comm_ce_buffer_bytes(size_t bytes);
 

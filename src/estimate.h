@@ -22,7 +22,8 @@ typedef struct {
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
  * cuBLASLt workspace and the ops' scratch (the CUDA context is outside the allocator). */
 /* copy_engines: DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer
- * (comm_alloc in comm.h) counts as `comm`. */
+ * (comm_alloc in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on
+ * one machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
                      int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, MemEstimate *e);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);

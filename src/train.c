@@ -214,8 +214,10 @@ int cmd_train(Config *c) {
     if (ops_set_precision(prec, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, c->copy_engines,
-                    &est);
+    /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
+    comm_set_copy_engines(c->copy_engines);
+    int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &est);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -238,7 +240,6 @@ int cmd_train(Config *c) {
 
     Model m;
     model_init_layout(&m, &mc, mesh.shard_size, 0);
-    comm_set_copy_engines(c->copy_engines);
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
     if (lead && kind == PAR_DDP && gpu && dp > 1)
