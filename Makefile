@@ -75,7 +75,7 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
 
 # bf16 flash attention (tensor cores, mma.sync): its own object, linked wherever ops_cuda.o is,
 # and a standalone GPU test program built by nvcc.
-$(BUILD)/obj/attn_bf16.o: src/attn_bf16.cu src/attn_bf16.h | $(BUILD)/obj
+$(BUILD)/obj/attn_bf16.o: src/attn_bf16.cu src/attn_bf16.h src/cuda/sfu.cuh | $(BUILD)/obj
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
 
 $(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu src/attn_bf16.h $(BUILD)/obj/attn_bf16.o | $(BUILD)/tests

@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include "cuda/sfu.cuh"
 
 #define TILE 64 /* query rows per block and keys per tile: equal, so each tile has one diagonal tile */
 #define NWARPS 4
@@ -84,11 +85,6 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
-}
-static __device__ __forceinline__ float ex2(float x) { /* 2^x; ex2(-inf) = 0 */
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
 }
 static __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 static __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
@@ -285,13 +281,13 @@ static __device__ __forceinline__ void fwd_body(bf16 *out, float *lse, const bf1
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mnew = fmaxf(m[r], mx * scale2);
             const float mu = mnew == -INFINITY ? 0.f : mnew; /* a row with nothing yet stays at 0 */
-            const float alpha = ex2(m[r] - mu);
+            const float alpha = sfu_ex2(m[r] - mu);
             m[r] = mnew;
             float sum = 0.f;
 #pragma unroll
             for (int i = 0; i < KT / 8; i++) {
-                s[i][2 * r] = ex2(fmaf(s[i][2 * r], scale2, -mu));
-                s[i][2 * r + 1] = ex2(fmaf(s[i][2 * r + 1], scale2, -mu));
+                s[i][2 * r] = sfu_ex2(fmaf(s[i][2 * r], scale2, -mu));
+                s[i][2 * r + 1] = sfu_ex2(fmaf(s[i][2 * r + 1], scale2, -mu));
                 sum += s[i][2 * r] + s[i][2 * r + 1];
             }
             l[r] = l[r] * alpha + sum;
@@ -436,7 +432,7 @@ static __device__ __forceinline__ void dkdv_body(bf16 *dqkv, const bf16 *dout, c
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int ql = qs * SUB_KV + n * 8 + 2 * t + (e & 1);
-                    float p = ex2(fmaf(st[n][e], scale2, -slse[ql] * LOG2E));
+                    float p = sfu_ex2(fmaf(st[n][e], scale2, -slse[ql] * LOG2E));
                     if (mask && kw + g + 8 * (e >> 1) > qi * QR + ql) p = 0.f;
                     st[n][e] = p;
                     dpt[n][e] = p * (dpt[n][e] - sD[ql]);
@@ -543,7 +539,7 @@ static __device__ __forceinline__ void dq_body(bf16 *dqkv, const bf16 *dout, con
         for (int i = 0; i < KT / 8; i++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float p = ex2(fmaf(s[i][e], scale2, -lr[e >> 1]));
+                float p = sfu_ex2(fmaf(s[i][e], scale2, -lr[e >> 1]));
                 if (mask && k0 + i * 8 + 2 * t + (e & 1) > q0 + g + 8 * (e >> 1)) p = 0.f;
                 s[i][e] = p * (dp[i][e] - dr[e >> 1]); /* dS */
             }

@@ -57,12 +57,9 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
 /* e^(x - mx) as 2^(x log2 e - mx log2 e): one FMA and the SFU's ex2.approx (relative error
  * about 2^-22, -inf -> 0) where expf takes several instructions; the exp passes issue two
  * exps per logit and are bound by instruction issue more than by memory. */
+#include "sfu.cuh"
 #define CE_LOG2E 1.4426950408889634f
-static __device__ __forceinline__ float ce_exp(float x, float mxl) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, CE_LOG2E, -mxl)));
-    return y;
-}
+static __device__ __forceinline__ float ce_exp(float x, float mxl) { return sfu_ex2(fmaf(x, CE_LOG2E, -mxl)); }
 static __global__ void __launch_bounds__(CE8_BLOCK, CE_SMEM_BLOCKS)
 crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, int V, float scale) {
     extern __shared__ uint4 ce_row[]; /* [ceil(V / 8)] */
