@@ -94,10 +94,24 @@ static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, doub
     else op_adamw(pa, g, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
 }
 
-/* Without clipping, the update runs in two parts: [late_hi, n_flat), whose reductions are
- * done, while the late ones finish; then [0, late_hi). AdamW is elementwise, so the result
- * is bitwise that of one update; only the logged norm is summed in two parts. Clipping
- * needs the whole norm before any update: one part. */
+/* Without clipping, the update runs in two parts. AdamW is elementwise, so the result is
+ * bitwise that of one update; only the logged norm is summed in two parts. Clipping needs
+ * the whole norm before any update: one part.
+ * - [0, late_hi), whose reductions end the backward: the embedding and layers 0-2, which
+ *   the next forward needs first.
+ * - [late_hi, n_flat), reduced earlier. With side_update (the default; the ops' side queue)
+ *   its units are updated after the first part, beside the next step's forward, which
+ *   waits for each at its gather (par_whole_gather). Otherwise it runs first, while the
+ *   late reductions finish. */
+static int side_units(Parallel *p, size_t split) {
+    const Model *m = p->m;
+    if (!p->side_update || split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
+    size_t n = 0;
+    for (int u = 0; u < m->n_units; u++)
+        if (m->units[u].offset >= split) n += m->units[u].n_padded;
+    return n == m->n_flat - split;  /* the part is whole units */
+}
+
 double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
     ddp_flush(p);  /* first: a bucket it starts is a late one, which moves late_hi */
@@ -107,15 +121,29 @@ double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int u = 0; u < m->n_units; u++)
         if (!p->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
+    int side = side_units(p, split);
     if (split < n) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
-        update(p, split, n - split, oc, lr, step, 1.0f);
+        if (!side) update(p, split, n - split, oc, lr, step, 1.0f);
     }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     ddp_finish_erows(p);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(sumsq);
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
+    if (side) {
+        op_side_begin();
+        for (int u = 0; u < m->n_units; u++) {
+            const Unit *un = &m->units[u];
+            if (un->offset < split) continue;
+            update(p, un->offset, un->n_padded, oc, lr, step, 1.0f);
+            op_zero(st_at(p->grads, un->offset), un->n_padded * ops_state_size());  /* the next step's */
+            op_side_mark(u);
+            p->side_pending[u] = 1;
+        }
+        op_side_end();
+        p->side_lo = split;
+    }
     /* with precision=mixed AdamW wrote the bf16 copy too: it is current */
     *lr_out = lr;
     return norm;
@@ -136,4 +164,8 @@ void ddp_setup(Parallel *p) {
     p->n_erows = SIZE_MAX;
     p->hooks.grad_begin = ddp_progress;
     p->hooks.grad_ready = ddp_grad_ready;
+    p->hooks.gather = par_whole_gather;  /* waits for a unit's update on the side queue */
+    p->side_pending = xcalloc((size_t)p->m->n_units, 1);
+    const char *side = getenv("MESHTRAIN_SIDE_UPDATE");  /* =0: the update in one queue (A/B) */
+    p->side_update = !(side && !strcmp(side, "0"));
 }

@@ -73,6 +73,11 @@ const char *ops_device_name(void) { return g_ops->device_name(); }
 int ops_host_memory(void) { return g_ops->host_memory; }
 void ops_synchronize(void) { g_ops->synchronize(); }
 int ops_idle(void) { return g_ops->idle ? g_ops->idle() : 1; }
+void op_side_begin(void) { if (g_ops->side_begin) g_ops->side_begin(); }
+void op_side_end(void) { if (g_ops->side_end) g_ops->side_end(); }
+void op_side_mark(int k) { if (g_ops->side_mark) g_ops->side_mark(k); }
+void op_side_wait(int k) { if (g_ops->side_wait) g_ops->side_wait(k); }
+void ops_synchronize_main(void) { (g_ops->synchronize_main ? g_ops->synchronize_main : g_ops->synchronize)(); }
 int ops_device_memory(size_t *free_bytes, size_t *total_bytes) {
     return g_ops->device_memory ? g_ops->device_memory(free_bytes, total_bytes) : -1;
 }

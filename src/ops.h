@@ -46,6 +46,20 @@ void ops_synchronize(void);
 /* 1 when the device has run all the work queued so far (always on the cpu, whose ops run
  * as they are called). */
 int ops_idle(void);
+/* A side queue, for work that may overlap what comes after it on the main queue (DDP's
+ * update of the units the next forward needs last). op_side_begin: ops from here go to the
+ * side queue, after all the main queue holds so far; op_side_end: back to the main queue.
+ * op_side_mark(k) marks the side queue's work so far as mark k (0 <= k < OPS_SIDE_MARKS);
+ * op_side_wait(k): the main queue's later ops wait for it. ops_synchronize waits for both
+ * queues; ops_synchronize_main, op_download and op_upload for the main queue only (a host
+ * read of what the side writes needs ops_synchronize first). On synchronous backends (cpu)
+ * these do nothing. */
+#define OPS_SIDE_MARKS 256
+void op_side_begin(void);
+void op_side_end(void);
+void op_side_mark(int k);
+void op_side_wait(int k);
+void ops_synchronize_main(void);
 /* Device memory: free and total bytes now; and the high-water marks since ops_init of the
  * bytes op_alloc holds (`allocated`) and of the device's used memory as seen at each
  * allocation (`used`: includes the runtime's context and other processes). Each returns -1
@@ -234,6 +248,12 @@ typedef struct OpsBackend {
     const char *(*device_name)(void);
     void (*synchronize)(void);
     int (*idle)(void);  /* NULL: ops run synchronously, always idle */
+    /* the side queue (ops.h); NULL: one queue, ops_synchronize_main = synchronize */
+    void (*side_begin)(void);
+    void (*side_end)(void);
+    void (*side_mark)(int k);
+    void (*side_wait)(int k);
+    void (*synchronize_main)(void);
     int (*device_memory)(size_t *free_bytes, size_t *total_bytes); /* NULL on the cpu */
     int (*device_peak)(size_t *allocated, size_t *used);           /* NULL on the cpu */
     void *(*alloc)(size_t bytes);

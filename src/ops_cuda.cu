@@ -89,7 +89,10 @@ static struct {
     int ready, device, sync_each, tf32;
     int bf16;  /* activations and compute weights in bf16 (precision mixed or bf16) */
     int sbf16; /* parameters, gradients and moments in bf16 (precision bf16) */
-    cudaStream_t stream;
+    cudaStream_t stream;    /* where ops go: the main queue, or the side one between op_side_begin/end */
+    cudaStream_t main, side;
+    cudaEvent_t side_in, side_ev[OPS_SIDE_MARKS];
+    int side_used;          /* side work since the last full synchronize */
     cublasLtHandle_t lt;
     void *workspace;
     void *scratch; /* grows on demand; ops use it only within one call, on the one stream */
@@ -207,6 +210,7 @@ int cuda_init(int device, char *err, size_t errlen) {
     const char *s = getenv("MESHTRAIN_CUDA_SYNC");
     g.sync_each = s && *s && strcmp(s, "0") != 0;
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
+    g.main = g.stream;
     CUBLAS_CHECK(lt.cublasLtCreate(&g.lt));
     g.workspace = cuda_malloc(WORKSPACE_BYTES);
     g.ready = 1;
@@ -215,7 +219,12 @@ int cuda_init(int device, char *err, size_t errlen) {
 
 void cuda_shutdown(void) {
     if (!g.ready) return;
-    CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    cuda_synchronize();
+    if (g.side) {
+        CUDA_CHECK(cudaStreamDestroy(g.side));
+        CUDA_CHECK(cudaEventDestroy(g.side_in));
+        for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventDestroy(g.side_ev[k]));
+    }
     cuda_free(g.scratch);
     cuda_free(g.workspace);
     CUBLAS_CHECK(lt.cublasLtDestroy(g.lt));
@@ -278,7 +287,7 @@ void *cuda_malloc(size_t bytes) {
 
 void cuda_free(void *p) {
     if (!p) return;
-    CUDA_CHECK(cudaStreamSynchronize(g.stream)); /* kernels in flight may still use it */
+    cuda_synchronize(); /* kernels in flight, on either queue, may still use it */
     CUDA_CHECK(cudaFree(p));
     track_free(p);
 }
@@ -319,7 +328,29 @@ void cuda_memset_zero(void *p, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, g.stream));
 }
 
-void cuda_synchronize(void) { CUDA_CHECK(cudaStreamSynchronize(g.stream)); }
+void cuda_synchronize(void) {
+    CUDA_CHECK(cudaStreamSynchronize(g.main));
+    if (g.side_used) CUDA_CHECK(cudaStreamSynchronize(g.side));
+    g.side_used = 0;
+}
+void cuda_synchronize_main(void) { CUDA_CHECK(cudaStreamSynchronize(g.main)); }
+
+/* The side queue (ops.h): a second stream, entered after the main one's work so far. Its
+ * ops must not use scratch(), which belongs to the main stream (AdamW does not). */
+void cuda_side_begin(void) {
+    if (!g.side) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&g.side, cudaStreamNonBlocking));
+        CUDA_CHECK(cudaEventCreateWithFlags(&g.side_in, cudaEventDisableTiming));
+        for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventCreateWithFlags(&g.side_ev[k], cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventRecord(g.side_in, g.main));
+    CUDA_CHECK(cudaStreamWaitEvent(g.side, g.side_in, 0));
+    g.stream = g.side;
+    g.side_used = 1;
+}
+void cuda_side_end(void) { g.stream = g.main; }
+void cuda_side_mark(int k) { CUDA_CHECK(cudaEventRecord(g.side_ev[k], g.side)); }
+void cuda_side_wait(int k) { CUDA_CHECK(cudaStreamWaitEvent(g.main, g.side_ev[k], 0)); }
 
 int cuda_idle(void) {
     cudaError_t e = cudaStreamQuery(g.stream);
@@ -901,6 +932,11 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .device_name = cuda_device_name,
     .synchronize = cuda_synchronize,
     .idle = cuda_idle,
+    .side_begin = cuda_side_begin,
+    .side_end = cuda_side_end,
+    .side_mark = cuda_side_mark,
+    .side_wait = cuda_side_wait,
+    .synchronize_main = cuda_synchronize_main,
     .device_memory = cuda_memory_info,
     .device_peak = backend_device_peak,
     .alloc = backend_alloc,

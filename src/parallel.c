@@ -32,6 +32,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     p->refs = xcalloc((size_t)m->n_units, sizeof(int));
     p->grad_open = xcalloc((size_t)m->n_units, 1);
     p->hooks.ctx = p;
+    p->side_lo = SIZE_MAX;
     switch (kind) {
     case PAR_DDP: ddp_setup(p); break;
     case PAR_ZERO1: case PAR_ZERO2: zero_setup(p); break;
@@ -48,6 +49,10 @@ void par_params_stale(Parallel *p) {
 void par_whole_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
     (void)next;
+    if (p->side_pending && p->side_pending[u]) {
+        op_side_wait(u);
+        p->side_pending[u] = 0;
+    }
     if (p->kind == PAR_ZERO1 || p->kind == PAR_ZERO2) par_wait(p, &p->greq[u]);
     if (p->cstale && p->cstale[u]) {
         const Unit *un = &p->m->units[u];
@@ -98,6 +103,7 @@ void parallel_free(Parallel *p) {
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) { op_free(p->pslots[i].buf); op_free(p->gslots[i].buf); }
     free(p->greq); free(p->rreq); free(p->refs); free(p->grad_open); free(p->greq_late); free(p->cstale);
+    free(p->side_pending);
     free(p);
 }
 
@@ -232,7 +238,11 @@ void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
     if (p->pshard) fsdp_drop_prefetch(p);
-    if (p->grads) op_zero(p->grads, p->m->n_flat * ops_state_size());
+    if (p->grads) {  /* DDP's side queue zeroes the gradients of the units it updates, after them */
+        size_t hi = p->side_lo < p->m->n_flat ? p->side_lo : p->m->n_flat;
+        op_zero(p->grads, hi * ops_state_size());
+        p->side_lo = SIZE_MAX;
+    }
     memset(p->grad_open, 0, (size_t)p->m->n_units);
     if (p->greq_late) memset(p->greq_late, 0, (size_t)p->m->n_units);
     p->late_hi = 0;

@@ -49,6 +49,11 @@ struct Parallel {
      * for pslots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
     unsigned char *cstale;
+    /* DDP: side_pending[u]: unit u's update runs on the ops' side queue (op_side_mark u),
+     * beside the next step's forward, which waits for it at the unit's gather. */
+    unsigned char *side_pending;
+    int side_update;
+    size_t side_lo;  /* those units are [side_lo, n_flat): the side queue also zeroes their gradients */
     CommReq *greq, *rreq;   /* per unit: gradient reduction, hybrid replica all-reduce */
     int *refs;              /* per unit: FSDP gather references */
     unsigned char *grad_open; /* per unit: gradient slot taken this step */

@@ -114,6 +114,7 @@ static const StateRange *stage(const StateRange *r, int n, Staging *s) {
 /* dir > 0: device -> host (before a save); dir < 0: host -> device (after a load). */
 static void stage_copy(const StateRange *r, int n, const Staging *s, int dir) {
     if (!s->host) return;
+    ops_synchronize();  /* DDP may still be updating units on the ops' side queue */
     for (int i = 0; i < n; i++) {
         void *dev[3] = {r[i].params, r[i].m, r[i].v};
         float *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
@@ -335,7 +336,9 @@ int cmd_train(Config *c) {
             comm_world_finalize();
             exit(EXIT_RUN_FAILURE);
         }
-        ops_synchronize();  /* a device runs the optimizer step asynchronously: time all of it */
+        /* a device runs the optimizer step asynchronously: time it, but for the units DDP
+         * updates beside the next forward (ops' side queue), which count in the next step */
+        ops_synchronize_main();
         trace_dump(world.rank);
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
