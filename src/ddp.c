@@ -97,8 +97,8 @@ static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, doub
 /* Without clipping, the update runs in two parts. AdamW is elementwise, so the result is
  * bitwise that of one update; only the logged norm is summed in two parts. Clipping needs
  * the whole norm before any update: one part.
- * - [0, late_hi), whose reductions end the backward: the embedding and layers 0-2, which
- *   the next forward needs first.
+ * - [0, late_hi), whose reductions end the backward: the embedding and the first layers
+ *   (the bucket that reaches layer 1), which the next forward needs first.
  * - [late_hi, n_flat), reduced earlier. With side_update (the default; the ops' side queue)
  *   its units are updated after the first part, beside the next step's forward, which
  *   waits for each at its gather (par_whole_gather). Otherwise it runs first, while the
