@@ -75,7 +75,8 @@ if [ -n "$(strip "$TMP/ac1")" ] && [ "$(strip "$TMP/ac1")" = "$(strip "$TMP/ref_
    [ -n "$(strip "$TMP/ac2")" ] && [ "$(strip "$TMP/ac2")" = "$(strip "$TMP/fsdp_2_true")" ] &&
    cmp -s "$TMP/ac2/ckpt.bin" "$TMP/fsdp_2_true/ckpt.bin"
 then ok activation_checkpointing_bitwise; else bad activation_checkpointing_bitwise; fi
-# -- without clipping DDP updates in two parts, the part whose reductions are done first
+# -- without clipping DDP updates in two parts, the late units first, then the others unit
+# by unit on the ops' side queue, which also zeroes their gradients for the next step
 # (ddp_step): the parameters equal those of the update in one part, which a clip
 # too large to bite (1e9) takes; in one process and on 2 ranks with the embedding rows.
 # One all-reduce per unit: the head's and layer 3's are done before the end (units 2..0).
