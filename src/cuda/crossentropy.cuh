@@ -1,6 +1,7 @@
 /* src/cuda/crossentropy.cuh: the fused cross-entropy forward/backward kernels.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
+#include "sfu.cuh"
 /* ------------------------------------------------------------------------------------ */
 /* cross-entropy                                                                         */
 
@@ -57,7 +58,6 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
 /* e^(x - mx) as 2^(x log2 e - mx log2 e): one FMA and the SFU's ex2.approx (relative error
  * about 2^-22, -inf -> 0) where expf takes several instructions; the exp passes issue two
  * exps per logit and are bound by instruction issue more than by memory. */
-#include "sfu.cuh"
 #define CE_LOG2E 1.4426950408889634f
 static __device__ __forceinline__ float ce_exp(float x, float mxl) { return sfu_ex2(fmaf(x, CE_LOG2E, -mxl)); }
 static __global__ void __launch_bounds__(CE8_BLOCK, CE_SMEM_BLOCKS)
