@@ -43,8 +43,8 @@ const char *ops_device_name(void);   /* the GPU's name; "" on the cpu */
 int ops_host_memory(void);
 /* Returns when every op issued so far has finished (ops may run asynchronously). */
 void ops_synchronize(void);
-/* 1 when the device has run all the work queued so far (always on the cpu, whose ops run
- * as they are called). */
+/* 1 when the device has run all the work queued so far on the main queue (always on the
+ * cpu, whose ops run as they are called). */
 int ops_idle(void);
 /* A side queue, for work that may overlap what comes after it on the main queue (DDP's
  * update of the units the next forward needs last). op_side_begin: ops from here go to the

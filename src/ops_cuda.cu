@@ -353,7 +353,7 @@ void cuda_side_mark(int k) { CUDA_CHECK(cudaEventRecord(g.side_ev[k], g.side)); 
 void cuda_side_wait(int k) { CUDA_CHECK(cudaStreamWaitEvent(g.main, g.side_ev[k], 0)); }
 
 int cuda_idle(void) {
-    cudaError_t e = cudaStreamQuery(g.stream);
+    cudaError_t e = cudaStreamQuery(g.main);
     if (e == cudaErrorNotReady) return 0;
     CUDA_CHECK(e);
     return 1;
