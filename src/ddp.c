@@ -11,6 +11,7 @@
 #include <string.h>
 #include "ops.h"
 #include "parallel_impl.h"
+#include "trace.h"
 #include "util.h"
 
 size_t ddp_erows_cap(const Model *m, int D) {
@@ -127,6 +128,7 @@ double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         if (!side) update(p, split, n - split, oc, lr, step, 1.0f);
     }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
+    trace_mark(NULL, "late reductions in");
     ddp_finish_erows(p);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(sumsq);

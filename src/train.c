@@ -339,6 +339,7 @@ int cmd_train(Config *c) {
         /* a device runs the optimizer step asynchronously: time it, but for the units DDP
          * updates beside the next forward (ops' side queue), which count in the next step */
         ops_synchronize_main();
+        trace_mark(NULL, "host: step synchronised");  /* an idle queue: the event takes the host's time */
         trace_dump(world.rank);
         double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
