@@ -12,6 +12,8 @@ for t in "${tests[@]}"; do
   [ -e "$t" ] || continue
   if [[ $t == *test_multi_gpu* ]]; then  # several GPUs of one machine: needs 2 visible
     n_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    # CUDA_VISIBLE_DEVICES narrows what the ranks see (a comma-separated list of GPUs)
+    [ -n "${CUDA_VISIBLE_DEVICES+x}" ] && n_gpus=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
     if [ "$n_gpus" -lt 2 ]; then echo "== $t skipped ($n_gpus GPU(s) visible, needs 2)"; continue; fi
   fi
   echo "== $t"

@@ -60,6 +60,17 @@ grep -q "^gradient all-reduce: copy engines" "$TMP/np_ddp.log" && ok multi_gpu_d
   bad "multi_gpu_ddp_on_copy_engines ($(grep -m1 "^gradient all-reduce" "$TMP/np_ddp.log"))"
 grep -q "^gradient all-reduce: NCCL all-reduce" "$TMP/np_ddp_nccl_allreduce.log" && ok multi_gpu_ddp_copy_engines_off ||
   bad multi_gpu_ddp_copy_engines_off
+# -- the estimate counts the copy engines' all-to-all buffer only where DDP takes that path
+# (comm_copy_engines_possible): it is larger with them, and within 5% of the measured peak
+# both with and without them (the buffer alone is over 10% of this model's peak)
+num() { grep -o "\"$1\":[0-9]*" "$TMP/$2/log.jsonl" | tail -1 | cut -d: -f2; }
+if awk -v ec="$(num estimate_bytes np_ddp)" -v en="$(num estimate_bytes np_ddp_nccl_allreduce)" \
+       -v pc="$(num gpu_peak_alloc_bytes np_ddp)" -v pn="$(num gpu_peak_alloc_bytes np_ddp_nccl_allreduce)" \
+       'function off(e, p) { return p > 0 ? (e > p ? e - p : p - e) / p : 1 }
+        BEGIN { printf "  copy engines: estimate %.0f, peak %.0f; NCCL all-reduce: estimate %.0f, peak %.0f\n", ec, pc, en, pn
+                exit !(ec > en && off(ec, pc) <= 0.05 && off(en, pn) <= 0.05) }'
+then ok multi_gpu_estimate_counts_copy_engine_buffer
+else bad multi_gpu_estimate_counts_copy_engine_buffer; fi
 out=$TMP/np_ddp_pieces
 if MESHTRAIN_CE_BUFFER_BYTES=100000 runn "$out" $M tie_embeddings=true batch_size=$B && close "$TMP/one_true" "$out"
 then ok multi_gpu_ddp_copy_engines_in_pieces
