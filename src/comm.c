@@ -26,6 +26,7 @@ typedef struct {
     char *a2a;   /* copy-engine all-reduce: the all-to-all's receive buffer (comm_alloc), or NULL */
     size_t a2a_bytes;
     void *a2a_win;  /* its ncclWindow_t */
+    int ce_ok;      /* ce_possible's answer, kept: 0 not asked yet, 1 yes, -1 no */
 } CommImpl;
 static MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
@@ -296,8 +297,11 @@ static void win_free(const Comm *c, ncclComm_t nc, void *p, void *win, const cha
 
 /* Whether every rank of c can take the copy-engine path: NCCL 2.28 or later at run time, and
  * all of c's ranks on one machine (symmetric windows span one NVLink domain). Decided
- * together, so that all ranks register (collectively) or none does. */
+ * together, so that all ranks register (collectively) or none does; asked once per group
+ * (every rank asks at the same calls, so all of them keep the answer at the same time). */
 static int ce_possible(const Comm *c) {
+    CommImpl *ci = c->impl;
+    if (ci->ce_ok) return ci->ce_ok > 0;
     int v = 0, ok, local;
     ok = ncclGetVersion(&v) == ncclSuccess && v >= NCCL_VERSION(2, 28, 0);
     MPI_Comm shm;
@@ -306,6 +310,7 @@ static int ce_possible(const Comm *c) {
     MPI_Comm_free(&shm);
     ok = ok && local == c->size;
     check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, "copy-engine check");
+    ci->ce_ok = ok ? 1 : -1;
     return ok;
 }
 #else
