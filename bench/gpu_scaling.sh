@@ -7,9 +7,9 @@
 # to reach their sustained (power-limited) clocks: 10-step runs flatter scaling.
 # Usage: NP=4 STEPS=60 bench/gpu_scaling.sh [peer.py]    PAIRS="bf16 mixed" picks pairs;
 # SIDES="meshtrain peer" picks the systems (SIDES=meshtrain skips the peer's compile time).
-# ONE_ALL=1 runs each one-GPU case on every GPU at once (independent runs) and adds the
-# scaling against their mean and against the slowest: DDP cannot outrun its slowest card,
-# and the cards of one machine can differ by a few percent. CLOCKS=1 adds, after the
+# ONE_ALL=1 (the default; ONE_ALL=0: GPU 0 alone) runs each one-GPU case on every GPU at
+# once (independent runs) and adds the scaling against their mean and against the slowest:
+# DDP cannot outrun its slowest card, and the cards of one machine can differ by a few percent. CLOCKS=1 adds, after the
 # table, the cards' median SM clock, power and temperature while busy during each run.
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}
@@ -38,7 +38,7 @@ peer() {  # peer NPROC KEYS... -> "tokens/s peakGB"
 
 one() {  # one FUNC KEYS... -> "tokens/s peakGB [mean slowest]": FUNC on GPU 0 (ONE_ALL=1: on each GPU at once)
   local f=$1; shift
-  [ "${ONE_ALL:-0}" = 1 ] || { "$f" 1 "$@"; return; }
+  [ "${ONE_ALL:-1}" = 1 ] || { "$f" 1 "$@"; return; }
   local d g pids=(); d=$(mktemp -d)
   for ((g = 0; g < NP; g++)); do CUDA_VISIBLE_DEVICES=$g "$f" 1 "$@" >"$d/$g" & pids+=($!); done
   wait "${pids[@]}"
@@ -53,7 +53,7 @@ clk() {  # clk LABEL FUNC ARGS...: FUNC's output; with CLOCKS=1 the cards' clock
   echo "$l:$(smi_summary "$f")" >>"$CLK"
 }
 
-all=""; [ "${ONE_ALL:-0}" = 1 ] && all=" vs the GPUs' mean / the slowest |"
+all=""; [ "${ONE_ALL:-1}" = 1 ] && all=" vs the GPUs' mean / the slowest |"
 echo "| run ($card, $STEPS steps) | 1 GPU tokens/s | $NP GPUs tokens/s | scaling | peak GB per GPU ($NP GPUs) |$all"
 echo "|---|---|---|---|---|${all:+---|}"
 row() {  # row LABEL "t1 m1 [mean slowest]" "tn mn"
