@@ -361,9 +361,10 @@ void *comm_alloc(const Comm *c, size_t bytes) {
 #if defined(MESHTRAIN_NCCL) && HAVE_CE
     const char *what = "copy-engine buffer registration (copy_engines=false avoids it)";
     CommImpl *ci = c->impl;
-    /* The communicator must be new, to be made with the zero-CTA policy; every rank takes
-     * the same branch (the same calls have reached here on all of them). */
-    if (bytes && g_ce_wanted && use_nccl(c) && g_n_reg < MAX_REG && (ci->a2a || (!ci->nccl && ce_possible(c)))) {
+    /* The communicator must be new, to be made with the zero-CTA policy, unless it already
+     * has the all-to-all buffer; every rank takes the same branch (the same calls have
+     * reached here on all of them). */
+    if (bytes && g_n_reg < MAX_REG && use_nccl(c) && (ci->a2a || !ci->nccl) && comm_copy_engines_possible(c)) {
         ncclComm_t nc = ci->nccl ? ci->nccl : nccl_make(c, what, 1);
         if (!ci->a2a) {  /* sized by the first buffer: later ones are reduced in pieces of it */
             ci->a2a_bytes = comm_ce_buffer_bytes(bytes);
