@@ -19,6 +19,10 @@ else
 fi
 
 losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+# logged FIELD RUN: the last integer FIELD in RUN/log.jsonl (e.g. estimate_bytes)
+logged() { grep -o "\"$1\":[0-9]*" "$2/log.jsonl" | tail -1 | cut -d: -f2; }
+# within5 ESTIMATE PEAK: the estimate within 5% of the measured peak (both present)
+within5() { [ -n "$1" ] && [ -n "$2" ] && awk -v e="$1" -v r="$2" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(r > 0 && d < 0.05)}'; }
 # close REF RUN: every step's loss within TOL relative, and the final parameters within TOL
 close() {
   local a b d

@@ -63,12 +63,10 @@ grep -q "^gradient all-reduce: NCCL all-reduce" "$TMP/np_ddp_nccl_allreduce.log"
 # -- the estimate counts the copy engines' all-to-all buffer only where DDP takes that path
 # (comm_copy_engines_possible): it is larger with them, and within 5% of the measured peak
 # both with and without them (the buffer alone is over 10% of this model's peak)
-num() { grep -o "\"$1\":[0-9]*" "$TMP/$2/log.jsonl" | tail -1 | cut -d: -f2; }
-if awk -v ec="$(num estimate_bytes np_ddp)" -v en="$(num estimate_bytes np_ddp_nccl_allreduce)" \
-       -v pc="$(num gpu_peak_alloc_bytes np_ddp)" -v pn="$(num gpu_peak_alloc_bytes np_ddp_nccl_allreduce)" \
-       'function off(e, p) { return p > 0 ? (e > p ? e - p : p - e) / p : 1 }
-        BEGIN { printf "  copy engines: estimate %.0f, peak %.0f; NCCL all-reduce: estimate %.0f, peak %.0f\n", ec, pc, en, pn
-                exit !(ec > en && off(ec, pc) <= 0.05 && off(en, pn) <= 0.05) }'
+ec=$(logged estimate_bytes "$TMP/np_ddp") pc=$(logged gpu_peak_alloc_bytes "$TMP/np_ddp")
+en=$(logged estimate_bytes "$TMP/np_ddp_nccl_allreduce") pn=$(logged gpu_peak_alloc_bytes "$TMP/np_ddp_nccl_allreduce")
+echo "  copy engines: estimate $ec, peak $pc; NCCL all-reduce: estimate $en, peak $pn"
+if within5 "$ec" "$pc" && within5 "$en" "$pn" && [ "$ec" -gt "$en" ]
 then ok multi_gpu_estimate_counts_copy_engine_buffer
 else bad multi_gpu_estimate_counts_copy_engine_buffer; fi
 out=$TMP/np_ddp_pieces

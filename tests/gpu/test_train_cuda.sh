@@ -112,9 +112,8 @@ if [ "${s1#Once upon a time}" != "$s1" ] && [ "$s1" = "$s2" ]; then ok sample_cu
 for keys in "precision=fp32" "precision=mixed" "precision=mixed fsdp=true" "precision=bf16" "precision=bf16 fsdp=true"; do
   E=$TMP/est_${keys//[ =]/_}
   run "$E" vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" device=cuda $keys
-  peak=$(grep -o '"gpu_peak_alloc_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
-  est=$(grep -o '"estimate_bytes":[0-9]*' "$E/log.jsonl" | cut -d: -f2)
-  if [ -n "$peak" ] && [ -n "$est" ] && awk -v r="$peak" -v e="$est" 'BEGIN{d=(e-r)/r; if(d<0)d=-d; exit !(d < 0.05)}'
+  peak=$(logged gpu_peak_alloc_bytes "$E") est=$(logged estimate_bytes "$E")
+  if within5 "$est" "$peak"
   then ok "gpu_peak_within_5pct_of_estimate $keys (peak $peak, estimate $est)"
   else bad "gpu_peak_within_5pct_of_estimate $keys (peak $peak, estimate $est; $(tail -1 "$E.log"))"; fi
 done
