@@ -9,8 +9,9 @@
 # SIDES="meshtrain peer" picks the systems (SIDES=meshtrain skips the peer's compile time).
 # ONE_ALL=1 (the default; ONE_ALL=0: GPU 0 alone) runs each one-GPU case on every GPU at
 # once (independent runs) and adds the scaling against their mean and against the slowest:
-# DDP cannot outrun its slowest card, and the cards of one machine can differ by a few percent. CLOCKS=1 adds, after the
-# table, the cards' median SM clock, power and temperature while busy during each run.
+# DDP cannot outrun its slowest card, and the cards of one machine can differ by a few
+# percent. CLOCKS=1 adds, after the table, the cards' median SM clock, power and
+# temperature while busy during each run.
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}
 NP=${NP:-4}
