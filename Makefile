@@ -43,8 +43,14 @@ BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 # GPU tests (tests/gpu/test_*.c and *.sh): built here, run by `make test-gpu` on a GPU machine.
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)) $(BUILD)/tests/gpu_test_attn_bf16)
 
-.PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu
+.PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu install
 all: meshtrain
+
+# `make install` puts meshtrain on PATH: $(PREFIX)/bin/meshtrain (PREFIX=$$HOME/.local needs no root).
+PREFIX ?= /usr/local
+install: meshtrain
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 0755 meshtrain $(DESTDIR)$(PREFIX)/bin/meshtrain
 
 deps:
 	@scripts/install-deps.sh

@@ -78,6 +78,19 @@ void comm_world_init(Comm *world, double timeout_s) {
     if (!world->impl) { MPI_Comm_free(&ci->mc); free(ci); }
 }
 
+void comm_exit_if_failed(const Comm *w, const Fail *f) {
+    int first = f->code ? w->size - w->rank : 0;  /* max over ranks: the lowest failing rank */
+    comm_allreduce_max_int(w, &first, 1);
+    if (!first) return;
+    first = w->size - first;
+    int code = f->code;
+    comm_broadcast(w, &code, sizeof code, first);
+    if (w->rank == first) print_error(w->rank, w->size, f->msg);
+    comm_barrier(w);  /* printed before any rank exits: the launcher ends the job at the first exit */
+    comm_world_finalize();
+    exit(code);
+}
+
 void comm_world_finalize(void) {
     if (g_mpi) MPI_Finalize();
     g_mpi = 0;

@@ -22,6 +22,7 @@
 #ifndef MESHTRAIN_COMM_H
 #define MESHTRAIN_COMM_H
 #include <stddef.h>
+#include "util.h"
 
 typedef enum { COMM_SUM, COMM_AVG } CommOp;
 /* Element type of the non-blocking collectives' buffers: fp32, or bf16 (precision=bf16's
@@ -112,6 +113,10 @@ void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root);
 void comm_send(const Comm *c, const void *buf, size_t bytes, int peer, int tag);
 void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag);
 void comm_barrier(const Comm *c);
+/* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a
+ * failure, the lowest such rank prints its message once, naming itself, and every rank
+ * exits with that rank's code; else nothing happens. */
+void comm_exit_if_failed(const Comm *w, const Fail *f);
 /* Ends every rank of the job (MPI_Abort) after printing msg; exit code `code`. */
 _Noreturn void comm_abort(int code, const char *msg);
 #endif

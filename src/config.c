@@ -34,7 +34,8 @@ static const Key KEYS[] = {
     I(embed_dim, "1024", 2, 65536, MODEL_CMDS, "model width E"),
     I(n_heads, "8", 1, 4096, MODEL_CMDS, "attention heads (must divide embed_dim; head_dim must be even)"),
     I(n_layers, "16", 1, 4096, MODEL_CMDS, "transformer layers"),
-    I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL, "sequence length T of a training window"),
+    I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL,
+      "sequence length T of a training window (eval: the checkpoint's unless given)"),
     B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
     I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
     I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),
@@ -43,6 +44,9 @@ static const Key KEYS[] = {
     F(min_lr, "0", 0, 10, TR, "final learning rate of the cosine schedule"),
     E(lr_schedule, "constant", "constant|cosine", TR, "constant, or linear warmup then cosine decay to min_lr"),
     I(warmup_steps, "0", 0, INT_MAX, TR, "linear warmup steps"),
+    I(lr_decay_steps, "0", 0, INT_MAX, TR,
+      "step at which the cosine reaches min_lr, min_lr after it (0 = steps; a resumed run keeps its checkpoint's "
+      "unless given)"),
     F(beta1, "0.9", 0, 0.999999, TR, "AdamW beta1"),
     F(beta2, "0.999", 0, 0.999999999, TR, "AdamW beta2"),
     F(eps, "1e-8", 0, 1, TR, "AdamW epsilon"),
@@ -201,8 +205,10 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                            (long long)c->batch_size * c->context_len);
         if (strcmp(c->precision, "auto") && strcmp(c->precision, "fp32") && !strcmp(c->device, "cpu"))
             return set_err(err, errlen, "precision=%s needs a GPU; the cpu device computes in fp32", c->precision);
-        if (c->warmup_steps > c->steps && !strcmp(c->lr_schedule, "cosine"))
-            return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d", c->warmup_steps, c->steps);
+        int decay = c->lr_decay_steps ? c->lr_decay_steps : c->steps;
+        if (c->warmup_steps > decay && !strcmp(c->lr_schedule, "cosine"))
+            return set_err(err, errlen, "warmup_steps=%d exceeds %s=%d", c->warmup_steps,
+                           c->lr_decay_steps ? "lr_decay_steps" : "steps", decay);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
         if ((cmd & CMD_TRAIN) && c->ckpt_every && !strcmp(c->ckpt_path, "none"))
             return set_err(err, errlen, "ckpt_every=%d saves nothing with ckpt_path=none", c->ckpt_every);
@@ -231,7 +237,9 @@ void config_print_help(int mask) {
         const Key *k = &KEYS[i];
         if (!(k->cmds & mask)) continue;
         char left[96];
-        snprintf(left, sizeof left, "%s=%s", k->name, k->def[0] ? k->def : "\"\"");
+        /* eval reads the model's context from its checkpoint: no default to claim */
+        int from_ckpt = mask == CMD_EVAL && !strcmp(k->name, "context_len");
+        snprintf(left, sizeof left, "%s=%s", k->name, from_ckpt ? "<checkpoint's>" : k->def[0] ? k->def : "\"\"");
         printf("  %-34s %s", left, k->help);
         if (k->type == T_ENUM) printf(" [%s]", k->choices);
         printf("\n");

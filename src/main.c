@@ -35,29 +35,35 @@ static void usage(FILE *f) {
     fprintf(f, "\nbuilt with: cpu, %s%s\n", cuda, nccl);
 }
 
-static void help(const char *which) {
+static int help(const char *which) {
+    int found = !which;
+    for (int i = 0; i < N_COMMANDS; i++) found |= which && !strcmp(which, COMMANDS[i].name);
+    if (!found) die_once(EXIT_BAD_INPUT, "help: unknown command '%s' (see 'meshtrain help')", which);
     usage(stdout);
     for (int i = 0; i < N_COMMANDS; i++) {
         if (which && strcmp(which, COMMANDS[i].name)) continue;
         printf("\nmeshtrain %s keys:\n", COMMANDS[i].name);
         config_print_help(COMMANDS[i].mask);
     }
+    return 0;
 }
 
 int main(int argc, char **argv) {
+    /* Under a launcher every rank parses the same command line: its errors print once. */
+    set_log_rank_from_launcher();
     if (argc < 2) { usage(stderr); return EXIT_BAD_INPUT; }
     const char *name = argv[1];
     if (!strcmp(name, "help") || !strcmp(name, "--help") || !strcmp(name, "-h")) {
-        help(argc > 2 ? argv[2] : NULL);
-        return 0;
+        if (argc > 3) die_once(EXIT_BAD_INPUT, "help takes one command at most (see 'meshtrain help')");
+        return help(argc > 2 ? argv[2] : NULL);
     }
     for (int i = 0; i < N_COMMANDS; i++) {
         if (strcmp(name, COMMANDS[i].name)) continue;
         Config c;
         char err[1024];
         config_defaults(&c);
-        if (config_parse(&c, COMMANDS[i].mask, argc - 2, argv + 2, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        if (config_parse(&c, COMMANDS[i].mask, argc - 2, argv + 2, err, sizeof err)) die_once(EXIT_BAD_INPUT, "%s", err);
         return COMMANDS[i].run(&c);
     }
-    die(EXIT_BAD_INPUT, "unknown command '%s' (see 'meshtrain help')", name);
+    die_once(EXIT_BAD_INPUT, "unknown command '%s' (see 'meshtrain help')", name);
 }

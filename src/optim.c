@@ -20,7 +20,7 @@ void adam_free(AdamState *s) {
 double lr_at(const OptimConfig *c, int step) {
     if (c->warmup_steps > 0 && step < c->warmup_steps) return c->lr * (step + 1) / c->warmup_steps;
     if (!c->cosine) return c->lr;
-    int span = c->total_steps - c->warmup_steps;
+    int span = c->decay_steps - c->warmup_steps;
     if (span <= 0) return c->lr;
     double progress = (double)(step - c->warmup_steps) / span;
     if (progress > 1) progress = 1;

@@ -6,7 +6,7 @@
 
 typedef struct {
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
-    int warmup_steps, total_steps, cosine;
+    int warmup_steps, decay_steps, cosine;  /* decay_steps: the cosine reaches min_lr there */
 } OptimConfig;
 
 typedef struct {
@@ -19,7 +19,7 @@ void adam_alloc(AdamState *s, size_t n);
 void adam_free(AdamState *s);
 
 /* Learning rate for optimizer step `step` (0-based): linear warmup over warmup_steps, then
- * constant, or cosine from lr down to min_lr at total_steps. */
+ * constant, or cosine from lr down to min_lr at decay_steps (min_lr after it). */
 double lr_at(const OptimConfig *c, int step);
 
 /* Global L2 norm of a gradient buffer (double accumulation). */

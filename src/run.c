@@ -1,4 +1,6 @@
 #include "run.h"
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -50,13 +52,39 @@ void mkdir_parent(const char *path) {
     if (s && s != buf) { *s = 0; mkdir_p(buf); }
 }
 
-void open_shard_or_die(Shard *s, const char *path, const char *what) {
+int open_shard_checked(Shard *s, const char *path, const char *what, int vocab, Fail *f) {
     char err[512];
     if (shard_open(s, path, err, sizeof err)) {
         if (access(path, F_OK) != 0)
-            die(EXIT_BAD_INPUT, "%s data %s not found (run 'meshtrain prepare' or 'make data' first)", what, path);
-        die(EXIT_BAD_INPUT, "%s", err);
+            return fail_set(f, EXIT_BAD_INPUT, "%s data %s not found (run 'meshtrain prepare' or 'make data' first)",
+                            what, path);
+        return fail_set(f, EXIT_BAD_INPUT, "%s", err);
     }
+    if (vocab > 0 && s->vocab_size > vocab) {
+        fail_set(f, EXIT_BAD_INPUT, "%s data %s holds a %d-token vocabulary; the model's vocab_size=%d is smaller", what,
+                 path, s->vocab_size, vocab);
+        shard_close(s);
+        return -1;
+    }
+    return 0;
+}
+
+void open_shard_or_die(Shard *s, const char *path, const char *what) {
+    Fail f = {0};
+    if (open_shard_checked(s, path, what, 0, &f)) die(f.code, "%s", f.msg);
+}
+
+int check_writable(const char *path, const char *what, Fail *f) {
+    char probe[1100];
+    mkdir_parent(path);
+    if (snprintf(probe, sizeof probe, "%s.probe.%d", path, (int)getpid()) >= (int)sizeof probe)
+        return fail_set(f, EXIT_BAD_INPUT, "%s %s: path too long", what, path);
+    int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0)
+        return fail_set(f, EXIT_BAD_INPUT, "cannot write %s %s: %s", what, path, strerror(errno));
+    close(fd);
+    unlink(probe);
+    return 0;
 }
 
 size_t shard_windows(const Shard *s, int T) { return s->n_tokens > 1 ? (s->n_tokens - 1) / (size_t)T : 0; }

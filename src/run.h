@@ -20,6 +20,14 @@ void mkdir_p(const char *dir);
 void mkdir_parent(const char *path);
 /* Opens a shard or exits 2 with a line that says how to make it. */
 void open_shard_or_die(Shard *s, const char *path, const char *what);
+/* The same as a set-up failure (f) instead of an exit; -1 on failure. A shard whose
+ * vocabulary is larger than the model's (vocab > 0) is refused: its ids would index past
+ * the embedding. */
+int open_shard_checked(Shard *s, const char *path, const char *what, int vocab, Fail *f);
+/* Whether a file can be made at path (its folder created if need be): a probe file is
+ * created beside it and removed, so that a run finds out before its first step, not after
+ * its last. -1 with f set when not. */
+int check_writable(const char *path, const char *what, Fail *f);
 /* Windows of T+1 tokens in a shard. */
 size_t shard_windows(const Shard *s, int T);
 /* Mean loss of the first max_batches global batches of the validation shard, rank r of w

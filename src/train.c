@@ -1,4 +1,5 @@
 /* train — the training loop: one process or many (mpirun), any data-parallel strategy. */
+#include <errno.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -18,7 +19,7 @@
 #include "util.h"
 
 /* Model keys and the seed given on the command line must agree with a checkpoint's. */
-static void check_against_ckpt(const Config *c, const CkptHeader *h, const char *path) {
+static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
     struct { const char *key; int want, have; } k[] = {
         {"vocab_size", c->vocab_size, h->vocab_size}, {"embed_dim", c->embed_dim, h->embed_dim},
         {"n_heads", c->n_heads, h->n_heads},          {"n_layers", c->n_layers, h->n_layers},
@@ -27,25 +28,36 @@ static void check_against_ckpt(const Config *c, const CkptHeader *h, const char 
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
         if (config_was_set(k[i].key) && k[i].want != k[i].have)
-            die(EXIT_BAD_INPUT, "%s=%d differs from checkpoint %s (%s=%d)", k[i].key, k[i].want, path, k[i].key,
-                k[i].have);
+            return fail_set(f, EXIT_BAD_INPUT, "%s=%d differs from checkpoint %s (%s=%d)", k[i].key, k[i].want, path,
+                            k[i].key, k[i].have);
+    return 0;
 }
 
 /* A resumed run takes the model, data order and optimizer settings from its checkpoint;
- * optimizer and schedule keys given on the command line override them. */
-static void config_from_ckpt(Config *c, const CkptHeader *h) {
+ * optimizer and schedule keys given on the command line override them. It keeps the
+ * checkpoint's global batch on any number of data-parallel ranks (batch_size per rank
+ * follows) unless batch_size is given, and its schedule's horizon unless lr_decay_steps
+ * is: a larger `steps` runs on at min_lr rather than stretching the cosine anew. */
+static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
     c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
     c->seed = h->seed;
-    /* batch_size is per rank: a run resumed on another number of ranks may set it anew;
-     * the loader continues from the same window either way. */
-    if (!config_was_set("batch_size")) c->batch_size = h->batch_size;
+    if (!config_was_set("batch_size")) {
+        int global = h->global_batch ? h->global_batch : h->batch_size * h->world;
+        if (global % dp)
+            return fail_set(f, EXIT_BAD_INPUT, "the checkpoint's global batch of %d sequences does not divide over %d "
+                            "data-parallel ranks; give batch_size= (per rank) to choose another global batch",
+                            global, dp);
+        c->batch_size = global / dp;
+    }
 #define FROM(key, val) if (!config_was_set(#key)) c->key = (val)
     FROM(lr, h->lr); FROM(min_lr, h->min_lr); FROM(beta1, h->beta1); FROM(beta2, h->beta2); FROM(eps, h->eps);
     FROM(weight_decay, h->weight_decay); FROM(grad_clip, h->grad_clip); FROM(warmup_steps, h->warmup_steps);
     FROM(steps, h->total_steps);
+    FROM(lr_decay_steps, h->lr_decay_steps ? h->lr_decay_steps : h->total_steps);
 #undef FROM
     if (!config_was_set("lr_schedule")) snprintf(c->lr_schedule, sizeof c->lr_schedule, "%s", h->cosine ? "cosine" : "constant");
+    return 0;
 }
 
 /* ---- progress display ---- */
@@ -154,65 +166,128 @@ static void world_max_min(const Comm *w, double v, double *mx, double *mn) {
     free(all);
 }
 
+/* A non-finite loss (training or validation) or gradient norm ends the run before anything
+ * is saved: the last checkpoint stays the last good one. Every rank sees the same value
+ * (reduced), so all stop here together. */
+static _Noreturn void stop_non_finite(Progress *pr, FILE *log, int step, const char *what, double v, int lead,
+                                      const char *ckpt) {
+    progress_clear(pr);
+    if (log) { fprintf(log, "{\"step\":%d,\"error\":\"non-finite %s\"}\n", step, what); fclose(log); }
+    if (lead) {
+        if (ckpt) fprintf(stderr, "meshtrain: step %d: the %s is %s; stopping. The last checkpoint, if any, is intact: %s\n",
+                          step, what, isnan(v) ? "NaN" : "infinite", ckpt);
+        else fprintf(stderr, "meshtrain: step %d: the %s is %s; stopping (ckpt_path=none: no checkpoint)\n", step, what,
+                     isnan(v) ? "NaN" : "infinite");
+    }
+    comm_world_finalize();
+    exit(EXIT_RUN_FAILURE);
+}
+
+/* ---- signals: the first SIGINT or SIGTERM ends the run after the current step, with a
+ * checkpoint; a second one ends the process at once ---- */
+
+static volatile sig_atomic_t g_signal;
+static int g_signal_lead;  /* this rank prints the handler's note */
+
+static void on_signal(int sig) {
+    if (g_signal) _exit(128 + sig);
+    g_signal = sig;
+    static const char note[] = "\nmeshtrain: signal received: finishing this step and saving a checkpoint "
+                               "(send it again to stop at once)\n";
+    if (g_signal_lead) {
+        ssize_t w = write(2, note, sizeof note - 1);
+        (void)w;
+    }
+}
+
+static void catch_signals(int lead) {
+    g_signal_lead = lead;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+}
+
+/* The signal any rank has received (0: none): every rank stops after the same step. */
+static int signal_agreed(const Comm *world) {
+    int sig = g_signal;
+    comm_allreduce_max_int(world, &sig, 1);
+    return sig;
+}
+
+/* A number in a JSON line: null where it is not finite (JSON has no NaN). */
+static void json_num(FILE *f, const char *key, const char *fmt, double v) {
+    fprintf(f, ",\"%s\":", key);
+    if (isfinite(v)) fprintf(f, fmt, v);
+    else fputs("null", f);
+}
+
 int cmd_train(Config *c) {
     char err[1024], b1[32], b2[32];
     Comm world;
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int gpu = !strcmp(c->device, "cuda");
+    /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
+     * before anything is allocated, so that an error every rank meets prints once. */
+    Fail f = {0};
 #ifndef MESHTRAIN_NCCL
-    if (gpu && world.size > 1) {
+    if (gpu && world.size > 1)
         /* Several GPUs: the collectives on device buffers need NCCL (comm.c). */
-        if (world.rank == 0)
-            fprintf(stderr, "meshtrain: device=cuda with %d processes needs NCCL, and this build has no NCCL "
-                    "(nccl.h or libnccl was not found at build time); run one process, or rebuild with NCCL\n",
-                    world.size);
-        comm_world_finalize();
-        exit(EXIT_BAD_INPUT);
-    }
+        fail_set(&f, EXIT_BAD_INPUT, "device=cuda with %d processes needs NCCL, and this build has no NCCL "
+                 "(nccl.h or libnccl was not found at build time); run one process, or rebuild with NCCL", world.size);
 #endif
+    comm_exit_if_failed(&world, &f);
     Mesh mesh;
     if (mesh_init(&mesh, &world, c->tensor_parallel_size, c->pipeline_parallel_size,
                   c->fsdp && !strcmp(c->shard_strategy, "hybrid")
                       ? (c->shard_group_size ? c->shard_group_size : comm_local_size()) : 0,
                   err, sizeof err))
-        die(EXIT_BAD_INPUT, "%s", err);
+        fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&world, &f);
     int lead = world.rank == 0, dp = mesh.dp_size;
 
     CkptHeader resume_h;
-    int resuming = c->resume[0] != 0;
+    int resuming = c->resume[0] != 0, ckpt_global = 0;
     if (resuming) {
-        if (ckpt_read_header(c->resume, &resume_h, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
-        check_against_ckpt(c, &resume_h, c->resume);
-        config_from_ckpt(c, &resume_h);
-        if (config_validate(c, CMD_TRAIN, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
-        if (resume_h.step >= c->steps)
-            die(EXIT_BAD_INPUT, "checkpoint %s is at step %d; steps=%d leaves nothing to run", c->resume,
-                resume_h.step, c->steps);
+        if (ckpt_read_header(c->resume, &resume_h, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else if (!check_against_ckpt(c, &resume_h, c->resume, &f) && !config_from_ckpt(c, &resume_h, dp, &f)) {
+            ckpt_global = resume_h.global_batch ? resume_h.global_batch : resume_h.batch_size * resume_h.world;
+            if (config_validate(c, CMD_TRAIN, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+            else if (resume_h.step >= c->steps)
+                fail_set(&f, EXIT_BAD_INPUT, "checkpoint %s is at step %d; steps=%d leaves nothing to run", c->resume,
+                         resume_h.step, c->steps);
+        }
     }
+    if (!c->lr_decay_steps) c->lr_decay_steps = c->steps;
     ModelConfig mc = model_config_of(c);
     int B = c->batch_size, T = c->context_len;
     ParallelKind kind = strategy_of(c);
 
-    Shard train, val;
-    open_shard_or_die(&train, c->train_data, "training");
-    open_shard_or_die(&val, c->val_data, "validation");
-    if (train.vocab_size > c->vocab_size)
-        die(EXIT_BAD_INPUT, "%s holds a %d-token vocabulary; vocab_size=%d is smaller", c->train_data,
-            train.vocab_size, c->vocab_size);
-    Loader loader;
-    if (loader_init(&loader, &train, B, T, mesh.dp_rank, dp, (uint64_t)c->seed, 1, err, sizeof err))
-        die(EXIT_BAD_INPUT, "%s", err);
-    /* Validation: the same global batches as one process with batch B x dp would take. */
-    size_t val_windows = shard_windows(&val, T);
-    int val_B = (int)(val_windows / (size_t)dp < (size_t)B ? val_windows / (size_t)dp : (size_t)B);
-    if (val_B < 1)
-        die(EXIT_BAD_INPUT, "validation data %s (%zu tokens) is too short for context_len=%d on %d ranks",
-            c->val_data, val.n_tokens, T, dp);
+    Shard train = {0}, val = {0};
+    Loader loader = {0};
+    int val_B = 0;
+    if (!f.code && !open_shard_checked(&train, c->train_data, "training", c->vocab_size, &f) &&
+        !open_shard_checked(&val, c->val_data, "validation", c->vocab_size, &f)) {
+        if (loader_init(&loader, &train, B, T, mesh.dp_rank, dp, (uint64_t)c->seed, 1, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        /* Validation: the same global batches as one process with batch B x dp would take. */
+        size_t val_windows = shard_windows(&val, T);
+        val_B = (int)(val_windows / (size_t)dp < (size_t)B ? val_windows / (size_t)dp : (size_t)B);
+        if (val_B < 1)
+            fail_set(&f, EXIT_BAD_INPUT, "validation data %s (%zu tokens) is too short for context_len=%d on %d ranks",
+                     c->val_data, val.n_tokens, T, dp);
+    }
+    comm_exit_if_failed(&world, &f);
 
-    ops_init_or_die(c->device, c->threads);
+    if (ops_init(c->device, c->threads, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&world, &f);
     OpsPrecision prec = precision_of(c);
-    if (ops_set_precision(prec, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    if (ops_set_precision(prec, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&world, &f);
     MemEstimate est;
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
@@ -222,9 +297,22 @@ int cmd_train(Config *c) {
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
-        die(EXIT_BAD_INPUT, "this run needs about %s per %s but only %s is available (lower batch_size or "
-            "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), gpu ? "GPU" : "rank",
-            fmt_bytes(b2, (double)limit));
+        fail_set(&f, EXIT_BAD_INPUT, "this run needs about %s per %s but only %s is available (lower batch_size or "
+                 "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), gpu ? "GPU" : "rank",
+                 fmt_bytes(b2, (double)limit));
+
+    /* Everything the run will write, checked now rather than after its last step: each
+     * rank writes its own checkpoint shard beside ckpt_path; rank 0 the log and manifest. */
+    int saving = strcmp(c->ckpt_path, "none") != 0;
+    FILE *log = NULL;
+    if (!f.code && saving) check_writable(c->ckpt_path, "the checkpoint (ckpt_path)", &f);
+    if (!f.code && lead) {
+        mkdir_p(c->out_dir);
+        mkdir_parent(c->log_file);
+        log = fopen(c->log_file, resuming ? "a" : "w");
+        if (!log) fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, strerror(errno));
+    }
+    comm_exit_if_failed(&world, &f);
 
     if (lead) {
         printf("meshtrain train  (device %s%s%s%s, %d process%s: dp=%d tp=%d pp=%d, %s)\n", ops_backend_name(),
@@ -233,6 +321,18 @@ int cmd_train(Config *c) {
         if (kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", mesh.shard_size,
                                        dp / mesh.shard_size);
         config_print(c, CMD_TRAIN);
+        printf("global batch: %d sequences (batch_size %d x dp %d) = %s tokens per step", B * dp, B, dp,
+               fmt_commas(b1, (long long)B * dp * T));
+        if (resuming && ckpt_global != B * dp) printf("; the checkpoint's run had %d", ckpt_global);
+        printf("\n");
+        /* Open MPI's mpirun forwards Ctrl-C / SIGTERM to the ranks, then kills them 1 s later:
+         * too soon to finish a step and save, unless told to wait */
+        if (world.size > 1 && getenv("OMPI_COMM_WORLD_SIZE") && !getenv("OMPI_MCA_odls_base_sigkill_timeout"))
+            printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
+                   "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
+        if (!strcmp(c->lr_schedule, "cosine"))
+            printf("schedule: warmup %d steps, cosine from %g to %g at step %d (lr_decay_steps)%s\n", c->warmup_steps,
+                   c->lr, c->min_lr, c->lr_decay_steps, c->lr_decay_steps < c->steps ? ", then min_lr" : "");
         printf("data: %s (%s tokens, %zu global batches/epoch), %s (%s tokens)\n", c->train_data,
                fmt_commas(b1, (long long)train.n_tokens), loader.batches_per_epoch, c->val_data,
                fmt_commas(b2, (long long)val.n_tokens));
@@ -256,13 +356,15 @@ int cmd_train(Config *c) {
         int n = ckpt_ranges(par, &m, 0, ranges, max_ranges);
         Staging st;
         const StateRange *need = stage(ranges, n, &st);
-        if (ckpt_load_dist(c->resume, &resume_h, need, n, 1, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        if (ckpt_load_dist(c->resume, &resume_h, need, n, 1, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
+        if (!f.code && loader_set_state(&loader, ls, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
+        comm_exit_if_failed(&world, &f);
         stage_copy(ranges, n, &st, -1);
         stage_free(&st);
         parallel_params_changed(par);
         parallel_set_adam_steps(par, resume_h.adam_step);
-        LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
-        if (loader_set_state(&loader, ls, err, sizeof err)) die(EXIT_BAD_INPUT, "%s: %s", c->resume, err);
         start = resume_h.step;
         if (lead)
             printf("resumed from %s at step %d (saved by %d rank%s)\n", c->resume, start, resume_h.world,
@@ -272,28 +374,21 @@ int cmd_train(Config *c) {
     }
 
     OptimConfig oc = {c->lr, c->min_lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip,
-                      c->warmup_steps, c->steps, !strcmp(c->lr_schedule, "cosine")};
-    FILE *log = NULL;
-    int saving = strcmp(c->ckpt_path, "none") != 0;
-    if (lead) {
-        mkdir_p(c->out_dir);
-        mkdir_parent(c->log_file);
-        if (saving) mkdir_parent(c->ckpt_path);
-        log = fopen(c->log_file, resuming ? "a" : "w");
-        if (!log) die(EXIT_BAD_INPUT, "cannot open log file %s", c->log_file);
-    }
+                      c->warmup_steps, c->lr_decay_steps, !strcmp(c->lr_schedule, "cosine")};
     comm_barrier(&world);  /* the checkpoint folder exists before any rank writes to it */
 
     CkptHeader h = {0};
     h.vocab_size = mc.vocab_size; h.embed_dim = mc.embed_dim; h.n_heads = mc.n_heads; h.n_layers = mc.n_layers;
     h.context_len = mc.context_len; h.tie_embeddings = mc.tie_embeddings;
     h.batch_size = B; h.world = world.size; h.seed = c->seed; h.has_optim = 1;
+    h.global_batch = B * dp;
     h.lr = oc.lr; h.min_lr = oc.min_lr; h.beta1 = oc.beta1; h.beta2 = oc.beta2; h.eps = oc.eps;
     h.weight_decay = oc.weight_decay; h.grad_clip = oc.grad_clip; h.warmup_steps = oc.warmup_steps;
-    h.total_steps = oc.total_steps; h.cosine = oc.cosine;
+    h.total_steps = c->steps; h.lr_decay_steps = oc.decay_steps; h.cosine = oc.cosine;
 
-    const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP");  /* test hook: poison one step's loss */
-    int nan_step = fault ? atoi(fault) : -1;
+    /* test hooks: poison one step's training loss, or its validation loss */
+    const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP"), *vfault = getenv("MESHTRAIN_FAULT_NAN_VAL_STEP");
+    int nan_step = fault ? atoi(fault) : -1, nan_val_step = vfault ? atoi(vfault) : -1;
     Progress pr = {lead && c->progress && isatty(2), now_seconds(), start, c->steps};
     double tokens_per_step = (double)B * T * dp, flops_per_step = est.flops_per_token * tokens_per_step;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */
@@ -309,6 +404,8 @@ int cmd_train(Config *c) {
         erows = xmalloc((size_t)m.V * sizeof *erows);
         parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
     }
+    int stopped = 0, done = start;
+    catch_signals(lead);
     for (int step = start; step < c->steps; step++) {
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
@@ -327,15 +424,9 @@ int cmd_train(Config *c) {
         if (step + 1 == nan_step && lead) l = NAN;
         comm_allreduce_double(&mesh.dp, &l, 1);  /* the mean loss of the global batch */
         loss = (float)(l / dp);
-        if (!isfinite(loss)) {
-            progress_clear(&pr);
-            if (log) { fprintf(log, "{\"step\":%d,\"error\":\"non-finite loss\"}\n", step + 1); fclose(log); }
-            if (lead)
-                fprintf(stderr, "meshtrain: step %d: loss is %s; stopping. The last checkpoint, if any, is intact: "
-                        "%s\n", step + 1, isnan(loss) ? "NaN" : "infinite", c->ckpt_path);
-            comm_world_finalize();
-            exit(EXIT_RUN_FAILURE);
-        }
+        if (!isfinite(loss) || !isfinite(norm))
+            stop_non_finite(&pr, log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
+                            lead, saving ? c->ckpt_path : NULL);
         /* a device runs the optimizer step asynchronously: time it, but for the units DDP
          * updates beside the next forward (ops' side queue), which count in the next step */
         ops_synchronize_main();
@@ -345,9 +436,15 @@ int cmd_train(Config *c) {
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
         if (log) {
-            fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,\"ms\":%.2f,\"comm_wait_ms\":%.2f,"
-                    "\"tokens_per_s\":%.1f,\"gflops\":%.2f", step + 1, loss, lr, norm, dt * 1e3, wait * 1e3, tok_s, gflops);
-            if (gpu) fprintf(log, ",\"mfu\":%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
+            fprintf(log, "{\"step\":%d", step + 1);
+            json_num(log, "loss", "%.6f", loss);
+            json_num(log, "lr", "%.6e", lr);
+            json_num(log, "grad_norm", "%.6f", norm);
+            json_num(log, "ms", "%.2f", dt * 1e3);
+            json_num(log, "comm_wait_ms", "%.2f", wait * 1e3);
+            json_num(log, "tokens_per_s", "%.1f", tok_s);
+            json_num(log, "gflops", "%.2f", gflops);
+            if (gpu) json_num(log, "mfu", "%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
             fprintf(log, "}\n");
             fflush(log);
         }
@@ -364,8 +461,11 @@ int cmd_train(Config *c) {
             Acts va;  /* a short validation shard: a smaller batch, in the training buffers */
             acts_view(&va, &a, &m, val_B);
             val_loss = evaluate(&m, &va, &val, c->val_batches, mesh.dp_rank, dp, hooks);
+            if (step + 1 == nan_val_step && lead) val_loss = NAN;
             comm_allreduce_double(&mesh.dp, &val_loss, 1);
             val_loss /= dp;
+            if (!isfinite(val_loss))
+                stop_non_finite(&pr, log, step + 1, "validation loss", val_loss, lead, saving ? c->ckpt_path : NULL);
             if (lead) {
                 progress_clear(&pr);
                 printf("step %5d/%d | val_loss %.4f\n", step + 1, c->steps, val_loss);
@@ -373,7 +473,10 @@ int cmd_train(Config *c) {
                 fflush(log);
             }
         }
-        if (saving && ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last)) {
+        /* a signal on any rank: every rank ends after this step, with a checkpoint */
+        stopped = world.size > 1 ? signal_agreed(&world) : g_signal;
+        done = step + 1;
+        if (saving && ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last || stopped)) {
             LoaderState ls = loader_get_state(&loader);
             h.step = step + 1; h.adam_step = parallel_adam_steps(par);
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
@@ -382,12 +485,26 @@ int cmd_train(Config *c) {
             Staging st;
             const StateRange *mine = stage(ranges, n, &st);
             stage_copy(ranges, n, &st, 1);
-            if (ckpt_save_dist(c->ckpt_path, &h, &world, mine, n, err, sizeof err)) die(EXIT_RUN_FAILURE, "%s", err);
+            /* every rank gets the same answer: one of them says it */
+            if (ckpt_save_dist(c->ckpt_path, &h, &world, mine, n, err, sizeof err)) {
+                progress_clear(&pr);
+                if (lead) fprintf(stderr, "meshtrain: step %d: %s\n", step + 1, err);
+                comm_world_finalize();
+                exit(EXIT_RUN_FAILURE);
+            }
             stage_free(&st);
         }
+        if (stopped) break;
         progress_draw(&pr, step + 1, loss, tok_s);
     }
     progress_clear(&pr);
+    if (stopped && lead) {
+        const char *name = stopped == SIGINT ? "SIGINT" : stopped == SIGTERM ? "SIGTERM" : "a signal";
+        fprintf(log, "{\"step\":%d,\"stopped\":\"%s\"}\n", done, name);
+        if (saving) printf("stopped by %s after step %d of %d: checkpoint saved; continue with resume=%s\n", name, done,
+                           c->steps, c->ckpt_path);
+        else printf("stopped by %s after step %d of %d (ckpt_path=none: no checkpoint)\n", name, done, c->steps);
+    }
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
     world_max_min(&world, (double)max_rss_bytes(), &rss_max, &rss_min);
@@ -397,28 +514,34 @@ int cmd_train(Config *c) {
     if (gpu) ops_device_peak(&gpu_alloc, &gpu_used);
     if (lead) {
         double flops = tok_s * est.flops_per_token;
-        fprintf(log, "{\"done\":true,\"steps\":%d,\"world\":%d,\"strategy\":\"%s\",\"tokens_per_s\":%.1f,"
-                "\"gflops\":%.2f,\"comm_wait_fraction\":%.4f,\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,"
-                "\"estimate_bytes\":%zu,\"loss\":%.6f,\"val_loss\":%.6f",
-                c->steps - start, world.size, parallel_kind_name(kind), tok_s, flops / 1e9,
-                t_timed > 0 ? comm_timed / t_timed : 0.0, rss_max, rss_min, est.total, loss, val_loss);
+        fprintf(log, "{\"done\":true,\"steps\":%d,\"world\":%d,\"strategy\":\"%s\"", done - start, world.size,
+                parallel_kind_name(kind));
+        json_num(log, "tokens_per_s", "%.1f", tok_s);
+        json_num(log, "gflops", "%.2f", flops / 1e9);
+        json_num(log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
+        fprintf(log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
+                est.total);
+        json_num(log, "loss", "%.6f", loss);
+        json_num(log, "val_loss", "%.6f", val_loss);
         if (gpu)
             fprintf(log, ",\"device\":\"%s\",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
                     ops_device_name(), flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
         fprintf(log, "}\n");
         fclose(log);
-        char b3[32], b4[32];
+        char b3[32], b4[32], vbuf[32];
+        if (isfinite(val_loss)) snprintf(vbuf, sizeof vbuf, "%.4f", val_loss);
+        else snprintf(vbuf, sizeof vbuf, "none (stopped first)");
         if (gpu)
             printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s per GPU, first step excluded) | "
                    "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s | final loss %.4f "
-                   "| val_loss %.4f\n", c->steps - start, tok_s, flops / 1e12, 100 * flops / (GPU_PEAK_FLOPS * world.size),
+                   "| val_loss %s\n", done - start, tok_s, flops / 1e12, 100 * flops / (GPU_PEAK_FLOPS * world.size),
                    GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc), fmt_bytes(b2, (double)est.total),
-                   fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max), loss, val_loss);
+                   fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max), loss, vbuf);
         else
             printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s, first step excluded) | peak memory per rank %s max, "
-                   "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %.4f\n", c->steps - start, tok_s,
+                   "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %s\n", done - start, tok_s,
                    flops / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
-                   val_loss);
+                   vbuf);
         if (world.size > 1 || comm_timed > 0)
             printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
@@ -436,5 +559,5 @@ int cmd_train(Config *c) {
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();
-    return 0;
+    return stopped ? 128 + stopped : 0;
 }

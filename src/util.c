@@ -18,15 +18,54 @@
 static int g_rank, g_world = 1;
 void set_log_rank(int rank, int world) { g_rank = rank; g_world = world; }
 
+void set_log_rank_from_launcher(void) {
+    const char *ranks[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"};
+    const char *sizes[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
+    for (size_t i = 0; i < sizeof ranks / sizeof ranks[0]; i++) {
+        const char *r = getenv(ranks[i]), *s = getenv(sizes[i]);
+        if (r && *r) { g_rank = atoi(r); g_world = s && *s ? atoi(s) : 2; return; }
+    }
+}
+
+void print_error(int rank, int world, const char *msg) {
+    if (world > 1) fprintf(stderr, "meshtrain: rank %d: %s\n", rank, msg);
+    else fprintf(stderr, "meshtrain: %s\n", msg);
+    fflush(stderr);
+}
+
 void die(int code, const char *fmt, ...) {
+    char msg[2048];
     va_list ap;
     va_start(ap, fmt);
-    fputs("meshtrain: ", stderr);
-    if (g_world > 1) fprintf(stderr, "rank %d: ", g_rank);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    print_error(g_rank, g_world, msg);
     exit(code);
+}
+
+void die_once(int code, const char *fmt, ...) {
+    if (g_rank == 0) {
+        char msg[2048];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        va_end(ap);
+        print_error(g_rank, g_world, msg);
+    } else {
+        struct timespec ts = {1, 0};
+        nanosleep(&ts, NULL);
+    }
+    exit(code);
+}
+
+int fail_set(Fail *f, int code, const char *fmt, ...) {
+    if (f->code) return -1;
+    f->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->msg, sizeof f->msg, fmt, ap);
+    va_end(ap);
+    return -1;
 }
 
 int set_err(char *err, size_t errlen, const char *fmt, ...) {

@@ -12,6 +12,21 @@ enum { EXIT_BAD_INPUT = 2, EXIT_RUN_FAILURE = 1 };
 _Noreturn void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 void set_log_rank(int rank, int world);
+/* Before MPI starts: this process's rank and the job's size from the launcher's environment
+ * (Open MPI, PMI, PMIx, Slurm), so that errors met before then can be printed once. */
+void set_log_rank_from_launcher(void);
+/* An error that every rank meets alike (a bad key, say): rank 0 prints it, the other ranks
+ * exit with the same code without a word, a moment later so that the launcher does not
+ * end rank 0 before it has printed. */
+_Noreturn void die_once(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* A failure found during a run's set-up, kept to be agreed on by all ranks
+ * (comm_exit_if_failed) before anything is printed: code 0 = none. */
+typedef struct { int code; char msg[1024]; } Fail;
+/* Records the first failure only; returns -1. */
+int fail_set(Fail *f, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Prints "meshtrain: [rank R: ]msg" on stderr, rank given explicitly (the one that saw it). */
+void print_error(int rank, int world, const char *msg);
 
 /* Error reporting for library-style code: formats into a caller's buffer and returns -1. */
 int set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -115,7 +115,7 @@ static void check_fixture(const char *path) {
     AdamState opt;
     adam_alloc(&opt, m.n_flat);
     OptimConfig oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .grad_clip = 1.0,
-                      .total_steps = f.n_steps};
+                      .decay_steps = f.n_steps};
     for (int s = 0; s < f.n_steps; s++) {
         set_batch(&f, &a, s);
         memset(m.grads, 0, m.n_flat * 4);

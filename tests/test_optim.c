@@ -4,7 +4,7 @@
 #include "test.h"
 
 static void test_schedule(void) {
-    OptimConfig c = {.lr = 1.0, .min_lr = 0.1, .warmup_steps = 4, .total_steps = 14, .cosine = 1};
+    OptimConfig c = {.lr = 1.0, .min_lr = 0.1, .warmup_steps = 4, .decay_steps = 14, .cosine = 1};
     CHECK(fabs(lr_at(&c, 0) - 0.25) < 1e-12, "warmup step 0: %g", lr_at(&c, 0));
     CHECK(fabs(lr_at(&c, 3) - 1.0) < 1e-12, "end of warmup: %g", lr_at(&c, 3));
     CHECK(fabs(lr_at(&c, 4) - 1.0) < 1e-12, "cosine start: %g", lr_at(&c, 4));
