@@ -474,3 +474,13 @@ int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *e
     free(r);
     return rc;
 }
+
+int ckpt_load_model(const char *path, CkptHeader *h, Model *m, char *err, size_t errlen) {
+    if (ckpt_read_header(path, h, err, errlen)) return -1;
+    ModelConfig mc;
+    ckpt_model_config(h, &mc);
+    model_init_layout(m, &mc, 1, 1);
+    if (!ckpt_load(path, h, m, NULL, err, errlen)) return 0;
+    model_free(m);
+    return -1;
+}

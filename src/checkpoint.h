@@ -96,4 +96,7 @@ void ckpt_model_config(const CkptHeader *h, ModelConfig *c);
  * step unless opt is NULL (parameters only). */
 int ckpt_save(const char *path, const CkptHeader *h, const Model *m, const AdamState *opt, char *err, size_t errlen);
 int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *err, size_t errlen);
+/* Builds a host model (model_init_layout, allocated) of the checkpoint's shape and loads its
+ * parameters, whatever world size or strategy wrote it: eval, sample, export and tools. */
+int ckpt_load_model(const char *path, CkptHeader *h, Model *m, char *err, size_t errlen);
 #endif

@@ -55,7 +55,8 @@ static const Key KEYS[] = {
     S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL, "folder of train.bin / val.bin (prepare writes here)"),
     S(train_data, "", TR, "training shard (default <data_dir>/train.bin)"),
     S(val_data, "", TR | CMD_EVAL, "validation shard (default <data_dir>/val.bin)"),
-    S(tokenizer_dir, "data/gpt2", TR | CMD_PREPARE | CMD_TOKENIZE | CMD_SAMPLE, "folder of encoder.json and vocab.bpe"),
+    S(tokenizer_dir, "data/gpt2", TR | CMD_PREPARE | CMD_TOKENIZE | CMD_SAMPLE | CMD_EXPORT,
+      "folder of encoder.json and vocab.bpe"),
     S(input, "data/tinystories/TinyStories-train.head-2MiB.txt", CMD_PREPARE, "TinyStories text to prepare"),
     F(val_fraction, "0.05", 1e-6, 0.9, CMD_PREPARE, "share of stories held out for validation"),
     I(val_every, "0", 0, INT_MAX, TR, "validation loss every N steps (0 = only at the end)"),
@@ -68,7 +69,7 @@ static const Key KEYS[] = {
     S(log_file, "", TR, "JSON-lines log (default <out_dir>/log.jsonl)"),
     S(ckpt_path, "", TR, "checkpoint file (default <out_dir>/ckpt.bin; none = save no checkpoint)"),
     S(resume, "", TR, "checkpoint to continue from (model keys come from it)"),
-    S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL, "checkpoint to sample from / evaluate"),
+    S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL | CMD_EXPORT, "checkpoint to sample from / evaluate / export"),
     E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
       "compute device (cuda: one GPU per process; several with mpirun and NCCL)"),
     E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE,
@@ -99,6 +100,7 @@ static const Key KEYS[] = {
     F(temperature, "0.8", 0, 100, CMD_SAMPLE, "sampling temperature (0 = greedy)"),
     I(top_k, "40", 0, 1 << 20, CMD_SAMPLE, "sample from the k most likely tokens (0 = all)"),
     B(decode, "false", CMD_TOKENIZE, "read ids on stdin and print the text"),
+    S(out, "runs/hf", CMD_EXPORT, "folder to write the Hugging Face model into (created if missing)"),
 };
 #define N_KEYS ((int)(sizeof KEYS / sizeof KEYS[0]))
 static unsigned char key_set[N_KEYS];

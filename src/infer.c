@@ -17,11 +17,7 @@
  * returned for the caller to op_free (NULL on the cpu). */
 static float *load_model(const char *path, Model *m, CkptHeader *h) {
     char err[1024];
-    if (ckpt_read_header(path, h, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
-    ModelConfig mc;
-    ckpt_model_config(h, &mc);
-    model_init_layout(m, &mc, 1, 1);
-    if (ckpt_load(path, h, m, NULL, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    if (ckpt_load_model(path, h, m, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     if (ops_host_memory()) return NULL;
     float *dev = op_alloc(m->n_flat * sizeof(float));
     op_upload(dev, m->params, m->n_flat * sizeof(float));

@@ -7,8 +7,8 @@
 #include "trace.h"
 #include "util.h"
 
-#define RMS_EPS 1e-5f
-#define ROPE_BASE 10000.0f
+#define RMS_EPS MODEL_RMS_EPS
+#define ROPE_BASE MODEL_ROPE_BASE
 
 static size_t layer_param_count(const ModelConfig *c) {
     size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim);

@@ -14,6 +14,9 @@
 typedef struct {
     int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
 } ModelConfig;
+/* Fixed by the model's definition (DESIGN.md), not by keys; export writes them out. */
+#define MODEL_RMS_EPS 1e-5f
+#define MODEL_ROPE_BASE 10000.0f
 
 typedef struct { size_t offset, n, n_padded; } Unit;  /* in floats, into the flat buffer */
 
