@@ -30,11 +30,14 @@ typedef struct {
     char prompt[2048];
     int length, top_k, decode;
     double temperature;
+    /* plot */
+    char log[512], out[512], title[256];
 } Config;
 
 /* Subcommands a key belongs to (bit mask). */
 enum {
-    CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32
+    CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32,
+    CMD_PLOT = 64
 };
 
 void config_defaults(Config *c);

@@ -14,6 +14,7 @@ static const Command COMMANDS[] = {
     {"sample", CMD_SAMPLE, cmd_sample, "generate text from a checkpoint"},
     {"eval", CMD_EVAL, cmd_eval, "validation loss of a checkpoint"},
     {"estimate", CMD_ESTIMATE, cmd_estimate, "parameters, FLOPs and memory of a run, before running it"},
+    {"plot", CMD_PLOT, cmd_plot, "a training log -> one SVG picture of the run (loss, lr, tokens/s)"},
 };
 #define N_COMMANDS ((int)(sizeof COMMANDS / sizeof COMMANDS[0]))
 
