@@ -60,23 +60,54 @@ static void put_text(Buf *b, const char *text) {
     }
 }
 
+/* Width of text in em, estimated from DejaVu Sans' advances (the first font asked for;
+ * the fallbacks are narrower), so that a title can be fitted without a font library. */
+static double text_em(const unsigned char *s, size_t n, int bold) {
+    double w = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = s[i];
+        if ((ch & 0xC0) == 0x80) continue;  /* one code point, one advance */
+        w += ch == ' ' ? 0.32 : strchr("ijl.,:;'|!", ch) ? 0.3 : strchr("/()[]", ch) ? 0.38 : strchr("rtf", ch) ? 0.42
+             : strchr("sczxyvk_", ch) ? 0.55 : ch == '=' ? 0.84 : strchr("mwMW", ch) ? 0.95
+             : ch >= 'A' && ch <= 'Z' ? 0.72 : 0.63;
+    }
+    return bold ? w * 1.1 : w;
+}
+
+/* A line of text fitted into `width` px: set at `size`, smaller when it is too long (to
+ * 12 px), and beyond that cut from the left behind an ellipsis (a path's end says most). */
+static void put_fitted(Buf *b, const char *id, int x, int y, double size, int bold, const char *fill, const char *text,
+                       double width) {
+    const unsigned char *s = (const unsigned char *)text;
+    size_t n = strlen(text);
+    double em = text_em(s, n, bold);
+    if (em * size > width) size = fmax(12, 0.999 * width / em);
+    int cut = 0;  /* the ellipsis takes about 1 em */
+    while (n && (text_em(s, n, bold) + cut) * size > width) {
+        do s++, n--; while (n && (*s & 0xC0) == 0x80);
+        cut = 1;
+    }
+    bprintf(b, "<text id=\"%s\" x=\"%d\" y=\"%d\" font-size=\"%.1f\"%s fill=\"%s\">%s", id, x, y, size,
+            bold ? " font-weight=\"bold\"" : "", fill, cut ? "\xe2\x80\xa6" : "");
+    put_text(b, (const char *)s);
+    bprintf(b, "</text>\n");
+}
+
 /* --- axes ------------------------------------------------------------------------------- */
 
 typedef struct { double lo, hi, step; } Axis;
 
-/* An axis over [lo, hi] ending on multiples of a 1-2-5 step, with at most about `ticks`
- * intervals. An empty range (one step, a constant series) is widened first so that the
- * line lies inside a real axis; `integer` keeps the step at 1 or more (steps are counts). */
+/* An axis over [lo, hi] ending on multiples of a 1-2-5 step, with about `ticks` intervals
+ * (the step nearest to range/ticks: from 2/3 to 1.5 times as many). An empty range (one
+ * step, a constant series) is widened first so that the line lies inside a real axis;
+ * `integer` keeps the step at 1 or more (steps are counts). */
 static Axis nice_axis(double lo, double hi, int ticks, int integer) {
     if (!(hi > lo)) {
         double pad = integer ? 1 : lo != 0 ? fabs(lo) * 0.05 : 0.5;
         lo -= pad, hi += pad;
     }
-    double rough = (hi - lo) / ticks, mag = pow(10, floor(log10(rough))), step = 10 * mag;
-    for (int i = 0; i < 3; i++) {
-        double m = (double[]){1, 2, 5}[i] * mag;
-        if (m >= rough * (1 - 1e-9)) { step = m; break; }
-    }
+    double rough = (hi - lo) / ticks, mag = pow(10, floor(log10(rough))), r = rough / mag;
+    double step = (r < 1.5 ? 1 : r < 3 ? 2 : r < 7 ? 5 : 10) * mag;
     if (integer && step < 1) step = 1;
     /* 1e-9: an end already on a multiple (up to rounding) is not pushed a step further */
     return (Axis){floor(lo / step + 1e-9) * step, ceil(hi / step - 1e-9) * step, step};
@@ -280,7 +311,7 @@ static void subtitle(Buf *b, const RunLog *log) {
     char c1[32];
     int first = log->steps[0].step, last = log->steps[log->n_steps - 1].step;
     bprintf(b, "%d step%s", log->n_steps, log->n_steps == 1 ? "" : "s");
-    if (first != last || first != 1) bprintf(b, " (%d to %d)", first, last);
+    if (first != 1) bprintf(b, " (%d to %d)", first, last);
     for (int i = log->n_steps - 1; i >= 0; i--)
         if (isfinite(log->steps[i].loss)) { bprintf(b, "  |  last loss %.4f", log->steps[i].loss); break; }
     for (int i = log->n_vals - 1; i >= 0; i--)
@@ -301,7 +332,10 @@ static void subtitle(Buf *b, const RunLog *log) {
 static void render(Buf *b, const RunLog *log, const char *title) {
     const char *c_loss = "#1f6fb4", *c_val = "#d6382b", *c_lr = "#2a9d5c", *c_tok = "#7b4fb0";
     int lo = log->steps[0].step, hi = log->steps[log->n_steps - 1].step;
-    if (log->n_vals) lo = lo < log->vals[0].step ? lo : log->vals[0].step, hi = hi > log->vals[log->n_vals - 1].step ? hi : log->vals[log->n_vals - 1].step;
+    if (log->n_vals) {
+        if (log->vals[0].step < lo) lo = log->vals[0].step;
+        if (log->vals[log->n_vals - 1].step > hi) hi = log->vals[log->n_vals - 1].step;
+    }
     Axis x = nice_axis(lo, hi, 10, 1);
     Panel panels[3] = {
         {"loss", "loss", TOP, 260, series_axis(log, offsetof(RunStep, loss), log->vals, log->n_vals, 6, 0)},
@@ -312,12 +346,12 @@ static void render(Buf *b, const RunLog *log, const char *title) {
     bprintf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" " FONT
                " font-size=\"12\" fill=\"#222\">\n", WIDTH, height, WIDTH, height);
-    bprintf(b, "<rect width=\"%d\" height=\"%d\" fill=\"#fff\"/>\n<text id=\"title\" x=\"%d\" y=\"34\" font-size=\"19\" "
-               "font-weight=\"bold\">", WIDTH, height, LEFT);
-    put_text(b, title);
-    bprintf(b, "</text>\n<text id=\"subtitle\" x=\"%d\" y=\"60\" font-size=\"13\" fill=\"#555\">", LEFT);
-    subtitle(b, log);
-    bprintf(b, "</text>\n");
+    bprintf(b, "<rect width=\"%d\" height=\"%d\" fill=\"#fff\"/>\n", WIDTH, height);
+    Buf sub = {0};
+    subtitle(&sub, log);
+    put_fitted(b, "title", LEFT, 34, 19, 1, "#222", title, WIDTH - LEFT - RIGHT);
+    put_fitted(b, "subtitle", LEFT, 60, 13, 0, "#555", sub.p, WIDTH - LEFT - RIGHT);
+    free(sub.p);
     const char *colours[3] = {c_loss, c_lr, c_tok};
     const char *ids[3] = {"loss-line", "lr-line", "tokens-line"};
     size_t offs[3] = {offsetof(RunStep, loss), offsetof(RunStep, lr), offsetof(RunStep, tokens_per_s)};

@@ -66,7 +66,7 @@ has "$S" "values.loss-line=1:6 2:5 3:4 4:3 5:10 6:9 7:8 8:7" loss_later_value_wi
 has "$S" "markers=2" val_markers
 has "$S" "values.val-line=3:4.5 8:7.5" val_values
 has "$S" "legend=training loss|validation loss" legend
-has "$S" "ticks.loss=2 4 6 8 10" loss_ticks
+has "$S" "ticks.loss=3 4 5 6 7 8 9 10" loss_ticks
 has "$S" "ticks.lr=0 5e-4 1e-3 1.5e-3" lr_ticks_compact
 has "$S" "ticks.tokens=0 500 1k 1.5k" tokens_ticks_compact
 has "$S" "xticks=1 2 3 4 5 6 7 8" step_ticks
@@ -81,11 +81,15 @@ S=$TMP/one.txt
 if "$BIN" plot log="$TMP/one.jsonl" out="$TMP/one.svg" title='a <b> & "c" run' >/dev/null && summarize "$TMP/one.svg" "$S"
 then ok one_step_plots; else bad one_step_plots; fi
 has "$S" 'title=a <b> & "c" run' title_key_escaped
+long=$(printf 'a/long/path/%.0s' {1..15})log.jsonl
+"$BIN" plot log="$TMP/one.jsonl" out="$TMP/long.svg" title="$long" >/dev/null && summarize "$TMP/long.svg" "$TMP/long.txt"
+t=$(grep '^title=' "$TMP/long.txt"); t=${t#title=}
+[[ $t == "…"*"/a/long/path/log.jsonl" && ${#t} -lt ${#long} ]] && ok long_title_cut_from_the_left || bad "long_title_cut_from_the_left ($t)"
 has "$S" "points.loss-line=1" one_step_one_point
 has "$S" "values.loss-line=1:2.5" one_step_value
 has "$S" "legend=training loss" legend_without_validation
 has "$S" "markers=0" no_markers
-has "$S" "ticks.tokens=0 100k 200k 300k" large_ticks_compact
+has "$S" "ticks.tokens=0 50k 100k 150k 200k 250k" large_ticks_compact
 n_ticks() { grep "^$1=" "$S" | cut -d= -f2 | wc -w; }
 if [ "$(n_ticks ticks.loss)" -ge 3 ] && [ "$(n_ticks ticks.lr)" -ge 2 ] && [ "$(n_ticks ticks.tokens)" -ge 2 ] &&
    [ "$(n_ticks xticks)" -ge 2 ]; then ok one_step_axes; else bad "one_step_axes ($(grep ticks "$S" | tr '\n' ' '))"; fi
