@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make train`: prepares the mirrored TinyStories text (once), trains the default model,
-# then samples a short story from the checkpoint. On a machine whose `nvidia-smi` lists a
-# GPU (and a meshtrain built with CUDA) it trains a larger model there (device=cuda,
-# mixed precision); otherwise the small model on the CPU cores. Extra key=value arguments
-# go to `meshtrain train` and win over the defaults (e.g. steps=50, or device=cpu to keep
-# the CPU model on a GPU machine).
+# draws the run's log as <out_dir>/log.svg, then samples a short story from the
+# checkpoint. On a machine whose `nvidia-smi` lists a GPU (and a meshtrain built with
+# CUDA) it trains a larger model there (device=cuda, mixed precision); otherwise the
+# small model on the CPU cores. Extra key=value arguments go to `meshtrain train` and win
+# over the defaults (e.g. steps=50, or device=cpu to keep the CPU model on a GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=./meshtrain
@@ -37,10 +37,20 @@ for d in "${defaults[@]}"; do
   for a in "$@"; do [ "${a%%=*}" = "${d%%=*}" ] && skip=1; done
   [ $skip -eq 0 ] && args+=("$d")
 done
+out_dir=runs/default log_file="" model=""
+for a in "${args[@]}" "$@"; do
+  case "${a%%=*}" in
+    out_dir) out_dir=${a#*=} ;;
+    log_file) log_file=${a#*=} ;;
+    embed_dim|n_heads|n_layers|context_len|batch_size) model="$model ${a}" ;;
+  esac
+done
 "$BIN" train "${args[@]}" "$@"
 echo
+# The run as a picture beside the checkpoint: loss and validation loss, lr, tokens/s.
+echo "--- the run in a picture (meshtrain plot log=<out_dir>/log.jsonl) ---"
+"$BIN" plot log="${log_file:-$out_dir/log.jsonl}" out="$out_dir/log.svg" title="make train on $device:$model"
+echo
 echo "--- sample (meshtrain sample checkpoint=<out_dir>/ckpt.bin) ---"
-out_dir=runs/default
-for a in "$@"; do [ "${a%%=*}" = out_dir ] && out_dir=${a#*=}; done
 "$BIN" sample checkpoint="$out_dir/ckpt.bin" prompt="Once upon a time" length=150 temperature=0.7 top_k=40 seed=42 \
   device="$device"

@@ -1,5 +1,5 @@
 /* commands — one function per subcommand; main.c parses the command line and dispatches.
- * train.c: train, eval, sample, estimate. text.c: prepare, tokenize. export.c: export. */
+ * train.c: train, eval, sample, estimate. text.c: prepare, tokenize. export.c: export. plot.c: plot. */
 #ifndef MESHTRAIN_COMMANDS_H
 #define MESHTRAIN_COMMANDS_H
 #include "config.h"
@@ -11,4 +11,5 @@ int cmd_estimate(Config *c);
 int cmd_prepare(Config *c);
 int cmd_tokenize(Config *c);
 int cmd_export(Config *c);
+int cmd_plot(Config *c);
 #endif

@@ -100,7 +100,11 @@ static const Key KEYS[] = {
     F(temperature, "0.8", 0, 100, CMD_SAMPLE, "sampling temperature (0 = greedy)"),
     I(top_k, "40", 0, 1 << 20, CMD_SAMPLE, "sample from the k most likely tokens (0 = all)"),
     B(decode, "false", CMD_TOKENIZE, "read ids on stdin and print the text"),
-    S(out, "runs/hf", CMD_EXPORT, "folder to write the Hugging Face model into (created if missing)"),
+    S(log, "runs/log.jsonl", CMD_PLOT, "training log to plot (the JSON lines train writes)"),
+    /* one key for every command that writes one output */
+    S(out, "", CMD_EXPORT | CMD_PLOT,
+      "output path: export's folder (default runs/hf), plot's SVG (default <log's folder>/log.svg)"),
+    S(title, "", CMD_PLOT, "title of the picture (default: the log's path)"),
 };
 #define N_KEYS ((int)(sizeof KEYS / sizeof KEYS[0]))
 static unsigned char key_set[N_KEYS];

@@ -30,14 +30,15 @@ typedef struct {
     char prompt[2048];
     int length, top_k, decode;
     double temperature;
-    /* export */
-    char out[512];
+    /* export, plot */
+    char log[512], out[512], title[256];
 } Config;
 
 /* Subcommands a key belongs to (bit mask). */
 enum {
     CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32,
-    CMD_EXPORT = 64
+    CMD_EXPORT = 64,
+    CMD_PLOT = 128
 };
 
 void config_defaults(Config *c);

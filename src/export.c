@@ -140,7 +140,7 @@ static void make_out_dir(const char *dir) {
 
 int cmd_export(Config *c) {
     char err[1024], enc[1100], bpe[1100], json[2048];
-    if (!c->out[0]) die(EXIT_BAD_INPUT, "export needs out=DIR");
+    if (!c->out[0]) snprintf(c->out, sizeof c->out, "runs/hf");  /* the shared key's default for export */
     /* Everything is read and checked before the folder is made. */
     Model m;
     CkptHeader h;
