@@ -105,6 +105,10 @@ expect_exit 2 "UTF-8" prepare_non_utf8 -- "$BIN" prepare input="$TMP/latin1.txt"
 expect_exit 2 "cannot open|not found|No such" prepare_missing -- "$BIN" prepare input="$TMP/nothing.txt" data_dir="$TMP/d4"
 expect_exit 2 "needs about .* only" does_not_fit -- "$BIN" train $TINY data_dir="$D" max_memory_gb=0.001
 
+# sane_loss X: X is a finite number, above 0 and below ln(50257) + 1 (a uniform guess over
+# GPT-2's vocabulary is ln(50257) = 10.8; nan, -nan and inf are refused)
+sane_loss() { awk -v x="$1" 'BEGIN { exit !(x ~ /^[0-9]+(\.[0-9]+)?$/ && x + 0 > 0 && x + 0 < log(50257) + 1) }'; }
+
 # -- training: the loss falls; the log has one JSON line per step
 R=$TMP/run
 if "$BIN" train $TINY data_dir="$D" steps=30 lr=3e-3 out_dir="$R" progress=false threads=2 > "$TMP/train.out"; then
@@ -113,7 +117,11 @@ if "$BIN" train $TINY data_dir="$D" steps=30 lr=3e-3 out_dir="$R" progress=false
   n=$(grep -c '^{"step":[0-9]*,"loss"' "$R/log.jsonl")
   if [ "$n" -eq 30 ] && awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 1.0)}'; then ok train_loss_falls
   else bad "train_loss_falls ($n lines, $first -> $last)"; fi
-  grep -q "val_loss" "$TMP/train.out" && ok train_prints_val_loss || bad train_prints_val_loss
+  # every val_loss printed (the last step's line and the summary) is a sane number
+  vl=$(grep -o 'val_loss [^ ]*' "$TMP/train.out" | cut -d' ' -f2 | paste -sd' ')
+  vl_ok=$([ -n "$vl" ] && echo 1 || echo 0)
+  for v in $vl; do sane_loss "$v" || vl_ok=0; done
+  [ "$vl_ok" = 1 ] && ok "train_prints_val_loss ($vl)" || bad "train_prints_val_loss (${vl:-none})"
 else bad "train (exit $?)"; fi
 
 # -- a validation shard shorter than one batch (224 windows of 32, batch_size=256): the
@@ -129,12 +137,14 @@ if "$BIN" train ${TINY/batch_size=4/batch_size=256} data_dir="$D" steps=2 out_di
   run=$(grep -o 'estimate [0-9.]* [KMG]iB' "$S.out" | awk '{print $2, $3}')
   close=$(awk -v a="$run" -v b="$est" 'BEGIN {split(a, x, " "); split(b, y, " ");
     print (x[2] == y[2] && x[1] >= y[1] && x[1] <= 1.01 * y[1]) ? 1 : 0}')
-  [ -n "$vt" ] && [ "$vt" = "$ve" ] && [ "$close" = 1 ] && ok "short_validation_shard (val_loss $vt, estimate $run)" ||
+  sane_loss "$vt" && [ "$vt" = "$ve" ] && [ "$close" = 1 ] && ok "short_validation_shard (val_loss $vt, estimate $run)" ||
     bad "short_validation_shard (val_loss $vt vs eval $ve, estimate $run vs $est)"
 else bad "short_validation_shard (exit $?: $(tail -1 "$S.out"))"; fi
 
 # -- eval and sample from the checkpoint
-"$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "val_loss" && ok eval || bad eval
+o=$("$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 threads=2 </dev/null 2>&1); rc=$?
+v=$(grep -o '^val_loss [^ ]*' <<<"$o" | cut -d' ' -f2)
+[ $rc -eq 0 ] && [ "$(grep -c '^val_loss ' <<<"$o")" = 1 ] && sane_loss "$v" && ok "eval ($v)" || bad "eval (exit $rc: $o)"
 # gen KEY=VALUE...: samples 20 tokens after "Once upon a time" from $R's checkpoint; true
 # when sample exits 0 and prints the prompt, then text, then one newline. GEN is that text
 # (sample stops early at <|endoftext|>, which it does not print, so it may be shorter than 20
