@@ -230,10 +230,22 @@ echo "$ids" | grep -qw 50256 && ok tokenize_eot || bad tokenize_eot
 expect_exit 2 "out of range" decode_bad_id -- sh -c "echo 99999 | $BIN tokenize decode=true"
 
 "$BIN" help | grep -q "embed_dim=1024" && ok help_lists_keys || bad help_lists_keys
-# -- the README documents every key and command
-missing=""
-for k in $("$BIN" help | grep -oE '^  [a-z_0-9]+=' | tr -d ' =' | sort -u) train prepare tokenize sample eval estimate; do
-  grep -q "\b$k\b" README.md || missing="$missing $k"
-done
-[ -z "$missing" ] && ok readme_documents_every_key || bad "readme_documents_every_key (missing:$missing)"
+# -- the README documents every key and command: each key `meshtrain help` prints is a row
+# "| `key` |" of README.md's keys table (its section "### Keys") and each command of help's
+# list a row "| `cmd` |" of the Commands table; and the keys table has no row for a key
+# help does not print (nor the Commands table for a command it does not list)
+section() { awk -v h="$1" '$0 == h {f = 1; next} f && /^#/ {exit} f' README.md; }
+rows() { grep -oE '^\| `[a-z_0-9]+` \|' | cut -d'`' -f2 | sort -u; }
+help_keys=$("$BIN" help | grep -oE '^  [a-z_0-9]+=' | tr -d ' =' | sort -u)
+help_cmds=$("$BIN" help | awk '/^commands:$/ {f = 1; next} f && !NF {exit} f {print $1}' | sort -u)
+readme_keys=$(section "### Keys" | rows)
+readme_cmds=$(section "## Commands" | rows)
+why=""
+[ -n "$help_keys" ] && [ -n "$help_cmds" ] || why="$why help lists no keys or no commands;"
+m=$(comm -23 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "$m" ] || why="$why keys without a row: $m;"
+m=$(comm -23 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why commands without a row: $m;"
+m=$(comm -13 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "$m" ] || why="$why rows of keys help does not print: $m;"
+m=$(comm -13 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why rows of commands help does not list: $m;"
+[ -z "$why" ] && ok "readme_documents_every_key ($(echo "$help_keys" | wc -l) keys, $(echo "$help_cmds" | wc -l) commands)" ||
+  { why=${why# }; bad "readme_documents_every_key (${why%;})"; }
 echo "RESULT $pass $fail"
