@@ -20,6 +20,10 @@ expect_exit() {
   else bad "$name (exit $rc, want $code; stderr: $err)"; fi
 }
 
+# sane_loss X: X is a finite number, above 0 and below ln(50257) + 1 (a uniform guess over
+# GPT-2's vocabulary is ln(50257) = 10.8; nan, -nan and inf are refused)
+sane_loss() { awk -v x="$1" 'BEGIN { exit !(x ~ /^[0-9]+(\.[0-9]+)?$/ && x + 0 > 0 && x + 0 < log(50257) + 1) }'; }
+
 TINY="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=1 context_len=32 batch_size=4"
 D=$TMP/data
 # -- prepare: a small corpus from the mirrored TinyStories text
@@ -53,17 +57,32 @@ expect_exit 2 "does not apply" wrong_subcommand -- "$BIN" prepare lr=1
 # -- device=cuda: trains where there is a GPU; else one line saying why (a build without
 # nvcc, or no GPU/driver), exit 2. Several processes on cuda: refused by a build without
 # NCCL; with NCCL they train where there are GPUs, else each rank says why.
-err=$("$BIN" train $TINY device=cuda steps=1 data_dir="$D" out_dir="$TMP/cu" progress=false 2>&1 >/dev/null); rc=$?
-if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] &&
+# trained_on_cuda OUT LOG N NP: a run that exited 0 trained on the GPU: its header (stdout
+# OUT) names device cuda and NP process(es), and its log LOG has the step lines 1..N, each
+# with a sane loss. WHY says what is missing.
+trained_on_cuda() {
+  local h steps v procs; h=$(grep -m1 '^meshtrain train  (device' "$1")
+  procs="$4 process"; [ "$4" -gt 1 ] && procs="${procs}es"
+  [[ $h == "meshtrain train  (device cuda"[\ ,]* && $h == *", $procs:"* ]] || { WHY="header: ${h:-none}"; return 1; }
+  steps=$(grep -o '^{"step":[0-9]*,"loss":[^,]*' "$2" 2>/dev/null | cut -d: -f2 | cut -d, -f1 | paste -sd' ')
+  [ "$steps" = "$(seq -s' ' 1 "$3")" ] || { WHY="log steps: [${steps}], want 1..$3"; return 1; }
+  for v in $(grep -o '^{"step":[0-9]*,"loss":[^,]*' "$2" | cut -d: -f3); do
+    sane_loss "$v" || { WHY="loss $v"; return 1; }
+  done
+}
+err=$("$BIN" train $TINY device=cuda steps=1 data_dir="$D" out_dir="$TMP/cu" progress=false 2>&1 >"$TMP/cu.out"); rc=$?
+if { [ $rc -eq 0 ] && trained_on_cuda "$TMP/cu.out" "$TMP/cu/log.jsonl" 1 1; } || { [ $rc -eq 2 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] &&
    printf '%s' "$err" | grep -qE "no CUDA support \(nvcc was not found at build time\)|cuda: no usable GPU"; }
-then ok "cuda_trains_or_says_why ($([ $rc -eq 0 ] && echo trained || echo "$err"))"
-else bad "cuda_trains_or_says_why (exit $rc: $err)"; fi
+then ok "cuda_trains_or_says_why ($([ $rc -eq 0 ] && echo "trained: $(head -1 "$TMP/cu.out")" || echo "$err"))"
+else bad "cuda_trains_or_says_why (exit $rc: $([ $rc -eq 0 ] && echo "$WHY" || echo "$err"))"; fi
 if command -v mpirun >/dev/null; then
   err=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader \
         OMPI_MCA_btl_vader_single_copy_mechanism=none ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" \
-        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda data_dir="$D" steps=2 out_dir="$TMP/cuda_mp" 2>&1 >/dev/null); rc=$?
-  if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
-  then ok cuda_multi_process_trains_or_says_why; else bad "cuda_multi_process_trains_or_says_why (exit $rc: $err)"; fi
+        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda data_dir="$D" steps=2 out_dir="$TMP/cuda_mp" 2>&1 >"$TMP/cuda_mp.out"); rc=$?
+  if { [ $rc -eq 0 ] && trained_on_cuda "$TMP/cuda_mp.out" "$TMP/cuda_mp/log.jsonl" 2 2; } ||
+     { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
+  then ok "cuda_multi_process_trains_or_says_why ($([ $rc -eq 0 ] && echo "trained: $(head -1 "$TMP/cuda_mp.out")" || echo "$err" | head -1))"
+  else bad "cuda_multi_process_trains_or_says_why (exit $rc: $([ $rc -eq 0 ] && echo "$WHY" || echo "$err"))"; fi
 fi
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=fp32 | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
 # cuda defaults to mixed precision: bf16 activations (half of fp32's) and bf16 weight copies
@@ -104,10 +123,6 @@ printf 'Once upon a time \xff\xfe there was.\n<|endoftext|>\nAnother story.\n' >
 expect_exit 2 "UTF-8" prepare_non_utf8 -- "$BIN" prepare input="$TMP/latin1.txt" data_dir="$TMP/d3"
 expect_exit 2 "cannot open|not found|No such" prepare_missing -- "$BIN" prepare input="$TMP/nothing.txt" data_dir="$TMP/d4"
 expect_exit 2 "needs about .* only" does_not_fit -- "$BIN" train $TINY data_dir="$D" max_memory_gb=0.001
-
-# sane_loss X: X is a finite number, above 0 and below ln(50257) + 1 (a uniform guess over
-# GPT-2's vocabulary is ln(50257) = 10.8; nan, -nan and inf are refused)
-sane_loss() { awk -v x="$1" 'BEGIN { exit !(x ~ /^[0-9]+(\.[0-9]+)?$/ && x + 0 > 0 && x + 0 < log(50257) + 1) }'; }
 
 # -- training: the loss falls; the log has one JSON line per step
 R=$TMP/run
