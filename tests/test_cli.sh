@@ -20,6 +20,10 @@ expect_exit() {
   else bad "$name (exit $rc, want $code; stderr: $err)"; fi
 }
 
+# sane_loss X: X is a finite number, above 0 and below ln(50257) + 1 (a uniform guess over
+# GPT-2's vocabulary is ln(50257) = 10.8; nan, -nan and inf are refused)
+sane_loss() { awk -v x="$1" 'BEGIN { exit !(x ~ /^[0-9]+(\.[0-9]+)?$/ && x + 0 > 0 && x + 0 < log(50257) + 1) }'; }
+
 TINY="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=1 context_len=32 batch_size=4"
 D=$TMP/data
 # -- prepare: a small corpus from the mirrored TinyStories text
@@ -53,17 +57,32 @@ expect_exit 2 "does not apply" wrong_subcommand -- "$BIN" prepare lr=1
 # -- device=cuda: trains where there is a GPU; else one line saying why (a build without
 # nvcc, or no GPU/driver), exit 2. Several processes on cuda: refused by a build without
 # NCCL; with NCCL they train where there are GPUs, else each rank says why.
-err=$("$BIN" train $TINY device=cuda steps=1 data_dir="$D" out_dir="$TMP/cu" progress=false 2>&1 >/dev/null); rc=$?
-if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] &&
+# trained_on_cuda OUT LOG N NP: a run that exited 0 trained on the GPU: its header (stdout
+# OUT) names device cuda and NP process(es), and its log LOG has the step lines 1..N, each
+# with a sane loss. WHY says what is missing.
+trained_on_cuda() {
+  local h steps v procs; h=$(grep -m1 '^meshtrain train  (device' "$1")
+  procs="$4 process"; [ "$4" -gt 1 ] && procs="${procs}es"
+  [[ $h == "meshtrain train  (device cuda"[\ ,]* && $h == *", $procs:"* ]] || { WHY="header: ${h:-none}"; return 1; }
+  steps=$(grep -o '^{"step":[0-9]*,"loss":[^,]*' "$2" 2>/dev/null | cut -d: -f2 | cut -d, -f1 | paste -sd' ')
+  [ "$steps" = "$(seq -s' ' 1 "$3")" ] || { WHY="log steps: [${steps}], want 1..$3"; return 1; }
+  for v in $(grep -o '^{"step":[0-9]*,"loss":[^,]*' "$2" | cut -d: -f3); do
+    sane_loss "$v" || { WHY="loss $v"; return 1; }
+  done
+}
+err=$("$BIN" train $TINY device=cuda steps=1 data_dir="$D" out_dir="$TMP/cu" progress=false 2>&1 >"$TMP/cu.out"); rc=$?
+if { [ $rc -eq 0 ] && trained_on_cuda "$TMP/cu.out" "$TMP/cu/log.jsonl" 1 1; } || { [ $rc -eq 2 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] &&
    printf '%s' "$err" | grep -qE "no CUDA support \(nvcc was not found at build time\)|cuda: no usable GPU"; }
-then ok "cuda_trains_or_says_why ($([ $rc -eq 0 ] && echo trained || echo "$err"))"
-else bad "cuda_trains_or_says_why (exit $rc: $err)"; fi
+then ok "cuda_trains_or_says_why ($([ $rc -eq 0 ] && echo "trained: $(head -1 "$TMP/cu.out")" || echo "$err"))"
+else bad "cuda_trains_or_says_why (exit $rc: $([ $rc -eq 0 ] && echo "$WHY" || echo "$err"))"; fi
 if command -v mpirun >/dev/null; then
   err=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader \
         OMPI_MCA_btl_vader_single_copy_mechanism=none ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" \
-        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda data_dir="$D" steps=2 out_dir="$TMP/cuda_mp" 2>&1 >/dev/null); rc=$?
-  if [ $rc -eq 0 ] || { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
-  then ok cuda_multi_process_trains_or_says_why; else bad "cuda_multi_process_trains_or_says_why (exit $rc: $err)"; fi
+        mpirun --oversubscribe --bind-to none --stdin none -np 2 "$BIN" train $TINY device=cuda data_dir="$D" steps=2 out_dir="$TMP/cuda_mp" 2>&1 >"$TMP/cuda_mp.out"); rc=$?
+  if { [ $rc -eq 0 ] && trained_on_cuda "$TMP/cuda_mp.out" "$TMP/cuda_mp/log.jsonl" 2 2; } ||
+     { [ $rc -eq 2 ] && printf '%s' "$err" | grep -qE "this build has no NCCL|no CUDA support|cuda: no usable GPU"; }
+  then ok "cuda_multi_process_trains_or_says_why ($([ $rc -eq 0 ] && echo "trained: $(head -1 "$TMP/cuda_mp.out")" || echo "$err" | head -1))"
+  else bad "cuda_multi_process_trains_or_says_why (exit $rc: $([ $rc -eq 0 ] && echo "$WHY" || echo "$err"))"; fi
 fi
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=fp32 | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
 # cuda defaults to mixed precision: bf16 activations (half of fp32's) and bf16 weight copies
@@ -113,7 +132,11 @@ if "$BIN" train $TINY data_dir="$D" steps=30 lr=3e-3 out_dir="$R" progress=false
   n=$(grep -c '^{"step":[0-9]*,"loss"' "$R/log.jsonl")
   if [ "$n" -eq 30 ] && awk -v a="$first" -v b="$last" 'BEGIN{exit !(b < a - 1.0)}'; then ok train_loss_falls
   else bad "train_loss_falls ($n lines, $first -> $last)"; fi
-  grep -q "val_loss" "$TMP/train.out" && ok train_prints_val_loss || bad train_prints_val_loss
+  # every val_loss printed (the last step's line and the summary) is a sane number
+  vl=$(grep -o 'val_loss [^ ]*' "$TMP/train.out" | cut -d' ' -f2 | paste -sd' ')
+  vl_ok=$([ -n "$vl" ] && echo 1 || echo 0)
+  for v in $vl; do sane_loss "$v" || vl_ok=0; done
+  [ "$vl_ok" = 1 ] && ok "train_prints_val_loss ($vl)" || bad "train_prints_val_loss (${vl:-none})"
 else bad "train (exit $?)"; fi
 
 # -- a validation shard shorter than one batch (224 windows of 32, batch_size=256): the
@@ -129,16 +152,35 @@ if "$BIN" train ${TINY/batch_size=4/batch_size=256} data_dir="$D" steps=2 out_di
   run=$(grep -o 'estimate [0-9.]* [KMG]iB' "$S.out" | awk '{print $2, $3}')
   close=$(awk -v a="$run" -v b="$est" 'BEGIN {split(a, x, " "); split(b, y, " ");
     print (x[2] == y[2] && x[1] >= y[1] && x[1] <= 1.01 * y[1]) ? 1 : 0}')
-  [ -n "$vt" ] && [ "$vt" = "$ve" ] && [ "$close" = 1 ] && ok "short_validation_shard (val_loss $vt, estimate $run)" ||
+  sane_loss "$vt" && [ "$vt" = "$ve" ] && [ "$close" = 1 ] && ok "short_validation_shard (val_loss $vt, estimate $run)" ||
     bad "short_validation_shard (val_loss $vt vs eval $ve, estimate $run vs $est)"
 else bad "short_validation_shard (exit $?: $(tail -1 "$S.out"))"; fi
 
 # -- eval and sample from the checkpoint
-"$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "val_loss" && ok eval || bad eval
-out=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
-[ "${out#Once upon a time}" != "$out" ] && ok sample || bad "sample ($out)"
-out2=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="Once upon a time" length=20 seed=1)
-[ "$out" = "$out2" ] && ok sample_deterministic || bad sample_deterministic
+o=$("$BIN" eval checkpoint="$R/ckpt.bin" data_dir="$D" batch_size=4 threads=2 </dev/null 2>&1); rc=$?
+v=$(grep -o '^val_loss [^ ]*' <<<"$o" | cut -d' ' -f2)
+[ $rc -eq 0 ] && [ "$(grep -c '^val_loss ' <<<"$o")" = 1 ] && sane_loss "$v" && ok "eval ($v)" || bad "eval (exit $rc: $o)"
+# gen KEY=VALUE...: samples 20 tokens after "Once upon a time" from $R's checkpoint; true
+# when sample exits 0 and prints the prompt, then text, then one newline. GEN is that text
+# (sample stops early at <|endoftext|>, which it does not print, so it may be shorter than 20
+# tokens, but every token it prints has at least one byte); GEN_WHY says what went wrong.
+# show TEXT: TEXT with every byte but printable ASCII as '?' (a token may be half a UTF-8
+# character, and grep takes output that is not valid UTF-8 for binary)
+show() { printf '%s' "$1" | LC_ALL=C tr -c ' -~' '?'; }
+gen() {
+  local p="Once upon a time" o rc
+  o=$("$BIN" sample checkpoint="$R/ckpt.bin" prompt="$p" length=20 threads=2 "$@" </dev/null; printf '.%d' $?)
+  rc=${o##*.}; o=${o%.*}; GEN=${o#"$p"}; GEN=${GEN%$'\n'}; GEN_WHY="exit $rc: $(show "$o")"
+  [ "$rc" = 0 ] && [ "${o#"$p"}" != "$o" ] && [ "${o%$'\n'}" != "$o" ] && [ -n "$GEN" ]
+}
+# at least one token generated past the echoed prompt, exit status 0
+gen seed=1 && ok "sample ($(show "$GEN"))" || bad "sample ($GEN_WHY)"
+# the same seed gives the same text; another seed another (at temperature 1 over the whole
+# vocabulary, 20 tokens of a barely trained model coincide with negligible probability)
+s1=; s1b=; s2=
+gen seed=1 temperature=1.0 top_k=0 && s1=$GEN && gen seed=1 temperature=1.0 top_k=0 && s1b=$GEN &&
+  gen seed=2 temperature=1.0 top_k=0 && s2=$GEN && [ "$s1" = "$s1b" ] && [ "$s1" != "$s2" ] && ok sample_deterministic ||
+  bad "sample_deterministic (seed 1: [$(show "$s1")] then [$(show "$s1b")], seed 2: [$(show "$s2")]; last: $GEN_WHY)"
 
 # -- bad checkpoints: $R/ckpt.bin is the manifest; its one shard is $R/ckpt.bin.s00000030.r0-of-1
 expect_exit 2 "cannot open checkpoint" ckpt_missing -- "$BIN" eval checkpoint="$TMP/none.bin" data_dir="$D"
@@ -203,10 +245,22 @@ echo "$ids" | grep -qw 50256 && ok tokenize_eot || bad tokenize_eot
 expect_exit 2 "out of range" decode_bad_id -- sh -c "echo 99999 | $BIN tokenize decode=true"
 
 "$BIN" help | grep -q "embed_dim=1024" && ok help_lists_keys || bad help_lists_keys
-# -- the README documents every key and command
-missing=""
-for k in $("$BIN" help | grep -oE '^  [a-z_0-9]+=' | tr -d ' =' | sort -u) train prepare tokenize sample eval estimate; do
-  grep -q "\b$k\b" README.md || missing="$missing $k"
-done
-[ -z "$missing" ] && ok readme_documents_every_key || bad "readme_documents_every_key (missing:$missing)"
+# -- the README documents every key and command: each key `meshtrain help` prints is a row
+# "| `key` |" of README.md's keys table (its section "### Keys") and each command of help's
+# list a row "| `cmd` |" of the Commands table; and the keys table has no row for a key
+# help does not print (nor the Commands table for a command it does not list)
+section() { awk -v h="$1" '$0 == h {f = 1; next} f && /^#/ {exit} f' README.md; }
+rows() { grep -oE '^\| `[a-z_0-9]+` \|' | cut -d'`' -f2 | sort -u; }
+help_keys=$("$BIN" help | grep -oE '^  [a-z_0-9]+=' | tr -d ' =' | sort -u)
+help_cmds=$("$BIN" help | awk '/^commands:$/ {f = 1; next} f && !NF {exit} f {print $1}' | sort -u)
+readme_keys=$(section "### Keys" | rows)
+readme_cmds=$(section "## Commands" | rows)
+why=""
+[ -n "$help_keys" ] && [ -n "$help_cmds" ] || why="$why help lists no keys or no commands;"
+m=$(comm -23 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "$m" ] || why="$why keys without a row: $m;"
+m=$(comm -23 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why commands without a row: $m;"
+m=$(comm -13 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "$m" ] || why="$why rows of keys help does not print: $m;"
+m=$(comm -13 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why rows of commands help does not list: $m;"
+[ -z "$why" ] && ok "readme_documents_every_key ($(echo "$help_keys" | wc -l) keys, $(echo "$help_cmds" | wc -l) commands)" ||
+  { why=${why# }; bad "readme_documents_every_key (${why%;})"; }
 echo "RESULT $pass $fail"

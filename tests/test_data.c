@@ -506,7 +506,9 @@ static void test_prepare_small(void) {
     PrepareStats st;
     char out[512];
     snprintf(out, sizeof out, "%s", tpath("prep/a/b"));
+    double t0 = now_seconds();
     CHECK(data_prepare(tok, tpath("small.txt"), out, 0.3, &st, err, sizeof err) == 0, "%s", err);
+    double around = now_seconds() - t0;
     CHECK(st.n_stories == 4, "stories %zu", st.n_stories);
     CHECK(st.n_bytes == strlen(text), "bytes %zu", st.n_bytes);
     char tp[600], vp[600];
@@ -519,7 +521,9 @@ static void test_prepare_small(void) {
     free(shard_ints(vp, &nv));
     CHECK(st.n_train_tokens == nt && st.n_val_tokens == nv, "stats %zu/%zu vs %zu/%zu", st.n_train_tokens,
           st.n_val_tokens, nt, nv);
-    CHECK(st.seconds >= 0, "seconds");
+    /* seconds is this call's own duration, in seconds: more than nothing, and no more than the
+     * time measured around the call (not a clock reading, milliseconds, or left at 0) */
+    CHECK(st.seconds > 0 && st.seconds <= around, "seconds %g, but the call took %g s", st.seconds, around);
 
     /* At least one validation story, and at least one left to train on. */
     CHECK(data_prepare(tok, tpath("small.txt"), out, 0.0, &st, err, sizeof err) == 0, "%s", err);

@@ -31,7 +31,12 @@ follows() {
   a=$(losses "$1"); b=$(losses "$2")
   [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || return 1
   paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
-  "$DIFF" "$1/ckpt.bin" "$2/ckpt.bin" | awk '{exit !($2 < 1e-5)}'
+  params_close "$1/ckpt.bin" "$2/ckpt.bin"
+}
+# params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below 1e-5
+params_close() {
+  local d; d=$("$DIFF" "$1" "$2" 2>&1) || return 1
+  awk '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < 1e-5 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d"
 }
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
@@ -130,10 +135,18 @@ if MESHTRAIN_EMBED_ROWS=0 $MPIRUN -np 2 -x MESHTRAIN_EMBED_ROWS "$BIN" train $M 
      -x MESHTRAIN_EMBED_ROWS "$BIN" train $NOCK batch_size=2 ckpt_path=none out_dir="$TMP/we" </dev/null 2>&1)
 then ok ddp_whole_embedding_np2; else bad "ddp_whole_embedding_np2 ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 
+# -- activation checkpointing's estimate has fewer bytes of activations than without it (not
+# merely a different number)
 EST="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=8"
-a1=$("$BIN" estimate $EST | awk '$1 == "activations" {print $2 $3}')
-a2=$("$BIN" estimate $EST activation_checkpointing=true | awk '$1 == "activations" {print $2 $3}')
-[ -n "$a1" ] && [ "$a1" != "$a2" ] && ok "activation_checkpointing_estimate ($a2 vs $a1)" || bad "activation_checkpointing_estimate ($a2 vs $a1)"
+# est_acts KEYS...: the estimate's activations in bytes ("1.4 MiB" -> 1468006)
+est_acts() {
+  "$BIN" estimate $EST "$@" | awk '$1 == "activations" && NF == 3 {
+    m = $3 == "B" ? 1 : $3 == "KiB" ? 1024 : $3 == "MiB" ? 1048576 : $3 == "GiB" ? 1073741824 : $3 == "TiB" ? 1099511627776 : 0
+    if (m && $2 ~ /^[0-9.]+$/) printf "%.0f\n", $2 * m }'
+}
+a1=$(est_acts); a2=$(est_acts activation_checkpointing=true)
+[ -n "$a1" ] && [ -n "$a2" ] && [ "$a2" -gt 0 ] && [ "$a2" -lt "$a1" ] && ok "activation_checkpointing_estimate ($a2 < $a1 bytes)" ||
+  bad "activation_checkpointing_estimate (${a2:-?} vs ${a1:-?} bytes)"
 
 # -- memory per rank falls as each strategy predicts, and the estimate stays within 10%
 # of every rank's max RSS (a model whose state, not the runtime, dominates).
@@ -170,7 +183,7 @@ for target in "4|batch_size=1" "1|batch_size=4" "2|batch_size=2 zero_opt=true"; 
   "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 >"$out.log" 2>&1
   a=$(losses "$TMP/straight" | tail -3); b=$(losses "$out" | tail -3)
   if [ "$(echo "$b" | wc -l)" -eq 3 ] && paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' \
-     && "$DIFF" "$TMP/straight/ckpt.bin" "$out/ckpt.bin" | awk '{exit !($2 < 1e-5)}'
+     && params_close "$TMP/straight/ckpt.bin" "$out/ckpt.bin"
   then ok "resume_fsdp2_on_${np}_ranks ($keys)"; else bad "resume_fsdp2_on_${np}_ranks ($(tail -1 "$out.log"))"; fi
 done
 # resumes_bitwise NAME STRAIGHT CUT: 2 ranks resume CUT's step-3 checkpoint and follow the
@@ -209,7 +222,11 @@ t=$(( $(date +%s) - t0 ))
 [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && echo "$out" | grep -q "did not complete within 3 s" \
   && ok "hung_rank_times_out (${t}s)" || bad "hung_rank_times_out (exit $rc after ${t}s)"
 
-# -- a world size that does not divide a unit is padded, not refused
-$MPIRUN -np 3 "$BIN" train $M batch_size=2 fsdp=true out_dir="$TMP/np3" >/dev/null 2>&1 \
-  && "$DIFF" "$TMP/ref_false/ckpt.bin" "$TMP/np3/ckpt.bin" >/dev/null && ok world_of_3_pads || bad world_of_3_pads
+# -- a world size that does not divide a unit is padded, not refused: FSDP on 3 ranks of
+# batch 2 follows one process of batch 6, the same global batch (losses and parameters)
+"$BIN" train $M batch_size=6 out_dir="$TMP/ref_6" >/dev/null
+if $MPIRUN -np 3 "$BIN" train $M batch_size=2 fsdp=true out_dir="$TMP/np3" </dev/null >"$TMP/np3.log" 2>&1 &&
+   follows "$TMP/ref_6" "$TMP/np3"
+then ok world_of_3_pads
+else bad "world_of_3_pads ($("$DIFF" "$TMP/ref_6/ckpt.bin" "$TMP/np3/ckpt.bin" 2>&1 | tail -1); $(tail -1 "$TMP/np3.log"))"; fi
 echo "RESULT $pass $fail"
