@@ -90,9 +90,9 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         }                                                                     \
         n++;                                                                  \
     } while (0)
-    ADD("tok_embed.weight%.0d", 0, m->units[0].offset, m->V, m->E);
+    ADD("tok_embed.weight%.0d", 0, m->units[UNIT_EMBEDDING].offset, m->V, m->E);
     for (int l = 0; l < m->L; l++) {
-        size_t b = m->units[1 + l].offset;
+        size_t b = m->units[unit_of_layer(l)].offset;
         const LayerLayout *ly = &m->layer;
         ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
         ADD("blocks.%d.qkv_proj.weight", l, b + ly->qkv, 3 * m->E, m->E);
@@ -102,7 +102,7 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         ADD("blocks.%d.ffn.up_proj.weight", l, b + ly->gate_up + (size_t)m->H * m->E, m->H, m->E);
         ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, m->H);
     }
-    size_t hb = m->units[m->L + 1].offset;
+    size_t hb = m->units[unit_head(m)].offset;
     ADD("output_norm.w%.0d", 0, hb + m->head_out_norm, 1, m->E);
     if (!m->c.tie_embeddings) ADD("lm_head.weight%.0d", 0, hb + m->head_lm, m->V, m->E);
 #undef ADD
@@ -305,7 +305,7 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. */
 static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
-    const void *w = unit_weights(m, 1 + l);
+    const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = B * T, E = m->E, H = m->H;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), N, E, RMS_EPS);
@@ -325,8 +325,8 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
  * layer_backward_deferred (their inputs, dgu and dqkv, stay in the scratch until the next
  * layer_backward). */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
-    const void *w = unit_weights(m, 1 + l);
-    void *g = unit_grads(m, 1 + l);
+    const void *w = unit_weights(m, unit_of_layer(l));
+    void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
     /* The branch gradients (dh, dgu, dxn, datt, dqkv) are written by the _set ops, not zeroed
@@ -346,7 +346,7 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
 
 /* The two weight gradients layer_backward(..., defer = 1) left out; they need no weights. */
 static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la) {
-    void *g = unit_grads(m, 1 + l);
+    void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = a->B * a->T, E = m->E, H = m->H;
     op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, la->xn2, NULL, N, E, 2 * H);
@@ -355,26 +355,36 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
 
-/* Embedding and layers for B x T tokens in a->inputs, leaving the last layer's output;
- * unit by unit, each gathered just before use and released after. */
-static void trunk_forward(Model *m, Acts *a, int B, int T, int training, const UnitHooks *h) {
-    int N = B * T;
-    HOOK(h, gather, 0, 1);
-    op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, 0), N, m->E);
-    HOOK(h, release, 0);
-    for (int l = 0; l < m->L; l++) {
-        int slot = training && !a->recompute ? l : 0, r = training ? l : 0;
+/* The embedding (on the stage that holds it) and the stage's layers for B x T tokens,
+ * leaving the last layer's output; unit by unit, each gathered just before use and
+ * released after. Layer l of the stage uses activation slot l - first (residual slots
+ * l - first and l - first + 1): a stage's Acts hold its own layers only. */
+static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int training, const UnitHooks *h) {
+    int N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(m, s);
+    int after = stage_has_head(m, s) ? unit_head(m) : -1;  /* the unit after the stage's last layer */
+    if (stage_has_embedding(s)) {
+        HOOK(h, gather, UNIT_EMBEDDING, nl > 0 ? unit_of_layer(l0) : after);
+        op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E);
+        HOOK(h, release, UNIT_EMBEDDING);
+    }
+    for (int i = 0; i < nl; i++) {
+        int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
         LayerActs la = layer_acts(m, a, slot, r);
-        if (!training && l > 0) op_copy(la.x, la.out, (size_t)N * m->E * ops_act_size());
-        HOOK(h, gather, 1 + l, 2 + l);
+        if (!training && i > 0) op_copy(la.x, la.out, (size_t)N * m->E * ops_act_size());
+        HOOK(h, gather, unit_of_layer(l), i + 1 < nl ? unit_of_layer(l + 1) : after);
         layer_forward(m, a, l, &la, B, T, 0);
-        HOOK(h, release, 1 + l);
+        HOOK(h, release, unit_of_layer(l));
     }
 }
 
-static const void *trunk_output(const Model *m, const Acts *a, int training) {
-    return act_at(a->res, (size_t)(training ? m->L : 1) * a->N * m->E);
+static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {
+    int nl = stage_n_layers(m, s);
+    return act_at(a->res, (size_t)(training ? nl : nl > 0) * a->N * m->E);
 }
+
+void *model_stage_input(const Model *m, const Acts *a) { (void)m; return a->res; }
+void *model_stage_output(const Model *m, const Stage *s, const Acts *a) { return (void *)trunk_output(m, s, a, 1); }
+void *model_stage_grad(const Acts *a) { return a->dres; }
 
 /* The per-row losses are read only at the end of the step, so that on a device the
  * download (which waits for the queued work) does not stall the backward. Summed in row
@@ -392,27 +402,26 @@ float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks 
 }
 
 void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
-    int B = a->B, T = a->T, N = B * T, E = m->E, V = m->V, HU = m->L + 1, tied = m->c.tie_embeddings;
-    op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
-    op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
-    if (grad) {  /* the embedding's backward goes by row */
-        a->emb_nr = embedding_rows_index(a->inputs, N, m->V, a->emb_count, a->emb_index);
-        op_upload(a->dev_emb_index, a->emb_index, (2 * (size_t)a->emb_nr + 1 + (size_t)N) * sizeof(int));
-    }
-    trunk_forward(m, a, B, T, grad, h);
-    const void *last = trunk_output(m, a, grad);
-    /* The head: output_norm, then lm_head (tok_embed's matrix when tied). */
-    HOOK(h, gather, HU, tied ? 0 : HU - 1);
-    if (tied) HOOK(h, gather, 0, HU - 1);
+    Stage whole = model_whole(m);
+    model_forward(m, &whole, a, grad, grad_scale, h);
+    if (grad) model_backward(m, &whole, a, h);
+}
+
+/* The head: output_norm, then lm_head (tok_embed's matrix when tied), and the loss; with
+ * grad, fused with its backward per chunk of logits, ending with d(loss)/d(last) in dres. */
+static void head_forward_backward(Model *m, Acts *a, const void *last, int grad, float grad_scale, const UnitHooks *h) {
+    int N = a->B * a->T, E = m->E, V = m->V, HU = unit_head(m), tied = m->c.tie_embeddings;
+    HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
+    if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
     if (grad) {
         HOOK(h, grad_begin, HU);
-        if (tied) HOOK(h, grad_begin, 0);
+        if (tied) HOOK(h, grad_begin, UNIT_EMBEDDING);
     }
     trace_mark(NULL, "trunk forward done, head");
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
     op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
     const void *wlm = model_lm_head(m);
-    void *glm = m->c.tie_embeddings ? unit_grads(m, 0) : st_at(unit_grads(m, m->L + 1), m->head_lm);
+    void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
     if (grad) op_zero(a->dxf, (size_t)N * E * ops_act_size());
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
      * into their gradient in place and consumed at once. */
@@ -431,41 +440,60 @@ void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const Uni
                             E);
         HOOK(h, grad_ready, HU);
     }
-    if (tied) HOOK(h, release, 0);
+    if (tied) HOOK(h, release, UNIT_EMBEDDING);
     HOOK(h, release, HU);
-    if (!grad) return;
+}
 
+void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
+    int B = a->B, T = a->T, N = B * T;
+    if (stage_has_embedding(s)) {
+        op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
+        if (grad) {  /* the embedding's backward goes by row */
+            a->emb_nr = embedding_rows_index(a->inputs, N, m->V, a->emb_count, a->emb_index);
+            op_upload(a->dev_emb_index, a->emb_index, (2 * (size_t)a->emb_nr + 1 + (size_t)N) * sizeof(int));
+        }
+    }
+    if (stage_has_head(m, s)) op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
+    trunk_forward(m, s, a, B, T, grad, h);
+    if (stage_has_head(m, s)) head_forward_backward(m, a, trunk_output(m, s, a, grad), grad, grad_scale, h);
+}
+
+void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
+    int B = a->B, T = a->T, N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(m, s);
+    int emb = stage_has_embedding(s);
     /* Unless the hooks ask for the embedding last, layer 0's last two weight gradients wait
      * until after the embedding's backward: the embedding's gradient is then not the step's
      * last, and its reduction (the largest unit's, otherwise exposed at the end of the step)
      * overlaps them. */
-    int defer = m->L > 0 && !(h && h->embed_last);
+    int defer = emb && nl > 0 && !(h && h->embed_last);
     LayerActs la0 = layer_acts(m, a, 0, 0);
     trace_mark(NULL, "head done, layers' backward");
-    for (int l = m->L - 1; l >= 0; l--) {
-        LayerActs la = layer_acts(m, a, a->recompute ? 0 : l, l);
-        HOOK(h, gather, 1 + l, l > 0 ? l : -1);
+    for (int i = nl - 1; i >= 0; i--) {
+        int l = l0 + i;
+        LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
+        HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
         if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
-        HOOK(h, grad_begin, 1 + l);
+        HOOK(h, grad_begin, unit_of_layer(l));
         if (trace_active()) {
             char label[48];
             snprintf(label, sizeof label, "layer %d backward", l);
             trace_mark(NULL, label);
         }
-        layer_backward(m, a, l, &la, l == 0 && defer);
-        if (l > 0 || !defer) HOOK(h, grad_ready, 1 + l);
-        HOOK(h, release, 1 + l);  /* the deferred gradients need no weights */
-        if (l == 0) la0 = la;
+        layer_backward(m, a, l, &la, i == 0 && defer);
+        if (i > 0 || !defer) HOOK(h, grad_ready, unit_of_layer(l));
+        HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */
+        if (i == 0) la0 = la;
     }
+    if (!emb) return;  /* dres holds d(loss)/d(the stage's input), for the stage before */
     /* The embedding's backward needs only the tokens, not its parameters. */
     trace_mark(NULL, "embedding backward");
-    HOOK(h, grad_begin, 0);
-    op_embedding_backward_rows(unit_grads(m, 0), a->dres, a->dev_emb_index, a->emb_nr, N, E);
-    HOOK(h, grad_ready, 0);
+    HOOK(h, grad_begin, UNIT_EMBEDDING);
+    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), a->dres, a->dev_emb_index, a->emb_nr, N, m->E);
+    HOOK(h, grad_ready, UNIT_EMBEDDING);
     if (defer) {
         trace_mark(NULL, "layer 0 deferred weight gradients");
-        layer_backward_deferred(m, a, 0, &la0);
-        HOOK(h, grad_ready, 1);
+        layer_backward_deferred(m, a, l0, &la0);
+        HOOK(h, grad_ready, unit_of_layer(l0));
     }
     trace_mark(NULL, "backward done");
 }
@@ -473,16 +501,17 @@ void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const Uni
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {
     if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
     op_upload(a->dev_inputs, tokens, (size_t)T * sizeof(int));
-    trunk_forward(m, a, 1, T, 0, NULL);
-    const void *last = act_at(trunk_output(m, a, 0), (size_t)(T - 1) * m->E);
-    op_rmsnorm_forward(a->xf, a->rstdf, last, act_at(unit_weights(m, m->L + 1), m->head_out_norm), 1, m->E,
+    Stage whole = model_whole(m);
+    trunk_forward(m, &whole, a, 1, T, 0, NULL);
+    const void *last = act_at(trunk_output(m, &whole, a, 0), (size_t)(T - 1) * m->E);
+    op_rmsnorm_forward(a->xf, a->rstdf, last, act_at(unit_weights(m, unit_head(m)), m->head_out_norm), 1, m->E,
                        RMS_EPS);
     op_matmul_forward(a->logits, a->xf, model_lm_head(m), 1, m->E, m->V);
     op_download_act(logits, a->logits, (size_t)m->V);
 }
 
 const void *model_lm_head(const Model *m) {
-    return m->c.tie_embeddings ? unit_weights(m, 0) : act_at(unit_weights(m, m->L + 1), m->head_lm);
+    return m->c.tie_embeddings ? unit_weights(m, UNIT_EMBEDDING) : act_at(unit_weights(m, unit_head(m)), m->head_lm);
 }
 
 double model_flops_per_token(const ModelConfig *c, int T) {

@@ -2,8 +2,8 @@
  * explicit forward/backward one unit at a time through the ops interface. It knows
  * nothing of ranks, optimizers or files.
  *
- * Units (FSDP's FlatParameter): unit 0 = tok_embed; units 1..L = the layers; unit L+1 =
- * the head (output_norm, lm_head unless tied). Each unit is a contiguous slice of one flat
+ * Units (FSDP's FlatParameter): UNIT_EMBEDDING = tok_embed; unit_of_layer(0..L-1) = the
+ * layers; unit_head(m) = the head (output_norm, lm_head unless tied). Each unit is a contiguous slice of one flat
  * buffer, padded to a multiple of `pad_multiple` floats so it divides evenly by the
  * data-parallel size. Gradients (and the optimizer's moments) mirror the same layout. */
 #ifndef MESHTRAIN_MODEL_H
@@ -45,6 +45,30 @@ typedef struct {
      * entries (fp32, and bf16 whose parameters are the compute weights): the ops read uparams. */
     void **ucompute;
 } Model;
+
+/* Units by name: the embedding, layer l, the head (output_norm and lm_head). */
+#define UNIT_EMBEDDING 0
+static inline int unit_of_layer(int l) { return 1 + l; }
+static inline int unit_head(const Model *m) { return m->L + 1; }
+static inline int unit_is_layer(const Model *m, int u) { return u > UNIT_EMBEDDING && u < unit_head(m); }
+static inline int layer_of_unit(int u) { return u - 1; }
+
+/* A stage: the contiguous units [first, last] that one pipeline stage computes. The
+ * stage that holds the embedding reads the tokens; the one that holds the head computes the
+ * loss. Its input (the residual stream from the stage before) and output (to the stage
+ * after), and their gradients, are plain [N, E] activation buffers of its Acts
+ * (model_stage_input, model_stage_output, model_stage_grad). One process is the stage
+ * holding every unit (model_whole). */
+typedef struct { int first, last; } Stage;
+static inline Stage model_whole(const Model *m) { return (Stage){UNIT_EMBEDDING, unit_head(m)}; }
+static inline int stage_has_embedding(const Stage *s) { return s->first == UNIT_EMBEDDING; }
+static inline int stage_has_head(const Model *m, const Stage *s) { return s->last == unit_head(m); }
+/* The layers a stage holds: [first_layer, first_layer + n). */
+static inline int stage_first_layer(const Stage *s) { return s->first == UNIT_EMBEDDING ? 0 : layer_of_unit(s->first); }
+static inline int stage_n_layers(const Model *m, const Stage *s) {
+    int last = s->last == unit_head(m) ? m->L - 1 : layer_of_unit(s->last);
+    return last - stage_first_layer(s) + 1;
+}
 
 /* Called by the model at unit boundaries, so that a strategy applied from outside can
  * gather parameters, start gradient reductions and overlap them with compute. Any hook may
@@ -134,9 +158,26 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
 void acts_view(Acts *v, const Acts *a, const Model *m, int B);
 void acts_free(Acts *a);
 
+/* One micro-batch through a stage (a schedule's forward and backward actions).
+ * model_forward: the stage holding the embedding reads a->inputs (and uploads a->targets
+ * when it also holds the head); any other stage reads model_stage_input(a). The layers run,
+ * and a stage without the head leaves its output in model_stage_output(a). The stage with
+ * the head computes the per-row losses (model_loss reads their mean) and, with grad != 0,
+ * already the head's backward (fused per chunk of logits, scaled so the gradient is that of
+ * the mean loss times grad_scale), leaving d(loss)/d(trunk output) in model_stage_grad(a).
+ * model_backward (after model_forward with grad != 0): a stage without the head expects
+ * d(loss)/d(its output) in model_stage_grad(a); the layers' backward ACCUMULATES parameter
+ * gradients into the units' gradients, and a stage without the embedding leaves
+ * d(loss)/d(its input) in model_stage_grad(a). Nothing waits for the device. */
+void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
+void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *hooks);
+void *model_stage_input(const Model *m, const Acts *a);
+void *model_stage_output(const Model *m, const Stage *s, const Acts *a);
+void *model_stage_grad(const Acts *a);
+
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is
- * that of the mean loss times grad_scale). */
+ * that of the mean loss times grad_scale). The whole model as one stage. */
 float model_step(Model *m, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
 /* model_step in two halves: the work enqueued on the device (nothing waits for it), then the
  * mean loss (waits for everything queued). Training reads the loss after the optimizer step
