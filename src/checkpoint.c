@@ -315,7 +315,6 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
     out->reserved1 = 0;
-    out->reserved2 = 0;
     memset(out->reserved, 0, sizeof out->reserved);  /* identical runs write identical manifests */
     return 0;
 }

@@ -41,8 +41,9 @@ typedef struct {
     int32_t warmup_steps, total_steps, cosine;
     int32_t lr_decay_steps;                    /* the cosine's horizon (0 in older files: total_steps) */
     uint32_t name_len, reserved1;              /* manifest: length of the shards' base name */
-    int32_t global_batch, reserved2;           /* sequences per optimizer step (0 in older files:
+    int32_t global_batch;                      /* sequences per optimizer step (0 in older files:
                                                 * batch_size x world) */
+    int32_t grad_accum_steps;                  /* micro-batches per step (0 in older files: 1) */
     char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4];
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");

@@ -38,6 +38,9 @@ static const Key KEYS[] = {
       "sequence length T of a training window (eval: the checkpoint's unless given)"),
     B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
     I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
+    I(grad_accum_steps, "1", 1, 1 << 16, TR,
+      "micro-batches of batch_size per optimizer step (gradient accumulation): the global batch is batch_size x "
+      "grad_accum_steps x dp"),
     I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),
     I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
     F(lr, "3e-4", 0, 10, TR, "peak learning rate (AdamW)"),

@@ -9,7 +9,7 @@ typedef struct {
     /* model */
     int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
     /* batch and schedule */
-    int batch_size, steps, seed, warmup_steps, lr_decay_steps;
+    int batch_size, grad_accum_steps, steps, seed, warmup_steps, lr_decay_steps;
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     char lr_schedule[16];           /* constant | cosine */
     /* data */

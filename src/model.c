@@ -182,17 +182,19 @@ size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size) {
  * activations (act_size bytes each) or fp32 statistics. */
 typedef struct { void **p; size_t n; int act; } Slot;
 
-/* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan. */
-static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t act_size, Acts *a, Slot *s,
-                     size_t *logit_n) {
+/* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan:
+ * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
+ * where it holds the head. */
+static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T, int training, size_t act_size,
+                     Acts *a, Slot *s, size_t *logit_n) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     size_t ldl = (size_t)ops_logit_stride(c->vocab_size);  /* logit rows are padded */
     size_t NH = c->n_heads, HD = E / NH;
     /* Training keeps every layer's activations for backward; inference, and training that
      * recomputes them, use one layer's worth. The residual stream keeps every layer's input
      * when training. */
-    size_t Ls = training == 1 ? (size_t)c->n_layers : 1, Lr = training ? (size_t)c->n_layers : 1;
-    size_t rows = acts_logit_rows(c, B, T, act_size);
+    size_t Ls = training == 1 ? (size_t)n_layers : 1, Lr = training ? (size_t)n_layers : 1;
+    size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0;
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
@@ -200,10 +202,11 @@ static int acts_plan(const ModelConfig *c, int B, int T, int training, size_t ac
     P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N);
+    if (head) { P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N); }
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
-        P(dres, N * E); P(dxf, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
+        P(dres, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
+        if (head) P(dxf, N * E);
         P(dgu, N * 2 * H); P(dh, N * H); P(dxn, N * E);
     }
 #undef P
@@ -224,23 +227,42 @@ static size_t acts_extra_bytes(int B, int T, int V) {
 static size_t slot_bytes(const Slot *s, size_t act_size) { return s->n * (s->act ? act_size : sizeof(float)); }
 
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes) {
+    Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
+    return acts_bytes_stage(c, &whole, B, T, training, act_size, logit_bytes);
+}
+
+/* layers and head of a stage, from the config alone */
+static int plan_layers(const ModelConfig *c, const Stage *st) {
+    int first = st->first == UNIT_EMBEDDING ? 0 : layer_of_unit(st->first);
+    int last = st->last == c->n_layers + 1 ? c->n_layers - 1 : layer_of_unit(st->last);
+    return last - first + 1;
+}
+
+size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
+                        size_t *logit_bytes) {
     Acts a;
     Slot s[32];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
-    int n = acts_plan(c, B, T, training, act_size, &a, s, &logit_n);
+    int n = acts_plan(c, plan_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
 }
 
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
+    Stage whole = model_whole(m);
+    acts_alloc_stage(a, m, &whole, B, T, training);
+}
+
+void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, int training) {
     memset(a, 0, sizeof *a);
     Slot s[32];
     size_t logit_n;
-    int n = acts_plan(&m->c, B, T, training, ops_act_size(), a, s, &logit_n);
+    int head = stage_has_head(m, st);
+    int n = acts_plan(&m->c, stage_n_layers(m, st), head, B, T, training, ops_act_size(), a, s, &logit_n);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = training == ACTS_RECOMPUTE;
-    a->logit_rows = acts_logit_rows(&m->c, B, T, ops_act_size());
+    a->logit_rows = head ? acts_logit_rows(&m->c, B, T, ops_act_size()) : 0;
     a->inputs = xcalloc(a->N, sizeof(int));
     a->targets = xcalloc(a->N, sizeof(int));
     a->host_losses = xcalloc(a->N, sizeof(float));

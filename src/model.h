@@ -153,6 +153,11 @@ typedef struct {
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes);
 size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size);
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
+/* The same for one stage: its own layers' activations, and the head's buffers only where
+ * it holds the head. */
+size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
+                        size_t *logit_bytes);
+void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
 /* A smaller batch (B <= a->B) in a's buffers, for a forward without gradients (the
  * validation batch of a short shard): every buffer of a holds it. Not to be freed. */
 void acts_view(Acts *v, const Acts *a, const Model *m, int B);

@@ -16,6 +16,8 @@
 #include "optim.h"
 #include "parallel.h"
 #include "run.h"
+#include "step.h"
+#include "train_state.h"
 #include "util.h"
 
 /* Model keys and the seed given on the command line must agree with a checkpoint's. */
@@ -42,13 +44,14 @@ static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
     c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
     c->seed = h->seed;
+    if (!config_was_set("grad_accum_steps")) c->grad_accum_steps = h->grad_accum_steps ? h->grad_accum_steps : 1;
     if (!config_was_set("batch_size")) {
-        int global = h->global_batch ? h->global_batch : h->batch_size * h->world;
-        if (global % dp)
+        int global = h->global_batch ? h->global_batch : h->batch_size * h->world, per = dp * c->grad_accum_steps;
+        if (global % per)
             return fail_set(f, EXIT_BAD_INPUT, "the checkpoint's global batch of %d sequences does not divide over %d "
-                            "data-parallel ranks; give batch_size= (per rank) to choose another global batch",
-                            global, dp);
-        c->batch_size = global / dp;
+                            "data-parallel ranks x grad_accum_steps=%d; give batch_size= (per rank and micro-batch) "
+                            "to choose another global batch", global, dp, c->grad_accum_steps);
+        c->batch_size = global / per;
     }
 #define FROM(key, val) if (!config_was_set(#key)) c->key = (val)
     FROM(lr, h->lr); FROM(min_lr, h->min_lr); FROM(beta1, h->beta1); FROM(beta2, h->beta2); FROM(eps, h->eps);
@@ -81,67 +84,9 @@ static void progress_clear(Progress *p) {
     if (p->on) fprintf(stderr, "\r\033[K");
 }
 
-/* The strategy's ranges in the checkpoint's packed order. Their pointers are the strategy's
- * (state type); on the cpu that is fp32 host memory, which the checkpoint reads directly,
- * and on a device they are staged (below) before the checkpoint sees them. */
-static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRange *out, int max) {
-    OwnedRange *o = xmalloc((size_t)max * sizeof *o);
-    int n = parallel_ranges(par, write, o, max);
-    size_t *packed = xmalloc((size_t)m->n_units * sizeof(size_t)), off = 0;
-    for (int u = 0; u < m->n_units; u++) { packed[u] = off; off += m->units[u].n; }
-    for (int i = 0; i < n; i++)
-        out[i] = (StateRange){packed[o[i].unit] + o[i].lo, o[i].hi - o[i].lo, o[i].params, o[i].m, o[i].v};
-    free(packed);
-    free(o);
-    return n;
-}
-
 /* MFU's reference on a GPU: the H100 SXM's dense bf16 tensor-core peak, as the PyTorch peer
  * and the post count it (an fp32 run reaches a small fraction of it). */
 #define GPU_PEAK_FLOPS 989e12
-
-/* Checkpoints read and write host memory. On a device backend the ranges are staged
- * through one host buffer: downloaded before a save, uploaded after a load. On the cpu the
- * ranges are used as they are (no copy, no extra memory). */
-typedef struct { StateRange *host; float *buf; } Staging;
-
-static const StateRange *stage(const StateRange *r, int n, Staging *s) {
-    s->host = NULL;
-    s->buf = NULL;
-    if (ops_host_memory()) return r;
-    size_t total = 0;
-    for (int i = 0; i < n; i++) total += r[i].count * (1 + (r[i].m != NULL) + (r[i].v != NULL));
-    s->host = xmalloc((size_t)(n ? n : 1) * sizeof *s->host);
-    s->buf = xmalloc((total ? total : 1) * sizeof(float));
-    float *p = s->buf;
-    for (int i = 0; i < n; i++) {
-        float **dev[3] = {&s->host[i].params, &s->host[i].m, &s->host[i].v};
-        s->host[i] = r[i];
-        for (int k = 0; k < 3; k++)
-            if (*dev[k]) { *dev[k] = p; p += r[i].count; }
-    }
-    return s->host;
-}
-
-/* dir > 0: device -> host (before a save); dir < 0: host -> device (after a load). */
-static void stage_copy(const StateRange *r, int n, const Staging *s, int dir) {
-    if (!s->host) return;
-    ops_synchronize();  /* DDP may still be updating units on the ops' side queue */
-    for (int i = 0; i < n; i++) {
-        void *dev[3] = {r[i].params, r[i].m, r[i].v};
-        float *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
-        for (int k = 0; k < 3; k++) {
-            if (!dev[k]) continue;
-            if (dir > 0) op_download_state(host[k], dev[k], r[i].count);  /* widened from bf16 */
-            else op_upload_state(dev[k], host[k], r[i].count);            /* rounded to bf16 */
-        }
-    }
-}
-
-static void stage_free(Staging *s) {
-    free(s->host);
-    free(s->buf);
-}
 
 /* Test hooks for fault handling: MESHTRAIN_FAULT_KILL / _HANG = "rank:step" make that
  * rank die (SIGKILL) or stop responding at the start of that step. */
@@ -264,8 +209,13 @@ int cmd_train(Config *c) {
     }
     if (!c->lr_decay_steps) c->lr_decay_steps = c->steps;
     ModelConfig mc = model_config_of(c);
-    int B = c->batch_size, T = c->context_len;
+    int B = c->batch_size, T = c->context_len, K = c->grad_accum_steps, G = B * dp * K;  /* G: the global batch */
     ParallelKind kind = strategy_of(c);
+    /* Accumulation over several data-parallel ranks needs the strategies' help (reduce once
+     * per step, or accumulate into the shards): not there yet. */
+    if (!f.code && K > 1 && (dp > 1 || kind != PAR_DDP))
+        fail_set(&f, EXIT_BAD_INPUT, "grad_accum_steps=%d runs on one process without fsdp or zero_opt for now "
+                 "(here: %d data-parallel ranks, %s)", K, dp, parallel_kind_name(kind));
 
     Shard train = {0}, val = {0};
     Loader loader = {0};
@@ -321,9 +271,9 @@ int cmd_train(Config *c) {
         if (kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", mesh.shard_size,
                                        dp / mesh.shard_size);
         config_print(c, CMD_TRAIN);
-        printf("global batch: %d sequences (batch_size %d x dp %d) = %s tokens per step", B * dp, B, dp,
-               fmt_commas(b1, (long long)B * dp * T));
-        if (resuming && ckpt_global != B * dp) printf("; the checkpoint's run had %d", ckpt_global);
+        printf("global batch: %d sequences (batch_size %d x grad_accum_steps %d x dp %d) = %s tokens per step", G, B, K,
+               dp, fmt_commas(b1, (long long)G * T));
+        if (resuming && ckpt_global != G) printf("; the checkpoint's run had %d", ckpt_global);
         printf("\n");
         /* Open MPI's mpirun forwards Ctrl-C / SIGTERM to the ranks, then kills them 1 s later:
          * too soon to finish a step and save, unless told to wait */
@@ -350,19 +300,13 @@ int cmd_train(Config *c) {
     const UnitHooks *hooks = parallel_hooks(par);
     Acts a;
     acts_alloc(&a, &m, B, T, train_acts_mode(c));
-    int start = 0, max_ranges = 2 * m.n_units + 2;
-    StateRange *ranges = xmalloc((size_t)max_ranges * sizeof *ranges);
+    int start = 0;
     if (resuming) {
-        int n = ckpt_ranges(par, &m, 0, ranges, max_ranges);
-        Staging st;
-        const StateRange *need = stage(ranges, n, &st);
-        if (ckpt_load_dist(c->resume, &resume_h, need, n, 1, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         LoaderState ls = {resume_h.loader_epoch, resume_h.loader_window};
         if (!f.code && loader_set_state(&loader, ls, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
         comm_exit_if_failed(&world, &f);
-        stage_copy(ranges, n, &st, -1);
-        stage_free(&st);
         parallel_params_changed(par);
         parallel_set_adam_steps(par, resume_h.adam_step);
         start = resume_h.step;
@@ -381,7 +325,8 @@ int cmd_train(Config *c) {
     h.vocab_size = mc.vocab_size; h.embed_dim = mc.embed_dim; h.n_heads = mc.n_heads; h.n_layers = mc.n_layers;
     h.context_len = mc.context_len; h.tie_embeddings = mc.tie_embeddings;
     h.batch_size = B; h.world = world.size; h.seed = c->seed; h.has_optim = 1;
-    h.global_batch = B * dp;
+    h.global_batch = G;
+    h.grad_accum_steps = K;
     h.lr = oc.lr; h.min_lr = oc.min_lr; h.beta1 = oc.beta1; h.beta2 = oc.beta2; h.eps = oc.eps;
     h.weight_decay = oc.weight_decay; h.grad_clip = oc.grad_clip; h.warmup_steps = oc.warmup_steps;
     h.total_steps = c->steps; h.lr_decay_steps = oc.decay_steps; h.cosine = oc.cosine;
@@ -390,37 +335,21 @@ int cmd_train(Config *c) {
     const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP"), *vfault = getenv("MESHTRAIN_FAULT_NAN_VAL_STEP");
     int nan_step = fault ? atoi(fault) : -1, nan_val_step = vfault ? atoi(vfault) : -1;
     Progress pr = {lead && c->progress && isatty(2), now_seconds(), start, c->steps};
-    double tokens_per_step = (double)B * T * dp, flops_per_step = est.flops_per_token * tokens_per_step;
+    double tokens_per_step = (double)G * T, flops_per_step = est.flops_per_token * tokens_per_step;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */
     double t_timed = 0, comm_timed = 0, val_loss = NAN;
     int timed_steps = 0;
     float loss = 0;
-    /* DDP: which embedding rows each step's global batch uses, found on the host (the next
-     * step's while the GPU runs this step's optimizer), so that only those are reduced. */
-    unsigned char *eseen = NULL;
-    int *erows = NULL;
-    if (parallel_wants_embedding_rows(par)) {
-        eseen = xmalloc((size_t)m.V);
-        erows = xmalloc((size_t)m.V * sizeof *erows);
-        parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
-    }
+    Step st;
+    if (step_init(&st, &m, model_whole(&m), par, &loader, &a, K, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
     catch_signals(lead);
     for (int step = start; step < c->steps; step++) {
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
-        loader_next(&loader, a.inputs, a.targets);
         trace_step(step + 1);
-        parallel_begin_step(par);
-        /* The optimizer step is queued before the loss is read: the device goes from the
-         * backward into the update while the host waits. A non-finite loss still stops the
-         * run before anything is saved. */
-        model_enqueue_step(&m, &a, 1, 1.0f, hooks);
-        trace_mark(NULL, "optimizer step");
-        double lr, norm = parallel_step(par, &oc, &lr);
-        trace_mark(NULL, "optimizer step enqueued");
-        if (erows) parallel_set_embedding_rows(par, erows, loader_batch_tokens(&loader, m.V, eseen, erows));
-        double l = model_loss(&a);
+        /* A non-finite loss still stops the run before anything is saved. */
+        double lr, norm, l = step_run(&st, &oc, &norm, &lr);
         if (step + 1 == nan_step && lead) l = NAN;
         comm_allreduce_double(&mesh.dp, &l, 1);  /* the mean loss of the global batch */
         loss = (float)(l / dp);
@@ -481,18 +410,13 @@ int cmd_train(Config *c) {
             h.step = step + 1; h.adam_step = parallel_adam_steps(par);
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
-            int n = ckpt_ranges(par, &m, 1, ranges, max_ranges);
-            Staging st;
-            const StateRange *mine = stage(ranges, n, &st);
-            stage_copy(ranges, n, &st, 1);
             /* every rank gets the same answer: one of them says it */
-            if (ckpt_save_dist(c->ckpt_path, &h, &world, mine, n, err, sizeof err)) {
+            if (train_state_save(c->ckpt_path, &h, &world, par, &m, err, sizeof err)) {
                 progress_clear(&pr);
                 if (lead) fprintf(stderr, "meshtrain: step %d: %s\n", step + 1, err);
                 comm_world_finalize();
                 exit(EXIT_RUN_FAILURE);
             }
-            stage_free(&st);
         }
         if (stopped) break;
         progress_draw(&pr, step + 1, loss, tok_s);
@@ -547,9 +471,7 @@ int cmd_train(Config *c) {
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
-    free(ranges);
-    free(eseen);
-    free(erows);
+    step_free(&st);
     parallel_free(par);  /* first: it waits for collectives still in flight into the buffers */
     acts_free(&a);
     model_free(&m);

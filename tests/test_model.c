@@ -6,6 +6,7 @@
 #include "model.h"
 #include "ops.h"
 #include "optim.h"
+#include "pipeline.h"
 #include "test.h"
 #include "util.h"
 
@@ -135,6 +136,51 @@ static void check_fixture(const char *path) {
     free_fixture(&f);
 }
 
+/* The model cut into p stages (pipeline_split), each with its own Acts, the stage outputs
+ * and input gradients passed along by hand as a pipeline would send them: the loss and
+ * every gradient match PyTorch's as the whole model's do. */
+static void check_stages(const char *path) {
+    Fixture f;
+    if (load_fixture(path, &f)) { CHECK(0, "cannot load %s", path); return; }
+    ModelConfig c = {f.V, f.E, f.NH, f.L, f.T, f.tie};
+    Model m;
+    model_init_layout(&m, &c, 1, 1);
+    scatter(&m, m.params, f.params);
+    float *want = xaligned_alloc(m.n_flat * 4);
+    scatter(&m, want, f.grads);
+    size_t NE = (size_t)f.B * f.T * f.E * sizeof(float);
+    for (int p = 2; p <= f.L; p++) {
+        Stage st[8];
+        Acts a[8];
+        char err[256];
+        CHECK(pipeline_split(&c, f.T, p, "auto", st, err, sizeof err) == 0, "%s", err);
+        for (int i = 0; i < p; i++) {
+            acts_alloc_stage(&a[i], &m, &st[i], f.B, f.T, 1);
+            set_batch(&f, &a[i], 0);
+        }
+        memset(m.grads, 0, m.n_flat * 4);
+        for (int i = 0; i < p; i++) {
+            if (i > 0) memcpy(model_stage_input(&m, &a[i]), model_stage_output(&m, &st[i - 1], &a[i - 1]), NE);
+            model_forward(&m, &st[i], &a[i], 1, 1.0f, NULL);
+        }
+        for (int i = p - 1; i >= 0; i--) {
+            if (i < p - 1) memcpy(model_stage_grad(&a[i]), model_stage_grad(&a[i + 1]), NE);
+            model_backward(&m, &st[i], &a[i], NULL);
+        }
+        float loss = model_loss(&a[p - 1]);
+        CHECK(rel_err(loss, f.loss) < 1e-5, "%s p=%d loss %.7f vs torch %.7f", path, p, loss, f.loss);
+        double e = norm_rel_err(m.grads, want, m.n_flat);
+        CHECK(e < 1e-4, "%s p=%d gradients rel err %.3g", path, p, e);
+        for (int i = 0; i < p; i++) acts_free(&a[i]);
+    }
+    free(want);
+    model_free(&m);
+    free_fixture(&f);
+}
+
+static void test_stages_untied(void) { check_stages("tests/fixtures/model_small.bin"); }
+static void test_stages_tied(void) { check_stages("tests/fixtures/model_tied.bin"); }
+
 static void test_against_torch_untied(void) { check_fixture("tests/fixtures/model_small.bin"); }
 static void test_against_torch_tied(void) { check_fixture("tests/fixtures/model_tied.bin"); }
 
@@ -239,5 +285,7 @@ int main(void) {
     RUN(test_init_statistics);
     RUN(test_against_torch_untied);
     RUN(test_against_torch_tied);
+    RUN(test_stages_untied);
+    RUN(test_stages_tied);
     return TEST_SUMMARY();
 }

@@ -124,7 +124,7 @@ if command -v mpirun >/dev/null; then
   out=$("$BIN" train resume="$TMP/gb/ckpt.bin" data_dir="$D" steps=6 out_dir="$TMP/gb" progress=false threads=1)
   a=$(grep -o '^{"step":[4-6],"loss":[0-9.]*' "$TMP/gb_ref/log.jsonl" | cut -d: -f3)
   b=$(grep -o '^{"step":[4-6],"loss":[0-9.]*' "$TMP/gb/log.jsonl" | cut -d: -f3)
-  if grep -q "global batch: 8 sequences (batch_size 8 x dp 1)" <<<"$out" && [ "$(echo "$b" | wc -l)" -eq 3 ] &&
+  if grep -q "global batch: 8 sequences (batch_size 8 x grad_accum_steps 1 x dp 1)" <<<"$out" && [ "$(echo "$b" | wc -l)" -eq 3 ] &&
      paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}'
   then ok resume_keeps_global_batch; else bad "resume_keeps_global_batch ($a vs $b)"; fi
   # a global batch that does not divide over the ranks: one line, exit 2

@@ -1,0 +1,95 @@
+#include "pipeline.h"
+#include <stdlib.h>
+#include <string.h>
+#include "util.h"
+
+/* Units as model.h names them, from the config alone (no Model is built here). */
+static int head_unit(const ModelConfig *c) { return c->n_layers + 1; }
+
+/* FLOPs per token of forward + backward: 6 per matmul parameter, and the causal
+ * attention's 12 E T per layer (as model_flops_per_token counts them); the embedding is a
+ * lookup (counted as E, so that it is not free). */
+static double layer_flops(const ModelConfig *c, int T) {
+    double E = c->embed_dim, H = (double)(int)(1.5 * c->embed_dim);
+    return 6.0 * (3 * E * E + E * E + 3 * E * H) + 12.0 * E * T;
+}
+static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (double)c->vocab_size; }
+
+double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s) {
+    double f = 0;
+    for (int u = s->first; u <= s->last; u++)
+        f += u == 0 ? c->embed_dim : u == head_unit(c) ? head_flops(c) : layer_flops(c, T);
+    return f;
+}
+
+/* Stages from layer counts n[0..p): stage i holds layers [sum n[<i], sum n[<=i]). */
+static void stages_of_counts(const ModelConfig *c, int p, const int *n, Stage *s) {
+    int l = 0;
+    for (int i = 0; i < p; i++) {
+        s[i].first = i == 0 ? 0 : 1 + l;
+        l += n[i];
+        s[i].last = i == p - 1 ? head_unit(c) : l;  /* unit of layer l - 1 is l */
+    }
+}
+
+int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen) {
+    int L = c->n_layers;
+    if (p < 1) return set_err(err, errlen, "pipeline_parallel_size=%d: at least 1", p);
+    if (p > L)
+        return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", p, L);
+    int *n = xcalloc((size_t)p, sizeof(int));
+    if (strcmp(spec, "auto")) {
+        const char *q = spec;
+        int i = 0, sum = 0;
+        while (*q) {
+            char *end;
+            long v = strtol(q, &end, 10);
+            if (end == q || v < 1 || v > L || i >= p || (*end && *end != ',')) {
+                free(n);
+                return set_err(err, errlen, "pipeline_split=%s: expected auto or %d layer counts >= 1, comma-separated",
+                               spec, p);
+            }
+            n[i++] = (int)v;
+            sum += (int)v;
+            q = *end ? end + 1 : end;
+        }
+        if (i != p || sum != L) {
+            free(n);
+            return set_err(err, errlen, "pipeline_split=%s: %d counts summing to %d; pipeline_parallel_size=%d and "
+                           "n_layers=%d want %d summing to %d", spec, i, sum, p, L, p, L);
+        }
+        stages_of_counts(c, p, n, stages);
+        free(n);
+        return 0;
+    }
+    /* auto: the contiguous split of the layers into p groups (each >= 1) whose largest
+     * stage cost, the embedding added to the first and the head to the last, is least.
+     * best[i][l]: the least largest cost of stages 0..i holding layers [0, l). */
+    double lf = layer_flops(c, T), ef = c->embed_dim, hf = head_flops(c);
+    double *best = xmalloc((size_t)p * (L + 1) * sizeof(double));
+    int *from = xmalloc((size_t)p * (L + 1) * sizeof(int));
+    for (int i = 0; i < p; i++)
+        for (int l = 0; l <= L; l++) {
+            best[i * (L + 1) + l] = 1e300;
+            from[i * (L + 1) + l] = -1;
+            if (l < i + 1) continue;
+            for (int k = i; k < l; k++) {  /* stage i holds layers [k, l) */
+                if (i == 0 && k != 0) break;
+                double prev = i == 0 ? 0 : best[(i - 1) * (L + 1) + k];
+                if (i > 0 && from[(i - 1) * (L + 1) + k] < 0) continue;
+                double cost = (l - k) * lf + (i == 0 ? ef : 0) + (i == p - 1 && l == L ? hf : 0);
+                double m = prev > cost ? prev : cost;
+                if (m < best[i * (L + 1) + l]) { best[i * (L + 1) + l] = m; from[i * (L + 1) + l] = k; }
+            }
+        }
+    for (int i = p - 1, l = L; i >= 0; i--) {
+        int k = from[i * (L + 1) + l];
+        n[i] = l - k;
+        l = k;
+    }
+    stages_of_counts(c, p, n, stages);
+    free(best);
+    free(from);
+    free(n);
+    return 0;
+}

@@ -1,0 +1,16 @@
+/* pipeline — how a model is cut into pipeline stages: contiguous units, the embedding on the
+ * first stage and the head on the last, each stage at least one layer. `auto` balances
+ * the estimated time of each stage (FLOPs of forward + backward per token, with the
+ * embedding and the head counted); explicit layer counts ("5,4,4,3") are taken as given. */
+#ifndef MESHTRAIN_PIPELINE_H
+#define MESHTRAIN_PIPELINE_H
+#include <stddef.h>
+#include "model.h"
+
+/* Fills stages[0..p) for a model of c at context T. spec: "auto" or p comma-separated layer
+ * counts summing to n_layers. Returns -1 with a one-line err (naming pipeline_split or
+ * pipeline_parallel_size) on an impossible split. */
+int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen);
+/* Estimated FLOPs per token (forward + backward) of stage s: what `auto` balances. */
+double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s);
+#endif

@@ -1,0 +1,16 @@
+/* train_state — a training run's share of a checkpoint: the ranges of parameters and AdamW
+ * moments this rank's strategy owns, in the checkpoint's packed order, staged through host
+ * memory on a device backend (downloaded before a save, uploaded after a load). */
+#ifndef MESHTRAIN_TRAIN_STATE_H
+#define MESHTRAIN_TRAIN_STATE_H
+#include "checkpoint.h"
+#include "comm.h"
+#include "parallel.h"
+
+/* Collective over world: every rank saves what it owns (ckpt_save_dist). */
+int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
+                     char *err, size_t errlen);
+/* Fills what this rank owns from the checkpoint at path (any layout wrote it) and reads its
+ * manifest into h. No communication; on error nothing is uploaded. */
+int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const Model *m, char *err, size_t errlen);
+#endif

@@ -1,0 +1,90 @@
+/* Pipeline stage splits: auto finds the contiguous split with the least largest stage
+ * cost (checked against every split by brute force), explicit counts are taken as given,
+ * and impossible splits are one-line errors. */
+#include <string.h>
+#include "pipeline.h"
+#include "test.h"
+
+static double max_cost(const ModelConfig *c, int T, const Stage *s, int p) {
+    double m = 0;
+    for (int i = 0; i < p; i++) {
+        double f = pipeline_stage_flops(c, T, &s[i]);
+        if (f > m) m = f;
+    }
+    return m;
+}
+
+/* the least largest cost over every split of L layers into p groups of >= 1 */
+static double brute(const ModelConfig *c, int T, int p, int *n, int i, int left) {
+    if (i == p - 1) {
+        n[i] = left;
+        Stage s[8];
+        int l = 0;
+        for (int j = 0; j < p; j++) {
+            s[j].first = j == 0 ? 0 : 1 + l;
+            l += n[j];
+            s[j].last = j == p - 1 ? c->n_layers + 1 : l;
+        }
+        return max_cost(c, T, s, p);
+    }
+    double best = 1e300;
+    for (int k = 1; k <= left - (p - 1 - i); k++) {
+        n[i] = k;
+        double v = brute(c, T, p, n, i + 1, left - k);
+        if (v < best) best = v;
+    }
+    return best;
+}
+
+static int covers(const ModelConfig *c, const Stage *s, int p) {
+    if (s[0].first != 0 || s[p - 1].last != c->n_layers + 1) return 0;
+    for (int i = 0; i < p; i++) {
+        if (s[i].last < s[i].first) return 0;
+        if (i > 0 && s[i].first != s[i - 1].last + 1) return 0;
+        int layers = s[i].last - s[i].first + 1 - (i == 0) - (i == p - 1);
+        if (layers < 1) return 0;
+    }
+    return 1;
+}
+
+static void test_auto_is_optimal(void) {
+    ModelConfig cs[] = {{50257, 1024, 8, 16, 256, 0}, {50257, 256, 4, 7, 128, 0}, {1000, 64, 2, 5, 32, 1},
+                        {50257, 4096, 32, 12, 256, 0}};
+    char err[256];
+    for (size_t k = 0; k < sizeof cs / sizeof *cs; k++)
+        for (int p = 1; p <= 4 && p <= cs[k].n_layers; p++) {
+            Stage s[8];
+            int n[8];
+            CHECK(pipeline_split(&cs[k], cs[k].context_len, p, "auto", s, err, sizeof err) == 0, "%s", err);
+            CHECK(covers(&cs[k], s, p), "config %zu p=%d: not a split", k, p);
+            double got = max_cost(&cs[k], cs[k].context_len, s, p);
+            double want = brute(&cs[k], cs[k].context_len, p, n, 0, cs[k].n_layers);
+            CHECK(got <= want * (1 + 1e-12), "config %zu p=%d: largest stage %g, best %g", k, p, got, want);
+        }
+    /* the post's model on 2 stages: the head (6 E V FLOPs per token, about 5.5 layers')
+     * pulls layers to the first stage */
+    Stage s[2];
+    pipeline_split(&cs[0], 256, 2, "auto", s, err, sizeof err);
+    CHECK(s[0].first == 0 && s[0].last == 11 && s[1].first == 12 && s[1].last == 17, "split [%d,%d] [%d,%d]",
+          s[0].first, s[0].last, s[1].first, s[1].last);
+}
+
+static void test_explicit(void) {
+    ModelConfig c = {50257, 64, 2, 6, 32, 0};
+    Stage s[3];
+    char err[256];
+    CHECK(pipeline_split(&c, 32, 3, "1,2,3", s, err, sizeof err) == 0, "%s", err);
+    CHECK(s[0].first == 0 && s[0].last == 1 && s[1].first == 2 && s[1].last == 3 && s[2].first == 4 && s[2].last == 7,
+          "1,2,3 -> [%d,%d] [%d,%d] [%d,%d]", s[0].first, s[0].last, s[1].first, s[1].last, s[2].first, s[2].last);
+    CHECK(pipeline_split(&c, 32, 3, "2,2,3", s, err, sizeof err) == -1 && strstr(err, "summing to 7"), "%s", err);
+    CHECK(pipeline_split(&c, 32, 3, "3,3", s, err, sizeof err) == -1, "two counts for three stages");
+    CHECK(pipeline_split(&c, 32, 3, "0,3,3", s, err, sizeof err) == -1, "an empty stage");
+    CHECK(pipeline_split(&c, 32, 3, "a,b,c", s, err, sizeof err) == -1, "letters");
+    CHECK(pipeline_split(&c, 32, 7, "auto", s, err, sizeof err) == -1 && strstr(err, "exceeds n_layers=6"), "%s", err);
+}
+
+int main(void) {
+    RUN(test_auto_is_optimal);
+    RUN(test_explicit);
+    return TEST_SUMMARY();
+}
