@@ -14,85 +14,124 @@
 #include "trace.h"
 #include "util.h"
 
-size_t ddp_erows_cap(const Model *m, int D) {
+typedef struct {
+    /* The bucket: the gradient range [bkt_off, bkt_off + bkt_n) not yet reduced, whose
+     * all-reduce goes in greq[bkt_unit] (its first unit); flushed at bucket_bytes. */
+    size_t bucket_bytes, bkt_off, bkt_n;
+    int bkt_unit;
+    /* greq_late[u]: greq[u] was started at the end of the backward (by units 2..0, the
+     * embedding rows or the step), likely still in flight; they cover [0, late_hi). Every
+     * reduction above late_hi started earlier, so without clipping the update of
+     * [late_hi, n_flat) runs while the late ones finish. */
+    unsigned char *greq_late;
+    size_t late_hi;
+    /* Over several ranks, untied embedding: the embedding's gradient is all-reduced only in
+     * the rows this step's global batch uses (the others are zero on every rank): erows
+     * (op_alloc, ascending, n_erows of them, at most erows_cap), gathered into ebuf,
+     * reduced, and scattered back before the update. n_erows == SIZE_MAX: not set for this
+     * step (or too many), the whole unit is reduced. */
+    int *erows;
+    void *ebuf;
+    size_t erows_cap, n_erows;
+    int erows_pending;
+    /* side_pending[u]: unit u's update runs on the ops' side queue (op_side_mark u), beside
+     * the next step's forward, which waits for it at the unit's gather. */
+    unsigned char *side_pending;
+    int side_update;
+    size_t side_lo;  /* those units are [side_lo, n_flat): the side queue also zeroes their gradients */
+} Ddp;
+
+/* The most embedding rows reduced by themselves (a quarter of the vocabulary), 0 where the
+ * whole unit always is (one rank, tied embeddings). */
+static size_t erows_cap(const Model *m, int D) {
     if (D <= 1 || m->c.tie_embeddings) return 0;
     return m->V / 4 > 0 ? (size_t)m->V / 4 : 1;
 }
 
 /* A reduction started at the end of the backward, covering [0, hi). */
-static void mark_late(Parallel *p, int u, size_t hi) {
-    p->greq_late[u] = 1;
-    if (hi > p->late_hi) p->late_hi = hi;
+static void mark_late(Ddp *d, int u, size_t hi) {
+    d->greq_late[u] = 1;
+    if (hi > d->late_hi) d->late_hi = hi;
 }
 
 /* The embedding's gradient, only the rows the global batch uses: gathered, then reduced. */
-static void ddp_reduce_erows(Parallel *p) {
+static void reduce_erows(Parallel *p, Ddp *d) {
     size_t E = (size_t)p->m->E;
-    p->erows_pending = p->n_erows > 0;
-    if (!p->erows_pending) return;  /* no rows: the gradient is zero everywhere */
-    mark_late(p, 0, p->m->units[0].offset + p->m->units[0].n_padded);
-    op_gather_rows(p->ebuf, st_at(p->grads, p->m->units[0].offset), p->erows, p->n_erows, E * ops_state_size());
-    comm_iallreduce(p->group, p->ebuf, p->n_erows * E, par_ctype(), COMM_AVG, &p->greq[0],
+    d->erows_pending = d->n_erows > 0;
+    if (!d->erows_pending) return;  /* no rows: the gradient is zero everywhere */
+    mark_late(d, 0, p->m->units[0].offset + p->m->units[0].n_padded);
+    op_gather_rows(d->ebuf, st_at(p->grads, p->m->units[0].offset), d->erows, d->n_erows, E * ops_state_size());
+    comm_iallreduce(p->group, d->ebuf, d->n_erows * E, par_ctype(), COMM_AVG, &p->greq[0],
                     "gradient all-reduce (embedding rows)");
     if (!p->overlap) par_wait(p, &p->greq[0]);
 }
 
-static void ddp_finish_erows(Parallel *p) {
-    if (p->erows_pending)
-        op_scatter_rows(st_at(p->grads, p->m->units[0].offset), p->ebuf, p->erows, p->n_erows,
+static void finish_erows(Parallel *p, Ddp *d) {
+    if (d->erows_pending)
+        op_scatter_rows(st_at(p->grads, p->m->units[0].offset), d->ebuf, d->erows, d->n_erows,
                         (size_t)p->m->E * ops_state_size());
-    p->erows_pending = 0;
-    p->n_erows = SIZE_MAX;  /* rows are set for one step */
+    d->erows_pending = 0;
+    d->n_erows = SIZE_MAX;  /* rows are set for one step */
     p->hooks.embed_last = 0;
 }
 
-static void flush(Parallel *p, int late) {
-    if (!p->bkt_n) return;
-    CommReq *r = &p->greq[p->bkt_unit];
-    if (late) mark_late(p, p->bkt_unit, p->bkt_off + p->bkt_n);
-    comm_iallreduce(p->group, st_at(p->grads, p->bkt_off), p->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
-    p->bkt_n = 0;
+static void flush(Parallel *p, Ddp *d, int late) {
+    if (!d->bkt_n) return;
+    CommReq *r = &p->greq[d->bkt_unit];
+    if (late) mark_late(d, d->bkt_unit, d->bkt_off + d->bkt_n);
+    comm_iallreduce(p->group, st_at(p->grads, d->bkt_off), d->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
+    d->bkt_n = 0;
     if (!p->overlap) par_wait(p, r);
 }
-
-void ddp_flush(Parallel *p) { flush(p, 1); }
 
 /* Unit u's gradient joins the bucket (a new one unless it borders the pending range); a
  * bucket of bucket_bytes or more is reduced at once. So is one that reaches layer 1 (unit
  * 2), and any holding layer 0 or the embedding (units 1 and 0), whichever order the two
  * finish in (UnitHooks.embed_last): they are the step's last, and waiting longer, for
- * parallel_step, would leave their reduction exposed at the end of the step. */
+ * the step, would leave their reduction exposed at the end of the step. */
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
+    Ddp *d = p->st;
     int late = u <= 2;
-    if (u == 0 && p->n_erows != SIZE_MAX) {
-        flush(p, late);
-        ddp_reduce_erows(p);
+    if (u == 0 && d->n_erows != SIZE_MAX) {
+        flush(p, d, late);
+        reduce_erows(p, d);
         par_progress(p);
         return;
     }
     const Unit *un = &p->m->units[u];
     size_t lo = un->offset, hi = lo + un->n_padded;
-    if (p->bkt_n && hi != p->bkt_off && lo != p->bkt_off + p->bkt_n) flush(p, late);
-    if (!p->bkt_n) p->bkt_unit = u, p->bkt_off = lo;
-    if (lo < p->bkt_off) p->bkt_off = lo;
-    p->bkt_n += un->n_padded;
-    if (p->bkt_n * ops_state_size() >= p->bucket_bytes || late) flush(p, late);
+    if (d->bkt_n && hi != d->bkt_off && lo != d->bkt_off + d->bkt_n) flush(p, d, late);
+    if (!d->bkt_n) d->bkt_unit = u, d->bkt_off = lo;
+    if (lo < d->bkt_off) d->bkt_off = lo;
+    d->bkt_n += un->n_padded;
+    if (d->bkt_n * ops_state_size() >= d->bucket_bytes || late) flush(p, d, late);
     par_progress(p);
 }
 
-static void ddp_progress(void *ctx, int u) {
+static void ddp_grad_begin(void *ctx, int u) {
     (void)u;
     par_progress(ctx);
+}
+
+/* Waits for unit u's update on the side queue; with precision=mixed remakes its bf16 copy
+ * if it is behind (after a load; the update writes it itself). */
+static void ddp_gather(void *ctx, int u, int next) {
+    Parallel *p = ctx;
+    Ddp *d = p->st;
+    (void)next;
+    if (d->side_pending[u]) {
+        op_side_wait(u);
+        d->side_pending[u] = 0;
+    }
+    par_cast_unit(p, u);
 }
 
 /* AdamW over [lo, lo + n); with precision=mixed it also writes the bf16 compute copy of
  * what it updates, so the next forward need not make it from the whole parameters. */
 static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, double lr, int step, float scale) {
-    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
-    void *pa = st_at(p->params, lo), *g = st_at(p->grads, lo), *m1 = st_at(p->mom1, lo), *m2 = st_at(p->mom2, lo);
-    if (p->cparams) op_adamw_cast(pa, g, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale, act_at(p->cparams, lo));
-    else op_adamw(pa, g, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
+    par_adamw(st_at(p->params, lo), st_at(p->grads, lo), st_at(p->mom1, lo), st_at(p->mom2, lo), n, oc, lr, step,
+              scale, p->cparams ? act_at(p->cparams, lo) : NULL);
 }
 
 /* Without clipping, the update runs in two parts. AdamW is elementwise, so the result is
@@ -102,34 +141,35 @@ static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, doub
  *   (the bucket that reaches layer 1), which the next forward needs first.
  * - [late_hi, n_flat), reduced earlier. With side_update (the default; the ops' side queue)
  *   its units are updated after the first part, beside the next step's forward, which
- *   waits for each at its gather (par_whole_gather). Otherwise it runs first, while the
- *   late reductions finish. */
-static int side_units(Parallel *p, size_t split) {
+ *   waits for each at its gather (ddp_gather). Otherwise it runs first, while the late
+ *   reductions finish. */
+static int side_units(const Parallel *p, const Ddp *d, size_t split) {
     const Model *m = p->m;
-    if (!p->side_update || split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
+    if (!d->side_update || split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
     size_t n = 0;
     for (int u = 0; u < m->n_units; u++)
         if (m->units[u].offset >= split) n += m->units[u].n_padded;
     return n == m->n_flat - split;  /* the part is whole units */
 }
 
-double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
+static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
-    ddp_flush(p);  /* first: a bucket it starts is a late one, which moves late_hi */
-    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : p->late_hi;
-    double lr = lr_at(oc, p->adam_steps);
-    int step = ++p->adam_steps;
+    Ddp *d = p->st;
+    flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
+    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : d->late_hi;
+    double lr = par_next_lr(p, oc);
+    int step = p->adam_steps;
     for (int u = 0; u < m->n_units; u++)
-        if (!p->greq_late[u]) par_wait(p, &p->greq[u]);
+        if (!d->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
-    int side = side_units(p, split);
+    int side = side_units(p, d, split);
     if (split < n) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
         if (!side) update(p, split, n - split, oc, lr, step, 1.0f);
     }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     trace_mark(NULL, "late reductions in");
-    ddp_finish_erows(p);
+    finish_erows(p, d);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(sumsq);
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
@@ -141,18 +181,30 @@ double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
             update(p, un->offset, un->n_padded, oc, lr, step, 1.0f);
             op_zero(st_at(p->grads, un->offset), un->n_padded * ops_state_size());  /* the next step's */
             op_side_mark(u);
-            p->side_pending[u] = 1;
+            d->side_pending[u] = 1;
         }
         op_side_end();
-        p->side_lo = split;
+        d->side_lo = split;
     }
     /* with precision=mixed AdamW wrote the bf16 copy too: it is current */
     *lr_out = lr;
     return norm;
 }
 
-void ddp_setup(Parallel *p) {
-    p->greq_late = xcalloc((size_t)p->m->n_units, 1);
+/* Clears the gradients, except those the side queue zeroes after its update. */
+static void ddp_begin_step(Parallel *p) {
+    Ddp *d = p->st;
+    size_t hi = d->side_lo < p->m->n_flat ? d->side_lo : p->m->n_flat;
+    op_zero(p->grads, hi * ops_state_size());
+    d->side_lo = SIZE_MAX;
+    memset(d->greq_late, 0, (size_t)p->m->n_units);
+    d->late_hi = 0;
+}
+
+static void ddp_setup(Parallel *p) {
+    Ddp *d = p->st = xcalloc(1, sizeof *d);
+    d->side_lo = SIZE_MAX;
+    d->greq_late = xcalloc((size_t)p->m->n_units, 1);
     size_t bytes = p->m->n_flat * ops_state_size();
     p->params = op_alloc(bytes);
     p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
@@ -160,14 +212,78 @@ void ddp_setup(Parallel *p) {
     p->mom2 = op_alloc(bytes);
     model_point_units(p->m, p->params, p->grads);
     const char *env = getenv("MESHTRAIN_EMBED_ROWS");  /* =0: reduce the whole embedding (A/B) */
-    p->erows_cap = env && !strcmp(env, "0") ? 0 : ddp_erows_cap(p->m, p->D);
-    p->erows = op_alloc(p->erows_cap * sizeof(int));
-    p->ebuf = op_alloc(p->erows_cap * (size_t)p->m->E * ops_state_size());
-    p->n_erows = SIZE_MAX;
-    p->hooks.grad_begin = ddp_progress;
-    p->hooks.grad_ready = ddp_grad_ready;
-    p->hooks.gather = par_whole_gather;  /* waits for a unit's update on the side queue */
-    p->side_pending = xcalloc((size_t)p->m->n_units, 1);
+    d->erows_cap = env && !strcmp(env, "0") ? 0 : erows_cap(p->m, p->D);
+    d->erows = op_alloc(d->erows_cap * sizeof(int));
+    d->ebuf = op_alloc(d->erows_cap * (size_t)p->m->E * ops_state_size());
+    d->n_erows = SIZE_MAX;
+    d->side_pending = xcalloc((size_t)p->m->n_units, 1);
     const char *side = getenv("MESHTRAIN_SIDE_UPDATE");  /* =0: the update in one queue (A/B) */
-    p->side_update = !(side && !strcmp(side, "0"));
+    d->side_update = !(side && !strcmp(side, "0"));
+    par_compute_whole(p);
 }
+
+static void ddp_free(Parallel *p) {
+    Ddp *d = p->st;
+    op_free(d->erows); op_free(d->ebuf);
+    free(d->greq_late); free(d->side_pending);
+    free(d);
+}
+
+/* Replicated: each rank saves its even slice of every unit; on load every rank needs all. */
+static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
+    const Model *m = p->m;
+    int n = 0;
+    for (int u = 0; u < m->n_units && n < max; u++) {
+        size_t s = shard_len(p, u), lo = (size_t)p->r * s, hi = lo + s, nu = m->units[u].n;
+        if (hi > nu) hi = nu;
+        size_t off = m->units[u].offset;
+        void *base_p = st_at(p->params, off);
+        if (write) {
+            if (lo < hi && n < max)
+                out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), st_at(p->mom1, off + lo),
+                                        st_at(p->mom2, off + lo)};
+        } else if (n < max) {
+            out[n++] = (OwnedRange){u, 0, nu, base_p, st_at(p->mom1, off), st_at(p->mom2, off)};
+        }
+    }
+    return n;
+}
+
+/* Everything whole, plus the embedding rows' buffer and their indices. */
+static ParallelBytes ddp_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
+    size_t full = layout->n_flat * state_size, cap = erows_cap(layout, D);
+    return (ParallelBytes){full, full + cap * ((size_t)layout->E * state_size + sizeof(int)), 2 * full,
+                           compute_size ? layout->n_flat * compute_size : 0};
+}
+
+static void ddp_set_bucket(Parallel *p, size_t bytes) { ((Ddp *)p->st)->bucket_bytes = bytes; }
+
+static int ddp_wants_rows(const Parallel *p) { return ((const Ddp *)p->st)->erows_cap > 0; }
+
+static void ddp_set_rows(Parallel *p, const int *rows, size_t n) {
+    Ddp *d = p->st;
+    d->n_erows = SIZE_MAX;
+    p->hooks.embed_last = 0;
+    if (!d->erows_cap || n > d->erows_cap) return;
+    op_upload(d->erows, rows, n * sizeof(int));
+    d->n_erows = n;
+    p->hooks.embed_last = 1;  /* its reduction is small: layer 0's overlaps its backward instead */
+}
+
+const ParallelStrategy par_ddp = {
+    .name = "ddp",
+    .setup = ddp_setup,
+    .free = ddp_free,
+    .gather = ddp_gather,
+    .grad_begin = ddp_grad_begin,
+    .grad_ready = ddp_grad_ready,
+    .init_weights = par_init_whole,
+    .params_changed = par_params_stale,
+    .begin_step = ddp_begin_step,
+    .step = ddp_step,
+    .ranges = ddp_ranges,
+    .bytes = ddp_bytes,
+    .set_bucket = ddp_set_bucket,
+    .wants_rows = ddp_wants_rows,
+    .set_rows = ddp_set_rows,
+};

@@ -1,7 +1,8 @@
 /* parallel — the data-parallel strategies, applied to the model from outside through its
  * unit hooks and flat units: DDP, ZeRO-1, ZeRO-2, FSDP (ZeRO-3) and hybrid FSDP. One
- * process is DDP over a group of one. Each strategy lives in its own file (ddp.c, zero.c,
- * fsdp.c); this file holds what they share: shards, slots, the optimizer step. */
+ * process is DDP over a group of one. Each strategy is one table of functions with its own
+ * state, in its own file (ddp.c, zero.c, fsdp.c); parallel.c runs this interface through
+ * the table and holds what they share (parallel_impl.h: shards, slots, AdamW, norms). */
 #ifndef MESHTRAIN_PARALLEL_H
 #define MESHTRAIN_PARALLEL_H
 #include <stddef.h>

@@ -1,4 +1,8 @@
-/* Internals shared by parallel.c and the strategy files (ddp.c, zero.c, fsdp.c). */
+/* The shared core of the data-parallel strategies: what every strategy file (ddp.c,
+ * zero.c, fsdp.c) may use, and the table each of them fills. parallel.c implements these
+ * pieces and the public interface (parallel.h), which runs through the table; it never
+ * names a strategy except in the one lookup from ParallelKind to table. Strategy files
+ * depend on this header only, never on each other. */
 #ifndef MESHTRAIN_PARALLEL_IMPL_H
 #define MESHTRAIN_PARALLEL_IMPL_H
 #include "comm.h"
@@ -32,104 +36,129 @@ typedef struct {
     int cast;       /* parameter slots with bf16 compute: the bf16 copy matches buf */
 } Slot;
 
+typedef struct ParallelStrategy ParallelStrategy;
+
+/* What every strategy has; the strategy's own fields are behind `st`. A strategy's setup
+ * allocates the buffers it keeps (the others stay NULL), and the shared code below works
+ * from which of them exist: whole parameters (params) or only a shard (pshard). */
 struct Parallel {
-    ParallelKind kind;
+    const ParallelStrategy *s;
+    void *st;               /* the strategy's own state (its setup allocates, its free frees) */
     Model *m;
     Mesh *mesh;
     const Comm *group;      /* ranks a unit is sharded (or replicated) over */
-    const Comm *replicas;   /* hybrid: the same shard on other nodes; else a group of one */
+    const Comm *replicas;   /* ranks holding the same shard (hybrid's other nodes); else NULL */
     int D, r, overlap;
     size_t n_shard;
     void *params, *grads;   /* full flat buffers where the strategy keeps them whole */
     void *pshard, *gshard;  /* this rank's shard of every unit (unit u at offset_u / D) */
     void *mom1, *mom2;      /* AdamW moments: full (DDP) or over the shard */
-    Slot pslots[N_SLOTS], gslots[N_SLOTS];
+    Slot slots[N_SLOTS];    /* gradient slots (ZeRO-2), or the pool of parameters and gradients (FSDP) */
     /* precision=mixed: the bf16 copy the ops read, of the whole parameters
      * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
-     * for pslots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
+     * for slots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
     unsigned char *cstale;
-    /* DDP: side_pending[u]: unit u's update runs on the ops' side queue (op_side_mark u),
-     * beside the next step's forward, which waits for it at the unit's gather. */
-    unsigned char *side_pending;
-    int side_update;
-    size_t side_lo;  /* those units are [side_lo, n_flat): the side queue also zeroes their gradients */
-    CommReq *greq, *rreq;   /* per unit: gradient reduction, hybrid replica all-reduce */
-    int *refs;              /* per unit: FSDP gather references */
-    unsigned char *grad_open; /* per unit: gradient slot taken this step */
+    CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
+    unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;
-    /* DDP's bucket: the gradient range [bkt_off, bkt_off + bkt_n) not yet reduced, whose
-     * all-reduce goes in greq[bkt_unit] (its first unit); flushed at bucket_bytes. */
-    size_t bucket_bytes, bkt_off, bkt_n;
-    int bkt_unit;
-    /* DDP: greq_late[u]: greq[u] was started at the end of the backward (by units 2..0, the
-     * embedding rows or parallel_step), likely still in flight; they cover [0, late_hi).
-     * Every reduction above late_hi started earlier, so without clipping the update of
-     * [late_hi, n_flat) runs while the late ones finish. */
-    unsigned char *greq_late;
-    size_t late_hi;
-    /* DDP over several ranks, untied embedding: the embedding's gradient is all-reduced only
-     * in the rows this step's global batch uses (the others are zero on every rank):
-     * erows (op_alloc, ascending, n_erows of them, at most erows_cap), gathered into ebuf,
-     * reduced, and scattered back before the update. n_erows == SIZE_MAX: not set for this
-     * step (or too many), the whole unit is reduced. */
-    int *erows;
-    void *ebuf;
-    size_t erows_cap, n_erows;
-    int erows_pending;
     double wait_s;
     UnitHooks hooks;
 };
 
+/* One data-parallel strategy. Entries marked optional may be NULL. */
+struct ParallelStrategy {
+    const char *name;  /* parallel_kind_name */
+    /* 1: a unit is sharded over mesh->shard and each shard replicated over mesh->replicate
+     * (hybrid); 0: sharded or replicated over mesh->dp. */
+    int replicated;
+    /* Allocates the buffers the strategy keeps and its state, points the model's units at
+     * them; with precision=mixed also the bf16 compute copies (par_compute_*). */
+    void (*setup)(Parallel *p);
+    /* Waits for the strategy's own requests and frees its state (the shared buffers are
+     * freed by parallel_free). Optional. */
+    void (*free)(Parallel *p);
+    /* The model's unit hooks, called with ctx = the Parallel (UnitHooks). Optional. */
+    void (*gather)(void *ctx, int u, int next);
+    void (*release)(void *ctx, int u);
+    void (*grad_begin)(void *ctx, int u);
+    void (*grad_ready)(void *ctx, int u);
+    /* The model's init into what this rank holds (par_init_whole / par_init_shard). */
+    void (*init_weights)(Parallel *p, uint64_t seed);
+    /* The parameters were written from outside; optional (no copies to remake). */
+    void (*params_changed)(Parallel *p);
+    /* Before a step's forward, after the shared part (wait_s, gradient slots); optional. */
+    void (*begin_step)(Parallel *p);
+    /* parallel_step, all of it: the gradient reductions' end, the norm, clipping, AdamW. */
+    double (*step)(Parallel *p, const OptimConfig *oc, double *lr);
+    /* parallel_ranges, after the shared part (a hybrid replica other than the first saves nothing). */
+    int (*ranges)(const Parallel *p, int write, OwnedRange *out, int max);
+    ParallelBytes (*bytes)(const Model *layout, int D, size_t state_size, size_t compute_size);
+    /* Optional: parallel_set_bucket; parallel_wants_embedding_rows and
+     * parallel_set_embedding_rows (the step's token rows, ascending and distinct). */
+    void (*set_bucket)(Parallel *p, size_t bytes);
+    int (*wants_rows)(const Parallel *p);
+    void (*set_rows)(Parallel *p, const int *rows, size_t n);
+};
+
+extern const ParallelStrategy par_ddp;                 /* ddp.c */
+extern const ParallelStrategy par_zero1, par_zero2;    /* zero.c */
+extern const ParallelStrategy par_fsdp, par_hybrid;    /* fsdp.c */
+
 static inline size_t shard_len(const Parallel *p, int u) { return p->m->units[u].n_padded / (size_t)p->D; }
 static inline size_t shard_off(const Parallel *p, int u) { return p->m->units[u].offset / (size_t)p->D; }
-/* Where gradient slots come from: FSDP's shared pool, or ZeRO-2's own set. */
-static inline Slot *par_grad_slots(Parallel *p) { return p->pshard ? p->pslots : p->gslots; }
 /* The collectives' element type: the state type. */
 static inline CommType par_ctype(void) { return ops_state_size() == 2 ? COMM_BF16 : COMM_F32; }
 
+/* ---- slots ---- */
 /* Capacities of the N_SLOTS slots for this model (0 = unused): ZeRO-2's gradient slots, or
- * FSDP's pool (pool != 0); allocation of a slot set. */
+ * FSDP's pool (pool != 0); their sum. Allocation of p->slots. */
 void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]);
-void par_alloc_slots(Parallel *p, Slot *slots, int pool);
-/* Takes a slot of `slots` for unit u's gradient (grad = 1) or parameters: the smallest free
- * one that holds it, where a gradient slot whose reduction has finished counts as free;
- * failing that, waits for a draining gradient slot that fits. may_fail: returns NULL
- * instead of waiting (a prefetch). */
-Slot *par_take_slot(Parallel *p, Slot *slots, int u, int grad, int may_fail);
+size_t par_slot_elems(const Model *m, int pool);
+void par_alloc_slots(Parallel *p, int pool);
+/* Takes a slot for unit u's gradient (grad = 1) or parameters: the smallest free one that
+ * holds it, where a gradient slot whose reduction has finished counts as free; failing
+ * that, waits for a draining gradient slot that fits. may_fail: returns NULL instead of
+ * waiting (a prefetch). */
+Slot *par_take_slot(Parallel *p, int u, int grad, int may_fail);
+/* Gradient hooks for gradients kept in slots (ZeRO-2, FSDP): grad_begin takes a zeroed
+ * slot for unit u; grad_ready reduce-scatters it into this rank's gshard. */
+void par_slot_grad_begin(void *ctx, int u);
+void par_slot_grad_ready(void *ctx, int u);
 
+/* ---- communication ---- */
 /* Waits on r, counting the time as communication wait. */
 void par_wait(Parallel *p, CommReq *r);
 /* Drives MPI progress of everything in flight (called at unit boundaries). */
 void par_progress(Parallel *p);
-/* Gradient slots (ZeRO-2, FSDP): the slot buffer for unit u's gradient, zeroed. */
-void *par_grad_slot(Parallel *p, int u);
 /* Starts reduce-scattering unit u's gradient from src into this rank's gshard. */
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
+/* Waits for every gradient reduction into the shard (greq, the slots). */
+void par_wait_grads(Parallel *p);
 
-void ddp_setup(Parallel *p);
-/* DDP: starts the all-reduce of the pending bucket, if any. */
-void ddp_flush(Parallel *p);
-/* DDP: the most embedding rows reduced by themselves (a quarter of the vocabulary), 0 where
- * the whole unit always is (one rank, tied embeddings). */
-size_t ddp_erows_cap(const Model *m, int D);
-/* DDP's optimizer step (parallel_step). */
-double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out);
-void zero_setup(Parallel *p);
-void zero_gather_params(Parallel *p);
-/* ZeRO-2's gradient hooks (slots + reduce-scatter), FSDP uses them too. */
-void zero2_grad_begin(void *ctx, int u);
-void zero2_grad_ready(void *ctx, int u);
-void fsdp_setup(Parallel *p);
-/* precision=mixed: points the model's units at their bf16 compute copies where the strategy
- * holds whole parameters, or makes the bf16 slots (FSDP); a no-op in fp32 and bf16. Called
- * by parallel_create after the strategy's setup. */
-void par_setup_compute(Parallel *p);
+/* ---- the optimizer ---- */
+/* The step's learning rate; counts the step (p->adam_steps is then AdamW's step number). */
+double par_next_lr(Parallel *p, const OptimConfig *oc);
+/* AdamW over n elements; with act (precision=mixed) it also writes their bf16 copy there. */
+void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, const OptimConfig *oc, double lr,
+               int step, float scale, void *act);
+/* The global norm of the gradient shards (gshard) over the group. */
+double par_shard_norm(Parallel *p);
+
+/* ---- parameters ---- */
+/* precision=mixed, a no-op otherwise: the bf16 copy of the whole parameters (cparams, the
+ * units' ucompute), remade unit by unit when behind (par_cast_unit, from the gather hook);
+ * or one per pool slot (cslots), cast at each gather. */
+void par_compute_whole(Parallel *p);
+void par_compute_slots(Parallel *p);
 /* The parameters changed (init, load, update): every unit's compute copy is to be remade. */
 void par_params_stale(Parallel *p);
-/* The gather hook of strategies holding whole parameters (DDP, ZeRO): ZeRO waits for unit
- * u's parameter all-gather (started after the last update, overlapping this forward), and
- * with precision=mixed unit u's bf16 copy is remade if it is behind. */
-void par_whole_gather(void *ctx, int u, int next);
-void fsdp_drop_prefetch(Parallel *p);
+/* Remakes unit u's compute copy if it is behind the parameters. */
+void par_cast_unit(Parallel *p, int u);
+/* init_weights entries: into the whole parameters, or this rank's shard of each unit. */
+void par_init_whole(Parallel *p, uint64_t seed);
+void par_init_shard(Parallel *p, uint64_t seed);
+/* ranges entry of sharded optimizer state: this rank's shard of every unit (parameters
+ * from pshard, or from the whole params); on load, whole params need every unit too. */
+int par_shard_ranges(const Parallel *p, int write, OwnedRange *out, int max);
 #endif

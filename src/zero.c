@@ -4,7 +4,9 @@
  * overlapping the next forward.
  * ZeRO-1 keeps a whole gradient buffer; ZeRO-2 (shard_strategy=grad_op) accumulates a
  * unit's gradient in a slot that is reused once its reduce-scatter has drained it, so the
- * whole gradient never exists on one rank. */
+ * whole gradient never exists on one rank (the shared slot hooks, parallel_impl.h).
+ * Neither has state of its own: greq[u] carries unit u's gradient reduce-scatter
+ * (ZeRO-1), then its parameter all-gather. */
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
@@ -15,28 +17,19 @@ static void zero1_grad_ready(void *ctx, int u) {
     par_progress(p);
 }
 
-void zero2_grad_begin(void *ctx, int u) {
+/* Waits for unit u's parameter all-gather (started after the last update, overlapping
+ * this forward); with precision=mixed remakes its bf16 copy if it is behind. */
+static void zero_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
-    if (p->grad_open[u]) return;  /* tied tok_embed: opened by the head already */
-    p->grad_open[u] = 1;
-    p->m->ugrads[u] = par_grad_slot(p, u);
-    par_progress(p);
-}
-
-void zero2_grad_ready(void *ctx, int u) {
-    Parallel *p = ctx;
-    Slot *slots = par_grad_slots(p);
-    for (int i = 0; i < N_SLOTS; i++)
-        if (slots[i].grad && slots[i].unit == u) par_reduce_scatter_grad(p, u, slots[i].buf, &slots[i].req);
-    p->grad_open[u] = 2;
-    p->m->ugrads[u] = NULL;
-    par_progress(p);
+    (void)next;
+    par_wait(p, &p->greq[u]);
+    par_cast_unit(p, u);
 }
 
 /* Started in the order the next forward needs the units (the embedding first); each is
- * waited for by the gather hook of its unit (par_whole_gather), so they overlap the
- * forward instead of ending the step. */
-void zero_gather_params(Parallel *p) {
+ * waited for by the gather hook of its unit (zero_gather), so they overlap the forward
+ * instead of ending the step. */
+static void gather_params(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) {
         comm_iallgather(p->group, st_at(p->params, p->m->units[u].offset), shard_len(p, u), par_ctype(), &p->greq[u],
                         "parameter all-gather");
@@ -44,21 +37,84 @@ void zero_gather_params(Parallel *p) {
     }
 }
 
-void zero_setup(Parallel *p) {
+/* Every rank updates its shard of the whole parameters, then all gather. */
+static double zero_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
+    Model *m = p->m;
+    par_wait_grads(p);  /* the gradient is now averaged over the group */
+    double norm = par_shard_norm(p);
+    float scale = clip_scale(oc, norm);
+    double lr = par_next_lr(p, oc);
+    for (int u = 0; u < m->n_units; u++) {
+        size_t so = shard_off(p, u);
+        par_adamw(st_at(p->params, m->units[u].offset + (size_t)p->r * shard_len(p, u)), st_at(p->gshard, so),
+                  st_at(p->mom1, so), st_at(p->mom2, so), shard_len(p, u), oc, lr, p->adam_steps, scale, NULL);
+    }
+    gather_params(p);
+    par_params_stale(p);
+    *lr_out = lr;
+    return norm;
+}
+
+/* ZeRO-1's whole gradient is cleared before each step (ZeRO-2's slots are at each take). */
+static void zero1_begin_step(Parallel *p) { op_zero(p->grads, p->m->n_flat * ops_state_size()); }
+
+/* What both keep: the whole parameters, and the shards of the gradient and the moments.
+ * The setups then add ZeRO-1's whole gradient buffer or ZeRO-2's gradient slots. */
+static void zero_alloc(Parallel *p) {
     size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
     p->params = op_alloc(full);
-    p->hooks.gather = par_whole_gather;
     p->gshard = op_alloc(shard);
     p->mom1 = op_alloc(shard);
     p->mom2 = op_alloc(shard);
-    if (p->kind == PAR_ZERO1) {
-        p->grads = op_alloc(full);
-        model_point_units(p->m, p->params, p->grads);
-        p->hooks.grad_ready = zero1_grad_ready;
-    } else {
-        par_alloc_slots(p, p->gslots, 0);
-        model_point_units(p->m, p->params, NULL);
-        p->hooks.grad_begin = zero2_grad_begin;
-        p->hooks.grad_ready = zero2_grad_ready;
-    }
 }
+
+static void zero1_setup(Parallel *p) {
+    zero_alloc(p);
+    p->grads = op_alloc(p->m->n_flat * ops_state_size());
+    model_point_units(p->m, p->params, p->grads);
+    par_compute_whole(p);
+}
+
+static void zero2_setup(Parallel *p) {
+    zero_alloc(p);
+    par_alloc_slots(p, 0);
+    model_point_units(p->m, p->params, NULL);
+    par_compute_whole(p);
+}
+
+static ParallelBytes zero1_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
+    size_t full = layout->n_flat * state_size, shard = full / (size_t)D;
+    return (ParallelBytes){full, full + shard, 2 * shard, compute_size ? layout->n_flat * compute_size : 0};
+}
+
+static ParallelBytes zero2_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
+    size_t full = layout->n_flat * state_size, shard = full / (size_t)D;
+    return (ParallelBytes){full, par_slot_elems(layout, 0) * state_size + shard, 2 * shard,
+                           compute_size ? layout->n_flat * compute_size : 0};
+}
+
+const ParallelStrategy par_zero1 = {
+    .name = "zero1",
+    .setup = zero1_setup,
+    .gather = zero_gather,
+    .grad_ready = zero1_grad_ready,
+    .init_weights = par_init_whole,
+    .params_changed = par_params_stale,
+    .begin_step = zero1_begin_step,
+    .step = zero_step,
+    .ranges = par_shard_ranges,
+    .bytes = zero1_bytes,
+};
+
+const ParallelStrategy par_zero2 = {
+    .name = "zero2",
+    .setup = zero2_setup,
+    .gather = zero_gather,
+    .grad_begin = par_slot_grad_begin,
+    .grad_ready = par_slot_grad_ready,
+    .init_weights = par_init_whole,
+    .params_changed = par_params_stale,
+    .step = zero_step,
+    .ranges = par_shard_ranges,
+    .bytes = zero2_bytes,
+};
