@@ -18,7 +18,13 @@
  *
  * Every wait is bounded: a collective that does not complete within comm_timeout seconds
  * (a peer rank died or hangs) ends this rank with a one-line message and aborts the job,
- * instead of hanging forever. */
+ * instead of hanging forever.
+ *
+ * Where each part lives: comm.c, these functions' dispatch (a group of one, the MPI rings
+ * or NCCL), the world and its groups, the bounded wait; comm_mpi.c, the MPI rings and the
+ * blocking host collectives; comm_nccl.c, the NCCL communicators, comm stream, events and
+ * abort; comm_ce.c, comm_alloc and the copy-engine all-reduce; comm_impl.h, what they
+ * share. */
 #ifndef MESHTRAIN_COMM_H
 #define MESHTRAIN_COMM_H
 #include <stddef.h>
@@ -31,7 +37,7 @@ typedef enum { COMM_F32, COMM_BF16 } CommType;
 
 typedef struct {
     int rank, size;
-    void *impl;        /* MPI_Comm* for the MPI backend; NULL for a group of one */
+    void *impl;        /* CommImpl* (comm_impl.h); NULL for a group of one */
     char name[16];     /* "world", "dp", "shard", ... for messages */
 } Comm;
 

@@ -1,0 +1,85 @@
+/* Internals shared by the comm files (see comm.h for what each holds): CommImpl, the rank
+ * for messages, the MPI error check and bounded wait (comm.c), the ring requests
+ * (comm_mpi.c), and in NCCL builds the communicators and comm stream (comm_nccl.c) and the
+ * copy-engine all-reduce (comm_ce.c). */
+#ifndef MESHTRAIN_COMM_IMPL_H
+#define MESHTRAIN_COMM_IMPL_H
+#include <mpi.h>
+#include "comm.h"
+#include "ops.h"
+#ifdef MESHTRAIN_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#endif
+
+/* The MPI communicator and a count of the collectives started on it: every rank starts
+ * them in the same order, so the count gives each one its own message tag. */
+typedef struct {
+    MPI_Comm mc;
+    unsigned seq;
+    void *nccl;  /* ncclComm_t, made at the group's first collective on a device=cuda run */
+    char *a2a;   /* copy-engine all-reduce: the all-to-all's receive buffer (comm_alloc), or NULL */
+    size_t a2a_bytes;
+    void *a2a_win;  /* its ncclWindow_t */
+    int ce_ok;      /* ce_possible's answer, kept: 0 not asked yet, 1 yes, -1 no */
+} CommImpl;
+static inline MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
+
+extern int g_comm_world_rank;  /* this rank in the world, for messages */
+
+enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER };  /* CommReq.kind */
+static inline size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(float); }
+
+/* comm.c. An MPI call's failure ends the job with one line naming the group. */
+void comm_check(int rc, const Comm *c, const char *what);
+/* The one waiting loop: polls `done` until it returns nonzero, aborting the job after the
+ * world's timeout. */
+void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what);
+
+/* comm_mpi.c. A collective's request: a ring over the group's MPI communicator, or for a
+ * group of one (c->impl NULL) a request that req_end completes at its first test. */
+void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
+               CommOp op, const char *what);
+void req_end(CommReq *r);
+/* Moves every ring in flight, r last; returns 1 when r is complete. */
+int ring_test(CommReq *r);
+
+#ifdef MESHTRAIN_NCCL
+/* comm_nccl.c */
+extern cudaStream_t g_cstream;  /* the communication stream */
+/* The buffers are device memory and the group spans processes. */
+static inline int use_nccl(const Comm *c) { return c->impl && !ops_host_memory(); }
+static inline ncclDataType_t nccl_type(CommType t) { return t == COMM_BF16 ? ncclBfloat16 : ncclFloat32; }
+/* Makes c's NCCL communicator (every rank of c together), with the zero-CTA policy when
+ * cta_zero; makes the comm stream first if there is none. */
+ncclComm_t nccl_make(const Comm *c, const char *what, int cta_zero);
+/* Destroys the group's communicator, if any, after its copy-engine buffers. */
+void nccl_free(CommImpl *ci);
+/* Aborts every communicator, before MPI_Abort on an error or a lost peer. */
+void nccl_abort_all(void);
+/* An NCCL or CUDA call's failure aborts the communicators and ends the job with one line. */
+void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call);
+void cchk(cudaError_t e, const Comm *c, const char *what, const char *call);
+/* comm_test of a request that holds an event. */
+int nccl_test(CommReq *r);
+/* The collectives on a group that use_nccl takes. */
+void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
+void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
+                          const char *what);
+void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
+
+/* comm_ce.c */
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define HAVE_CE 1  /* symmetric windows and the zero-CTA policy: the copy-engine all-reduce */
+#else
+#define HAVE_CE 0
+#endif
+extern int g_ce_any;  /* some communicator reduces on the copy engines (comm_alloc) */
+/* Frees the group's copy-engine buffers, before its communicator goes. */
+void ce_release(CommImpl *ci, const char *what);
+#if HAVE_CE
+/* Queues the all-reduce of a comm_alloc buffer on the copy engines; 0 if buf is not one. */
+int ce_allreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, ncclComm_t nc, const char *what);
+#endif
+#endif
+#endif
