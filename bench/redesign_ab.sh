@@ -12,6 +12,7 @@ STEPS=${STEPS:-30}
 A=$1 B=$2
 POST="embed_dim=1024 n_heads=8 n_layers=16 context_len=256 device=cuda"
 BIGCFG="embed_dim=4096 n_heads=32 n_layers=48 context_len=256 device=cuda"
+[ -s data/tinystories/train.bin ] || "$B" prepare >/dev/null
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(nvidia-smi -L | wc -l)"
 res=$(mktemp)
 # one NAME NP BIN STEPS KEYS...: a run, its line, and "NAME BIN tokens/s GB" into $res

@@ -20,6 +20,17 @@ static const ParallelStrategy *strategy_for(ParallelKind k) {
 
 const char *parallel_kind_name(ParallelKind k) { return strategy_for(k)->name; }
 
+/* The strategy's grad_ready, but for whole gradients (p->grads) in a micro-batch before a
+ * step's last: they keep accumulating, and are reduced once, after the last. */
+static void grad_ready(void *ctx, int u) {
+    Parallel *p = ctx;
+    if (p->grads && p->micro < p->n_micro - 1) {
+        par_progress(p);
+        return;
+    }
+    p->s->grad_ready(ctx, u);
+}
+
 Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) {
     const ParallelStrategy *s = strategy_for(kind);
     Parallel *p = xcalloc(1, sizeof *p);
@@ -40,7 +51,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     p->greq = xcalloc((size_t)m->n_units, sizeof(CommReq));
     p->grad_open = xcalloc((size_t)m->n_units, 1);
     p->hooks = (UnitHooks){.ctx = p, .gather = s->gather, .release = s->release, .grad_begin = s->grad_begin,
-                           .grad_ready = s->grad_ready};
+                           .grad_ready = s->grad_ready ? grad_ready : NULL};
     s->setup(p);
     return p;
 }
@@ -81,10 +92,17 @@ void parallel_init_weights(Parallel *p, uint64_t seed) { p->s->init_weights(p, s
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
+    p->micro = 0;
+    p->n_micro = 1;
     if (p->s->begin_step) p->s->begin_step(p);
     memset(p->grad_open, 0, (size_t)p->m->n_units);
     for (int i = 0; i < N_SLOTS; i++)
         if (p->slots[i].grad) p->slots[i].unit = -1;
+}
+
+void parallel_begin_micro(Parallel *p, int micro, int n_micro) {
+    p->micro = micro;
+    p->n_micro = n_micro;
 }
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr) { return p->s->step(p, oc, lr); }
@@ -181,10 +199,27 @@ Slot *par_take_slot(Parallel *p, int u, int grad, int may_fail) {
 
 void par_slot_grad_begin(void *ctx, int u) {
     Parallel *p = ctx;
-    if (p->grad_open[u]) return;  /* tied tok_embed: opened by the head already */
+    if (p->grad_open[u] == 1) return;  /* tied tok_embed: opened by the head already */
+    /* A micro-batch after the first (gradient accumulation): the shard holds the earlier
+     * micro-batches' reduced gradient once unit u's last reduction has landed; its slot
+     * is then free for good. */
+    if (p->grad_open[u] == 2)
+        for (int i = 0; i < N_SLOTS; i++)
+            if (p->slots[i].grad && p->slots[i].unit == u) {
+                par_wait(p, &p->slots[i].req);
+                p->slots[i].unit = -1;
+            }
     p->grad_open[u] = 1;
     Slot *slot = par_take_slot(p, u, 1, 0);
     op_zero(slot->buf, p->m->units[u].n_padded * ops_state_size());
+    if (p->micro > 0) {
+        /* ... and is added in by the reduce-scatter: this rank's block of the slot starts
+         * as D x the shard, which the average over the D ranks brings back to 1 x */
+        size_t n = shard_len(p, u);
+        void *mine = st_at(slot->buf, (size_t)p->r * n);
+        op_copy(mine, st_at(p->gshard, shard_off(p, u)), n * ops_state_size());
+        if (p->D > 1) op_scale(mine, n, (float)p->D);
+    }
     p->m->ugrads[u] = slot->buf;
     par_progress(p);
 }

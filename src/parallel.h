@@ -38,6 +38,12 @@ void parallel_init_weights(Parallel *p, uint64_t seed);
 
 /* Before a step's forward: clears gradients. */
 void parallel_begin_step(Parallel *p);
+/* Before micro-batch `micro` (0-based) of the step's n_micro (gradient accumulation; one
+ * micro-batch needs no call). Where the strategy keeps whole gradients (DDP, ZeRO-1) they
+ * accumulate locally and are reduced once, in the last micro-batch's backward; where each
+ * unit's gradient is reduce-scattered into this rank's shard as soon as it is complete
+ * (ZeRO-2, FSDP, hybrid) every micro-batch's is added into the shard. */
+void parallel_begin_micro(Parallel *p, int micro, int n_micro);
 /* After the backward: finishes the gradient reductions, computes the global gradient norm,
  * clips, runs AdamW on what this rank owns, and makes parameters whole again where the
  * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather

@@ -62,6 +62,8 @@ struct Parallel {
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;
+    /* Gradient accumulation: the micro-batch of the step now running, of n_micro. */
+    int micro, n_micro;
     double wait_s;
     UnitHooks hooks;
 };

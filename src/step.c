@@ -54,6 +54,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         switch (act->kind) {
         case ACT_FORWARD:
             loader_next(st->loader, a->inputs, a->targets);
+            if (st->micro > 1) parallel_begin_micro(st->par, act->micro, st->micro);
             if (st->dev_losses) a->losses = st->dev_losses + (size_t)act->micro * a->N;
             model_forward(st->m, &st->stage, a, 1, scale, st->hooks);
             break;

@@ -211,11 +211,6 @@ int cmd_train(Config *c) {
     ModelConfig mc = model_config_of(c);
     int B = c->batch_size, T = c->context_len, K = c->grad_accum_steps, G = B * dp * K;  /* G: the global batch */
     ParallelKind kind = strategy_of(c);
-    /* Accumulation over several data-parallel ranks needs the strategies' help (reduce once
-     * per step, or accumulate into the shards): not there yet. */
-    if (!f.code && K > 1 && (dp > 1 || kind != PAR_DDP))
-        fail_set(&f, EXIT_BAD_INPUT, "grad_accum_steps=%d runs on one process without fsdp or zero_opt for now "
-                 "(here: %d data-parallel ranks, %s)", K, dp, parallel_kind_name(kind));
 
     Shard train = {0}, val = {0};
     Loader loader = {0};

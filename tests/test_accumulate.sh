@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Gradient accumulation: grad_accum_steps=k micro-batches of batch_size B make the same
-# optimizer step as one batch of k x B (the loss averaged over all the step's tokens):
+# optimizer step as one batch of k x B (the loss averaged over all the step's tokens), on
+# one process and with every data-parallel strategy (k x B x ranks = 8 sequences):
 # the losses within 1e-5 relative over 5 steps and the final parameters within 1e-5;
 # steps, tokens/s and checkpoints count whole optimizer steps, and a resume keeps k.
 set -u
@@ -43,6 +44,32 @@ done
 "$BIN" train $M batch_size=2 grad_accum_steps=2 out_dir="$TMP/half" >/dev/null 2>&1
 follows "$TMP/ref_false" "$TMP/half" && bad "accumulate_control (a 4-sequence step followed the 8-sequence one)" ||
   ok accumulate_control
+
+# with data parallelism: DDP and ZeRO-1 reduce once a step (after the last micro-batch),
+# ZeRO-2, FSDP and hybrid FSDP add every micro-batch's reduced gradient into the shard
+if command -v mpirun >/dev/null; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+  MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
+  while IFS='|' read -r name np k tied keys; do
+    out=$TMP/$name
+    if $MPIRUN -np "$np" "$BIN" train $M tie_embeddings=$tied batch_size=$((8 / np / k)) grad_accum_steps=$k $keys \
+         out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref_$tied" "$out" &&
+       grep -q "global batch: 8 sequences (batch_size $((8 / np / k)) x grad_accum_steps $k x dp $np)" "$out.log"
+    then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+  done <<'CASES'
+ddp_np2_k2|2|2|false|
+ddp_np2_k4|2|4|false|
+ddp_np2_k2_tied|2|2|true|
+zero1_np2_k2|2|2|false|zero_opt=true
+zero2_np2_k2|2|2|false|fsdp=true shard_strategy=grad_op
+fsdp_np1_k2|1|2|false|fsdp=true
+fsdp_np2_k2|2|2|false|fsdp=true
+fsdp_np2_k4_tied|2|4|true|fsdp=true
+hybrid_np4_k2|4|2|false|fsdp=true shard_strategy=hybrid shard_group_size=2
+CASES
+fi
 
 # the log counts whole optimizer steps, tokens/s counts every micro-batch's tokens
 n=$(grep -c '^{"step":[0-9]*,"loss"' "$TMP/k4_false/log.jsonl")
