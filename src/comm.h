@@ -119,6 +119,14 @@ void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root);
 void comm_send(const Comm *c, const void *buf, size_t bytes, int peer, int tag);
 void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag);
 void comm_barrier(const Comm *c);
+/* A point-to-point message in flight (pipeline stages' activations and their gradients,
+ * host memory over MPI): comm_isend / comm_irecv start it, comm_p2p_wait completes it
+ * within comm_timeout (a peer that never answers ends the job). A request never started
+ * (zeroed) or already completed waits for nothing. */
+typedef struct { void *q; const Comm *c; const char *what; } CommP2P;
+void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
+void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
+void comm_p2p_wait(CommP2P *r);
 /* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a
  * failure, the lowest such rank prints its message once, naming itself, and every rank
  * exits with that rank's code; else nothing happens. */

@@ -205,6 +205,30 @@ void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag) {
     blocking(c, MPI_Irecv(buf, count_of(bytes, c, "recv"), MPI_BYTE, peer, tag, mpi(c), q), q, "recv");
 }
 
+void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    r->q = NULL;
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    comm_check(MPI_Isend(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
+    *r = (CommP2P){q, c, what};
+}
+
+void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    r->q = NULL;
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    comm_check(MPI_Irecv(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
+    *r = (CommP2P){q, c, what};
+}
+
+void comm_p2p_wait(CommP2P *r) {
+    if (!r->q) return;
+    Plain p = {r->q, r->c, r->what};
+    comm_wait_until(plain_done, &p, r->c, r->what);
+    free(r->q);
+    r->q = NULL;
+}
+
 void comm_barrier(const Comm *c) {
     if (!c->impl) return;
     MPI_Request *q = xmalloc(sizeof *q);

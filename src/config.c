@@ -88,7 +88,14 @@ static const Key KEYS[] = {
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     I(tensor_parallel_size, "1", 1, 1, MODEL_CMDS, "tensor parallel ranks (1 until tensor parallel lands)"),
-    I(pipeline_parallel_size, "1", 1, 1, MODEL_CMDS, "pipeline stages (1 until pipeline parallel lands)"),
+    I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
+      "pipeline stages: contiguous layers, the embedding on the first, the head on the last (CPU ranks for now)"),
+    I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
+      "pipeline: micro-batches each data-parallel rank's batch_size is cut into (at least pipeline_parallel_size)"),
+    E(pipeline_schedule, "1f1b", "gpipe|1f1b", TR | CMD_ESTIMATE,
+      "pipeline: gpipe = every forward, then every backward; 1f1b = one forward, one backward in turn"),
+    S(pipeline_split, "auto", TR | CMD_ESTIMATE,
+      "pipeline: layers per stage, e.g. 5,4,4,3; auto balances the stages' FLOPs, embedding and head counted"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
     F(bucket_mb, "100", 0, 1e6, TR,
       "DDP: all-reduce the gradients of units that finish one after another together, up to this many MB "
@@ -227,6 +234,26 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "shard_strategy=%s needs fsdp=true", c->shard_strategy);
         if (config_was_set("shard_group_size") && !(c->fsdp && !strcmp(c->shard_strategy, "hybrid")))
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
+        int pp = c->pipeline_parallel_size;
+        {
+            if (pp == 1 && (c->micro_batches > 1 || config_was_set("pipeline_schedule") || config_was_set("pipeline_split")))
+                return set_err(err, errlen, "micro_batches, pipeline_schedule and pipeline_split apply with "
+                               "pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
+            if (pp > 1 && c->micro_batches < pp)
+                return set_err(err, errlen, "micro_batches=%d is fewer than pipeline_parallel_size=%d: the pipeline "
+                               "would never be full", c->micro_batches, pp);
+            if (pp > 1 && c->batch_size % c->micro_batches)
+                return set_err(err, errlen, "micro_batches=%d does not divide batch_size=%d", c->micro_batches,
+                               c->batch_size);
+            if (pp > 1 && c->grad_accum_steps > 1)
+                return set_err(err, errlen, "grad_accum_steps with pipeline_parallel_size > 1: raise micro_batches "
+                               "instead");
+        }
+        if (pp > 1 && strcmp(c->device, "cpu"))
+            return set_err(err, errlen, "pipeline_parallel_size=%d runs on CPU ranks for now (device=cpu)", pp);
+        if (pp > c->n_layers)
+            return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", pp,
+                           c->n_layers);
     }
     return 0;
 }

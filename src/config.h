@@ -25,6 +25,8 @@ typedef struct {
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
     int copy_engines;
     char shard_strategy[16];
+    int micro_batches;
+    char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
     /* sample / tokenize */
     char prompt[2048];

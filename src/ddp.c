@@ -44,7 +44,7 @@ typedef struct {
 /* The most embedding rows reduced by themselves (a quarter of the vocabulary), 0 where the
  * whole unit always is (one rank, tied embeddings). */
 static size_t erows_cap(const Model *m, int D) {
-    if (D <= 1 || m->c.tie_embeddings) return 0;
+    if (D <= 1 || m->c.tie_embeddings || !m->units[UNIT_EMBEDDING].n) return 0;  /* (or another stage's) */
     return m->V / 4 > 0 ? (size_t)m->V / 4 : 1;
 }
 
@@ -171,7 +171,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
     sumsq += op_sumsq(p->grads, split);
-    double norm = sqrt(sumsq);
+    double norm = sqrt(par_stages_sumsq(p, sumsq));
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
     if (side) {
         op_side_begin();

@@ -1,5 +1,6 @@
 #include "estimate.h"
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "comm.h"
 #include "util.h"
@@ -66,6 +67,30 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     /* with activation checkpointing: each layer's 16-bit input, and one layer in full */
     double acts_f = training == ACTS_RECOMPUTE ? c->n_layers * 2 * s * b * h + layer : c->n_layers * layer;
     e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);
+}
+
+void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
+                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec) {
+    size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
+    unsigned char *held = xcalloc((size_t)c->n_layers + 2, 1);
+    for (int u = s->first; u <= s->last; u++) held[u] = 1;
+    if (c->tie_embeddings && s->last == c->n_layers + 1) held[0] = 1;  /* lm_head's copy */
+    Model m;
+    model_init_layout_held(&m, c, shard_size, 0, held);
+    free(held);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0);
+    e->params = training ? pb.params : m.n_flat * state_size;
+    e->grads = training ? pb.grads : 0;
+    e->optim = training ? pb.optim : 0;
+    e->compute = training ? pb.compute : 0;
+    size_t logit_bytes, acts = acts_bytes_stage(c, s, B_micro, T, training, act_size, &logit_bytes);
+    /* every micro-batch in flight has activations of its own (Acts), logits chunk included */
+    size_t k = (size_t)(in_flight > 0 ? in_flight : 1);
+    e->logits = logit_bytes * k;
+    e->acts = (acts - logit_bytes) * k;
+    e->comm = 0;
+    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;
+    model_free(&m);
 }
 
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {

@@ -8,6 +8,7 @@
 #include "commands.h"
 #include "estimate.h"
 #include "ops.h"
+#include "pipeline.h"
 #include "run.h"
 #include "tokenizer.h"
 #include "util.h"
@@ -128,16 +129,44 @@ int cmd_estimate(Config *c) {
     ModelConfig mc = model_config_of(c);
     MemEstimate e;
     ParallelKind kind = strategy_of(c);
-    int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : c->world_size) : c->world_size;
-    if (c->world_size % group)
-        die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide world_size=%d", group, c->world_size);
+    int PP = c->pipeline_parallel_size;
+    if (c->world_size % PP)
+        die(EXIT_BAD_INPUT, "world_size=%d is not divisible by pipeline_parallel_size=%d", c->world_size, PP);
+    int dp = c->world_size / PP;
+    int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : dp) : dp;
+    if (dp % group)
+        die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, gpu, precision_of(c),
                     c->copy_engines, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    char b1[32], b2[32], b3[32], b4[32];
+    size_t most = e.total;
+    if (PP > 1) {  /* each stage's share, as a pipeline run holds it */
+        int M = c->micro_batches, BM = c->batch_size / M;
+        Stage *st = xcalloc((size_t)PP, sizeof *st);
+        char err[512];
+        if (pipeline_split(&mc, c->context_len, PP, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        printf("per pipeline stage (%d stages x %d data-parallel, %s, %d micro-batches of %d sequences):\n", PP, dp,
+               c->pipeline_schedule, M, BM);
+        most = 0;
+        for (int s = 0; s < PP; s++) {
+            MemEstimate es = e;
+            int in_flight = !strcmp(c->pipeline_schedule, "gpipe") ? M : PP - s;
+            estimate_stage(&es, &mc, &st[s], BM, c->context_len, train_acts_mode(c), in_flight, kind, group,
+                           precision_of(c));
+            int l0 = st[s].first == 0 ? 0 : st[s].first - 1, l1 = st[s].last == mc.n_layers + 1 ? mc.n_layers - 1 : st[s].last - 1;
+            printf("  stage %d (%slayers %d-%d%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
+                   "in flight), total %s\n", s, s == 0 ? "embedding, " : "", l0, l1, s == PP - 1 ? ", head" : "",
+                   fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),
+                   fmt_bytes(b2, (double)(es.acts + es.logits)), in_flight, in_flight > 1 ? "es" : "",
+                   fmt_bytes(b3, (double)es.total));
+            if (es.total > most) most = es.total;
+        }
+        free(st);
+    }
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();
-    char b1[32];
-    if (avail) printf("fits in %s available: %s\n", fmt_bytes(b1, (double)avail), e.total <= avail ? "yes" : "no");
+    if (avail) printf("fits in %s available: %s\n", fmt_bytes(b4, (double)avail), most <= avail ? "yes" : "no");
     return 0;
 }

@@ -23,6 +23,10 @@ size_t model_param_count(const ModelConfig *c) {
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc) {
+    model_init_layout_held(m, c, pad_multiple, alloc, NULL);
+}
+
+void model_init_layout_held(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const unsigned char *held) {
     memset(m, 0, sizeof *m);
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
@@ -44,13 +48,17 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
     size_t pad = (size_t)(pad_multiple > 0 ? pad_multiple : 1), a = 16, b = pad;
     while (b) { size_t t = a % b; a = b; b = t; }
     pad = 16 * pad / a;
-    size_t off = 0;
+    size_t off = 0, packed = 0;
+    m->packed = xcalloc((size_t)m->n_units, sizeof(size_t));
     for (int u = 0; u < m->n_units; u++) {
         size_t n = u == 0 ? V * E : u <= m->L ? layer_param_count(c) : E + (c->tie_embeddings ? 0 : V * E);
+        m->packed[u] = packed;
+        packed += n;
+        m->n_params += n;
+        if (held && !held[u]) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
         off += m->units[u].n_padded;
-        m->n_params += n;
     }
     m->n_flat = off;
     m->uparams = xcalloc((size_t)m->n_units, sizeof(void *));
@@ -74,6 +82,7 @@ void model_free(Model *m) {
     free(m->params);
     free(m->grads);
     free(m->units);
+    free(m->packed);
     free(m->uparams);
     free(m->ugrads);
     free(m->ucompute);
@@ -87,11 +96,14 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         if (n < max) {                                                        \
             snprintf(out[n].name, sizeof out[n].name, nm_fmt, idx);           \
             out[n].offset = (off); out[n].rows = (r); out[n].cols = (cc);     \
+            out[n].unit = unit_;                                              \
         }                                                                     \
         n++;                                                                  \
     } while (0)
+    int unit_ = UNIT_EMBEDDING;
     ADD("tok_embed.weight%.0d", 0, m->units[UNIT_EMBEDDING].offset, m->V, m->E);
     for (int l = 0; l < m->L; l++) {
+        unit_ = unit_of_layer(l);
         size_t b = m->units[unit_of_layer(l)].offset;
         const LayerLayout *ly = &m->layer;
         ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
@@ -103,6 +115,7 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, m->H);
     }
     size_t hb = m->units[unit_head(m)].offset;
+    unit_ = unit_head(m);
     ADD("output_norm.w%.0d", 0, hb + m->head_out_norm, 1, m->E);
     if (!m->c.tie_embeddings) ADD("lm_head.weight%.0d", 0, hb + m->head_lm, m->V, m->E);
 #undef ADD
@@ -121,7 +134,7 @@ void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, u
     int nt = model_tensors(m, t, max);
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->L);
     for (int i = 0; i < nt; i++) {
-        if (t[i].offset < un->offset || t[i].offset >= un->offset + un->n) continue;
+        if (t[i].unit != u) continue;
         /* Each tensor has its own stream, so any unit, or any range of it, can be built
          * alone (FSDP ranks initialise only their shard). */
         size_t t0 = t[i].offset - un->offset, n = (size_t)t[i].rows * t[i].cols;
@@ -405,7 +418,9 @@ static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, i
 }
 
 void *model_stage_input(const Model *m, const Acts *a) { (void)m; return a->res; }
-void *model_stage_output(const Model *m, const Stage *s, const Acts *a) { return (void *)trunk_output(m, s, a, 1); }
+void *model_stage_output(const Model *m, const Stage *s, const Acts *a, int training) {
+    return (void *)trunk_output(m, s, a, training);
+}
 void *model_stage_grad(const Acts *a) { return a->dres; }
 
 /* The per-row losses are read only at the end of the step, so that on a device the

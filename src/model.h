@@ -33,7 +33,8 @@ typedef struct {
     Unit *units;
     LayerLayout layer;
     size_t head_out_norm, head_lm;  /* offsets inside the head unit; head_lm unused if tied */
-    size_t n_params;                /* real parameters */
+    size_t n_params;                /* real parameters (of the whole model, whatever this layout holds) */
+    size_t *packed;                 /* per unit: where it starts in the packed order (checkpoints) */
     size_t n_flat;                  /* flat buffer length incl. padding */
     float *params, *grads;          /* host fp32 flat buffers (model_init_layout with alloc) */
     /* Where each unit's parameters and gradients are now, in the ops' state type (fp32, or
@@ -87,7 +88,7 @@ typedef struct {
 } UnitHooks;
 
 /* One named tensor of the model, for checkpoints, fixtures and printing. */
-typedef struct { char name[64]; size_t offset; int rows, cols; } TensorInfo;
+typedef struct { char name[64]; size_t offset; int rows, cols, unit; } TensorInfo;
 /* Fills up to max entries (in flat order); returns the count (2 + 7L + (tied ? 0 : 1)). */
 int model_tensors(const Model *m, TensorInfo *out, int max);
 
@@ -97,6 +98,10 @@ size_t model_param_count(const ModelConfig *c);
  * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies
  * allocate on the backend instead (op_alloc) and point the units there. */
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc);
+/* The same, holding only the units with held[u] != 0 (a pipeline stage's, and the tied
+ * embedding's copy on the last stage): the others keep their index but have no storage
+ * (n = n_padded = 0). held = NULL: every unit. */
+void model_init_layout_held(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const unsigned char *held);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);
@@ -177,7 +182,8 @@ void acts_free(Acts *a);
 void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
 void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *hooks);
 void *model_stage_input(const Model *m, const Acts *a);
-void *model_stage_output(const Model *m, const Stage *s, const Acts *a);
+/* training: as model_forward's grad (a forward without gradients leaves it elsewhere) */
+void *model_stage_output(const Model *m, const Stage *s, const Acts *a, int training);
 void *model_stage_grad(const Acts *a);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs

@@ -20,15 +20,17 @@ static const ParallelStrategy *strategy_for(ParallelKind k) {
 
 const char *parallel_kind_name(ParallelKind k) { return strategy_for(k)->name; }
 
-/* The strategy's grad_ready, but for whole gradients (p->grads) in a micro-batch before a
- * step's last: they keep accumulating, and are reduced once, after the last. */
+/* The strategy's grad_ready, but whole gradients (p->grads) keep accumulating until the
+ * step's last micro-batch's is complete, and are reduced once, then. */
 static void grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
-    if (p->grads && p->micro < p->n_micro - 1) {
+    if (p->grads && p->n_ready[u] + 1 < p->n_micro) {
+        p->n_ready[u]++;
         par_progress(p);
         return;
     }
     p->s->grad_ready(ctx, u);
+    p->n_ready[u]++;
 }
 
 Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) {
@@ -50,6 +52,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     p->n_shard = m->n_flat / (size_t)p->D;
     p->greq = xcalloc((size_t)m->n_units, sizeof(CommReq));
     p->grad_open = xcalloc((size_t)m->n_units, 1);
+    p->n_ready = xcalloc((size_t)m->n_units, sizeof(int));
     p->hooks = (UnitHooks){.ctx = p, .gather = s->gather, .release = s->release, .grad_begin = s->grad_begin,
                            .grad_ready = s->grad_ready ? grad_ready : NULL};
     s->setup(p);
@@ -68,7 +71,7 @@ void parallel_free(Parallel *p) {
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->slots[i].buf);
-    free(p->greq); free(p->grad_open); free(p->cstale);
+    free(p->greq); free(p->grad_open); free(p->cstale); free(p->n_ready);
     free(p);
 }
 
@@ -92,18 +95,20 @@ void parallel_init_weights(Parallel *p, uint64_t seed) { p->s->init_weights(p, s
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
-    p->micro = 0;
     p->n_micro = 1;
+    memset(p->n_ready, 0, (size_t)p->m->n_units * sizeof(int));
     if (p->s->begin_step) p->s->begin_step(p);
     memset(p->grad_open, 0, (size_t)p->m->n_units);
     for (int i = 0; i < N_SLOTS; i++)
         if (p->slots[i].grad) p->slots[i].unit = -1;
 }
 
-void parallel_begin_micro(Parallel *p, int micro, int n_micro) {
-    p->micro = micro;
-    p->n_micro = n_micro;
+void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding) {
+    p->stages = stages;
+    p->count_embedding = count_embedding;
 }
+
+void parallel_set_micro_batches(Parallel *p, int n) { p->n_micro = n; }
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr) { return p->s->step(p, oc, lr); }
 
@@ -120,8 +125,13 @@ ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size
 /* ---- slots ---- */
 
 void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {
-    size_t big = m->units[0].n_padded, layer = m->L > 0 ? m->units[1].n_padded : 0;
+    /* the largest layer this layout holds (a pipeline stage holds some), and never a big
+     * slot smaller than it: a layer may take a big slot */
+    size_t big = m->units[0].n_padded, layer = 0;
+    for (int u = 1; u <= m->L; u++)
+        if (m->units[u].n_padded > layer) layer = m->units[u].n_padded;
     if (m->units[m->L + 1].n_padded > big) big = m->units[m->L + 1].n_padded;
+    if (big < layer) big = layer;
     int tied = m->c.tie_embeddings;
     if (pool) {  /* see N_SLOTS */
         caps[0] = big; caps[1] = big; caps[2] = layer; caps[3] = layer; caps[4] = tied ? layer : 0;
@@ -212,7 +222,7 @@ void par_slot_grad_begin(void *ctx, int u) {
     p->grad_open[u] = 1;
     Slot *slot = par_take_slot(p, u, 1, 0);
     op_zero(slot->buf, p->m->units[u].n_padded * ops_state_size());
-    if (p->micro > 0) {
+    if (p->n_ready[u] > 0) {
         /* ... and is added in by the reduce-scatter: this rank's block of the slot starts
          * as D x the shard, which the average over the D ranks brings back to 1 x */
         size_t n = shard_len(p, u);
@@ -277,9 +287,21 @@ void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, cons
     else op_adamw(param, grad, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
 }
 
+double par_stages_sumsq(Parallel *p, double sumsq) {
+    if (!p->stages || p->stages->size < 2) return sumsq;
+    const Unit *e = &p->m->units[UNIT_EMBEDDING];
+    if (!p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
+    comm_allreduce_double(p->stages, &sumsq, 1);
+    return sumsq;
+}
+
 double par_shard_norm(Parallel *p) {
     double sumsq = op_sumsq(p->gshard, p->n_shard);
+    int piped = p->stages && p->stages->size > 1;
+    if (piped && !p->count_embedding && shard_len(p, UNIT_EMBEDDING))  /* the tied copy: counted by the first stage */
+        sumsq -= op_sumsq(st_at(p->gshard, shard_off(p, UNIT_EMBEDDING)), shard_len(p, UNIT_EMBEDDING));
     comm_allreduce_double(p->group, &sumsq, 1);
+    if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
     return sqrt(sumsq);
 }
 

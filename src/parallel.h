@@ -38,12 +38,17 @@ void parallel_init_weights(Parallel *p, uint64_t seed);
 
 /* Before a step's forward: clears gradients. */
 void parallel_begin_step(Parallel *p);
-/* Before micro-batch `micro` (0-based) of the step's n_micro (gradient accumulation; one
- * micro-batch needs no call). Where the strategy keeps whole gradients (DDP, ZeRO-1) they
- * accumulate locally and are reduced once, in the last micro-batch's backward; where each
- * unit's gradient is reduce-scattered into this rank's shard as soon as it is complete
- * (ZeRO-2, FSDP, hybrid) every micro-batch's is added into the shard. */
-void parallel_begin_micro(Parallel *p, int micro, int n_micro);
+/* After parallel_begin_step: the step runs n micro-batches (gradient accumulation, pipeline
+ * parallel; 1 needs no call). Where the strategy keeps whole gradients (DDP, ZeRO-1) a
+ * unit's accumulate locally and are reduced once, when its n-th is complete (whatever order
+ * the schedule runs the micro-batches in); where each unit's gradient is reduce-scattered
+ * into this rank's shard as soon as it is complete (ZeRO-2, FSDP, hybrid) every
+ * micro-batch's is added into the shard. */
+void parallel_set_micro_batches(Parallel *p, int n);
+/* Pipeline parallel: this rank holds one stage of a pipeline whose stages are `stages`
+ * (a group of one: no pipeline); the gradient norm is summed over them. count_embedding = 0
+ * on the last stage that holds a copy of the tied embedding (the first stage counts it). */
+void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding);
 /* After the backward: finishes the gradient reductions, computes the global gradient norm,
  * clips, runs AdamW on what this rank owns, and makes parameters whole again where the
  * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather

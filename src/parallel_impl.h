@@ -62,8 +62,15 @@ struct Parallel {
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;
-    /* Gradient accumulation: the micro-batch of the step now running, of n_micro. */
-    int micro, n_micro;
+    /* Pipeline parallel: the other stages of this rank's pipeline, over which the gradient
+     * norm is summed; a tied embedding's copy (on the last stage) is not counted twice. */
+    const Comm *stages;
+    int count_embedding;
+    /* Micro-batches per step (gradient accumulation, pipeline), and per unit how many of
+     * their gradients are complete so far this step (in whatever order a schedule runs
+     * them: a unit's last is its n_micro-th). */
+    int n_micro;
+    int *n_ready;
     double wait_s;
     UnitHooks hooks;
 };
@@ -144,6 +151,9 @@ double par_next_lr(Parallel *p, const OptimConfig *oc);
 /* AdamW over n elements; with act (precision=mixed) it also writes their bf16 copy there. */
 void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, const OptimConfig *oc, double lr,
                int step, float scale, void *act);
+/* A rank's sum of squares of its gradient, summed over the pipeline's stages (without the
+ * tied embedding's copy); the sum itself with one stage. */
+double par_stages_sumsq(Parallel *p, double sumsq);
 /* The global norm of the gradient shards (gshard) over the group. */
 double par_shard_norm(Parallel *p);
 

@@ -15,6 +15,7 @@
 #include "trace.h"
 #include "optim.h"
 #include "parallel.h"
+#include "pipeline.h"
 #include "run.h"
 #include "step.h"
 #include "train_state.h"
@@ -211,13 +212,20 @@ int cmd_train(Config *c) {
     ModelConfig mc = model_config_of(c);
     int B = c->batch_size, T = c->context_len, K = c->grad_accum_steps, G = B * dp * K;  /* G: the global batch */
     ParallelKind kind = strategy_of(c);
+    /* Pipeline parallel: this rank's stage; each micro-batch is B / micro_batches sequences */
+    int PP = mesh.pp_size, M = PP > 1 ? c->micro_batches : K, BM = PP > 1 ? B / M : B;
+    Stage *stages = xcalloc((size_t)PP, sizeof(Stage)), stage = {0, mc.n_layers + 1};
+    if (!f.code && PP > 1) {
+        if (pipeline_split(&mc, T, PP, c->pipeline_split, stages, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else stage = stages[mesh.pp_rank];
+    }
 
     Shard train = {0}, val = {0};
     Loader loader = {0};
     int val_B = 0;
     if (!f.code && !open_shard_checked(&train, c->train_data, "training", c->vocab_size, &f) &&
         !open_shard_checked(&val, c->val_data, "validation", c->vocab_size, &f)) {
-        if (loader_init(&loader, &train, B, T, mesh.dp_rank, dp, (uint64_t)c->seed, 1, err, sizeof err))
+        if (loader_init(&loader, &train, BM, T, mesh.dp_rank, dp, (uint64_t)c->seed, 1, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         /* Validation: the same global batches as one process with batch B x dp would take. */
         size_t val_windows = shard_windows(&val, T);
@@ -239,6 +247,10 @@ int cmd_train(Config *c) {
     comm_set_copy_engines(c->copy_engines);
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &est);
+    /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
+    if (PP > 1)
+        estimate_stage(&est, &mc, &stage, BM, T, train_acts_mode(c),
+                       !strcmp(c->pipeline_schedule, "gpipe") ? M : PP - mesh.pp_rank, kind, mesh.shard_size, prec);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -275,6 +287,17 @@ int cmd_train(Config *c) {
         if (world.size > 1 && getenv("OMPI_COMM_WORLD_SIZE") && !getenv("OMPI_MCA_odls_base_sigkill_timeout"))
             printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
                    "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
+        if (PP > 1) {
+            printf("pipeline: %d stages, schedule %s, %d micro-batches of %d sequences per data-parallel rank;",
+                   PP, c->pipeline_schedule, M, BM);
+            for (int i = 0; i < PP; i++) {
+                int l0 = stages[i].first == 0 ? 0 : stages[i].first - 1;
+                int l1 = stages[i].last == mc.n_layers + 1 ? mc.n_layers - 1 : stages[i].last - 1;
+                printf(" stage %d: %slayers %d-%d%s", i, i == 0 ? "embedding, " : "", l0, l1,
+                       i == PP - 1 ? ", head" : "");
+                printf(i + 1 < PP ? ";" : "\n");
+            }
+        }
         if (!strcmp(c->lr_schedule, "cosine"))
             printf("schedule: warmup %d steps, cosine from %g to %g at step %d (lr_decay_steps)%s\n", c->warmup_steps,
                    c->lr, c->min_lr, c->lr_decay_steps, c->lr_decay_steps < c->steps ? ", then min_lr" : "");
@@ -285,16 +308,28 @@ int cmd_train(Config *c) {
     }
 
     Model m;
-    model_init_layout(&m, &mc, mesh.shard_size, 0);
+    /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
+    unsigned char *held = xcalloc((size_t)mc.n_layers + 2, 1);
+    for (int u = stage.first; u <= stage.last; u++) held[u] = 1;
+    if (mc.tie_embeddings) held[UNIT_EMBEDDING] = held[UNIT_EMBEDDING] || stage.last == mc.n_layers + 1;
+    model_init_layout_held(&m, &mc, mesh.shard_size, 0, held);
+    free(held);
+    int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&stage) && stage_has_head(&m, &stage);
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
     if (lead && kind == PAR_DDP && gpu && dp > 1)
         printf("gradient all-reduce: %s\n", comm_copy_engines_active(&mesh.dp)
                    ? "copy engines (NCCL all-to-all, sum kernel, all-gather; copy_engines=true)"
                    : "NCCL all-reduce kernels");
-    const UnitHooks *hooks = parallel_hooks(par);
+    parallel_set_stages(par, &mesh.pp, !tied_copy);
+    /* a tied embedding's two copies (the first and the last stage) sum their gradients */
+    Comm tie = {0};
+    int tie_member = mc.tie_embeddings && PP > 1 && (stage_has_embedding(&stage) || tied_copy);
+    if (PP > 1 && mc.tie_embeddings)
+        comm_split(&world, tie_member ? mesh.dp_rank * mesh.tp_size + mesh.tp_rank : world.size + world.rank,
+                   mesh.pp_rank, "tie", &tie);
     Acts a;
-    acts_alloc(&a, &m, B, T, train_acts_mode(c));
+    acts_alloc_stage(&a, &m, &stage, BM, T, train_acts_mode(c));
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
@@ -336,7 +371,10 @@ int cmd_train(Config *c) {
     int timed_steps = 0;
     float loss = 0;
     Step st;
-    if (step_init(&st, &m, model_whole(&m), par, &loader, &a, K, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, SCHED_1F1B};
+    schedule_kind_parse(c->pipeline_schedule, &pipe.kind);
+    if (step_init(&st, &m, stage, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
+        die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
     catch_signals(lead);
     for (int step = start; step < c->steps; step++) {
@@ -346,7 +384,8 @@ int cmd_train(Config *c) {
         /* A non-finite loss still stops the run before anything is saved. */
         double lr, norm, l = step_run(&st, &oc, &norm, &lr);
         if (step + 1 == nan_step && lead) l = NAN;
-        comm_allreduce_double(&mesh.dp, &l, 1);  /* the mean loss of the global batch */
+        /* the mean loss of the global batch: the head's stage has it, the others give 0 */
+        comm_allreduce_double(PP > 1 ? &world : &mesh.dp, &l, 1);
         loss = (float)(l / dp);
         if (!isfinite(loss) || !isfinite(norm))
             stop_non_finite(&pr, log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
@@ -383,10 +422,10 @@ int cmd_train(Config *c) {
         int last = step + 1 == c->steps;
         if ((c->val_every && (step + 1) % c->val_every == 0) || last) {
             Acts va;  /* a short validation shard: a smaller batch, in the training buffers */
-            acts_view(&va, &a, &m, val_B);
-            val_loss = evaluate(&m, &va, &val, c->val_batches, mesh.dp_rank, dp, hooks);
+            acts_view(&va, &a, &m, PP > 1 ? BM : val_B);
+            val_loss = step_eval(&st, &va, &val, PP > 1 ? c->val_batches * M : c->val_batches, mesh.dp_rank, dp);
             if (step + 1 == nan_val_step && lead) val_loss = NAN;
-            comm_allreduce_double(&mesh.dp, &val_loss, 1);
+            comm_allreduce_double(PP > 1 ? &world : &mesh.dp, &val_loss, 1);
             val_loss /= dp;
             if (!isfinite(val_loss))
                 stop_non_finite(&pr, log, step + 1, "validation loss", val_loss, lead, saving ? c->ckpt_path : NULL);
@@ -406,7 +445,7 @@ int cmd_train(Config *c) {
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
             /* every rank gets the same answer: one of them says it */
-            if (train_state_save(c->ckpt_path, &h, &world, par, &m, err, sizeof err)) {
+            if (train_state_save(c->ckpt_path, &h, &world, par, &m, tied_copy, err, sizeof err)) {
                 progress_clear(&pr);
                 if (lead) fprintf(stderr, "meshtrain: step %d: %s\n", step + 1, err);
                 comm_world_finalize();
@@ -427,6 +466,14 @@ int cmd_train(Config *c) {
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
     world_max_min(&world, (double)max_rss_bytes(), &rss_max, &rss_min);
+    /* pipeline: every stage's peak (its largest rank) beside its own estimate */
+    double *stage_mem = NULL;
+    if (PP > 1) {
+        stage_mem = xcalloc(2 * (size_t)world.size, sizeof(double));
+        stage_mem[2 * world.rank] = (double)max_rss_bytes();
+        stage_mem[2 * world.rank + 1] = (double)est.total;
+        comm_allreduce_double(&world, stage_mem, 2 * (size_t)world.size);
+    }
     /* GPU: the high-water mark of the bytes op_alloc held (comparable to the estimate), and
      * of the card's used memory seen at each allocation (the CUDA context included). */
     size_t gpu_alloc = 0, gpu_used = 0;
@@ -464,6 +511,13 @@ int cmd_train(Config *c) {
         if (world.size > 1 || comm_timed > 0)
             printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
+        for (int s = 0; s < PP && stage_mem; s++) {
+            double peak = 0, e = 0;
+            for (int r = 0; r < world.size; r++)  /* world rank r is on stage r / (tp x dp) */
+                if (r / (mesh.tp_size * dp) == s && stage_mem[2 * r] > peak) peak = stage_mem[2 * r], e = stage_mem[2 * r + 1];
+            printf("pipeline stage %d: peak memory %s (max RSS of its ranks), estimate %s\n", s, fmt_bytes(b1, peak),
+                   fmt_bytes(b2, e));
+        }
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     step_free(&st);
@@ -473,6 +527,9 @@ int cmd_train(Config *c) {
     loader_free(&loader);
     shard_close(&train);
     shard_close(&val);
+    free(stage_mem);
+    comm_free(&tie);
+    free(stages);
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();

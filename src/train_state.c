@@ -8,14 +8,13 @@
  * and on a device they are staged (below) before the checkpoint sees them. */
 static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRange *out, int max) {
     OwnedRange *o = xmalloc((size_t)max * sizeof *o);
-    int n = parallel_ranges(par, write, o, max);
-    size_t *packed = xmalloc((size_t)m->n_units * sizeof(size_t)), off = 0;
-    for (int u = 0; u < m->n_units; u++) { packed[u] = off; off += m->units[u].n; }
+    int n = parallel_ranges(par, write, o, max), k = 0;
+    /* packed order is the whole model's, whichever units this rank holds (a pipeline stage) */
     for (int i = 0; i < n; i++)
-        out[i] = (StateRange){packed[o[i].unit] + o[i].lo, o[i].hi - o[i].lo, o[i].params, o[i].m, o[i].v};
-    free(packed);
+        if (o[i].hi > o[i].lo)
+            out[k++] = (StateRange){m->packed[o[i].unit] + o[i].lo, o[i].hi - o[i].lo, o[i].params, o[i].m, o[i].v};
     free(o);
-    return n;
+    return k;
 }
 
 /* Checkpoints read and write host memory. On a device backend the ranges are staged
@@ -65,10 +64,16 @@ static void stage_free(Staging *s) {
 static int max_ranges(const Model *m) { return 2 * m->n_units + 2; }
 
 int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
-                     char *err, size_t errlen) {
+                     int skip_embedding, char *err, size_t errlen) {
     int max = max_ranges(m);
     StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
     int n = ckpt_ranges(par, m, 1, ranges, max);
+    if (skip_embedding) {  /* the embedding's packed range is [0, V E): another stage saves it */
+        int k = 0;
+        for (int i = 0; i < n; i++)
+            if (ranges[i].start >= m->packed[UNIT_EMBEDDING + 1]) ranges[k++] = ranges[i];
+        n = k;
+    }
     Staging st;
     const StateRange *mine = stage(ranges, n, &st);
     stage_copy(ranges, n, &st, 1);

@@ -8,8 +8,9 @@
 #include "parallel.h"
 
 /* Collective over world: every rank saves what it owns (ckpt_save_dist). */
+/* skip_embedding: this rank holds a copy of the tied embedding that another rank saves. */
 int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
-                     char *err, size_t errlen);
+                     int skip_embedding, char *err, size_t errlen);
 /* Fills what this rank owns from the checkpoint at path (any layout wrote it) and reads its
  * manifest into h. No communication; on error nothing is uploaded. */
 int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const Model *m, char *err, size_t errlen);

@@ -160,7 +160,7 @@ static void check_stages(const char *path) {
         }
         memset(m.grads, 0, m.n_flat * 4);
         for (int i = 0; i < p; i++) {
-            if (i > 0) memcpy(model_stage_input(&m, &a[i]), model_stage_output(&m, &st[i - 1], &a[i - 1]), NE);
+            if (i > 0) memcpy(model_stage_input(&m, &a[i]), model_stage_output(&m, &st[i - 1], &a[i - 1], 1), NE);
             model_forward(&m, &st[i], &a[i], 1, 1.0f, NULL);
         }
         for (int i = p - 1; i >= 0; i--) {
