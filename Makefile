@@ -6,11 +6,17 @@ SAN     ?=
 # Open MPI's flags, from its compiler wrapper (installed by `make deps`).
 MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null)
 MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
-CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE -Isrc $(MPI_CFLAGS) $(SAN)
+CFLAGS  += -std=c11 $(OPT) $(ARCH) -g -Wall -Wextra -fopenmp -D_DEFAULT_SOURCE -D_GNU_SOURCE $(INC) $(MPI_CFLAGS) $(SAN)
 LDLIBS  += -lopenblas -lpcre2-8 -lm -fopenmp $(MPI_LIBS) $(SAN)
 BUILD   ?= build
+# src/ is in folders by layer (cli, data, model, ops/cpu, ops/cuda, parallel, train); every
+# folder is an include path, so `#include "x.h"` finds x.h wherever it lives.
+SRC_DIRS := $(sort $(shell find src -type d))
+INC      := $(addprefix -I,$(SRC_DIRS))
+HDRS     := $(shell find src -name '*.h')
+CUDA_DIR := src/ops/cuda
 
-# The CUDA backend (src/ops_cuda.cu) is built and linked in whenever nvcc is found, so CI
+# The CUDA backend (src/ops/cuda/ops_cuda.cu) is built and linked in whenever nvcc is found, so CI
 # compiles it; `make NVCC=` builds without it (device=cuda then says so; use a fresh
 # BUILD dir or `make clean` when switching). The binary runs device=cpu on machines
 # without a GPU or driver: nothing calls CUDA until device=cuda.
@@ -18,7 +24,7 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
 CUDA_ARCH ?= -arch=sm_90
 ifneq ($(NVCC),)
-CUDA_OBJ := $(BUILD)/obj/ops_cuda.o $(BUILD)/obj/attn_bf16.o
+CUDA_OBJ := $(BUILD)/obj/ops/cuda/ops_cuda.o $(BUILD)/obj/ops/cuda/attn_bf16.o
 CFLAGS   += -DMESHTRAIN_CUDA
 # cuBLASLt is not linked: ops_cuda.cu opens it when device=cuda starts (through this RUNPATH).
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -ldl -lstdc++
@@ -35,8 +41,8 @@ LDLIBS   += -L$(NCCL_LIB) -Wl,-rpath,$(NCCL_LIB) -lnccl
 endif
 endif
 
-SRC      := $(wildcard src/*.c)
-LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/main.c,$(SRC))) $(CUDA_OBJ)
+SRC      := $(sort $(shell find src -name '*.c'))
+LIB_OBJ  := $(patsubst src/%.c,$(BUILD)/obj/%.o,$(filter-out src/cli/main.c,$(SRC))) $(CUDA_OBJ)
 TESTS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(wildcard tests/test_*.c))
 TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(wildcard tests/*.c)))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
@@ -55,10 +61,11 @@ install: meshtrain
 deps:
 	@scripts/install-deps.sh
 
-$(BUILD)/obj/%.o: src/%.c src/*.h | $(BUILD)/obj
+$(BUILD)/obj/%.o: src/%.c $(HDRS)
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/meshtrain: $(BUILD)/obj/main.o $(LIB_OBJ)
+$(BUILD)/meshtrain: $(BUILD)/obj/cli/main.o $(LIB_OBJ)
 	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 meshtrain: $(BUILD)/meshtrain
@@ -70,22 +77,24 @@ $(BUILD)/tests/%: tests/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
 $(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
 	$(CC) $(CFLAGS) $< $(LIB_OBJ) -o $@ $(LDLIBS)
 
-$(BUILD)/obj $(BUILD)/tests $(BUILD)/bench:
+$(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
-$(BUILD)/obj/ops_cuda.o: src/ops_cuda.cu src/cuda/*.cuh src/ops_cuda.h src/ops.h src/attn_bf16.h | $(BUILD)/obj
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
+$(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CUDA_DIR)/ops_cuda.h src/ops/ops.h $(CUDA_DIR)/attn_bf16.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
 $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests $< $(LIB_OBJ) -o $@ $(LDLIBS)
 
 # bf16 flash attention (tensor cores, mma.sync): its own object, linked wherever ops_cuda.o is,
 # and a standalone GPU test program built by nvcc.
-$(BUILD)/obj/attn_bf16.o: src/attn_bf16.cu src/attn_bf16.h src/cuda/sfu.cuh | $(BUILD)/obj
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA -Isrc -c $< -o $@
+$(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(CUDA_DIR)/sfu.cuh
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
-$(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu src/attn_bf16.h $(BUILD)/obj/attn_bf16.o | $(BUILD)/tests
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -Isrc $< $(BUILD)/obj/attn_bf16.o -o $@
+$(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
 # Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
 cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)

@@ -1,4 +1,4 @@
-/* Tests of src/data.c: shard round trip and corruption, the loader's windows, order, rank
+/* Tests of src/data/data.c: shard round trip and corruption, the loader's windows, order, rank
  * slices and resume, and prepare on small texts and the mirrored TinyStories head. */
 #include "data.h"
 #include "test.h"

@@ -1,4 +1,4 @@
-/* GPU test of the bf16 flash attention (src/attn_bf16.cu) against a naive fp32/fp64 reference
+/* GPU test of the bf16 flash attention (src/ops/cuda/attn_bf16.cu) against a naive fp32/fp64 reference
  * computed on the GPU from the same bf16 inputs: out, lse, dq, dk, dv at small odd shapes and a
  * training-like one; forward outputs fully overwritten (they start as NaN); the backward's +=
  * into dqkv; bitwise determinism of two runs. Then times forward and backward at the training

@@ -1,4 +1,4 @@
-/* src/cuda/rope.cuh: the rotary embedding kernel.
+/* src/ops/cuda/rope.cuh: the rotary embedding kernel.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

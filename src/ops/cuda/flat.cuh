@@ -1,4 +1,4 @@
-/* src/cuda/flat.cuh: sum of squares, scale, add, the fp32 -> bf16 copy and row copies.
+/* src/ops/cuda/flat.cuh: sum of squares, scale, add, the fp32 -> bf16 copy and row copies.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

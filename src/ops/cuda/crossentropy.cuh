@@ -1,4 +1,4 @@
-/* src/cuda/crossentropy.cuh: the fused cross-entropy forward/backward kernels.
+/* src/ops/cuda/crossentropy.cuh: the fused cross-entropy forward/backward kernels.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 #include "sfu.cuh"

@@ -1,4 +1,4 @@
-/* src/cuda/attention.cuh: the generic (any head dim, fp32 or bf16) attention kernels.
+/* src/ops/cuda/attention.cuh: the generic (any head dim, fp32 or bf16) attention kernels.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

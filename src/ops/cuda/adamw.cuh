@@ -1,4 +1,4 @@
-/* src/cuda/adamw.cuh: the AdamW kernels.
+/* src/ops/cuda/adamw.cuh: the AdamW kernels.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

@@ -1,4 +1,4 @@
-/* src/cuda/common.cuh: warp and block reductions, and the fp32/bf16 loads and stores every kernel uses.
+/* src/ops/cuda/common.cuh: warp and block reductions, and the fp32/bf16 loads and stores every kernel uses.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

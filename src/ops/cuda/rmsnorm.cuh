@@ -1,4 +1,4 @@
-/* src/cuda/rmsnorm.cuh: rmsnorm forward and backward kernels.
+/* src/ops/cuda/rmsnorm.cuh: rmsnorm forward and backward kernels.
  * Part of ops_cuda.cu, which includes it at this point of its one translation unit (after
  * the helpers it uses): not a header to include anywhere else. */
 /* ------------------------------------------------------------------------------------ */

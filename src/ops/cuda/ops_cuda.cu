@@ -3,7 +3,7 @@
  * asked for, in fp32).
  *
  * This file holds the backend's state, memory, cuBLASLt and the C entry points. The
- * kernels are in src/cuda/, one .cuh per op family, which this file includes into its one
+ * kernels are in src/ops/cuda/, one .cuh per op family, which this file includes into its one
  * translation unit: common (reductions, the fp32/bf16 loads and stores), embedding,
  * rmsnorm, rope, attention (the generic kernels; the tensor-core one is attn_bf16.cu),
  * swiglu, crossentropy, adamw, flat (sumsq, scale, add, the bf16 copy).

@@ -1,4 +1,4 @@
-/* Causal flash attention in bf16 on tensor cores (src/attn_bf16.cu): forward and backward,
+/* Causal flash attention in bf16 on tensor cores (src/ops/cuda/attn_bf16.cu): forward and backward,
  * deterministic (no atomics, fixed reduction order), no T x T matrix in memory.
  * Layouts (HD = head dim, C = NH * HD), all row-major:
  *   qkv  [B, T, 3C] bf16: each token's row is q (C) | k (C) | v (C); head h is columns h*HD .. h*HD+HD-1
