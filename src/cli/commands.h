@@ -1,5 +1,6 @@
 /* commands — one function per subcommand; main.c parses the command line and dispatches.
- * train.c: train, eval, sample, estimate. text.c: prepare, tokenize. export.c: export. plot.c: plot. */
+ * train.c: train. infer.c: eval, sample, estimate. text.c: prepare, tokenize. export.c: export.
+ * plot.c: plot. */
 #ifndef MESHTRAIN_COMMANDS_H
 #define MESHTRAIN_COMMANDS_H
 #include "config.h"

@@ -556,7 +556,7 @@ static void test_flat(void) {
 /* The copy-engine all-reduce's sum (cuda_sum_blocks, on a stream of its own): D blocks of c
  * floats added in rank order in fp32 and scaled, bitwise against the same sum on the host;
  * c % 8 == 0 takes the 16-byte kernel, the odd c the scalar one. (Here on the compute
- * stream; comm.c passes its communication stream.) */
+ * stream; comm_ce.c passes its communication stream.) */
 static void test_sum_blocks(void) {
     size_t cs[] = {1, 1003, 4096, 1000000};
     int Ds[] = {2, 3, 4, 8};
