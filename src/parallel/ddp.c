@@ -59,16 +59,17 @@ static void reduce_erows(Parallel *p, Ddp *d) {
     size_t E = (size_t)p->m->E;
     d->erows_pending = d->n_erows > 0;
     if (!d->erows_pending) return;  /* no rows: the gradient is zero everywhere */
-    mark_late(d, 0, p->m->units[0].offset + p->m->units[0].n_padded);
-    op_gather_rows(d->ebuf, st_at(p->grads, p->m->units[0].offset), d->erows, d->n_erows, E * ops_state_size());
-    comm_iallreduce(p->group, d->ebuf, d->n_erows * E, par_ctype(), COMM_AVG, &p->greq[0],
+    const Unit *e = &p->m->units[UNIT_EMBEDDING];
+    mark_late(d, UNIT_EMBEDDING, e->offset + e->n_padded);
+    op_gather_rows(d->ebuf, st_at(p->grads, e->offset), d->erows, d->n_erows, E * ops_state_size());
+    comm_iallreduce(p->group, d->ebuf, d->n_erows * E, par_ctype(), COMM_AVG, &p->greq[UNIT_EMBEDDING],
                     "gradient all-reduce (embedding rows)");
-    if (!p->overlap) par_wait(p, &p->greq[0]);
+    if (!p->overlap) par_wait(p, &p->greq[UNIT_EMBEDDING]);
 }
 
 static void finish_erows(Parallel *p, Ddp *d) {
     if (d->erows_pending)
-        op_scatter_rows(st_at(p->grads, p->m->units[0].offset), d->ebuf, d->erows, d->n_erows,
+        op_scatter_rows(st_at(p->grads, p->m->units[UNIT_EMBEDDING].offset), d->ebuf, d->erows, d->n_erows,
                         (size_t)p->m->E * ops_state_size());
     d->erows_pending = 0;
     d->n_erows = SIZE_MAX;  /* rows are set for one step */
@@ -92,8 +93,8 @@ static void flush(Parallel *p, Ddp *d, int late) {
 static void ddp_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     Ddp *d = p->st;
-    int late = u <= 2;
-    if (u == 0 && d->n_erows != SIZE_MAX) {
+    int late = u == UNIT_EMBEDDING || u == unit_of_layer(0) || u == unit_of_layer(1);
+    if (u == UNIT_EMBEDDING && d->n_erows != SIZE_MAX) {
         flush(p, d, late);
         reduce_erows(p, d);
         par_progress(p);

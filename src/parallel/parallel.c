@@ -127,10 +127,10 @@ ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size
 void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {
     /* the largest layer this layout holds (a pipeline stage holds some), and never a big
      * slot smaller than it: a layer may take a big slot */
-    size_t big = m->units[0].n_padded, layer = 0;
-    for (int u = 1; u <= m->L; u++)
-        if (m->units[u].n_padded > layer) layer = m->units[u].n_padded;
-    if (m->units[m->L + 1].n_padded > big) big = m->units[m->L + 1].n_padded;
+    size_t big = m->units[UNIT_EMBEDDING].n_padded, layer = 0;
+    for (int l = 0; l < m->L; l++)
+        if (m->units[unit_of_layer(l)].n_padded > layer) layer = m->units[unit_of_layer(l)].n_padded;
+    if (m->units[unit_head(m)].n_padded > big) big = m->units[unit_head(m)].n_padded;
     if (big < layer) big = layer;
     int tied = m->c.tie_embeddings;
     if (pool) {  /* see N_SLOTS */
