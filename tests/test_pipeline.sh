@@ -130,4 +130,11 @@ out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${M/steps=5
 t=$((SECONDS - t0))
 [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "rank 1.*signal 9" <<<"$out" &&
   ok "killed_stage_ends_job (${t}s)" || bad "killed_stage_ends_job (exit $rc after ${t}s)"
+# ... and so does one that hangs: the stage waiting on it gives up after comm_timeout
+t0=$SECONDS
+out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${M/steps=5/steps=50} batch_size=8 \
+      pipeline_parallel_size=2 micro_batches=2 comm_timeout=3 out_dir="$TMP/hang" 2>&1); rc=$?
+t=$((SECONDS - t0))
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "did not complete within 3 s" <<<"$out" &&
+  ok "hung_stage_times_out (${t}s)" || bad "hung_stage_times_out (exit $rc after ${t}s: $(grep meshtrain: <<<"$out" | head -2))"
 echo "RESULT $pass $fail"
