@@ -89,7 +89,7 @@ static const Key KEYS[] = {
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     I(tensor_parallel_size, "1", 1, 1, MODEL_CMDS, "tensor parallel ranks (1 until tensor parallel lands)"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
-      "pipeline stages: contiguous layers, the embedding on the first, the head on the last (CPU ranks for now)"),
+      "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "pipeline: micro-batches each data-parallel rank's batch_size is cut into (at least pipeline_parallel_size)"),
     E(pipeline_schedule, "1f1b", "gpipe|1f1b", TR | CMD_ESTIMATE,
@@ -249,8 +249,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                 return set_err(err, errlen, "grad_accum_steps with pipeline_parallel_size > 1: raise micro_batches "
                                "instead");
         }
-        if (pp > 1 && strcmp(c->device, "cpu"))
-            return set_err(err, errlen, "pipeline_parallel_size=%d runs on CPU ranks for now (device=cpu)", pp);
         if (pp > c->n_layers)
             return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", pp,
                            c->n_layers);

@@ -123,10 +123,14 @@ void comm_barrier(const Comm *c);
  * host memory over MPI): comm_isend / comm_irecv start it, comm_p2p_wait completes it
  * within comm_timeout (a peer that never answers ends the job). A request never started
  * (zeroed) or already completed waits for nothing. */
-typedef struct { void *q; const Comm *c; const char *what; } CommP2P;
+typedef struct { void *q; const Comm *c; const char *what; void *ev; } CommP2P;
 void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_p2p_wait(CommP2P *r);
+/* Collective over c, before its first send or receive: on a device=cuda run makes c's NCCL
+ * communicator now, while every rank is here (a group is best used for one direction of
+ * traffic: a stage's sends wait in its stream for the peer's receive). */
+void comm_p2p_init(const Comm *c);
 /* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a
  * failure, the lowest such rank prints its message once, naming itself, and every rank
  * exits with that rank's code; else nothing happens. */

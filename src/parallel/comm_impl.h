@@ -22,6 +22,7 @@ typedef struct {
     size_t a2a_bytes;
     void *a2a_win;  /* its ncclWindow_t */
     int ce_ok;      /* ce_possible's answer, kept: 0 not asked yet, 1 yes, -1 no */
+    void *p2p_stream;  /* NCCL send/receive on this group: their own stream (cudaStream_t) */
 } CommImpl;
 static inline MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
@@ -62,6 +63,11 @@ void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call);
 void cchk(cudaError_t e, const Comm *c, const char *what, const char *call);
 /* comm_test of a request that holds an event. */
 int nccl_test(CommReq *r);
+/* Point-to-point on device buffers: queued on the group's own p2p stream after the compute
+ * stream's work so far; r->ev completes it (nccl_p2p_done). */
+void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what);
+int nccl_p2p_done(void *r);
+void nccl_p2p_init(const Comm *c);
 /* The collectives on a group that use_nccl takes. */
 void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
 void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,

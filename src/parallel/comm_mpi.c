@@ -207,21 +207,40 @@ void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag) {
 
 void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
     r->q = NULL;
+    r->ev = NULL;
     if (!c->impl) return;
+#ifdef MESHTRAIN_NCCL
+    if (use_nccl(c)) { nccl_p2p(c, (void *)buf, bytes, peer, 1, r, what); return; }
+#endif
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Isend(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
-    *r = (CommP2P){q, c, what};
+    *r = (CommP2P){q, c, what, NULL};
 }
 
 void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
     r->q = NULL;
+    r->ev = NULL;
     if (!c->impl) return;
+#ifdef MESHTRAIN_NCCL
+    if (use_nccl(c)) { nccl_p2p(c, buf, bytes, peer, 0, r, what); return; }
+#endif
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Irecv(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
-    *r = (CommP2P){q, c, what};
+    *r = (CommP2P){q, c, what, NULL};
+}
+
+void comm_p2p_init(const Comm *c) {
+#ifdef MESHTRAIN_NCCL
+    if (c->impl && use_nccl(c)) nccl_p2p_init(c);
+#else
+    (void)c;
+#endif
 }
 
 void comm_p2p_wait(CommP2P *r) {
+#ifdef MESHTRAIN_NCCL
+    if (r->ev) { comm_wait_until(nccl_p2p_done, r, r->c, r->what); return; }
+#endif
     if (!r->q) return;
     Plain p = {r->q, r->c, r->what};
     comm_wait_until(plain_done, &p, r->c, r->what);

@@ -85,6 +85,8 @@ void nccl_free(CommImpl *ci) {
         if (g_nccl[i] == ci->nccl) { g_nccl[i] = g_nccl[--g_n_nccl]; break; }
     ncclCommDestroy(ci->nccl);
     ci->nccl = NULL;
+    if (ci->p2p_stream) cudaStreamDestroy((cudaStream_t)ci->p2p_stream);
+    ci->p2p_stream = NULL;
 }
 
 /* Before the collective: the comm stream waits for the compute stream's work so far (which
@@ -125,6 +127,46 @@ int nccl_test(CommReq *r) {
     cchk(cudaEventDestroy(ev), r->c, r->what, "cudaEventDestroy");
     r->ev = NULL;
     r->active = 0;
+    return 1;
+}
+
+void nccl_p2p_init(const Comm *c) { nccl_of(c, "pipeline send/receive"); }
+
+void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {
+    CommImpl *ci = c->impl;
+    ncclComm_t nc = nccl_of(c, what);
+    if (!ci->p2p_stream) {
+        cudaStream_t s;
+        cchk(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), c, what, "cudaStreamCreate");
+        ci->p2p_stream = s;
+    }
+    cudaStream_t s = (cudaStream_t)ci->p2p_stream;
+    cudaEvent_t ev;
+    cchk(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c, what, "cudaEventCreate");
+    cchk(cudaEventRecord(ev, (cudaStream_t)cuda_stream()), c, what, "cudaEventRecord");  /* after what wrote buf */
+    cchk(cudaStreamWaitEvent(s, ev, 0), c, what, "cudaStreamWaitEvent");
+    if (send) nchk(ncclSend(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclSend");
+    else nchk(ncclRecv(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclRecv");
+    cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
+    *r = (CommP2P){NULL, c, what, (void *)ev};
+}
+
+int nccl_p2p_done(void *arg) {
+    CommP2P *r = arg;
+    cudaEvent_t ev = (cudaEvent_t)r->ev;
+    cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaErrorNotReady) {
+        ncclResult_t async = ncclSuccess;
+        ncclComm_t nc = ((CommImpl *)r->c->impl)->nccl;
+        if (nc && ncclCommGetAsyncError(nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
+            nccl_die(r->c, r->what, "NCCL (asynchronous error)", ncclGetErrorString(async));
+        return 0;
+    }
+    cchk(e, r->c, r->what, "cudaEventQuery");
+    /* later ops on the compute stream see what was received (and may overwrite what was sent) */
+    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), ev, 0), r->c, r->what, "cudaStreamWaitEvent");
+    cchk(cudaEventDestroy(ev), r->c, r->what, "cudaEventDestroy");
+    r->ev = NULL;
     return 1;
 }
 

@@ -27,6 +27,15 @@ int step_init(Step *st, Model *m, Stage s, Parallel *par, Loader *loader, Acts *
     /* one micro-batch's activations at a time on one stage; a pipeline stage keeps those
      * of every micro-batch between its forward and its backward */
     st->n_acts = piped(st) ? st->sched.max_in_flight : 1;
+    if (piped(st)) {
+        /* one group per direction: on GPUs each has its own stream, where a stage's sends
+         * wait for the peer's receives; one stream for both would deadlock 1F1B (a send
+         * queued before a receive that the peer needs first) */
+        comm_split(st->pipe.pipe, 0, me, "pp-fwd", &st->fwd);
+        comm_split(st->pipe.pipe, 0, me, "pp-bwd", &st->bwd);
+        comm_p2p_init(&st->fwd);
+        comm_p2p_init(&st->bwd);
+    }
     st->acts = xcalloc((size_t)st->n_acts, sizeof *st->acts);
     st->acts[0] = *a;
     for (int i = 1; i < st->n_acts; i++)
@@ -132,7 +141,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         switch (act->kind) {
         case ACT_RECV_INPUT:
             slot_free(st, slot);
-            comm_irecv(pp, model_stage_input(m, a), act_bytes, me - 1, act->micro, &r, "pipeline receive");
+            comm_irecv(&st->fwd, model_stage_input(m, a), act_bytes, me - 1, act->micro, &r, "pipeline receive");
             comm_p2p_wait(&r);
             break;
         case ACT_FORWARD:
@@ -142,18 +151,18 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             model_forward(m, &st->stage, a, 1, scale, hooks);
             break;
         case ACT_SEND_OUTPUT:
-            comm_isend(pp, model_stage_output(m, &st->stage, a, 1), act_bytes, me + 1, act->micro, &st->sent_out[slot],
+            comm_isend(&st->fwd, model_stage_output(m, &st->stage, a, 1), act_bytes, me + 1, act->micro, &st->sent_out[slot],
                        "pipeline send");
             break;
         case ACT_RECV_GRAD:
-            comm_irecv(pp, model_stage_grad(a), act_bytes, me + 1, act->micro, &r, "pipeline receive");
+            comm_irecv(&st->bwd, model_stage_grad(a), act_bytes, me + 1, act->micro, &r, "pipeline receive");
             comm_p2p_wait(&r);
             break;
         case ACT_BACKWARD:
             model_backward(m, &st->stage, a, hooks);
             break;
         case ACT_SEND_GRAD:
-            comm_isend(pp, model_stage_grad(a), act_bytes, me - 1, act->micro, &st->sent_grad[slot], "pipeline send");
+            comm_isend(&st->bwd, model_stage_grad(a), act_bytes, me - 1, act->micro, &st->sent_grad[slot], "pipeline send");
             break;
         case ACT_OPTIM_STEP:
             for (int k = 0; k < st->n_acts; k++) slot_free(st, k);
@@ -190,12 +199,12 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
         CommP2P r;
         loader_next(&l, va->inputs, va->targets);
         if (me > 0) {
-            comm_irecv(pp, model_stage_input(m, va), bytes, me - 1, i, &r, "pipeline receive");
+            comm_irecv(&st->fwd, model_stage_input(m, va), bytes, me - 1, i, &r, "pipeline receive");
             comm_p2p_wait(&r);
         }
         model_forward(m, &st->stage, va, 0, 0.0f, st->hooks);
         if (!last) {
-            comm_isend(pp, model_stage_output(m, &st->stage, va, 0), bytes, me + 1, i, &r, "pipeline send");
+            comm_isend(&st->fwd, model_stage_output(m, &st->stage, va, 0), bytes, me + 1, i, &r, "pipeline send");
             comm_p2p_wait(&r);
         } else {
             sum += model_loss(va);
@@ -212,6 +221,8 @@ void step_free(Step *st) {
     free(st->sent_out);
     free(st->sent_grad);
     free(st->own_losses);
+    comm_free(&st->fwd);
+    comm_free(&st->bwd);
     schedule_free(&st->sched);
     op_free(st->dev_losses);
     free(st->host_losses);

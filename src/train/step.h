@@ -30,6 +30,7 @@ typedef struct {
     Schedule sched;
     int micro;             /* micro-batches per step */
     StepPipeline pipe;     /* pipe.pipe NULL: one stage */
+    Comm fwd, bwd;         /* pipe's ranks again, one group per direction: activations, gradients */
     CommP2P *sent_out, *sent_grad;  /* per acts slot: its output / input gradient being sent */
     float **own_losses;    /* acts[i].losses as planned; restored after each step */
     float *dev_losses;     /* micro > 1: every micro-batch's per-row losses [micro][N] */

@@ -52,6 +52,19 @@ zero2|false|fsdp=true shard_strategy=grad_op
 fsdp_tied|true|fsdp=true shard_strategy=full
 hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
 CASES
+# -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
+# too; activations and their gradients go by NCCL send/receive, one group per direction
+while IFS='|' read -r name tied keys; do
+  out=$TMP/pp_$name
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys &&
+     close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_pipeline_follows_one_gpu_$name"
+  else bad "multi_gpu_pipeline_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+1f1b|false|micro_batches=2
+gpipe_tied|true|micro_batches=4 pipeline_schedule=gpipe
+1f1b_m8_tied|true|micro_batches=8
+CASES
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
