@@ -33,24 +33,27 @@ void print_error(int rank, int world, const char *msg) {
     fflush(stderr);
 }
 
-void die(int code, const char *fmt, ...) {
+/* "meshtrain: [rank R: ]<formatted>" from this rank */
+static void print_errorv(const char *fmt, va_list ap) {
     char msg[2048];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    print_error(g_rank, g_world, msg);
+}
+
+void die(int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    print_errorv(fmt, ap);
     va_end(ap);
-    print_error(g_rank, g_world, msg);
     exit(code);
 }
 
 void die_once(int code, const char *fmt, ...) {
     if (g_rank == 0) {
-        char msg[2048];
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(msg, sizeof msg, fmt, ap);
+        print_errorv(fmt, ap);
         va_end(ap);
-        print_error(g_rank, g_world, msg);
     } else {
         struct timespec ts = {1, 0};
         nanosleep(&ts, NULL);

@@ -9,6 +9,7 @@
 #include "estimate.h"
 #include "ops.h"
 #include "pipeline.h"
+#include "schedule.h"
 #include "run.h"
 #include "tokenizer.h"
 #include "util.h"
@@ -144,6 +145,8 @@ int cmd_estimate(Config *c) {
     size_t most = e.total;
     if (PP > 1) {  /* each stage's share, as a pipeline run holds it */
         int M = c->micro_batches, BM = c->batch_size / M;
+        ScheduleKind sched = SCHED_1F1B;
+        schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
         Stage *st = xcalloc((size_t)PP, sizeof *st);
         char err[512];
         if (pipeline_split(&mc, c->context_len, PP, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
@@ -152,10 +155,10 @@ int cmd_estimate(Config *c) {
         most = 0;
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
-            int in_flight = !strcmp(c->pipeline_schedule, "gpipe") ? M : PP - s;
+            int in_flight = schedule_in_flight(sched, PP, s, M);
             estimate_stage(&es, &mc, &st[s], BM, c->context_len, train_acts_mode(c), in_flight, kind, group,
                            precision_of(c));
-            int l0 = st[s].first == 0 ? 0 : st[s].first - 1, l1 = st[s].last == mc.n_layers + 1 ? mc.n_layers - 1 : st[s].last - 1;
+            int l0 = stage_first_layer(&st[s]), l1 = l0 + stage_n_layers(&mc, &st[s]) - 1;
             printf("  stage %d (%slayers %d-%d%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
                    "in flight), total %s\n", s, s == 0 ? "embedding, " : "", l0, l1, s == PP - 1 ? ", head" : "",
                    fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),

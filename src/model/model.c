@@ -23,10 +23,17 @@ size_t model_param_count(const ModelConfig *c) {
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc) {
-    model_init_layout_held(m, c, pad_multiple, alloc, NULL);
+    model_init_layout_stage(m, c, pad_multiple, alloc, NULL);
 }
 
-void model_init_layout_held(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const unsigned char *held) {
+/* Whether stage s (NULL: the whole model) holds unit u: its own, and lm_head's copy of a
+ * tied embedding on the stage with the head. */
+static int stage_holds(const ModelConfig *c, const Stage *s, int u) {
+    if (!s || (u >= s->first && u <= s->last)) return 1;
+    return u == UNIT_EMBEDDING && c->tie_embeddings && s->last == c->n_layers + 1;
+}
+
+void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s) {
     memset(m, 0, sizeof *m);
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
@@ -55,7 +62,7 @@ void model_init_layout_held(Model *m, const ModelConfig *c, int pad_multiple, in
         m->packed[u] = packed;
         packed += n;
         m->n_params += n;
-        if (held && !held[u]) n = 0;  /* another pipeline stage's unit: no storage here */
+        if (!stage_holds(c, s, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
         off += m->units[u].n_padded;
@@ -244,19 +251,12 @@ size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_s
     return acts_bytes_stage(c, &whole, B, T, training, act_size, logit_bytes);
 }
 
-/* layers and head of a stage, from the config alone */
-static int plan_layers(const ModelConfig *c, const Stage *st) {
-    int first = st->first == UNIT_EMBEDDING ? 0 : layer_of_unit(st->first);
-    int last = st->last == c->n_layers + 1 ? c->n_layers - 1 : layer_of_unit(st->last);
-    return last - first + 1;
-}
-
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes) {
     Acts a;
     Slot s[32];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
-    int n = acts_plan(c, plan_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n);
+    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
@@ -272,7 +272,7 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     Slot s[32];
     size_t logit_n;
     int head = stage_has_head(m, st);
-    int n = acts_plan(&m->c, stage_n_layers(m, st), head, B, T, training, ops_act_size(), a, s, &logit_n);
+    int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = training == ACTS_RECOMPUTE;
     a->logit_rows = head ? acts_logit_rows(&m->c, B, T, ops_act_size()) : 0;
@@ -395,7 +395,7 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
  * released after. Layer l of the stage uses activation slot l - first (residual slots
  * l - first and l - first + 1): a stage's Acts hold its own layers only. */
 static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int training, const UnitHooks *h) {
-    int N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(m, s);
+    int N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     int after = stage_has_head(m, s) ? unit_head(m) : -1;  /* the unit after the stage's last layer */
     if (stage_has_embedding(s)) {
         HOOK(h, gather, UNIT_EMBEDDING, nl > 0 ? unit_of_layer(l0) : after);
@@ -413,7 +413,7 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
 }
 
 static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {
-    int nl = stage_n_layers(m, s);
+    int nl = stage_n_layers(&m->c, s);
     return act_at(a->res, (size_t)(training ? nl : nl > 0) * a->N * m->E);
 }
 
@@ -496,7 +496,7 @@ void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale
 }
 
 void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
-    int B = a->B, T = a->T, N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(m, s);
+    int B = a->B, T = a->T, N = B * T, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     int emb = stage_has_embedding(s);
     /* Unless the hooks ask for the embedding last, layer 0's last two weight gradients wait
      * until after the embedding's backward: the embedding's gradient is then not the step's

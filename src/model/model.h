@@ -66,8 +66,8 @@ static inline int stage_has_embedding(const Stage *s) { return s->first == UNIT_
 static inline int stage_has_head(const Model *m, const Stage *s) { return s->last == unit_head(m); }
 /* The layers a stage holds: [first_layer, first_layer + n). */
 static inline int stage_first_layer(const Stage *s) { return s->first == UNIT_EMBEDDING ? 0 : layer_of_unit(s->first); }
-static inline int stage_n_layers(const Model *m, const Stage *s) {
-    int last = s->last == unit_head(m) ? m->L - 1 : layer_of_unit(s->last);
+static inline int stage_n_layers(const ModelConfig *c, const Stage *s) {
+    int last = s->last == c->n_layers + 1 ? c->n_layers - 1 : layer_of_unit(s->last);  /* the head is unit L + 1 */
     return last - stage_first_layer(s) + 1;
 }
 
@@ -98,10 +98,10 @@ size_t model_param_count(const ModelConfig *c);
  * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies
  * allocate on the backend instead (op_alloc) and point the units there. */
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc);
-/* The same, holding only the units with held[u] != 0 (a pipeline stage's, and the tied
- * embedding's copy on the last stage): the others keep their index but have no storage
- * (n = n_padded = 0). held = NULL: every unit. */
-void model_init_layout_held(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const unsigned char *held);
+/* The same, holding only stage s's units (and, on the last stage, a copy of a tied
+ * embedding for lm_head): the others keep their index but have no storage (n = n_padded
+ * = 0). s = NULL: every unit. */
+void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);

@@ -111,21 +111,29 @@ static void nccl_launched(CommReq *r) {
     r->ev = (void *)done;
 }
 
-int nccl_test(CommReq *r) {
-    cudaEvent_t ev = (cudaEvent_t)r->ev;
+/* *ev, an event recorded after a collective or a send/receive on c: 0 while pending (an
+ * asynchronous NCCL error ends the job); once done, later ops on the compute stream wait
+ * for it (they see what arrived, may overwrite what left), it is destroyed and *ev
+ * cleared: 1. */
+static int event_done(const Comm *c, const char *what, void **evp) {
+    cudaEvent_t ev = (cudaEvent_t)*evp;
     cudaError_t e = cudaEventQuery(ev);
     if (e == cudaErrorNotReady) {
         ncclResult_t async = ncclSuccess;
-        ncclComm_t nc = ((CommImpl *)r->c->impl)->nccl;
+        ncclComm_t nc = ((CommImpl *)c->impl)->nccl;
         if (nc && ncclCommGetAsyncError(nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
-            nccl_die(r->c, r->what, "NCCL (asynchronous error)", ncclGetErrorString(async));
+            nccl_die(c, what, "NCCL (asynchronous error)", ncclGetErrorString(async));
         return 0;
     }
-    cchk(e, r->c, r->what, "cudaEventQuery");
-    /* Later ops on the compute stream see the result. */
-    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), ev, 0), r->c, r->what, "cudaStreamWaitEvent");
-    cchk(cudaEventDestroy(ev), r->c, r->what, "cudaEventDestroy");
-    r->ev = NULL;
+    cchk(e, c, what, "cudaEventQuery");
+    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), ev, 0), c, what, "cudaStreamWaitEvent");
+    cchk(cudaEventDestroy(ev), c, what, "cudaEventDestroy");
+    *evp = NULL;
+    return 1;
+}
+
+int nccl_test(CommReq *r) {
+    if (!event_done(r->c, r->what, &r->ev)) return 0;
     r->active = 0;
     return 1;
 }
@@ -153,21 +161,7 @@ void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2
 
 int nccl_p2p_done(void *arg) {
     CommP2P *r = arg;
-    cudaEvent_t ev = (cudaEvent_t)r->ev;
-    cudaError_t e = cudaEventQuery(ev);
-    if (e == cudaErrorNotReady) {
-        ncclResult_t async = ncclSuccess;
-        ncclComm_t nc = ((CommImpl *)r->c->impl)->nccl;
-        if (nc && ncclCommGetAsyncError(nc, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
-            nccl_die(r->c, r->what, "NCCL (asynchronous error)", ncclGetErrorString(async));
-        return 0;
-    }
-    cchk(e, r->c, r->what, "cudaEventQuery");
-    /* later ops on the compute stream see what was received (and may overwrite what was sent) */
-    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), ev, 0), r->c, r->what, "cudaStreamWaitEvent");
-    cchk(cudaEventDestroy(ev), r->c, r->what, "cudaEventDestroy");
-    r->ev = NULL;
-    return 1;
+    return event_done(r->c, r->what, &r->ev);
 }
 
 static ncclRedOp_t nccl_op(CommOp op) { return op == COMM_AVG ? ncclAvg : ncclSum; }

@@ -33,6 +33,13 @@ static void backward(Schedule *s, int i) {
     if (s->stage > 0) add(s, ACT_SEND_GRAD, i);
 }
 
+/* GPipe holds every micro-batch; 1F1B's stage s runs stages - s - 1 forwards ahead, so it
+ * holds one more than that (the first stage the most). */
+int schedule_in_flight(ScheduleKind kind, int stages, int stage, int m) {
+    if (kind == SCHED_GPIPE) return m;
+    return (stages - stage - 1 < m ? stages - stage - 1 : m) + 1;
+}
+
 int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, char *err, size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
@@ -43,7 +50,6 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         /* every forward, then every backward (in reverse order, as the activations were made) */
         for (int i = 0; i < m; i++) forward(s, i);
         for (int i = m - 1; i >= 0; i--) backward(s, i);
-        s->max_in_flight = m;
     } else {
         /* 1F1B: stage s runs stages - s - 1 forwards ahead, then one forward and one
          * backward in turn, then the remaining backwards: at most stages - s micro-batches'
@@ -55,8 +61,8 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
             backward(s, i);
         }
         for (int i = m - warmup; i < m; i++) backward(s, i);
-        s->max_in_flight = warmup + 1;
     }
+    s->max_in_flight = schedule_in_flight(kind, stages, stage, m);
     add(s, ACT_OPTIM_STEP, -1);
     return 0;
 }

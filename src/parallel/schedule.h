@@ -39,6 +39,9 @@ const char *schedule_kind_name(ScheduleKind k);
  * with err on an impossible layout (m < 1, stage out of range). */
 int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, char *err, size_t errlen);
 void schedule_free(Schedule *s);
+/* The micro-batches whose activations stage `stage` holds at once under kind (what
+ * schedule_build's max_in_flight says, without building the list: the estimate's). */
+int schedule_in_flight(ScheduleKind kind, int stages, int stage, int m);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step". */
 void schedule_print(FILE *f, const Schedule *s);
 const char *action_name(ActionKind k);

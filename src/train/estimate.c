@@ -1,6 +1,5 @@
 #include "estimate.h"
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include "comm.h"
 #include "util.h"
@@ -72,12 +71,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
                     int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec) {
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
-    unsigned char *held = xcalloc((size_t)c->n_layers + 2, 1);
-    for (int u = s->first; u <= s->last; u++) held[u] = 1;
-    if (c->tie_embeddings && s->last == c->n_layers + 1) held[0] = 1;  /* lm_head's copy */
     Model m;
-    model_init_layout_held(&m, c, shard_size, 0, held);
-    free(held);
+    model_init_layout_stage(&m, c, shard_size, 0, s);
     ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;

@@ -214,6 +214,8 @@ int cmd_train(Config *c) {
     ParallelKind kind = strategy_of(c);
     /* Pipeline parallel: this rank's stage; each micro-batch is B / micro_batches sequences */
     int PP = mesh.pp_size, M = PP > 1 ? c->micro_batches : K, BM = PP > 1 ? B / M : B;
+    ScheduleKind sched = SCHED_1F1B;
+    schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
     Stage *stages = xcalloc((size_t)PP, sizeof(Stage)), stage = {0, mc.n_layers + 1};
     if (!f.code && PP > 1) {
         if (pipeline_split(&mc, T, PP, c->pipeline_split, stages, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
@@ -250,7 +252,7 @@ int cmd_train(Config *c) {
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
     if (PP > 1)
         estimate_stage(&est, &mc, &stage, BM, T, train_acts_mode(c),
-                       !strcmp(c->pipeline_schedule, "gpipe") ? M : PP - mesh.pp_rank, kind, mesh.shard_size, prec);
+                       schedule_in_flight(sched, PP, mesh.pp_rank, M), kind, mesh.shard_size, prec);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -291,8 +293,7 @@ int cmd_train(Config *c) {
             printf("pipeline: %d stages, schedule %s, %d micro-batches of %d sequences per data-parallel rank;",
                    PP, c->pipeline_schedule, M, BM);
             for (int i = 0; i < PP; i++) {
-                int l0 = stages[i].first == 0 ? 0 : stages[i].first - 1;
-                int l1 = stages[i].last == mc.n_layers + 1 ? mc.n_layers - 1 : stages[i].last - 1;
+                int l0 = stage_first_layer(&stages[i]), l1 = l0 + stage_n_layers(&mc, &stages[i]) - 1;
                 printf(" stage %d: %slayers %d-%d%s", i, i == 0 ? "embedding, " : "", l0, l1,
                        i == PP - 1 ? ", head" : "");
                 printf(i + 1 < PP ? ";" : "\n");
@@ -309,11 +310,7 @@ int cmd_train(Config *c) {
 
     Model m;
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
-    unsigned char *held = xcalloc((size_t)mc.n_layers + 2, 1);
-    for (int u = stage.first; u <= stage.last; u++) held[u] = 1;
-    if (mc.tie_embeddings) held[UNIT_EMBEDDING] = held[UNIT_EMBEDDING] || stage.last == mc.n_layers + 1;
-    model_init_layout_held(&m, &mc, mesh.shard_size, 0, held);
-    free(held);
+    model_init_layout_stage(&m, &mc, mesh.shard_size, 0, &stage);
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&stage) && stage_has_head(&m, &stage);
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
@@ -371,8 +368,7 @@ int cmd_train(Config *c) {
     int timed_steps = 0;
     float loss = 0;
     Step st;
-    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, SCHED_1F1B};
-    schedule_kind_parse(c->pipeline_schedule, &pipe.kind);
+    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched};
     if (step_init(&st, &m, stage, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
