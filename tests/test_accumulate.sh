@@ -4,29 +4,10 @@
 # one process and with every data-parallel strategy (k x B x ranks = 8 sequences):
 # the losses within 1e-5 relative over 5 steps and the final parameters within 1e-5;
 # steps, tokens/s and checkpoints count whole optimizer steps, and a resume keeps k.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
-DIFF=$(dirname "$BIN")/tests/ckpt_diff
-TMP=$(mktemp -d /tmp/meshtrain-accum.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()  { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { fail=$((fail + 1)); echo "FAIL $1"; }
-
-D=$TMP/data
-head -c 300000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
-"$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "RESULT 0 1"; exit 1; }
-
-losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
-# follows REF RUN: every step's loss within 1e-5 relative, and the final parameters
-follows() {
-  local a b
-  a=$(losses "$1"); b=$(losses "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || return 1
-  paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
-  local out; out=$("$DIFF" "$1/ckpt.bin" "$2/ckpt.bin") || return 1
-  [ "$(grep -c '^max_rel_diff' <<<"$out")" -eq 1 ] && awk '/^max_rel_diff/ {exit !($2 < 1e-5)}' <<<"$out"
-}
+TEST_NAME=accum
+source "$(dirname "$0")/lib.sh"
+use_mpirun
+prepare_data 300000
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
 for tied in false true; do
@@ -48,10 +29,6 @@ follows "$TMP/ref_false" "$TMP/half" && bad "accumulate_control (a 4-sequence st
 # with data parallelism: DDP and ZeRO-1 reduce once a step (after the last micro-batch),
 # ZeRO-2, FSDP and hybrid FSDP add every micro-batch's reduced gradient into the shard
 if command -v mpirun >/dev/null; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-  export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
-  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
-  MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
   while IFS='|' read -r name np k tied keys; do
     out=$TMP/$name
     if $MPIRUN -np "$np" "$BIN" train $M tie_embeddings=$tied batch_size=$((8 / np / k)) grad_accum_steps=$k $keys \

@@ -1,24 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of the meshtrain command line: bad input gives one line and exit 2,
 # training works, checkpoints resume bitwise, NaN stops cleanly, the estimate is honest.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
-TMP=$(mktemp -d /tmp/meshtrain-cli.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()   { pass=$((pass + 1)); echo "ok   $1"; }
-bad()  { fail=$((fail + 1)); echo "FAIL $1"; }
-
-# expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr
-# matching PATTERN, no crash.
-expect_exit() {
-  local code=$1 pat=$2 name=$3; shift 4
-  local out err rc
-  err=$("$@" 2>&1 >/dev/null </dev/null); rc=$?
-  local lines; lines=$(printf '%s' "$err" | grep -c '')
-  if [ "$rc" -eq "$code" ] && [ "$lines" -eq 1 ] && printf '%s' "$err" | grep -qE "$pat"; then ok "$name"
-  else bad "$name (exit $rc, want $code; stderr: $err)"; fi
-}
+TEST_NAME=cli
+source "$(dirname "$0")/lib.sh"
 
 # sane_loss X: X is a finite number, above 0 and below ln(50257) + 1 (a uniform guess over
 # GPT-2's vocabulary is ln(50257) = 10.8; nan, -nan and inf are refused)

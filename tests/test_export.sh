@@ -7,25 +7,10 @@
 # max |meshtrain - hf| <= 1e-4 * max |hf| over all positions and the whole vocabulary.
 # Also: the files are there and valid JSON, the tokenizer's are GPT-2's, a tied export has
 # no lm_head, bad input is one line and exit 2, and nothing half-written is left behind.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
+TEST_NAME=export
+source "$(dirname "$0")/lib.sh"
 DUMP=$(dirname "$BIN")/tests/dump_logits
 PY=/usr/bin/python3  # Debian's, with python3-numpy (scripts/install-deps.sh); not a pyenv one
-TMP=$(mktemp -d /tmp/meshtrain-export.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()   { pass=$((pass + 1)); echo "ok   $1"; }
-bad()  { fail=$((fail + 1)); echo "FAIL $1"; }
-
-# expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr matching PATTERN
-expect_exit() {
-  local code=$1 pat=$2 name=$3; shift 4
-  local err rc
-  err=$("$@" 2>&1 >/dev/null </dev/null); rc=$?
-  local lines; lines=$(printf '%s' "$err" | grep -c '')
-  if [ "$rc" -eq "$code" ] && [ "$lines" -eq 1 ] && printf '%s' "$err" | grep -qE "$pat"; then ok "$name"
-  else bad "$name (exit $rc, want $code; stderr: $err)"; fi
-}
 
 if ! "$PY" -c 'import numpy' 2>/dev/null; then
   echo "FAIL $PY has no numpy (run 'make deps': python3-numpy)"; echo "RESULT 0 1"; exit 1

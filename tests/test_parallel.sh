@@ -3,41 +3,10 @@
 # on the same global batch (losses within 1e-5 relative for 5 steps, same final
 # parameters); memory per rank falls as the strategy predicts; checkpoints resume across
 # world sizes and strategies; a lost or hung rank ends the job quickly.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
-DIFF=$(dirname "$BIN")/tests/ckpt_diff
-TMP=$(mktemp -d /tmp/meshtrain-par.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()  { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { fail=$((fail + 1)); echo "FAIL $1"; }
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-# Quiet Open MPI's hints about the network of a container.
-export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
-# Under AddressSanitizer: Open MPI keeps allocations (some in components it unloads) until
-# exit, which LeakSanitizer would report; leaks of our own code are checked by the
-# single-process tests, which run the same code.
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
-MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
-
-D=$TMP/data
-head -c 400000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
-"$BIN" prepare input="$TMP/stories.txt" data_dir="$D" >/dev/null || { echo "RESULT 0 1"; exit 1; }
-
-losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
-# follows REF RUN: every step's loss within 1e-5 relative, and the final parameters
-follows() {
-  local a b
-  a=$(losses "$1"); b=$(losses "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || return 1
-  paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
-  params_close "$1/ckpt.bin" "$2/ckpt.bin"
-}
-# params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below 1e-5
-params_close() {
-  local d; d=$("$DIFF" "$1" "$2" 2>&1) || return 1
-  awk '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < 1e-5 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d"
-}
+TEST_NAME=par
+source "$(dirname "$0")/lib.sh"
+use_mpirun
+prepare_data 400000
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
 for tied in false true; do

@@ -3,26 +3,10 @@
 # (tests/svg_summary.py: well-formed XML, panels, tick labels, and the plotted values
 # recovered from the coordinates); bad input is one line and exit 2; and one real tiny run,
 # stopped and resumed, plotted end to end.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
+TEST_NAME=plot
+source "$(dirname "$0")/lib.sh"
 PY=/usr/bin/python3
 SUMMARY=tests/svg_summary.py
-TMP=$(mktemp -d /tmp/meshtrain-plot.XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()   { pass=$((pass + 1)); echo "ok   $1"; }
-bad()  { fail=$((fail + 1)); echo "FAIL $1"; }
-
-# expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr
-# matching PATTERN.
-expect_exit() {
-  local code=$1 pat=$2 name=$3; shift 4
-  local err rc
-  err=$("$@" 2>&1 >/dev/null </dev/null); rc=$?
-  local lines; lines=$(printf '%s' "$err" | grep -c '')
-  if [ "$rc" -eq "$code" ] && [ "$lines" -eq 1 ] && printf '%s' "$err" | grep -qE "$pat"; then ok "$name"
-  else bad "$name (exit $rc, want $code; stderr: $err)"; fi
-}
 # has SUMMARY_FILE LINE NAME: the summary holds exactly this line
 has() { if grep -qxF -- "$2" "$1"; then ok "$3"; else bad "$3 (want '$2'; got '$(grep -F "${2%%=*}=" "$1" | head -1 | cut -c1-200)')"; fi; }
 summarize() { "$PY" "$SUMMARY" "$1" > "$2" 2> "$2.err" || { cat "$2.err"; return 1; }; }

@@ -3,23 +3,14 @@
 # checked before the first step, bad validation data and non-finite numbers stop it
 # cleanly with a valid JSON log, a resume keeps the global batch and the schedule, and an
 # error every rank meets is printed once.
-set -u
-BIN=${MESHTRAIN_BIN:-build/meshtrain}
-TMP=$(mktemp -d /tmp/meshtrain-safety.XXXXXX)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$TMP"' EXIT
-pass=0; fail=0
-ok()  { pass=$((pass + 1)); echo "ok   $1"; }
-bad() { fail=$((fail + 1)); echo "FAIL $1"; }
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
-MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
+TEST_NAME=safety
+source "$(dirname "$0")/lib.sh"
+use_mpirun
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$TMP"' EXIT  # and the runs still in the background
 PY=$(command -v python3)
 
 TINY="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=1 context_len=32 batch_size=4 threads=1 progress=false"
-D=$TMP/data
-head -c 300000 data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
-"$BIN" prepare input="$TMP/stories.txt" data_dir="$D" val_fraction=0.1 >/dev/null || { echo "RESULT 0 1"; exit 1; }
+prepare_data 300000 val_fraction=0.1
 
 # every line of a log is a JSON object, without NaN or Infinity (which JSON does not have)
 json_valid() {

@@ -1,0 +1,57 @@
+# Shared by the CPU test scripts (sourced, from the repository root): the binary, a scratch
+# folder, pass/fail counting, Open MPI set up for a container and for ASan (use_mpirun),
+# a small data set, expect_exit, and `follows REF RUN` (the single-process run against
+# another layout's).
+# tests/gpu/lib.sh is the GPU scripts' counterpart.
+set -u
+BIN=${MESHTRAIN_BIN:-build/meshtrain}
+DIFF=$(dirname "$BIN")/tests/ckpt_diff
+TMP=$(mktemp -d "/tmp/meshtrain-${TEST_NAME:-test}.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+pass=0; fail=0
+ok()  { pass=$((pass + 1)); echo "ok   $1"; }
+bad() { fail=$((fail + 1)); echo "FAIL $1"; }
+# use_mpirun: the scripts that start ranks with $MPIRUN call it first.
+use_mpirun() {
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+  # Quiet Open MPI's hints about the network of a container.
+  export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
+  # Under AddressSanitizer: Open MPI keeps allocations (some in components it unloads) until
+  # exit, which LeakSanitizer would report; leaks of our own code are checked by the
+  # single-process tests (which do not call this), running the same code.
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+  MPIRUN="mpirun --oversubscribe --bind-to none --stdin none"
+}
+
+# prepare_data BYTES: shards of the first BYTES of the mirrored TinyStories text in $D
+D=$TMP/data
+prepare_data() {
+  head -c "$1" data/tinystories/TinyStories-train.head-2MiB.txt > "$TMP/stories.txt"
+  "$BIN" prepare input="$TMP/stories.txt" data_dir="$D" "${@:2}" >/dev/null || { echo "RESULT 0 1"; exit 1; }
+}
+
+losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+# follows REF RUN: every step's loss within 1e-5 relative, and the final parameters
+follows() {
+  local a b
+  a=$(losses "$1"); b=$(losses "$2")
+  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] || return 1
+  paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
+  params_close "$1/ckpt.bin" "$2/ckpt.bin"
+}
+# params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below 1e-5
+params_close() {
+  local d; d=$("$DIFF" "$1" "$2" 2>&1) || return 1
+  awk '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < 1e-5 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d"
+}
+
+# expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr
+# matching PATTERN, no crash.
+expect_exit() {
+  local code=$1 pat=$2 name=$3; shift 4
+  local err rc
+  err=$("$@" 2>&1 >/dev/null </dev/null); rc=$?
+  local lines; lines=$(printf '%s' "$err" | grep -c '')
+  if [ "$rc" -eq "$code" ] && [ "$lines" -eq 1 ] && printf '%s' "$err" | grep -qE "$pat"; then ok "$name"
+  else bad "$name (exit $rc, want $code; stderr: $err)"; fi
+}
