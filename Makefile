@@ -24,7 +24,11 @@ NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
 CUDA_ARCH ?= -arch=sm_90
 ifneq ($(NVCC),)
-CUDA_OBJ := $(BUILD)/obj/ops/cuda/ops_cuda.o $(BUILD)/obj/ops/cuda/attn_bf16.o
+CUDA_OBJ := $(BUILD)/obj/ops/cuda/ops_cuda.o $(BUILD)/obj/ops/cuda/attn_bf16.o $(BUILD)/obj/ops/cuda/attn_cudnn.o
+# cuDNN's fused attention (attn_cudnn.cu): built against cudnn_graph.h where the toolkit has it,
+# libcudnn opened with dlopen at run time; without the header it compiles to "not available".
+CUDNN_DEF := $(if $(wildcard $(CUDA_HOME)/include/cudnn_graph.h /usr/include/cudnn_graph.h \
+               /usr/include/x86_64-linux-gnu/cudnn_graph.h),,-DMESHTRAIN_NO_CUDNN)
 CFLAGS   += -DMESHTRAIN_CUDA
 # cuBLASLt is not linked: ops_cuda.cu opens it when device=cuda starts (through this RUNPATH).
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -ldl -lstdc++
@@ -80,7 +84,8 @@ $(BUILD)/bench/%: bench/%.c $(LIB_OBJ) | $(BUILD)/bench
 $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
-$(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CUDA_DIR)/ops_cuda.h src/ops/ops.h $(CUDA_DIR)/attn_bf16.h
+$(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CUDA_DIR)/ops_cuda.h src/ops/ops.h $(CUDA_DIR)/attn_bf16.h \
+                                  $(CUDA_DIR)/attn_cudnn.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
@@ -92,6 +97,10 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
 $(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(CUDA_DIR)/sfu.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
+
+$(BUILD)/obj/ops/cuda/attn_cudnn.o: $(CUDA_DIR)/attn_cudnn.cu $(CUDA_DIR)/attn_cudnn.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(CUDNN_DEF) $(INC) -c $< -o $@
 
 $(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@

@@ -20,6 +20,7 @@
  */
 #include "ops_cuda.h"
 #include "attn_bf16.h"
+#include "attn_cudnn.h"
 #include "ops.h"
 
 #include <cublasLt.h>
@@ -99,6 +100,7 @@ static struct {
     size_t scratch_bytes;
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
+    int att_mode;           /* MESHTRAIN_ATTN: ATT_AUTO, ATT_CUDNN or ATT_OWN */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
     size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
     char name[256];
@@ -209,6 +211,11 @@ int cuda_init(int device, char *err, size_t errlen) {
     g.device = device;
     const char *s = getenv("MESHTRAIN_CUDA_SYNC");
     g.sync_each = s && *s && strcmp(s, "0") != 0;
+    s = getenv("MESHTRAIN_ATTN");
+    if (cuda_set_attention_mode(s && *s ? s : "auto")) {
+        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det or own", s);
+        return -1;
+    }
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
     g.main = g.stream;
     CUBLAS_CHECK(lt.cublasLtCreate(&g.lt));
@@ -225,6 +232,7 @@ void cuda_shutdown(void) {
         CUDA_CHECK(cudaEventDestroy(g.side_in));
         for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventDestroy(g.side_ev[k]));
     }
+    attn_cudnn_shutdown();
     cuda_free(g.scratch);
     cuda_free(g.workspace);
     CUBLAS_CHECK(lt.cublasLtDestroy(g.lt));
@@ -672,8 +680,69 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
     LAUNCH_CHECK(rope_kernel);
 }
 
+/* Attention in bf16 runs on one of two tensor-core implementations: cuDNN's fused flash attention
+ * (attn_cudnn.cu, when libcudnn loads and has an engine for the shape) or our own kernels
+ * (attn_bf16.cu, head_dim 64 and 128); other head dims without cuDNN, and fp32, take the generic
+ * kernels (attention.cuh). MESHTRAIN_ATTN (read at cuda_init, or cuda_set_attention_mode) picks:
+ * own = never cuDNN; cudnn = cuDNN wherever it runs, its backward the fast one that sums dq with
+ * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
+ * faster of our kernels and the deterministic choices by shape, as measured on an H100
+ * (bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay bitwise reproducible. */
+enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN };
+#define ATT_CUDNN_FWD_MIN_T 512  /* auto: cuDNN's forward from this many tokens on */
+#define ATT_CUDNN_BWD_MIN_T 1024 /* ... and its backward */
+
+int cuda_set_attention_mode(const char *mode) {
+    if (!mode || !strcmp(mode, "auto")) g.att_mode = ATT_AUTO;
+    else if (!strcmp(mode, "cudnn")) g.att_mode = ATT_CUDNN;
+    else if (!strcmp(mode, "cudnn-det")) g.att_mode = ATT_CUDNN_DET;
+    else if (!strcmp(mode, "own")) g.att_mode = ATT_OWN;
+    else return -1;
+    return 0;
+}
+
+/* auto: where cuDNN beats our kernels. Head dims our tensor-core kernels do not take would run on
+ * the generic ones, far slower: cuDNN always. */
+static int att_auto_cudnn(int backward, int T, int HD) {
+    if (!attn_bf16_supported(HD)) return 1;
+    return backward ? T >= ATT_CUDNN_BWD_MIN_T : T >= ATT_CUDNN_FWD_MIN_T;
+}
+
+static int att_det(void) { return g.att_mode != ATT_CUDNN; }
+
+/* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
+ * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
+static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
+    static int said;
+    if (!g.bf16 || g.att_mode == ATT_OWN) return 0;
+    if (g.att_mode == ATT_AUTO && !att_auto_cudnn(backward, T, HD)) return 0;
+    char why[320];
+    int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
+                     : attn_cudnn_forward_plan(B, T, NH, HD, ws, why, sizeof why);
+    if (r == 0) return 1;
+    if (!said) {
+        said = 1;
+        fprintf(stderr, "meshtrain: cuda: attention %s B=%d T=%d NH=%d HD=%d runs on our kernels, not cuDNN: %s\n",
+                backward ? "backward" : "forward", B, T, NH, HD, why);
+    }
+    return 0;
+}
+
+const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
+    size_t ws;
+    if (att_cudnn(backward, B, T, NH, HD, &ws)) return "cudnn";
+    return g.bf16 && attn_bf16_supported(HD) ? "own" : "generic";
+}
+
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD) {
     if (B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    size_t ws = 0;
+    if (al16(out) && al16(lse) && al16(qkv) && att_cudnn(0, B, T, NH, HD, &ws)) {
+        if (attn_cudnn_forward(out, lse, qkv, B, T, NH, HD, scratch(ws), (void *)g.stream))
+            die(1, "cuda: cuDNN attention forward B=%d T=%d NH=%d HD=%d failed to run", B, T, NH, HD);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
     if (g.bf16 && attn_bf16_supported(HD)) {
         attn_bf16_forward(out, lse, qkv, B, T, NH, HD, (void *)g.stream);
         if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
@@ -688,9 +757,26 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     LAUNCH_CHECK(attention_forward_kernel);
 }
 
+/* cuDNN's backward writes dq, dk, dv: with acc, into scratch after its workspace, then added. */
+static int att_backward_cudnn(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                              int B, int T, int NH, int HD, int acc) {
+    size_t ws = 0, n = (size_t)B * T * 3 * NH * HD;
+    if (!(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse) && att_cudnn(1, B, T, NH, HD, &ws)))
+        return 0;
+    ws = (ws + 255) & ~(size_t)255;
+    char *w = (char *)scratch(ws + (acc ? n * 2 : 0));
+    void *dst = acc ? (void *)(w + ws) : dqkv;
+    if (attn_cudnn_backward(dst, dout, qkv, out, lse, B, T, NH, HD, att_det(), w, (void *)g.stream))
+        die(1, "cuda: cuDNN attention backward B=%d T=%d NH=%d HD=%d failed to run", B, T, NH, HD);
+    if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    if (acc) cuda_add(dqkv, dst, n);
+    return 1;
+}
+
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD, int acc) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc)) return;
     if (g.bf16 && attn_bf16_supported(HD)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
         attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, NULL, NULL, (void *)g.stream);
@@ -718,10 +804,15 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     LAUNCH_CHECK(attention_backward_dkdv_kernel);
 }
 
-/* The tensor-core kernels rotate dq and dk back as they store them; elsewhere, two passes. */
+/* Our tensor-core kernels rotate dq and dk back as they store them; elsewhere (cuDNN too), two
+ * passes. */
 void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0)) {
+        cuda_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
+        return;
+    }
     if (g.bf16 && attn_bf16_supported(HD) && al16(cos_t) && al16(sin_t)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
         attn_bf16_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, 0, cos_t, sin_t, (void *)g.stream);

@@ -1,0 +1,133 @@
+/* bench_attn — causal attention in bf16 (precision=mixed) through the ops interface, on each
+ * implementation the cuda backend has: our tensor-core kernels ("own", attn_bf16.cu) and cuDNN's
+ * fused flash attention ("cudnn", attn_cudnn.cu; "cudnn-det" its deterministic backward), forward (op_attention_forward) and backward
+ * (op_attention_backward_set, what a layer calls), at the shapes given as B:NH:T:HD arguments
+ * (default: issue 20's). TFLOP/s count causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that
+ * backward, as bench_ops_cuda does. Each figure is the median of 7 timings of back-to-back calls
+ * (about 50 ms each) after warm-up; the first call's time (cuDNN builds its plan there) is printed
+ * apart. Prints one line per figure:
+ *   RESULT <impl> <fwd|bwd> <B> <NH> <T> <HD> <ms> <TFLOP/s>
+ * and "SKIP <impl> ..." where an implementation does not run a shape. Needs a GPU. */
+#include "attn_cudnn.h"
+#include "ops.h"
+#include "ops_cuda.h"
+#include "util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static Rng rng;
+
+static void *rand_act(size_t n) {
+    size_t blk = ((size_t)1 << 20) + 7, m = n < blk ? n : blk;
+    float *h = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < m; i++) h[i] = rng_normal(&rng);
+    for (size_t i = m; i < n; i += blk) memcpy(h + i, h, (n - i < blk ? n - i : blk) * sizeof(float));
+    float *d = op_alloc(n * sizeof(float));
+    op_upload(d, h, n * sizeof(float));
+    void *a = op_alloc(n * ops_act_size());
+    op_to_act(a, d, n);
+    op_free(d);
+    free(h);
+    return a;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct {
+    void *qkv, *dout, *out, *dqkv;
+    float *lse;
+    int B, T, NH, HD, backward;
+} Call;
+
+static void call(const Call *c) {
+    if (c->backward) op_attention_backward_set(c->dqkv, c->dout, c->qkv, c->out, c->lse, c->B, c->T, c->NH, c->HD);
+    else op_attention_forward(c->out, c->lse, c->qkv, c->B, c->T, c->NH, c->HD);
+}
+
+/* median seconds per call */
+static double time_call(const Call *c) {
+    for (int i = 0; i < 3; i++) call(c);
+    ops_synchronize();
+    double t0 = now_seconds();
+    call(c);
+    ops_synchronize();
+    int reps = (int)(0.05 / (now_seconds() - t0 + 1e-9)) + 1;
+    if (reps > 1000) reps = 1000;
+    double ts[7];
+    for (int k = 0; k < 7; k++) {
+        t0 = now_seconds();
+        for (int i = 0; i < reps; i++) call(c);
+        ops_synchronize();
+        ts[k] = (now_seconds() - t0) / reps;
+    }
+    qsort(ts, 7, sizeof ts[0], cmp_double);
+    return ts[3];
+}
+
+static void bench_shape(int B, int NH, int T, int HD) {
+    size_t C = (size_t)NH * HD, nqkv = (size_t)B * T * 3 * C, nout = (size_t)B * T * C;
+    Call c = {rand_act(nqkv), rand_act(nout), op_alloc(nout * 2), op_alloc(nqkv * 2),
+              op_alloc((size_t)B * NH * T * sizeof(float)), B, T, NH, HD, 0};
+    const double flops = 4.0 * B * NH * (double)T * T * HD / 2;
+    static const char *impls[] = {"own", "cudnn", "cudnn-det"};
+    for (int m = 0; m < 3; m++) {
+        cuda_set_attention_mode(impls[m]);
+        for (int bw = m == 2; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
+            const char *ran = cuda_attention_impl(bw, B, T, NH, HD);
+            if (strcmp(ran, m ? "cudnn" : "own")) {
+                printf("SKIP %s %s %d %d %d %d (runs on %s)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, ran);
+                continue;
+            }
+            c.backward = bw;
+            if (bw) { /* out and lse from this implementation's forward */
+                c.backward = 0;
+                call(&c);
+                c.backward = 1;
+            }
+            double t0 = now_seconds();
+            call(&c); /* cuDNN builds its plan in cuda_attention_impl; this is the first execution */
+            ops_synchronize();
+            double first = now_seconds() - t0, s = time_call(&c), f = bw ? 2.5 * flops : flops;
+            printf("RESULT %s %s %d %d %d %d %.4f %.1f\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, s * 1e3,
+                   f / s * 1e-12);
+            printf("info %s %s B=%d NH=%d T=%d HD=%d: first call %.1f ms\n", impls[m], bw ? "bwd" : "fwd", B, NH, T,
+                   HD, first * 1e3);
+            fflush(stdout);
+        }
+    }
+    cuda_set_attention_mode("auto");
+    printf("info auto B=%d NH=%d T=%d HD=%d: forward %s, backward %s\n", B, NH, T, HD,
+           cuda_attention_impl(0, B, T, NH, HD), cuda_attention_impl(1, B, T, NH, HD));
+    op_free(c.qkv), op_free(c.dout), op_free(c.out), op_free(c.dqkv), op_free(c.lse);
+}
+
+int main(int argc, char **argv) {
+    char err[256];
+    if (ops_init("cuda", 0, err, sizeof err) || ops_set_precision(OPS_MIXED, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
+    rng_seed(&rng, 20);
+    char why[256] = "";
+    if (attn_cudnn_available(why, sizeof why)) printf("info cuDNN %zu on %s\n", attn_cudnn_version(), ops_device_name());
+    else printf("info cuDNN unavailable: %s\n", why);
+    static const int def[][4] = {{128, 8, 256, 128}, {32, 8, 1024, 128}, {8, 8, 4096, 128},
+                                 {2, 8, 10000, 128}, {8, 16, 4096, 64},  {16, 16, 1024, 128}};
+    if (argc > 1) {
+        for (int i = 1; i < argc; i++) {
+            int B, NH, T, HD;
+            if (sscanf(argv[i], "%d:%d:%d:%d", &B, &NH, &T, &HD) != 4 || B <= 0 || NH <= 0 || T <= 0 || HD <= 0) {
+                fprintf(stderr, "bench_attn: expected B:NH:T:HD, got %s\n", argv[i]);
+                return 2;
+            }
+            bench_shape(B, NH, T, HD);
+        }
+    } else
+        for (size_t i = 0; i < sizeof def / sizeof def[0]; i++) bench_shape(def[i][0], def[i][1], def[i][2], def[i][3]);
+    return 0;
+}

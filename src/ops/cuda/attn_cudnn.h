@@ -1,0 +1,53 @@
+/* Causal attention in bf16 through cuDNN's fused flash attention (src/ops/cuda/attn_cudnn.cu), built
+ * on cuDNN's backend C API: the operation graph of matmuls, pointwise ops and reductions that cuDNN 9
+ * recognises as scaled dot-product attention, forward and backward. The same layouts as attn_bf16.h:
+ *   qkv [B, T, 3C] bf16 (q | k | v per token, head h at columns h*HD .. h*HD+HD-1 of each part,
+ *       C = NH * HD), read in place through strides (no copies);
+ *   out [B, T, C] bf16;  lse [B, NH, T] fp32, the natural-log log-sum-exp of each query row's scaled
+ *       scores (cuDNN's softmax "stats" are exactly that, so either path's lse feeds the other's
+ *       backward).
+ * libcudnn.so.9 is opened with dlopen on first use (MESHTRAIN_CUDNN_LIB=path names another file);
+ * without it, or where cuDNN has no engine for a shape, every call returns -1 and the caller runs its
+ * own kernels. Execution plans are built once per shape (slow: tens to hundreds of ms) and cached.
+ * Device pointers must be 16-byte aligned; `stream` is a cudaStream_t passed as void *.
+ * The forward is deterministic; the backward is not (cuDNN sums dQ with atomics) unless asked for the
+ * deterministic engine. */
+#ifndef MESHTRAIN_ATTN_CUDNN_H
+#define MESHTRAIN_ATTN_CUDNN_H
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when libcudnn could be loaded (and a handle created on the current device); 0 otherwise,
+ * with the reason in why (may be NULL). Cheap after the first call. */
+int attn_cudnn_available(char *why, size_t whylen);
+/* cudnnGetVersion() of the loaded library (e.g. 91900), 0 when none. */
+size_t attn_cudnn_version(void);
+
+/* Builds (or finds) the plan for this shape. 0 and *workspace = the device bytes the call needs;
+ * -1 when cuDNN cannot run it (no library, no engine for this head_dim, ...), with the reason in why. */
+int attn_cudnn_forward_plan(int B, int T, int NH, int HD, size_t *workspace, char *why, size_t whylen);
+/* deterministic = 1: the graph cudnn-frontend builds for its deterministic backward on Hopper (dQ = dS K
+ * straight into dQ, no fp32 accumulator): an engine that keeps dP (B NH T^2 bf16) in its workspace
+ * instead of summing dQ with atomics. */
+int attn_cudnn_backward_plan(int B, int T, int NH, int HD, int deterministic, size_t *workspace, char *why,
+                             size_t whylen);
+
+/* out, lse = causal attention of qkv (overwritten). workspace: the bytes the plan asked for.
+ * 0, or -1 when the plan cannot be had or the execution fails (nothing launched then). */
+int attn_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD, void *workspace,
+                       void *stream);
+/* dqkv [B, T, 3C] = the gradients w.r.t. q, k and v (WRITTEN, every element; never read). dout
+ * [B, T, C]; out and lse from either forward. 0 or -1 as above. */
+int attn_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
+                        int T, int NH, int HD, int deterministic, void *workspace, void *stream);
+
+/* Destroys the cached plans and the handle (before the device is reset); the library stays open. */
+void attn_cudnn_shutdown(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
