@@ -78,7 +78,14 @@ static void bench_shape(int B, int NH, int T, int HD) {
     for (int m = 0; m < 3; m++) {
         cuda_set_attention_mode(impls[m]);
         for (int bw = m == 2; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
-            const char *ran = cuda_attention_impl(bw, B, T, NH, HD);
+            double tp = now_seconds();
+            const char *ran = cuda_attention_impl(bw, B, T, NH, HD); /* builds cuDNN's plan */
+            tp = now_seconds() - tp;
+            size_t ws = 0;
+            if (m && (bw ? attn_cudnn_backward_plan(B, T, NH, HD, m == 2, &ws, NULL, 0)
+                         : attn_cudnn_forward_plan(B, T, NH, HD, &ws, NULL, 0)) == 0)
+                printf("info %s %s B=%d NH=%d T=%d HD=%d: plan built in %.0f ms, workspace %zu bytes (dP %zu)\n",
+                       impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, tp * 1e3, ws, attn_cudnn_det_dp_bytes(B, T, NH));
             if (strcmp(ran, m ? "cudnn" : "own")) {
                 printf("SKIP %s %s %d %d %d %d (runs on %s)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, ran);
                 continue;

@@ -1,4 +1,5 @@
 #include "estimate.h"
+#include "attn_cudnn.h" /* the dP buffer of cuDNN's deterministic attention backward */
 #include <stdio.h>
 #include <string.h>
 #include "comm.h"
@@ -17,11 +18,17 @@
 
 /* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
  * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
- * sumsq's 1025 doubles. */
-static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T) {
+ * sumsq's 1025 doubles; in bf16, where attention's backward runs on cuDNN's deterministic engine
+ * (ops_cuda.cu's auto choice: head_dim a multiple of 8, dP under 4 GiB), its dP buffer and row
+ * terms instead. */
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec) {
     size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
     size_t s = 1025 * sizeof(double);
+    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
+    size_t dp = attn_cudnn_det_dp_bytes(B, T, c->n_heads);
+    if (prec != OPS_FP32 && hd > 0 && hd % 8 == 0 && dp <= ATTN_CUDNN_DET_MAX_BYTES)
+        b = ((dp + 255) & ~(size_t)255) + ((b + 255) & ~(size_t)255);
     return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 
@@ -45,7 +52,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T)
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;

@@ -44,6 +44,16 @@ int attn_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int
 int attn_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
                         int T, int NH, int HD, int deterministic, void *workspace, void *stream);
 
+/* The dP buffer the deterministic backward engine keeps in its workspace, as cudnn-frontend sizes
+ * it (B NH T^2 bf16, T rounded up to 64): its plans on an H100 with cuDNN 9.14 asked for exactly
+ * that plus the 256-byte rounding (bench/RESULTS.md). Plain C, for the memory estimate too. */
+/* Where ops_cuda's auto mode stops using that engine (B=2 NH=8 T=10000 takes 3.2 GB). */
+#define ATTN_CUDNN_DET_MAX_BYTES ((size_t)4 << 30)
+static inline size_t attn_cudnn_det_dp_bytes(int B, int T, int NH) {
+    size_t t = ((size_t)T + 63) / 64 * 64;
+    return (size_t)B * NH * t * t * 2;
+}
+
 /* Destroys the cached plans and the handle (before the device is reset); the library stays open. */
 void attn_cudnn_shutdown(void);
 

@@ -689,8 +689,6 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
  * (bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay bitwise reproducible. */
 enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN };
-#define ATT_CUDNN_FWD_MIN_T 512  /* auto: cuDNN's forward from this many tokens on */
-#define ATT_CUDNN_BWD_MIN_T 1024 /* ... and its backward */
 
 int cuda_set_attention_mode(const char *mode) {
     if (!mode || !strcmp(mode, "auto")) g.att_mode = ATT_AUTO;
@@ -701,11 +699,11 @@ int cuda_set_attention_mode(const char *mode) {
     return 0;
 }
 
-/* auto: where cuDNN beats our kernels. Head dims our tensor-core kernels do not take would run on
- * the generic ones, far slower: cuDNN always. */
-static int att_auto_cudnn(int backward, int T, int HD) {
-    if (!attn_bf16_supported(HD)) return 1;
-    return backward ? T >= ATT_CUDNN_BWD_MIN_T : T >= ATT_CUDNN_FWD_MIN_T;
+/* auto: cuDNN where it beats our kernels, which on an H100 was every shape measured, forward and
+ * (with the deterministic engine) backward, from B=128 NH=8 T=256 to T=10000 (bench/RESULTS.md);
+ * the backward only while its dP buffer stays under ATTN_CUDNN_DET_MAX_BYTES (else our kernels). */
+static int att_auto_cudnn(int backward, int B, int T, int NH) {
+    return !backward || attn_cudnn_det_dp_bytes(B, T, NH) <= ATTN_CUDNN_DET_MAX_BYTES;
 }
 
 static int att_det(void) { return g.att_mode != ATT_CUDNN; }
@@ -715,7 +713,7 @@ static int att_det(void) { return g.att_mode != ATT_CUDNN; }
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
     if (!g.bf16 || g.att_mode == ATT_OWN) return 0;
-    if (g.att_mode == ATT_AUTO && !att_auto_cudnn(backward, T, HD)) return 0;
+    if (g.att_mode == ATT_AUTO && !att_auto_cudnn(backward, B, T, NH)) return 0;
     char why[320];
     int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
                      : attn_cudnn_forward_plan(B, T, NH, HD, ws, why, sizeof why);
