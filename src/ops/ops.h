@@ -13,7 +13,8 @@
  *   and reading them back (the weight gradient still accumulates).
  *   A gradient output pointer may be NULL when that gradient is not needed.
  * - Everything here is deterministic for a fixed thread count (no atomics, fixed
- *   reduction order), so a resumed run is bitwise identical to an uninterrupted one.
+ *   reduction order), so a resumed run is bitwise identical to an uninterrupted one. (One
+ *   opt-in exception: MESHTRAIN_ATTN=cudnn on the cuda backend, see ops_cuda.h.)
  * - Precision (ops_set_precision). Tensors typed `void *` hold one of two element types:
  *   activations (and their gradients) and compute weights are the "act" type, fp32 or
  *   bf16 (ops_act_size); parameters, their gradients and AdamW's moments are the "state"

@@ -19,16 +19,15 @@
 /* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
  * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
  * sumsq's 1025 doubles; in bf16, where attention's backward runs on cuDNN's deterministic engine
- * (ops_cuda.cu's auto choice: head_dim a multiple of 8, dP under 4 GiB), its dP buffer and row
- * terms instead. */
+ * (ops_cuda.cu's auto choice, attn_cudnn_auto; our kernels take head dims 64 and 128), its
+ * workspace and row terms instead. */
 static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec) {
     size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
     size_t s = 1025 * sizeof(double);
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
-    size_t dp = attn_cudnn_det_dp_bytes(B, T, c->n_heads);
-    if (prec != OPS_FP32 && hd > 0 && hd % 8 == 0 && dp <= ATTN_CUDNN_DET_MAX_BYTES)
-        b = ((dp + 255) & ~(size_t)255) + ((b + 255) & ~(size_t)255);
+    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, c->n_heads, hd, hd == 64 || hd == 128))
+        b = ((attn_cudnn_det_workspace_bytes(B, T, c->n_heads) + 255) & ~(size_t)255) + ((b + 255) & ~(size_t)255);
     return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 

@@ -7,10 +7,10 @@
  * NaN (op_attention_backward_set), accumulating (+=) and fused with RoPE's backward; cuDNN's forward
  * with our backward and ours with cuDNN's backward (the two lse agree); the same with "cudnn-det"
  * (cuDNN's deterministic backward engine); head_dim 36 (no cuDNN engine: not a multiple of 8) falls
- * back and still passes; "auto" at T = 1100 and T = 64. The forward must be bitwise reproducible, and
- * so must every backward but mode "cudnn"'s, whose reproducibility is printed, not checked (cuDNN
- * sums dq with atomics there and does not promise it). Where libcudnn cannot be loaded the cases run on our kernels and
- * say so. Needs a GPU. */
+ * back and still passes; "auto" picks as attn_cudnn_auto says (T = 1100; T = 64; head_dim 96).
+ * The forward must be bitwise reproducible, and so must every backward but mode "cudnn"'s, whose
+ * reproducibility is printed, not checked (cuDNN sums dq with atomics there and does not promise
+ * it). Where libcudnn cannot be loaded the cases run on our kernels and say so. Needs a GPU. */
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
 #include "ops.h"
@@ -214,7 +214,8 @@ int main(void) {
     run_case("cudnn", 2, 256, 2, 128, 1);
     run_case("cudnn", 2, 50, 2, 36, 0); /* head_dim not a multiple of 8: no engine, our kernels */
     run_case("auto", 1, 1100, 2, 128, 1); /* cuDNN, its backward the deterministic engine */
-    run_case("auto", 2, 64, 2, 64, 1);
+    run_case("auto", 2, 64, 2, 64, 0);     /* short, a head_dim our kernels take: ours */
+    run_case("auto", 2, 77, 2, 96, 1);     /* a head_dim ours do not take: cuDNN */
     printf("info cuDNN ran %d forwards and %d backwards of %d cases; its backward was bitwise reproducible in %d of "
            "%d\n",
            n_cudnn_fwd, n_cudnn_bwd, tests_passed_ + tests_failed_, bwd_reproducible, bwd_runs);

@@ -45,13 +45,32 @@ int attn_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const voi
                         int T, int NH, int HD, int deterministic, void *workspace, void *stream);
 
 /* The dP buffer the deterministic backward engine keeps in its workspace, as cudnn-frontend sizes
- * it (B NH T^2 bf16, T rounded up to 64): its plans on an H100 with cuDNN 9.14 asked for exactly
- * that plus the 256-byte rounding (bench/RESULTS.md). Plain C, for the memory estimate too. */
-/* Where ops_cuda's auto mode stops using that engine (B=2 NH=8 T=10000 takes 3.2 GB). */
-#define ATTN_CUDNN_DET_MAX_BYTES ((size_t)4 << 30)
+ * it: B NH T^2 bf16, T rounded up to 64. */
 static inline size_t attn_cudnn_det_dp_bytes(int B, int T, int NH) {
     size_t t = ((size_t)T + 63) / 64 * 64;
     return (size_t)B * NH * t * t * 2;
+}
+/* The workspace that engine's plan asks for, as measured on an H100 with cuDNN 9.14
+ * (bench/RESULTS.md): dP and about 1 MiB, or twice dP at T <= 64. */
+static inline size_t attn_cudnn_det_workspace_bytes(int B, int T, int NH) {
+    size_t dp = attn_cudnn_det_dp_bytes(B, T, NH);
+    return T <= 64 ? 2 * dp + ((size_t)64 << 10) : dp + ((size_t)1 << 20);
+}
+/* Where ops_cuda's auto mode stops using that engine (B=2 NH=8 T=10000 takes 3.2 GB). */
+#define ATTN_CUDNN_DET_MAX_BYTES ((size_t)4 << 30)
+
+/* ops_cuda's auto choice in bf16, measured on an H100 with cuDNN 9.14 (bench/RESULTS.md): 1 when cuDNN
+ * runs the forward (backward = 0) or the backward (1; its deterministic engine), 0 for our tensor-core
+ * kernels. own_kernels: whether those take this head_dim (attn_bf16_supported: 64 and 128); where they
+ * do not, the generic kernels would run, far slower, so cuDNN does. cuDNN's forward beat ours from
+ * T = 256 on (at 64 a tie, at 128 ours by 15%); its deterministic backward beat ours at T = 256 with
+ * head_dim 128 and from T = 512 on (ours led at T <= 256 with head_dim 64). Plain C, so that the
+ * memory estimate follows the same choice; cuDNN may still decline a shape at run time. */
+static inline int attn_cudnn_auto(int backward, int B, int T, int NH, int HD, int own_kernels) {
+    if (HD % 8) return 0;
+    if (backward && attn_cudnn_det_dp_bytes(B, T, NH) > ATTN_CUDNN_DET_MAX_BYTES) return 0;
+    if (!own_kernels) return 1;
+    return backward ? T >= 512 || (T >= 256 && HD >= 128) : T >= 256;
 }
 
 /* Destroys the cached plans and the handle (before the device is reset); the library stays open. */

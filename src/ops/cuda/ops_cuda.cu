@@ -687,7 +687,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * own = never cuDNN; cudnn = cuDNN wherever it runs, its backward the fast one that sums dq with
  * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
- * (bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay bitwise reproducible. */
+ * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
+ * bitwise reproducible. */
 enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN };
 
 int cuda_set_attention_mode(const char *mode) {
@@ -699,13 +700,6 @@ int cuda_set_attention_mode(const char *mode) {
     return 0;
 }
 
-/* auto: cuDNN where it beats our kernels, which on an H100 was every shape measured, forward and
- * (with the deterministic engine) backward, from B=128 NH=8 T=256 to T=10000 (bench/RESULTS.md);
- * the backward only while its dP buffer stays under ATTN_CUDNN_DET_MAX_BYTES (else our kernels). */
-static int att_auto_cudnn(int backward, int B, int T, int NH) {
-    return !backward || attn_cudnn_det_dp_bytes(B, T, NH) <= ATTN_CUDNN_DET_MAX_BYTES;
-}
-
 static int att_det(void) { return g.att_mode != ATT_CUDNN; }
 
 /* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
@@ -713,7 +707,7 @@ static int att_det(void) { return g.att_mode != ATT_CUDNN; }
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
     if (!g.bf16 || g.att_mode == ATT_OWN) return 0;
-    if (g.att_mode == ATT_AUTO && !att_auto_cudnn(backward, B, T, NH)) return 0;
+    if (g.att_mode == ATT_AUTO && !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD))) return 0;
     char why[320];
     int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
                      : attn_cudnn_forward_plan(B, T, NH, HD, ws, why, sizeof why);
