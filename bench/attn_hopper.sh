@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Causal attention on one GPU, forward and backward apart: meshtrain's op on our own tensor-core
-# kernels and through cuDNN's fused flash attention (bench_attn), beside PyTorch's SDPA on its
-# flash and cuDNN backends (attn_torch.py), at issue 20's shapes, in one run on the same card.
+# kernels and through cuDNN's fused flash attention (bench_attn; cudnn-det: its deterministic
+# backward engine), beside PyTorch's SDPA on its flash and cuDNN backends (attn_torch.py), at
+# issue 20's shapes, in one run on the same card.
 # Usage (from the repository root): bench/attn_hopper.sh [BUILD] [B:H:T:D ...]
 #   BUILD: the build folder holding bench/bench_attn (default build; `make BUILD=... bench`).
 # Prints each program's lines, then a table of TFLOP/s (causal FLOPs: 4 B H T^2 D / 2 forward,
