@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# optimizer=adafactor end to end on CPU ranks: ZeRO-2, FSDP (and DDP) over MPI follow the
-# single-process run (losses within 1e-5 relative for 5 steps, same final parameters);
+# optimizer=adafactor end to end on CPU ranks: ZeRO-2, FSDP, DDP and pipeline stages over MPI
+# follow the single-process run (losses within 1e-5 relative for 5 steps, same final parameters);
 # checkpoints resume bitwise on the same layout and closely on another; a checkpoint of one
 # optimizer refuses the other; bad keys are one line and exit 2; the estimate counts
 # Adafactor's small state. (The update itself: test_optim against a float64 reference;
@@ -32,6 +32,17 @@ X="adafactor_beta1=0.9 adafactor_relative_step=true adafactor_scale_parameter=tr
 $MPIRUN -np 2 "$BIN" train $M $X batch_size=4 fsdp=true out_dir="$TMP/fsdp_x" </dev/null >"$TMP/fsdp_x.log" 2>&1
 follows "$TMP/ref_x" "$TMP/fsdp_x" && ok adafactor_first_moment_relative_fsdp_np2 ||
   bad "adafactor_first_moment_relative_fsdp_np2 ($("$DIFF" "$TMP/ref_x/ckpt.bin" "$TMP/fsdp_x/ckpt.bin" 2>&1))"
+
+# pipeline parallel: 2 stages each run their tensors' update (a tied embedding's copy on
+# the last stage too, from the same summed gradient)
+for tied in false true; do
+  "$BIN" train $M tie_embeddings=$tied batch_size=8 out_dir="$TMP/ref_pp_$tied" >/dev/null 2>&1
+  out=$TMP/pp_$tied
+  $MPIRUN -np 2 "$BIN" train $M tie_embeddings=$tied batch_size=8 pipeline_parallel_size=2 micro_batches=2 \
+    out_dir="$out" </dev/null >"$out.log" 2>&1
+  follows "$TMP/ref_pp_$tied" "$out" && ok "adafactor_pipeline_np2$([ $tied = true ] && echo _tied)" ||
+    bad "adafactor_pipeline_np2$([ $tied = true ] && echo _tied) ($(tail -1 "$out.log"))"
+done
 
 # -- resume: a run cut after its step-3 checkpoint (a NaN at step 4) and resumed to step 6
 # is bitwise the uninterrupted one: one process (with a first moment) and 2 FSDP ranks;
