@@ -43,7 +43,9 @@ static const Key KEYS[] = {
       "grad_accum_steps x dp"),
     I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),
     I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
-    F(lr, "3e-4", 0, 10, TR, "peak learning rate (AdamW)"),
+    E(optimizer, "adamw", "adamw|adafactor", TR | CMD_ESTIMATE,
+      "adamw, or adafactor: factored second moments, no first moment unless adafactor_beta1 (see README)"),
+    F(lr, "3e-4", 0, 10, TR, "peak learning rate (also Adafactor's step size, unless adafactor_relative_step)"),
     F(min_lr, "0", 0, 10, TR, "final learning rate of the cosine schedule"),
     E(lr_schedule, "constant", "constant|cosine", TR, "constant, or linear warmup then cosine decay to min_lr"),
     I(warmup_steps, "0", 0, INT_MAX, TR, "linear warmup steps"),
@@ -53,7 +55,14 @@ static const Key KEYS[] = {
     F(beta1, "0.9", 0, 0.999999, TR, "AdamW beta1"),
     F(beta2, "0.999", 0, 0.999999999, TR, "AdamW beta2"),
     F(eps, "1e-8", 0, 1, TR, "AdamW epsilon"),
-    F(weight_decay, "0.01", 0, 10, TR, "AdamW decoupled weight decay"),
+    F(weight_decay, "0.01", 0, 10, TR, "decoupled weight decay (AdamW's; Adafactor's too: p -= lr wd p)"),
+    F(adafactor_beta1, "0", 0, 0.999999, TR | CMD_ESTIMATE,
+      "Adafactor: first-moment decay (0 = no first moment, the paper's default)"),
+    F(adafactor_clip_threshold, "1", 1e-6, 1e9, TR, "Adafactor: clip the update's RMS to this (d)"),
+    F(adafactor_decay_rate, "0.8", 0.01, 10, TR, "Adafactor: beta2 at step t is 1 - t^-decay_rate"),
+    B(adafactor_relative_step, "false", TR,
+      "Adafactor: step size min(1e-2, 1/sqrt(t)) instead of the lr schedule (with scale_parameter: the paper's)"),
+    B(adafactor_scale_parameter, "false", TR, "Adafactor: multiply the step size by max(1e-3, RMS of the tensor)"),
     F(grad_clip, "0", 0, 1e9, TR, "clip the global gradient norm to this (0 = off)"),
     S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL, "folder of train.bin / val.bin (prepare writes here)"),
     S(train_data, "", TR, "training shard (default <data_dir>/train.bin)"),
@@ -226,6 +235,21 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "warmup_steps=%d exceeds %s=%d", c->warmup_steps,
                            c->lr_decay_steps ? "lr_decay_steps" : "steps", decay);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
+        /* keys of the other optimizer, where the optimizer is given (a resume takes it from
+         * its checkpoint otherwise, and checks there) */
+        if (config_was_set("optimizer")) {
+            static const char *adamw_only[] = {"beta1", "beta2", "eps"}, *af_only[] = {
+                "adafactor_beta1", "adafactor_clip_threshold", "adafactor_decay_rate", "adafactor_relative_step",
+                "adafactor_scale_parameter"};
+            int af = !strcmp(c->optimizer, "adafactor");
+            for (int i = 0; i < (af ? 3 : 5); i++) {
+                const char *k = af ? adamw_only[i] : af_only[i];
+                if (config_was_set(k))
+                    return set_err(err, errlen, "%s applies to optimizer=%s, not optimizer=%s%s", k,
+                                   af ? "adamw" : "adafactor", c->optimizer,
+                                   af && !strcmp(k, "beta1") ? " (Adafactor's first moment: adafactor_beta1)" : "");
+            }
+        }
         if ((cmd & CMD_TRAIN) && c->ckpt_every && !strcmp(c->ckpt_path, "none"))
             return set_err(err, errlen, "ckpt_every=%d saves nothing with ckpt_path=none", c->ckpt_every);
         if (c->fsdp && c->zero_opt)

@@ -12,6 +12,9 @@ typedef struct {
     int batch_size, grad_accum_steps, steps, seed, warmup_steps, lr_decay_steps;
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     char lr_schedule[16];           /* constant | cosine */
+    char optimizer[16];             /* adamw | adafactor */
+    double adafactor_beta1, adafactor_clip_threshold, adafactor_decay_rate;
+    int adafactor_relative_step, adafactor_scale_parameter;
     /* data */
     char data_dir[512], train_data[512], val_data[512], tokenizer_dir[512], input[512];
     double val_fraction;

@@ -138,8 +138,9 @@ int cmd_estimate(Config *c) {
     if (dp % group)
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
+    OptimConfig oc = optim_config_of(c);
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, gpu, precision_of(c),
-                    c->copy_engines, &e);
+                    c->copy_engines, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
     char b1[32], b2[32], b3[32], b4[32];
     size_t most = e.total;
@@ -157,7 +158,7 @@ int cmd_estimate(Config *c) {
             MemEstimate es = e;
             int in_flight = schedule_in_flight(sched, PP, s, M);
             estimate_stage(&es, &mc, &st[s], BM, c->context_len, train_acts_mode(c), in_flight, kind, group,
-                           precision_of(c));
+                           precision_of(c), &oc);
             int l0 = stage_first_layer(&st[s]), l1 = l0 + stage_n_layers(&mc, &st[s]) - 1;
             printf("  stage %d (%slayers %d-%d%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
                    "in flight), total %s\n", s, s == 0 ? "embedding, " : "", l0, l1, s == PP - 1 ? ", head" : "",

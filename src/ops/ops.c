@@ -270,6 +270,21 @@ void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, fl
     op_adamw(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
     op_to_act(act, param, n);
 }
+void op_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale) {
+    if (s->n) PROF("adafactor", g_ops->adafactor_sums(sums, grad, s, grad_scale));
+}
+void op_adafactor_stats(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t, float eps1) {
+    PROF("adafactor", g_ops->adafactor_stats(stat, fac, sums, rows, cols, beta2t, eps1));
+}
+void op_adafactor_rms(double *out, const void *param, const void *grad, const float *fac, const AdafactorSeg *s,
+                      float grad_scale) {
+    if (!s->n) op_zero(out, 2 * sizeof(double));
+    else PROF("adafactor", g_ops->adafactor_rms(out, param, grad, fac, s, grad_scale));
+}
+void op_adafactor_update(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                         float grad_scale, float coef, float decay, float beta1) {
+    if (s->n) PROF("adafactor", g_ops->adafactor_update(param, grad, m, fac, s, grad_scale, coef, decay, beta1));
+}
 double op_sumsq(const void *x, size_t n) {
     double r;
     PROF("sumsq", r = g_ops->sumsq(x, n));

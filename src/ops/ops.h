@@ -227,6 +227,38 @@ void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float l
 void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                    float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
 
+/* Adafactor (Shazeer & Stern 2018), in pieces that a sharded optimizer step strings
+ * together with its collectives between them (parallel.c, par_adafactor). A segment is the
+ * part of one tensor that this call covers: elements [first, first + n) of a rows x cols
+ * row-major tensor, at `off` in the buffers passed (param, grad, m: state type). Each
+ * tensor has `rows + cols` statistics at `stat` in the fp32 stats arrays (rows of the row
+ * statistic R, then cols of the column statistic C), or, for a vector (rows == 1,
+ * unfactored), `cols` of its second moment v. Per-element work is deterministic (no
+ * atomics; fixed reduction order). */
+typedef struct {
+    size_t off, n, first, stat;
+    int rows, cols;
+} AdafactorSeg;
+/* sums[stat + i] += sum over the segment's elements of row i of (grad_scale g)^2, and
+ * sums[stat + rows + j] += the same over column j (a vector: sums[stat + j] += (s g_j)^2).
+ * Accumulated in double, added once in fp32. */
+void op_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale);
+/* One tensor's statistics (stat, fac, sums all at its offset), from the complete sums of
+ * (s g)^2 over its rows and columns: R_i = beta2t R_i + (1 - beta2t) (sums_i / cols + eps1),
+ * C_j = beta2t C_j + (1 - beta2t) (sums_j / rows + eps1); then the factors of the update
+ * u = s g * fac_r[i] * fac_c[j]: fac_r[i] = 1/sqrt(R_i / mean(R)), fac_c[j] = 1/sqrt(C_j)
+ * (mean(R) summed in double). A vector: v_j likewise from sums_j, fac[j] = 1/sqrt(v_j). */
+void op_adafactor_stats(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t, float eps1);
+/* out[0] = sum over the segment of u^2 (u as above), out[1] = sum of param^2, in double.
+ * out: two doubles of op_alloc memory (written, not added). */
+void op_adafactor_rms(double *out, const void *param, const void *grad, const float *fac, const AdafactorSeg *s,
+                      float grad_scale);
+/* The update of the segment, with the tensor's step coef = lr_t / max(1, RMS(u) / d) and
+ * decay = 1 - lr_t weight_decay: without a first moment (m NULL) p = p decay - coef u;
+ * with one, m = beta1 m + (1 - beta1) coef u, then p = p decay - m. */
+void op_adafactor_update(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                         float grad_scale, float coef, float decay, float beta1);
+
 /* sum of squares of x (state type), accumulated in double (for global gradient norm). */
 double op_sumsq(const void *x, size_t n);
 /* x *= s (state type) */
@@ -298,6 +330,12 @@ typedef struct OpsBackend {
     /* NULL: op_adamw_cast is adamw then to_act */
     void (*adamw_cast)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                        float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
+    void (*adafactor_sums)(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale);
+    void (*adafactor_stats)(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t, float eps1);
+    void (*adafactor_rms)(double *out, const void *param, const void *grad, const float *fac, const AdafactorSeg *s,
+                          float grad_scale);
+    void (*adafactor_update)(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                             float grad_scale, float coef, float decay, float beta1);
     double (*sumsq)(const void *x, size_t n);
     void (*scale)(void *x, size_t n, float s);
     void (*add)(void *y, const void *x, size_t n);

@@ -153,9 +153,22 @@ static int side_units(const Parallel *p, const Ddp *d, size_t split) {
     return n == m->n_flat - split;  /* the part is whole units */
 }
 
+/* Adafactor needs a whole tensor's statistics before any of it is updated: after every
+ * reduction, in one part, on the main queue (the bf16 copies are then remade at the gathers). */
+static double ddp_adafactor(Parallel *p, Ddp *d, const OptimConfig *oc, double *lr_out) {
+    flush(p, d, 1);
+    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
+    finish_erows(p, d);
+    double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
+    *lr_out = par_adafactor(p, oc, clip_scale(oc, norm));
+    par_params_stale(p);
+    return norm;
+}
+
 static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
     Ddp *d = p->st;
+    if (oc->kind == OPTIM_ADAFACTOR) return ddp_adafactor(p, d, oc, lr_out);
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
     size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : d->late_hi;
     double lr = par_next_lr(p, oc);
@@ -209,8 +222,7 @@ static void ddp_setup(Parallel *p) {
     size_t bytes = p->m->n_flat * ops_state_size();
     p->params = op_alloc(bytes);
     p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
-    p->mom1 = op_alloc(bytes);
-    p->mom2 = op_alloc(bytes);
+    par_alloc_optim(p, p->m->n_flat, 0);
     model_point_units(p->m, p->params, p->grads);
     const char *env = getenv("MESHTRAIN_EMBED_ROWS");  /* =0: reduce the whole embedding (A/B) */
     d->erows_cap = env && !strcmp(env, "0") ? 0 : erows_cap(p->m, p->D);
@@ -241,10 +253,11 @@ static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         void *base_p = st_at(p->params, off);
         if (write) {
             if (lo < hi && n < max)
-                out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), st_at(p->mom1, off + lo),
-                                        st_at(p->mom2, off + lo)};
+                out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), p->mom1 ? st_at(p->mom1, off + lo) : NULL,
+                                        p->mom2 ? st_at(p->mom2, off + lo) : NULL};
         } else if (n < max) {
-            out[n++] = (OwnedRange){u, 0, nu, base_p, st_at(p->mom1, off), st_at(p->mom2, off)};
+            out[n++] = (OwnedRange){u, 0, nu, base_p, p->mom1 ? st_at(p->mom1, off) : NULL,
+                                    p->mom2 ? st_at(p->mom2, off) : NULL};
         }
     }
     return n;

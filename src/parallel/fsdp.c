@@ -90,8 +90,12 @@ static double fsdp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int u = 0; u < m->n_units; u++) par_wait(p, &f->rreq[u]);
     double norm = par_shard_norm(p);
     float scale = clip_scale(oc, norm);
-    double lr = par_next_lr(p, oc);
-    par_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, oc, lr, p->adam_steps, scale, NULL);
+    double lr;
+    if (oc->kind == OPTIM_ADAFACTOR) lr = par_adafactor(p, oc, scale);
+    else {
+        lr = par_next_lr(p, oc);
+        par_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, oc, lr, p->adam_steps, scale, NULL);
+    }
     /* no compute copy to mark stale: the bf16 copies are cast at each gather */
     *lr_out = lr;
     return norm;
@@ -104,8 +108,7 @@ static void fsdp_setup(Parallel *p) {
     size_t shard = p->n_shard * ops_state_size();
     p->pshard = op_alloc(shard);
     p->gshard = op_alloc(shard);
-    p->mom1 = op_alloc(shard);
-    p->mom2 = op_alloc(shard);
+    par_alloc_optim(p, p->n_shard, 1);
     par_alloc_slots(p, 1);  /* one pool for parameters and gradients */
     model_point_units(p->m, NULL, NULL);
     par_compute_slots(p);

@@ -33,7 +33,7 @@ static void grad_ready(void *ctx, int u) {
     p->n_ready[u]++;
 }
 
-Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) {
+Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, const OptimConfig *oc) {
     const ParallelStrategy *s = strategy_for(kind);
     Parallel *p = xcalloc(1, sizeof *p);
     for (int i = 0; i < N_SLOTS; i++) p->slots[i].unit = -1;
@@ -41,6 +41,8 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap) 
     p->m = m;
     p->mesh = mesh;
     p->overlap = overlap;
+    p->optim = oc ? oc->kind : OPTIM_ADAMW;
+    p->af_beta1 = oc && oc->kind == OPTIM_ADAFACTOR ? oc->af_beta1 : 0;
     p->group = s->replicated ? &mesh->shard : &mesh->dp;
     p->replicas = s->replicated ? &mesh->replicate : NULL;
     p->D = p->group->size;
@@ -70,6 +72,9 @@ void parallel_free(Parallel *p) {
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
     op_free(p->mom2);
+    op_free(p->af_stats); op_free(p->af_fac); op_free(p->af_sums); op_free(p->af_seg);
+    free(p->af_seg_host); free(p->af_tensor);
+    af_plan_free(&p->af);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->slots[i].buf);
     free(p->greq); free(p->grad_open); free(p->cstale); free(p->n_ready);
     free(p);
@@ -118,8 +123,28 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
     return p->s->ranges(p, write, out, max);
 }
 
-ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size) {
-    return strategy_for(kind)->bytes(layout, D, state_size, compute_size);
+ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size,
+                             const OptimConfig *oc) {
+    ParallelBytes b = strategy_for(kind)->bytes(layout, D, state_size, compute_size);
+    if (oc && oc->kind == OPTIM_ADAFACTOR) {  /* the strategies count AdamW's two moments */
+        b.optim = b.optim / 2 * (size_t)optim_moments(oc);
+        /* statistics, factors and sums (fp32), and per tensor two doubles (at most one segment each) */
+        size_t nt = 8 + 7 * (size_t)layout->L;
+        b.optim += 3 * af_stats_count(layout) * sizeof(float) + 2 * nt * sizeof(double);
+    }
+    return b;
+}
+
+OptimKind parallel_optim(const Parallel *p) { return p->optim; }
+const AfPlan *parallel_af_plan(const Parallel *p) { return &p->af; }
+void parallel_af_stats(const Parallel *p, float *host, int upload) {
+    size_t bytes = p->af.n_stats * sizeof(float);
+    if (!bytes) return;
+    if (upload) op_upload(p->af_stats, host, bytes);
+    else {
+        ops_synchronize();
+        op_download(host, p->af_stats, bytes);
+    }
 }
 
 /* ---- slots ---- */
@@ -280,6 +305,94 @@ double par_next_lr(Parallel *p, const OptimConfig *oc) {
     return lr;
 }
 
+void par_alloc_optim(Parallel *p, size_t n, int sharded) {
+    size_t bytes = n * ops_state_size();
+    if (p->optim != OPTIM_ADAFACTOR) {
+        p->mom1 = op_alloc(bytes);
+        p->mom2 = op_alloc(bytes);
+        return;
+    }
+    if (p->af_beta1 > 0) p->mom1 = op_alloc(bytes);
+    p->af_sharded = sharded && p->D > 1;
+    af_plan_init(&p->af, p->m, sharded ? p->D : 1, sharded ? p->r : 0);
+    size_t s = p->af.n_stats * sizeof(float), ns = (size_t)p->af.n_segs;
+    p->af_stats = op_alloc(s);
+    p->af_fac = op_alloc(s);
+    p->af_sums = op_alloc(s);
+    p->af_seg = op_alloc(2 * ns * sizeof(double));
+    p->af_seg_host = xcalloc(2 * ns + 1, sizeof(double));
+    p->af_tensor = xcalloc(2 * (size_t)p->af.n_tensors + 1, sizeof(double));
+}
+
+/* Where the rank's update of unit u starts in the parameters, gradients and first moment
+ * (the segments' offsets are relative to it): its shard (pshard, gshard) or, updating
+ * whole units (DDP), the unit in the whole buffers; ZeRO's whole parameters at its shard. */
+static void af_unit(Parallel *p, int u, void **param, const void **grad, void **m1) {
+    const Unit *un = &p->m->units[u];
+    int sharded = p->gshard != NULL;
+    size_t so = shard_off(p, u), own = sharded ? so : un->offset;
+    *param = p->pshard ? st_at(p->pshard, so) : st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0));
+    *grad = sharded ? st_at(p->gshard, so) : st_at(p->grads, un->offset);
+    *m1 = p->mom1 ? st_at(p->mom1, own) : NULL;
+}
+
+double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
+    if (oc->kind != OPTIM_ADAFACTOR || p->optim != OPTIM_ADAFACTOR)
+        die(EXIT_RUN_FAILURE, "internal: the optimizer step is not the one whose state was allocated");
+    const AfPlan *af = &p->af;
+    int t = ++p->adam_steps;
+    double rate = af_rate(oc, t);
+    /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, over the group */
+    op_zero(p->af_sums, af->n_stats * sizeof(float));
+    for (int u = 0; u < p->m->n_units; u++) {
+        void *param, *m1;
+        const void *grad;
+        af_unit(p, u, &param, &grad, &m1);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) op_adafactor_sums(p->af_sums, grad, &af->segs[i], scale);
+    }
+    if (p->af_sharded) {
+        CommReq r = {0};
+        comm_iallreduce(p->group, p->af_sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
+        par_wait(p, &r);
+    }
+    /* 2. the statistics (the same on every rank) and the update's factors */
+    float b2 = af_beta2(oc, t);
+    for (int k = 0; k < af->n_tensors; k++) {
+        const AfTensor *tk = &af->t[k];
+        op_adafactor_stats(p->af_stats + tk->stat, p->af_fac + tk->stat, p->af_sums + tk->stat, tk->rows, tk->cols, b2,
+                           (float)ADAFACTOR_EPS1);
+    }
+    /* 3. per tensor: the sums of u^2 and param^2, for the update clipping and the parameter scale */
+    for (int u = 0; u < p->m->n_units; u++) {
+        void *param, *m1;
+        const void *grad;
+        af_unit(p, u, &param, &grad, &m1);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
+            op_adafactor_rms(p->af_seg + 2 * i, param, grad, p->af_fac, &af->segs[i], scale);
+    }
+    if (af->n_segs) op_download(p->af_seg_host, p->af_seg, 2 * (size_t)af->n_segs * sizeof(double));
+    memset(p->af_tensor, 0, 2 * (size_t)af->n_tensors * sizeof(double));
+    for (int i = 0; i < af->n_segs; i++) {
+        p->af_tensor[2 * af->seg_tensor[i]] += p->af_seg_host[2 * i];
+        p->af_tensor[2 * af->seg_tensor[i] + 1] += p->af_seg_host[2 * i + 1];
+    }
+    if (p->af_sharded) comm_allreduce_double(p->group, p->af_tensor, 2 * (size_t)af->n_tensors);
+    /* 4. the update */
+    for (int u = 0; u < p->m->n_units; u++) {
+        void *param, *m1;
+        const void *grad;
+        af_unit(p, u, &param, &grad, &m1);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) {
+            int k = af->seg_tensor[i];
+            float coef, decay;
+            af_coef(oc, rate, p->af_tensor[2 * k], p->af_tensor[2 * k + 1], (size_t)af->t[k].rows * af->t[k].cols, &coef,
+                    &decay);
+            op_adafactor_update(param, grad, m1, p->af_fac, &af->segs[i], scale, coef, decay, (float)oc->af_beta1);
+        }
+    }
+    return rate;
+}
+
 void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, const OptimConfig *oc, double lr,
                int step, float scale, void *act) {
     float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
@@ -367,7 +480,8 @@ int par_shard_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         size_t so = shard_off(p, u);
         void *base_p = p->params ? st_at(p->params, m->units[u].offset) : NULL;
         void *sp = p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
-        if (lo < hi && n < max) out[n++] = (OwnedRange){u, lo, hi, sp, st_at(p->mom1, so), st_at(p->mom2, so)};
+        if (lo < hi && n < max)
+            out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 ? st_at(p->mom1, so) : NULL, p->mom2 ? st_at(p->mom2, so) : NULL};
         /* Whole parameters: on load every unit's are needed, not only the shard. */
         if (!write && p->params && n < max) out[n++] = (OwnedRange){u, 0, nu, base_p, NULL, NULL};
     }

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include "mesh.h"
 #include "model.h"
+#include "adafactor.h"
 #include "optim.h"
 
 typedef enum { PAR_DDP, PAR_ZERO1, PAR_ZERO2, PAR_FSDP, PAR_HYBRID } ParallelKind;
@@ -18,8 +19,10 @@ typedef struct Parallel Parallel;
 
 /* Builds the strategy's storage for a model laid out with pad_multiple = the shard group
  * size (model_init_layout(..., alloc = 0)); points the model's units at it. overlap = 0
- * waits for every collective as soon as it starts (for measuring what overlap buys). */
-Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap);
+ * waits for every collective as soon as it starts (for measuring what overlap buys). oc
+ * says which optimizer's state to keep (its kind; Adafactor's beta1); NULL = AdamW. Every
+ * parallel_step must then pass an OptimConfig of the same kind. */
+Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, const OptimConfig *oc);
 void parallel_free(Parallel *p);
 /* DDP: gradients of units that finish one after another (adjacent in the flat buffer) are
  * all-reduced together until they hold at least `bytes` (0 = one collective per unit). */
@@ -50,7 +53,7 @@ void parallel_set_micro_batches(Parallel *p, int n);
  * on the last stage that holds a copy of the tied embedding (the first stage counts it). */
 void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding);
 /* After the backward: finishes the gradient reductions, computes the global gradient norm,
- * clips, runs AdamW on what this rank owns, and makes parameters whole again where the
+ * clips, runs the optimizer (AdamW, or Adafactor: par_adafactor) on what this rank owns, and makes parameters whole again where the
  * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather
  * hooks). Returns the norm (before clipping); *lr gets the rate used. */
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
@@ -63,9 +66,17 @@ void parallel_params_changed(Parallel *p);
  * device: communication the compute did not hide. */
 double parallel_comm_wait(const Parallel *p);
 
+/* The optimizer whose state this Parallel keeps; Adafactor's plan (this rank's tensors
+ * and segments) and a copy of its statistics (plan->n_stats fp32 values, host memory):
+ * downloaded (upload = 0, for a save) or uploaded (upload = 1, after a load). */
+OptimKind parallel_optim(const Parallel *p);
+const AfPlan *parallel_af_plan(const Parallel *p);
+void parallel_af_stats(const Parallel *p, float *host, int upload);
+
 /* What this rank holds, in the model's packed order (for checkpoints): per unit u, the
  * element range [lo, hi) of u's unpadded parameters and pointers to params, m, v of that
- * range (each may be NULL). `write` = the disjoint ranges this rank saves; otherwise the
+ * range (each may be NULL: m and v are AdamW's moments, or Adafactor's first moment and
+ * NULL, see adafactor.h for what its checkpoint holds there). `write` = the disjoint ranges this rank saves; otherwise the
  * ranges it must fill on load. */
 typedef struct { int unit; size_t lo, hi; void *params, *m, *v; } OwnedRange;  /* state type */
 int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
@@ -75,6 +86,8 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
  * 2 with precision=bf16); compute_size: bytes per element of the compute copy (2 with
  * precision=mixed), or 0 where the ops compute with the parameters themselves. */
 typedef struct { size_t params, grads, optim, compute; } ParallelBytes;
+/* oc: the optimizer (NULL = AdamW): `optim` is its elementwise moments, sharded as the
+ * strategy shards them, and Adafactor's statistics. */
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t state_size,
-                             size_t compute_size);
+                             size_t compute_size, const OptimConfig *oc);
 #endif

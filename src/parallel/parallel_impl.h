@@ -52,7 +52,17 @@ struct Parallel {
     size_t n_shard;
     void *params, *grads;   /* full flat buffers where the strategy keeps them whole */
     void *pshard, *gshard;  /* this rank's shard of every unit (unit u at offset_u / D) */
-    void *mom1, *mom2;      /* AdamW moments: full (DDP) or over the shard */
+    void *mom1, *mom2;      /* AdamW moments: full (DDP) or over the shard; Adafactor's first moment
+                             * in mom1 (NULL without one), mom2 NULL */
+    /* Adafactor (optim == OPTIM_ADAFACTOR): the plan of this rank's part; fp32 statistics,
+     * the update's factors and the sums of g^2 (n_stats each, op_alloc); per segment the
+     * sums of u^2 and param^2 (op_alloc, and a host copy), per tensor their totals (host) */
+    OptimKind optim;
+    double af_beta1;
+    int af_sharded;
+    AfPlan af;
+    float *af_stats, *af_fac, *af_sums;
+    double *af_seg, *af_seg_host, *af_tensor;
     Slot slots[N_SLOTS];    /* gradient slots (ZeRO-2), or the pool of parameters and gradients (FSDP) */
     /* precision=mixed: the bf16 copy the ops read, of the whole parameters
      * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
@@ -146,6 +156,14 @@ void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 void par_wait_grads(Parallel *p);
 
 /* ---- the optimizer ---- */
+/* A strategy's setup allocates the optimizer's elementwise state over n elements (AdamW's
+ * two moments, or Adafactor's first moment if any) and, for Adafactor, its statistics and
+ * plan: sharded = 1 where the rank updates its shard of each unit, 0 whole units. */
+void par_alloc_optim(Parallel *p, size_t n, int sharded);
+/* The Adafactor step on what the rank updates (sharded as par_alloc_optim said): counts the
+ * step; returns the step size before parameter scaling (the lr it logs). Where sharded over
+ * more than one rank, the sums of g^2 and the per-tensor sums are reduced over the group. */
+double par_adafactor(Parallel *p, const OptimConfig *oc, float scale);
 /* The step's learning rate; counts the step (p->adam_steps is then AdamW's step number). */
 double par_next_lr(Parallel *p, const OptimConfig *oc);
 /* AdamW over n elements; with act (precision=mixed) it also writes their bf16 copy there. */

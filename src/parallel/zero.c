@@ -43,8 +43,8 @@ static double zero_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     par_wait_grads(p);  /* the gradient is now averaged over the group */
     double norm = par_shard_norm(p);
     float scale = clip_scale(oc, norm);
-    double lr = par_next_lr(p, oc);
-    for (int u = 0; u < m->n_units; u++) {
+    double lr = oc->kind == OPTIM_ADAFACTOR ? par_adafactor(p, oc, scale) : par_next_lr(p, oc);
+    for (int u = 0; u < m->n_units && oc->kind != OPTIM_ADAFACTOR; u++) {
         size_t so = shard_off(p, u);
         par_adamw(st_at(p->params, m->units[u].offset + (size_t)p->r * shard_len(p, u)), st_at(p->gshard, so),
                   st_at(p->mom1, so), st_at(p->mom2, so), shard_len(p, u), oc, lr, p->adam_steps, scale, NULL);
@@ -64,8 +64,7 @@ static void zero_alloc(Parallel *p) {
     size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
     p->params = op_alloc(full);
     p->gshard = op_alloc(shard);
-    p->mom1 = op_alloc(shard);
-    p->mom2 = op_alloc(shard);
+    par_alloc_optim(p, p->n_shard, 1);
 }
 
 static void zero1_setup(Parallel *p) {

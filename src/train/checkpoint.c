@@ -84,7 +84,8 @@ static uint64_t fd_size(int fd) {
 
 static int header_invalid(const CkptHeader *h) {
     return h->vocab_size < 2 || h->embed_dim < 2 || h->n_heads < 1 || h->n_layers < 1 || h->context_len < 1 ||
-           h->embed_dim % h->n_heads || h->step < 0 || h->adam_step < 0 || h->batch_size < 1;
+           h->embed_dim % h->n_heads || h->step < 0 || h->adam_step < 0 || h->batch_size < 1 || h->optimizer < 0 ||
+           h->optimizer > OPTIM_ADAFACTOR;
 }
 
 static int size_err(char *err, size_t errlen, const char *what, const char *path, uint64_t have, uint64_t want) {

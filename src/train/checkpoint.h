@@ -44,7 +44,12 @@ typedef struct {
     int32_t global_batch;                      /* sequences per optimizer step (0 in older files:
                                                 * batch_size x world) */
     int32_t grad_accum_steps;                  /* micro-batches per step (0 in older files: 1) */
-    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4];
+    /* the optimizer whose state has_optim files hold (OptimKind: 0 = AdamW, as in older
+     * files; 1 = Adafactor, whose statistics stand in m and v's places: adafactor.h) and
+     * Adafactor's settings: af_flags bit 0 relative step, bit 1 parameter scaling */
+    int32_t optimizer, af_flags;
+    double af_beta1, af_clip, af_decay;
+    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4 - 2 * 4 - 3 * 8];
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 

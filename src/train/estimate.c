@@ -32,8 +32,12 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, MemEstimate *e) {
+                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc,
+                     MemEstimate *e) {
     memset(e, 0, sizeof *e);
+    int af = oc && oc->kind == OPTIM_ADAFACTOR;
+    snprintf(e->optim_what, sizeof e->optim_what, "%s", !af ? "AdamW m, v" : optim_moments(oc) ? "Adafactor R, C, m"
+                                                                                              : "Adafactor R, C");
     e->gpu = gpu;
     e->prec = prec;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
@@ -41,7 +45,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     model_init_layout(&m, c, shard_size, 0);
     e->n_params = m.n_params;
     e->flops_per_token = model_flops_per_token(c, T);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
@@ -75,11 +79,11 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
 }
 
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
-                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec) {
+                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc) {
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
     model_init_layout_stage(&m, c, shard_size, 0, s);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
@@ -106,7 +110,9 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     printf("memory per %s (%s, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank", pnames[e->prec],
            e->gpu ? "cuda" : "cpu",
            parallel_kind_name(kind), world, world > 1 ? "s" : "");
-    const char *names[] = {"parameters", "gradients", "optimizer (AdamW m, v)", "bf16 weight copies",
+    char optim[64];
+    snprintf(optim, sizeof optim, "optimizer (%s)", e->optim_what[0] ? e->optim_what : "AdamW m, v");
+    const char *names[] = {"parameters", "gradients", optim, "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
                            "all-to-all buffer"};

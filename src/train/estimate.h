@@ -15,9 +15,11 @@ typedef struct {
     double formula;  /* the usual rule of thumb: 16 bytes/param + Korthikanti activations */
     int gpu;         /* the plan is on a GPU (device=cuda): data and the host's runtime don't count */
     OpsPrecision prec; /* fp32; mixed: bf16 activations and weight copies; bf16: everything */
+    char optim_what[48]; /* what `optim` holds: "AdamW m, v", "Adafactor R, C", ... */
 } MemEstimate;
 
-/* Per rank. training != 0: parameters, gradients, AdamW moments, activations for
+/* Per rank. training != 0: parameters, gradients, the optimizer's state (oc; NULL = AdamW:
+ * its moments; Adafactor: its statistics, and its first moment if any), activations for
  * backward (training = ACTS_RECOMPUTE: with activation checkpointing, see model.h), as the strategy `kind` over `world` data-parallel ranks (shard_size of them
  * per shard group) holds them. data_bytes: the shards the run maps (they count in RSS as
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
@@ -26,13 +28,14 @@ typedef struct {
  * (comm_alloc in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on
  * one machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, MemEstimate *e);
+                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc,
+                     MemEstimate *e);
 /* A pipeline stage's share instead of the whole model's (e from estimate_memory, redone in
  * place): the units the stage holds (and a tied embedding's copy on the last stage), as the
  * strategy holds them, and the activations of `in_flight` micro-batches of B_micro
  * sequences (its schedule's max_in_flight: 1F1B's first stage holds the most). */
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
-                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec);
+                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);

@@ -4,6 +4,13 @@
 #include "ops.h"
 #include "util.h"
 
+const char *optim_kind_name(OptimKind k) { return k == OPTIM_ADAFACTOR ? "adafactor" : "adamw"; }
+
+int optim_moments(const OptimConfig *c) {
+    if (c && c->kind == OPTIM_ADAFACTOR) return c->af_beta1 > 0 ? 1 : 0;
+    return 2;
+}
+
 void adam_alloc(AdamState *s, size_t n) {
     s->m = xaligned_alloc(n * sizeof(float));
     s->v = xaligned_alloc(n * sizeof(float));

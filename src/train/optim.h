@@ -1,13 +1,28 @@
 /* optim — AdamW over flat buffers, the learning-rate schedule, and clipping by the global
- * gradient norm. Moments mirror the model's flat layout (or a shard of it, later). */
+ * gradient norm. Moments mirror the model's flat layout (or a shard of it). Adafactor,
+ * the other optimizer, is in adafactor.h (its plan) and parallel.c (its step). */
 #ifndef MESHTRAIN_OPTIM_H
 #define MESHTRAIN_OPTIM_H
 #include <stddef.h>
 
+typedef enum { OPTIM_ADAMW, OPTIM_ADAFACTOR } OptimKind;
+
 typedef struct {
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     int warmup_steps, decay_steps, cosine;  /* decay_steps: the cosine reaches min_lr there */
+    OptimKind kind;                         /* OPTIM_ADAMW (0) unless set */
+    /* Adafactor: first-moment beta1 (0 = none), update clipping threshold d, decay rate c
+     * (beta2_t = 1 - t^-c), relative step (min(1e-2, 1/sqrt t) instead of the lr schedule),
+     * parameter scaling (the step times max(eps2, RMS(param))) */
+    double af_beta1, af_clip, af_decay;
+    int af_relative_step, af_scale_parameter;
 } OptimConfig;
+
+/* "adamw" / "adafactor" */
+const char *optim_kind_name(OptimKind k);
+/* Elementwise arrays the optimizer keeps beside the parameters: AdamW's m and v (2);
+ * Adafactor's first moment (1 with af_beta1 > 0, else 0). */
+int optim_moments(const OptimConfig *c);
 
 typedef struct {
     float *m, *v;

@@ -13,6 +13,14 @@ ModelConfig model_config_of(const Config *c) {
     return (ModelConfig){c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
 }
 
+OptimConfig optim_config_of(const Config *c) {
+    return (OptimConfig){c->lr, c->min_lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip, c->warmup_steps,
+                         c->lr_decay_steps, !strcmp(c->lr_schedule, "cosine"),
+                         !strcmp(c->optimizer, "adafactor") ? OPTIM_ADAFACTOR : OPTIM_ADAMW, c->adafactor_beta1,
+                         c->adafactor_clip_threshold, c->adafactor_decay_rate, c->adafactor_relative_step,
+                         c->adafactor_scale_parameter};
+}
+
 void ops_init_or_die(const char *device, int threads) {
     char err[512];
     if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);

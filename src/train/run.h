@@ -5,9 +5,12 @@
 #include "data.h"
 #include "model.h"
 #include "ops.h"
+#include "optim.h"
 #include "parallel.h"
 
 ModelConfig model_config_of(const Config *c);
+/* The optimizer and schedule keys (lr_decay_steps as given: 0 stays 0). */
+OptimConfig optim_config_of(const Config *c);
 /* Starts the ops backend of `device` (ops_init) or exits 2 with its one-line reason. */
 void ops_init_or_die(const char *device, int threads);
 /* The data-parallel strategy the keys ask for (fsdp, shard_strategy, zero_opt). */

@@ -33,6 +33,11 @@ static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *
         if (config_was_set(k[i].key) && k[i].want != k[i].have)
             return fail_set(f, EXIT_BAD_INPUT, "%s=%d differs from checkpoint %s (%s=%d)", k[i].key, k[i].want, path,
                             k[i].key, k[i].have);
+    /* the optimizer's state is one optimizer's: the other cannot continue from it */
+    const char *have = optim_kind_name((OptimKind)h->optimizer);
+    if (config_was_set("optimizer") && strcmp(c->optimizer, have))
+        return fail_set(f, EXIT_BAD_INPUT, "optimizer=%s cannot resume checkpoint %s, which holds %s state", c->optimizer,
+                        path, have);
     return 0;
 }
 
@@ -59,6 +64,12 @@ static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     FROM(weight_decay, h->weight_decay); FROM(grad_clip, h->grad_clip); FROM(warmup_steps, h->warmup_steps);
     FROM(steps, h->total_steps);
     FROM(lr_decay_steps, h->lr_decay_steps ? h->lr_decay_steps : h->total_steps);
+    snprintf(c->optimizer, sizeof c->optimizer, "%s", optim_kind_name((OptimKind)h->optimizer));
+    if (h->optimizer == OPTIM_ADAFACTOR) {
+        FROM(adafactor_beta1, h->af_beta1); FROM(adafactor_clip_threshold, h->af_clip);
+        FROM(adafactor_decay_rate, h->af_decay);
+        FROM(adafactor_relative_step, h->af_flags & 1); FROM(adafactor_scale_parameter, (h->af_flags >> 1) & 1);
+    }
 #undef FROM
     if (!config_was_set("lr_schedule")) snprintf(c->lr_schedule, sizeof c->lr_schedule, "%s", h->cosine ? "cosine" : "constant");
     return 0;
@@ -209,6 +220,7 @@ int cmd_train(Config *c) {
         }
     }
     if (!c->lr_decay_steps) c->lr_decay_steps = c->steps;
+    OptimConfig oc = optim_config_of(c);
     ModelConfig mc = model_config_of(c);
     int B = c->batch_size, T = c->context_len, K = c->grad_accum_steps, G = B * dp * K;  /* G: the global batch */
     ParallelKind kind = strategy_of(c);
@@ -248,11 +260,12 @@ int cmd_train(Config *c) {
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &est);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &oc,
+                    &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
     if (PP > 1)
         estimate_stage(&est, &mc, &stage, BM, T, train_acts_mode(c),
-                       schedule_in_flight(sched, PP, mesh.pp_rank, M), kind, mesh.shard_size, prec);
+                       schedule_in_flight(sched, PP, mesh.pp_rank, M), kind, mesh.shard_size, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -312,7 +325,7 @@ int cmd_train(Config *c) {
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
     model_init_layout_stage(&m, &mc, mesh.shard_size, 0, &stage);
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&stage) && stage_has_head(&m, &stage);
-    Parallel *par = parallel_create(kind, &m, &mesh, c->overlap);
+    Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
     if (lead && kind == PAR_DDP && gpu && dp > 1)
         printf("gradient all-reduce: %s\n", comm_copy_engines_active(&mesh.dp)
@@ -344,8 +357,6 @@ int cmd_train(Config *c) {
         parallel_init_weights(par, (uint64_t)c->seed);
     }
 
-    OptimConfig oc = {c->lr, c->min_lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip,
-                      c->warmup_steps, c->lr_decay_steps, !strcmp(c->lr_schedule, "cosine")};
     comm_barrier(&world);  /* the checkpoint folder exists before any rank writes to it */
 
     CkptHeader h = {0};
@@ -357,6 +368,8 @@ int cmd_train(Config *c) {
     h.lr = oc.lr; h.min_lr = oc.min_lr; h.beta1 = oc.beta1; h.beta2 = oc.beta2; h.eps = oc.eps;
     h.weight_decay = oc.weight_decay; h.grad_clip = oc.grad_clip; h.warmup_steps = oc.warmup_steps;
     h.total_steps = c->steps; h.lr_decay_steps = oc.decay_steps; h.cosine = oc.cosine;
+    h.optimizer = oc.kind; h.af_beta1 = oc.af_beta1; h.af_clip = oc.af_clip; h.af_decay = oc.af_decay;
+    h.af_flags = oc.af_relative_step | oc.af_scale_parameter << 1;
 
     /* test hooks: poison one step's training loss, or its validation loss */
     const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP"), *vfault = getenv("MESHTRAIN_FAULT_NAN_VAL_STEP");

@@ -77,9 +77,54 @@ int train_state_save(const char *path, const CkptHeader *h, const Comm *world, c
     Staging st;
     const StateRange *mine = stage(ranges, n, &st);
     stage_copy(ranges, n, &st, 1);
+    StateRange *af = NULL;
+    float *vbuf = NULL, *zeros = NULL;
+    if (parallel_optim(par) == OPTIM_ADAFACTOR) {
+        /* m: the first moment, or zeros; v: the statistics at their packed positions */
+        const AfPlan *plan = parallel_af_plan(par);
+        float *stats = xmalloc((plan->n_stats + 1) * sizeof(float));
+        parallel_af_stats(par, stats, 0);
+        size_t total = 0, most = 0;
+        for (int i = 0; i < n; i++) {
+            total += mine[i].count;
+            if (mine[i].count > most) most = mine[i].count;
+        }
+        af = xmalloc((size_t)(n ? n : 1) * sizeof *af);
+        vbuf = xmalloc((total + 1) * sizeof(float));
+        zeros = xcalloc(most + 1, sizeof(float));
+        for (int i = 0, off = 0; i < n; off += (int)mine[i].count, i++) {
+            af[i] = mine[i];
+            af[i].v = vbuf + off;
+            af_pack(plan, stats, af[i].start, af[i].count, af[i].v);
+            if (!af[i].m) af[i].m = zeros;
+        }
+        free(stats);
+        mine = af;
+    }
     int rc = ckpt_save_dist(path, h, world, mine, n, err, errlen);
+    free(af); free(vbuf); free(zeros);
     stage_free(&st);
     free(ranges);
+    return rc;
+}
+
+/* Adafactor's statistics: each tensor's from its packed positions (whoever saved them). The
+ * ranges need parameter and first-moment buffers too: one scratch buffer takes them all. */
+static int load_af_stats(const char *path, CkptHeader *h, const Parallel *par, char *err, size_t errlen) {
+    const AfPlan *plan = parallel_af_plan(par);
+    if (!plan->n_tensors) return 0;
+    size_t most = 0;
+    for (int k = 0; k < plan->n_tensors; k++)
+        if (af_tensor_stats(plan->t[k].rows, plan->t[k].cols) > most) most = af_tensor_stats(plan->t[k].rows, plan->t[k].cols);
+    float *stats = xcalloc(plan->n_stats + 1, sizeof(float)), *scratch = xmalloc(most * sizeof(float));
+    StateRange *r = xmalloc((size_t)plan->n_tensors * sizeof *r);
+    for (int k = 0; k < plan->n_tensors; k++) {
+        const AfTensor *t = &plan->t[k];
+        r[k] = (StateRange){t->packed, af_tensor_stats(t->rows, t->cols), scratch, scratch, stats + t->stat};
+    }
+    int rc = ckpt_load_dist(path, h, r, plan->n_tensors, 1, err, errlen);
+    if (!rc) parallel_af_stats(par, stats, 1);
+    free(r); free(scratch); free(stats);
     return rc;
 }
 
@@ -88,8 +133,23 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
     StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
     int n = ckpt_ranges(par, m, 0, ranges, max);
     Staging st;
-    const StateRange *need = stage(ranges, n, &st);
+    StateRange *need = (StateRange *)stage(ranges, n, &st);
+    float *scratch = NULL;
+    int af = parallel_optim(par) == OPTIM_ADAFACTOR;
+    if (af) {  /* v's place holds the statistics (load_af_stats): read into scratch, dropped */
+        size_t most = 0;
+        for (int i = 0; i < n; i++)
+            if (need[i].m && need[i].count > most) most = need[i].count;
+        scratch = xmalloc((most + 1) * sizeof(float));
+        for (int i = 0; i < n; i++)
+            if (need[i].m) need[i].v = scratch;
+    }
     int rc = ckpt_load_dist(path, h, need, n, 1, err, errlen);
+    if (!rc && h->optimizer != (int)parallel_optim(par))
+        rc = set_err(err, errlen, "checkpoint %s holds %s state; this run's optimizer is %s", path,
+                     optim_kind_name((OptimKind)h->optimizer), optim_kind_name(parallel_optim(par)));
+    if (!rc && af) rc = load_af_stats(path, h, par, err, errlen);
+    free(scratch);
     if (!rc) stage_copy(ranges, n, &st, -1);
     stage_free(&st);
     free(ranges);

@@ -52,6 +52,15 @@ zero2|false|fsdp=true shard_strategy=grad_op
 fsdp_tied|true|fsdp=true shard_strategy=full
 hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
 CASES
+# -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
+# and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one
+run1 "$TMP/af_one" $M optimizer=adafactor batch_size=$((NP * B))
+for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full"; do
+  out=$TMP/af_np_${keys##*=}
+  if runn "$out" $M optimizer=adafactor batch_size=$B $keys && close "$TMP/af_one" "$out"
+  then ok "multi_gpu_adafactor_follows_one_gpu ${keys##*=}"
+  else bad "multi_gpu_adafactor_follows_one_gpu ${keys##*=} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
 # too; activations and their gradients go by NCCL send/receive, one group per direction
 while IFS='|' read -r name tied keys; do

@@ -610,6 +610,67 @@ static void test_copy_rows(void) {
     free(rows);
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* adafactor: each piece against the CPU op, on a segment that starts and ends mid-row (a
+ * shard), a whole large matrix and part of a vector; deterministic (twice, same bits)      */
+
+static void adafactor_case(int rows, int cols, size_t first, size_t n, float beta1, int off) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "%dx%d [%zu, +%zu)%s%s", rows, cols, first, n, beta1 > 0 ? " beta1" : "",
+             off ? " unaligned" : "");
+    size_t S = rows == 1 ? (size_t)cols : (size_t)rows + cols;
+    float scale = 0.7f, beta2t = 0.6f, eps1 = 1e-30f, coef = 0.01f, decay = 0.999f;
+    float *g = randf(n, 0.1f), *p = randf(n, 1.0f), *m = randf(n, 0.01f), *sums = randf(S, 0.01f), *stat = randf(S, 0.01f);
+    for (size_t j = 0; j < S; j++) stat[j] = fabsf(stat[j]) + 1e-4f, sums[j] = fabsf(sums[j]);
+    float *fac = calloc(S, sizeof(float));
+    /* the segment at element 0 of its buffers (off: unaligned ones) */
+    AdafactorSeg sg = {.off = 0, .n = n, .first = first, .stat = 0, .rows = rows, .cols = cols};
+    float *d_g = dcopy(g, n, off), *d_p = dcopy(p, n, off), *d_m = dcopy(m, n, off), *d_sums = dcopy(sums, S, 0);
+    float *d_stat = dcopy(stat, S, 0), *d_fac = dnan(S, 0);
+    double *d_out = (double *)dalloc(4, 0), out[2], d_res[2];
+
+    op_adafactor_sums(sums, g, &sg, scale);
+    cuda_adafactor_sums(d_sums, d_g, &sg, scale);
+    expect_close("adafactor sums", shape, d_sums, sums, S, TOL_FWD);
+    float *h_sums = hcopy(d_sums, S);
+    dset(d_sums, h_sums, S);  /* the same inputs from here: the GPU's sums on both sides */
+    {   /* determinism: the sums twice from the same start */
+        float *base = randf(S, 0.0f), *d_b1 = dcopy(base, S, 0), *d_b2 = dcopy(base, S, 0);
+        cuda_adafactor_sums(d_b1, d_g, &sg, scale);
+        cuda_adafactor_sums(d_b2, d_g, &sg, scale);
+        float *h1 = hcopy(d_b1, S);
+        expect_same_host("adafactor sums (twice)", shape, d_b2, h1, S);
+        free(base); free(h1);
+    }
+    op_adafactor_stats(stat, fac, h_sums, rows, cols, beta2t, eps1);
+    cuda_adafactor_stats(d_stat, d_fac, d_sums, rows, cols, beta2t, eps1);
+    expect_close("adafactor stats", shape, d_stat, stat, S, TOL_FWD);
+    expect_close("adafactor factors", shape, d_fac, fac, S, TOL_FWD);
+    float *h_fac = hcopy(d_fac, S);
+    dset(d_fac, h_fac, S);
+    op_adafactor_rms(out, p, g, h_fac, &sg, scale);
+    cuda_adafactor_rms(d_out, d_p, d_g, d_fac, &sg, scale);
+    cuda_memcpy_d2h(d_res, d_out, sizeof d_res);
+    printf("    %-22s %-34s sum u^2 %.9g vs %.9g, sum p^2 %.9g vs %.9g\n", "adafactor rms", shape, d_res[0], out[0],
+           d_res[1], out[1]);
+    CHECK(fabs(d_res[0] - out[0]) <= 1e-6 * out[0] && fabs(d_res[1] - out[1]) <= 1e-9 * out[1], "adafactor rms %s",
+          shape);
+    op_adafactor_update(p, g, beta1 > 0 ? m : NULL, h_fac, &sg, scale, coef, decay, beta1);
+    cuda_adafactor_update(d_p, d_g, beta1 > 0 ? d_m : NULL, d_fac, &sg, scale, coef, decay, beta1);
+    expect_close("adafactor update", shape, d_p, p, n, TOL_FWD);
+    if (beta1 > 0) expect_close("adafactor first moment", shape, d_m, m, n, TOL_FWD);
+    free(g); free(p); free(m); free(sums); free(stat); free(fac); free(h_sums); free(h_fac);
+    dfree_all();
+}
+
+static void test_adafactor(void) {
+    adafactor_case(13, 9, 5, 80, 0.0f, 0);             /* rows 0..9, the first and last cut */
+    adafactor_case(13, 9, 0, 117, 0.9f, 1);            /* whole, a first moment, unaligned */
+    adafactor_case(50257, 64, 0, 50257 * 64, 0.0f, 0); /* an embedding: many chunks of rows */
+    adafactor_case(3072, 1024, 1000001, 1500000, 0.9f, 0); /* a shard of qkv_proj, mid-row at both ends */
+    adafactor_case(1, 1024, 300, 500, 0.0f, 0);        /* part of a norm's weight */
+}
+
 /* The backend table the trainer uses (ops_backend_cuda): every entry is set; op_alloc's
  * memory is zeroed; upload, device copy, zero and download move exactly the bytes asked
  * for; the allocator's high-water mark counts what it holds. */
@@ -627,7 +688,8 @@ static void test_backend_table(void) {
         (void (*)(void))b->rope_backward, (void (*)(void))b->attention_forward,
         (void (*)(void))b->attention_backward, (void (*)(void))b->swiglu_forward,
         (void (*)(void))b->swiglu_backward, (void (*)(void))b->crossentropy_forward_backward,
-        (void (*)(void))b->adamw, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
+        (void (*)(void))b->adamw, (void (*)(void))b->adafactor_sums, (void (*)(void))b->adafactor_stats,
+        (void (*)(void))b->adafactor_rms, (void (*)(void))b->adafactor_update, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
         (void (*)(void))b->copy_rows};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
 
@@ -682,6 +744,7 @@ int main(int argc, char **argv) {
     RUN(test_swiglu);
     RUN(test_crossentropy);
     RUN(test_adamw);
+    RUN(test_adafactor);
     cuda_shutdown();
     return TEST_SUMMARY();
 }

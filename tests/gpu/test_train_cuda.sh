@@ -6,6 +6,7 @@
 # default) and precision=bf16 follow fp32 over 100 steps, per strategy. Also: a CUDA run
 # is deterministic and resumes bitwise from its checkpoint (mixed and bf16); eval and
 # sample run on cuda; the GPU allocator's peak is the estimate (fp32, mixed, bf16).
+# optimizer=adafactor: CUDA follows the CPU, mixed and bf16 follow fp32, resume is bitwise.
 #
 # Needs a GPU, the meshtrain binary ($MESHTRAIN_BIN, default build/meshtrain) and
 # build/tests/ckpt_diff beside it. Data: MESHTRAIN_GPU_SHARDS=DIR holding train.bin and
@@ -91,6 +92,41 @@ for prec in mixed bf16; do
   if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$TMP/ra_$prec/ckpt.bin" "$TMP/rk_$prec/ckpt.bin"
   then ok "cuda_resume_bitwise_$prec"; else bad "cuda_resume_bitwise_$prec ($(tail -1 "$TMP/rk2_$prec.log"))"; echo "$la"; echo "$lb"; fi
 done
+
+# -- optimizer=adafactor: CUDA fp32 follows the CPU (one process: DDP, and FSDP with tied
+# embeddings); mixed and bf16 follow fp32 over 100 steps (as AdamW's, above); a mixed run
+# is deterministic and resumes bitwise (the statistics staged through the host)
+A="optimizer=adafactor adafactor_beta1=0.9"
+for tied in false true; do run "$TMP/af_cpu_$tied" $M $A steps=5 tie_embeddings=$tied device=cpu; done
+while IFS='|' read -r name tied keys; do
+  out=$TMP/af_cuda_$name
+  if run "$out" $M $A steps=5 tie_embeddings=$tied device=cuda precision=fp32 $keys && close "$TMP/af_cpu_$tied" "$out"
+  then ok "adafactor_cuda_follows_cpu_$name"; else bad "adafactor_cuda_follows_cpu_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+ddp|false|
+fsdp_tied|true|fsdp=true shard_strategy=full
+CASES
+run "$TMP/af_f100" $M $A $L100 precision=fp32
+for prec in mixed bf16; do
+  out=$TMP/af_${prec}100
+  if run "$out" $M $A $L100 precision=$prec &&
+     paste <(losses "$TMP/af_f100") <(losses "$out") |
+       awk -v p="$prec" '{d=($1-$2)/$1; if(d<0)d=-d; s+=d; if(d>m)m=d; n++; f1=$1; f2=$2}
+       END{printf "  adafactor %s vs fp32: max %.3g mean %.3g over %d steps; last loss %.4f vs %.4f\n", p, m, s/n, n, f2, f1;
+           exit !(n == 100 && m < 0.05 && s/n < 0.02)}'
+  then ok "adafactor_${prec}_follows_fp32_100_steps"; else bad "adafactor_${prec}_follows_fp32_100_steps ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done
+S="steps=8 lr_schedule=cosine warmup_steps=2 device=cuda"
+run "$TMP/af_ra" $M $A $S
+run "$TMP/af_rb" $M $A $S
+MESHTRAIN_FAULT_NAN_STEP=5 run "$TMP/af_rk" $M $A $S ckpt_every=4
+"$BIN" train resume="$TMP/af_rk/ckpt.bin" data_dir="$D" device=cuda progress=false out_dir="$TMP/af_rk" >"$TMP/af_rk2.log" 2>&1
+la=$(grep '^{"step":[5-8],"loss"' "$TMP/af_ra/log.jsonl" | sed 's/,"ms".*//')
+lb=$(grep '^{"step":[5-8],"loss"' "$TMP/af_rk/log.jsonl" | sed 's/,"ms".*//')
+[ "$(strip "$TMP/af_ra")" = "$(strip "$TMP/af_rb")" ] && cmp -s "$TMP/af_ra/ckpt.bin" "$TMP/af_rb/ckpt.bin" &&
+  ok adafactor_cuda_deterministic || bad adafactor_cuda_deterministic
+if [ "$(echo "$la" | wc -l)" -eq 4 ] && [ "$la" = "$lb" ] && cmp -s "$TMP/af_ra/ckpt.bin" "$TMP/af_rk/ckpt.bin"
+then ok adafactor_cuda_resume_bitwise; else bad "adafactor_cuda_resume_bitwise ($(tail -1 "$TMP/af_rk2.log"))"; fi
 
 # -- a CPU checkpoint resumed on CUDA continues the CPU run (within TOL)
 run "$TMP/c8" $M steps=8 device=cpu

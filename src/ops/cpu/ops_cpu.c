@@ -583,6 +583,167 @@ static void cpu_adamw(float *param, const float *grad, float *m, float *v, size_
 }
 
 /* ------------------------------------------------------------------------------------ */
+/* adafactor                                                                             */
+
+/* The rows a segment touches, and row r's columns [*c0, *c1) within it. */
+static void af_rows(const AdafactorSeg *s, size_t *r0, size_t *r1) {
+    *r0 = s->first / (size_t)s->cols;
+    *r1 = (s->first + s->n - 1) / (size_t)s->cols + 1;
+}
+static const float *af_row_cols(const AdafactorSeg *s, const float *base, size_t r, int *c0, int *c1) {
+    size_t lo = r * (size_t)s->cols, hi = lo + (size_t)s->cols, a = s->first, b = s->first + s->n;
+    *c0 = (int)(a > lo ? a - lo : 0);
+    *c1 = (int)(b < hi ? b - lo : (size_t)s->cols);
+    return base + s->off + lo - s->first;  /* column 0 of row r (only [c0, c1) is the segment's) */
+}
+
+/* Rows in a chunk of the column sums: each chunk sums its rows into its own partial, and
+ * the partials are added in chunk order (the result does not depend on the threads). */
+#define AF_CHUNK_ROWS 64
+
+static void cpu_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float scale) {
+    const float *g = grad;
+    size_t r0, r1;
+    af_rows(s, &r0, &r1);
+    int C = s->cols;
+    if (s->rows == 1) {
+        int c0, c1;
+        const float *row = af_row_cols(s, g, 0, &c0, &c1);
+        for (int j = c0; j < c1; j++) {
+            float x = row[j] * scale;
+            sums[s->stat + j] += (float)((double)x * x);
+        }
+        return;
+    }
+    float *rsum = sums + s->stat, *csum = sums + s->stat + s->rows;
+#pragma omp parallel for schedule(static)
+    for (size_t r = r0; r < r1; r++) {
+        int c0, c1;
+        const float *row = af_row_cols(s, g, r, &c0, &c1);
+        double acc = 0;
+#pragma omp simd reduction(+ : acc)
+        for (int j = c0; j < c1; j++) {
+            float x = row[j] * scale;
+            acc += (double)x * x;
+        }
+        rsum[r] += (float)acc;
+    }
+    size_t nch = (r1 - r0 + AF_CHUNK_ROWS - 1) / AF_CHUNK_ROWS;
+    double *part = xcalloc(nch * (size_t)C, sizeof(double));
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < nch; k++) {
+        double *pc = part + k * (size_t)C;
+        size_t ra = r0 + k * AF_CHUNK_ROWS, rb = ra + AF_CHUNK_ROWS < r1 ? ra + AF_CHUNK_ROWS : r1;
+        for (size_t r = ra; r < rb; r++) {
+            int c0, c1;
+            const float *row = af_row_cols(s, g, r, &c0, &c1);
+#pragma omp simd
+            for (int j = c0; j < c1; j++) {
+                float x = row[j] * scale;
+                pc[j] += (double)x * x;
+            }
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < C; j++) {
+        double acc = 0;
+        for (size_t k = 0; k < nch; k++) acc += part[k * (size_t)C + j];
+        csum[j] += (float)acc;
+    }
+    free(part);
+}
+
+/* x = x beta + (1 - beta) (sum / count + eps1), as torch's mul_(beta).add_(mean, alpha=1-beta) */
+static inline float af_ema(float x, float sum, float count, float beta, float w, float eps1) {
+    return x * beta + w * (sum / count + eps1);
+}
+
+static void cpu_adafactor_stats(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t,
+                                float eps1) {
+    float w = (float)(1.0 - (double)beta2t);
+    if (rows == 1) {
+        for (int j = 0; j < cols; j++) {
+            stat[j] = af_ema(stat[j], sums[j], 1.0f, beta2t, w, eps1);
+            fac[j] = 1.0f / sqrtf(stat[j]);
+        }
+        return;
+    }
+    double total = 0;
+    for (int i = 0; i < rows; i++) {
+        stat[i] = af_ema(stat[i], sums[i], (float)cols, beta2t, w, eps1);
+        total += stat[i];
+    }
+    float mean = (float)(total / rows);
+    for (int i = 0; i < rows; i++) fac[i] = 1.0f / sqrtf(stat[i] / mean);
+    for (int j = 0; j < cols; j++) {
+        stat[rows + j] = af_ema(stat[rows + j], sums[rows + j], (float)rows, beta2t, w, eps1);
+        fac[rows + j] = 1.0f / sqrtf(stat[rows + j]);
+    }
+}
+
+/* The factors of element (r, j): fac_r (1 for a vector) and the column's fac_c[j]. */
+static inline float af_fac_row(const AdafactorSeg *s, const float *fac, size_t r) {
+    return s->rows == 1 ? 1.0f : fac[s->stat + r];
+}
+static inline const float *af_fac_cols(const AdafactorSeg *s, const float *fac) {
+    return fac + s->stat + (s->rows == 1 ? 0 : s->rows);
+}
+
+static void cpu_adafactor_rms(double *out, const void *param, const void *grad, const float *fac,
+                              const AdafactorSeg *s, float scale) {
+    size_t r0, r1;
+    af_rows(s, &r0, &r1);
+    const float *fc = af_fac_cols(s, fac);
+    size_t nr = r1 - r0;
+    double *part = xmalloc(2 * nr * sizeof(double));
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < nr; k++) {
+        int c0, c1;
+        const float *g = af_row_cols(s, grad, r0 + k, &c0, &c1), *p = af_row_cols(s, param, r0 + k, &c0, &c1);
+        float fr = af_fac_row(s, fac, r0 + k);
+        double su = 0, sp = 0;
+#pragma omp simd reduction(+ : su, sp)
+        for (int j = c0; j < c1; j++) {
+            float u = g[j] * scale * fr * fc[j];
+            su += (double)u * u;
+            sp += (double)p[j] * p[j];
+        }
+        part[2 * k] = su;
+        part[2 * k + 1] = sp;
+    }
+    out[0] = out[1] = 0;
+    for (size_t k = 0; k < nr; k++) out[0] += part[2 * k], out[1] += part[2 * k + 1];
+    free(part);
+}
+
+static void cpu_adafactor_update(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                                 float scale, float coef, float decay, float beta1) {
+    size_t r0, r1;
+    af_rows(s, &r0, &r1);
+    const float *fc = af_fac_cols(s, fac);
+    float w1 = 1.0f - beta1;
+#pragma omp parallel for schedule(static)
+    for (size_t r = r0; r < r1; r++) {
+        int c0, c1;
+        const float *g = af_row_cols(s, grad, r, &c0, &c1);
+        float *p = (float *)af_row_cols(s, param, r, &c0, &c1);
+        float fr = af_fac_row(s, fac, r);
+        if (m) {
+            float *mr = (float *)af_row_cols(s, m, r, &c0, &c1);
+#pragma omp simd
+            for (int j = c0; j < c1; j++) {
+                float u = coef * (g[j] * scale * fr * fc[j]);
+                mr[j] = mr[j] * beta1 + w1 * u;
+                p[j] = p[j] * decay - mr[j];
+            }
+        } else {
+#pragma omp simd
+            for (int j = c0; j < c1; j++) p[j] = p[j] * decay - coef * (g[j] * scale * fr * fc[j]);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
 /* flat-buffer helpers                                                                   */
 
 #define SUMSQ_CHUNK 65536
@@ -704,6 +865,9 @@ static void t_adamw(void *param, const void *grad, void *m, void *v, size_t n, f
     cpu_adamw(param, grad, m, v, n, lr, beta1, beta2, eps, wd, step, grad_scale);
 }
 static double t_sumsq(const void *x, size_t n) { return cpu_sumsq(x, n); }
+static void t_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float scale) {
+    cpu_adafactor_sums(sums, grad, s, scale);
+}
 static void t_scale(void *x, size_t n, float s) { cpu_scale(x, n, s); }
 
 const OpsBackend ops_backend_cpu = {
@@ -739,6 +903,10 @@ const OpsBackend ops_backend_cpu = {
     .swiglu_backward = t_swiglu_backward,
     .crossentropy_forward_backward = t_crossentropy_forward_backward,
     .adamw = t_adamw,
+    .adafactor_sums = t_adafactor_sums,
+    .adafactor_stats = cpu_adafactor_stats,
+    .adafactor_rms = cpu_adafactor_rms,
+    .adafactor_update = cpu_adafactor_update,
     .sumsq = t_sumsq,
     .scale = t_scale,
     .add = t_add,

@@ -383,6 +383,8 @@ int cuda_idle(void) {
 
 #include "cuda/adamw.cuh"
 
+#include "cuda/adafactor.cuh"
+
 #include "cuda/flat.cuh"
 
 /* ------------------------------------------------------------------------------------ */
@@ -918,6 +920,67 @@ double cuda_sumsq(const void *x, size_t n) {
     return s;
 }
 
+/* The pointers of a segment's buffers are its element 0 (base + off), in the state type. */
+static const void *af_at(const void *base, size_t off) { return (const char *)base + off * (g.sbf16 ? 2 : 4); }
+
+void cuda_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale) {
+    if (!s->n) return;
+    const void *gp = af_at(grad, s->off);
+    if (s->rows == 1) {
+        af_vec_sums_kernel<<<ew_grid(s->n), EW_BLOCK, 0, g.stream>>>(sums + s->stat, gp, s->first, s->n, grad_scale,
+                                                                       g.sbf16);
+        LAUNCH_CHECK(af_vec_sums_kernel);
+        return;
+    }
+    size_t r0 = s->first / s->cols, r1 = (s->first + s->n - 1) / s->cols + 1, nr = r1 - r0;
+    size_t nb = (nr + 7) / 8;
+    /* gp points at element `first`: the kernels index from the tensor's element 0 minus first */
+    af_row_sums_kernel<<<(unsigned)(nb < (1u << 20) ? nb : (1u << 20)), AF_BLOCK, 0, g.stream>>>(
+        sums + s->stat, gp, s->first, s->n, s->cols, r0, nr, grad_scale, g.sbf16);
+    LAUNCH_CHECK(af_row_sums_kernel);
+    int nch = (int)((nr + AF_CHUNK_ROWS - 1) / AF_CHUNK_ROWS);
+    double *part = (double *)scratch((size_t)nch * s->cols * sizeof(double));
+    dim3 grid((unsigned)((s->cols + 31) / 32), (unsigned)nch), block(32, 8);
+    af_col_part_kernel<<<grid, block, 0, g.stream>>>(part, gp, s->first, s->n, s->cols, r0, r1, grad_scale, g.sbf16);
+    LAUNCH_CHECK(af_col_part_kernel);
+    af_col_final_kernel<<<(s->cols + 255) / 256, 256, 0, g.stream>>>(sums + s->stat + s->rows, part, nch, s->cols);
+    LAUNCH_CHECK(af_col_final_kernel);
+}
+
+void cuda_adafactor_stats(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t, float eps1) {
+    float w = (float)(1.0 - (double)beta2t);
+    af_stats_kernel<<<1, 1024, 0, g.stream>>>(stat, fac, sums, rows, cols, beta2t, w, eps1);
+    LAUNCH_CHECK(af_stats_kernel);
+}
+
+static AfSeg af_seg(const float *fac, const AdafactorSeg *s) {
+    AfSeg a = {s->first, s->n, s->rows, s->cols, s->first + s->n < ((size_t)1 << 32), NULL, NULL};
+    a.fr = fac + s->stat;
+    a.fc = fac + s->stat + (s->rows == 1 ? 0 : s->rows);
+    return a;
+}
+
+void cuda_adafactor_rms(double *out, const void *param, const void *grad, const float *fac, const AdafactorSeg *s,
+                        float grad_scale) {
+    size_t per = (size_t)AF_BLOCK * 8, nb64 = (s->n + per - 1) / per;
+    int nb = (int)(nb64 < AF_MAX_BLOCKS ? (nb64 ? nb64 : 1) : AF_MAX_BLOCKS);
+    double *part = (double *)scratch(2 * (size_t)nb * sizeof(double));
+    af_rms_kernel<<<nb, AF_BLOCK, 0, g.stream>>>(part, af_at(param, s->off), af_at(grad, s->off), af_seg(fac, s),
+                                                 grad_scale, g.sbf16);
+    LAUNCH_CHECK(af_rms_kernel);
+    af_rms_final_kernel<<<1, 1024, 0, g.stream>>>(out, part, nb);
+    LAUNCH_CHECK(af_rms_final_kernel);
+}
+
+void cuda_adafactor_update(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                           float grad_scale, float coef, float decay, float beta1) {
+    if (!s->n) return;
+    af_update_kernel<<<ew_grid(s->n), EW_BLOCK, 0, g.stream>>>(
+        (void *)af_at(param, s->off), af_at(grad, s->off), m ? (void *)af_at(m, s->off) : NULL, af_seg(fac, s),
+        grad_scale, coef, decay, beta1, 1.0f - beta1, g.sbf16);
+    LAUNCH_CHECK(af_update_kernel);
+}
+
 void cuda_scale(void *x, size_t n, float s) {
     if (n == 0) return;
     if (al16(x)) {
@@ -1050,6 +1113,10 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .crossentropy_forward_backward = cuda_crossentropy_forward_backward,
     .adamw = cuda_adamw,
     .adamw_cast = cuda_adamw_cast,
+    .adafactor_sums = cuda_adafactor_sums,
+    .adafactor_stats = cuda_adafactor_stats,
+    .adafactor_rms = cuda_adafactor_rms,
+    .adafactor_update = cuda_adafactor_update,
     .sumsq = cuda_sumsq,
     .scale = cuda_scale,
     .add = cuda_add,

@@ -118,6 +118,14 @@ void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float
 void cuda_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                      float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
 
+/* Adafactor (ops.h): column sums in chunks of rows through the scratch buffer */
+void cuda_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale);
+void cuda_adafactor_stats(float *stat, float *fac, const float *sums, int rows, int cols, float beta2t, float eps1);
+void cuda_adafactor_rms(double *out, const void *param, const void *grad, const float *fac, const AdafactorSeg *s,
+                        float grad_scale);
+void cuda_adafactor_update(void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                           float grad_scale, float coef, float decay, float beta1);
+
 double cuda_sumsq(const void *x, size_t n); /* waits for the stream; returns on the host */
 void cuda_scale(void *x, size_t n, float s);
 void cuda_add(void *y, const void *x, size_t n);
