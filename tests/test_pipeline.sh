@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Pipeline parallel on CPU ranks (mpirun): every schedule at 2 and 4 stages with m = p, 2p
-# and an odd m > p, tied and untied, and 2 stages x 2 DDP ranks, each following the
+# Pipeline parallel on CPU ranks (mpirun): every schedule (gpipe, 1f1b, interleaved over 2
+# and 4 virtual stages, zb1) at 2 and 4 stages with m = p, 2p and an odd m > p, tied and
+# untied, and 2 stages x 2 DDP ranks, each following the
 # single-process run of the same global batch; 2 stages x 2 data-parallel ranks with DDP,
 # ZeRO-1, ZeRO-2, FSDP and hybrid FSDP, (losses within 1e-5 relative over 5 steps,
 # final parameters within 1e-5); a checkpoint resumes across pipeline layouts; bad layouts
@@ -11,17 +12,20 @@ use_mpirun
 command -v mpirun >/dev/null || { echo "no mpirun: skipped"; echo "RESULT 0 0"; exit 0; }
 prepare_data 300000
 
-M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=4 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
-ref() {  # ref BATCH TIED: the single-process run, made once
-  local r=$TMP/ref_$1_$2
-  [ -e "$r/ckpt.bin" ] || "$BIN" train $M batch_size=$1 tie_embeddings=$2 out_dir="$r" >/dev/null
+M0="vocab_size=50257 embed_dim=32 n_heads=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M="$M0 n_layers=4"
+ref() {  # ref BATCH TIED [N_LAYERS]: the single-process run, made once
+  local r=$TMP/ref_$1_$2_${3:-4}
+  [ -e "$r/ckpt.bin" ] || "$BIN" train $M0 n_layers=${3:-4} batch_size=$1 tie_embeddings=$2 out_dir="$r" >/dev/null
   echo "$r"
 }
 while IFS='|' read -r sched p dp m batch tied keys; do
   name="${sched}_pp${p}$([ "$dp" -gt 1 ] && echo "_dp$dp")_m${m}$([ "$tied" = true ] && echo _tied)${keys:+_${keys// /_}}"
-  r=$(ref $((batch * dp)) "$tied")
+  nl=$(grep -o 'n_layers=[0-9]*' <<<"$keys" | cut -d= -f2); nl=${nl:-4}
+  keys=$(sed 's/n_layers=[0-9]*//' <<<"$keys")
+  r=$(ref $((batch * dp)) "$tied" "$nl")
   out=$TMP/$name
-  if $MPIRUN -np $((p * dp)) "$BIN" train $M batch_size=$batch tie_embeddings=$tied pipeline_parallel_size=$p \
+  if $MPIRUN -np $((p * dp)) "$BIN" train $M0 n_layers=$nl batch_size=$batch tie_embeddings=$tied pipeline_parallel_size=$p \
        micro_batches=$m pipeline_schedule=$sched $keys out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$r" "$out"
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
@@ -38,14 +42,41 @@ gpipe|2|1|3|6|false
 gpipe|4|1|4|8|true
 gpipe|4|1|8|8|false
 gpipe|4|1|5|5|false
+interleaved|2|1|2|8|false
+interleaved|2|1|4|8|true
+interleaved|2|1|3|6|false
+interleaved|4|1|4|8|true|n_layers=8
+interleaved|4|1|8|16|false|n_layers=8
+interleaved|4|1|5|5|false|n_layers=8
+interleaved|2|1|4|8|false|n_layers=8 virtual_stages=4
+zb1|2|1|2|8|false
+zb1|2|1|4|8|true
+zb1|2|1|3|6|false
+zb1|4|1|4|8|false
+zb1|4|1|8|8|true
+zb1|4|1|5|5|false
 1f1b|2|2|2|4|false|
 1f1b|2|2|2|4|true|
+interleaved|2|2|2|4|true|fsdp=true
+zb1|2|2|2|4|true|fsdp=true shard_strategy=grad_op
+zb1|2|2|2|4|false|
 1f1b|2|2|2|4|false|zero_opt=true
 1f1b|2|2|2|4|true|fsdp=true shard_strategy=grad_op
 gpipe|2|2|2|4|false|fsdp=true
 1f1b|2|2|4|4|true|fsdp=true
 1f1b|2|2|2|4|true|fsdp=true shard_strategy=hybrid shard_group_size=1
 CASES
+
+# the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose
+# weight pass adds the same products in the same order) end with the same bits
+for sched in 1f1b interleaved zb1; do
+  $MPIRUN -np 4 "$BIN" train $M0 n_layers=8 batch_size=8 pipeline_parallel_size=4 micro_batches=8 \
+    pipeline_schedule=$sched out_dir="$TMP/same_$sched" >/dev/null 2>&1
+done
+d1=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved/ckpt.bin" 2>&1)
+d2=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_zb1/ckpt.bin" 2>&1)
+[ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && ok schedules_agree_bitwise ||
+  bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2)"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \
@@ -75,15 +106,20 @@ done <<'CASES'
 8|pipeline_parallel_size=8 micro_batches=8|pipeline_parallel_size=8 exceeds n_layers=4
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_split=2,1|pipeline_split=2,1: 2 counts summing to 3
 3|pipeline_parallel_size=2 micro_batches=2|world size 3 is not divisible
+4|pipeline_parallel_size=4 micro_batches=4 pipeline_schedule=interleaved|x virtual_stages=2 = 8 stages exceeds n_layers=4
+2|pipeline_parallel_size=2 micro_batches=2 virtual_stages=2|virtual_stages=2 applies with pipeline_schedule=interleaved
+2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=interleaved virtual_stages=1|needs virtual_stages >= 2
+2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 activation_checkpointing=true|does not combine with activation_checkpointing
 CASES
 
-# each stage's peak memory (max RSS) within 10% of its own estimate, under both schedules
-# (GPipe's first stage holds every micro-batch, 1F1B's p - s), and `meshtrain estimate`
+# each stage's peak memory (max RSS) within 10% of its own estimate, under every schedule
+# (GPipe's first stage holds every micro-batch, 1F1B's p - s, interleaved's per chunk,
+# zb1's also its weight passes' inputs), and `meshtrain estimate`
 # prints the same per-stage totals (within 2%: the run's also counts its mapped data)
 if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
   EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64"
   E="$EM steps=2 progress=false threads=1 data_dir=$D"
-  for sched in 1f1b gpipe; do
+  for sched in 1f1b gpipe interleaved zb1; do
     o=$($MPIRUN -np 2 "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
         out_dir="$TMP/mem_$sched" 2>&1)
     est=$("$BIN" estimate $EM batch_size=16 world_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched 2>&1)

@@ -1,71 +1,117 @@
-/* Schedules played without a model: every stage's list runs against the others'. A send
+/* Schedules played without a model: every rank's list runs against the others'. A send
  * is buffered (it completes at once), a receive waits for its send; each round, every
- * stage runs its next action if it can. The checks: no deadlock, every micro-batch
- * forwarded and backwarded once on every stage, a backward after its own forward, sends
- * and receives in pairs, at most max_in_flight micro-batches' activations held, the
- * optimizer step last, and the well-known shapes (accumulation, 1F1B's warm-up). */
+ * rank runs its next action if it can. Between two ranks, in each direction, messages
+ * arrive in the order they were sent (as NCCL's do): a receive whose message is not the
+ * next one sent on that link is an error. The checks: no deadlock, every micro-batch
+ * forwarded and backwarded (and weight-passed where split) once on every stage, a backward
+ * after its own forward, sends and receives in pairs, at most in_flight[c] micro-batches'
+ * activations of chunk c held, at most max_pending_w between a B and its W, the optimizer
+ * step last, and the well-known shapes (accumulation, 1F1B's warm-up). */
 #include <stdlib.h>
 #include <string.h>
 #include "schedule.h"
 #include "test.h"
 
-/* Plays p stages' schedules s; returns 0, or -1 on a deadlock or a broken rule (message
- * printed). */
+typedef struct { int g, i; } Msg;
+
+/* Plays p ranks' schedules s (v chunks each); returns 0, or -1 on a deadlock or a broken
+ * rule (message printed). */
 static int play_built(Schedule *s, int p, int m) {
+    int v = s[0].chunks, G = p * v, split = s[0].split_backward;
     int *pc = calloc((size_t)p, sizeof(int));
-    /* sent[stage][micro]: outputs sent to the next stage; gsent: gradients sent back */
-    int *sent = calloc((size_t)(p * m), sizeof(int)), *gsent = calloc((size_t)(p * m), sizeof(int));
-    int *fwd = calloc((size_t)(p * m), sizeof(int)), *bwd = calloc((size_t)(p * m), sizeof(int));
+    /* per global stage g and micro i: forwarded, backwarded, weight-passed */
+    int *fwd = calloc((size_t)(G * m), sizeof(int)), *bwd = calloc((size_t)(G * m), sizeof(int));
+    int *wgt = calloc((size_t)(G * m), sizeof(int));
+    /* links: activations from rank r go to r + 1 (mod p), gradients to r - 1; FIFO queues */
+    Msg *q[2];
+    int qh[2][16] = {{0}}, qt[2][16] = {{0}}, cap = G * m;
+    for (int d = 0; d < 2; d++) q[d] = calloc((size_t)(p * cap), sizeof(Msg));
     int bad = 0, rounds = 0;
     for (;;) {
         int progressed = 0, done = 1;
-        for (int i = 0; i < p && !bad; i++) {
-            if (pc[i] >= s[i].n) continue;
+        for (int r = 0; r < p && !bad; r++) {
+            if (pc[r] >= s[r].n) continue;
             done = 0;
-            Action a = s[i].actions[pc[i]];
-            int k = a.micro, ok = 1;
+            Action a = s[r].actions[pc[r]];
+            int k = a.micro, c = a.chunk, g = c * p + r, ok = 1;
             switch (a.kind) {
-            case ACT_RECV_INPUT: ok = i > 0 && sent[(i - 1) * m + k]; break;
-            case ACT_RECV_GRAD: ok = i < p - 1 && gsent[(i + 1) * m + k]; break;
-            case ACT_FORWARD:
-                if (fwd[i * m + k]++) { fprintf(stderr, "  stage %d: F%d twice\n", i, k); bad = 1; }
-                break;
-            case ACT_BACKWARD:
-                if (!fwd[i * m + k] || bwd[i * m + k]++) { fprintf(stderr, "  stage %d: B%d out of order\n", i, k); bad = 1; }
-                break;
-            case ACT_SEND_OUTPUT:
-                if (i == p - 1 || !fwd[i * m + k]) { fprintf(stderr, "  stage %d: send%d\n", i, k); bad = 1; }
-                sent[i * m + k] = 1;
-                break;
-            case ACT_SEND_GRAD:
-                if (i == 0 || !bwd[i * m + k]) { fprintf(stderr, "  stage %d: sendgrad%d\n", i, k); bad = 1; }
-                gsent[i * m + k] = 1;
-                break;
-            case ACT_OPTIM_STEP:
-                for (int j = 0; j < m; j++)
-                    if (!bwd[i * m + j]) { fprintf(stderr, "  stage %d: step before B%d\n", i, j); bad = 1; }
+            case ACT_RECV_INPUT:
+            case ACT_RECV_GRAD: {
+                int d = a.kind == ACT_RECV_GRAD, src = d ? (r + 1) % p : (r + p - 1) % p;
+                int want = d ? g + 1 : g - 1;
+                if (want < 0 || want >= G) { fprintf(stderr, "  rank %d: %s%d.%d has no peer\n", r, action_name(a.kind), k, c); bad = 1; break; }
+                if (qh[d][src] == qt[d][src]) { ok = 0; break; }
+                Msg msg = q[d][src * cap + qh[d][src]];
+                if (msg.g != want || msg.i != k) {
+                    fprintf(stderr, "  rank %d: %s%d.%d gets stage %d's micro %d (out of order)\n", r,
+                            action_name(a.kind), k, c, msg.g, msg.i);
+                    bad = 1;
+                    break;
+                }
+                qh[d][src]++;
                 break;
             }
-            if (ok) { pc[i]++; progressed = 1; }
-            /* activations held: forwarded, not yet backwarded */
-            int held = 0;
-            for (int j = 0; j < m; j++) held += fwd[i * m + j] && !bwd[i * m + j];
-            if (held > s[i].max_in_flight) { fprintf(stderr, "  stage %d holds %d > %d\n", i, held, s[i].max_in_flight); bad = 1; }
+            case ACT_FORWARD:
+                if (fwd[g * m + k]++) { fprintf(stderr, "  rank %d: F%d.%d twice\n", r, k, c); bad = 1; }
+                break;
+            case ACT_BACKWARD:
+                if (!fwd[g * m + k] || bwd[g * m + k]++) { fprintf(stderr, "  rank %d: B%d.%d out of order\n", r, k, c); bad = 1; }
+                break;
+            case ACT_WEIGHT:
+                if (!split || !bwd[g * m + k] || wgt[g * m + k]++) { fprintf(stderr, "  rank %d: W%d.%d\n", r, k, c); bad = 1; }
+                break;
+            case ACT_SEND_OUTPUT:
+            case ACT_SEND_GRAD: {
+                int d = a.kind == ACT_SEND_GRAD;
+                if ((d ? g == 0 : g == G - 1) || !(d ? bwd : fwd)[g * m + k]) {
+                    fprintf(stderr, "  rank %d: %s%d.%d\n", r, action_name(a.kind), k, c);
+                    bad = 1;
+                }
+                q[d][r * cap + qt[d][r]++] = (Msg){g, k};
+                break;
+            }
+            case ACT_OPTIM_STEP:
+                for (int cc = 0; cc < v; cc++)
+                    for (int j = 0; j < m; j++)
+                        if (!bwd[(cc * p + r) * m + j] || (split && !wgt[(cc * p + r) * m + j])) {
+                            fprintf(stderr, "  rank %d: step before B/W %d.%d\n", r, j, cc);
+                            bad = 1;
+                        }
+                break;
+            }
+            if (bad) break;
+            if (ok) { pc[r]++; progressed = 1; }
+            /* activations held: forwarded, not yet backwarded (weight-passed, where split) */
+            for (int cc = 0; cc < v; cc++) {
+                int held = 0, gg = cc * p + r;
+                for (int j = 0; j < m; j++) held += fwd[gg * m + j] && !(split ? wgt : bwd)[gg * m + j];
+                if (held > s[r].in_flight[cc]) {
+                    fprintf(stderr, "  rank %d chunk %d holds %d > %d\n", r, cc, held, s[r].in_flight[cc]);
+                    bad = 1;
+                }
+            }
+            int pend = 0;
+            for (int cc = 0; cc < v && split; cc++)
+                for (int j = 0; j < m; j++) pend += bwd[(cc * p + r) * m + j] && !wgt[(cc * p + r) * m + j];
+            if (pend > s[r].max_pending_w) { fprintf(stderr, "  rank %d: %d waiting for W > %d\n", r, pend, s[r].max_pending_w); bad = 1; }
         }
         if (bad || done) break;
         rounds++;
         if (!progressed) { fprintf(stderr, "  deadlock after %d rounds\n", rounds); bad = 1; break; }
     }
-    for (int i = 0; i < p * m && !bad; i++)
-        if (fwd[i] != 1 || bwd[i] != 1) { fprintf(stderr, "  micro %d of stage %d: %d F, %d B\n", i % m, i / m, fwd[i], bwd[i]); bad = 1; }
-    free(pc); free(sent); free(gsent); free(fwd); free(bwd);
+    for (int i = 0; i < G * m && !bad; i++)
+        if (fwd[i] != 1 || bwd[i] != 1 || wgt[i] != split) {
+            fprintf(stderr, "  micro %d of stage %d: %d F, %d B, %d W\n", i % m, i / m, fwd[i], bwd[i], wgt[i]);
+            bad = 1;
+        }
+    free(pc); free(fwd); free(bwd); free(wgt); free(q[0]); free(q[1]);
     return bad ? -1 : 0;
 }
 
-static int play(ScheduleKind kind, int p, int m) {
+static int play(ScheduleKind kind, int p, int m, int v) {
     Schedule *s = calloc((size_t)p, sizeof *s);
     char err[128];
-    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, err, sizeof err) == 0, "%s", err);
+    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, v, err, sizeof err) == 0, "%s", err);
     int r = play_built(s, p, m);
     for (int i = 0; i < p; i++) schedule_free(&s[i]);
     free(s);
@@ -74,18 +120,19 @@ static int play(ScheduleKind kind, int p, int m) {
 
 static void test_every_layout_plays(void) {
     int ps[] = {1, 2, 3, 4}, ms[] = {1, 2, 3, 4, 5, 8, 9};
-    for (int k = 0; k < 2; k++)
-        for (size_t a = 0; a < sizeof ps / sizeof *ps; a++)
-            for (size_t b = 0; b < sizeof ms / sizeof *ms; b++)
-                CHECK(play((ScheduleKind)k, ps[a], ms[b]) == 0, "%s p=%d m=%d", schedule_kind_name((ScheduleKind)k),
-                      ps[a], ms[b]);
+    for (int k = 0; k < 4; k++)
+        for (int v = 1; v <= (k == SCHED_INTERLEAVED ? 4 : 1); v++)
+            for (size_t a = 0; a < sizeof ps / sizeof *ps; a++)
+                for (size_t b = 0; b < sizeof ms / sizeof *ms; b++)
+                    CHECK(play((ScheduleKind)k, ps[a], ms[b], v) == 0, "%s p=%d m=%d v=%d",
+                          schedule_kind_name((ScheduleKind)k), ps[a], ms[b], v);
 }
 
 static char *printed(ScheduleKind k, int p, int stage, int m) {
     static char buf[4096];
     Schedule s;
     char err[64];
-    schedule_build(&s, k, p, stage, m, err, sizeof err);
+    schedule_build(&s, k, p, stage, m, 1, err, sizeof err);
     FILE *f = fmemopen(buf, sizeof buf, "w");
     schedule_print(f, &s);
     fclose(f);
@@ -107,23 +154,59 @@ static void test_shapes(void) {
           printed(SCHED_GPIPE, 2, 1, 2));
     Schedule s;
     char err[64];
-    schedule_build(&s, SCHED_1F1B, 4, 0, 8, err, sizeof err);
+    schedule_build(&s, SCHED_1F1B, 4, 0, 8, 1, err, sizeof err);
     CHECK(s.max_in_flight == 4, "1F1B's first stage of 4 holds %d", s.max_in_flight);
     schedule_free(&s);
-    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, err, sizeof err);
+    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, 1, err, sizeof err);
     CHECK(s.max_in_flight == 8, "GPipe holds every micro-batch: %d", s.max_in_flight);
     schedule_free(&s);
+}
+
+/* The lists' length in the builder's unit costs, against the bubbles the schedules are
+ * known for: 1F1B (m + p - 1)(F + B), interleaved (m v + p - 1)(F + B) in chunk units,
+ * zero bubble about m (F + B + W) + (p - 1)(F + B - W) (ZB-H1). */
+static int makespan(ScheduleKind k, int p, int m, int v) {
+    Schedule s;
+    char err[64];
+    int most = 0;
+    for (int r = 0; r < p; r++) {
+        schedule_build(&s, k, p, r, m, v, err, sizeof err);
+        if (s.makespan > most) most = s.makespan;
+        schedule_free(&s);
+    }
+    return most;
+}
+
+static void test_bubbles(void) {
+    for (int p = 2; p <= 4; p += 2)
+        for (int m = p; m <= 4 * p; m *= 2) {
+            int zb = makespan(SCHED_ZB1, p, m, 1), one = (m + p - 1) * 3, zbh1 = m * 3 + (p - 1);
+            fprintf(stderr, "  p=%d m=%d: zb1 %d units (ZB-H1 %d; 1F1B %d)", p, m, zb, zbh1, one);
+            CHECK(zb <= zbh1, "zb1 p=%d m=%d: %d > %d", p, m, zb, zbh1);
+            for (int v = 2; v <= 4; v += 2) {
+                int il = makespan(SCHED_INTERLEAVED, p, m, v), want = (m * v + p - 1) * 3;
+                fprintf(stderr, "; interleaved v=%d %d (%d)", v, il, want);
+                CHECK(il <= want, "interleaved p=%d m=%d v=%d: %d > %d", p, m, v, il, want);
+            }
+            fprintf(stderr, "\n");
+        }
+    /* zero bubble holds p + 1 micro-batches (1F1B's first stage p): on one stage, two */
+    CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 3), "F0 B0 F1 B1 W0 F2 B2 W1 W2 step"), "%s", printed(SCHED_ZB1, 1, 0, 3));
 }
 
 static void test_bad_layouts(void) {
     Schedule s;
     char err[128];
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, err, sizeof err) == -1, "m = 0 accepted");
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, err, sizeof err) == -1, "stage 2 of 2 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, 1, err, sizeof err) == -1, "m = 0 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, 1, err, sizeof err) == -1, "stage 2 of 2 accepted");
     ScheduleKind k;
     CHECK(schedule_kind_parse("1f1b", &k) == 0 && k == SCHED_1F1B, "1f1b");
     CHECK(schedule_kind_parse("gpipe", &k) == 0 && k == SCHED_GPIPE, "gpipe");
     CHECK(schedule_kind_parse("zbv", &k) == -1, "zbv parsed");
+    CHECK(schedule_kind_parse("zb1", &k) == 0 && k == SCHED_ZB1, "zb1");
+    CHECK(schedule_kind_parse("interleaved", &k) == 0 && k == SCHED_INTERLEAVED, "interleaved");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 4, 2, err, sizeof err) == -1, "1f1b with 2 chunks accepted");
+    CHECK(schedule_build(&s, SCHED_INTERLEAVED, 2, 0, 4, SCHED_MAX_CHUNKS + 1, err, sizeof err) == -1, "too many chunks");
 }
 
 /* The player itself catches broken schedules: a receive moved before the neighbour can
@@ -132,8 +215,8 @@ static void test_player_catches_broken(void) {
     Schedule s[2];
     char err[64];
     for (int broken = 0; broken < 2; broken++) {
-        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, err, sizeof err);
-        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, err, sizeof err);
+        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, 1, err, sizeof err);
+        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, 1, err, sizeof err);
         ActionKind want = broken == 0 ? ACT_RECV_GRAD : ACT_BACKWARD;
         int j = 0;
         while (s[0].actions[j].kind != want) j++;
@@ -150,6 +233,7 @@ static void test_player_catches_broken(void) {
 int main(void) {
     RUN(test_every_layout_plays);
     RUN(test_shapes);
+    RUN(test_bubbles);
     RUN(test_bad_layouts);
     RUN(test_player_catches_broken);
     return TEST_SUMMARY();

@@ -101,8 +101,12 @@ static const Key KEYS[] = {
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "pipeline: micro-batches each data-parallel rank's batch_size is cut into (at least pipeline_parallel_size)"),
-    E(pipeline_schedule, "1f1b", "gpipe|1f1b", TR | CMD_ESTIMATE,
-      "pipeline: gpipe = every forward, then every backward; 1f1b = one forward, one backward in turn"),
+    E(pipeline_schedule, "1f1b", "gpipe|1f1b|interleaved|zb1", TR | CMD_ESTIMATE,
+      "pipeline: gpipe = every forward, then every backward; 1f1b = one forward, one backward in turn; "
+      "interleaved = 1f1b over virtual_stages chunks per rank; zb1 = zero bubble (ZB-H1: the backward split, "
+      "weight gradients fill the bubble)"),
+    I(virtual_stages, "0", 0, 8, TR | CMD_ESTIMATE,
+      "interleaved: stages (chunks of layers) per pipeline rank (0 = 2 with interleaved, else 1)"),
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
       "pipeline: layers per stage, e.g. 5,4,4,3; auto balances the stages' FLOPs, embedding and head counted"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
@@ -260,8 +264,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
         int pp = c->pipeline_parallel_size;
         {
-            if (pp == 1 && (c->micro_batches > 1 || config_was_set("pipeline_schedule") || config_was_set("pipeline_split")))
-                return set_err(err, errlen, "micro_batches, pipeline_schedule and pipeline_split apply with "
+            if (pp == 1 && (c->micro_batches > 1 || config_was_set("pipeline_schedule") || config_was_set("pipeline_split") ||
+                            config_was_set("virtual_stages")))
+                return set_err(err, errlen, "micro_batches, pipeline_schedule, virtual_stages and pipeline_split apply with "
                                "pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
             if (pp > 1 && c->micro_batches < pp)
                 return set_err(err, errlen, "micro_batches=%d is fewer than pipeline_parallel_size=%d: the pipeline "
@@ -269,6 +274,15 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (pp > 1 && c->batch_size % c->micro_batches)
                 return set_err(err, errlen, "micro_batches=%d does not divide batch_size=%d", c->micro_batches,
                                c->batch_size);
+            int il = !strcmp(c->pipeline_schedule, "interleaved");
+            if (c->virtual_stages > 1 && !il)
+                return set_err(err, errlen, "virtual_stages=%d applies with pipeline_schedule=interleaved",
+                               c->virtual_stages);
+            if (il && c->virtual_stages == 1)
+                return set_err(err, errlen, "pipeline_schedule=interleaved needs virtual_stages >= 2 (1 is 1f1b)");
+            if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
+                return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
+                               "pass: it does not combine with activation_checkpointing=true");
             if (pp > 1 && c->grad_accum_steps > 1)
                 return set_err(err, errlen, "grad_accum_steps with pipeline_parallel_size > 1: raise micro_batches "
                                "instead");
@@ -276,8 +290,17 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (pp > c->n_layers)
             return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", pp,
                            c->n_layers);
+        int v = config_virtual_stages(c);
+        if (v > 1 && pp * v > c->n_layers)
+            return set_err(err, errlen, "pipeline_parallel_size=%d x virtual_stages=%d = %d stages exceeds n_layers=%d: "
+                           "every stage needs a layer", pp, v, pp * v, c->n_layers);
     }
     return 0;
+}
+
+int config_virtual_stages(const Config *c) {
+    if (c->virtual_stages) return c->virtual_stages;
+    return !strcmp(c->pipeline_schedule, "interleaved") ? 2 : 1;
 }
 
 static void print_value(const Config *c, const Key *k) {

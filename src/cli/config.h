@@ -28,7 +28,7 @@ typedef struct {
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
     int copy_engines;
     char shard_strategy[16];
-    int micro_batches;
+    int micro_batches, virtual_stages;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
     /* sample / tokenize */
@@ -54,6 +54,8 @@ int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t er
 int config_validate(const Config *c, int cmd, char *err, size_t errlen);
 /* Was this key given explicitly in the last config_parse? */
 int config_was_set(const char *key);
+/* Chunks per pipeline rank: virtual_stages, or its default (2 with interleaved, else 1). */
+int config_virtual_stages(const Config *c);
 /* Prints every key of the subcommands in mask with its default and meaning. */
 void config_print_help(int mask);
 /* One line "key=value key=value ..." of the model/training keys, for run headers. */

@@ -148,24 +148,27 @@ int cmd_estimate(Config *c) {
         int M = c->micro_batches, BM = c->batch_size / M;
         ScheduleKind sched = SCHED_1F1B;
         schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
-        Stage *st = xcalloc((size_t)PP, sizeof *st);
-        char err[512];
-        if (pipeline_split(&mc, c->context_len, PP, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
-        printf("per pipeline stage (%d stages x %d data-parallel, %s, %d micro-batches of %d sequences):\n", PP, dp,
-               c->pipeline_schedule, M, BM);
+        int V = config_virtual_stages(c);
+        Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
+        char err[512], desc[512];
+        if (pipeline_split(&mc, c->context_len, PP * V, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
+               c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
         most = 0;
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
-            int in_flight = schedule_in_flight(sched, PP, s, M);
-            estimate_stage(&es, &mc, &st[s], BM, c->context_len, train_acts_mode(c), in_flight, kind, group,
-                           precision_of(c), &oc);
-            int l0 = stage_first_layer(&st[s]), l1 = l0 + stage_n_layers(&mc, &st[s]) - 1;
-            printf("  stage %d (%slayers %d-%d%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
-                   "in flight), total %s\n", s, s == 0 ? "embedding, " : "", l0, l1, s == PP - 1 ? ", head" : "",
-                   fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),
-                   fmt_bytes(b2, (double)(es.acts + es.logits)), in_flight, in_flight > 1 ? "es" : "",
+            Schedule sc;
+            if (schedule_build(&sc, sched, PP, s, M, V, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+            pipeline_rank_stages(st, PP, V, s, mine);
+            estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, precision_of(c),
+                           &oc);
+            pipeline_describe(&mc, mine, V, desc, sizeof desc);
+            printf("  stage %d (%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
+                   "in flight), total %s\n", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),
+                   fmt_bytes(b2, (double)(es.acts + es.logits)), sc.max_in_flight, sc.max_in_flight > 1 ? "es" : "",
                    fmt_bytes(b3, (double)es.total));
             if (es.total > most) most = es.total;
+            schedule_free(&sc);
         }
         free(st);
     }

@@ -23,17 +23,21 @@ size_t model_param_count(const ModelConfig *c) {
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc) {
-    model_init_layout_stage(m, c, pad_multiple, alloc, NULL);
+    model_init_layout_stage(m, c, pad_multiple, alloc, NULL, 0);
 }
 
-/* Whether stage s (NULL: the whole model) holds unit u: its own, and lm_head's copy of a
- * tied embedding on the stage with the head. */
-static int stage_holds(const ModelConfig *c, const Stage *s, int u) {
-    if (!s || (u >= s->first && u <= s->last)) return 1;
-    return u == UNIT_EMBEDDING && c->tie_embeddings && s->last == c->n_layers + 1;
+/* Whether stages s[0..n) (NULL: the whole model) hold unit u: their own, and lm_head's copy
+ * of a tied embedding on the stage with the head. */
+static int stage_holds(const ModelConfig *c, const Stage *s, int n, int u) {
+    if (!s) return 1;
+    for (int i = 0; i < n; i++)
+        if ((u >= s[i].first && u <= s[i].last) ||
+            (u == UNIT_EMBEDDING && c->tie_embeddings && s[i].last == c->n_layers + 1))
+            return 1;
+    return 0;
 }
 
-void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s) {
+void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages) {
     memset(m, 0, sizeof *m);
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
@@ -62,7 +66,7 @@ void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, i
         m->packed[u] = packed;
         packed += n;
         m->n_params += n;
-        if (!stage_holds(c, s, u)) n = 0;  /* another pipeline stage's unit: no storage here */
+        if (!stage_holds(c, s, n_stages, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
         off += m->units[u].n_padded;
@@ -533,6 +537,76 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
         HOOK(h, grad_ready, unit_of_layer(l0));
     }
     trace_mark(NULL, "backward done");
+}
+
+/* ---- the backward split in two (zero-bubble schedules) ----
+ * The input-gradient pass computes every d(input) of a layer but no weight gradient, and
+ * keeps what the weight gradients need beside the layer's activations: the gradients at
+ * the outputs of its four matrix products and at its two norms' outputs (WGrad), one set per
+ * layer of the stage. The weight pass then needs neither the weights nor the next layer. */
+typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
+
+size_t model_wgrad_bytes(const ModelConfig *c, const Stage *s, int B, int T, size_t act_size) {
+    size_t E = c->embed_dim, H = (size_t)(int)(1.5 * c->embed_dim);
+    return (size_t)stage_n_layers(c, s) * (size_t)B * T * (7 * E + 2 * H) * act_size;
+}
+
+static WGrad wgrad_at(const Model *m, void *buf, int i, size_t N) {
+    size_t E = m->E, H = m->H, per = N * (7 * E + 2 * H);
+    void *b = act_at(buf, (size_t)i * per);
+    WGrad w = {b, act_at(b, N * E), act_at(b, N * (E + 2 * H)), act_at(b, N * (2 * E + 2 * H)),
+               act_at(b, N * (3 * E + 2 * H)), act_at(b, N * (6 * E + 2 * H))};
+    return w;
+}
+
+void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
+    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
+    size_t bytes = (size_t)N * E * ops_act_size();
+    const LayerLayout *ly = &m->layer;
+    for (int i = nl - 1; i >= 0; i--) {
+        int l = l0 + i;
+        LayerActs la = layer_acts(m, a, i, i);
+        WGrad wg = wgrad_at(m, wbuf, i, a->N);
+        HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
+        const void *w = unit_weights(m, unit_of_layer(l));
+        op_copy(wg.dout, a->dres, bytes);
+        op_matmul_backward_set(a->dh, NULL, a->dres, la.hsw, act_at(w, ly->down), N, H, E);
+        op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
+        op_matmul_backward_set(wg.dxn2, NULL, wg.dgu, la.xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+        op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, N, E);
+        op_copy(wg.dmid, a->dres, bytes);
+        op_matmul_backward_set(a->datt, NULL, a->dres, la.att, act_at(w, ly->att_out), N, E, E);
+        op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NH,
+                                       m->HD);
+        op_matmul_backward_set(wg.dxn1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * E);
+        op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, N, E);
+        HOOK(h, release, unit_of_layer(l));
+    }
+    /* dres now holds d(loss)/d(the stage's input): sent to the stage before, or, on the
+     * first stage, the embedding's gradient (taken in the weight pass) */
+}
+
+void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
+    int N = a->B * a->T, E = m->E, H = m->H, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
+    const LayerLayout *ly = &m->layer;
+    for (int i = nl - 1; i >= 0; i--) {
+        int u = unit_of_layer(l0 + i);
+        LayerActs la = layer_acts(m, a, i, i);
+        WGrad wg = wgrad_at(m, wbuf, i, a->N);
+        HOOK(h, grad_begin, u);
+        void *g = unit_grads(m, u);
+        op_matmul_backward(NULL, st_at(g, ly->down), wg.dout, la.hsw, NULL, N, H, E);
+        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, la.xn2, NULL, N, E, 2 * H);
+        op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, N, E);
+        op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, E, E);
+        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, la.xn1, NULL, N, E, 3 * E);
+        op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, N, E);
+        HOOK(h, grad_ready, u);
+    }
+    if (!stage_has_embedding(s)) return;
+    HOOK(h, grad_begin, UNIT_EMBEDDING);
+    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), a->dres, a->dev_emb_index, a->emb_nr, N, m->E);
+    HOOK(h, grad_ready, UNIT_EMBEDDING);
 }
 
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {

@@ -98,10 +98,11 @@ size_t model_param_count(const ModelConfig *c);
  * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies
  * allocate on the backend instead (op_alloc) and point the units there. */
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc);
-/* The same, holding only stage s's units (and, on the last stage, a copy of a tied
- * embedding for lm_head): the others keep their index but have no storage (n = n_padded
- * = 0). s = NULL: every unit. */
-void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s);
+/* The same, holding only the units of stages s[0..n_stages) (one pipeline rank's: one, or
+ * its chunks when interleaved), and, with the last stage, a copy of a tied embedding for
+ * lm_head: the others keep their index but have no storage (n = n_padded = 0). s = NULL:
+ * every unit. */
+void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);
@@ -181,6 +182,17 @@ void acts_free(Acts *a);
  * d(loss)/d(its input) in model_stage_grad(a). Nothing waits for the device. */
 void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale, const UnitHooks *hooks);
 void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *hooks);
+/* The backward split in two, for the zero-bubble schedule (zb1). model_backward_input:
+ * model_backward's d(loss)/d(input) (left in model_stage_grad(a)) without any weight
+ * gradient; what the weight gradients need is kept in wbuf (model_wgrad_bytes). Then
+ * model_backward_weight ACCUMULATES the weight gradients from wbuf and a's activations
+ * (the embedding's too, on the first stage), needing no weights: a's activations and wbuf
+ * stay untouched in between. The hooks: gather/release in the first, grad_begin/grad_ready
+ * in the second. Activation checkpointing is not supported (the layers' activations must
+ * all be kept). */
+size_t model_wgrad_bytes(const ModelConfig *c, const Stage *s, int B, int T, size_t act_size);
+void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *hooks);
+void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *hooks);
 void *model_stage_input(const Model *m, const Acts *a);
 /* training: as model_forward's grad (a forward without gradients leaves it elsewhere) */
 void *model_stage_output(const Model *m, const Stage *s, const Acts *a, int training);

@@ -146,7 +146,8 @@ void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, in
  * then out = rmsnorm(res) exactly as op_rmsnorm_forward (res as stored: in bf16, rounded). */
 void op_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
                             float eps);
-/* dx += ..., dw += ...  (dw reduced over rows in a fixed order). */
+/* dx += ..., dw += ...  (dw reduced over rows in a fixed order). Either may be NULL; with dx
+ * NULL, w is not read (and may be NULL): the weight gradient alone. */
 void op_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                          const float *rstd, int N, int C);
 

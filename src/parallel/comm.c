@@ -96,7 +96,11 @@ void comm_split(const Comm *parent, int color, int key, const char *name, Comm *
     out->size = 1;
     if (!parent->impl) return;
     CommImpl *ci = xcalloc(1, sizeof *ci);
-    comm_check(MPI_Comm_split(mpi(parent), color, key, &ci->mc), parent, "comm split");
+    comm_check(MPI_Comm_split(mpi(parent), color < 0 ? MPI_UNDEFINED : color, key, &ci->mc), parent, "comm split");
+    if (ci->mc == MPI_COMM_NULL) {  /* a negative color: in no group */
+        free(ci);
+        return;
+    }
     MPI_Comm_set_errhandler(ci->mc, MPI_ERRORS_RETURN);
     MPI_Comm_rank(ci->mc, &out->rank);
     MPI_Comm_size(ci->mc, &out->size);

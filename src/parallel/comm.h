@@ -66,7 +66,8 @@ int comm_using_mpi(void);
 /* Hostname-local rank and size (for hybrid sharding's default group size). */
 int comm_local_size(void);
 
-/* Sub-group of the ranks with the same color, ordered by key (MPI_Comm_split). */
+/* Sub-group of the ranks with the same color, ordered by key (MPI_Comm_split); a negative
+ * color: none (out is a group of one). */
 void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out);
 void comm_free(Comm *c);
 

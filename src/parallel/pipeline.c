@@ -1,4 +1,5 @@
 #include "pipeline.h"
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "util.h"
@@ -20,6 +21,21 @@ double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s) {
     for (int u = s->first; u <= s->last; u++)
         f += u == 0 ? c->embed_dim : u == head_unit(c) ? head_flops(c) : layer_flops(c, T);
     return f;
+}
+
+void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out) {
+    for (int c = 0; c < v; c++) out[c] = split[c * p + rank];
+}
+
+void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len) {
+    size_t k = 0;
+    buf[0] = 0;
+    for (int i = 0; i < n && k < len; i++) {
+        int l0 = stage_first_layer(&s[i]), l1 = l0 + stage_n_layers(c, &s[i]) - 1;
+        k += (size_t)snprintf(buf + k, len - k, "%s%slayers %d-%d%s", i ? " + " : "",
+                              stage_has_embedding(&s[i]) ? "embedding, " : "", l0, l1,
+                              s[i].last == head_unit(c) ? ", head" : "");
+    }
 }
 
 /* Stages from layer counts n[0..p): stage i holds layers [sum n[<i], sum n[<=i]). */

@@ -11,6 +11,11 @@
  * counts summing to n_layers. Returns -1 with a one-line err (naming pipeline_split or
  * pipeline_parallel_size) on an impossible split. */
 int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen);
+/* The stages pipeline rank `rank` of p computes when the split has p x v stages: stages
+ * c x p + rank for c = 0..v-1 (interleaved; v = 1: stage `rank`), into out[0..v). */
+void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);
+/* "embedding, layers 0-3" / "layers 4-7, head"; chunks joined by " + ". */
+void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len);
 /* Estimated FLOPs per token (forward + backward) of stage s: what `auto` balances. */
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s);
 #endif

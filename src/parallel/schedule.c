@@ -1,9 +1,10 @@
 #include "schedule.h"
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include "util.h"
 
-static const char *KIND_NAMES[] = {"gpipe", "1f1b"};
+static const char *KIND_NAMES[] = {"gpipe", "1f1b", "interleaved", "zb1"};
 
 int schedule_kind_parse(const char *name, ScheduleKind *out) {
     for (int k = 0; k < (int)(sizeof KIND_NAMES / sizeof KIND_NAMES[0]); k++)
@@ -14,56 +15,255 @@ int schedule_kind_parse(const char *name, ScheduleKind *out) {
 const char *schedule_kind_name(ScheduleKind k) { return KIND_NAMES[k]; }
 
 const char *action_name(ActionKind k) {
-    static const char *names[] = {"recv", "F", "send", "recvgrad", "B", "sendgrad", "step"};
+    static const char *names[] = {"recv", "F", "send", "recvgrad", "B", "sendgrad", "W", "step"};
     return names[k];
 }
 
-static void add(Schedule *s, ActionKind k, int micro) { s->actions[s->n++] = (Action){k, micro}; }
+static void add(Schedule *s, ActionKind k, int micro, int chunk) { s->actions[s->n++] = (Action){k, micro, chunk}; }
+
+/* The first and the last of the p x v stages have no neighbour on one side. */
+static int first_stage(const Schedule *s, int c) { return c == 0 && s->stage == 0; }
+static int last_stage(const Schedule *s, int c) { return c == s->chunks - 1 && s->stage == s->stages - 1; }
 
 /* A forward with its receive before and its send after, where the stage has neighbours. */
-static void forward(Schedule *s, int i) {
-    if (s->stage > 0) add(s, ACT_RECV_INPUT, i);
-    add(s, ACT_FORWARD, i);
-    if (s->stage < s->stages - 1) add(s, ACT_SEND_OUTPUT, i);
+static void forward(Schedule *s, int i, int c) {
+    if (!first_stage(s, c)) add(s, ACT_RECV_INPUT, i, c);
+    add(s, ACT_FORWARD, i, c);
+    if (!last_stage(s, c)) add(s, ACT_SEND_OUTPUT, i, c);
 }
 
-static void backward(Schedule *s, int i) {
-    if (s->stage < s->stages - 1) add(s, ACT_RECV_GRAD, i);
-    add(s, ACT_BACKWARD, i);
-    if (s->stage > 0) add(s, ACT_SEND_GRAD, i);
+static void backward(Schedule *s, int i, int c) {
+    if (!last_stage(s, c)) add(s, ACT_RECV_GRAD, i, c);
+    add(s, ACT_BACKWARD, i, c);
+    if (!first_stage(s, c)) add(s, ACT_SEND_GRAD, i, c);
 }
 
-/* GPipe holds every micro-batch; 1F1B's stage s runs stages - s - 1 forwards ahead, so it
- * holds one more than that (the first stage the most). */
-int schedule_in_flight(ScheduleKind kind, int stages, int stage, int m) {
-    if (kind == SCHED_GPIPE) return m;
-    return (stages - stage - 1 < m ? stages - stage - 1 : m) + 1;
+/* ---- interleaved and zero bubble: the lists from a simulation of every rank ----
+ *
+ * Each rank takes its forwards and its backwards in fixed orders (interleaved: rounds of p
+ * micro-batches, each round through chunk 0, 1, ... forward and back down the chunks
+ * backward, as Megatron-LM orders them; m need not divide by p: the last round is shorter).
+ * In unit time steps (forward 1, backward 2, or 1 + 1 when split), a free rank runs the
+ * next backward if its gradient has arrived, else the next forward if its input has and it
+ * holds fewer micro-batches than its limit, else (split) the oldest weight-gradient pass
+ * waiting; communication is taken as instant. The limit is p + 1 micro-batches for zb1 (one
+ * more than 1F1B's first stage, p: with p, the simulated step is one unit longer than
+ * ZB-H1's m (F + B + W) + (p - 1)(F + B - W)); for interleaved Megatron's warm-up plus one,
+ * (p - r - 1) x 2 + (v - 1) x p + 1, raised by one until the simulation ends (a short last
+ * round can need more). Interleaved takes Megatron-LM's own lists instead where they run
+ * and are no longer. What each rank ran, in the order it ran it, is its list: every rank
+ * simulates all of them alike, so the lists agree. */
+
+typedef struct { int c, i; } Op;
+
+typedef struct {
+    int p, v, m, split, fdur, bdur, wdur;
+    Op *ford, *bord;        /* [p][v m]: each rank's forward and backward orders */
+    Action **out;           /* [p]: each rank's compute actions (F, B, W) in order */
+    int *nout;
+    int *in_flight, *pend;  /* [p][v], [p]: most held per chunk, most waiting for W */
+    int makespan;
+} Sim;
+
+static void orders(Sim *S, int r) {
+    int p = S->p, v = S->v, m = S->m, k = 0, kb = 0;
+    Op *f = S->ford + (size_t)r * v * m, *b = S->bord + (size_t)r * v * m;
+    for (int r0 = 0; r0 < m; r0 += p) {
+        int n = m - r0 < p ? m - r0 : p;
+        for (int c = 0; c < v; c++)
+            for (int j = 0; j < n; j++) f[k++] = (Op){c, r0 + j};
+        for (int c = v - 1; c >= 0; c--)
+            for (int j = 0; j < n; j++) b[kb++] = (Op){c, r0 + j};
+    }
 }
 
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, char *err, size_t errlen) {
+/* One simulation with per-rank limits lim[r]; 0 when every rank finished, -1 on a deadlock.
+ * fixed (or NULL): each rank's compute actions in a given order, run as their inputs
+ * arrive (Megatron-LM's interleaved lists), instead of the greedy choice. */
+static int simulate(Sim *S, const int *lim, Action *const *fixed) {
+    int p = S->p, v = S->v, m = S->m, G = p * v, vm = v * m;
+    size_t nd = (size_t)G * m;
+    int *fdone = xmalloc(nd * sizeof(int)), *bdone = xmalloc(nd * sizeof(int));
+    for (size_t k = 0; k < nd; k++) fdone[k] = bdone[k] = INT_MAX;
+    int *fi = xcalloc((size_t)p, sizeof(int)), *bi = xcalloc((size_t)p, sizeof(int)), *busy = xcalloc((size_t)p, sizeof(int));
+    int *held = xcalloc((size_t)p * v, sizeof(int)), *nheld = xcalloc((size_t)p, sizeof(int));
+    Op *wq = xmalloc((size_t)p * vm * sizeof(Op));
+    int *wh = xcalloc((size_t)p, sizeof(int)), *wt = xcalloc((size_t)p, sizeof(int));
+    memset(S->nout, 0, (size_t)p * sizeof(int));
+    memset(S->in_flight, 0, (size_t)p * v * sizeof(int));
+    memset(S->pend, 0, (size_t)p * sizeof(int));
+    int rc = 0, t = 0;
+    for (;;) {
+        int finished = 1, running = 0, started = 0;
+        for (int r = 0; r < p; r++) {
+            if (fi[r] < vm || bi[r] < vm || wh[r] < wt[r]) finished = 0;
+            if (busy[r] > t) { running = 1; continue; }
+            Op fx = {0, 0}, bx = {0, 0};
+            const Op *fo = fi[r] < vm ? &S->ford[(size_t)r * vm + fi[r]] : NULL;
+            const Op *bo = bi[r] < vm ? &S->bord[(size_t)r * vm + bi[r]] : NULL;
+            if (fixed) {  /* only the list's next action may run */
+                int k = S->nout[r];
+                fo = bo = NULL;
+                if (fi[r] < vm || bi[r] < vm) {
+                    Action a = fixed[r][k];
+                    if (a.kind == ACT_FORWARD) fx = (Op){a.chunk, a.micro}, fo = &fx;
+                    else bx = (Op){a.chunk, a.micro}, bo = &bx;
+                }
+            }
+            int bg = bo ? bo->c * p + r : 0, fg = fo ? fo->c * p + r : 0;
+            int b_ok = bo && fdone[(size_t)bg * m + bo->i] <= t &&
+                       (bg == G - 1 || bdone[(size_t)(bg + 1) * m + bo->i] <= t);
+            int f_ok = fo && nheld[r] < lim[r] && (fg == 0 || fdone[(size_t)(fg - 1) * m + fo->i] <= t);
+            Action *a = &S->out[r][S->nout[r]];
+            if (b_ok) {
+                busy[r] = t + S->bdur;
+                bdone[(size_t)bg * m + bo->i] = t + S->bdur;
+                *a = (Action){ACT_BACKWARD, bo->i, bo->c};
+                if (S->split) {
+                    wq[(size_t)r * vm + wt[r]++] = *bo;
+                    if (wt[r] - wh[r] > S->pend[r]) S->pend[r] = wt[r] - wh[r];
+                } else {
+                    held[r * v + bo->c]--;
+                    nheld[r]--;
+                }
+                bi[r]++;
+            } else if (f_ok) {
+                busy[r] = t + S->fdur;
+                fdone[(size_t)fg * m + fo->i] = t + S->fdur;
+                *a = (Action){ACT_FORWARD, fo->i, fo->c};
+                if (++held[r * v + fo->c] > S->in_flight[r * v + fo->c]) S->in_flight[r * v + fo->c] = held[r * v + fo->c];
+                nheld[r]++;
+                fi[r]++;
+            } else if (wh[r] < wt[r]) {
+                Op w = wq[(size_t)r * vm + wh[r]++];
+                busy[r] = t + S->wdur;
+                *a = (Action){ACT_WEIGHT, w.i, w.c};
+                held[r * v + w.c]--;
+                nheld[r]--;
+            } else {
+                continue;
+            }
+            S->nout[r]++;
+            started = running = 1;
+        }
+        if (finished) break;
+        if (!running && !started) { rc = -1; break; }
+        t++;
+    }
+    S->makespan = t;
+    free(fdone); free(bdone); free(fi); free(bi); free(busy); free(held); free(nheld); free(wq); free(wh); free(wt);
+    return rc;
+}
+
+/* Megatron-LM's interleaved lists: rank r runs (p - r - 1) x 2 + (v - 1) x p forwards
+ * (at most all), then a forward and a backward in turn, then the remaining backwards. */
+static void megatron_lists(const Sim *S, Action **lists) {
+    int p = S->p, v = S->v, vm = v * S->m;
+    for (int r = 0; r < p; r++) {
+        const Op *f = S->ford + (size_t)r * vm, *b = S->bord + (size_t)r * vm;
+        int w = (p - r - 1) * 2 + (v - 1) * p, n = 0, kf = 0, kb = 0;
+        if (w > vm) w = vm;
+        while (kf < w) lists[r][n++] = (Action){ACT_FORWARD, f[kf].i, f[kf].c}, kf++;
+        while (kf < vm) {
+            lists[r][n++] = (Action){ACT_FORWARD, f[kf].i, f[kf].c}, kf++;
+            lists[r][n++] = (Action){ACT_BACKWARD, b[kb].i, b[kb].c}, kb++;
+        }
+        while (kb < vm) lists[r][n++] = (Action){ACT_BACKWARD, b[kb].i, b[kb].c}, kb++;
+    }
+}
+
+static int build_simulated(Schedule *s, char *err, size_t errlen) {
+    int p = s->stages, v = s->chunks, m = s->micro_batches, vm = v * m;
+    Sim S = {p, v, m, s->split_backward, 1, s->split_backward ? 1 : 2, 1, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    S.ford = xmalloc((size_t)p * vm * sizeof(Op));
+    S.bord = xmalloc((size_t)p * vm * sizeof(Op));
+    S.out = xmalloc((size_t)p * sizeof(Action *));
+    for (int r = 0; r < p; r++) {
+        orders(&S, r);
+        S.out[r] = xmalloc((size_t)3 * vm * sizeof(Action));
+    }
+    S.nout = xmalloc((size_t)p * sizeof(int));
+    S.in_flight = xmalloc((size_t)p * v * sizeof(int));
+    S.pend = xmalloc((size_t)p * sizeof(int));
+    int *lim = xmalloc((size_t)p * sizeof(int)), rc;
+    for (int r = 0; r < p; r++) {
+        int l = s->kind == SCHED_ZB1 ? p + 1 : (p - r - 1) * 2 + (v - 1) * p + 2;
+        lim[r] = l < vm ? l : vm;
+    }
+    /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
+    int mega = -1, *vmlim = xmalloc((size_t)p * sizeof(int));
+    Action **fixed = NULL;
+    if (s->kind == SCHED_INTERLEAVED) {
+        fixed = xmalloc((size_t)p * sizeof(Action *));
+        for (int r = 0; r < p; r++) fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action)), vmlim[r] = vm;
+        megatron_lists(&S, fixed);
+        if (simulate(&S, vmlim, fixed) == 0) mega = S.makespan;
+    }
+    while ((rc = simulate(&S, lim, NULL)) != 0) {
+        int raised = 0;
+        for (int r = 0; r < p; r++)
+            if (lim[r] < vm) lim[r]++, raised = 1;
+        if (!raised) break;
+    }
+    if (mega >= 0 && (rc || mega <= S.makespan)) rc = simulate(&S, vmlim, fixed);
+    for (int r = 0; fixed && r < p; r++) free(fixed[r]);
+    free(fixed);
+    free(vmlim);
+    if (rc) {
+        set_err(err, errlen, "internal: no %s schedule for %d stages, %d chunks, %d micro-batches",
+                schedule_kind_name(s->kind), p, v, m);
+    } else {
+        int r = s->stage;
+        for (int k = 0; k < S.nout[r]; k++) {
+            Action a = S.out[r][k];
+            if (a.kind == ACT_FORWARD) forward(s, a.micro, a.chunk);
+            else if (a.kind == ACT_BACKWARD) backward(s, a.micro, a.chunk);
+            else add(s, a.kind, a.micro, a.chunk);
+        }
+        for (int c = 0; c < v; c++) {
+            s->in_flight[c] = S.in_flight[r * v + c];
+            s->max_in_flight += s->in_flight[c];  /* what the slots of every chunk hold */
+        }
+        s->max_pending_w = S.pend[r];
+        s->makespan = S.makespan;
+    }
+    for (int q = 0; q < p; q++) free(S.out[q]);
+    free(S.out); free(S.ford); free(S.bord); free(S.nout); free(S.in_flight); free(S.pend); free(lim);
+    return rc;
+}
+
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, char *err, size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
     if (m < 1) return set_err(err, errlen, "%d micro-batches: at least one is needed", m);
-    s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m;
-    s->actions = xmalloc((size_t)(6 * m + 1) * sizeof *s->actions);
-    if (kind == SCHED_GPIPE) {
+    if (chunks < 1 || chunks > SCHED_MAX_CHUNKS || (chunks > 1 && kind != SCHED_INTERLEAVED))
+        return set_err(err, errlen, "virtual_stages=%d: 1 to %d, and more than 1 only with pipeline_schedule=interleaved",
+                       chunks, SCHED_MAX_CHUNKS);
+    s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = chunks;
+    s->split_backward = kind == SCHED_ZB1;
+    s->actions = xmalloc((size_t)(7 * m * chunks + 1) * sizeof *s->actions);
+    if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
+        if (build_simulated(s, err, errlen)) { schedule_free(s); return -1; }
+    } else if (kind == SCHED_GPIPE) {
         /* every forward, then every backward (in reverse order, as the activations were made) */
-        for (int i = 0; i < m; i++) forward(s, i);
-        for (int i = m - 1; i >= 0; i--) backward(s, i);
+        for (int i = 0; i < m; i++) forward(s, i, 0);
+        for (int i = m - 1; i >= 0; i--) backward(s, i, 0);
+        s->max_in_flight = m;
     } else {
         /* 1F1B: stage s runs stages - s - 1 forwards ahead, then one forward and one
          * backward in turn, then the remaining backwards: at most stages - s micro-batches'
          * activations at once (the first stage holds the most). With one stage: F0 B0 F1 B1 ... */
         int warmup = stages - stage - 1 < m ? stages - stage - 1 : m;
-        for (int i = 0; i < warmup; i++) forward(s, i);
+        for (int i = 0; i < warmup; i++) forward(s, i, 0);
         for (int i = 0; i < m - warmup; i++) {
-            forward(s, warmup + i);
-            backward(s, i);
+            forward(s, warmup + i, 0);
+            backward(s, i, 0);
         }
-        for (int i = m - warmup; i < m; i++) backward(s, i);
+        for (int i = m - warmup; i < m; i++) backward(s, i, 0);
+        s->max_in_flight = warmup + 1 < m ? warmup + 1 : m;
     }
-    s->max_in_flight = schedule_in_flight(kind, stages, stage, m);
-    add(s, ACT_OPTIM_STEP, -1);
+    if (kind == SCHED_GPIPE || kind == SCHED_1F1B) s->in_flight[0] = s->max_in_flight;
+    add(s, ACT_OPTIM_STEP, -1, 0);
     return 0;
 }
 
@@ -77,6 +277,7 @@ void schedule_print(FILE *f, const Schedule *s) {
     for (int i = 0; i < s->n; i++) {
         const Action *a = &s->actions[i];
         if (a->kind == ACT_OPTIM_STEP) fprintf(f, "%sstep", i ? " " : "");
+        else if (s->chunks > 1) fprintf(f, "%s%s%d.%d", i ? " " : "", action_name(a->kind), a->micro, a->chunk);
         else fprintf(f, "%s%s%d", i ? " " : "", action_name(a->kind), a->micro);
     }
     fputc('\n', f);

@@ -1,48 +1,60 @@
-/* schedule — one optimizer step as a list of actions for one stage: forward or backward
- * of micro-batch i, sends and receives of the activations and their gradients between
- * neighbouring stages, and the optimizer step. GPipe and 1F1B are different lists;
- * gradient accumulation on one stage is 1F1B with one stage (F0 B0 F1 B1 ... step).
- * A schedule knows nothing of models or ranks' memory: it can be printed and checked
- * (tests/test_schedule.c plays every stage's list against the others) without running
- * anything. */
+/* schedule — one optimizer step as a list of actions for one pipeline rank: forward or
+ * backward of micro-batch i on chunk c, sends and receives of the activations and their
+ * gradients between neighbouring stages, the weight-gradient pass where the backward is
+ * split (zero bubble), and the optimizer step. GPipe, 1F1B, interleaved 1F1B and ZB-H1 are
+ * different lists; gradient accumulation on one stage is 1F1B with one stage
+ * (F0 B0 F1 B1 ... step). A schedule knows nothing of models or memory: it can be printed
+ * and checked (tests/test_schedule.c plays every rank's list against the others) without
+ * running anything.
+ *
+ * Stages and chunks: with v chunks per rank (interleaved; v = 1 otherwise) the model is cut
+ * into p x v stages; rank r computes chunks c = 0..v-1, which are stages c x p + r. The
+ * activations of chunk c flow to stage c x p + r + 1: rank r + 1's chunk c, or, from the
+ * last rank, rank 0's chunk c + 1. */
 #ifndef MESHTRAIN_SCHEDULE_H
 #define MESHTRAIN_SCHEDULE_H
 #include <stddef.h>
 #include <stdio.h>
 
 typedef enum {
-    ACT_RECV_INPUT,   /* the stage's input for micro i, from the stage before */
+    ACT_RECV_INPUT,   /* the chunk's input for micro i, from the stage before */
     ACT_FORWARD,      /* forward of micro i (the last stage also its loss and head backward) */
-    ACT_SEND_OUTPUT,  /* the stage's output for micro i, to the stage after */
+    ACT_SEND_OUTPUT,  /* the chunk's output for micro i, to the stage after */
     ACT_RECV_GRAD,    /* d(loss)/d(output) of micro i, from the stage after */
-    ACT_BACKWARD,     /* backward of micro i: input gradient and weight gradients */
+    ACT_BACKWARD,     /* backward of micro i: the input gradient, and the weight gradients unless split */
     ACT_SEND_GRAD,    /* d(loss)/d(input) of micro i, to the stage before */
+    ACT_WEIGHT,       /* split backward (zb1): the weight gradients of micro i */
     ACT_OPTIM_STEP,   /* the data-parallel reductions' end and the update, once per step */
 } ActionKind;
 
-typedef struct { ActionKind kind; int micro; } Action;
+typedef struct { ActionKind kind; int micro, chunk; } Action;
 
-typedef enum { SCHED_GPIPE, SCHED_1F1B } ScheduleKind;
+typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1 } ScheduleKind;
+
+#define SCHED_MAX_CHUNKS 8
 
 typedef struct {
     ScheduleKind kind;
-    int stages, stage, micro_batches;
+    int stages, stage, micro_batches, chunks;  /* stages: pipeline ranks; stage: this rank */
     int n;
     Action *actions;
-    int max_in_flight;  /* micro-batches whose activations this stage holds at once */
+    int split_backward;                 /* zb1: ACT_BACKWARD is the input gradient, ACT_WEIGHT the rest */
+    int max_in_flight;                  /* micro-batches whose activations this rank holds at once */
+    int in_flight[SCHED_MAX_CHUNKS];    /* ... per chunk (a chunk's micro-batch i uses slot i % this) */
+    int max_pending_w;                  /* zb1: micro-batches between their B and their W at once */
+    int makespan;                       /* the step's length in the builder's unit costs (0: not simulated) */
 } Schedule;
 
-/* Parses "gpipe" / "1f1b"; -1 if unknown. */
+/* Parses "gpipe" / "1f1b" / "interleaved" / "zb1"; -1 if unknown. */
 int schedule_kind_parse(const char *name, ScheduleKind *out);
 const char *schedule_kind_name(ScheduleKind k);
-/* The actions stage `stage` of `stages` runs for one step of m micro-batches. Returns -1
- * with err on an impossible layout (m < 1, stage out of range). */
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, char *err, size_t errlen);
+/* The actions rank `stage` of `stages` runs for one step of m micro-batches, with `chunks`
+ * chunks per rank (interleaved; 1 for the others). Returns -1 with err on an impossible
+ * layout (m < 1, stage out of range, chunks out of range or > 1 with another kind). */
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, char *err, size_t errlen);
 void schedule_free(Schedule *s);
-/* The micro-batches whose activations stage `stage` holds at once under kind (what
- * schedule_build's max_in_flight says, without building the list: the estimate's). */
-int schedule_in_flight(ScheduleKind kind, int stages, int stage, int m);
-/* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step". */
+/* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
+ * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */
 void schedule_print(FILE *f, const Schedule *s);
 const char *action_name(ActionKind k);
 #endif

@@ -78,21 +78,27 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);
 }
 
-void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
-                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc) {
+void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
+                    int training, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc) {
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
-    model_init_layout_stage(&m, c, shard_size, 0, s);
+    model_init_layout_stage(&m, c, shard_size, 0, s, sched->chunks);
     ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
-    size_t logit_bytes, acts = acts_bytes_stage(c, s, B_micro, T, training, act_size, &logit_bytes);
     /* every micro-batch in flight has activations of its own (Acts), logits chunk included */
-    size_t k = (size_t)(in_flight > 0 ? in_flight : 1);
-    e->logits = logit_bytes * k;
-    e->acts = (acts - logit_bytes) * k;
+    e->logits = e->acts = 0;
+    for (int k = 0; k < sched->chunks; k++) {
+        size_t logit_bytes, acts = acts_bytes_stage(c, &s[k], B_micro, T, training, act_size, &logit_bytes);
+        size_t n = (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1);
+        e->logits += logit_bytes * n;
+        e->acts += (acts - logit_bytes) * n;
+    }
+    if (sched->split_backward)
+        e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) *
+                   model_wgrad_bytes(c, &s[0], B_micro, T, act_size);
     e->comm = 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;
     model_free(&m);

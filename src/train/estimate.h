@@ -7,6 +7,7 @@
 #include "ops.h"
 #include "parallel.h"
 #include "pipeline.h"
+#include "schedule.h"
 
 typedef struct {
     size_t n_params;
@@ -30,12 +31,13 @@ typedef struct {
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
                      int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc,
                      MemEstimate *e);
-/* A pipeline stage's share instead of the whole model's (e from estimate_memory, redone in
- * place): the units the stage holds (and a tied embedding's copy on the last stage), as the
- * strategy holds them, and the activations of `in_flight` micro-batches of B_micro
- * sequences (its schedule's max_in_flight: 1F1B's first stage holds the most). */
-void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, int B_micro, int T, int training,
-                    int in_flight, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc);
+/* A pipeline rank's share instead of the whole model's (e from estimate_memory, redone in
+ * place): the units of its stages s[0..sched->chunks) (and a tied embedding's copy with the
+ * last stage), as the strategy holds them, and the activations its schedule keeps in
+ * flight: sched->in_flight[c] micro-batches of B_micro sequences on chunk c (1F1B's first
+ * stage holds the most), and zb1's weight-pass inputs of max_pending_w of them. */
+void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
+                    int training, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);

@@ -16,37 +16,85 @@ static void next_rows(Step *st) {
         parallel_set_embedding_rows(st->par, st->erows, loader_batch_tokens(st->loader, st->m->V, st->eseen, st->erows));
 }
 
-int step_init(Step *st, Model *m, Stage s, Parallel *par, Loader *loader, Acts *a, int micro,
+/* The pipeline's ring in two-rank groups ("links"): link j joins rank j, which sends on
+ * it, and rank j + dir (mod p), which receives. A rank sends on one link and receives on
+ * another, so on GPUs a send waiting in its stream for the peer's receive never holds up
+ * a receive of this rank (one stream for both, around the ring of interleaved stages, can
+ * wait in a circle). The links are made in up to three splits whose links share no rank
+ * (even links, odd links, and with odd p the last one); each is ready for send/receive
+ * before the next split, so both members set up each link together. */
+static int link_color(int j, int p) { return p % 2 && j == p - 1 ? 2 : j % 2; }
+
+static void make_links(const Comm *pipe, int dir, const char *name, Comm *out, Comm *in) {
+    int p = pipe->size, r = pipe->rank, from = ((r - dir) % p + p) % p;  /* the rank whose link reaches r */
+    for (int k = 0; k < 3; k++) {
+        int color = -1, key = 0;
+        Comm *dst = NULL;
+        if (link_color(r, p) == k) color = r, key = 0, dst = out;
+        else if (link_color(from, p) == k) color = from, key = 1, dst = in;
+        Comm tmp;
+        comm_split(pipe, color, key, name, &tmp);
+        if (dst) {
+            *dst = tmp;
+            comm_p2p_init(dst);
+        } else {
+            comm_free(&tmp);
+        }
+    }
+}
+
+int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, Loader *loader, Acts *a, int micro,
               const StepPipeline *pipe, char *err, size_t errlen) {
     memset(st, 0, sizeof *st);
-    st->m = m; st->stage = s; st->par = par; st->hooks = parallel_hooks(par); st->loader = loader;
+    st->m = m; st->par = par; st->hooks = parallel_hooks(par); st->loader = loader;
     st->micro = micro;
+    st->n_chunks = n_stages;
+    st->head_chunk = -1;
+    for (int c = 0; c < n_stages; c++) {
+        st->chunk[c] = s[c];
+        if (stage_has_head(m, &s[c])) st->head_chunk = c;
+    }
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
-    if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, err, errlen)) return -1;
-    /* one micro-batch's activations at a time on one stage; a pipeline stage keeps those
-     * of every micro-batch between its forward and its backward */
-    st->n_acts = piped(st) ? st->sched.max_in_flight : 1;
+    if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages, err, errlen))
+        return -1;
+    if (st->sched.split_backward && a->recompute)
+        return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "
+                       "it does not combine with activation_checkpointing");
     if (piped(st)) {
-        /* one group per direction: on GPUs each has its own stream, where a stage's sends
-         * wait for the peer's receives; one stream for both would deadlock 1F1B (a send
-         * queued before a receive that the peer needs first) */
-        comm_split(st->pipe.pipe, 0, me, "pp-fwd", &st->fwd);
-        comm_split(st->pipe.pipe, 0, me, "pp-bwd", &st->bwd);
-        comm_p2p_init(&st->fwd);
-        comm_p2p_init(&st->bwd);
+        make_links(st->pipe.pipe, +1, "pp-act", &st->act_out, &st->act_in);
+        make_links(st->pipe.pipe, -1, "pp-grad", &st->grad_out, &st->grad_in);
     }
-    st->acts = xcalloc((size_t)st->n_acts, sizeof *st->acts);
-    st->acts[0] = *a;
-    for (int i = 1; i < st->n_acts; i++)
-        acts_alloc_stage(&st->acts[i], m, &s, a->B, a->T, a->recompute ? ACTS_RECOMPUTE : 1);
-    st->sent_out = xcalloc((size_t)st->n_acts, sizeof(CommP2P));
-    st->sent_grad = xcalloc((size_t)st->n_acts, sizeof(CommP2P));
-    st->own_losses = xcalloc((size_t)st->n_acts, sizeof(float *));
-    for (int i = 0; i < st->n_acts; i++) st->own_losses[i] = st->acts[i].losses;
-    if (micro > 1 && stage_has_head(m, &s)) {
-        st->dev_losses = op_alloc((size_t)micro * a->N * sizeof(float));
-        st->host_losses = xmalloc((size_t)micro * a->N * sizeof(float));
+    size_t N = a->N;
+    for (int c = 0; c < n_stages; c++) {
+        /* one micro-batch's activations at a time on one stage; a pipeline stage keeps those
+         * of every micro-batch between its forward and its backward (or weight pass) */
+        int n = piped(st) || st->sched.split_backward ? st->sched.in_flight[c] : 1;
+        st->n_acts[c] = n < 1 ? 1 : n;
+        st->acts[c] = xcalloc((size_t)st->n_acts[c], sizeof(Acts));
+        for (int i = 0; i < st->n_acts[c]; i++) {
+            if (c == 0 && i == 0) st->acts[c][i] = *a;
+            else acts_alloc_stage(&st->acts[c][i], m, &s[c], a->B, a->T, a->recompute ? ACTS_RECOMPUTE : 1);
+        }
+        st->sent_out[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
+        st->sent_grad[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
+    }
+    if (st->sched.split_backward) {
+        st->n_wbuf = st->sched.max_pending_w < 1 ? 1 : st->sched.max_pending_w;
+        st->wbuf = xcalloc((size_t)st->n_wbuf, sizeof(void *));
+        for (int i = 0; i < st->n_wbuf; i++)
+            st->wbuf[i] = op_alloc(model_wgrad_bytes(&m->c, &s[0], a->B, a->T, ops_act_size()));
+    }
+    st->mb_inputs = xmalloc((size_t)micro * N * sizeof(int));
+    st->mb_targets = xmalloc((size_t)micro * N * sizeof(int));
+    if (st->head_chunk >= 0) {
+        int h = st->head_chunk;
+        st->own_losses = xcalloc((size_t)st->n_acts[h], sizeof(float *));
+        for (int i = 0; i < st->n_acts[h]; i++) st->own_losses[i] = st->acts[h][i].losses;
+        if (micro > 1) {
+            st->dev_losses = op_alloc((size_t)micro * N * sizeof(float));
+            st->host_losses = xmalloc((size_t)micro * N * sizeof(float));
+        }
     }
     if (parallel_wants_embedding_rows(par) && micro == 1) {
         st->eseen = xmalloc((size_t)m->V);
@@ -59,14 +107,16 @@ int step_init(Step *st, Model *m, Stage s, Parallel *par, Loader *loader, Acts *
 /* The mean of the step's per-row losses, summed in order in double (one micro-batch:
  * model_loss, as a single batch). */
 static double step_loss(Step *st) {
-    if (!stage_has_head(st->m, &st->stage)) return 0;
-    if (st->micro == 1) return model_loss(&st->acts[0]);
-    size_t n = (size_t)st->micro * st->acts[0].N;
+    if (st->head_chunk < 0) return 0;
+    if (st->micro == 1) return model_loss(&st->acts[st->head_chunk][0]);
+    size_t n = (size_t)st->micro * st->acts[0][0].N;
     op_download(st->host_losses, st->dev_losses, n * sizeof(float));
     double sum = 0;
     for (size_t i = 0; i < n; i++) sum += st->host_losses[i];
     return sum / (double)n;
 }
+
+static int holds_embedding(const Step *st) { return stage_has_embedding(&st->chunk[0]); }
 
 /* A tied embedding's gradient is made on two stages (the embedding's backward on the first,
  * lm_head's on the last): once both are complete they are summed between the two, before
@@ -88,7 +138,7 @@ typedef struct { Step *st; int emb_ready, last_pending; UnitHooks hooks; } TieHo
 static void tie_grad_ready(void *ctx, int u) {
     TieHooks *t = ctx;
     const UnitHooks *h = t->st->hooks;
-    int copy = !stage_has_embedding(&t->st->stage);
+    int copy = !holds_embedding(t->st);
     if (u == UNIT_EMBEDDING && ++t->emb_ready == t->st->micro) {
         if (copy && !t->last_pending) { t->last_pending = 1; return; }
         tie_sum(t->st);
@@ -109,10 +159,26 @@ static void tie_grad_begin(void *ctx, int u) {
     if (h->grad_begin) h->grad_begin(h->ctx, u);
 }
 
-/* Before acts slot i is used again: its sends of an earlier micro-batch are done. */
-static void slot_free(Step *st, int i) {
-    comm_p2p_wait(&st->sent_out[i]);
-    comm_p2p_wait(&st->sent_grad[i]);
+/* Before a slot of chunk c is used again: its sends of an earlier micro-batch are done. */
+static void slot_free(Step *st, int c, int i) {
+    comm_p2p_wait(&st->sent_out[c][i]);
+    comm_p2p_wait(&st->sent_grad[c][i]);
+}
+
+static void free_all_slots(Step *st) {
+    for (int c = 0; c < st->n_chunks; c++)
+        for (int k = 0; k < st->n_acts[c]; k++) slot_free(st, c, k);
+}
+
+/* The peer on a link: the other of its two ranks. A message's tag names the stage it goes
+ * to and its micro-batch, the same on both sides (MPI matches by it; NCCL keeps each
+ * link's order, which the schedule's is; MPI tags stop at 32767, where the order on the
+ * link tells the rest apart). */
+static int peer(const Comm *link) { return 1 - link->rank; }
+static int tag(const Step *st, const Action *a) {
+    int p = st->sched.stages, g = a->chunk * p + st->sched.stage;
+    int to = a->kind == ACT_RECV_INPUT ? g : a->kind == ACT_SEND_OUTPUT ? g + 1 : a->kind == ACT_RECV_GRAD ? g : g - 1;
+    return (to * st->micro + a->micro) % 32768;
 }
 
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
@@ -120,9 +186,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     /* each micro-batch's gradient is that of its mean loss / micro: the step's gradient is
      * that of the mean over all its tokens (every micro-batch has as many) */
     float scale = 1.0f / (float)st->micro;
-    const Comm *pp = st->pipe.pipe;
-    int me = pp ? pp->rank : 0;
-    size_t act_bytes = st->acts[0].N * (size_t)m->E * ops_act_size();
+    size_t N = st->acts[0][0].N, act_bytes = N * (size_t)m->E * ops_act_size();
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;
     if (st->pipe.tie) {
@@ -131,41 +195,53 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
                                 .embed_last = st->hooks->embed_last};
         hooks = &tie.hooks;
     }
+    /* every rank reads the step's micro-batches (the loaders stay in step); each chunk's
+     * forward takes its micro-batch's tokens from here */
+    for (int i = 0; i < st->micro; i++) loader_next(st->loader, st->mb_inputs + (size_t)i * N, st->mb_targets + (size_t)i * N);
     parallel_begin_step(st->par);
     parallel_set_micro_batches(st->par, st->micro);
     for (int i = 0; i < st->sched.n; i++) {
         const Action *act = &st->sched.actions[i];
-        int slot = act->micro >= 0 ? act->micro % st->n_acts : 0;
-        Acts *a = &st->acts[slot];
+        int c = act->chunk, slot = act->micro >= 0 ? act->micro % st->n_acts[c] : 0;
+        Acts *a = &st->acts[c][slot];
+        const Stage *s = &st->chunk[c];
         CommP2P r;
         switch (act->kind) {
         case ACT_RECV_INPUT:
-            slot_free(st, slot);
-            comm_irecv(&st->fwd, model_stage_input(m, a), act_bytes, me - 1, act->micro, &r, "pipeline receive");
+            slot_free(st, c, slot);
+            comm_irecv(&st->act_in, model_stage_input(m, a), act_bytes, peer(&st->act_in), tag(st, act), &r,
+                       "pipeline receive");
             comm_p2p_wait(&r);
             break;
         case ACT_FORWARD:
-            slot_free(st, slot);
-            loader_next(st->loader, a->inputs, a->targets);  /* every stage: the batches stay in step */
-            if (st->dev_losses) a->losses = st->dev_losses + (size_t)act->micro * a->N;
-            model_forward(m, &st->stage, a, 1, scale, hooks);
+            slot_free(st, c, slot);
+            memcpy(a->inputs, st->mb_inputs + (size_t)act->micro * N, N * sizeof(int));
+            memcpy(a->targets, st->mb_targets + (size_t)act->micro * N, N * sizeof(int));
+            if (st->dev_losses && c == st->head_chunk) a->losses = st->dev_losses + (size_t)act->micro * N;
+            model_forward(m, s, a, 1, scale, hooks);
             break;
         case ACT_SEND_OUTPUT:
-            comm_isend(&st->fwd, model_stage_output(m, &st->stage, a, 1), act_bytes, me + 1, act->micro, &st->sent_out[slot],
-                       "pipeline send");
+            comm_isend(&st->act_out, model_stage_output(m, s, a, 1), act_bytes, peer(&st->act_out), tag(st, act),
+                       &st->sent_out[c][slot], "pipeline send");
             break;
         case ACT_RECV_GRAD:
-            comm_irecv(&st->bwd, model_stage_grad(a), act_bytes, me + 1, act->micro, &r, "pipeline receive");
+            comm_irecv(&st->grad_in, model_stage_grad(a), act_bytes, peer(&st->grad_in), tag(st, act), &r,
+                       "pipeline receive");
             comm_p2p_wait(&r);
             break;
         case ACT_BACKWARD:
-            model_backward(m, &st->stage, a, hooks);
+            if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[act->micro % st->n_wbuf], hooks);
+            else model_backward(m, s, a, hooks);
             break;
         case ACT_SEND_GRAD:
-            comm_isend(&st->bwd, model_stage_grad(a), act_bytes, me - 1, act->micro, &st->sent_grad[slot], "pipeline send");
+            comm_isend(&st->grad_out, model_stage_grad(a), act_bytes, peer(&st->grad_out), tag(st, act),
+                       &st->sent_grad[c][slot], "pipeline send");
+            break;
+        case ACT_WEIGHT:
+            model_backward_weight(m, s, a, st->wbuf[act->micro % st->n_wbuf], hooks);
             break;
         case ACT_OPTIM_STEP:
-            for (int k = 0; k < st->n_acts; k++) slot_free(st, k);
+            free_all_slots(st);
             if (tie.last_pending) {  /* the copy's last gradient: summed with the first stage's now */
                 tie.emb_ready--;
                 tie_grad_ready(&tie, UNIT_EMBEDDING);
@@ -180,15 +256,17 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         }
     }
     double loss = step_loss(st);
-    for (int k = 0; k < st->n_acts; k++) st->acts[k].losses = st->own_losses[k];
+    if (st->head_chunk >= 0)
+        for (int k = 0; k < st->n_acts[st->head_chunk]; k++) st->acts[st->head_chunk][k].losses = st->own_losses[k];
     return loss;
 }
 
+/* Forward only, one batch at a time through every stage in order: chunk c of this rank
+ * takes its input from the stage before and passes its output on, and the head's stage
+ * sums the losses. */
 double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_rank, int dp) {
     if (!piped(st)) return evaluate(st->m, va, val, max_batches, dp_rank, dp, st->hooks);
     Model *m = st->m;
-    const Comm *pp = st->pipe.pipe;
-    int me = pp->rank, last = me == pp->size - 1;
     Loader l;
     char err[256];
     if (loader_init(&l, val, va->B, va->T, dp_rank, dp, 0, 0, err, sizeof err)) return 0;
@@ -196,33 +274,56 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
     size_t bytes = va->N * (size_t)m->E * ops_act_size();
     double sum = 0;
     for (int i = 0; i < n; i++) {
-        CommP2P r;
-        loader_next(&l, va->inputs, va->targets);
-        if (me > 0) {
-            comm_irecv(&st->fwd, model_stage_input(m, va), bytes, me - 1, i, &r, "pipeline receive");
-            comm_p2p_wait(&r);
-        }
-        model_forward(m, &st->stage, va, 0, 0.0f, st->hooks);
-        if (!last) {
-            comm_isend(&st->fwd, model_stage_output(m, &st->stage, va, 0), bytes, me + 1, i, &r, "pipeline send");
-            comm_p2p_wait(&r);
-        } else {
-            sum += model_loss(va);
+        int *inputs = NULL, *targets = NULL;
+        for (int c = 0; c < st->n_chunks; c++) {
+            const Stage *s = &st->chunk[c];
+            Acts v;
+            acts_view(&v, &st->acts[c][0], m, va->B);
+            if (c == 0) {
+                loader_next(&l, v.inputs, v.targets);
+                inputs = v.inputs, targets = v.targets;
+            } else {
+                memcpy(v.inputs, inputs, v.N * sizeof(int));
+                memcpy(v.targets, targets, v.N * sizeof(int));
+            }
+            CommP2P r;
+            int g = c * st->sched.stages + st->sched.stage;  /* tags: the receiving stage's, as in a step */
+            if (!stage_has_embedding(s)) {
+                comm_irecv(&st->act_in, model_stage_input(m, &v), bytes, peer(&st->act_in), (g * n + i) % 32768, &r, "pipeline receive");
+                comm_p2p_wait(&r);
+            }
+            model_forward(m, s, &v, 0, 0.0f, st->hooks);
+            if (c != st->head_chunk) {
+                comm_isend(&st->act_out, model_stage_output(m, s, &v, 0), bytes, peer(&st->act_out), ((g + 1) * n + i) % 32768, &r,
+                           "pipeline send");
+                comm_p2p_wait(&r);
+            } else {
+                sum += model_loss(&v);
+            }
         }
     }
     loader_free(&l);
-    return last && n ? sum / n : 0;
+    return st->head_chunk >= 0 && n ? sum / n : 0;
 }
 
 void step_free(Step *st) {
-    for (int k = 0; k < st->n_acts; k++) slot_free(st, k);
-    for (int i = 1; i < st->n_acts; i++) acts_free(&st->acts[i]);
-    free(st->acts);
-    free(st->sent_out);
-    free(st->sent_grad);
+    free_all_slots(st);
+    for (int c = 0; c < st->n_chunks; c++) {
+        for (int i = 0; i < st->n_acts[c]; i++)
+            if (c || i) acts_free(&st->acts[c][i]);
+        free(st->acts[c]);
+        free(st->sent_out[c]);
+        free(st->sent_grad[c]);
+    }
+    for (int i = 0; i < st->n_wbuf; i++) op_free(st->wbuf[i]);
+    free(st->wbuf);
     free(st->own_losses);
-    comm_free(&st->fwd);
-    comm_free(&st->bwd);
+    free(st->mb_inputs);
+    free(st->mb_targets);
+    comm_free(&st->act_out);
+    comm_free(&st->act_in);
+    comm_free(&st->grad_out);
+    comm_free(&st->grad_in);
     schedule_free(&st->sched);
     op_free(st->dev_losses);
     free(st->host_losses);

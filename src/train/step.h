@@ -14,45 +14,54 @@
 #include "parallel.h"
 #include "schedule.h"
 
-/* Pipeline parallel: this rank's stage is stage `pipe->rank` of the pipe->size stages of
- * `pipe` (neighbours are ranks pipe->rank +- 1 of it). tie: with tied embeddings, the group
- * of the first and the last stage (its gradient is summed between them); NULL otherwise. */
+/* Pipeline parallel: this rank is rank `pipe->rank` of the pipe->size ranks of `pipe`,
+ * computing `chunks` stages (interleaved: stages c x size + rank; see schedule.h). tie:
+ * with tied embeddings, the group of the first and the last stage (its gradient is summed
+ * between them); NULL otherwise. */
 typedef struct { const Comm *pipe, *tie; ScheduleKind kind; } StepPipeline;
 
 typedef struct {
     Model *m;
-    Stage stage;
+    int n_chunks;
+    Stage chunk[SCHED_MAX_CHUNKS];  /* the stages this rank computes (one unless interleaved) */
+    int head_chunk;                 /* the chunk holding the head, or -1 */
     Parallel *par;
     const UnitHooks *hooks;
     Loader *loader;
-    Acts *acts;            /* n_acts micro-batches' activations in flight; acts[0] is the caller's */
-    int n_acts;
+    Acts *acts[SCHED_MAX_CHUNKS];   /* per chunk, n_acts[c] micro-batches' activations in flight */
+    int n_acts[SCHED_MAX_CHUNKS];   /* acts[0][0] is the caller's */
+    void **wbuf;                    /* zb1: the split backward's weight-gradient inputs, n_wbuf of them */
+    int n_wbuf;
     Schedule sched;
     int micro;             /* micro-batches per step */
     StepPipeline pipe;     /* pipe.pipe NULL: one stage */
-    Comm fwd, bwd;         /* pipe's ranks again, one group per direction: activations, gradients */
-    CommP2P *sent_out, *sent_grad;  /* per acts slot: its output / input gradient being sent */
-    float **own_losses;    /* acts[i].losses as planned; restored after each step */
+    /* two-rank groups of the pipeline's ring, one per direction and neighbour, so that on
+     * GPUs no stream holds both a send and a receive (see step.c) */
+    Comm act_out, act_in, grad_out, grad_in;
+    CommP2P *sent_out[SCHED_MAX_CHUNKS], *sent_grad[SCHED_MAX_CHUNKS];  /* per slot: being sent */
+    int *mb_inputs, *mb_targets;  /* the step's micro-batches [micro][N], read at its start */
     float *dev_losses;     /* micro > 1: every micro-batch's per-row losses [micro][N] */
     float *host_losses;
+    float **own_losses;    /* the head chunk's slots' losses buffers as planned, restored after each step */
     unsigned char *eseen;  /* the strategy's embedding rows (parallel_wants_embedding_rows) */
     int *erows;
 } Step;
 
-/* A step of `micro` micro-batches of a->B sequences each through stage s: one process's
- * whole model (pipe = NULL: gradient accumulation, 1F1B on one stage), or one stage of a
- * pipeline. a is the caller's activations (the first micro-batch's); the step allocates
- * the others a schedule keeps in flight. Returns -1 with err on what cannot run. */
-int step_init(Step *st, Model *m, Stage s, Parallel *par, Loader *loader, Acts *a, int micro,
+/* A step of `micro` micro-batches of a->B sequences each through this rank's stages
+ * s[0..n_stages): one process's whole model (pipe = NULL: gradient accumulation, 1F1B on
+ * one stage), or a pipeline rank's stage(s). a is the caller's activations (the first
+ * chunk's first micro-batch's); the step allocates the others its schedule keeps in
+ * flight. Returns -1 with err on what cannot run. */
+int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, Loader *loader, Acts *a, int micro,
               const StepPipeline *pipe, char *err, size_t errlen);
 /* Runs one optimizer step on the loader's next micro-batches. Returns the mean loss over
  * this rank's micro-batches' tokens where the stage holds the head, else 0 (the caller
  * averages over the ranks that hold it); *norm gets the global gradient norm before
  * clipping, *lr the rate used. */
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr);
-/* The validation loss of max_batches batches (of the caller's activations' batch size) of
- * `val` through the pipeline's stages, forward only; as step_run's loss (0 off the head's
- * stage). One stage: evaluate(). */
+/* The validation loss of max_batches batches (of va's batch size) of `val` through the
+ * pipeline's stages, forward only; as step_run's loss (0 off the head's stage). One stage:
+ * evaluate() in va; a pipeline uses its own first slots' buffers. */
 double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_rank, int dp);
 void step_free(Step *st);
 #endif

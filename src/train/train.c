@@ -228,11 +228,19 @@ int cmd_train(Config *c) {
     int PP = mesh.pp_size, M = PP > 1 ? c->micro_batches : K, BM = PP > 1 ? B / M : B;
     ScheduleKind sched = SCHED_1F1B;
     schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
-    Stage *stages = xcalloc((size_t)PP, sizeof(Stage)), stage = {0, mc.n_layers + 1};
+    /* interleaved: V stages per rank (chunks), stages c x PP + pp_rank of the split */
+    int V = PP > 1 ? config_virtual_stages(c) : 1;
+    Stage *stages = xcalloc((size_t)PP * V, sizeof(Stage)), mine[SCHED_MAX_CHUNKS] = {{0, mc.n_layers + 1}};
+    Schedule sc = {0};
     if (!f.code && PP > 1) {
-        if (pipeline_split(&mc, T, PP, c->pipeline_split, stages, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
-        else stage = stages[mesh.pp_rank];
+        if (pipeline_split(&mc, T, PP * V, c->pipeline_split, stages, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
+        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
+    int holds_head = 0;
+    for (int i = 0; i < V; i++) holds_head |= mine[i].last == mc.n_layers + 1;
 
     Shard train = {0}, val = {0};
     Loader loader = {0};
@@ -263,9 +271,7 @@ int cmd_train(Config *c) {
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &oc,
                     &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
-    if (PP > 1)
-        estimate_stage(&est, &mc, &stage, BM, T, train_acts_mode(c),
-                       schedule_in_flight(sched, PP, mesh.pp_rank, M), kind, mesh.shard_size, prec, &oc);
+    if (PP > 1) estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -303,14 +309,23 @@ int cmd_train(Config *c) {
             printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
                    "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
         if (PP > 1) {
-            printf("pipeline: %d stages, schedule %s, %d micro-batches of %d sequences per data-parallel rank;",
-                   PP, c->pipeline_schedule, M, BM);
+            printf("pipeline: %d stages, schedule %s", PP, c->pipeline_schedule);
+            if (V > 1) printf(" over %d virtual stages per rank", V);
+            printf(", %d micro-batches of %d sequences per data-parallel rank;", M, BM);
             for (int i = 0; i < PP; i++) {
-                int l0 = stage_first_layer(&stages[i]), l1 = l0 + stage_n_layers(&mc, &stages[i]) - 1;
-                printf(" stage %d: %slayers %d-%d%s", i, i == 0 ? "embedding, " : "", l0, l1,
-                       i == PP - 1 ? ", head" : "");
-                printf(i + 1 < PP ? ";" : "\n");
+                Stage rs[SCHED_MAX_CHUNKS];
+                char desc[512];
+                pipeline_rank_stages(stages, PP, V, i, rs);
+                pipeline_describe(&mc, rs, V, desc, sizeof desc);
+                printf(" stage %d: %s%s", i, desc, i + 1 < PP ? ";" : "\n");
             }
+            /* the bubble the schedule leaves, for one stage's time per micro-batch in the steady state */
+            if (sched == SCHED_ZB1)  /* ZB-H1: (p-1)(F+B-W) idle of m(F+B+W), with F = B = W */
+                printf("pipeline bubble: %.1f%% of the step predicted ((p-1)/(3m+p-1), ZB-H1 with equal F, B, W)\n",
+                       100.0 * (PP - 1) / (3.0 * M + PP - 1));
+            else
+                printf("pipeline bubble: %.1f%% of the step predicted ((p-1)%s/(m+(p-1)%s))\n",
+                       100.0 * (1.0 - (double)M / (M + (double)(PP - 1) / V)), V > 1 ? "/v" : "", V > 1 ? "/v" : "");
         }
         if (!strcmp(c->lr_schedule, "cosine"))
             printf("schedule: warmup %d steps, cosine from %g to %g at step %d (lr_decay_steps)%s\n", c->warmup_steps,
@@ -323,8 +338,8 @@ int cmd_train(Config *c) {
 
     Model m;
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
-    model_init_layout_stage(&m, &mc, mesh.shard_size, 0, &stage);
-    int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&stage) && stage_has_head(&m, &stage);
+    model_init_layout_stage(&m, &mc, mesh.shard_size, 0, mine, V);
+    int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&mine[0]) && holds_head;
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
     if (lead && kind == PAR_DDP && gpu && dp > 1)
@@ -334,12 +349,12 @@ int cmd_train(Config *c) {
     parallel_set_stages(par, &mesh.pp, !tied_copy);
     /* a tied embedding's two copies (the first and the last stage) sum their gradients */
     Comm tie = {0};
-    int tie_member = mc.tie_embeddings && PP > 1 && (stage_has_embedding(&stage) || tied_copy);
+    int tie_member = mc.tie_embeddings && PP > 1 && (stage_has_embedding(&mine[0]) || tied_copy);
     if (PP > 1 && mc.tie_embeddings)
         comm_split(&world, tie_member ? mesh.dp_rank * mesh.tp_size + mesh.tp_rank : world.size + world.rank,
                    mesh.pp_rank, "tie", &tie);
     Acts a;
-    acts_alloc_stage(&a, &m, &stage, BM, T, train_acts_mode(c));
+    acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c));
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
@@ -382,7 +397,7 @@ int cmd_train(Config *c) {
     float loss = 0;
     Step st;
     StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched};
-    if (step_init(&st, &m, stage, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
+    if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
     catch_signals(lead);
@@ -477,16 +492,16 @@ int cmd_train(Config *c) {
     world_max_min(&world, (double)max_rss_bytes(), &rss_max, &rss_min);
     /* pipeline: every stage's peak (its largest rank) beside its own estimate */
     double *stage_mem = NULL;
-    if (PP > 1) {
-        stage_mem = xcalloc(2 * (size_t)world.size, sizeof(double));
-        stage_mem[2 * world.rank] = (double)max_rss_bytes();
-        stage_mem[2 * world.rank + 1] = (double)est.total;
-        comm_allreduce_double(&world, stage_mem, 2 * (size_t)world.size);
-    }
     /* GPU: the high-water mark of the bytes op_alloc held (comparable to the estimate), and
      * of the card's used memory seen at each allocation (the CUDA context included). */
     size_t gpu_alloc = 0, gpu_used = 0;
     if (gpu) ops_device_peak(&gpu_alloc, &gpu_used);
+    if (PP > 1) {
+        stage_mem = xcalloc(2 * (size_t)world.size, sizeof(double));
+        stage_mem[2 * world.rank] = gpu ? (double)gpu_alloc : (double)max_rss_bytes();
+        stage_mem[2 * world.rank + 1] = (double)est.total;
+        comm_allreduce_double(&world, stage_mem, 2 * (size_t)world.size);
+    }
     if (lead) {
         double flops = tok_s * est.flops_per_token;
         fprintf(log, "{\"done\":true,\"steps\":%d,\"world\":%d,\"strategy\":\"%s\"", done - start, world.size,
@@ -524,7 +539,8 @@ int cmd_train(Config *c) {
             double peak = 0, e = 0;
             for (int r = 0; r < world.size; r++)  /* world rank r is on stage r / (tp x dp) */
                 if (r / (mesh.tp_size * dp) == s && stage_mem[2 * r] > peak) peak = stage_mem[2 * r], e = stage_mem[2 * r + 1];
-            printf("pipeline stage %d: peak memory %s (max RSS of its ranks), estimate %s\n", s, fmt_bytes(b1, peak),
+            printf("pipeline stage %d: peak memory %s (%s of its ranks), estimate %s\n", s, fmt_bytes(b1, peak),
+                   gpu ? "GPU allocator high-water mark" : "max RSS",
                    fmt_bytes(b2, e));
         }
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
@@ -539,6 +555,7 @@ int cmd_train(Config *c) {
     free(stage_mem);
     comm_free(&tie);
     free(stages);
+    schedule_free(&sc);
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();

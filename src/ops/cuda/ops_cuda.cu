@@ -224,6 +224,8 @@ int cuda_init(int device, char *err, size_t errlen) {
     return 0;
 }
 
+static void stage_free(void);
+
 void cuda_shutdown(void) {
     if (!g.ready) return;
     cuda_synchronize();
@@ -233,6 +235,7 @@ void cuda_shutdown(void) {
         for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventDestroy(g.side_ev[k]));
     }
     attn_cudnn_shutdown();
+    stage_free();
     cuda_free(g.scratch);
     cuda_free(g.workspace);
     CUBLAS_CHECK(lt.cublasLtDestroy(g.lt));
@@ -316,8 +319,44 @@ int cuda_memory_info(size_t *free_bytes, size_t *total_bytes) {
     return 0;
 }
 
+/* Small uploads (a micro-batch's tokens, targets and embedding index) go through a ring of
+ * pinned staging buffers and are not waited for: the host copies into the next buffer and
+ * moves on, so it keeps queueing work ahead of the device (waiting for each upload left the
+ * device idle while the next micro-batch's kernels were being queued). A buffer is reused
+ * only once its copy, STAGE_SLOTS uploads ago, is done. Large ones (parameters) wait. */
+#define STAGE_SLOTS 16
+#define STAGE_MAX ((size_t)1 << 20)
+static struct {
+    void *buf[STAGE_SLOTS];
+    cudaEvent_t ev[STAGE_SLOTS];
+    int next;
+} g_stage;
+
+static void stage_free(void) {
+    for (int k = 0; k < STAGE_SLOTS; k++) {
+        if (g_stage.buf[k]) CUDA_CHECK(cudaFreeHost(g_stage.buf[k]));
+        if (g_stage.ev[k]) CUDA_CHECK(cudaEventDestroy(g_stage.ev[k]));
+    }
+    memset(&g_stage, 0, sizeof g_stage);
+}
+
 void cuda_memcpy_h2d(void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
+    if (bytes <= STAGE_MAX) {
+        int k = g_stage.next;
+        g_stage.next = (k + 1) % STAGE_SLOTS;
+        if (!g_stage.buf[k]) {
+            CUDA_CHECK(cudaMallocHost(&g_stage.buf[k], STAGE_MAX));
+            CUDA_CHECK(cudaEventCreateWithFlags(&g_stage.ev[k], cudaEventDisableTiming));
+        } else {
+            CUDA_CHECK(cudaEventSynchronize(g_stage.ev[k]));
+        }
+        memcpy(g_stage.buf[k], src, bytes);
+        CUDA_CHECK(cudaMemcpyAsync(dst, g_stage.buf[k], bytes, cudaMemcpyHostToDevice, g.stream));
+        CUDA_CHECK(cudaEventRecord(g_stage.ev[k], g.stream));
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream));
     CUDA_CHECK(cudaStreamSynchronize(g.stream));
 }

@@ -135,7 +135,8 @@ rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, 
         float r = rstd[row], dot = 0.0f;
         if (pairs) {
             for (int c = 2 * lane; c < C; c += 64) {
-                float2 g = ld2(dout, r0 + c, bf), xv = ld2(x, r0 + c, bf), wv = ld2(w, c, bf);
+                float2 g = ld2(dout, r0 + c, bf), xv = ld2(x, r0 + c, bf);
+                float2 wv = dx ? ld2(w, c, bf) : make_float2(0.0f, 0.0f);  /* dw alone: w may be NULL */
                 dot += g.x * wv.x * xv.x + g.y * wv.y * xv.y;
                 my[c] += g.x * (xv.x * r);
                 my[c + 1] += g.y * (xv.y * r);
@@ -143,7 +144,7 @@ rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, 
         } else {
             for (int c = lane; c < C; c += 32) {
                 float g = ld(dout, r0 + c, bf), xv = ld(x, r0 + c, bf);
-                dot += g * ld(w, c, bf) * xv;
+                if (dx) dot += g * ld(w, c, bf) * xv;
                 my[c] += g * (xv * r);
             }
         }
@@ -226,7 +227,8 @@ static __device__ __forceinline__ void rmsnorm8_backward_body(void *dx, float *p
                 float g[8], xv[8], wv[8];
                 unraw8(g, graw[k], bf);
                 unraw8(xv, xraw[k], bf);
-                ld8(wv, w, c, bf);
+                if (dx) ld8(wv, w, c, bf);  /* dw alone needs no weights (w may be NULL) */
+                else for (int e = 0; e < 8; e++) wv[e] = 0.0f;
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     dot += g[e] * wv[e] * xv[e];
