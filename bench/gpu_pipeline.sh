@@ -52,7 +52,7 @@ done
 if [ -f "$PEERS/torch_llama_pp.py" ]; then
   for M in $PEER_MS; do
     for sched in $PEER_SCHEDS; do
-      p=$(cd "$PEERS" && timeout 300 torchrun --standalone --nproc_per_node="$NP" torch_llama_pp.py embed_dim=1024 \
+      p=$(cd "$PEERS" && timeout 150 torchrun --standalone --nproc_per_node="$NP" torch_llama_pp.py embed_dim=1024 \
           n_heads=8 n_layers=16 batch_size=128 context_len=256 micro_batches=$M schedule=$sched compile=$PEER_COMPILE \
           steps=$STEPS 2>&1 | grep '^{' | tail -1)
       row "peer pp=$NP $sched m=$M (compile=$PEER_COMPILE)" "$(field tokens_per_s "$p")" "-" "-" \

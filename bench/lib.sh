@@ -4,16 +4,18 @@ MPI="mpirun --allow-run-as-root --bind-to none --stdin none"
 
 # mt_run OUT NPROC ENVS KEYS...: `$BIN train KEYS... out_dir=OUT` on one GPU (the first of
 # CUDA_VISIBLE_DEVICES, else GPU 0) or under mpirun -np NPROC, with ENVS (space-separated
-# VAR=value, may be empty) set on every rank; its output goes to OUT/stdout. Prints the
+# VAR=value, may be empty) set on every rank; its output goes to OUT/stdout. MT_TIMEOUT=s
+# ends a run that takes longer (0, the default: no limit). Prints the
 # log's "done" line, nothing if the run failed (mt_failed OUT then says why).
 mt_run() {
   local out=$1 np=$2 envs=$3; shift 3
   if [ "$np" = 1 ]; then
-    env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" $envs "$BIN" train "$@" out_dir="$out" >"$out/stdout" 2>&1
+    timeout "${MT_TIMEOUT:-0}" env CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" $envs "$BIN" train "$@" out_dir="$out" \
+      >"$out/stdout" 2>&1
   else
     local xs=() e
     for e in $envs; do xs+=(-x "$e"); done
-    env $envs $MPI -np "$np" "${xs[@]}" "$BIN" train "$@" out_dir="$out" >"$out/stdout" 2>&1
+    timeout "${MT_TIMEOUT:-0}" env $envs $MPI -np "$np" "${xs[@]}" "$BIN" train "$@" out_dir="$out" >"$out/stdout" 2>&1
   fi
   grep '"done"' "$out/log.jsonl" 2>/dev/null
 }

@@ -22,10 +22,12 @@ static void next_rows(Step *st) {
  * a receive of this rank (one stream for both, around the ring of interleaved stages, can
  * wait in a circle). The links are made in up to three splits whose links share no rank
  * (even links, odd links, and with odd p the last one); each is ready for send/receive
- * before the next split, so both members set up each link together. */
+ * before the next split, so both members set up each link together (and release it
+ * together: step_free goes in the same order). */
 static int link_color(int j, int p) { return p % 2 && j == p - 1 ? 2 : j % 2; }
 
-static void make_links(const Comm *pipe, int dir, const char *name, Comm *out, Comm *in) {
+static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in) {
+    const Comm *pipe = st->pipe.pipe;
     int p = pipe->size, r = pipe->rank, from = ((r - dir) % p + p) % p;  /* the rank whose link reaches r */
     for (int k = 0; k < 3; k++) {
         int color = -1, key = 0;
@@ -37,6 +39,7 @@ static void make_links(const Comm *pipe, int dir, const char *name, Comm *out, C
         if (dst) {
             *dst = tmp;
             comm_p2p_init(dst);
+            st->link_order[st->n_links++] = dst;
         } else {
             comm_free(&tmp);
         }
@@ -62,8 +65,8 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "
                        "it does not combine with activation_checkpointing");
     if (piped(st)) {
-        make_links(st->pipe.pipe, +1, "pp-act", &st->act_out, &st->act_in);
-        make_links(st->pipe.pipe, -1, "pp-grad", &st->grad_out, &st->grad_in);
+        make_links(st, +1, "pp-act", &st->act_out, &st->act_in);
+        make_links(st, -1, "pp-grad", &st->grad_out, &st->grad_in);
     }
     size_t N = a->N;
     for (int c = 0; c < n_stages; c++) {
@@ -320,10 +323,9 @@ void step_free(Step *st) {
     free(st->own_losses);
     free(st->mb_inputs);
     free(st->mb_targets);
-    comm_free(&st->act_out);
-    comm_free(&st->act_in);
-    comm_free(&st->grad_out);
-    comm_free(&st->grad_in);
+    /* in the order they were made: NCCL's release of a link waits for its peer's, so both
+     * ranks of every link must come to it in the same turn (as at set-up) */
+    for (int i = 0; i < st->n_links; i++) comm_free(st->link_order[i]);
     schedule_free(&st->sched);
     op_free(st->dev_losses);
     free(st->host_losses);

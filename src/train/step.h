@@ -38,6 +38,8 @@ typedef struct {
     /* two-rank groups of the pipeline's ring, one per direction and neighbour, so that on
      * GPUs no stream holds both a send and a receive (see step.c) */
     Comm act_out, act_in, grad_out, grad_in;
+    Comm *link_order[4];   /* ... in the order they were made (and must be released) */
+    int n_links;
     CommP2P *sent_out[SCHED_MAX_CHUNKS], *sent_grad[SCHED_MAX_CHUNKS];  /* per slot: being sent */
     int *mb_inputs, *mb_targets;  /* the step's micro-batches [micro][N], read at its start */
     float *dev_losses;     /* micro > 1: every micro-batch's per-row losses [micro][N] */

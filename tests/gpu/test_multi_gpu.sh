@@ -62,7 +62,8 @@ for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full"; 
   else bad "multi_gpu_adafactor_follows_one_gpu ${keys##*=} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
-# too; activations and their gradients go by NCCL send/receive, one group per direction
+# too, under every schedule; activations and their gradients go by NCCL send/receive on
+# two-rank groups, one per neighbour and direction (interleaved goes round the ring)
 while IFS='|' read -r name tied keys; do
   out=$TMP/pp_$name
   if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys &&
@@ -73,7 +74,17 @@ done <<'CASES'
 1f1b|false|micro_batches=2
 gpipe_tied|true|micro_batches=4 pipeline_schedule=gpipe
 1f1b_m8_tied|true|micro_batches=8
+zb1|false|micro_batches=4 pipeline_schedule=zb1
+zb1_tied|true|micro_batches=8 pipeline_schedule=zb1
 CASES
+# interleaved needs 2 layers per rank: 4 stages of one layer over NP=2 ranks against 1F1B's
+# 2 stages of two layers, the same arithmetic in another order
+for sched in 1f1b interleaved; do
+  runn "$TMP/pp4l_$sched" ${M/n_layers=2/n_layers=4} tie_embeddings=true batch_size=$((NP * B)) \
+    pipeline_parallel_size=$NP micro_batches=4 pipeline_schedule=$sched
+done
+close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
+  bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
