@@ -153,8 +153,10 @@ void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2
     cchk(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c, what, "cudaEventCreate");
     cchk(cudaEventRecord(ev, (cudaStream_t)cuda_stream()), c, what, "cudaEventRecord");  /* after what wrote buf */
     cchk(cudaStreamWaitEvent(s, ev, 0), c, what, "cudaStreamWaitEvent");
+    int span = trace_span_begin(s, send ? "pipeline send" : "pipeline receive", bytes);
     if (send) nchk(ncclSend(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclSend");
     else nchk(ncclRecv(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclRecv");
+    trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
     *r = (CommP2P){NULL, c, what, (void *)ev};
 }

@@ -1,4 +1,5 @@
 #include "step.h"
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "ops.h"
@@ -208,6 +209,11 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         int c = act->chunk, slot = act->micro >= 0 ? act->micro % st->n_acts[c] : 0;
         Acts *a = &st->acts[c][slot];
         const Stage *s = &st->chunk[c];
+        if (trace_active() && (act->kind == ACT_FORWARD || act->kind == ACT_BACKWARD || act->kind == ACT_WEIGHT)) {
+            char label[48];  /* the schedule's actions on the timeline (MESHTRAIN_TIMELINE) */
+            snprintf(label, sizeof label, "%s%d.%d", action_name(act->kind), act->micro, c);
+            trace_mark(NULL, label);
+        }
         CommP2P r;
         switch (act->kind) {
         case ACT_RECV_INPUT:
