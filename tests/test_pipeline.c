@@ -69,6 +69,39 @@ static void test_auto_is_optimal(void) {
           s[0].first, s[0].last, s[1].first, s[1].last);
 }
 
+/* The largest rank's load under interleaving: rank r sums stages c x p + r. */
+static double rank_max(const ModelConfig *c, const Stage *s, int p, int v) {
+    double most = 0;
+    for (int r = 0; r < p; r++) {
+        double sum = 0;
+        for (int k = 0; k < v; k++) sum += pipeline_stage_flops(c, c->context_len, &s[k * p + r]);
+        if (sum > most) most = sum;
+    }
+    return most;
+}
+
+/* Interleaved: the split moves layers so that no rank carries more than it must. On the
+ * post's model at p=4, v=2 the last rank holds the head (about 5.5 layers) and one layer in
+ * each of its two stages at least; the others share the rest. */
+static void test_interleaved_balances_ranks(void) {
+    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    char err[256];
+    Stage plain[8], bal[8];
+    CHECK(pipeline_split(&post, 256, 8, "auto", plain, err, sizeof err) == 0, "%s", err);
+    CHECK(pipeline_split_ranks(&post, 256, 4, 2, "auto", bal, err, sizeof err) == 0, "%s", err);
+    CHECK(covers(&post, bal, 8), "not a split");
+    double a = rank_max(&post, plain, 4, 2), b = rank_max(&post, bal, 4, 2);
+    double floor = 2 * pipeline_stage_flops(&post, 256, &(Stage){1, 1}) +
+                   pipeline_stage_flops(&post, 256, &(Stage){17, 17});  /* two layers and the head */
+    CHECK(b < a && b <= floor * (1 + 1e-12), "largest rank %g (min-max split %g, floor %g)", b, a, floor);
+    int n3 = stage_n_layers(&post, &bal[3]) + stage_n_layers(&post, &bal[7]);
+    CHECK(n3 == 2, "the head's rank holds %d layers", n3);
+    /* explicit counts and v = 1 are taken as they come */
+    CHECK(pipeline_split_ranks(&post, 256, 4, 1, "auto", bal, err, sizeof err) == 0 &&
+          pipeline_split(&post, 256, 4, "auto", plain, err, sizeof err) == 0 && !memcmp(bal, plain, 4 * sizeof *bal),
+          "v = 1 differs from the plain split");
+}
+
 static void test_explicit(void) {
     ModelConfig c = {50257, 64, 2, 6, 32, 0};
     Stage s[3];
@@ -85,6 +118,7 @@ static void test_explicit(void) {
 
 int main(void) {
     RUN(test_auto_is_optimal);
+    RUN(test_interleaved_balances_ranks);
     RUN(test_explicit);
     return TEST_SUMMARY();
 }

@@ -151,7 +151,7 @@ int cmd_estimate(Config *c) {
         int V = config_virtual_stages(c);
         Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
         char err[512], desc[512];
-        if (pipeline_split(&mc, c->context_len, PP * V, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        if (pipeline_split_ranks(&mc, c->context_len, PP, V, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
                c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
         most = 0;

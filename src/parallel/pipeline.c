@@ -109,3 +109,63 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
     free(n);
     return 0;
 }
+
+/* Layer counts of stages s[0..S) (each holds layers only, but for the embedding and head). */
+static void counts_of_stages(const ModelConfig *c, const Stage *s, int S, int *n) {
+    for (int i = 0; i < S; i++) n[i] = stage_n_layers(c, &s[i]);
+}
+
+/* (the largest rank's load, the sum of the ranks' loads squared, the largest stage's) for
+ * layer counts n of p x v stages */
+static void loads(const ModelConfig *c, int T, int p, int v, const int *n, double *rank_max, double *sq,
+                  double *stage_max) {
+    double lf = layer_flops(c, T), *r = xcalloc((size_t)p, sizeof(double));
+    *stage_max = 0;
+    for (int i = 0; i < p * v; i++) {
+        double f = n[i] * lf + (i == 0 ? c->embed_dim : 0) + (i == p * v - 1 ? head_flops(c) : 0);
+        r[i % p] += f;
+        if (f > *stage_max) *stage_max = f;
+    }
+    *rank_max = *sq = 0;
+    for (int k = 0; k < p; k++) {
+        if (r[k] > *rank_max) *rank_max = r[k];
+        *sq += r[k] * r[k];
+    }
+    free(r);
+}
+
+int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *spec, Stage *stages, char *err,
+                         size_t errlen) {
+    int S = p * v;
+    if (pipeline_split(c, T, S, spec, stages, err, errlen)) return -1;
+    if (v < 2 || strcmp(spec, "auto")) return 0;
+    int *n = xmalloc((size_t)S * sizeof(int));
+    counts_of_stages(c, stages, S, n);
+    double rm, sq, sm;
+    loads(c, T, p, v, n, &rm, &sq, &sm);
+    for (int moved = 1; moved;) {
+        moved = 0;
+        int bi = -1, bj = -1;
+        double brm = rm, bsq = sq, bsm = sm;
+        for (int i = 0; i < S; i++)
+            for (int d = -1; d <= 1; d += 2) {
+                int j = i + d;  /* stage i gives its last (d = 1) or first (d = -1) layer to j */
+                if (j < 0 || j >= S || n[i] < 2) continue;
+                n[i]--, n[j]++;
+                double r2, q2, s2;
+                loads(c, T, p, v, n, &r2, &q2, &s2);
+                n[i]++, n[j]--;
+                int better = r2 < brm * (1 - 1e-9) ||
+                             (r2 <= brm * (1 + 1e-9) && (q2 < bsq * (1 - 1e-9) || (q2 <= bsq * (1 + 1e-9) && s2 < bsm * (1 - 1e-9))));
+                if (better) brm = r2, bsq = q2, bsm = s2, bi = i, bj = j;
+            }
+        if (bi >= 0) {
+            n[bi]--, n[bj]++;
+            rm = brm, sq = bsq, sm = bsm;
+            moved = 1;
+        }
+    }
+    stages_of_counts(c, S, n, stages);
+    free(n);
+    return 0;
+}

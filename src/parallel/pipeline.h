@@ -11,6 +11,13 @@
  * counts summing to n_layers. Returns -1 with a one-line err (naming pipeline_split or
  * pipeline_parallel_size) on an impossible split. */
 int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen);
+/* The same for interleaving: p x v stages, of which rank r computes stages c x p + r. With
+ * "auto" the contiguous min-max split is then moved a layer at a time between neighbouring
+ * stages while that lowers the largest rank's load (the sum of its v stages: what the
+ * steady state waits for), then the spread of the ranks' loads (their squares' sum), then
+ * the largest stage's; explicit counts are taken as given. */
+int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *spec, Stage *stages, char *err,
+                         size_t errlen);
 /* The stages pipeline rank `rank` of p computes when the split has p x v stages: stages
  * c x p + rank for c = 0..v-1 (interleaved; v = 1: stage `rank`), into out[0..v). */
 void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);

@@ -233,7 +233,7 @@ int cmd_train(Config *c) {
     Stage *stages = xcalloc((size_t)PP * V, sizeof(Stage)), mine[SCHED_MAX_CHUNKS] = {{0, mc.n_layers + 1}};
     Schedule sc = {0};
     if (!f.code && PP > 1) {
-        if (pipeline_split(&mc, T, PP * V, c->pipeline_split, stages, err, sizeof err))
+        if (pipeline_split_ranks(&mc, T, PP, V, c->pipeline_split, stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
         if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, err, sizeof err))
