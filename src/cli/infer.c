@@ -154,11 +154,13 @@ int cmd_estimate(Config *c) {
         if (pipeline_split_ranks(&mc, c->context_len, PP, V, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
                c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
+        double *cost = xmalloc((size_t)PP * V * 3 * sizeof(double));
+        pipeline_stage_costs(&mc, c->context_len, st, PP * V, cost);
         most = 0;
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
             Schedule sc;
-            if (schedule_build(&sc, sched, PP, s, M, V, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+            if (schedule_build(&sc, sched, PP, s, M, V, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
             pipeline_rank_stages(st, PP, V, s, mine);
             estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, precision_of(c),
                            &oc);
@@ -171,6 +173,7 @@ int cmd_estimate(Config *c) {
             schedule_free(&sc);
         }
         free(st);
+        free(cost);
     }
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();

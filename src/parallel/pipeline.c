@@ -16,6 +16,16 @@ static double layer_flops(const ModelConfig *c, int T) {
 }
 static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (double)c->vocab_size; }
 
+void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, double *out) {
+    double E = c->embed_dim, H = (double)(int)(1.5 * c->embed_dim), pm = 3 * E * E + E * E + 3 * E * H;
+    for (int i = 0; i < n; i++) {
+        double nl = stage_n_layers(c, &s[i]);
+        out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (s[i].last == head_unit(c) ? head_flops(c) : 0);
+        out[i * 3 + 1] = nl * (2 * pm + 8 * E * T);
+        out[i * 3 + 2] = nl * 2 * pm + (s[i].first == 0 ? E : 0);
+    }
+}
+
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s) {
     double f = 0;
     for (int u = s->first; u <= s->last; u++)

@@ -23,6 +23,10 @@ int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *
 void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);
 /* "embedding, layers 0-3" / "layers 4-7, head"; chunks joined by " + ". */
 void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len);
+/* Each of stages s[0..n)'s estimated forward, backward (input gradient) and weight-pass
+ * FLOPs per token, into out[i x 3 + 0..2]: what the simulated schedules are built for. The
+ * last stage's forward carries the whole head (its backward is fused into the forward). */
+void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, double *out);
 /* Estimated FLOPs per token (forward + backward) of stage s: what `auto` balances. */
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s);
 #endif

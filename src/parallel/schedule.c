@@ -1,5 +1,6 @@
 #include "schedule.h"
 #include <limits.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "util.h"
@@ -57,7 +58,8 @@ static void backward(Schedule *s, int i, int c) {
 typedef struct { int c, i; } Op;
 
 typedef struct {
-    int p, v, m, split, fdur, bdur, wdur;
+    int p, v, m, split;
+    int *dur;               /* [p v][3]: each stage's forward, backward and weight pass, in ticks */
     Op *ford, *bord;        /* [p][v m]: each rank's forward and backward orders */
     Action **out;           /* [p]: each rank's compute actions (F, B, W) in order */
     int *nout;
@@ -80,7 +82,7 @@ static void orders(Sim *S, int r) {
 /* One simulation with per-rank limits lim[r]; 0 when every rank finished, -1 on a deadlock.
  * fixed (or NULL): each rank's compute actions in a given order, run as their inputs
  * arrive (Megatron-LM's interleaved lists), instead of the greedy choice. */
-static int simulate(Sim *S, const int *lim, Action *const *fixed) {
+static int simulate(Sim *S, const int *lim, Action *const *fixed, const int *nfixed) {
     int p = S->p, v = S->v, m = S->m, G = p * v, vm = v * m;
     size_t nd = (size_t)G * m;
     int *fdone = xmalloc(nd * sizeof(int)), *bdone = xmalloc(nd * sizeof(int));
@@ -96,18 +98,21 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed) {
     for (;;) {
         int finished = 1, running = 0, started = 0;
         for (int r = 0; r < p; r++) {
-            if (fi[r] < vm || bi[r] < vm || wh[r] < wt[r]) finished = 0;
+            if (fixed ? S->nout[r] < nfixed[r] : (fi[r] < vm || bi[r] < vm || wh[r] < wt[r])) finished = 0;
             if (busy[r] > t) { running = 1; continue; }
             Op fx = {0, 0}, bx = {0, 0};
             const Op *fo = fi[r] < vm ? &S->ford[(size_t)r * vm + fi[r]] : NULL;
             const Op *bo = bi[r] < vm ? &S->bord[(size_t)r * vm + bi[r]] : NULL;
+            int w_ok = wh[r] < wt[r];
             if (fixed) {  /* only the list's next action may run */
                 int k = S->nout[r];
                 fo = bo = NULL;
-                if (fi[r] < vm || bi[r] < vm) {
+                w_ok = 0;
+                if (k < nfixed[r]) {
                     Action a = fixed[r][k];
                     if (a.kind == ACT_FORWARD) fx = (Op){a.chunk, a.micro}, fo = &fx;
-                    else bx = (Op){a.chunk, a.micro}, bo = &bx;
+                    else if (a.kind == ACT_BACKWARD) bx = (Op){a.chunk, a.micro}, bo = &bx;
+                    else w_ok = wh[r] < wt[r];  /* the list's W is the oldest waiting (FIFO) */
                 }
             }
             int bg = bo ? bo->c * p + r : 0, fg = fo ? fo->c * p + r : 0;
@@ -116,8 +121,8 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed) {
             int f_ok = fo && nheld[r] < lim[r] && (fg == 0 || fdone[(size_t)(fg - 1) * m + fo->i] <= t);
             Action *a = &S->out[r][S->nout[r]];
             if (b_ok) {
-                busy[r] = t + S->bdur;
-                bdone[(size_t)bg * m + bo->i] = t + S->bdur;
+                busy[r] = t + S->dur[bg * 3 + 1];
+                bdone[(size_t)bg * m + bo->i] = t + S->dur[bg * 3 + 1];
                 *a = (Action){ACT_BACKWARD, bo->i, bo->c};
                 if (S->split) {
                     wq[(size_t)r * vm + wt[r]++] = *bo;
@@ -128,15 +133,15 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed) {
                 }
                 bi[r]++;
             } else if (f_ok) {
-                busy[r] = t + S->fdur;
-                fdone[(size_t)fg * m + fo->i] = t + S->fdur;
+                busy[r] = t + S->dur[fg * 3];
+                fdone[(size_t)fg * m + fo->i] = t + S->dur[fg * 3];
                 *a = (Action){ACT_FORWARD, fo->i, fo->c};
                 if (++held[r * v + fo->c] > S->in_flight[r * v + fo->c]) S->in_flight[r * v + fo->c] = held[r * v + fo->c];
                 nheld[r]++;
                 fi[r]++;
-            } else if (wh[r] < wt[r]) {
+            } else if (w_ok) {
                 Op w = wq[(size_t)r * vm + wh[r]++];
-                busy[r] = t + S->wdur;
+                busy[r] = t + S->dur[(w.c * p + r) * 3 + 2];
                 *a = (Action){ACT_WEIGHT, w.i, w.c};
                 held[r * v + w.c]--;
                 nheld[r]--;
@@ -172,9 +177,27 @@ static void megatron_lists(const Sim *S, Action **lists) {
     }
 }
 
-static int build_simulated(Schedule *s, char *err, size_t errlen) {
-    int p = s->stages, v = s->chunks, m = s->micro_batches, vm = v * m;
-    Sim S = {p, v, m, s->split_backward, 1, s->split_backward ? 1 : 2, 1, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+/* Each stage's F, B, W in ticks: unit costs (1, 2 or 1 + 1 split, 1) without cost, else
+ * cost's [stage][3] times scaled so that the mean forward is 10 ticks. */
+static int *durations(int G, int split, const double *cost) {
+    int *d = xmalloc((size_t)G * 3 * sizeof(int));
+    double mean = 0;
+    for (int g = 0; cost && g < G; g++) mean += cost[g * 3] / G;
+    for (int g = 0; g < G; g++)
+        for (int k = 0; k < 3; k++) {
+            if (!cost || mean <= 0) d[g * 3 + k] = k == 1 && !split ? 2 : 1;
+            else {
+                double c = k == 1 && !split ? cost[g * 3 + 1] + cost[g * 3 + 2] : cost[g * 3 + k];
+                long x = lround(10.0 * c / mean);
+                d[g * 3 + k] = x < 1 ? 1 : (int)x;
+            }
+        }
+    return d;
+}
+
+static Sim sim_new(int p, int v, int m, int split, const double *cost) {
+    Sim S = {p, v, m, split, durations(p * v, split, cost), NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    int vm = v * m;
     S.ford = xmalloc((size_t)p * vm * sizeof(Op));
     S.bord = xmalloc((size_t)p * vm * sizeof(Op));
     S.out = xmalloc((size_t)p * sizeof(Action *));
@@ -185,30 +208,42 @@ static int build_simulated(Schedule *s, char *err, size_t errlen) {
     S.nout = xmalloc((size_t)p * sizeof(int));
     S.in_flight = xmalloc((size_t)p * v * sizeof(int));
     S.pend = xmalloc((size_t)p * sizeof(int));
+    return S;
+}
+
+static void sim_free(Sim *S) {
+    for (int q = 0; q < S->p; q++) free(S->out[q]);
+    free(S->out); free(S->ford); free(S->bord); free(S->nout); free(S->in_flight); free(S->pend); free(S->dur);
+}
+
+static int build_simulated(Schedule *s, const double *cost, char *err, size_t errlen) {
+    int p = s->stages, v = s->chunks, m = s->micro_batches, vm = v * m;
+    Sim S = sim_new(p, v, m, s->split_backward, cost);
     int *lim = xmalloc((size_t)p * sizeof(int)), rc;
     for (int r = 0; r < p; r++) {
         int l = s->kind == SCHED_ZB1 ? p + 1 : (p - r - 1) * 2 + (v - 1) * p + 2;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
-    int mega = -1, *vmlim = xmalloc((size_t)p * sizeof(int));
+    int mega = -1, *vmlim = xmalloc((size_t)p * sizeof(int)), *nfixed = xmalloc((size_t)p * sizeof(int));
     Action **fixed = NULL;
     if (s->kind == SCHED_INTERLEAVED) {
         fixed = xmalloc((size_t)p * sizeof(Action *));
-        for (int r = 0; r < p; r++) fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action)), vmlim[r] = vm;
+        for (int r = 0; r < p; r++) fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action)), vmlim[r] = vm, nfixed[r] = 2 * vm;
         megatron_lists(&S, fixed);
-        if (simulate(&S, vmlim, fixed) == 0) mega = S.makespan;
+        if (simulate(&S, vmlim, fixed, nfixed) == 0) mega = S.makespan;
     }
-    while ((rc = simulate(&S, lim, NULL)) != 0) {
+    while ((rc = simulate(&S, lim, NULL, NULL)) != 0) {
         int raised = 0;
         for (int r = 0; r < p; r++)
             if (lim[r] < vm) lim[r]++, raised = 1;
         if (!raised) break;
     }
-    if (mega >= 0 && (rc || mega <= S.makespan)) rc = simulate(&S, vmlim, fixed);
+    if (mega >= 0 && (rc || mega <= S.makespan)) rc = simulate(&S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
     free(vmlim);
+    free(nfixed);
     if (rc) {
         set_err(err, errlen, "internal: no %s schedule for %d stages, %d chunks, %d micro-batches",
                 schedule_kind_name(s->kind), p, v, m);
@@ -227,12 +262,13 @@ static int build_simulated(Schedule *s, char *err, size_t errlen) {
         s->max_pending_w = S.pend[r];
         s->makespan = S.makespan;
     }
-    for (int q = 0; q < p; q++) free(S.out[q]);
-    free(S.out); free(S.ford); free(S.bord); free(S.nout); free(S.in_flight); free(S.pend); free(lim);
+    sim_free(&S);
+    free(lim);
     return rc;
 }
 
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, char *err, size_t errlen) {
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, const double *cost,
+                   char *err, size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
     if (m < 1) return set_err(err, errlen, "%d micro-batches: at least one is needed", m);
@@ -243,7 +279,7 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
     s->split_backward = kind == SCHED_ZB1;
     s->actions = xmalloc((size_t)(7 * m * chunks + 1) * sizeof *s->actions);
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
-        if (build_simulated(s, err, errlen)) { schedule_free(s); return -1; }
+        if (build_simulated(s, cost, err, errlen)) { schedule_free(s); return -1; }
     } else if (kind == SCHED_GPIPE) {
         /* every forward, then every backward (in reverse order, as the activations were made) */
         for (int i = 0; i < m; i++) forward(s, i, 0);
@@ -281,4 +317,28 @@ void schedule_print(FILE *f, const Schedule *s) {
         else fprintf(f, "%s%s%d", i ? " " : "", action_name(a->kind), a->micro);
     }
     fputc('\n', f);
+}
+
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost) {
+    int p = stages, vm = chunks * m, rc = 0;
+    Schedule *sc = xcalloc((size_t)p, sizeof *sc);
+    Action **fixed = xmalloc((size_t)p * sizeof(Action *));
+    int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
+    char err[128];
+    for (int r = 0; r < p; r++) {
+        fixed[r] = xmalloc((size_t)3 * vm * sizeof(Action));
+        lim[r] = vm;
+        if (schedule_build(&sc[r], kind, p, r, m, chunks, cost, err, sizeof err)) rc = -1;
+        for (int k = 0; !rc && k < sc[r].n; k++) {
+            ActionKind a = sc[r].actions[k].kind;
+            if (a == ACT_FORWARD || a == ACT_BACKWARD || a == ACT_WEIGHT) fixed[r][nfixed[r]++] = sc[r].actions[k];
+        }
+    }
+    Sim S = sim_new(p, chunks, m, kind == SCHED_ZB1, cost);
+    if (!rc) rc = simulate(&S, lim, fixed, nfixed);
+    int t = rc ? -1 : S.makespan;
+    sim_free(&S);
+    for (int r = 0; r < p; r++) free(fixed[r]), schedule_free(&sc[r]);
+    free(fixed); free(nfixed); free(lim); free(sc);
+    return t;
 }

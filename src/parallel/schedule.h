@@ -50,8 +50,16 @@ int schedule_kind_parse(const char *name, ScheduleKind *out);
 const char *schedule_kind_name(ScheduleKind k);
 /* The actions rank `stage` of `stages` runs for one step of m micro-batches, with `chunks`
  * chunks per rank (interleaved; 1 for the others). Returns -1 with err on an impossible
- * layout (m < 1, stage out of range, chunks out of range or > 1 with another kind). */
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, char *err, size_t errlen);
+ * layout (m < 1, stage out of range, chunks out of range or > 1 with another kind).
+ * cost (or NULL: unit costs): [stages x chunks][3], each stage's estimated forward,
+ * backward (input gradient) and weight-pass times, stage c x stages + r for chunk c of rank
+ * r; the simulated schedules (interleaved, zb1) are built for them. Every rank must pass
+ * the same. */
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, const double *cost,
+                   char *err, size_t errlen);
+/* The simulated step of every rank's list under kind (all ranks together, in ticks of the
+ * builders' scale: the mean forward is 10 with cost, 1 in unit costs); -1 on a deadlock. */
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
  * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */

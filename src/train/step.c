@@ -60,7 +60,8 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     }
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
-    if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages, err, errlen))
+    if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
+                       piped(st) ? st->pipe.cost : NULL, err, errlen))
         return -1;
     if (st->sched.split_backward && a->recompute)
         return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "

@@ -18,7 +18,11 @@
  * computing `chunks` stages (interleaved: stages c x size + rank; see schedule.h). tie:
  * with tied embeddings, the group of the first and the last stage (its gradient is summed
  * between them); NULL otherwise. */
-typedef struct { const Comm *pipe, *tie; ScheduleKind kind; } StepPipeline;
+typedef struct {
+    const Comm *pipe, *tie;
+    ScheduleKind kind;
+    const double *cost;  /* every stage's estimated F, B, W (schedule_build's), or NULL */
+} StepPipeline;
 
 typedef struct {
     Model *m;

@@ -232,11 +232,13 @@ int cmd_train(Config *c) {
     int V = PP > 1 ? config_virtual_stages(c) : 1;
     Stage *stages = xcalloc((size_t)PP * V, sizeof(Stage)), mine[SCHED_MAX_CHUNKS] = {{0, mc.n_layers + 1}};
     Schedule sc = {0};
+    double *stage_cost = xcalloc((size_t)PP * V * 3, sizeof(double));  /* each stage's F, B, W estimate */
     if (!f.code && PP > 1) {
         if (pipeline_split_ranks(&mc, T, PP, V, c->pipeline_split, stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
-        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, err, sizeof err))
+        if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, stage_cost);
+        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, stage_cost, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
     int holds_head = 0;
@@ -396,7 +398,7 @@ int cmd_train(Config *c) {
     int timed_steps = 0;
     float loss = 0;
     Step st;
-    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched};
+    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost};
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
@@ -556,6 +558,7 @@ int cmd_train(Config *c) {
     comm_free(&tie);
     free(stages);
     schedule_free(&sc);
+    free(stage_cost);
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();
