@@ -96,7 +96,8 @@ static const Key KEYS[] = {
       "with fsdp: full = ZeRO-3, grad_op = ZeRO-2, no = DDP, hybrid = ZeRO-3 inside shard groups"),
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
-    I(tensor_parallel_size, "1", 1, 1, MODEL_CMDS, "tensor parallel ranks (1 until tensor parallel lands)"),
+    I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
+      "tensor parallel ranks (Megatron-LM: heads and FFN units split; must divide n_heads and the FFN width)"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
@@ -229,6 +230,18 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d is odd; RoPE needs an even head_dim",
                            c->embed_dim / c->n_heads);
         if (c->vocab_size > 65536) return set_err(err, errlen, "vocab_size=%d: shards hold uint16 tokens", c->vocab_size);
+        int tp = c->tensor_parallel_size, ffn = (int)(1.5 * c->embed_dim);
+        if (c->n_heads % tp)
+            return set_err(err, errlen, "tensor_parallel_size=%d does not divide n_heads=%d", tp, c->n_heads);
+        if (ffn % tp)
+            return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp,
+                           ffn);
+        if (tp > 1 && c->pipeline_parallel_size > 1)
+            return set_err(err, errlen, "tensor_parallel_size=%d with pipeline_parallel_size=%d: tensor and pipeline "
+                           "parallel do not combine yet", tp, c->pipeline_parallel_size);
+        if (tp > 1 && !strcmp(c->optimizer, "adafactor"))
+            return set_err(err, errlen, "tensor_parallel_size=%d with optimizer=adafactor: Adafactor's factored "
+                           "statistics need whole tensors; use optimizer=adamw", tp);
         if ((long long)c->batch_size * c->context_len > INT_MAX / 4)
             return set_err(err, errlen, "batch_size x context_len = %lld tokens is too many for one step",
                            (long long)c->batch_size * c->context_len);

@@ -130,18 +130,22 @@ int cmd_estimate(Config *c) {
     ModelConfig mc = model_config_of(c);
     MemEstimate e;
     ParallelKind kind = strategy_of(c);
-    int PP = c->pipeline_parallel_size;
-    if (c->world_size % PP)
-        die(EXIT_BAD_INPUT, "world_size=%d is not divisible by pipeline_parallel_size=%d", c->world_size, PP);
-    int dp = c->world_size / PP;
+    int PP = c->pipeline_parallel_size, TP = c->tensor_parallel_size;
+    if (c->world_size % (PP * TP))
+        die(EXIT_BAD_INPUT, "world_size=%d is not divisible by tensor_parallel_size x pipeline_parallel_size = %d x %d",
+            c->world_size, TP, PP);
+    int dp = c->world_size / (PP * TP);
     int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : dp) : dp;
     if (dp % group)
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
     OptimConfig oc = optim_config_of(c);
-    estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, gpu, precision_of(c),
-                    c->copy_engines, &oc, &e);
+    estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP, gpu,
+                    precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    if (TP > 1)
+        printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
+               "units and their activations, the embedding and the head whole\n", TP, dp, TP);
     char b1[32], b2[32], b3[32], b4[32];
     size_t most = e.total;
     if (PP > 1) {  /* each stage's share, as a pipeline run holds it */

@@ -10,10 +10,12 @@
 #define RMS_EPS MODEL_RMS_EPS
 #define ROPE_BASE MODEL_ROPE_BASE
 
-static size_t layer_param_count(const ModelConfig *c) {
-    size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
-    return 2 * E + 3 * E * E + E * E + 2 * H * E + E * H;
+/* A layer's parameters on one of tp tensor-parallel ranks (tp = 1: the whole layer). */
+static size_t layer_param_count_tp(const ModelConfig *c, int tp) {
+    size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim), Et = E / (size_t)tp, Ht = H / (size_t)tp;
+    return 2 * E + 3 * Et * E + E * Et + 2 * Ht * E + E * Ht;
 }
+static size_t layer_param_count(const ModelConfig *c) { return layer_param_count_tp(c, 1); }
 
 size_t model_param_count(const ModelConfig *c) {
     size_t VE = (size_t)c->vocab_size * c->embed_dim;
@@ -38,18 +40,28 @@ static int stage_holds(const ModelConfig *c, const Stage *s, int n, int u) {
 }
 
 void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages) {
+    model_init_layout_tp(m, c, pad_multiple, alloc, s, n_stages, 1, 0);
+}
+
+void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
+                          int tp_size, int tp_rank) {
     memset(m, 0, sizeof *m);
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
     m->H = (int)(1.5 * c->embed_dim); m->V = c->vocab_size; m->L = c->n_layers;
-    size_t E = m->E, H = m->H, V = m->V;
+    if (tp_size < 1 || m->NH % tp_size || m->H % tp_size || tp_rank < 0 || tp_rank >= tp_size)
+        die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d for %d heads and FFN width %d", tp_rank, tp_size,
+            m->NH, m->H);
+    m->tp_size = tp_size; m->tp_rank = tp_rank;
+    m->NHt = m->NH / tp_size; m->Ht = m->H / tp_size;
+    size_t E = m->E, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, V = m->V;
     LayerLayout *ly = &m->layer;
     ly->att_norm = 0;
     ly->qkv = ly->att_norm + E;
-    ly->att_out = ly->qkv + 3 * E * E;
-    ly->ffn_norm = ly->att_out + E * E;
+    ly->att_out = ly->qkv + 3 * Et * E;
+    ly->ffn_norm = ly->att_out + E * Et;
     ly->gate_up = ly->ffn_norm + E;
-    ly->down = ly->gate_up + 2 * H * E;
+    ly->down = ly->gate_up + 2 * Ht * E;
     m->head_out_norm = 0;
     m->head_lm = E;
 
@@ -66,6 +78,7 @@ void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, i
         m->packed[u] = packed;
         packed += n;
         m->n_params += n;
+        if (u > 0 && u <= m->L) n = layer_param_count_tp(c, tp_size);  /* this rank's slices */
         if (!stage_holds(c, s, n_stages, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
@@ -118,12 +131,14 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         size_t b = m->units[unit_of_layer(l)].offset;
         const LayerLayout *ly = &m->layer;
         ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
-        ADD("blocks.%d.qkv_proj.weight", l, b + ly->qkv, 3 * m->E, m->E);
-        ADD("blocks.%d.att_out_proj.weight", l, b + ly->att_out, m->E, m->E);
+        /* a tensor-parallel rank's slices: its heads' rows, its FFN rows and columns */
+        int Et = m->NHt * m->HD, Ht = m->Ht;
+        ADD("blocks.%d.qkv_proj.weight", l, b + ly->qkv, 3 * Et, m->E);
+        ADD("blocks.%d.att_out_proj.weight", l, b + ly->att_out, m->E, Et);
         ADD("blocks.%d.ffn_norm.w", l, b + ly->ffn_norm, 1, m->E);
-        ADD("blocks.%d.ffn.gate_proj.weight", l, b + ly->gate_up, m->H, m->E);
-        ADD("blocks.%d.ffn.up_proj.weight", l, b + ly->gate_up + (size_t)m->H * m->E, m->H, m->E);
-        ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, m->H);
+        ADD("blocks.%d.ffn.gate_proj.weight", l, b + ly->gate_up, Ht, m->E);
+        ADD("blocks.%d.ffn.up_proj.weight", l, b + ly->gate_up + (size_t)Ht * m->E, Ht, m->E);
+        ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, Ht);
     }
     size_t hb = m->units[unit_head(m)].offset;
     unit_ = unit_head(m);
@@ -137,7 +152,60 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
  * stream: the values do not depend on the blocking or the thread count. */
 #define INIT_BLOCK ((size_t)1 << 18)
 
+/* A tensor-parallel rank's slices take the values the whole model's init gives them: each
+ * run (model_tp_runs) is drawn from the whole layout at its global place. */
+static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
+    memset(buf, 0, (hi - lo) * sizeof(float));
+    Model g;
+    model_init_layout(&g, &m->c, 1, 0);
+    int max = model_tp_max_runs(m);
+    TpRun *r = xmalloc((size_t)max * sizeof *r);
+    int n = model_tp_runs(m, u, r, max);
+    for (int i = 0; i < n; i++) {
+        size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
+        if (a >= b) continue;
+        size_t g0 = r[i].global + (a - r[i].local);
+        model_init_range(&g, u, g0, g0 + (b - a), buf + (a - lo), seed);
+    }
+    free(r);
+    model_free(&g);
+}
+
+int model_tp_max_runs(const Model *m) { return 2 * m->E + 8; }
+
+int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
+    const Unit *un = &m->units[u];
+    if (!un->n) return 0;
+    int n = 0;
+#define RUN(l, g, len, rep)                                                    \
+    do {                                                                       \
+        if (n >= max) die(EXIT_RUN_FAILURE, "internal: model_tp_runs: max %d", max); \
+        out[n++] = (TpRun){(l), (g), (len), (rep)};                            \
+    } while (0)
+    if (!unit_is_layer(m, u) || m->tp_size == 1) {
+        RUN(0, 0, un->n, 1);
+        if (unit_is_layer(m, u)) out[0].replicated = 0;  /* a whole layer: nothing of it is another rank's */
+        return n;
+    }
+    size_t E = m->E, H = m->H, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, r = (size_t)m->tp_rank;
+    const LayerLayout *ly = &m->layer;
+    /* the whole layer's offsets (LayerLayout at tp = 1) */
+    size_t gqkv = E, gatt = gqkv + 3 * E * E, gffn = gatt + E * E, ggu = gffn + E, gdown = ggu + 2 * H * E;
+    RUN(ly->att_norm, 0, E, 1);
+    for (size_t p = 0; p < 3; p++) RUN(ly->qkv + p * Et * E, gqkv + (p * E + r * Et) * E, Et * E, 0);  /* q, k, v */
+    for (size_t i = 0; i < E; i++) RUN(ly->att_out + i * Et, gatt + i * E + r * Et, Et, 0);
+    RUN(ly->ffn_norm, gffn, E, 1);
+    for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Ht * E, ggu + (p * H + r * Ht) * E, Ht * E, 0);  /* gate, up */
+    for (size_t i = 0; i < E; i++) RUN(ly->down + i * Ht, gdown + i * H + r * Ht, Ht, 0);
+#undef RUN
+    return n;
+}
+
 void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
+    if (m->tp_size > 1 && unit_is_layer(m, u)) {
+        init_range_tp(m, u, lo, hi, buf, seed);
+        return;
+    }
     const Unit *un = &m->units[u];
     memset(buf, 0, (hi - lo) * sizeof(float));
     int max = 8 + 7 * m->L;
@@ -210,10 +278,14 @@ typedef struct { void **p; size_t n; int act; } Slot;
  * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
  * where it holds the head. */
 static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T, int training, size_t act_size,
-                     Acts *a, Slot *s, size_t *logit_n) {
+                     Acts *a, Slot *s, size_t *logit_n, int tp) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     size_t ldl = (size_t)ops_logit_stride(c->vocab_size);  /* logit rows are padded */
     size_t NH = c->n_heads, HD = E / NH;
+    /* a tensor-parallel rank: its heads (NH / tp, E / tp wide) and FFN units (H / tp) */
+    size_t Et = E / (size_t)tp;
+    NH /= (size_t)tp;
+    H /= (size_t)tp;
     /* Training keeps every layer's activations for backward; inference, and training that
      * recomputes them, use one layer's worth. The residual stream keeps every layer's input
      * when training. */
@@ -223,13 +295,13 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
     P(res, (Lr + 1) * N * E);
-    P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * E); P(att, Ls * N * E);
+    P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
     if (head) { P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N); }
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
-        P(dres, N * E); P(dqkv, N * 3 * E); P(datt, N * E);
+        P(dres, N * E); P(dqkv, N * 3 * Et); P(datt, N * Et);
         if (head) P(dxf, N * E);
         P(dgu, N * 2 * H); P(dh, N * H); P(dxn, N * E);
     }
@@ -257,10 +329,16 @@ size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_s
 
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes) {
+    return acts_bytes_tp(c, st, B, T, training, act_size, logit_bytes, 1);
+}
+
+size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
+                     size_t *logit_bytes, int tp) {
     Acts a;
     Slot s[32];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
-    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n);
+    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
+                      tp);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
@@ -276,7 +354,8 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     Slot s[32];
     size_t logit_n;
     int head = stage_has_head(m, st);
-    int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n);
+    int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n,
+                      m->tp_size);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = training == ACTS_RECOMPUTE;
     a->logit_rows = head ? acts_logit_rows(&m->c, B, T, ops_act_size()) : 0;
@@ -329,12 +408,12 @@ void acts_free(Acts *a) {
 typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
 
 static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
-    size_t E = m->E, H = m->H;
+    size_t E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;  /* this tensor-parallel rank's widths */
     size_t s = (size_t)slot, NA = a->N;  /* slots are strided by the planned N */
     LayerActs la = {
         .x = act_at(a->res, (size_t)r * NA * E), .xn1 = act_at(a->xn1, s * NA * E), .rstd1 = a->rstd1 + s * NA,
-        .qkv = act_at(a->qkv, s * NA * 3 * E), .att = act_at(a->att, s * NA * E),
-        .lse = a->lse + s * (size_t)a->B * m->NH * a->T, .mid = act_at(a->mid, s * NA * E),
+        .qkv = act_at(a->qkv, s * NA * 3 * Et), .att = act_at(a->att, s * NA * Et),
+        .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NA * E),
         .xn2 = act_at(a->xn2, s * NA * E), .rstd2 = a->rstd2 + s * NA, .gu = act_at(a->gu, s * NA * 2 * H),
         .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NA * E),
     };
@@ -343,20 +422,39 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. */
+/* Tensor parallel's one collective: the sum over the tensor-parallel ranks of what each
+ * computed from its own heads or FFN units (Megatron-LM's g in the forward, after att_out
+ * and down; its conjugate f in the backward, at the input gradients of qkv and gate_up). */
+static void tp_sum(const Model *m, void *buf, size_t n) {
+    if (m->tp_size > 1) m->tp.allreduce(m->tp.ctx, buf, n);
+}
+
+/* recompute != 0 (activation checkpointing, in the backward): everything the backward
+ * reads, but not the layer's output, which is already in the residual stream. On a
+ * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
+ * FFN units), and the two branch outputs are summed over the ranks before the residual. */
 static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
-    int N = B * T, E = m->E, H = m->H;
+    int N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), N, E, RMS_EPS);
-    op_matmul_forward(la->qkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * E);
-    op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NH, m->HD);
-    op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NH, m->HD);
-    op_matmul_forward(la->mid, la->att, act_at(w, ly->att_out), N, E, E);
+    op_matmul_forward(la->qkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * Et);
+    op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
+    op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
+    op_matmul_forward(la->mid, la->att, act_at(w, ly->att_out), N, Et, E);
+    tp_sum(m, la->mid, (size_t)N * E);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
     op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
-    op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
+    if (m->tp_size == 1) {
+        op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
+        return;
+    }
+    /* the residual is added once, by tensor-parallel rank 0, into the sum */
+    if (m->tp_rank == 0) op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
+    else op_matmul_forward(la->out, la->hsw, act_at(w, ly->down), N, H, E);
+    tp_sum(m, la->out, (size_t)N * E);
 }
 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return.
@@ -367,19 +465,23 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
-    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H;
+    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     /* The branch gradients (dh, dgu, dxn, datt, dqkv) are written by the _set ops, not zeroed
-     * and added to; dres, the residual stream's gradient, accumulates. */
+     * and added to; dres, the residual stream's gradient, accumulates. On a tensor-parallel
+     * rank each norm's output gradient (dxn) is summed over the ranks first: the norms'
+     * gradients are then the same on every rank. */
     op_matmul_backward_set(a->dh, st_at(g, ly->down), a->dres, la->hsw, act_at(w, ly->down), N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
     op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N,
                            E, 2 * H);
+    tp_sum(m, a->dxn, (size_t)N * E);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
-    op_matmul_backward_set(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, E, E);
-    op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NH,
+    op_matmul_backward_set(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, Et, E);
+    op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
     op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E,
-                           3 * E);
+                           3 * Et);
+    tp_sum(m, a->dxn, (size_t)N * E);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
 }
 
@@ -387,9 +489,9 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
 static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la) {
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
-    int N = a->B * a->T, E = m->E, H = m->H;
+    int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, la->xn2, NULL, N, E, 2 * H);
-    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, la->xn1, NULL, N, E, 3 * E);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, la->xn1, NULL, N, E, 3 * Et);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -551,16 +653,19 @@ size_t model_wgrad_bytes(const ModelConfig *c, const Stage *s, int B, int T, siz
     return (size_t)stage_n_layers(c, s) * (size_t)B * T * (7 * E + 2 * H) * act_size;
 }
 
+/* (on a tensor-parallel rank dgu and dqkv are its own units' and heads': the set fits in
+ * model_wgrad_bytes's) */
 static WGrad wgrad_at(const Model *m, void *buf, int i, size_t N) {
-    size_t E = m->E, H = m->H, per = N * (7 * E + 2 * H);
+    size_t E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD, per = N * (4 * E + 3 * Et + 2 * H);
     void *b = act_at(buf, (size_t)i * per);
     WGrad w = {b, act_at(b, N * E), act_at(b, N * (E + 2 * H)), act_at(b, N * (2 * E + 2 * H)),
-               act_at(b, N * (3 * E + 2 * H)), act_at(b, N * (6 * E + 2 * H))};
+               act_at(b, N * (3 * E + 2 * H)), act_at(b, N * (3 * E + 3 * Et + 2 * H))};
     return w;
 }
 
 void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->H, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
+    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD, l0 = stage_first_layer(s),
+        nl = stage_n_layers(&m->c, s);
     size_t bytes = (size_t)N * E * ops_act_size();
     const LayerLayout *ly = &m->layer;
     for (int i = nl - 1; i >= 0; i--) {
@@ -573,12 +678,14 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         op_matmul_backward_set(a->dh, NULL, a->dres, la.hsw, act_at(w, ly->down), N, H, E);
         op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
         op_matmul_backward_set(wg.dxn2, NULL, wg.dgu, la.xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+        tp_sum(m, wg.dxn2, (size_t)N * E);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, N, E);
         op_copy(wg.dmid, a->dres, bytes);
-        op_matmul_backward_set(a->datt, NULL, a->dres, la.att, act_at(w, ly->att_out), N, E, E);
-        op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NH,
+        op_matmul_backward_set(a->datt, NULL, a->dres, la.att, act_at(w, ly->att_out), N, Et, E);
+        op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                        m->HD);
-        op_matmul_backward_set(wg.dxn1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * E);
+        op_matmul_backward_set(wg.dxn1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * Et);
+        tp_sum(m, wg.dxn1, (size_t)N * E);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, N, E);
         HOOK(h, release, unit_of_layer(l));
     }
@@ -587,7 +694,8 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
 }
 
 void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int N = a->B * a->T, E = m->E, H = m->H, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
+    int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD, l0 = stage_first_layer(s),
+        nl = stage_n_layers(&m->c, s);
     const LayerLayout *ly = &m->layer;
     for (int i = nl - 1; i >= 0; i--) {
         int u = unit_of_layer(l0 + i);
@@ -598,8 +706,8 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
         op_matmul_backward(NULL, st_at(g, ly->down), wg.dout, la.hsw, NULL, N, H, E);
         op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, la.xn2, NULL, N, E, 2 * H);
         op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, N, E);
-        op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, E, E);
-        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, la.xn1, NULL, N, E, 3 * E);
+        op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, Et, E);
+        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, la.xn1, NULL, N, E, 3 * Et);
         op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, N, E);
         HOOK(h, grad_ready, u);
     }

@@ -26,9 +26,29 @@ typedef struct {
     size_t att_norm, qkv, att_out, ffn_norm, gate_up, down;
 } LayerLayout;
 
+/* Tensor parallel (Megatron-LM): how the model reaches the other ranks of its tensor-parallel
+ * group, given from outside (src/parallel/tensor.c). allreduce sums n activations (the ops'
+ * activation type) of buf over the group, in place, the same result on every rank. */
+typedef struct {
+    void *ctx;
+    void (*allreduce)(void *ctx, void *buf, size_t n);
+} ModelTp;
+
+/* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
+ * unit's start) and in the whole model's unit (global, the single-process layout): a
+ * tensor-parallel rank's slices are strided pieces of the whole. replicated: every
+ * tensor-parallel rank holds the same values (norm weights, the embedding and the head). */
+typedef struct { size_t local, global, n; int replicated; } TpRun;
+
 typedef struct {
     ModelConfig c;
     int E, NH, HD, H, V, L;  /* embed_dim, heads, head_dim, ffn hidden, vocab, layers */
+    /* Tensor parallel: this rank is tp_rank of tp_size and holds heads NHt (= NH / tp_size) of
+     * the attention and Ht (= H / tp_size) of the FFN's hidden units in every layer: the q, k,
+     * v rows of its heads in qkv_proj and the matching columns of att_out_proj, its rows of
+     * gate_proj and up_proj and its columns of down_proj. tp_size = 1: the whole layer. */
+    int tp_size, tp_rank, NHt, Ht;
+    ModelTp tp;
     int n_units;
     Unit *units;
     LayerLayout layer;
@@ -103,6 +123,16 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
  * lm_head: the others keep their index but have no storage (n = n_padded = 0). s = NULL:
  * every unit. */
 void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages);
+/* The same for tensor-parallel rank tp_rank of tp_size (which divides n_heads and the FFN
+ * width): each layer unit holds its slices only, in the layer's order (LayerLayout's
+ * offsets are then this rank's). The embedding and the head stay whole (replicated). The
+ * tensor-parallel all-reduce is set afterwards in m->tp. */
+void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
+                          int tp_size, int tp_rank);
+/* Unit u's elements as runs (TpRun) in local order, covering [0, units[u].n); returns the
+ * count (at most model_tp_max_runs), 0 for a unit this layout does not hold. */
+int model_tp_runs(const Model *m, int u, TpRun *out, int max);
+int model_tp_max_runs(const Model *m);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);
@@ -163,6 +193,9 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
  * it holds the head. */
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes);
+/* ... on a tensor-parallel rank of tp ranks (the layers' head and FFN activations shrink). */
+size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
+                     size_t *logit_bytes, int tp);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
 /* A smaller batch (B <= a->B) in a's buffers, for a forward without gradients (the
  * validation batch of a short shard): every buffer of a holds it. Not to be freed. */

@@ -7,6 +7,7 @@
 #include <string.h>
 #include "ops.h"
 #include "parallel_impl.h"
+#include "tensor.h"
 #include "util.h"
 
 /* The one place that maps a kind to its strategy. */
@@ -400,7 +401,31 @@ void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, cons
     else op_adamw(param, grad, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
 }
 
+/* Tensor parallel: the gradients every tp rank holds alike (the embedding, the head, the
+ * norms) are counted by tp rank 0 alone, the slices by each; the sum over the tp group is
+ * then the whole model's. sharded: this rank's gradient is its shard of each unit (gshard),
+ * else the whole units (grads). */
+static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
+    const Mesh *mesh = p->mesh;
+    if (!mesh || mesh->tp_size < 2) return sumsq;
+    if (mesh->tp_rank != 0)
+        for (int u = 0; u < p->m->n_units; u++) {
+            const Unit *un = &p->m->units[u];
+            size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
+            if (hi > un->n) hi = un->n;
+            if (lo >= hi) continue;
+            const void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);
+            sumsq -= tensor_replicated_sumsq(p->m, u, lo, hi, g);
+        }
+    return sumsq;
+}
+
 double par_stages_sumsq(Parallel *p, double sumsq) {
+    if (p->mesh && p->mesh->tp_size > 1) {
+        sumsq = tp_sumsq(p, sumsq, 0);
+        comm_allreduce_double(&p->mesh->tp, &sumsq, 1);
+        if (sumsq < 0) sumsq = 0;  /* rounding, where nearly everything is replicated */
+    }
     if (!p->stages || p->stages->size < 2) return sumsq;
     const Unit *e = &p->m->units[UNIT_EMBEDDING];
     if (!p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
@@ -413,9 +438,11 @@ double par_shard_norm(Parallel *p) {
     int piped = p->stages && p->stages->size > 1;
     if (piped && !p->count_embedding && shard_len(p, UNIT_EMBEDDING))  /* the tied copy: counted by the first stage */
         sumsq -= op_sumsq(st_at(p->gshard, shard_off(p, UNIT_EMBEDDING)), shard_len(p, UNIT_EMBEDDING));
+    sumsq = tp_sumsq(p, sumsq, 1);
     comm_allreduce_double(p->group, &sumsq, 1);
+    if (p->mesh && p->mesh->tp_size > 1) comm_allreduce_double(&p->mesh->tp, &sumsq, 1);
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
-    return sqrt(sumsq);
+    return sqrt(sumsq > 0 ? sumsq : 0);
 }
 
 /* ---- parameters ---- */

@@ -32,8 +32,8 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc,
-                     MemEstimate *e) {
+                     int world, int shard_size, int tp, int gpu, OpsPrecision prec, int copy_engines,
+                     const OptimConfig *oc, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     int af = oc && oc->kind == OPTIM_ADAFACTOR;
     snprintf(e->optim_what, sizeof e->optim_what, "%s", !af ? "AdamW m, v" : optim_moments(oc) ? "Adafactor R, C, m"
@@ -42,8 +42,10 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->prec = prec;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
-    model_init_layout(&m, c, shard_size, 0);
+    model_init_layout_tp(&m, c, shard_size, 0, NULL, 0, tp, 0);
     e->n_params = m.n_params;
+    size_t held = 0;  /* the parameters a tensor-parallel rank holds */
+    for (int u = 0; u < m.n_units; u++) held += m.units[u].n;
     e->flops_per_token = model_flops_per_token(c, T);
     ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
@@ -51,7 +53,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
     size_t logit_bytes;
-    size_t acts = acts_bytes(c, B, T, training, act_size, &logit_bytes);
+    Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
+    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
@@ -63,8 +66,9 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
      * s*b*h*(34 + 5*a*s/h) bytes of 16-bit activations (Korthikanti et al.), doubled for
-     * fp32 activations. */
-    double P = (double)e->n_params * (double)state_size, N = shard_size, w;
+     * fp32 activations; with tensor parallel over t ranks, the parameters a rank holds and
+     * s*b*h*(10 + 24/t + 5*a*s/(h*t)) (their eq. 2). */
+    double P = (double)held * (double)state_size, N = shard_size, w;
     switch (kind) {
     case PAR_DDP: w = 4 * P; break;
     case PAR_ZERO1: w = 2 * P + 2 * P / N; break;
@@ -72,7 +76,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     default: w = 4 * P / N;
     }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0, layer = s * b * h * (34 + 5 * a * s / h);
+    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0, layer = s * b * h * (10 + 24.0 / tp + 5 * a * s / (h * tp));
     /* with activation checkpointing: each layer's 16-bit input, and one layer in full */
     double acts_f = training == ACTS_RECOMPUTE ? c->n_layers * 2 * s * b * h + layer : c->n_layers * layer;
     e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);

@@ -28,9 +28,11 @@ typedef struct {
 /* copy_engines: DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer
  * (comm_alloc in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on
  * one machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
+/* tp: tensor-parallel ranks; each holds its slices of every layer (model_init_layout_tp)
+ * and those layers' head and FFN activations, the embedding and the head whole. */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc,
-                     MemEstimate *e);
+                     int world, int shard_size, int tp, int gpu, OpsPrecision prec, int copy_engines,
+                     const OptimConfig *oc, MemEstimate *e);
 /* A pipeline rank's share instead of the whole model's (e from estimate_memory, redone in
  * place): the units of its stages s[0..sched->chunks) (and a tied embedding's copy with the
  * last stage), as the strategy holds them, and the activations its schedule keeps in

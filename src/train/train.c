@@ -18,6 +18,7 @@
 #include "pipeline.h"
 #include "run.h"
 #include "step.h"
+#include "tensor.h"
 #include "train_state.h"
 #include "util.h"
 
@@ -270,8 +271,8 @@ int cmd_train(Config *c) {
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, gpu, prec, ce, &oc,
-                    &est);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size, gpu, prec,
+                    ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
     if (PP > 1) estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
@@ -340,7 +341,8 @@ int cmd_train(Config *c) {
 
     Model m;
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
-    model_init_layout_stage(&m, &mc, mesh.shard_size, 0, mine, V);
+    model_init_layout_tp(&m, &mc, mesh.shard_size, 0, mine, V, mesh.tp_size, mesh.tp_rank);
+    tensor_parallel_attach(&m, &mesh);  /* tensor parallel: each rank holds its slices of every layer */
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&mine[0]) && holds_head;
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
@@ -402,6 +404,11 @@ int cmd_train(Config *c) {
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     int stopped = 0, done = start;
+    /* The losses are summed over every rank that must agree on stopping at a non-finite one:
+     * the data-parallel group, or the world where pipeline stages (which give 0 but the
+     * head's) or tensor-parallel ranks (each holding the same loss) are in it. */
+    const Comm *loss_group = PP > 1 || mesh.tp_size > 1 ? &world : &mesh.dp;
+    int loss_ranks = dp * (PP > 1 ? 1 : mesh.tp_size);
     catch_signals(lead);
     for (int step = start; step < c->steps; step++) {
         double t0 = now_seconds();
@@ -411,8 +418,8 @@ int cmd_train(Config *c) {
         double lr, norm, l = step_run(&st, &oc, &norm, &lr);
         if (step + 1 == nan_step && lead) l = NAN;
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
-        comm_allreduce_double(PP > 1 ? &world : &mesh.dp, &l, 1);
-        loss = (float)(l / dp);
+        comm_allreduce_double(loss_group, &l, 1);
+        loss = (float)(l / loss_ranks);
         if (!isfinite(loss) || !isfinite(norm))
             stop_non_finite(&pr, log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
                             lead, saving ? c->ckpt_path : NULL);
@@ -451,8 +458,8 @@ int cmd_train(Config *c) {
             acts_view(&va, &a, &m, PP > 1 ? BM : val_B);
             val_loss = step_eval(&st, &va, &val, PP > 1 ? c->val_batches * M : c->val_batches, mesh.dp_rank, dp);
             if (step + 1 == nan_val_step && lead) val_loss = NAN;
-            comm_allreduce_double(PP > 1 ? &world : &mesh.dp, &val_loss, 1);
-            val_loss /= dp;
+            comm_allreduce_double(loss_group, &val_loss, 1);
+            val_loss /= loss_ranks;
             if (!isfinite(val_loss))
                 stop_non_finite(&pr, log, step + 1, "validation loss", val_loss, lead, saving ? c->ckpt_path : NULL);
             if (lead) {

@@ -9,10 +9,26 @@
 static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRange *out, int max) {
     OwnedRange *o = xmalloc((size_t)max * sizeof *o);
     int n = parallel_ranges(par, write, o, max), k = 0;
-    /* packed order is the whole model's, whichever units this rank holds (a pipeline stage) */
-    for (int i = 0; i < n; i++)
-        if (o[i].hi > o[i].lo)
-            out[k++] = (StateRange){m->packed[o[i].unit] + o[i].lo, o[i].hi - o[i].lo, o[i].params, o[i].m, o[i].v};
+    int nr = model_tp_max_runs(m);
+    TpRun *runs = xmalloc((size_t)nr * sizeof *runs);
+    /* packed order is the whole model's, whichever units this rank holds (a pipeline stage);
+     * a tensor-parallel rank's slices are strided pieces of it (model_tp_runs), and what every
+     * tp rank holds alike is saved by tp rank 0 alone */
+    for (int i = 0; i < n; i++) {
+        if (o[i].hi <= o[i].lo) continue;
+        int nu = model_tp_runs(m, o[i].unit, runs, nr);
+        for (int j = 0; j < nu; j++) {
+            const TpRun *r = &runs[j];
+            size_t a = o[i].lo > r->local ? o[i].lo : r->local, b = o[i].hi < r->local + r->n ? o[i].hi : r->local + r->n;
+            if (a >= b || (write && r->replicated && m->tp_rank != 0)) continue;
+            if (k >= max) die(EXIT_RUN_FAILURE, "internal: more than %d checkpoint ranges", max);
+            size_t d = a - o[i].lo;
+            out[k++] = (StateRange){m->packed[o[i].unit] + r->global + (a - r->local), b - a,
+                                    o[i].params ? st_at(o[i].params, d) : NULL, o[i].m ? st_at(o[i].m, d) : NULL,
+                                    o[i].v ? st_at(o[i].v, d) : NULL};
+        }
+    }
+    free(runs);
     free(o);
     return k;
 }
@@ -61,7 +77,8 @@ static void stage_free(Staging *s) {
 }
 
 /* At most: one range per unit and write side, and the head's and embedding's extras. */
-static int max_ranges(const Model *m) { return 2 * m->n_units + 2; }
+/* ... each split into the runs of a tensor-parallel rank's slices. */
+static int max_ranges(const Model *m) { return (2 * m->n_units + 2) * model_tp_max_runs(m); }
 
 int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
                      int skip_embedding, char *err, size_t errlen) {

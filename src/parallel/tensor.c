@@ -1,0 +1,34 @@
+#include "tensor.h"
+#include <stdlib.h>
+#include "comm.h"
+#include "ops.h"
+#include "util.h"
+
+/* Blocking: the layer needs the sum before its next op. On a device the NCCL all-reduce
+ * runs on the comm stream and the compute stream waits for it (comm.h); activations are
+ * bf16 there with precision=mixed or bf16, which NCCL sums as they are. */
+static void tp_allreduce(void *ctx, void *buf, size_t n) {
+    const Comm *tp = ctx;
+    CommReq r = {0};
+    comm_iallreduce(tp, buf, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, &r, "tensor-parallel all-reduce");
+    comm_wait(&r);
+}
+
+void tensor_parallel_attach(Model *m, const Mesh *mesh) {
+    if (mesh->tp_size == 1) return;
+    m->tp = (ModelTp){(void *)&mesh->tp, tp_allreduce};
+}
+
+double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {
+    int max = model_tp_max_runs(m);
+    TpRun *r = xmalloc((size_t)max * sizeof *r);
+    int n = model_tp_runs(m, u, r, max);
+    double s = 0;
+    for (int i = 0; i < n; i++) {
+        if (!r[i].replicated) continue;
+        size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
+        if (a < b) s += op_sumsq(st_at(g, a - lo), b - a);
+    }
+    free(r);
+    return s;
+}

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Tensor parallel (Megatron-LM) over MPI on CPU ranks: tp = 2 and 4, alone and beside data
+# parallel (DDP, ZeRO-1, FSDP, hybrid FSDP over dp), with gradient accumulation, follow the single-process run on the same global
+# batch (losses within 1e-5 relative for 5 steps, the same final parameters); checkpoints
+# hold the whole model's packed order, so they resume across tp layouts and eval reads them
+# in one process; layouts it cannot run are refused at start-up.
+TEST_NAME=tp
+source "$(dirname "$0")/lib.sh"
+use_mpirun
+prepare_data 400000
+
+M="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+for tied in false true; do
+  "$BIN" train $M tie_embeddings=$tied batch_size=8 out_dir="$TMP/ref_$tied" >/dev/null
+done
+# name|ranks|batch_size per data-parallel rank|keys
+while IFS='|' read -r name np b keys; do
+  for tied in false true; do
+    out=$TMP/${name}_$tied
+    if $MPIRUN -np "$np" "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys out_dir="$out" </dev/null \
+         >"$out.log" 2>&1 && follows "$TMP/ref_$tied" "$out"
+    then ok "${name}$([ $tied = true ] && echo _tied)"
+    else bad "${name}$([ $tied = true ] && echo _tied) ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+  done
+done <<'CASES'
+tp2|2|8|tensor_parallel_size=2
+tp4|4|8|tensor_parallel_size=4
+tp2_dp2_ddp|4|4|tensor_parallel_size=2
+tp2_dp2_fsdp|4|4|tensor_parallel_size=2 fsdp=true
+tp2_dp2_zero1|4|4|tensor_parallel_size=2 zero_opt=true
+tp2_activation_checkpointing|2|8|tensor_parallel_size=2 activation_checkpointing=true
+tp2_grad_accum|2|4|tensor_parallel_size=2 grad_accum_steps=2
+tp2_dp4_hybrid|8|2|tensor_parallel_size=2 fsdp=true shard_strategy=hybrid shard_group_size=2
+CASES
+# the header names the layout
+grep -q "dp=2 tp=2 pp=1" "$TMP/tp2_dp2_ddp_false.log" && ok header_names_tp || bad header_names_tp
+
+# -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
+# every rank), and the estimate stays within 10% of every rank's max RSS
+B="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=8 context_len=16 batch_size=2 steps=2 tie_embeddings=true progress=false threads=1 data_dir=$D"
+prev=""
+for tp in 1 2; do
+  if [ "$tp" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$tp" "$BIN"); fi
+  "${run[@]}" train $B tensor_parallel_size=$tp out_dir="$TMP/mem_$tp" </dev/null >/dev/null 2>&1
+  line=$(grep '"done"' "$TMP/mem_$tp/log.jsonl")
+  mx=$(echo "$line" | grep -o '"max_rss_bytes":[0-9]*' | cut -d: -f2)
+  mn=$(echo "$line" | grep -o '"min_rss_bytes":[0-9]*' | cut -d: -f2)
+  est=$(echo "$line" | grep -o '"estimate_bytes":[0-9]*' | cut -d: -f2)
+  if [ -n "${MESHTRAIN_SANITIZED:-}" ]; then :
+  elif [ -n "$mx" ] && awk -v a="$mx" -v b="$mn" -v e="$est" 'BEGIN{d1=(e-a)/a; d2=(e-b)/b; if(d1<0)d1=-d1; if(d2<0)d2=-d2; exit !(d1<0.1 && d2<0.1)}'
+  then ok "mem_estimate_tp$tp (rss $mn..$mx, estimate $est)"; else bad "mem_estimate_tp$tp (rss $mn..$mx, estimate $est)"; fi
+  if [ -n "$prev" ]; then
+    awk -v a="$mx" -v p="$prev" 'BEGIN{exit !(a < p)}' && ok "mem_falls_tp$tp ($mx < $prev)" || bad "mem_falls_tp$tp ($mx vs $prev)"
+  fi
+  prev=$mx
+done
+
+# -- resume across tp layouts: a run dies after its step-3 checkpoint; another layout
+# finishes it and follows the uninterrupted one-process run
+R="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 data_dir=$D"
+"$BIN" train $R batch_size=4 out_dir="$TMP/straight" >/dev/null
+# (a non-finite loss on rank 0 stops every tp rank at once, not after comm_timeout)
+t0=$(date +%s)
+MESHTRAIN_FAULT_NAN_STEP=4 timeout 120 $MPIRUN -np 2 "$BIN" train $R batch_size=4 tensor_parallel_size=2 ckpt_every=3 \
+  out_dir="$TMP/cut_tp2" </dev/null >/dev/null 2>&1; rc=$?
+t=$(( $(date +%s) - t0 ))
+[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && ok "non_finite_loss_stops_every_tp_rank (${t}s)" \
+  || bad "non_finite_loss_stops_every_tp_rank (exit $rc after ${t}s)"
+MESHTRAIN_FAULT_NAN_STEP=4 "$BIN" train $R batch_size=4 ckpt_every=3 out_dir="$TMP/cut_tp1" </dev/null >/dev/null 2>&1
+while IFS='|' read -r name cut np keys; do
+  out=$TMP/resume_$name
+  rm -rf "$out"; mkdir -p "$out"; cp "$TMP/$cut"/ckpt.bin* "$out/"
+  if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
+  "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 </dev/null \
+    >"$out.log" 2>&1
+  a=$(losses "$TMP/straight" | tail -3); b=$(losses "$out" | tail -3)
+  if [ "$(echo "$b" | wc -l)" -eq 3 ] &&
+     paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' &&
+     params_close "$TMP/straight/ckpt.bin" "$out/ckpt.bin"
+  then ok "resume_$name"; else bad "resume_$name ($(tail -1 "$out.log"))"; fi
+done <<'CASES'
+tp2_at_tp1|cut_tp2|1|batch_size=4
+tp2_at_tp4|cut_tp2|4|batch_size=4 tensor_parallel_size=4
+tp1_at_tp2|cut_tp1|2|batch_size=4 tensor_parallel_size=2
+tp1_at_tp2_dp2_fsdp|cut_tp1|4|batch_size=2 tensor_parallel_size=2 fsdp=true
+CASES
+# eval reads a checkpoint written at tp = 2 in one process: the validation loss of the
+# same parameters written at tp = 1
+v1=$("$BIN" eval checkpoint="$TMP/ref_false/ckpt.bin" data_dir="$D" batch_size=4 threads=1 2>&1 | grep -o 'val_loss [0-9.]*')
+v2=$("$BIN" eval checkpoint="$TMP/tp2_false/ckpt.bin" data_dir="$D" batch_size=4 threads=1 2>&1 | grep -o 'val_loss [0-9.]*')
+[ -n "$v1" ] && awk -v a="${v1#* }" -v b="${v2#* }" 'BEGIN{d=(a-b)/a; if(d<0)d=-d; exit !(b > 0 && d < 1e-5)}' \
+  && ok "eval_reads_tp2_checkpoint ($v2)" || bad "eval_reads_tp2_checkpoint ($v1 vs $v2)"
+
+# -- layouts it cannot run: one line, exit 2, before anything runs
+expect_exit 2 "tensor_parallel_size=3 does not divide n_heads=4" tp_not_dividing_heads -- \
+  "$BIN" train $M batch_size=8 tensor_parallel_size=3 out_dir="$TMP/bad1"
+expect_exit 2 "tensor and pipeline parallel do not combine yet" tp_with_pipeline -- \
+  "$BIN" train $M batch_size=8 tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 out_dir="$TMP/bad2"
+expect_exit 2 "tensor_parallel_size=2 with optimizer=adafactor" tp_with_adafactor -- \
+  "$BIN" train $M batch_size=8 tensor_parallel_size=2 optimizer=adafactor out_dir="$TMP/bad3"
+# (under mpirun: Open MPI adds its own lines about the exit status)
+err=$($MPIRUN -np 3 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad4" 2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] &&
+  grep -q "world size 3 is not divisible by tensor_parallel_size x pipeline_parallel_size = 2 x 1" <<<"$err" \
+  && ok tp_not_dividing_world || bad "tp_not_dividing_world (exit $rc: $err)"
+expect_exit 2 "tensor_parallel_size=8 does not divide n_heads=4" estimate_refuses_tp -- \
+  "$BIN" estimate vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 batch_size=8 tensor_parallel_size=8
+
+echo "RESULT $pass $fail"
+[ "$fail" -eq 0 ]
