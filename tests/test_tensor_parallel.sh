@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tensor parallel (Megatron-LM) over MPI on CPU ranks: tp = 2 and 4, alone and beside data
-# parallel (DDP, ZeRO-1, FSDP, hybrid FSDP over dp), with gradient accumulation, follow the single-process run on the same global
+# parallel (DDP, ZeRO-1, FSDP, hybrid FSDP over dp), with gradient accumulation, beside
+# pipeline stages (1F1B, zb1) and in the 3D mesh pp 2 x dp 2 x tp 2 with FSDP, follow the single-process run on the same global
 # batch (losses within 1e-5 relative for 5 steps, the same final parameters); checkpoints
 # hold the whole model's packed order, so they resume across tp layouts and eval reads them
 # in one process; layouts it cannot run are refused at start-up.
@@ -31,6 +32,9 @@ tp2_dp2_zero1|4|4|tensor_parallel_size=2 zero_opt=true
 tp2_activation_checkpointing|2|8|tensor_parallel_size=2 activation_checkpointing=true
 tp2_grad_accum|2|4|tensor_parallel_size=2 grad_accum_steps=2
 tp2_dp4_hybrid|8|2|tensor_parallel_size=2 fsdp=true shard_strategy=hybrid shard_group_size=2
+tp2_pp2|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2
+tp2_pp2_zb1|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+tp2_pp2_dp2_fsdp|8|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 fsdp=true
 CASES
 # the header names the layout
 grep -q "dp=2 tp=2 pp=1" "$TMP/tp2_dp2_ddp_false.log" && ok header_names_tp || bad header_names_tp
@@ -94,8 +98,6 @@ v2=$("$BIN" eval checkpoint="$TMP/tp2_false/ckpt.bin" data_dir="$D" batch_size=4
 # -- layouts it cannot run: one line, exit 2, before anything runs
 expect_exit 2 "tensor_parallel_size=3 does not divide n_heads=4" tp_not_dividing_heads -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=3 out_dir="$TMP/bad1"
-expect_exit 2 "tensor and pipeline parallel do not combine yet" tp_with_pipeline -- \
-  "$BIN" train $M batch_size=8 tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 out_dir="$TMP/bad2"
 expect_exit 2 "tensor_parallel_size=2 with optimizer=adafactor" tp_with_adafactor -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=2 optimizer=adafactor out_dir="$TMP/bad3"
 # (under mpirun: Open MPI adds its own lines about the exit status)

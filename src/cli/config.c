@@ -236,9 +236,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (ffn % tp)
             return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp,
                            ffn);
-        if (tp > 1 && c->pipeline_parallel_size > 1)
-            return set_err(err, errlen, "tensor_parallel_size=%d with pipeline_parallel_size=%d: tensor and pipeline "
-                           "parallel do not combine yet", tp, c->pipeline_parallel_size);
         if (tp > 1 && !strcmp(c->optimizer, "adafactor"))
             return set_err(err, errlen, "tensor_parallel_size=%d with optimizer=adafactor: Adafactor's factored "
                            "statistics need whole tensors; use optimizer=adamw", tp);

@@ -408,7 +408,7 @@ int cmd_train(Config *c) {
      * the data-parallel group, or the world where pipeline stages (which give 0 but the
      * head's) or tensor-parallel ranks (each holding the same loss) are in it. */
     const Comm *loss_group = PP > 1 || mesh.tp_size > 1 ? &world : &mesh.dp;
-    int loss_ranks = dp * (PP > 1 ? 1 : mesh.tp_size);
+    int loss_ranks = dp * mesh.tp_size;  /* the head's stage: every dp x tp rank of it holds the loss */
     catch_signals(lead);
     for (int step = start; step < c->steps; step++) {
         double t0 = now_seconds();
