@@ -89,7 +89,7 @@ $(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CU
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
-$(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h $(LIB_OBJ) | $(BUILD)/tests
+$(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h tests/gpu/bf16_check.h $(LIB_OBJ) | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests $< $(LIB_OBJ) -o $@ $(LDLIBS)
 
 # bf16 flash attention (tensor cores, mma.sync): its own object, linked wherever ops_cuda.o is,

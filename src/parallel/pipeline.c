@@ -10,14 +10,18 @@ static int head_unit(const ModelConfig *c) { return c->n_layers + 1; }
 /* FLOPs per token of forward + backward: 6 per matmul parameter, and the causal
  * attention's 12 E T per layer (as model_flops_per_token counts them); the embedding is a
  * lookup (counted as E, so that it is not free). */
-static double layer_flops(const ModelConfig *c, int T) {
+/* A layer's matrix parameters: qkv, att_out, gate_up, down. */
+static double layer_matmul_params(const ModelConfig *c) {
     double E = c->embed_dim, H = (double)(int)(1.5 * c->embed_dim);
-    return 6.0 * (3 * E * E + E * E + 3 * E * H) + 12.0 * E * T;
+    return 3 * E * E + E * E + 3 * E * H;
+}
+static double layer_flops(const ModelConfig *c, int T) {
+    return 6.0 * layer_matmul_params(c) + 12.0 * c->embed_dim * (double)T;
 }
 static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (double)c->vocab_size; }
 
 void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, double *out) {
-    double E = c->embed_dim, H = (double)(int)(1.5 * c->embed_dim), pm = 3 * E * E + E * E + 3 * E * H;
+    double E = c->embed_dim, pm = layer_matmul_params(c);
     for (int i = 0; i < n; i++) {
         double nl = stage_n_layers(c, &s[i]);
         out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (s[i].last == head_unit(c) ? head_flops(c) : 0);

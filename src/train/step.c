@@ -180,10 +180,11 @@ static void free_all_slots(Step *st) {
  * link's order, which the schedule's is; MPI tags stop at 32767, where the order on the
  * link tells the rest apart). */
 static int peer(const Comm *link) { return 1 - link->rank; }
+static int msg_tag(int to_stage, int micro, int n_micro) { return (to_stage * n_micro + micro) % 32768; }
 static int tag(const Step *st, const Action *a) {
     int p = st->sched.stages, g = a->chunk * p + st->sched.stage;
     int to = a->kind == ACT_RECV_INPUT ? g : a->kind == ACT_SEND_OUTPUT ? g + 1 : a->kind == ACT_RECV_GRAD ? g : g - 1;
-    return (to * st->micro + a->micro) % 32768;
+    return msg_tag(to, a->micro, st->micro);
 }
 
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
@@ -299,12 +300,12 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
             CommP2P r;
             int g = c * st->sched.stages + st->sched.stage;  /* tags: the receiving stage's, as in a step */
             if (!stage_has_embedding(s)) {
-                comm_irecv(&st->act_in, model_stage_input(m, &v), bytes, peer(&st->act_in), (g * n + i) % 32768, &r, "pipeline receive");
+                comm_irecv(&st->act_in, model_stage_input(m, &v), bytes, peer(&st->act_in), msg_tag(g, i, n), &r, "pipeline receive");
                 comm_p2p_wait(&r);
             }
             model_forward(m, s, &v, 0, 0.0f, st->hooks);
             if (c != st->head_chunk) {
-                comm_isend(&st->act_out, model_stage_output(m, s, &v, 0), bytes, peer(&st->act_out), ((g + 1) * n + i) % 32768, &r,
+                comm_isend(&st->act_out, model_stage_output(m, s, &v, 0), bytes, peer(&st->act_out), msg_tag(g + 1, i, n), &r,
                            "pipeline send");
                 comm_p2p_wait(&r);
             } else {

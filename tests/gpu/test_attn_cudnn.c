@@ -28,32 +28,8 @@
 #define TOL_ATT 3e-2  /* attention: probabilities are rounded to bf16 before P @ V */
 #define TOL_LSE 1e-3
 
-static Rng rng;
-static const OpsBackend *cpu = &ops_backend_cpu;
+#include "bf16_check.h"
 
-static float *randb(size_t n, float scale) {
-    float *x = xmalloc(n * sizeof(float) + 4);
-    for (size_t i = 0; i < n; i++) x[i] = bf16_widen(bf16_round(scale * rng_normal(&rng)));
-    return x;
-}
-static float *copyf(const float *x, size_t n) {
-    float *y = xmalloc(n * sizeof(float) + 4);
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
-static void *up_act(const float *h, size_t n) {
-    uint16_t *b = xmalloc(n * sizeof(uint16_t) + 2);
-    for (size_t i = 0; i < n; i++) b[i] = bf16_round(h[i]);
-    void *d = op_alloc(n * sizeof(uint16_t));
-    op_upload(d, b, n * sizeof(uint16_t));
-    free(b);
-    return d;
-}
-static float *up_f32(const float *h, size_t n) {
-    float *d = op_alloc(n * sizeof(float));
-    op_upload(d, h, n * sizeof(float));
-    return d;
-}
 static void *nan_act(size_t n) { /* bf16 NaNs */
     void *d = op_alloc(n * 2);
     uint16_t *h = xmalloc(n * 2 + 2);
@@ -69,22 +45,6 @@ static float *nan_f32(size_t n) {
     op_upload(d, h, n * sizeof(float));
     free(h);
     return d;
-}
-static void expect_act(const char *what, const char *shape, const void *d, const float *ref, size_t n, double tol) {
-    float *h = xmalloc(n * sizeof(float) + 4);
-    op_download_act(h, d, n);
-    double e = norm_rel_err(h, ref, n);
-    printf("    %-30s %-24s err %.2e\n", what, shape, e);
-    CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs the fp32 CPU op (tolerance %.0e)", what, shape, e, tol);
-    free(h);
-}
-static void expect_f32(const char *what, const char *shape, const float *d, const float *ref, size_t n, double tol) {
-    float *h = xmalloc(n * sizeof(float) + 4);
-    op_download(h, d, n * sizeof(float));
-    double e = norm_rel_err(h, ref, n);
-    printf("    %-30s %-24s err %.2e\n", what, shape, e);
-    CHECK(e < tol, "%s %s: norm-wise relative error %.3g vs the fp32 CPU op (tolerance %.0e)", what, shape, e, tol);
-    free(h);
 }
 static int same_bytes(const void *a, const void *b, size_t bytes) {
     unsigned char *x = xmalloc(bytes + 1), *y = xmalloc(bytes + 1);
