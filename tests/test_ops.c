@@ -280,6 +280,46 @@ static void test_embedding_rows(void) {
     free(tok), free(count), free(idx), free(dout), free(d1), free(d2);
 }
 
+/* Vocabulary parallel: a shard's lookup is the whole table's rows it holds, zeros elsewhere
+ * (the shards' outputs sum to the lookup); its row index numbers its own rows and leaves
+ * the other tokens out, and the shards' backwards by row are the whole table's, bitwise. */
+static void test_embedding_shard(void) {
+    int V = 50, N = 300, C = 19, t = 3, Vt = 20;  /* the last shard holds 10 rows */
+    int *tok = xmalloc((size_t)N * sizeof(int)), *count = xmalloc((size_t)V * sizeof(int));
+    int *idx = xmalloc((3 * (size_t)N + 1) * sizeof(int));
+    for (int n = 0; n < N; n++) tok[n] = (int)(rng_u64(&rng) % (uint64_t)V);
+    float *wte = randf((size_t)V * C, 1.0f), *whole = zerosf((size_t)N * C), *sum = zerosf((size_t)N * C);
+    float *out = zerosf((size_t)N * C), *dout = randf((size_t)N * C, 1.0f);
+    float *d1 = randf((size_t)V * C, 1.0f), *d2 = copyf(d1, (size_t)V * C);
+    op_embedding_forward(whole, tok, wte, N, C);
+    op_embedding_backward(d1, dout, tok, N, C);
+    int ok = 1;
+    for (int k = 0; k < t; k++) {
+        int lo = k * Vt, rows = V - lo < Vt ? V - lo : Vt;
+        for (size_t i = 0; i < (size_t)N * C; i++) out[i] = NAN;
+        op_embedding_forward_shard(out, tok, wte + (size_t)lo * C, N, C, lo, rows);
+        for (int n = 0; n < N; n++) {
+            int mine = tok[n] >= lo && tok[n] < lo + rows;
+            for (int c = 0; c < C; c++) {
+                float v = out[(size_t)n * C + c];
+                ok &= mine ? v == whole[(size_t)n * C + c] : v == 0.0f;
+                sum[(size_t)n * C + c] += v;
+            }
+        }
+        int nr = embedding_rows_index_shard(tok, N, lo, rows, count, idx), inside = 0;
+        for (int n = 0; n < N; n++) inside += tok[n] >= lo && tok[n] < lo + rows;
+        const int *off = idx + nr, *pos = off + nr + 1;
+        ok &= off[nr] == inside;
+        for (int i = 0; i < nr; i++)
+            for (int q = off[i]; q < off[i + 1]; q++) ok &= tok[pos[q]] == lo + idx[i];
+        op_embedding_backward_rows(d2 + (size_t)lo * C, dout, idx, nr, N, C);
+    }
+    CHECK(ok, "embedding shard: lookup, zeros or row index wrong");
+    CHECK(same(sum, whole, (size_t)N * C), "the shards' lookups do not sum to the whole");
+    CHECK(same(d1, d2, (size_t)V * C), "the shards' backward by row is not the whole table's");
+    free(tok), free(count), free(idx), free(wte), free(whole), free(sum), free(out), free(dout), free(d1), free(d2);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* rmsnorm                                                                               */
 
@@ -656,6 +696,62 @@ static void crossentropy_case(int N, int V, float spread, int fd) {
         CHECK(e < TOL_FD, "crossentropy gradient vs finite differences %g", e);
     }
     free(logits), free(losses), free(tg), free(ld), free(lref), free(gref), free(copy), free(losses2);
+}
+
+/* Vocabulary parallel: the columns split into t shards (the last narrower), each shard's
+ * statistics gathered, then each shard's loss and gradient: the whole op's. */
+static void crossentropy_shard_case(int N, int V, int t, float spread) {
+    int Vt = (V + t - 1) / t, ld = Vt + 3;
+    size_t nl = (size_t)N * V;
+    float *logits = randf(nl, spread), *whole = copyf(logits, nl), *lw = zerosf(N);
+    int *tg = xmalloc((size_t)N * sizeof(int));
+    for (int n = 0; n < N; n++) tg[n] = (int)(rng_u64(&rng) % (uint64_t)V);
+    tg[0] = V - 1;
+    float scale = 1.0f / (float)N;
+    op_crossentropy_forward_backward(lw, whole, tg, N, V, scale);
+    float *stats = zerosf((size_t)t * N * 3), *sh = zerosf((size_t)N * ld), *ls = zerosf(N), *ls0 = zerosf(N);
+    for (int k = 0; k < t; k++) {  /* each shard's statistics */
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        for (int n = 0; n < N; n++) memcpy(sh + (size_t)n * ld, logits + (size_t)n * V + v0, (size_t)w * sizeof(float));
+        op_crossentropy_shard_stats(stats + (size_t)k * N * 3, sh, ld, tg, N, w, v0);
+    }
+    double eg = 0, ng = 0;
+    int same_loss = 1;
+    for (int k = 0; k < t; k++) {
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        for (int n = 0; n < N; n++) memcpy(sh + (size_t)n * ld, logits + (size_t)n * V + v0, (size_t)w * sizeof(float));
+        float *keep = copyf(sh, (size_t)N * ld);
+        op_crossentropy_shard_backward(ls0, sh, ld, tg, N, w, v0, stats, t, 0.0f);
+        CHECK(same(sh, keep, (size_t)N * ld), "shard %d: scale 0 modified the logits", k);
+        op_crossentropy_shard_backward(ls, sh, ld, tg, N, w, v0, stats, t, scale);
+        same_loss &= same(ls, ls0, N);
+        for (int n = 0; n < N; n++)
+            for (int j = 0; j < w; j++) {
+                double d = (double)sh[(size_t)n * ld + j] - whole[(size_t)n * V + v0 + j];
+                eg += d * d;
+                ng += (double)whole[(size_t)n * V + v0 + j] * whole[(size_t)n * V + v0 + j];
+            }
+        free(keep);
+    }
+    double worst = 0.0;
+    for (int n = 0; n < N; n++) worst = fmax(worst, rel_err(ls[n], lw[n]));
+    CHECK(same_loss, "shard loss differs with and without the gradient");
+    CHECK(worst < 1e-6, "crossentropy shards N%d V%d t%d: loss err %g", N, V, t, worst);
+    CHECK(sqrt(eg / ng) < 1e-6, "crossentropy shards N%d V%d t%d: gradient err %g", N, V, t, sqrt(eg / ng));
+    free(logits), free(whole), free(lw), free(tg), free(stats), free(sh), free(ls), free(ls0);
+}
+
+static void test_crossentropy_shard(void) {
+    crossentropy_shard_case(5, 37, 2, 1.0f);
+    crossentropy_shard_case(7, 1000, 4, 40.0f); /* huge logits: each shard's own max */
+    crossentropy_shard_case(3, 50257, 3, 3.0f);
+    /* a NaN in one shard poisons the row on every shard */
+    float a[6] = {1, NAN, 0, 1, 2, 3}, b[6] = {1, 2, 3, 4, 5, 6}, st[12], l[2];
+    int tg[2] = {0, 4};
+    op_crossentropy_shard_stats(st, a, 3, tg, 2, 3, 0);
+    op_crossentropy_shard_stats(st + 6, b, 3, tg, 2, 3, 3);
+    op_crossentropy_shard_backward(l, b, 3, tg, 2, 3, 3, st, 2, 0.5f);
+    CHECK(isnan(l[0]) && !isnan(l[1]) && isnan(b[0]) && !isnan(b[3]), "NaN in another shard: %g %g", l[0], l[1]);
 }
 
 static void test_crossentropy(void) {
@@ -1089,6 +1185,7 @@ int main(void) {
     RUN(test_backend_memory);
     RUN(test_embedding);
     RUN(test_embedding_rows);
+    RUN(test_embedding_shard);
     RUN(test_rmsnorm);
     RUN(test_matmul);
     RUN(test_matmul_forward_add);
@@ -1098,6 +1195,7 @@ int main(void) {
     RUN(test_attention_causal);
     RUN(test_swiglu);
     RUN(test_crossentropy);
+    RUN(test_crossentropy_shard);
     RUN(test_adamw);
     RUN(test_adafactor);
     RUN(test_sumsq_scale_add);

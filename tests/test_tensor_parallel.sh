@@ -98,6 +98,13 @@ v2=$("$BIN" eval checkpoint="$TMP/tp2_false/ckpt.bin" data_dir="$D" batch_size=4
 # -- layouts it cannot run: one line, exit 2, before anything runs
 expect_exit 2 "tensor_parallel_size=3 does not divide n_heads=4" tp_not_dividing_heads -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=3 out_dir="$TMP/bad1"
+# the vocabulary split: 50257 pads to 50304 = 2^7 x 3 x 131 rows, which 5 does not divide;
+# 65 pads to 128, whose fourth quarter would be padding only
+expect_exit 2 "tensor_parallel_size=5 does not divide the padded vocabulary 50304" tp_not_dividing_vocab -- \
+  "$BIN" train vocab_size=50257 embed_dim=40 n_heads=5 n_layers=1 batch_size=8 tensor_parallel_size=5 data_dir=$D \
+  out_dir="$TMP/bad5"
+expect_exit 2 "tensor_parallel_size=4 leaves the last rank no vocabulary rows" tp_vocab_rows_empty -- \
+  "$BIN" estimate vocab_size=65 embed_dim=32 n_heads=4 n_layers=1 context_len=32 batch_size=8 tensor_parallel_size=4
 expect_exit 2 "tensor_parallel_size=2 with optimizer=adafactor" tp_with_adafactor -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=2 optimizer=adafactor out_dir="$TMP/bad3"
 # (under mpirun: Open MPI adds its own lines about the exit status)

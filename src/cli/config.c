@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "model.h"
 #include "util.h"
 
 typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM } KeyType;
@@ -97,7 +98,8 @@ static const Key KEYS[] = {
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
-      "tensor parallel ranks (Megatron-LM: heads and FFN units split; must divide n_heads and the FFN width)"),
+      "tensor parallel ranks (Megatron-LM: heads, FFN units and the vocabulary split; must divide n_heads, the FFN "
+      "width and the vocabulary padded to a multiple of 64)"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
@@ -230,12 +232,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d is odd; RoPE needs an even head_dim",
                            c->embed_dim / c->n_heads);
         if (c->vocab_size > 65536) return set_err(err, errlen, "vocab_size=%d: shards hold uint16 tokens", c->vocab_size);
-        int tp = c->tensor_parallel_size, ffn = (int)(1.5 * c->embed_dim);
-        if (c->n_heads % tp)
-            return set_err(err, errlen, "tensor_parallel_size=%d does not divide n_heads=%d", tp, c->n_heads);
-        if (ffn % tp)
-            return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp,
-                           ffn);
+        int tp = c->tensor_parallel_size;
+        ModelConfig mc = {c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
+        if (model_tp_check(&mc, tp, err, errlen)) return -1;
         if (tp > 1 && !strcmp(c->optimizer, "adafactor"))
             return set_err(err, errlen, "tensor_parallel_size=%d with optimizer=adafactor: Adafactor's factored "
                            "statistics need whole tensors; use optimizer=adamw", tp);

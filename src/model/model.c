@@ -24,6 +24,22 @@ size_t model_param_count(const ModelConfig *c) {
 
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
+int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen) {
+    int ffn = (int)(1.5 * c->embed_dim), vp = model_vocab_padded(c->vocab_size);
+    if (tp < 1) return set_err(err, errlen, "tensor_parallel_size=%d is not positive", tp);
+    if (c->n_heads % tp) return set_err(err, errlen, "tensor_parallel_size=%d does not divide n_heads=%d", tp, c->n_heads);
+    if (ffn % tp)
+        return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp, ffn);
+    if (tp == 1) return 0;
+    if (vp % tp)
+        return set_err(err, errlen, "tensor_parallel_size=%d does not divide the padded vocabulary %d (vocab_size=%d "
+                       "rounded up to a multiple of 64)", tp, vp, c->vocab_size);
+    if ((tp - 1) * (vp / tp) >= c->vocab_size)  /* the last rank's rows would all be padding */
+        return set_err(err, errlen, "tensor_parallel_size=%d leaves the last rank no vocabulary rows (vocab_size=%d, "
+                       "%d rows a rank)", tp, c->vocab_size, vp / tp);
+    return 0;
+}
+
 void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int alloc) {
     model_init_layout_stage(m, c, pad_multiple, alloc, NULL, 0);
 }
@@ -49,12 +65,15 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
     m->H = (int)(1.5 * c->embed_dim); m->V = c->vocab_size; m->L = c->n_layers;
-    if (tp_size < 1 || m->NH % tp_size || m->H % tp_size || tp_rank < 0 || tp_rank >= tp_size)
-        die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d for %d heads and FFN width %d", tp_rank, tp_size,
-            m->NH, m->H);
+    char err[256];
+    if (tp_rank < 0 || tp_rank >= tp_size || model_tp_check(c, tp_size, err, sizeof err))
+        die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d: %s", tp_rank, tp_size, err);
     m->tp_size = tp_size; m->tp_rank = tp_rank;
     m->NHt = m->NH / tp_size; m->Ht = m->H / tp_size;
-    size_t E = m->E, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, V = m->V;
+    m->Vt = tp_size == 1 ? m->V : model_vocab_padded(m->V) / tp_size;
+    m->v0 = tp_rank * m->Vt;
+    m->Vr = m->V - m->v0 < m->Vt ? m->V - m->v0 : m->Vt;
+    size_t E = m->E, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, V = m->V, Vr = (size_t)m->Vr;
     LayerLayout *ly = &m->layer;
     ly->att_norm = 0;
     ly->qkv = ly->att_norm + E;
@@ -78,7 +97,8 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
         m->packed[u] = packed;
         packed += n;
         m->n_params += n;
-        if (u > 0 && u <= m->L) n = layer_param_count_tp(c, tp_size);  /* this rank's slices */
+        /* this rank's slices, and its vocabulary rows */
+        n = u == 0 ? Vr * E : u <= m->L ? layer_param_count_tp(c, tp_size) : E + (c->tie_embeddings ? 0 : Vr * E);
         if (!stage_holds(c, s, n_stages, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
@@ -125,7 +145,7 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
         n++;                                                                  \
     } while (0)
     int unit_ = UNIT_EMBEDDING;
-    ADD("tok_embed.weight%.0d", 0, m->units[UNIT_EMBEDDING].offset, m->V, m->E);
+    ADD("tok_embed.weight%.0d", 0, m->units[UNIT_EMBEDDING].offset, m->Vr, m->E);  /* (the rank's rows) */
     for (int l = 0; l < m->L; l++) {
         unit_ = unit_of_layer(l);
         size_t b = m->units[unit_of_layer(l)].offset;
@@ -143,7 +163,7 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
     size_t hb = m->units[unit_head(m)].offset;
     unit_ = unit_head(m);
     ADD("output_norm.w%.0d", 0, hb + m->head_out_norm, 1, m->E);
-    if (!m->c.tie_embeddings) ADD("lm_head.weight%.0d", 0, hb + m->head_lm, m->V, m->E);
+    if (!m->c.tie_embeddings) ADD("lm_head.weight%.0d", 0, hb + m->head_lm, m->Vr, m->E);
 #undef ADD
     return n;
 }
@@ -182,9 +202,19 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
         if (n >= max) die(EXIT_RUN_FAILURE, "internal: model_tp_runs: max %d", max); \
         out[n++] = (TpRun){(l), (g), (len), (rep)};                            \
     } while (0)
-    if (!unit_is_layer(m, u) || m->tp_size == 1) {
-        RUN(0, 0, un->n, 1);
-        if (unit_is_layer(m, u)) out[0].replicated = 0;  /* a whole layer: nothing of it is another rank's */
+    if (m->tp_size == 1) {
+        RUN(0, 0, un->n, !unit_is_layer(m, u));  /* a whole layer: nothing of it is another rank's */
+        return n;
+    }
+    /* the vocabulary rows [v0, v0 + Vr) of tok_embed and lm_head; output_norm whole */
+    size_t rows = (size_t)m->v0 * m->E, nr = (size_t)m->Vr * m->E;
+    if (u == UNIT_EMBEDDING) {
+        RUN(0, rows, nr, 0);
+        return n;
+    }
+    if (u == unit_head(m)) {
+        RUN(m->head_out_norm, 0, (size_t)m->E, 1);
+        if (!m->c.tie_embeddings) RUN(m->head_lm, m->head_lm + rows, nr, 0);
         return n;
     }
     size_t E = m->E, H = m->H, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, r = (size_t)m->tp_rank;
@@ -202,7 +232,7 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
 }
 
 void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
-    if (m->tp_size > 1 && unit_is_layer(m, u)) {
+    if (m->tp_size > 1) {
         init_range_tp(m, u, lo, hi, buf, seed);
         return;
     }
@@ -280,7 +310,8 @@ typedef struct { void **p; size_t n; int act; } Slot;
 static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T, int training, size_t act_size,
                      Acts *a, Slot *s, size_t *logit_n, int tp) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
-    size_t ldl = (size_t)ops_logit_stride(c->vocab_size);  /* logit rows are padded */
+    /* logit rows are padded; a tensor-parallel rank's are its vocabulary rows' (the first rank's, the widest) */
+    size_t ldl = (size_t)ops_logit_stride(tp > 1 ? model_vocab_padded(c->vocab_size) / tp : c->vocab_size);
     size_t NH = c->n_heads, HD = E / NH;
     /* a tensor-parallel rank: its heads (NH / tp, E / tp wide) and FFN units (H / tp) */
     size_t Et = E / (size_t)tp;
@@ -299,6 +330,7 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
     if (head) { P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N); }
+    if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
         P(dres, N * E); P(dqkv, N * 3 * Et); P(datt, N * Et);
@@ -388,7 +420,7 @@ void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
-                   a->rope_cos, a->rope_sin};
+                   a->rope_cos, a->rope_sin, a->ce_stats};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(all[i]);
     op_free(a->dev_inputs);
     op_free(a->dev_targets);
@@ -505,7 +537,11 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
     int after = stage_has_head(m, s) ? unit_head(m) : -1;  /* the unit after the stage's last layer */
     if (stage_has_embedding(s)) {
         HOOK(h, gather, UNIT_EMBEDDING, nl > 0 ? unit_of_layer(l0) : after);
-        op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E);
+        if (m->tp_size == 1) op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E);
+        else {  /* vocabulary parallel: each rank's rows, zeros elsewhere, summed */
+            op_embedding_forward_shard(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E, m->v0, m->Vr);
+            tp_sum(m, a->res, (size_t)N * m->E);
+        }
         HOOK(h, release, UNIT_EMBEDDING);
     }
     for (int i = 0; i < nl; i++) {
@@ -553,7 +589,7 @@ void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const Uni
 /* The head: output_norm, then lm_head (tok_embed's matrix when tied), and the loss; with
  * grad, fused with its backward per chunk of logits, ending with d(loss)/d(last) in dres. */
 static void head_forward_backward(Model *m, Acts *a, const void *last, int grad, float grad_scale, const UnitHooks *h) {
-    int N = a->B * a->T, E = m->E, V = m->V, HU = unit_head(m), tied = m->c.tie_embeddings;
+    int N = a->B * a->T, E = m->E, V = m->Vr, HU = unit_head(m), tied = m->c.tie_embeddings;
     HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
     if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
     if (grad) {
@@ -567,17 +603,30 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
     if (grad) op_zero(a->dxf, (size_t)N * E * ops_act_size());
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
-     * into their gradient in place and consumed at once. */
+     * into their gradient in place and consumed at once. Vocabulary parallel: a rank's
+     * logits are its vocabulary rows' (V = Vr columns); the cross-entropy's statistics
+     * (max, sum of exponentials, target logit) of every rank are all-gathered per chunk, and
+     * the head input's gradient, a sum over the ranks' rows, all-reduced at the end. */
     float scale = grad ? grad_scale / (float)N : 0.0f;
     int ldl = ops_logit_stride(V);  /* logit rows padded: aligned for the tensor cores */
     for (size_t r0 = 0; r0 < (size_t)N; r0 += a->logit_rows) {
         int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
         const void *x = act_at(a->xf, r0 * E);
         op_matmul_forward_ld(a->logits, ldl, x, wlm, rows, E, V);
-        op_crossentropy_forward_backward_ld(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, scale);
+        if (m->tp_size == 1)
+            op_crossentropy_forward_backward_ld(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, scale);
+        else {
+            size_t blk = 3 * (size_t)rows;
+            op_crossentropy_shard_stats(a->ce_stats + (size_t)m->tp_rank * blk, a->logits, ldl, a->dev_targets + r0,
+                                        rows, V, m->v0);
+            m->tp.allgather(m->tp.ctx, a->ce_stats, blk, 1);
+            op_crossentropy_shard_backward(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, m->v0,
+                                           a->ce_stats, m->tp_size, scale);
+        }
         if (grad) op_matmul_backward_ld(act_at(a->dxf, r0 * E), glm, a->logits, ldl, x, wlm, rows, E, V);
     }
     if (grad) {
+        tp_sum(m, a->dxf, (size_t)N * E);
         op_zero(a->dres, (size_t)N * E * ops_act_size());
         op_rmsnorm_backward(a->dres, st_at(unit_grads(m, HU), m->head_out_norm), a->dxf, last, w_out_norm, a->rstdf, N,
                             E);
@@ -592,7 +641,7 @@ void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale
     if (stage_has_embedding(s)) {
         op_upload(a->dev_inputs, a->inputs, (size_t)N * sizeof(int));
         if (grad) {  /* the embedding's backward goes by row */
-            a->emb_nr = embedding_rows_index(a->inputs, N, m->V, a->emb_count, a->emb_index);
+            a->emb_nr = embedding_rows_index_shard(a->inputs, N, m->v0, m->Vr, a->emb_count, a->emb_index);
             op_upload(a->dev_emb_index, a->emb_index, (2 * (size_t)a->emb_nr + 1 + (size_t)N) * sizeof(int));
         }
     }
@@ -719,6 +768,7 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
 
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits) {
     if (T > a->T) die(EXIT_RUN_FAILURE, "internal: %d tokens exceed the planned context %d", T, a->T);
+    if (m->tp_size > 1) die(EXIT_RUN_FAILURE, "internal: model_last_logits is for one process");
     op_upload(a->dev_inputs, tokens, (size_t)T * sizeof(int));
     Stage whole = model_whole(m);
     trunk_forward(m, &whole, a, 1, T, 0, NULL);

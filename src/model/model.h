@@ -32,6 +32,9 @@ typedef struct {
 typedef struct {
     void *ctx;
     void (*allreduce)(void *ctx, void *buf, size_t n);
+    /* In place: buf holds tp_size blocks of n elements, this rank's at tp_rank * n; every
+     * block is filled from its rank. stats: fp32 statistics (float), else activations. */
+    void (*allgather)(void *ctx, void *buf, size_t n, int stats);
 } ModelTp;
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
@@ -48,6 +51,11 @@ typedef struct {
      * v rows of its heads in qkv_proj and the matching columns of att_out_proj, its rows of
      * gate_proj and up_proj and its columns of down_proj. tp_size = 1: the whole layer. */
     int tp_size, tp_rank, NHt, Ht;
+    /* Vocabulary parallel (tp_size > 1): the vocabulary padded to a multiple of 64
+     * (model_vocab_padded) is split into tp_size ranges of Vt rows; this rank holds rows
+     * [v0, v0 + Vr) of tok_embed and lm_head (Vr < Vt where the range reaches into the
+     * padding, which no rank stores). tp_size = 1: v0 = 0, Vt = Vr = V. */
+    int Vt, v0, Vr;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -123,15 +131,22 @@ void model_init_layout(Model *m, const ModelConfig *c, int pad_multiple, int all
  * lm_head: the others keep their index but have no storage (n = n_padded = 0). s = NULL:
  * every unit. */
 void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages);
-/* The same for tensor-parallel rank tp_rank of tp_size (which divides n_heads and the FFN
- * width): each layer unit holds its slices only, in the layer's order (LayerLayout's
- * offsets are then this rank's). The embedding and the head stay whole (replicated). The
- * tensor-parallel all-reduce is set afterwards in m->tp. */
+/* The same for tensor-parallel rank tp_rank of tp_size (which divides n_heads, the FFN
+ * width and the padded vocabulary, model_tp_check): each layer unit holds its slices only,
+ * in the layer's order (LayerLayout's offsets are then this rank's); the embedding and
+ * lm_head hold the rank's vocabulary rows (Model's v0, Vr), output_norm is whole
+ * (replicated). The tensor-parallel collectives are set afterwards in m->tp. */
 void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
                           int tp_size, int tp_rank);
 /* Unit u's elements as runs (TpRun) in local order, covering [0, units[u].n); returns the
  * count (at most model_tp_max_runs), 0 for a unit this layout does not hold. */
 int model_tp_runs(const Model *m, int u, TpRun *out, int max);
+/* The vocabulary padded for vocabulary parallel: vocab_size rounded up to 64 (the logits'
+ * row stride). */
+static inline int model_vocab_padded(int V) { return (V + 63) / 64 * 64; }
+/* 0 when tp ranks can split this model (tp divides n_heads, the FFN width and the padded
+ * vocabulary, and every rank gets vocabulary rows); else -1 with a one-line message. */
+int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen);
 int model_tp_max_runs(const Model *m);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
@@ -172,7 +187,8 @@ typedef struct {
     float *rstd1, *lse, *rstd2;
     void *xf;               /* final norm output */
     float *rstdf;
-    void *logits;           /* [logit_rows, V] */
+    void *logits;           /* [logit_rows, V] (tensor parallel: [logit_rows, the rank's Vr]) */
+    float *ce_stats;        /* tensor parallel: [tp][logit_rows][3], each rank's cross-entropy statistics */
     float *losses;          /* [N] */
     void *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
     float *rope_cos, *rope_sin;
@@ -193,7 +209,8 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
  * it holds the head. */
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes);
-/* ... on a tensor-parallel rank of tp ranks (the layers' head and FFN activations shrink). */
+/* ... on a tensor-parallel rank of tp ranks (the layers' head and FFN activations and the
+ * logits shrink). */
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                      size_t *logit_bytes, int tp);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);

@@ -149,8 +149,13 @@ void op_embedding_backward(void *dwte, const void *dout, const int *tokens, int 
     PROF("embedding_backward", g_ops->embedding_backward(dwte, dout, tokens, N, C));
 }
 int embedding_rows_index(const int *tokens, int N, int V, int *count, int *out) {
+    return embedding_rows_index_shard(tokens, N, 0, V, count, out);
+}
+int embedding_rows_index_shard(const int *tokens, int N, int lo, int V, int *count, int *out) {
     memset(count, 0, (size_t)V * sizeof *count);
-    for (int n = 0; n < N; n++) count[tokens[n]]++;
+#define MINE(t) ((unsigned)((t) - lo) < (unsigned)V)
+    for (int n = 0; n < N; n++)
+        if (MINE(tokens[n])) count[tokens[n] - lo]++;
     int nr = 0;
     for (int v = 0; v < V; v++) nr += count[v] > 0;
     int *rows = out, *off = out + nr, *pos = off + nr + 1, k = 0, o = 0;
@@ -162,8 +167,13 @@ int embedding_rows_index(const int *tokens, int N, int V, int *count, int *out) 
             count[v] = off[k - 1];  /* from here: where v's next position goes */
         }
     off[nr] = o;
-    for (int n = 0; n < N; n++) pos[count[tokens[n]]++] = n;
+    for (int n = 0; n < N; n++)
+        if (MINE(tokens[n])) pos[count[tokens[n] - lo]++] = n;
+#undef MINE
     return nr;
+}
+void op_embedding_forward_shard(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows) {
+    PROF("embedding_forward", g_ops->embedding_forward_shard(out, tokens, wte, N, C, lo, rows));
 }
 void op_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C) {
     PROF("embedding_backward", g_ops->embedding_backward_rows(dwte, dout, idx, nr, N, C));
@@ -254,6 +264,14 @@ void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, co
                                          float dlogits_scale) {
     PROF("crossentropy_forward_backward",
          g_ops->crossentropy_forward_backward(losses, logits, ld, targets, N, V, dlogits_scale));
+}
+void op_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V, int v0) {
+    PROF("crossentropy_forward_backward", g_ops->crossentropy_shard_stats(stats, logits, ld, targets, N, V, v0));
+}
+void op_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
+                                    const float *stats, int t, float dlogits_scale) {
+    PROF("crossentropy_forward_backward",
+         g_ops->crossentropy_shard_backward(losses, logits, ld, targets, N, V, v0, stats, t, dlogits_scale));
 }
 void op_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
               float eps, float weight_decay, int step, float grad_scale) {

@@ -140,6 +140,14 @@ int embedding_rows_index(const int *tokens, int N, int V, int *count, int *out);
  * pass over every token for each part of the vocabulary. */
 void op_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
 
+/* Vocabulary parallel (tensor parallel's embedding): wte holds rows [lo, lo + rows) of the
+ * table only; out[n, :] = that row for tokens[n] in [lo, lo + rows), zeros for any other
+ * token (the sum over the ranks of their outputs is the whole lookup). */
+void op_embedding_forward_shard(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows);
+/* embedding_rows_index of the tokens in [lo, lo + rows) only, rows numbered from lo (the
+ * shard's own: for op_embedding_backward_rows into its rows); count: rows ints of scratch. */
+int embedding_rows_index_shard(const int *tokens, int N, int lo, int rows, int *count, int *out);
+
 /* out = x * rstd * w, rstd[n] = 1/sqrt(mean(x[n]^2) + eps). rstd is saved for backward. */
 void op_rmsnorm_forward(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
 /* The residual add fused with the norm after it, in one pass over the rows: res += branch,
@@ -216,6 +224,22 @@ void op_crossentropy_forward_backward(float *losses, void *logits, const int *ta
 /* ... with the rows of logits ld >= V elements apart. */
 void op_crossentropy_forward_backward_ld(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                          float dlogits_scale);
+
+/* Vocabulary-parallel cross-entropy, in two halves around an all-gather: logits [N, V]
+ * (rows ld apart) are the columns [v0, v0 + V) of the whole vocabulary; targets are
+ * whole-vocabulary ids.
+ * op_crossentropy_shard_stats: per row n, stats[3n..3n+2] = the row's max, the sum of
+ * exp(l - max) (in double, rounded once), and the target's logit where this shard holds it
+ * (else 0). A NaN or +inf logit makes the max NaN.
+ * op_crossentropy_shard_backward: stats holds every shard's statistics (t blocks of 3N
+ * floats, shard k's at 3Nk, the same on every shard); per row the log-sum-exp over the
+ * shards (combined in shard order, in double) and the loss (every shard writes the same);
+ * with dlogits_scale != 0 this shard's logits are overwritten in place with
+ * dlogits_scale * (softmax - onehot). A NaN max in any shard, or none finite: NaN loss
+ * (and gradient). */
+void op_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V, int v0);
+void op_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
+                                    const float *stats, int t, float dlogits_scale);
 
 /* One AdamW step on a flat buffer (PyTorch semantics: decoupled weight decay
  * p -= lr*wd*p, bias-corrected moments, eps added to sqrt(v_hat)). `step` counts from 1.
@@ -301,6 +325,7 @@ typedef struct OpsBackend {
     void (*embedding_forward)(void *out, const int *tokens, const void *wte, int N, int C);
     void (*embedding_backward)(void *dwte, const void *dout, const int *tokens, int N, int C);
     void (*embedding_backward_rows)(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
+    void (*embedding_forward_shard)(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows);
     void (*rmsnorm_forward)(void *out, float *rstd, const void *x, const void *w, int N, int C, float eps);
     void (*add_rmsnorm_forward)(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
                                 float eps);
@@ -326,6 +351,10 @@ typedef struct OpsBackend {
     void (*swiglu_backward)(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
     void (*crossentropy_forward_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                           float dlogits_scale);
+    void (*crossentropy_shard_stats)(float *stats, const void *logits, int ld, const int *targets, int N, int V,
+                                     int v0);
+    void (*crossentropy_shard_backward)(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
+                                        const float *stats, int t, float dlogits_scale);
     void (*adamw)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int step, float grad_scale);
     /* NULL: op_adamw_cast is adamw then to_act */

@@ -421,15 +421,16 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
 }
 
 double par_stages_sumsq(Parallel *p, double sumsq) {
+    int piped = p->stages && p->stages->size > 1;
+    const Unit *e = &p->m->units[UNIT_EMBEDDING];
+    /* the tied copy, before the tp sum: each tp rank's copy is its own vocabulary rows */
+    if (piped && !p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
     if (p->mesh && p->mesh->tp_size > 1) {
         sumsq = tp_sumsq(p, sumsq, 0);
         comm_allreduce_double(&p->mesh->tp, &sumsq, 1);
-        if (sumsq < 0) sumsq = 0;  /* rounding, where nearly everything is replicated */
+        if (sumsq < 0) sumsq = 0;  /* rounding */
     }
-    if (!p->stages || p->stages->size < 2) return sumsq;
-    const Unit *e = &p->m->units[UNIT_EMBEDDING];
-    if (!p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
-    comm_allreduce_double(p->stages, &sumsq, 1);
+    if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
     return sumsq;
 }
 

@@ -14,9 +14,16 @@ static void tp_allreduce(void *ctx, void *buf, size_t n) {
     comm_wait(&r);
 }
 
+static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
+    const Comm *tp = ctx;
+    CommReq r = {0};
+    comm_iallgather(tp, buf, n, !stats && ops_act_size() == 2 ? COMM_BF16 : COMM_F32, &r, "tensor-parallel all-gather");
+    comm_wait(&r);
+}
+
 void tensor_parallel_attach(Model *m, const Mesh *mesh) {
     if (mesh->tp_size == 1) return;
-    m->tp = (ModelTp){(void *)&mesh->tp, tp_allreduce};
+    m->tp = (ModelTp){(void *)&mesh->tp, tp_allreduce, tp_allgather};
 }
 
 double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {

@@ -13,8 +13,12 @@ static int piped(const Step *st) { return st->pipe.pipe && st->pipe.pipe->size >
  * found on the host (while the device runs this step's update), so that only those are
  * reduced. The loader's next batch is the next step's only with one micro-batch a step. */
 static void next_rows(Step *st) {
-    if (st->erows && st->micro == 1)
-        parallel_set_embedding_rows(st->par, st->erows, loader_batch_tokens(st->loader, st->m->V, st->eseen, st->erows));
+    if (!st->erows || st->micro != 1) return;
+    const Model *m = st->m;
+    size_t n = loader_batch_tokens(st->loader, m->V, st->eseen, st->erows), k = 0;
+    for (size_t i = 0; i < n; i++)  /* vocabulary parallel: this rank's rows, numbered from its first */
+        if ((unsigned)(st->erows[i] - m->v0) < (unsigned)m->Vr) st->erows[k++] = st->erows[i] - m->v0;
+    parallel_set_embedding_rows(st->par, st->erows, k);
 }
 
 /* The pipeline's ring in two-rank groups ("links"): link j joins rank j, which sends on

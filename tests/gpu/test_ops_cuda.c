@@ -212,7 +212,26 @@ static void embedding_case(int V, int N, int C) {
     dfree_all();
 }
 
+/* Vocabulary parallel: the shard's rows [lo, lo + rows) of a V-row table, zeros elsewhere
+ * (bitwise the CPU's: copies only). */
+static void embedding_shard_case(int V, int N, int C, int lo, int rows) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "V=%d N=%d C=%d rows %d+%d", V, N, C, lo, rows);
+    size_t nw = (size_t)rows * C, no = (size_t)N * C;
+    int *tok = rand_tokens((size_t)N, V);
+    float *wte = randf(nw, 1.0f), *out = xmalloc(no * sizeof(float));
+    op_embedding_forward_shard(out, tok, wte, N, C, lo, rows);
+    int *d_tok = dcopy_int(tok, (size_t)N);
+    float *d_wte = dcopy(wte, nw, 0), *d_out = dnan(no, 0);
+    cuda_embedding_forward_shard(d_out, d_tok, d_wte, N, C, lo, rows);
+    expect_bitwise("embedding forward shard", shape, d_out, out, no);
+    free(tok); free(wte); free(out);
+    dfree_all();
+}
+
 static void test_embedding(void) {
+    embedding_shard_case(50257, 4096, 64, 25152, 25105);
+    embedding_shard_case(100, 300, 19, 0, 32);
     embedding_case(13, 37, 19);
     embedding_case(1000, 3000, 1);
     embedding_case(50257, 4096, 768);
@@ -483,7 +502,47 @@ static void test_crossentropy_special(void) {
     dfree_all();
 }
 
+/* Vocabulary parallel: each shard's statistics, then its loss and gradient, against the
+ * CPU ops on the same shard (logit rows ld apart, the last shard narrower; neither op
+ * touches the padding past its columns). */
+static void crossentropy_shard_case(int N, int V, int t) {
+    char shape[96];
+    snprintf(shape, sizeof shape, "N=%d V=%d t=%d", N, V, t);
+    int Vt = (V + t - 1) / t, ld = (Vt + 63) / 64 * 64;
+    size_t nl = (size_t)N * ld, ns = (size_t)t * N * 3;
+    int *tgt = rand_tokens((size_t)N, V);
+    float **sh = xmalloc((size_t)t * sizeof *sh), *stats = xmalloc(ns * sizeof(float));
+    int *d_tgt = dcopy_int(tgt, (size_t)N);
+    float *d_stats = dnan(ns, 0);
+    for (int k = 0; k < t; k++) {
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        sh[k] = randf(nl, 3.0f);
+        op_crossentropy_shard_stats(stats + (size_t)k * N * 3, sh[k], ld, tgt, N, w, v0);
+        float *d_l = dcopy(sh[k], nl, 0);
+        cuda_crossentropy_shard_stats(d_stats + (size_t)k * N * 3, d_l, ld, d_tgt, N, w, v0);
+    }
+    expect_close("crossentropy shard stats", shape, d_stats, stats, ns, TOL_FWD);
+    dset(d_stats, stats, ns);  /* the same statistics on both sides from here */
+    for (int k = 0; k < t; k++) {
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        float *loss = xmalloc((size_t)N * sizeof(float)), *grad = copyf(sh[k], nl);
+        op_crossentropy_shard_backward(loss, grad, ld, tgt, N, w, v0, stats, t, 1.0f / (float)N);
+        float *d_l = dcopy(sh[k], nl, 0), *d_loss = dnan((size_t)N, 0);
+        cuda_crossentropy_shard_backward(d_loss, d_l, ld, d_tgt, N, w, v0, d_stats, t, 0.0f);
+        expect_bitwise("crossentropy shard no grad", shape, d_l, sh[k], nl);
+        cuda_crossentropy_shard_backward(d_loss, d_l, ld, d_tgt, N, w, v0, d_stats, t, 1.0f / (float)N);
+        expect_close("crossentropy shard loss", shape, d_loss, loss, (size_t)N, TOL_FWD);
+        expect_close("crossentropy shard dlogits", shape, d_l, grad, nl, TOL_BWD);
+        free(loss); free(grad);
+    }
+    for (int k = 0; k < t; k++) free(sh[k]);
+    free(sh); free(stats); free(tgt);
+    dfree_all();
+}
+
 static void test_crossentropy(void) {
+    crossentropy_shard_case(3, 11, 2);
+    crossentropy_shard_case(16, 50257, 4);
     crossentropy_case(2, 1);
     crossentropy_case(3, 11);
     crossentropy_case(7, 1000);
@@ -682,7 +741,8 @@ static void test_backend_table(void) {
         (void (*)(void))b->device_memory, (void (*)(void))b->device_peak, (void (*)(void))b->alloc,
         (void (*)(void))b->free, (void (*)(void))b->zero, (void (*)(void))b->copy, (void (*)(void))b->upload,
         (void (*)(void))b->download, (void (*)(void))b->embedding_forward, (void (*)(void))b->embedding_backward,
-        (void (*)(void))b->embedding_backward_rows,
+        (void (*)(void))b->embedding_backward_rows, (void (*)(void))b->embedding_forward_shard,
+        (void (*)(void))b->crossentropy_shard_stats, (void (*)(void))b->crossentropy_shard_backward,
         (void (*)(void))b->rmsnorm_forward, (void (*)(void))b->rmsnorm_backward, (void (*)(void))b->matmul_forward,
         (void (*)(void))b->matmul_backward, (void (*)(void))b->rope_tables, (void (*)(void))b->rope_forward,
         (void (*)(void))b->rope_backward, (void (*)(void))b->attention_forward,

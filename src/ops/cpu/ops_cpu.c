@@ -77,6 +77,16 @@ static void cpu_embedding_forward(float *out, const int *tokens, const float *wt
         memcpy(out + (size_t)n * C, wte + (size_t)tokens[n] * C, (size_t)C * sizeof(float));
 }
 
+static void cpu_embedding_forward_shard(float *out, const int *tokens, const float *wte, int N, int C, int lo,
+                                        int rows) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        unsigned r = (unsigned)(tokens[n] - lo);
+        if (r < (unsigned)rows) memcpy(out + (size_t)n * C, wte + (size_t)r * C, (size_t)C * sizeof(float));
+        else memset(out + (size_t)n * C, 0, (size_t)C * sizeof(float));
+    }
+}
+
 static void cpu_embedding_backward(float *dwte, const float *dout, const int *tokens, int N, int C) {
     if (!dwte) return;
     /* Each thread owns a range of channels (multiples of 16 floats = one cache line) and
@@ -531,6 +541,68 @@ static void cpu_crossentropy_forward_backward(float *losses, float *logits, int 
     }
 }
 
+/* Vocabulary parallel: this shard's max, sum of exp (as above) and target logit per row. */
+static void cpu_crossentropy_shard_stats(float *stats, const float *logits, int ld, const int *targets, int N, int V,
+                                         int v0) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *row = logits + (size_t)n * ld;
+        float mx = -INFINITY;
+        int bad = 0;
+#pragma omp simd reduction(max : mx) reduction(| : bad)
+        for (int j = 0; j < V; j++) {
+            mx = row[j] > mx ? row[j] : mx;
+            bad |= row[j] != row[j];
+        }
+        double sum = 0.0;
+        if (bad || mx == INFINITY) mx = NAN;
+        else if (mx != -INFINITY) {
+#pragma omp simd reduction(+ : sum)
+            for (int j = 0; j < V; j++) sum += exp_f32(row[j] - mx);
+        }
+        unsigned t = (unsigned)(targets[n] - v0);
+        stats[3 * (size_t)n] = mx;
+        stats[3 * (size_t)n + 1] = (float)sum;
+        stats[3 * (size_t)n + 2] = t < (unsigned)V ? row[t] : 0.0f;
+    }
+}
+
+/* The shards' statistics combined in shard order: lse = M + log(sum_k s_k e^(m_k - M)). */
+static void cpu_crossentropy_shard_backward(float *losses, float *logits, int ld, const int *targets, int N, int V,
+                                            int v0, const float *stats, int nt, float scale) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float *row = logits + (size_t)n * ld;
+        float M = -INFINITY, lt = 0.0f;
+        int bad = 0;
+        for (int k = 0; k < nt; k++) {
+            const float *s = stats + 3 * ((size_t)k * N + n);
+            bad |= s[0] != s[0];
+            M = s[0] > M ? s[0] : M;
+            lt += s[2];  /* one shard holds the target, the others add 0 */
+        }
+        if (bad || M == -INFINITY) {
+            losses[n] = NAN;
+            if (scale != 0.0f)
+                for (int j = 0; j < V; j++) row[j] = NAN;
+            continue;
+        }
+        double sum = 0.0;
+        for (int k = 0; k < nt; k++) {
+            const float *s = stats + 3 * ((size_t)k * N + n);
+            if (s[0] != -INFINITY) sum += (double)s[1] * exp((double)s[0] - (double)M);
+        }
+        losses[n] = (float)((double)M + log(sum) - (double)lt);
+        if (scale == 0.0f) continue;
+        unsigned t = (unsigned)(targets[n] - v0);
+        float et = t < (unsigned)V ? exp_f32(row[t] - M) : 0.0f;
+        float f = (float)((double)scale / sum);
+#pragma omp simd
+        for (int j = 0; j < V; j++) row[j] = exp_f32(row[j] - M) * f;
+        if (t < (unsigned)V) row[t] = (float)((double)scale * ((double)et / sum - 1.0));
+    }
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* adamw                                                                                 */
 
@@ -799,6 +871,9 @@ static void cpu_to_act(void *dst, const float *src, size_t n) { memcpy(dst, src,
 static void t_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C) {
     cpu_embedding_forward(out, tokens, wte, N, C);
 }
+static void t_embedding_forward_shard(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows) {
+    cpu_embedding_forward_shard(out, tokens, wte, N, C, lo, rows);
+}
 static void t_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C) {
     cpu_embedding_backward(dwte, dout, tokens, N, C);
 }
@@ -859,6 +934,14 @@ static void t_crossentropy_forward_backward(float *losses, void *logits, int ld,
                                             float scale) {
     cpu_crossentropy_forward_backward(losses, logits, ld, targets, N, V, scale);
 }
+static void t_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V,
+                                       int v0) {
+    cpu_crossentropy_shard_stats(stats, logits, ld, targets, N, V, v0);
+}
+static void t_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
+                                          int v0, const float *stats, int t, float scale) {
+    cpu_crossentropy_shard_backward(losses, logits, ld, targets, N, V, v0, stats, t, scale);
+}
 static void t_add(void *y, const void *x, size_t n) { cpu_add(y, x, n); }
 static void t_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
                     float eps, float wd, int step, float grad_scale) {
@@ -889,6 +972,7 @@ const OpsBackend ops_backend_cpu = {
     .embedding_forward = t_embedding_forward,
     .embedding_backward = t_embedding_backward,
     .embedding_backward_rows = t_embedding_backward_rows,
+    .embedding_forward_shard = t_embedding_forward_shard,
     .rmsnorm_forward = t_rmsnorm_forward,
     .add_rmsnorm_forward = t_add_rmsnorm_forward,
     .rmsnorm_backward = t_rmsnorm_backward,
@@ -902,6 +986,8 @@ const OpsBackend ops_backend_cpu = {
     .swiglu_forward = t_swiglu_forward,
     .swiglu_backward = t_swiglu_backward,
     .crossentropy_forward_backward = t_crossentropy_forward_backward,
+    .crossentropy_shard_stats = t_crossentropy_shard_stats,
+    .crossentropy_shard_backward = t_crossentropy_shard_backward,
     .adamw = t_adamw,
     .adafactor_sums = t_adafactor_sums,
     .adafactor_stats = cpu_adafactor_stats,

@@ -131,3 +131,68 @@ crossentropy8_kernel(float *losses, bf16 *logits, int ldl, const int *targets, i
         }
     }
 }
+
+/* Vocabulary parallel (ops.h: op_crossentropy_shard_stats / _backward): one block per row,
+ * the generic kernel's passes on the shard's columns (a shard is V/t wide: the
+ * shared-memory variant above is not needed for it). */
+static __global__ void __launch_bounds__(CE_BLOCK)
+crossentropy_shard_stats_kernel(float *stats, const void *logits, int ldl, const int *targets, int V, int v0, int bf) {
+    int n = blockIdx.x;
+    const void *row = bf ? (const void *)((const bf16 *)logits + (size_t)n * ldl)
+                         : (const void *)((const float *)logits + (size_t)n * ldl);
+    unsigned t = (unsigned)(targets[n] - v0);
+    float mx = -INFINITY;
+    int bad = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float x = ld(row, j, bf);
+        mx = fmaxf(mx, x); /* ignores NaN; the flag catches it */
+        bad |= x != x;
+    }
+    mx = block_max(mx);
+    bad = __syncthreads_or(bad);
+    if (bad || mx == INFINITY) mx = NAN;
+    double sum = 0.0;
+    if (mx == mx && mx != -INFINITY)
+        for (int j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(ld(row, j, bf) - mx);
+    sum = block_sum_double(sum);
+    if (threadIdx.x == 0) {
+        stats[3 * (size_t)n] = mx;
+        stats[3 * (size_t)n + 1] = (float)sum;
+        stats[3 * (size_t)n + 2] = t < (unsigned)V ? ld(row, t, bf) : 0.0f;
+    }
+}
+
+/* Every thread combines the t shards' statistics itself, in shard order (t is small). */
+static __global__ void __launch_bounds__(CE_BLOCK)
+crossentropy_shard_kernel(float *losses, void *logits, int ldl, const int *targets, int V, int v0, const float *stats,
+                          int N, int nt, float scale, int bf) {
+    int n = blockIdx.x;
+    void *row = bf ? (void *)((bf16 *)logits + (size_t)n * ldl) : (void *)((float *)logits + (size_t)n * ldl);
+    float M = -INFINITY, lt = 0.0f;
+    int bad = 0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        bad |= s[0] != s[0];
+        M = fmaxf(M, s[0]);
+        lt += s[2];
+    }
+    if (bad || M == -INFINITY) {
+        if (threadIdx.x == 0) losses[n] = NAN;
+        if (scale != 0.0f)
+            for (int j = threadIdx.x; j < V; j += blockDim.x) st(row, j, NAN, bf);
+        return;
+    }
+    double sum = 0.0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        if (s[0] != -INFINITY) sum += (double)s[1] * exp((double)s[0] - (double)M);
+    }
+    if (threadIdx.x == 0) losses[n] = (float)((double)M + log(sum) - (double)lt);
+    if (scale == 0.0f) return;
+    unsigned t = (unsigned)(targets[n] - v0);
+    float f = (float)((double)scale / sum);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float e = expf(ld(row, j, bf) - M);
+        st(row, j, (unsigned)j == t ? (float)((double)scale * ((double)e / sum - 1.0)) : e * f, bf);
+    }
+}

@@ -15,6 +15,18 @@ static __global__ void embedding_forward_kernel(void *out, const int *tokens, co
     }
 }
 
+/* Vocabulary parallel: wte holds rows [lo, lo + rows); other tokens give zeros. */
+static __global__ void embedding_forward_shard_kernel(void *out, const int *tokens, const void *wte, int N, int C,
+                                                      int lo, int rows, int bf) {
+    size_t total = (size_t)N * C;
+    GRID_STRIDE(i, total) {
+        size_t n = i / C;
+        int c = (int)(i % C);
+        unsigned r = (unsigned)(tokens[n] - lo);
+        st(out, i, r < (unsigned)rows ? ld(wte, (size_t)r * C + c, bf) : 0.0f, bf);
+    }
+}
+
 /* Deterministic without sorting: a thread owns one channel c of one bucket of the
  * vocabulary (token % EMB_BUCKETS == blockIdx.y) and walks ALL tokens in order, adding the
  * ones in its bucket. So every dwte element gets its additions in token order, exactly as

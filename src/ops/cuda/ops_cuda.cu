@@ -546,6 +546,13 @@ void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N
     LAUNCH_CHECK(embedding_forward_kernel);
 }
 
+void cuda_embedding_forward_shard(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows) {
+    if (N <= 0 || C <= 0) return;
+    embedding_forward_shard_kernel<<<ew_grid((size_t)N * C), EW_BLOCK, 0, g.stream>>>(out, tokens, wte, N, C, lo, rows,
+                                                                                        g.bf16);
+    LAUNCH_CHECK(embedding_forward_shard_kernel);
+}
+
 void cuda_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C) {
     (void)N;
     if (!dwte || nr <= 0 || C <= 0) return;
@@ -909,6 +916,20 @@ void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, con
     LAUNCH_CHECK(crossentropy_kernel);
 }
 
+void cuda_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V, int v0) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_shard_stats_kernel<<<N, CE_BLOCK, 0, g.stream>>>(stats, logits, ld, targets, V, v0, g.bf16);
+    LAUNCH_CHECK(crossentropy_shard_stats_kernel);
+}
+
+void cuda_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
+                                      const float *stats, int t, float dlogits_scale) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_shard_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, ld, targets, V, v0, stats, N, t,
+                                                            dlogits_scale, g.bf16);
+    LAUNCH_CHECK(crossentropy_shard_kernel);
+}
+
 static void adamw_launch(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                          float beta2, float eps, float weight_decay, int step, float grad_scale, bf16 *act) {
     if (n == 0) return;
@@ -1135,6 +1156,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .embedding_forward = cuda_embedding_forward,
     .embedding_backward = cuda_embedding_backward,
     .embedding_backward_rows = cuda_embedding_backward_rows,
+    .embedding_forward_shard = cuda_embedding_forward_shard,
     .rmsnorm_forward = cuda_rmsnorm_forward,
     .add_rmsnorm_forward = cuda_add_rmsnorm_forward,
     .rmsnorm_backward = cuda_rmsnorm_backward,
@@ -1150,6 +1172,8 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .swiglu_forward = cuda_swiglu_forward,
     .swiglu_backward = cuda_swiglu_backward,
     .crossentropy_forward_backward = cuda_crossentropy_forward_backward,
+    .crossentropy_shard_stats = cuda_crossentropy_shard_stats,
+    .crossentropy_shard_backward = cuda_crossentropy_shard_backward,
     .adamw = cuda_adamw,
     .adamw_cast = cuda_adamw_cast,
     .adafactor_sums = cuda_adafactor_sums,

@@ -68,6 +68,7 @@ void cuda_to_act(void *dst, const float *src, size_t n);
 
 void cuda_embedding_forward(void *out, const int *tokens, const void *wte, int N, int C);
 void cuda_embedding_backward_rows(void *dwte, const void *dout, const int *idx, int nr, int N, int C);
+void cuda_embedding_forward_shard(void *out, const int *tokens, const void *wte, int N, int C, int lo, int rows);
 void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, int N, int C);
 
 void cuda_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *branch, const void *w, int N, int C,
@@ -112,6 +113,9 @@ void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, in
  * out-of-bounds read. */
 void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, const int *targets, int N, int V,
                                         float dlogits_scale);
+void cuda_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V, int v0);
+void cuda_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
+                                      const float *stats, int t, float dlogits_scale);
 
 void cuda_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                 float beta2, float eps, float weight_decay, int step, float grad_scale);
