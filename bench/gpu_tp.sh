@@ -6,7 +6,7 @@
 #         NP, batch_size=4 per GPU) and meshtrain on one GPU, for reference
 #   eff:  TP efficiency where TP is meant to pay (embed_dim=4096 n_heads=32 n_layers=8
 #         context_len=4096 batch_size=1): per-GPU tokens/s at tp=NP against one GPU's
-# Usage: NP=2 SECTIONS="long eff" bench/gpu_tp.sh [meshtrain] [peer.py]
+# Usage: NP=2 SECTIONS="long eff" [PEER_DDP=0] bench/gpu_tp.sh [meshtrain] [peer.py]
 # STEPS timed steps (meshtrain runs one more and excludes it; the peer 2 warm-up steps).
 set -u
 BIN=${1:-build/meshtrain} PEER=${2:-../shared/peers/torch_llama_tp.py}
@@ -45,7 +45,7 @@ for s in ${SECTIONS:-long eff}; do
     mt "meshtrain tp=$NP" "$NP" $LONG batch_size=4 tensor_parallel_size=$NP
     peer "peer tp=$NP" "$NP" $LONG batch_size=4 tp=$NP steps=$STEPS
     mt "meshtrain 1 GPU" 1 $LONG batch_size=4
-    peer "peer tp=1 (DDP over $NP)" "$NP" $LONG batch_size=4 tp=1 steps=$STEPS
+    [ "${PEER_DDP:-1}" = 1 ] && peer "peer tp=1 (DDP over $NP)" "$NP" $LONG batch_size=4 tp=1 steps=$STEPS
     ;;
   eff)
     EFF="embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1"

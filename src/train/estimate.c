@@ -29,8 +29,11 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float);
     size_t s = 1025 * sizeof(double);
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
-    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128))
-        b = ((attn_cudnn_det_workspace_bytes(B, T, nh) + 255) & ~(size_t)255) + ((b + 255) & ~(size_t)255);
+    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
+        int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
+        b = ((attn_cudnn_det_workspace_bytes(bc, T, nh) + 255) & ~(size_t)255) +
+            (((size_t)bc * T * nh * sizeof(float) + 255) & ~(size_t)255);
+    }
     return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 
