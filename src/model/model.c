@@ -451,6 +451,9 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
 static void tp_sum(const Model *m, void *buf, size_t n) {
     if (m->tp_size > 1) m->tp.allreduce(m->tp.ctx, buf, n);
 }
+static void tp_flush(const Model *m) {
+    if (m->tp_size > 1 && m->tp.flush) m->tp.flush(m->tp.ctx);
+}
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. On a
@@ -622,6 +625,7 @@ void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale
     if (stage_has_head(m, s)) op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
     trunk_forward(m, s, a, B, T, grad, h);
     if (stage_has_head(m, s)) head_forward_backward(m, a, trunk_output(m, s, a, grad), grad, grad_scale, h);
+    tp_flush(m);
 }
 
 void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
@@ -650,6 +654,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
         HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */
         if (i == 0) la0 = la;
     }
+    tp_flush(m);
     if (!emb) return;  /* dres holds d(loss)/d(the stage's input), for the stage before */
     /* The embedding's backward needs only the tokens, not its parameters. */
     trace_mark(NULL, "embedding backward");
@@ -712,6 +717,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, N, E);
         HOOK(h, release, unit_of_layer(l));
     }
+    tp_flush(m);
     /* dres now holds d(loss)/d(the stage's input): sent to the stage before, or, on the
      * first stage, the embedding's gradient (taken in the weight pass) */
 }
