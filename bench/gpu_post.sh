@@ -6,13 +6,14 @@
 # compile=1, whose default is pure bf16).
 # Usage: bench/gpu_post.sh [peer.py] [meshtrain keys...]
 # (The peer is ../shared/peers/torch_llama.py; carry a copy when the call runs elsewhere.)
-# MESHTRAIN_POST_RUNS="bf16 mixed fp32" and PEER_RUNS="eager compile amp" pick the rows.
+# MESHTRAIN_POST_RUNS="bf16 mixed fp32" and PEER_RUNS="eager compile amp" pick the rows;
+# POST_CFG replaces the configuration (bench/gpu_long_context.sh: longer contexts).
 # STEPS timed steps each (default 60: meshtrain runs one more and excludes it, the peer runs
 # 3 warm-up steps first). Runs of 10 steps, as before 2026-11-26 session 4, end before the
 # cards reach their power-limited clocks and flatter both sides (see bench/RESULTS.md).
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}; shift || true
-CFG="embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"
+CFG=${POST_CFG:-"embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"}
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
 STEPS=${STEPS:-60}
 . "$(dirname "$0")/lib.sh"
@@ -26,6 +27,7 @@ for prec in ${MESHTRAIN_POST_RUNS:-bf16 mixed fp32}; do
       ckpt_path=none "$@")
   grep -E "^step|^done|memory per|total" "$out/stdout" >&2
   tok=$(field tokens_per_s "$d") mem=$(field gpu_peak_alloc_bytes "$d") est=$(field estimate_bytes "$d")
+  echo "meshtrain precision=$prec: MFU $(awk -v m="$(field mfu "$d")" 'BEGIN{printf "%.1f%%", 100 * m}')" >&2
   rows+=("meshtrain precision=$prec|${tok:-0}|$(awk -v m="${mem:-0}" 'BEGIN{printf "%.1f", m/1e9}')|$(awk -v e="${est:-0}" 'BEGIN{printf "%.1f", e/1e9}')")
 done
 for p in ${PEER_RUNS:-eager compile amp}; do

@@ -194,6 +194,36 @@ static void test_bubbles(void) {
     CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 3), "F0 B0 F1 B1 W0 F2 B2 W1 W2 step"), "%s", printed(SCHED_ZB1, 1, 0, 3));
 }
 
+/* schedule_makespan plays every rank's list together and ends with the last action's end
+ * (it once ended one tick after the last start): in unit costs one stage runs F0 + B0 in 3,
+ * GPipe and 1F1B take (m + p - 1)(F + B); with costs, one simulation of all ranks gives
+ * what every rank's own list says, and a longer stage lengthens the step. */
+static void test_makespan(void) {
+    CHECK(schedule_makespan(SCHED_1F1B, 1, 1, 1, NULL) == 3, "F0 B0: %d", schedule_makespan(SCHED_1F1B, 1, 1, 1, NULL));
+    for (int p = 1; p <= 4; p++)
+        for (int m = p; m <= 2 * p + 1; m++)
+            for (int k = SCHED_GPIPE; k <= SCHED_1F1B; k++)
+                CHECK(schedule_makespan((ScheduleKind)k, p, m, 1, NULL) == (m + p - 1) * 3, "%s p=%d m=%d: %d",
+                      schedule_kind_name((ScheduleKind)k), p, m, schedule_makespan((ScheduleKind)k, p, m, 1, NULL));
+    double cost[4 * 2 * 3];
+    for (int g = 0; g < 8; g++) cost[g * 3] = 1 + g % 3, cost[g * 3 + 1] = 2 + g % 2, cost[g * 3 + 2] = 1;
+    for (int k = SCHED_INTERLEAVED; k <= SCHED_ZB1; k++) {
+        int v = k == SCHED_INTERLEAVED ? 2 : 1, t = schedule_makespan((ScheduleKind)k, 4, 6, v, cost);
+        for (int r = 0; r < 4; r++) {
+            Schedule s;
+            char err[64];
+            schedule_build(&s, (ScheduleKind)k, 4, r, 6, v, cost, err, sizeof err);
+            CHECK(s.makespan == t, "%s rank %d: %d, all ranks %d", schedule_kind_name((ScheduleKind)k), r, s.makespan, t);
+            schedule_free(&s);
+        }
+        double more[4 * 2 * 3];
+        memcpy(more, cost, sizeof more);
+        more[0] *= 3, more[1] *= 3;
+        CHECK(schedule_makespan((ScheduleKind)k, 4, 6, v, more) > t, "%s: a heavier first stage is not slower",
+              schedule_kind_name((ScheduleKind)k));
+    }
+}
+
 static void test_bad_layouts(void) {
     Schedule s;
     char err[128];
@@ -234,6 +264,7 @@ int main(void) {
     RUN(test_every_layout_plays);
     RUN(test_shapes);
     RUN(test_bubbles);
+    RUN(test_makespan);
     RUN(test_bad_layouts);
     RUN(test_player_catches_broken);
     return TEST_SUMMARY();

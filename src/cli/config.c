@@ -111,7 +111,8 @@ static const Key KEYS[] = {
     I(virtual_stages, "0", 0, 8, TR | CMD_ESTIMATE,
       "interleaved: stages (chunks of layers) per pipeline rank (0 = 2 with interleaved, else 1)"),
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
-      "pipeline: layers per stage, e.g. 5,4,4,3; auto balances the stages' FLOPs, embedding and head counted"),
+      "pipeline: layers per stage, e.g. 5,4,4,3; auto: the split whose simulated step (the schedule over the stages' "
+      "estimated FLOPs, embedding and head counted) is shortest"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
     F(bucket_mb, "100", 0, 1e6, TR,
       "DDP: all-reduce the gradients of units that finish one after another together, up to this many MB "

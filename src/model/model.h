@@ -28,13 +28,16 @@ typedef struct {
 
 /* Tensor parallel (Megatron-LM): how the model reaches the other ranks of its tensor-parallel
  * group, given from outside (src/parallel/tensor.c). allreduce sums n activations (the ops'
- * activation type) of buf over the group, in place, the same result on every rank. */
+ * activation type) of buf over the group, in place, the same result on every rank, for the
+ * ops queued after it (it may still be in flight on the host's side); flush waits for every
+ * one in flight, at the end of a stage's forward or backward, before the host reads a result. */
 typedef struct {
     void *ctx;
     void (*allreduce)(void *ctx, void *buf, size_t n);
     /* In place: buf holds tp_size blocks of n elements, this rank's at tp_rank * n; every
      * block is filled from its rank. stats: fp32 statistics (float), else activations. */
     void (*allgather)(void *ctx, void *buf, size_t n, int stats);
+    void (*flush)(void *ctx);
 } ModelTp;
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the

@@ -200,6 +200,16 @@ void comm_wait(CommReq *r) {
     if (r->active) comm_wait_until(req_done, r, r->c, r->what);
 }
 
+void comm_wait_device(CommReq *r) {
+#ifdef MESHTRAIN_NCCL
+    if (r->active && r->ev) {
+        nccl_stream_wait(r);
+        return;
+    }
+#endif
+    comm_wait(r);
+}
+
 void comm_poll(CommReq *r, int (*stop)(void), double max_s) {
     double t0 = now_seconds();
     for (long spins = 0; !comm_test(r) && !stop() && now_seconds() - t0 < max_s; spins++) backoff(spins);

@@ -106,6 +106,9 @@ void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
 /* Returns 1 when done (and completes it), 0 if still in flight. Drives MPI progress. */
 int comm_test(CommReq *r);
 void comm_wait(CommReq *r);
+/* The compute stream's later ops wait for r: NCCL, on the device (r stays in flight for
+ * comm_test / comm_wait, which the host must still call); elsewhere comm_wait. */
+void comm_wait_device(CommReq *r);
 /* Polls r as comm_wait does until it completes, stop() returns nonzero or max_s seconds
  * pass, whichever is first; never aborts (comm_wait, with its timeout, does that). */
 void comm_poll(CommReq *r, int (*stop)(void), double max_s);

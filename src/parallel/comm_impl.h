@@ -63,6 +63,8 @@ void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call);
 void cchk(cudaError_t e, const Comm *c, const char *what, const char *call);
 /* comm_test of a request that holds an event. */
 int nccl_test(CommReq *r);
+/* The compute stream waits (on the device) for r's event; r stays in flight. */
+void nccl_stream_wait(CommReq *r);
 /* Point-to-point on device buffers: queued on the group's own p2p stream after the compute
  * stream's work so far; r->ev completes it (nccl_p2p_done). */
 void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what);

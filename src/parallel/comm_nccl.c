@@ -138,6 +138,10 @@ int nccl_test(CommReq *r) {
     return 1;
 }
 
+void nccl_stream_wait(CommReq *r) {
+    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), (cudaEvent_t)r->ev, 0), r->c, r->what, "cudaStreamWaitEvent");
+}
+
 void nccl_p2p_init(const Comm *c) { nccl_of(c, "pipeline send/receive"); }
 
 void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {

@@ -1,4 +1,5 @@
 #include "pipeline.h"
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,13 +21,16 @@ static double layer_flops(const ModelConfig *c, int T) {
 }
 static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (double)c->vocab_size; }
 
-void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, double *out) {
-    double E = c->embed_dim, pm = layer_matmul_params(c);
+void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, const double *head, double *out) {
+    static const double fused[3] = {3, 0, 0};
+    double E = c->embed_dim, pm = layer_matmul_params(c), hm = head_flops(c) / 3;  /* one head matmul */
+    if (!head) head = fused;
     for (int i = 0; i < n; i++) {
         double nl = stage_n_layers(c, &s[i]);
-        out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (s[i].last == head_unit(c) ? head_flops(c) : 0);
-        out[i * 3 + 1] = nl * (2 * pm + 8 * E * T);
-        out[i * 3 + 2] = nl * 2 * pm + (s[i].first == 0 ? E : 0);
+        int h = s[i].last == head_unit(c);
+        out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (h ? head[0] * hm : 0);
+        out[i * 3 + 1] = nl * (2 * pm + 8 * E * T) + (h ? head[1] * hm : 0);
+        out[i * 3 + 2] = nl * 2 * pm + (s[i].first == 0 ? E : 0) + (h ? head[2] * hm : 0);
     }
 }
 
@@ -181,5 +185,89 @@ int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *
     }
     stages_of_counts(c, S, n, stages);
     free(n);
+    return 0;
+}
+
+/* ---- auto for a schedule: the split whose simulated step is shortest ---- */
+
+/* The simulated makespan of kind over m micro-batches for layer counts n of p x v stages. */
+static int span_of(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, const double *head,
+                   const int *n, Stage *tmp, double *cost) {
+    stages_of_counts(c, p * v, n, tmp);
+    pipeline_stage_costs(c, T, tmp, p * v, head, cost);
+    return schedule_makespan(kind, p, m, v, cost);
+}
+
+/* What the search may spend, in simulated actions x ranks (half a second on one core at most). */
+#define SEARCH_BUDGET 2e8
+
+typedef struct {
+    const ModelConfig *c;
+    int T, p, v, m, S, best;
+    ScheduleKind kind;
+    const double *head;
+    int *n, *best_n;
+    Stage *tmp;
+    double *cost;
+} Search;
+
+/* Every split of the layers left over stages i.. (each >= 1), the shortest kept. */
+static void every_split(Search *q, int i, int left) {
+    if (i == q->S - 1) {
+        q->n[i] = left;
+        int t = span_of(q->c, q->T, q->p, q->v, q->kind, q->m, q->head, q->n, q->tmp, q->cost);
+        if (t > 0 && t < q->best) q->best = t, memcpy(q->best_n, q->n, (size_t)q->S * sizeof(int));
+        return;
+    }
+    for (int k = 1; k <= left - (q->S - 1 - i); k++) {
+        q->n[i] = k;
+        every_split(q, i + 1, left - k);
+    }
+}
+
+int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, const double *head,
+                            const char *spec, Stage *stages, char *err, size_t errlen) {
+    int S = p * v;
+    if (pipeline_split_ranks(c, T, p, v, spec, stages, err, errlen)) return -1;
+    if (p < 2 || m < 1 || strcmp(spec, "auto")) return 0;
+    /* Every split where there are few enough (C(L - 1, S - 1)); else, from the balanced
+     * split, move one layer at a time from one stage to another (every pair of stages up to
+     * 16, else neighbours) while the best such move shortens the simulated step. Only a
+     * step shorter by more than 1/500 replaces the balanced split (a tick's rounding is no
+     * reason to unbalance the stages' memory), so the result is never worse. */
+    int *n = xmalloc((size_t)S * sizeof(int));
+    Stage *tmp = xmalloc((size_t)S * sizeof(Stage));
+    double *cost = xmalloc((size_t)S * 3 * sizeof(double));
+    double per_eval = 3.0 * S * m * p * (kind == SCHED_INTERLEAVED ? 2 : 1), spent = 0, splits = 1;
+    counts_of_stages(c, stages, S, n);
+    int best = span_of(c, T, p, v, kind, m, head, n, tmp, cost);
+    spent += per_eval;
+    for (int k = 1; k < S && splits * per_eval <= SEARCH_BUDGET; k++) splits *= (double)(c->n_layers - S + k) / k;
+    if (best > 0 && splits * per_eval <= SEARCH_BUDGET) {
+        Search q = {c, T, p, v, m, S, INT_MAX, kind, head, xmalloc((size_t)S * sizeof(int)),
+                    xmalloc((size_t)S * sizeof(int)), tmp, cost};
+        every_split(&q, 0, c->n_layers);
+        if (q.best < best - best / 500) memcpy(n, q.best_n, (size_t)S * sizeof(int));
+        free(q.n);
+        free(q.best_n);
+        best = -1;  /* done */
+    }
+    while (best > 0) {
+        int move_a = -1, move_b = -1, move_span = best;
+        for (int a = 0; a < S && spent < SEARCH_BUDGET; a++)
+            for (int b = 0; b < S && spent < SEARCH_BUDGET; b++) {
+                if (b == a || n[a] < 2 || (S > 16 && abs(a - b) != 1)) continue;
+                n[a]--, n[b]++;
+                int t = span_of(c, T, p, v, kind, m, head, n, tmp, cost);
+                n[a]++, n[b]--;
+                spent += per_eval;
+                if (t > 0 && t < move_span) move_span = t, move_a = a, move_b = b;
+            }
+        if (move_a < 0 || move_span >= best - best / 500) break;
+        n[move_a]--, n[move_b]++;
+        best = move_span;
+    }
+    stages_of_counts(c, S, n, stages);
+    free(n); free(tmp); free(cost);
     return 0;
 }

@@ -1,11 +1,13 @@
 /* pipeline — how a model is cut into pipeline stages: contiguous units, the embedding on the
- * first stage and the head on the last, each stage at least one layer. `auto` balances
- * the estimated time of each stage (FLOPs of forward + backward per token, with the
- * embedding and the head counted); explicit layer counts ("5,4,4,3") are taken as given. */
+ * first stage and the head on the last, each stage at least one layer. `auto` starts from
+ * the split that balances the estimated time of each stage (FLOPs of forward + backward per
+ * token, with the embedding and the head counted) and moves layers while the schedule's
+ * simulated step shortens; explicit layer counts ("5,4,4,3") are taken as given. */
 #ifndef MESHTRAIN_PIPELINE_H
 #define MESHTRAIN_PIPELINE_H
 #include <stddef.h>
 #include "model.h"
+#include "schedule.h"
 
 /* Fills stages[0..p) for a model of c at context T. spec: "auto" or p comma-separated layer
  * counts summing to n_layers. Returns -1 with a one-line err (naming pipeline_split or
@@ -18,15 +20,24 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
  * the largest stage's; explicit counts are taken as given. */
 int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *spec, Stage *stages, char *err,
                          size_t errlen);
+/* What a run uses: pipeline_split_ranks, then with "auto" the split whose simulated step
+ * under kind over m micro-batches (schedule_makespan with pipeline_stage_costs for head) is
+ * shortest: of every split where there are few enough, else from the balanced one by moving
+ * a layer at a time (never longer than it; bounded work, half a second at most). */
+int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, const double *head,
+                            const char *spec, Stage *stages, char *err, size_t errlen);
 /* The stages pipeline rank `rank` of p computes when the split has p x v stages: stages
  * c x p + rank for c = 0..v-1 (interleaved; v = 1: stage `rank`), into out[0..v). */
 void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);
 /* "embedding, layers 0-3" / "layers 4-7, head"; chunks joined by " + ". */
 void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len);
 /* Each of stages s[0..n)'s estimated forward, backward (input gradient) and weight-pass
- * FLOPs per token, into out[i x 3 + 0..2]: what the simulated schedules are built for. The
- * last stage's forward carries the whole head (its backward is fused into the forward). */
-void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, double *out);
+ * FLOPs per token, into out[i x 3 + 0..2]: what the simulated schedules are built for.
+ * head[0..3): how many of the head's three matmuls (logits, input gradient, weight
+ * gradient; 2 E V FLOPs per token each, a recomputed one counting again) fall in the last
+ * stage's F, B and W; NULL: {3, 0, 0}, the model's head, whose backward is fused into the
+ * forward. Other values evaluate moving it (bench/pp_sim.c). */
+void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, const double *head, double *out);
 /* Estimated FLOPs per token (forward + backward) of stage s: what `auto` balances. */
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s);
 #endif

@@ -153,9 +153,15 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed, const int *nfi
         }
         if (finished) break;
         if (!running && !started) { rc = -1; break; }
-        t++;
+        /* nothing changes until a running action ends: go to the next end */
+        int next = INT_MAX;
+        for (int r = 0; r < p; r++)
+            if (busy[r] > t && busy[r] < next) next = busy[r];
+        t = next;
     }
-    S->makespan = t;
+    S->makespan = t;  /* the last actions' ends, not their starts */
+    for (int r = 0; r < p; r++)
+        if (busy[r] > S->makespan) S->makespan = busy[r];
     free(fdone); free(bdone); free(fi); free(bi); free(busy); free(held); free(nheld); free(wq); free(wh); free(wt);
     return rc;
 }
@@ -178,7 +184,8 @@ static void megatron_lists(const Sim *S, Action **lists) {
 }
 
 /* Each stage's F, B, W in ticks: unit costs (1, 2 or 1 + 1 split, 1) without cost, else
- * cost's [stage][3] times scaled so that the mean forward is 10 ticks. */
+ * cost's [stage][3] times scaled so that the mean forward is SCHED_TICKS_PER_FORWARD ticks
+ * (fine enough that a layer moved between stages shows in the makespan). */
 static int *durations(int G, int split, const double *cost) {
     int *d = xmalloc((size_t)G * 3 * sizeof(int));
     double mean = 0;
@@ -188,7 +195,7 @@ static int *durations(int G, int split, const double *cost) {
             if (!cost || mean <= 0) d[g * 3 + k] = k == 1 && !split ? 2 : 1;
             else {
                 double c = k == 1 && !split ? cost[g * 3 + 1] + cost[g * 3 + 2] : cost[g * 3 + k];
-                long x = lround(10.0 * c / mean);
+                long x = lround(SCHED_TICKS_PER_FORWARD * c / mean);
                 d[g * 3 + k] = x < 1 ? 1 : (int)x;
             }
         }
@@ -216,37 +223,45 @@ static void sim_free(Sim *S) {
     free(S->out); free(S->ford); free(S->bord); free(S->nout); free(S->in_flight); free(S->pend); free(S->dur);
 }
 
-static int build_simulated(Schedule *s, const double *cost, char *err, size_t errlen) {
-    int p = s->stages, v = s->chunks, m = s->micro_batches, vm = v * m;
-    Sim S = sim_new(p, v, m, s->split_backward, cost);
-    int *lim = xmalloc((size_t)p * sizeof(int)), rc;
+/* Every rank's list of kind (interleaved or zb1) into S: 0, or -1 if none was found. */
+static int plan(Sim *S, ScheduleKind kind) {
+    int p = S->p, v = S->v, vm = v * S->m, rc;
+    int *lim = xmalloc((size_t)p * sizeof(int));
     for (int r = 0; r < p; r++) {
-        int l = s->kind == SCHED_ZB1 ? p + 1 : (p - r - 1) * 2 + (v - 1) * p + 2;
+        int l = kind == SCHED_ZB1 ? p + 1 : (p - r - 1) * 2 + (v - 1) * p + 2;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
     int mega = -1, *vmlim = xmalloc((size_t)p * sizeof(int)), *nfixed = xmalloc((size_t)p * sizeof(int));
     Action **fixed = NULL;
-    if (s->kind == SCHED_INTERLEAVED) {
+    if (kind == SCHED_INTERLEAVED) {
         fixed = xmalloc((size_t)p * sizeof(Action *));
         for (int r = 0; r < p; r++) fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action)), vmlim[r] = vm, nfixed[r] = 2 * vm;
-        megatron_lists(&S, fixed);
-        if (simulate(&S, vmlim, fixed, nfixed) == 0) mega = S.makespan;
+        megatron_lists(S, fixed);
+        if (simulate(S, vmlim, fixed, nfixed) == 0) mega = S->makespan;
     }
-    while ((rc = simulate(&S, lim, NULL, NULL)) != 0) {
+    while ((rc = simulate(S, lim, NULL, NULL)) != 0) {
         int raised = 0;
         for (int r = 0; r < p; r++)
             if (lim[r] < vm) lim[r]++, raised = 1;
         if (!raised) break;
     }
-    if (mega >= 0 && (rc || mega <= S.makespan)) rc = simulate(&S, vmlim, fixed, nfixed);
+    if (mega >= 0 && (rc || mega <= S->makespan)) rc = simulate(S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
     free(vmlim);
     free(nfixed);
+    free(lim);
+    return rc;
+}
+
+static int build_simulated(Schedule *s, const double *cost, char *err, size_t errlen) {
+    int v = s->chunks;
+    Sim S = sim_new(s->stages, v, s->micro_batches, s->split_backward, cost);
+    int rc = plan(&S, s->kind);
     if (rc) {
         set_err(err, errlen, "internal: no %s schedule for %d stages, %d chunks, %d micro-batches",
-                schedule_kind_name(s->kind), p, v, m);
+                schedule_kind_name(s->kind), s->stages, v, s->micro_batches);
     } else {
         int r = s->stage;
         for (int k = 0; k < S.nout[r]; k++) {
@@ -263,7 +278,6 @@ static int build_simulated(Schedule *s, const double *cost, char *err, size_t er
         s->makespan = S.makespan;
     }
     sim_free(&S);
-    free(lim);
     return rc;
 }
 
@@ -321,24 +335,29 @@ void schedule_print(FILE *f, const Schedule *s) {
 
 int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost) {
     int p = stages, vm = chunks * m, rc = 0;
-    Schedule *sc = xcalloc((size_t)p, sizeof *sc);
-    Action **fixed = xmalloc((size_t)p * sizeof(Action *));
-    int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
     char err[128];
-    for (int r = 0; r < p; r++) {
-        fixed[r] = xmalloc((size_t)3 * vm * sizeof(Action));
-        lim[r] = vm;
-        if (schedule_build(&sc[r], kind, p, r, m, chunks, cost, err, sizeof err)) rc = -1;
-        for (int k = 0; !rc && k < sc[r].n; k++) {
-            ActionKind a = sc[r].actions[k].kind;
-            if (a == ACT_FORWARD || a == ACT_BACKWARD || a == ACT_WEIGHT) fixed[r][nfixed[r]++] = sc[r].actions[k];
-        }
-    }
+    if (stages < 1 || m < 1 || chunks < 1 || chunks > SCHED_MAX_CHUNKS || (chunks > 1 && kind != SCHED_INTERLEAVED))
+        return -1;
     Sim S = sim_new(p, chunks, m, kind == SCHED_ZB1, cost);
-    if (!rc) rc = simulate(&S, lim, fixed, nfixed);
+    if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
+        rc = plan(&S, kind);  /* every rank's list at once: its makespan is theirs */
+    } else {  /* the fixed lists, played together */
+        Action **fixed = xmalloc((size_t)p * sizeof(Action *));
+        int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
+        for (int r = 0; r < p; r++) {
+            Schedule sc;
+            fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action));
+            lim[r] = vm;
+            if (schedule_build(&sc, kind, p, r, m, chunks, cost, err, sizeof err)) { rc = -1; continue; }
+            for (int k = 0; k < sc.n; k++)
+                if (sc.actions[k].kind == ACT_FORWARD || sc.actions[k].kind == ACT_BACKWARD) fixed[r][nfixed[r]++] = sc.actions[k];
+            schedule_free(&sc);
+        }
+        if (!rc) rc = simulate(&S, lim, fixed, nfixed);
+        for (int r = 0; r < p; r++) free(fixed[r]);
+        free(fixed); free(nfixed); free(lim);
+    }
     int t = rc ? -1 : S.makespan;
     sim_free(&S);
-    for (int r = 0; r < p; r++) free(fixed[r]), schedule_free(&sc[r]);
-    free(fixed); free(nfixed); free(lim); free(sc);
     return t;
 }

@@ -32,6 +32,7 @@ typedef struct { ActionKind kind; int micro, chunk; } Action;
 typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1 } ScheduleKind;
 
 #define SCHED_MAX_CHUNKS 8
+#define SCHED_TICKS_PER_FORWARD 1000  /* the simulations' scale with costs: the mean stage forward */
 
 typedef struct {
     ScheduleKind kind;
@@ -58,7 +59,8 @@ const char *schedule_kind_name(ScheduleKind k);
 int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, const double *cost,
                    char *err, size_t errlen);
 /* The simulated step of every rank's list under kind (all ranks together, in ticks of the
- * builders' scale: the mean forward is 10 with cost, 1 in unit costs); -1 on a deadlock. */
+ * builders' scale: the mean forward is SCHED_TICKS_PER_FORWARD with cost, 1 in unit costs);
+ * -1 on a deadlock. */
 int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,

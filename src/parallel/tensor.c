@@ -4,14 +4,26 @@
 #include "ops.h"
 #include "util.h"
 
-/* Blocking: the layer needs the sum before its next op. On a device the NCCL all-reduce
- * runs on the comm stream and the compute stream waits for it (comm.h); activations are
- * bf16 there with precision=mixed or bf16, which NCCL sums as they are. */
+/* The layer needs the sum before its next op. On a device the NCCL all-reduce runs on the
+ * comm stream and the compute stream waits for it there (comm_wait_device), so the GPU's queue
+ * does not drain at each of a layer's all-reduces; the host polls (within comm_timeout) only
+ * the one TP_LAG calls back, and tp_flush the rest. Activations are bf16 there with
+ * precision=mixed or bf16, which NCCL sums as they are. On CPU ranks each completes here. */
+#define TP_LAG 8
+static CommReq g_req[TP_LAG];
+static int g_first, g_n;
+
+static void tp_flush(void *ctx) {
+    (void)ctx;
+    for (; g_n; g_n--, g_first = (g_first + 1) % TP_LAG) comm_wait(&g_req[g_first]);
+}
+
 static void tp_allreduce(void *ctx, void *buf, size_t n) {
     const Comm *tp = ctx;
-    CommReq r = {0};
-    comm_iallreduce(tp, buf, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, &r, "tensor-parallel all-reduce");
-    comm_wait(&r);
+    if (g_n == TP_LAG) comm_wait(&g_req[g_first]), g_first = (g_first + 1) % TP_LAG, g_n--;
+    CommReq *r = &g_req[(g_first + g_n++) % TP_LAG];
+    comm_iallreduce(tp, buf, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, r, "tensor-parallel all-reduce");
+    comm_wait_device(r);
 }
 
 static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
@@ -23,7 +35,7 @@ static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
 
 void tensor_parallel_attach(Model *m, const Mesh *mesh) {
     if (mesh->tp_size == 1) return;
-    m->tp = (ModelTp){(void *)&mesh->tp, tp_allreduce, tp_allgather};
+    m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce = tp_allreduce, .allgather = tp_allgather, .flush = tp_flush};
 }
 
 double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {

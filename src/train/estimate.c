@@ -20,14 +20,20 @@
  * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
  * sumsq's 1025 doubles; in bf16, where attention's backward runs on cuDNN's deterministic engine
  * (ops_cuda.cu's auto choice, attn_cudnn_auto; our kernels take head dims 64 and 128), its
- * workspace and row terms instead. */
-static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec) {
+ * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
+ * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
+ * did not). */
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp) {
+    int nh = c->n_heads / (tp > 0 ? tp : 1);
     size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
-    size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * c->n_heads * sizeof(float);
+    size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float);
     size_t s = 1025 * sizeof(double);
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
-    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, c->n_heads, hd, hd == 64 || hd == 128))
-        b = ((attn_cudnn_det_workspace_bytes(B, T, c->n_heads) + 255) & ~(size_t)255) + ((b + 255) & ~(size_t)255);
+    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
+        int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
+        b = ((attn_cudnn_det_workspace_bytes(bc, T, nh) + 255) & ~(size_t)255) +
+            (((size_t)bc * T * nh * sizeof(float) + 255) & ~(size_t)255);
+    }
     return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 
@@ -58,7 +64,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec)
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;

@@ -235,10 +235,10 @@ int cmd_train(Config *c) {
     Schedule sc = {0};
     double *stage_cost = xcalloc((size_t)PP * V * 3, sizeof(double));  /* each stage's F, B, W estimate */
     if (!f.code && PP > 1) {
-        if (pipeline_split_ranks(&mc, T, PP, V, c->pipeline_split, stages, err, sizeof err))
+        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, NULL, c->pipeline_split, stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
-        if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, stage_cost);
+        if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, NULL, stage_cost);
         if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, stage_cost, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }

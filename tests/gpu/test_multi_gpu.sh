@@ -6,7 +6,8 @@
 # sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
 # precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP;
 # and in pure bf16 (bf16 gradients, reduced in bf16) within 2e-2, for DDP, ZeRO-2 and
-# FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
+# FSDP; tensor parallel (tp=2, tied and untied, with activation checkpointing) follows one GPU
+# too. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP), as on CPU ranks.
 #
@@ -85,6 +86,20 @@ for sched in 1f1b interleaved; do
 done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
+# -- tensor parallel: NP ranks share every layer (heads and FFN units; NCCL all-reduces of
+# the activations), batch_size=NP*B as one GPU: fp32 follows one GPU, tied and untied, and
+# with activation checkpointing
+while IFS='|' read -r name tied keys; do
+  out=$TMP/tp_$name
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
+     close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_tensor_parallel_follows_one_gpu_$name"
+  else bad "multi_gpu_tensor_parallel_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+untied|false|
+tied|true|
+ckpt|false|activation_checkpointing=true
+CASES
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with

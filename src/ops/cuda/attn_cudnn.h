@@ -56,8 +56,15 @@ static inline size_t attn_cudnn_det_workspace_bytes(int B, int T, int NH) {
     size_t dp = attn_cudnn_det_dp_bytes(B, T, NH);
     return T <= 64 ? 2 * dp + ((size_t)64 << 10) : dp + ((size_t)1 << 20);
 }
-/* Where ops_cuda's auto mode stops using that engine (B=2 NH=8 T=10000 takes 3.2 GB). */
+/* The most dP that engine may keep (B=2 NH=8 T=10000 takes 3.2 GB). */
 #define ATTN_CUDNN_DET_MAX_BYTES ((size_t)4 << 30)
+/* The batch rows that engine takes in one call: all B, or at long contexts as many as keep its
+ * dP within max_bytes (ATTN_CUDNN_DET_MAX_BYTES; ops_cuda runs the batch in pieces of this
+ * many); 0 when one row alone does not fit. */
+static inline int attn_cudnn_det_batch(int B, int T, int NH, size_t max_bytes) {
+    size_t one = attn_cudnn_det_dp_bytes(1, T, NH), b = one ? max_bytes / one : (size_t)B;
+    return b >= (size_t)B ? B : (int)b;
+}
 
 /* ops_cuda's auto choice in bf16, measured on an H100 with cuDNN 9.14 (bench/RESULTS.md): 1 when cuDNN
  * runs the forward (backward = 0) or the backward (1; its deterministic engine), 0 for our tensor-core
@@ -68,7 +75,7 @@ static inline size_t attn_cudnn_det_workspace_bytes(int B, int T, int NH) {
  * memory estimate follows the same choice; cuDNN may still decline a shape at run time. */
 static inline int attn_cudnn_auto(int backward, int B, int T, int NH, int HD, int own_kernels) {
     if (HD % 8) return 0;
-    if (backward && attn_cudnn_det_dp_bytes(B, T, NH) > ATTN_CUDNN_DET_MAX_BYTES) return 0;
+    if (backward && !attn_cudnn_det_batch(B, T, NH, ATTN_CUDNN_DET_MAX_BYTES)) return 0;
     if (!own_kernels) return 1;
     return backward ? T >= 512 || (T >= 256 && HD >= 128) : T >= 256;
 }

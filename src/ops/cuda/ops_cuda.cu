@@ -101,6 +101,7 @@ static struct {
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
     int att_mode;           /* MESHTRAIN_ATTN: ATT_AUTO, ATT_CUDNN or ATT_OWN */
+    size_t att_det_max;     /* cuda_set_attention_det_max; 0: ATTN_CUDNN_DET_MAX_BYTES */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
     size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
     char name[256];
@@ -750,6 +751,8 @@ int cuda_set_attention_mode(const char *mode) {
 
 static int att_det(void) { return g.att_mode != ATT_CUDNN; }
 
+void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
+
 /* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
@@ -797,19 +800,31 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     LAUNCH_CHECK(attention_forward_kernel);
 }
 
-/* cuDNN's backward writes dq, dk, dv: with acc, into scratch after its workspace, then added. */
+/* cuDNN's backward writes dq, dk, dv: with acc, into scratch after its workspace, then added. The
+ * deterministic engine keeps B NH T^2 of dP: at long contexts it runs over the batch in pieces
+ * (attn_cudnn_det_batch), each row's q, k, v, out and lse being contiguous. */
 static int att_backward_cudnn(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                               int B, int T, int NH, int HD, int acc) {
-    size_t ws = 0, n = (size_t)B * T * 3 * NH * HD;
-    if (!(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse) && att_cudnn(1, B, T, NH, HD, &ws)))
+    int Bc = att_det() ? attn_cudnn_det_batch(B, T, NH, g.att_det_max ? g.att_det_max : ATTN_CUDNN_DET_MAX_BYTES) : B, rem;
+    if (Bc < 1) Bc = B;  /* cudnn-det asked for: let cuDNN take or refuse the whole batch */
+    rem = B % Bc;
+    size_t ws = 0, ws2 = 0, row3 = (size_t)T * 3 * NH * HD, row = (size_t)T * NH * HD, lrow = (size_t)NH * T;
+    if (!(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse) && (Bc == B || lrow * Bc % 4 == 0) &&
+          att_cudnn(1, Bc, T, NH, HD, &ws) && (!rem || att_cudnn(1, rem, T, NH, HD, &ws2))))
         return 0;
-    ws = (ws + 255) & ~(size_t)255;
-    char *w = (char *)scratch(ws + (acc ? n * 2 : 0));
-    void *dst = acc ? (void *)(w + ws) : dqkv;
-    if (attn_cudnn_backward(dst, dout, qkv, out, lse, B, T, NH, HD, att_det(), w, (void *)g.stream))
-        die(1, "cuda: cuDNN attention backward B=%d T=%d NH=%d HD=%d failed to run", B, T, NH, HD);
-    if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    if (acc) cuda_add(dqkv, dst, n);
+    ws = ((ws > ws2 ? ws : ws2) + 255) & ~(size_t)255;
+    char *w = (char *)scratch(ws + (acc ? (size_t)Bc * row3 * 2 : 0));
+    for (int b0 = 0; b0 < B; b0 += Bc) {
+        int nb = B - b0 < Bc ? B - b0 : Bc;
+        char *dq = (char *)dqkv + (size_t)b0 * row3 * 2;
+        void *dst = acc ? (void *)(w + ws) : (void *)dq;
+        if (attn_cudnn_backward(dst, (const char *)dout + (size_t)b0 * row * 2, (const char *)qkv + (size_t)b0 * row3 * 2,
+                                (const char *)out + (size_t)b0 * row * 2, lse + (size_t)b0 * lrow, nb, T, NH, HD,
+                                att_det(), w, (void *)g.stream))
+            die(1, "cuda: cuDNN attention backward B=%d T=%d NH=%d HD=%d failed to run", nb, T, NH, HD);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        if (acc) cuda_add(dq, dst, (size_t)nb * row3);
+    }
     return 1;
 }
 

@@ -105,6 +105,9 @@ int cuda_set_attention_mode(const char *mode);
 /* What runs a call of that shape now: "cudnn", "own" (attn_bf16.cu's tensor-core kernels) or
  * "generic" (attention.cuh); may build cuDNN's plan for the shape. */
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD);
+/* Test hook: the dP limit of cuDNN's deterministic backward (0: ATTN_CUDNN_DET_MAX_BYTES), so that a
+ * small shape runs over its batch in pieces as a long context does. */
+void cuda_set_attention_det_max(size_t bytes);
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H);
 void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
