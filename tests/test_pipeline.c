@@ -186,6 +186,20 @@ static void test_head_placement(void) {
     double hm = 2.0 * 1024 * 50257;
     CHECK(fabs(fused[0] - moved[0] - 2 * hm) < 1 && fabs(moved[1] - fused[1] - hm) < 1 && fabs(moved[2] - fused[2] - hm) < 1,
           "F %g -> %g, B %g -> %g, W %g -> %g", fused[0], moved[0], fused[1], moved[1], fused[2], moved[2]);
+    /* a run's placement: the head's backward leaves the forward under GPipe and zb1 across
+     * stages only (the schedules that build their lists, and the split, for it) */
+    const double *g = pipeline_head_placement(SCHED_GPIPE, 4), *z = pipeline_head_placement(SCHED_ZB1, 2);
+    CHECK(g && g[0] == 1 && g[1] == 2 && g[2] == 0, "gpipe: the head's backward in B");
+    CHECK(z && z[0] == 1 && z[1] == 1 && z[2] == 1, "zb1: d(input) in B, the weight gradients in W");
+    CHECK(!pipeline_head_placement(SCHED_1F1B, 4) && !pipeline_head_placement(SCHED_INTERLEAVED, 4) &&
+              !pipeline_head_placement(SCHED_ZB1, 1) && !pipeline_head_placement(SCHED_GPIPE, 1),
+          "1f1b, interleaved and one stage keep the fused head");
+    Schedule sc;
+    char err[256];
+    CHECK(schedule_build(&sc, SCHED_ZB1, 4, 3, 8, 1, NULL, err, sizeof err) == 0 && sc.head_split, "zb1 splits the head");
+    schedule_free(&sc);
+    CHECK(schedule_build(&sc, SCHED_1F1B, 4, 3, 8, 1, NULL, err, sizeof err) == 0 && !sc.head_split, "1f1b does not");
+    schedule_free(&sc);
 }
 
 static void test_explicit(void) {

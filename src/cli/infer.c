@@ -155,11 +155,13 @@ int cmd_estimate(Config *c) {
         int V = config_virtual_stages(c);
         Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
         char err[512], desc[512];
-        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, NULL, c->pipeline_split, st, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, pipeline_head_placement(sched, PP),
+                                    c->pipeline_split, st, err, sizeof err))
+            die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
                c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
         double *cost = xmalloc((size_t)PP * V * 3 * sizeof(double));
-        pipeline_stage_costs(&mc, c->context_len, st, PP * V, NULL, cost);
+        pipeline_stage_costs(&mc, c->context_len, st, PP * V, pipeline_head_placement(sched, PP), cost);
         most = 0;
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;

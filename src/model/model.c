@@ -190,7 +190,6 @@ static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *bu
         a[i] = lo > r[i].local ? lo : r[i].local;
         b[i] = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
     }
-    float *tmp = NULL;
     for (int i = 0; i < n;) {
         if (a[i] >= b[i]) { i++; continue; }
         size_t g0 = r[i].global + (a[i] - r[i].local), g1 = g0 + (b[i] - a[i]);
@@ -200,17 +199,18 @@ static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *bu
             if (s < g1 || s + (b[j] - a[j]) - g0 > TP_SPAN) break;
             g1 = s + (b[j] - a[j]);
         }
-        if (!tmp) tmp = xmalloc(TP_SPAN * sizeof *tmp);
-        if (g1 - g0 > TP_SPAN) {  /* one run longer than a span: drawn straight into place */
+        if (j == i + 1) {  /* one run (a vocabulary range, a long one): drawn straight into place */
             model_init_range(&g, u, g0, g1, buf + (a[i] - lo), seed);
         } else {
+            float *tmp = xmalloc((g1 - g0) * sizeof *tmp);
             model_init_range(&g, u, g0, g1, tmp, seed);
             for (int k = i; k < j; k++)
                 memcpy(buf + (a[k] - lo), tmp + (r[k].global + (a[k] - r[k].local) - g0), (b[k] - a[k]) * sizeof(float));
+            free(tmp);
         }
         i = j;
     }
-    free(tmp); free(a); free(b); free(r);
+    free(a); free(b); free(r);
     model_free(&g);
 }
 
@@ -343,8 +343,10 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     /* Training keeps every layer's activations for backward; inference, and training that
      * recomputes them, use one layer's worth. The residual stream keeps every layer's input
      * when training. */
+    int keep = training & ACTS_HEAD_SPLIT;
+    training &= ~ACTS_HEAD_SPLIT;
     size_t Ls = training == 1 ? (size_t)n_layers : 1, Lr = training ? (size_t)n_layers : 1;
-    size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0;
+    size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0, lrows = head && keep && training ? N : rows;
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
@@ -352,7 +354,7 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
     F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    if (head) { P(xf, N * E); F(rstdf, N); P(logits, rows * ldl); F(losses, N); }
+    if (head) { P(xf, N * E); F(rstdf, N); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
@@ -362,7 +364,7 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     }
 #undef P
 #undef F
-    *logit_n = rows * ldl;
+    *logit_n = lrows * ldl;
     return n;
 }
 
@@ -412,7 +414,8 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n,
                       m->tp_size);
     a->B = B; a->T = T; a->N = (size_t)B * T;
-    a->recompute = training == ACTS_RECOMPUTE;
+    a->recompute = (training & ~ACTS_HEAD_SPLIT) == ACTS_RECOMPUTE;
+    a->head_split = head && (training & ACTS_HEAD_SPLIT) && (training & ~ACTS_HEAD_SPLIT);
     a->logit_rows = head ? acts_logit_rows(&m->c, B, T, ops_act_size()) : 0;
     a->inputs = xcalloc(a->N, sizeof(int));
     a->targets = xcalloc(a->N, sizeof(int));
@@ -618,7 +621,7 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     int N = a->B * a->T, E = m->E, V = m->Vr, HU = unit_head(m), tied = m->c.tie_embeddings;
     HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
     if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
-    if (grad) {
+    if (grad && !a->head_split) {
         HOOK(h, grad_begin, HU);
         if (tied) HOOK(h, grad_begin, UNIT_EMBEDDING);
     }
@@ -627,7 +630,7 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
     const void *wlm = model_lm_head(m);
     void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
-    if (grad) op_zero(a->dxf, (size_t)N * E * ops_act_size());
+    if (grad && !a->head_split) op_zero(a->dxf, (size_t)N * E * ops_act_size());
     /* Head forward and backward fused per chunk of rows: the logits of a chunk are turned
      * into their gradient in place and consumed at once. Vocabulary parallel: a rank's
      * logits are its vocabulary rows' (V = Vr columns); the cross-entropy's statistics
@@ -635,23 +638,25 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
      * the head input's gradient, a sum over the ranks' rows, all-reduced at the end. */
     float scale = grad ? grad_scale / (float)N : 0.0f;
     int ldl = ops_logit_stride(V);  /* logit rows padded: aligned for the tensor cores */
+    int keep = grad && a->head_split;  /* the logits' gradient kept for head_backward */
     for (size_t r0 = 0; r0 < (size_t)N; r0 += a->logit_rows) {
         int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
         const void *x = act_at(a->xf, r0 * E);
-        op_matmul_forward_ld(a->logits, ldl, x, wlm, rows, E, V);
+        void *lg = keep ? act_at(a->logits, r0 * (size_t)ldl) : a->logits;
+        op_matmul_forward_ld(lg, ldl, x, wlm, rows, E, V);
         if (m->tp_size == 1)
-            op_crossentropy_forward_backward_ld(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, scale);
+            op_crossentropy_forward_backward_ld(a->losses + r0, lg, ldl, a->dev_targets + r0, rows, V, scale);
         else {
             size_t blk = 3 * (size_t)rows;
-            op_crossentropy_shard_stats(a->ce_stats + (size_t)m->tp_rank * blk, a->logits, ldl, a->dev_targets + r0,
+            op_crossentropy_shard_stats(a->ce_stats + (size_t)m->tp_rank * blk, lg, ldl, a->dev_targets + r0,
                                         rows, V, m->v0);
             m->tp.allgather(m->tp.ctx, a->ce_stats, blk, 1);
-            op_crossentropy_shard_backward(a->losses + r0, a->logits, ldl, a->dev_targets + r0, rows, V, m->v0,
+            op_crossentropy_shard_backward(a->losses + r0, lg, ldl, a->dev_targets + r0, rows, V, m->v0,
                                            a->ce_stats, m->tp_size, scale);
         }
-        if (grad) op_matmul_backward_ld(act_at(a->dxf, r0 * E), glm, a->logits, ldl, x, wlm, rows, E, V);
+        if (grad && !keep) op_matmul_backward_ld(act_at(a->dxf, r0 * E), glm, lg, ldl, x, wlm, rows, E, V);
     }
-    if (grad) {
+    if (grad && !keep) {
         tp_sum(m, a->dxf, (size_t)N * E);
         op_zero(a->dres, (size_t)N * E * ops_act_size());
         op_rmsnorm_backward(a->dres, st_at(unit_grads(m, HU), m->head_out_norm), a->dxf, last, w_out_norm, a->rstdf, N,
@@ -660,6 +665,45 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     }
     if (tied) HOOK(h, release, UNIT_EMBEDDING);
     HOOK(h, release, HU);
+}
+
+/* The head's backward where the forward kept the logits' gradient (a->head_split). input:
+ * d(head input) into dres (lm_head's and output_norm's input gradients), for B; weight: the
+ * weight gradients of lm_head (tok_embed's when tied) and output_norm, for W. The same
+ * products as the fused head's, so the same values. */
+static void head_backward(Model *m, const Stage *s, Acts *a, int input, int weight, const UnitHooks *h) {
+    int N = (int)a->N, E = m->E, V = m->Vr, HU = unit_head(m), tied = m->c.tie_embeddings;
+    int ldl = ops_logit_stride(V);
+    const void *last = trunk_output(m, s, a, 1);
+    if (input) {
+        HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
+        if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
+    }
+    if (weight) {
+        HOOK(h, grad_begin, HU);
+        if (tied) HOOK(h, grad_begin, UNIT_EMBEDDING);
+    }
+    trace_mark(NULL, input ? "head backward" : "head weight gradients");
+    const void *wlm = input ? model_lm_head(m) : NULL;
+    const void *w_out_norm = input ? act_at(unit_weights(m, HU), m->head_out_norm) : NULL;
+    void *glm = !weight ? NULL : tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
+    if (input) op_zero(a->dxf, (size_t)N * E * ops_act_size());
+    for (size_t r0 = 0; r0 < (size_t)N; r0 += a->logit_rows) {
+        int rows = (int)((size_t)N - r0 < a->logit_rows ? (size_t)N - r0 : a->logit_rows);
+        op_matmul_backward_ld(input ? act_at(a->dxf, r0 * E) : NULL, glm, act_at(a->logits, r0 * (size_t)ldl), ldl,
+                              act_at(a->xf, r0 * E), wlm, rows, E, V);
+    }
+    if (input) {
+        tp_sum(m, a->dxf, (size_t)N * E);
+        op_zero(a->dres, (size_t)N * E * ops_act_size());
+    }
+    op_rmsnorm_backward(input ? a->dres : NULL, weight ? st_at(unit_grads(m, HU), m->head_out_norm) : NULL, a->dxf,
+                        last, w_out_norm, a->rstdf, N, E);
+    if (weight) HOOK(h, grad_ready, HU);
+    if (input) {
+        if (tied) HOOK(h, release, UNIT_EMBEDDING);
+        HOOK(h, release, HU);
+    }
 }
 
 void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale, const UnitHooks *h) {
@@ -686,6 +730,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
      * overlaps them. */
     int defer = emb && nl > 0 && !(h && h->embed_last);
     LayerActs la0 = layer_acts(m, a, 0, 0);
+    if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 1, h);
     trace_mark(NULL, "head done, layers' backward");
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
@@ -745,6 +790,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         nl = stage_n_layers(&m->c, s);
     size_t bytes = (size_t)N * E * ops_act_size();
     const LayerLayout *ly = &m->layer;
+    if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 0, h);
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, i, i);
@@ -775,6 +821,7 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
     int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD, l0 = stage_first_layer(s),
         nl = stage_n_layers(&m->c, s);
     const LayerLayout *ly = &m->layer;
+    if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 0, 1, h);
     for (int i = nl - 1; i >= 0; i--) {
         int u = unit_of_layer(l0 + i);
         LayerActs la = layer_acts(m, a, i, i);

@@ -178,6 +178,8 @@ const void *model_lm_head(const Model *m);
 typedef struct {
     int B, T;
     int recompute;          /* activation checkpointing: see ACTS_RECOMPUTE */
+    int head_split;         /* ACTS_HEAD_SPLIT: the head's backward waits for B and W, its
+                             * logits' gradient kept whole ([N, V]) in logits meanwhile */
     size_t N, logit_rows;   /* N = B*T; logits are computed logit_rows rows at a time */
     int *inputs, *targets;  /* host: the loader fills them; model_step uploads them */
     int *dev_inputs, *dev_targets;
@@ -205,6 +207,13 @@ typedef struct {
  * Bytes the activations of a B x T step take with act_size-byte activations (4: fp32,
  * 2: bf16); the estimator and acts_alloc share it. */
 #define ACTS_RECOMPUTE 2
+/* Or'd into `training` for a pipeline's last stage under GPipe and zb1: the forward computes
+ * the logits' gradient (as the fused head does) but keeps it, N x V per micro-batch in flight,
+ * and the head's backward runs with the stage's backward (B: d(head input); W, or B where the
+ * schedule has no W: the weight gradients of lm_head and output_norm). A last stage whose
+ * forward held the whole head's forward and backward (three matrix products of V x E) stalled
+ * the schedules that separate forwards from backwards (bench/pp_sim.c). */
+#define ACTS_HEAD_SPLIT 4
 size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_size, size_t *logit_bytes);
 size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size);
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training);

@@ -34,6 +34,12 @@ void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, co
     }
 }
 
+const double *pipeline_head_placement(ScheduleKind kind, int p) {
+    static const double zb[3] = {1, 1, 1}, gpipe[3] = {1, 2, 0};
+    if (!schedule_head_split(kind, p)) return NULL;
+    return kind == SCHED_ZB1 ? zb : gpipe;
+}
+
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s) {
     double f = 0;
     for (int u = s->first; u <= s->last; u++)

@@ -38,6 +38,9 @@ void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, s
  * stage's F, B and W; NULL: {3, 0, 0}, the model's head, whose backward is fused into the
  * forward. Other values evaluate moving it (bench/pp_sim.c). */
 void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, const double *head, double *out);
+/* Where a run's schedule puts the head's three products, for the two functions above: NULL
+ * (in F) unless schedule_head_split, then {1, 1, 1} (zb1) or {1, 2, 0} (GPipe: no W). */
+const double *pipeline_head_placement(ScheduleKind kind, int p);
 /* Estimated FLOPs per token (forward + backward) of stage s: what `auto` balances. */
 double pipeline_stage_flops(const ModelConfig *c, int T, const Stage *s);
 #endif

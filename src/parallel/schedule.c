@@ -291,6 +291,7 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
                        chunks, SCHED_MAX_CHUNKS);
     s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = chunks;
     s->split_backward = kind == SCHED_ZB1;
+    s->head_split = schedule_head_split(kind, stages);
     s->actions = xmalloc((size_t)(7 * m * chunks + 1) * sizeof *s->actions);
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
         if (build_simulated(s, cost, err, errlen)) { schedule_free(s); return -1; }

@@ -40,11 +40,21 @@ typedef struct {
     int n;
     Action *actions;
     int split_backward;                 /* zb1: ACT_BACKWARD is the input gradient, ACT_WEIGHT the rest */
+    int head_split;                     /* schedule_head_split: the head's backward in B (and W) */
     int max_in_flight;                  /* micro-batches whose activations this rank holds at once */
     int in_flight[SCHED_MAX_CHUNKS];    /* ... per chunk (a chunk's micro-batch i uses slot i % this) */
     int max_pending_w;                  /* zb1: micro-batches between their B and their W at once */
     int makespan;                       /* the step's length in the builder's unit costs (0: not simulated) */
 } Schedule;
+
+/* Whether the last stage keeps the logits' gradient and runs the head's backward with its
+ * B (input gradient) and W (weight gradients; B under GPipe) rather than in its forward
+ * (ACTS_HEAD_SPLIT): under GPipe and zb1 across stages, where a forward that holds the head's
+ * three products stalls the other stages (GPipe waits for the longest F, then the longest B;
+ * zb1's W cannot fill that). 1F1B only needs F + B balanced, and keeps the memory. */
+static inline int schedule_head_split(ScheduleKind k, int stages) {
+    return stages > 1 && (k == SCHED_GPIPE || k == SCHED_ZB1);
+}
 
 /* Parses "gpipe" / "1f1b" / "interleaved" / "zb1"; -1 if unknown. */
 int schedule_kind_parse(const char *name, ScheduleKind *out);

@@ -98,8 +98,10 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
-    /* every micro-batch in flight has activations of its own (Acts), logits chunk included */
+    /* every micro-batch in flight has activations of its own (Acts), logits chunk included
+     * (all its logits' gradient where the head's backward waits for B: ACTS_HEAD_SPLIT) */
     e->logits = e->acts = 0;
+    if (sched->head_split && training) training |= ACTS_HEAD_SPLIT;
     for (int k = 0; k < sched->chunks; k++) {
         size_t logit_bytes, acts = acts_bytes_stage(c, &s[k], B_micro, T, training, act_size, &logit_bytes);
         size_t n = (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1);

@@ -83,7 +83,9 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         st->acts[c] = xcalloc((size_t)st->n_acts[c], sizeof(Acts));
         for (int i = 0; i < st->n_acts[c]; i++) {
             if (c == 0 && i == 0) st->acts[c][i] = *a;
-            else acts_alloc_stage(&st->acts[c][i], m, &s[c], a->B, a->T, a->recompute ? ACTS_RECOMPUTE : 1);
+            else
+                acts_alloc_stage(&st->acts[c][i], m, &s[c], a->B, a->T,
+                                 (a->recompute ? ACTS_RECOMPUTE : 1) | (st->sched.head_split ? ACTS_HEAD_SPLIT : 0));
         }
         st->sent_out[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
         st->sent_grad[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));

@@ -235,10 +235,11 @@ int cmd_train(Config *c) {
     Schedule sc = {0};
     double *stage_cost = xcalloc((size_t)PP * V * 3, sizeof(double));  /* each stage's F, B, W estimate */
     if (!f.code && PP > 1) {
-        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, NULL, c->pipeline_split, stages, err, sizeof err))
+        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, pipeline_head_placement(sched, PP), c->pipeline_split,
+                                    stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
-        if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, NULL, stage_cost);
+        if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, pipeline_head_placement(sched, PP), stage_cost);
         if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, stage_cost, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
@@ -358,7 +359,7 @@ int cmd_train(Config *c) {
         comm_split(&world, tie_member ? mesh.dp_rank * mesh.tp_size + mesh.tp_rank : world.size + world.rank,
                    mesh.pp_rank, "tie", &tie);
     Acts a;
-    acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c));
+    acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
