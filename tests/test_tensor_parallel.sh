@@ -35,9 +35,18 @@ tp2_dp4_hybrid|8|2|tensor_parallel_size=2 fsdp=true shard_strategy=hybrid shard_
 tp2_pp2|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2
 tp2_pp2_zb1|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 tp2_pp2_dp2_fsdp|8|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 fsdp=true
+tp2_no_sp|2|8|tensor_parallel_size=2 sequence_parallel=false
+tp4_no_sp|4|8|tensor_parallel_size=4 sequence_parallel=false
+tp2_dp2_zero2_no_sp|4|4|tensor_parallel_size=2 fsdp=true shard_strategy=grad_op sequence_parallel=false
+tp2_dp2_zero2|4|4|tensor_parallel_size=2 fsdp=true shard_strategy=grad_op
+tp2_pp2_zb1_no_sp|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1 sequence_parallel=false
 CASES
 # the header names the layout
 grep -q "dp=2 tp=2 pp=1" "$TMP/tp2_dp2_ddp_false.log" && ok header_names_tp || bad header_names_tp
+
+# the header names sequence parallel
+grep -q "tp=2 pp=1, ddp, sequence parallel)" "$TMP/tp2_false.log" && ! grep -q "sequence parallel)" "$TMP/tp2_no_sp_false.log" \
+  && ok header_names_sp || bad header_names_sp
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS
@@ -105,6 +114,8 @@ expect_exit 2 "tensor_parallel_size=5 does not divide the padded vocabulary 5030
   out_dir="$TMP/bad5"
 expect_exit 2 "tensor_parallel_size=4 leaves the last rank no vocabulary rows" tp_vocab_rows_empty -- \
   "$BIN" estimate vocab_size=65 embed_dim=32 n_heads=4 n_layers=1 context_len=32 batch_size=8 tensor_parallel_size=4
+expect_exit 2 "sequence_parallel=true: tensor_parallel_size=4 does not divide context_len=30" sp_not_dividing_context -- \
+  "$BIN" estimate vocab_size=50257 embed_dim=32 n_heads=4 n_layers=1 context_len=30 batch_size=8 tensor_parallel_size=4
 expect_exit 2 "tensor_parallel_size=2 with optimizer=adafactor" tp_with_adafactor -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=2 optimizer=adafactor out_dir="$TMP/bad3"
 # (under mpirun: Open MPI adds its own lines about the exit status)

@@ -54,7 +54,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->compute = training ? pb.compute : 0;
     size_t logit_bytes;
     Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
-    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp);
+    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, 0);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
