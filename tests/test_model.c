@@ -277,6 +277,58 @@ static void test_init_ranges(void) {
     model_free(&m);
 }
 
+/* Tensor parallel's layout: each rank's units are runs (model_tp_runs) that cover them in
+ * order, land inside the whole model's unit, and together cover every element of it once
+ * (what every rank holds alike, the replicated runs, counted once); a rank's init is the
+ * whole model's values at those places; the vocabulary rows are [v0, v0 + Vr) of the
+ * padded vocabulary's equal ranges (the last rank's short). */
+static void tp_layout_case(int tp, int tied) {
+    ModelConfig mc = {300, 32, 4, 2, 16, tied};  /* vocabulary 300 pads to 320 */
+    Model w;
+    model_init_layout(&w, &mc, 1, 0);
+    int bad = 0;
+    for (int u = 0; u < w.n_units; u++) {
+        size_t wn = w.units[u].n;
+        if (!wn) continue;
+        float *whole = xmalloc(w.units[u].n_padded * sizeof(float));
+        unsigned char *seen = xcalloc(wn, 1);
+        model_init_unit(&w, u, whole, 7);
+        for (int r = 0; r < tp; r++) {
+            Model m;
+            model_init_layout_tp(&m, &mc, 1, 0, NULL, 0, tp, r);
+            bad += m.Vt != 320 / tp || m.v0 != r * m.Vt || m.Vr != (r + 1 < tp ? m.Vt : 300 - r * m.Vt);
+            float *mine = xmalloc(m.units[u].n_padded * sizeof(float));
+            model_init_unit(&m, u, mine, 7);
+            TpRun runs[256];
+            int n = model_tp_runs(&m, u, runs, 256);
+            size_t at = 0;
+            for (int i = 0; i < n; i++) {
+                const TpRun *q = &runs[i];
+                bad += q->local != at || q->global + q->n > wn;  /* in order, inside the whole */
+                at += q->n;
+                if (q->global + q->n > wn) continue;
+                bad += memcmp(mine + q->local, whole + q->global, q->n * sizeof(float)) != 0;
+                if (!q->replicated || r == 0)
+                    for (size_t j = 0; j < q->n; j++) seen[q->global + j]++;
+            }
+            bad += at != m.units[u].n;
+            free(mine);
+            model_free(&m);
+        }
+        for (size_t j = 0; j < wn; j++) bad += seen[j] != 1;
+        free(whole); free(seen);
+    }
+    CHECK(!bad, "tp=%d tied=%d: %d layout or init mismatches", tp, tied, bad);
+    model_free(&w);
+}
+
+static void test_tp_layout(void) {
+    for (int tied = 0; tied < 2; tied++) {
+        tp_layout_case(2, tied);
+        tp_layout_case(4, tied);
+    }
+}
+
 int main(void) {
     ops_init("cpu", 0, NULL, 0);
     RUN(test_init_ranges);
@@ -287,5 +339,6 @@ int main(void) {
     RUN(test_against_torch_tied);
     RUN(test_stages_untied);
     RUN(test_stages_tied);
+    RUN(test_tp_layout);
     return TEST_SUMMARY();
 }

@@ -35,9 +35,18 @@ tp2_dp4_hybrid|8|2|tensor_parallel_size=2 fsdp=true shard_strategy=hybrid shard_
 tp2_pp2|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2
 tp2_pp2_zb1|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 tp2_pp2_dp2_fsdp|8|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 fsdp=true
+tp2_no_sp|2|8|tensor_parallel_size=2 sequence_parallel=false
+tp4_no_sp|4|8|tensor_parallel_size=4 sequence_parallel=false
+tp2_dp2_zero2_no_sp|4|4|tensor_parallel_size=2 fsdp=true shard_strategy=grad_op sequence_parallel=false
+tp2_dp2_zero2|4|4|tensor_parallel_size=2 fsdp=true shard_strategy=grad_op
+tp2_pp2_zb1_no_sp|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1 sequence_parallel=false
 CASES
 # the header names the layout
 grep -q "dp=2 tp=2 pp=1" "$TMP/tp2_dp2_ddp_false.log" && ok header_names_tp || bad header_names_tp
+
+# the header names sequence parallel
+grep -q "tp=2 pp=1, ddp, sequence parallel)" "$TMP/tp2_false.log" && ! grep -q "sequence parallel)" "$TMP/tp2_no_sp_false.log" \
+  && ok header_names_sp || bad header_names_sp
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS
@@ -58,6 +67,47 @@ for tp in 1 2; do
   fi
   prev=$mx
 done
+
+# -- sequence parallel: the residual stream and the norms' activations shrink by t. On a model
+# whose activations weigh (B T = 4096 tokens), each rank's max RSS stays within 10% of the
+# estimate with sequence parallel and without, and both fall with it
+S="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=4 context_len=256 batch_size=16"
+for sp in false true; do
+  $MPIRUN -np 2 "$BIN" train $S steps=2 progress=false threads=1 data_dir=$D tensor_parallel_size=2 sequence_parallel=$sp \
+    out_dir="$TMP/sp_mem_$sp" </dev/null >/dev/null 2>&1
+  line=$(grep '"done"' "$TMP/sp_mem_$sp/log.jsonl")
+  eval "rss_$sp=$(echo "$line" | grep -o '"max_rss_bytes":[0-9]*' | cut -d: -f2)"
+  eval "est_$sp=$(echo "$line" | grep -o '"estimate_bytes":[0-9]*' | cut -d: -f2)"
+done
+if [ -n "${MESHTRAIN_SANITIZED:-}" ]; then :  # ASan's shadow memory: RSS is no measure of the plan
+elif [ -n "$rss_true" ] && [ -n "$rss_false" ] &&
+     awk -v a="$rss_true" -v b="$rss_false" -v ea="$est_true" -v eb="$est_false" 'BEGIN{d1=(ea-a)/a; d2=(eb-b)/b;
+       if(d1<0)d1=-d1; if(d2<0)d2=-d2; exit !(d1<0.1 && d2<0.1 && a<b && ea<eb)}'
+then ok "sp_memory_within_estimate_and_falls (rss $rss_true vs $rss_false, estimate $est_true vs $est_false)"
+else bad "sp_memory_within_estimate_and_falls (rss $rss_true vs $rss_false, estimate $est_true vs $est_false)"; fi
+# ... and each pipeline stage of tp 2 x pp 2 (its units' slices, its micro-batches' sequence shards)
+out=$($MPIRUN -np 4 "$BIN" train $S steps=2 progress=false threads=1 data_dir=$D tensor_parallel_size=2 \
+  pipeline_parallel_size=2 micro_batches=2 out_dir="$TMP/sp_mem_pp" </dev/null 2>&1 | grep '^pipeline stage [0-9]: peak')
+if [ -n "${MESHTRAIN_SANITIZED:-}" ]; then :
+elif [ "$(echo "$out" | grep -c .)" = 2 ] && echo "$out" | awk '{
+       for (i = 1; i <= NF; i++) { if ($i == "memory") p = $(i+1) * u($(i+2)); if ($i == "estimate") e = $(i+1) * u($(i+2)) }
+       d = (e - p) / p; if (d < 0) d = -d; if (d >= 0.1) bad = 1 }
+     function u(s) { return s == "KiB" ? 1024 : s == "MiB" ? 1048576 : s == "GiB" ? 1073741824 : 1 }
+     END { exit bad }'
+then ok "sp_pipeline_stages_within_estimate"; else bad "sp_pipeline_stages_within_estimate ($out)"; fi
+# meshtrain estimate: tp halves a rank's parameters and logits; sequence parallel shrinks the
+# activations further (in bytes: the lines' values with their units)
+est() {
+  "$BIN" estimate $S world_size="$1" tensor_parallel_size="$1" sequence_parallel="$2" |
+    awk -v k="$3" 'index($0, "  " k " ") == 1 { u = $NF; m = u == "KiB" ? 1024 : u == "MiB" ? 1048576 : u == "GiB" ? 1073741824 : 1
+                                               printf "%.0f\n", $(NF - 1) * m; exit }'
+}
+p1=$(est 1 true parameters); p2=$(est 2 true parameters); l1=$(est 1 true logits); l2=$(est 2 true logits)
+a1=$(est 1 true activations); a2=$(est 2 false activations); a2s=$(est 2 true activations)
+awk -v p1="$p1" -v p2="$p2" -v l1="$l1" -v l2="$l2" -v a1="$a1" -v a2="$a2" -v s="$a2s" 'BEGIN{
+  exit !(p2 < 0.52 * p1 && l2 < 0.52 * l1 && s < a2 && a2 < a1 && s < 0.6 * a1)}' \
+  && ok "estimate_tp_sp (parameters $p1 -> $p2, logits $l1 -> $l2, activations $a1 -> $a2 -> $a2s with sp)" \
+  || bad "estimate_tp_sp (parameters $p1 -> $p2, logits $l1 -> $l2, activations $a1 -> $a2 -> $a2s with sp)"
 
 # -- resume across tp layouts: a run dies after its step-3 checkpoint; another layout
 # finishes it and follows the uninterrupted one-process run
@@ -105,6 +155,8 @@ expect_exit 2 "tensor_parallel_size=5 does not divide the padded vocabulary 5030
   out_dir="$TMP/bad5"
 expect_exit 2 "tensor_parallel_size=4 leaves the last rank no vocabulary rows" tp_vocab_rows_empty -- \
   "$BIN" estimate vocab_size=65 embed_dim=32 n_heads=4 n_layers=1 context_len=32 batch_size=8 tensor_parallel_size=4
+expect_exit 2 "sequence_parallel=true: tensor_parallel_size=4 does not divide context_len=30" sp_not_dividing_context -- \
+  "$BIN" estimate vocab_size=50257 embed_dim=32 n_heads=4 n_layers=1 context_len=30 batch_size=8 tensor_parallel_size=4
 expect_exit 2 "tensor_parallel_size=2 with optimizer=adafactor" tp_with_adafactor -- \
   "$BIN" train $M batch_size=8 tensor_parallel_size=2 optimizer=adafactor out_dir="$TMP/bad3"
 # (under mpirun: Open MPI adds its own lines about the exit status)

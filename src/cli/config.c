@@ -100,6 +100,9 @@ static const Key KEYS[] = {
     I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "tensor parallel ranks (Megatron-LM: heads, FFN units and the vocabulary split; must divide n_heads, the FFN "
       "width and the vocabulary padded to a multiple of 64)"),
+    B(sequence_parallel, "true", MODEL_CMDS,
+      "with tensor_parallel_size > 1: the residual stream and the norms split along the sequence too (Megatron-LM's "
+      "sequence parallel; tensor_parallel_size must divide context_len)"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
@@ -236,6 +239,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         int tp = c->tensor_parallel_size;
         ModelConfig mc = {c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
         if (model_tp_check(&mc, tp, err, errlen)) return -1;
+        if (tp > 1 && c->sequence_parallel && c->context_len % tp)
+            return set_err(err, errlen, "sequence_parallel=true: tensor_parallel_size=%d does not divide context_len=%d "
+                           "(or set sequence_parallel=false)", tp, c->context_len);
         if (tp > 1 && !strcmp(c->optimizer, "adafactor"))
             return set_err(err, errlen, "tensor_parallel_size=%d with optimizer=adafactor: Adafactor's factored "
                            "statistics need whole tensors; use optimizer=adamw", tp);

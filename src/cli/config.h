@@ -25,7 +25,8 @@ typedef struct {
     double max_memory_gb;
     /* parallelism */
     int activation_checkpointing;
-    int fsdp, zero_opt, shard_group_size, tensor_parallel_size, pipeline_parallel_size, overlap, world_size;
+    int fsdp, zero_opt, shard_group_size, tensor_parallel_size, sequence_parallel, pipeline_parallel_size, overlap,
+        world_size;
     int copy_engines;
     char shard_strategy[16];
     int micro_batches, virtual_stages;

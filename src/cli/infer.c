@@ -140,12 +140,13 @@ int cmd_estimate(Config *c) {
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
     OptimConfig oc = optim_config_of(c);
-    estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP, gpu,
-                    precision_of(c), c->copy_engines && dp > 1, &oc, &e);
+    estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
+                    c->sequence_parallel, gpu, precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
-               "units and their activations, the embedding and the head whole\n", TP, dp, TP);
+               "units and their activations, of the vocabulary rows of the embedding and lm_head and of the logits%s\n",
+               TP, dp, TP, c->sequence_parallel ? ", and (sequence parallel) of the residual stream and the norms" : "");
     char b1[32], b2[32], b3[32], b4[32];
     size_t most = e.total;
     if (PP > 1) {  /* each stage's share, as a pipeline run holds it */
@@ -168,8 +169,8 @@ int cmd_estimate(Config *c) {
             Schedule sc;
             if (schedule_build(&sc, sched, PP, s, M, V, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
             pipeline_rank_stages(st, PP, V, s, mine);
-            estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, precision_of(c),
-                           &oc);
+            estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, TP,
+                           c->sequence_parallel, precision_of(c), &oc);
             pipeline_describe(&mc, mine, V, desc, sizeof desc);
             printf("  stage %d (%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
                    "in flight), total %s\n", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),

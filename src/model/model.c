@@ -331,7 +331,7 @@ typedef struct { void **p; size_t n; int act; } Slot;
  * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
  * where it holds the head. */
 static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T, int training, size_t act_size,
-                     Acts *a, Slot *s, size_t *logit_n, int tp) {
+                     Acts *a, Slot *s, size_t *logit_n, int tp, int sp) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     /* logit rows are padded; a tensor-parallel rank's are its vocabulary rows' (the first rank's, the widest) */
     size_t ldl = (size_t)ops_logit_stride(tp > 1 ? model_vocab_padded(c->vocab_size) / tp : c->vocab_size);
@@ -340,6 +340,8 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     size_t Et = E / (size_t)tp;
     NH /= (size_t)tp;
     H /= (size_t)tp;
+    sp = sp && tp > 1;
+    size_t NS = sp ? N / (size_t)tp : N;  /* the rows of the residual stream and the norms */
     /* Training keeps every layer's activations for backward; inference, and training that
      * recomputes them, use one layer's worth. The residual stream keeps every layer's input
      * when training. */
@@ -350,17 +352,18 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
-    P(res, (Lr + 1) * N * E);
-    P(xn1, Ls * N * E); F(rstd1, Ls * N); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
-    F(lse, Ls * B * NH * T); P(mid, Ls * N * E); P(xn2, Ls * N * E); F(rstd2, Ls * N);
+    P(res, (Lr + 1) * NS * E);
+    P(xn1, Ls * NS * E); F(rstd1, Ls * NS); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
+    F(lse, Ls * B * NH * T); P(mid, Ls * NS * E); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
     P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    if (head) { P(xf, N * E); F(rstdf, N); P(logits, lrows * ldl); F(losses, N); }
+    if (sp) { P(gath, N * E); P(full, N * E); }
+    if (head) { P(xf, N * E); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
     if (training) {
-        P(dres, N * E); P(dqkv, N * 3 * Et); P(datt, N * Et);
+        P(dres, NS * E); P(dqkv, N * 3 * Et); P(datt, N * Et);
         if (head) P(dxf, N * E);
-        P(dgu, N * 2 * H); P(dh, N * H); P(dxn, N * E);
+        P(dgu, N * 2 * H); P(dh, N * H); P(dxn, NS * E);
     }
 #undef P
 #undef F
@@ -386,16 +389,16 @@ size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_s
 
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes) {
-    return acts_bytes_tp(c, st, B, T, training, act_size, logit_bytes, 1);
+    return acts_bytes_tp(c, st, B, T, training, act_size, logit_bytes, 1, 0);
 }
 
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
-                     size_t *logit_bytes, int tp) {
+                     size_t *logit_bytes, int tp, int sp) {
     Acts a;
     Slot s[32];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
     int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
-                      tp);
+                      tp, sp);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
@@ -412,7 +415,7 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     size_t logit_n;
     int head = stage_has_head(m, st);
     int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n,
-                      m->tp_size);
+                      m->tp_size, m->sp);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = (training & ~ACTS_HEAD_SPLIT) == ACTS_RECOMPUTE;
     a->head_split = head && (training & ACTS_HEAD_SPLIT) && (training & ~ACTS_HEAD_SPLIT);
@@ -446,7 +449,7 @@ void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
-                   a->rope_cos, a->rope_sin, a->ce_stats};
+                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(all[i]);
     op_free(a->dev_inputs);
     op_free(a->dev_targets);
@@ -465,85 +468,117 @@ void acts_free(Acts *a) {
  * everything else in layer slot `slot`. */
 typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
 
+/* Rows of the residual stream a rank holds for N tokens: all of them, or under sequence
+ * parallel its N / tp_size (the rows tp_rank * N / tp_size onwards). */
+static size_t held_rows(const Model *m, size_t N) { return m->sp ? N / (size_t)m->tp_size : N; }
+
 static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
     size_t E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;  /* this tensor-parallel rank's widths */
-    size_t s = (size_t)slot, NA = a->N;  /* slots are strided by the planned N */
+    size_t s = (size_t)slot, NA = a->N, NS = held_rows(m, NA);  /* slots are strided by the planned N */
     LayerActs la = {
-        .x = act_at(a->res, (size_t)r * NA * E), .xn1 = act_at(a->xn1, s * NA * E), .rstd1 = a->rstd1 + s * NA,
+        .x = act_at(a->res, (size_t)r * NS * E), .xn1 = act_at(a->xn1, s * NS * E), .rstd1 = a->rstd1 + s * NS,
         .qkv = act_at(a->qkv, s * NA * 3 * Et), .att = act_at(a->att, s * NA * Et),
-        .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NA * E),
-        .xn2 = act_at(a->xn2, s * NA * E), .rstd2 = a->rstd2 + s * NA, .gu = act_at(a->gu, s * NA * 2 * H),
-        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NA * E),
+        .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NS * E),
+        .xn2 = act_at(a->xn2, s * NS * E), .rstd2 = a->rstd2 + s * NS, .gu = act_at(a->gu, s * NA * 2 * H),
+        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NS * E),
     };
     return la;
 }
 
-/* recompute != 0 (activation checkpointing, in the backward): everything the backward
- * reads, but not the layer's output, which is already in the residual stream. */
-/* Tensor parallel's one collective: the sum over the tensor-parallel ranks of what each
+/* Tensor parallel's collectives. tp_sum: the sum over the tensor-parallel ranks of what each
  * computed from its own heads or FFN units (Megatron-LM's g in the forward, after att_out
- * and down; its conjugate f in the backward, at the input gradients of qkv and gate_up). */
+ * and down; its conjugate f in the backward, at the input gradients of qkv and gate_up).
+ * Under sequence parallel g is a reduce-scatter (branch_sum: the sum of a full [N, E]
+ * partial, this rank's rows of it) and f an all-gather (seq_gather), so the residual
+ * stream and the norms hold N / tp_size rows. */
 static void tp_sum(const Model *m, void *buf, size_t n) {
     if (m->tp_size > 1) m->tp.allreduce(m->tp.ctx, buf, n);
 }
 static void tp_flush(const Model *m) {
     if (m->tp_size > 1 && m->tp.flush) m->tp.flush(m->tp.ctx);
 }
+/* The sum over the ranks of src ([N, E], each rank's part) into dst: dst's rows under
+ * sequence parallel (src is then scratch), else src itself (dst == src) in place. */
+static void branch_sum(const Model *m, void *dst, void *src, int N) {
+    if (m->sp) m->tp.reduce_scatter(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
+    else tp_sum(m, dst, (size_t)N * m->E);
+}
+/* The whole [N, E] of which this rank holds rows `part` (sequence parallel), gathered into
+ * buf; without sequence parallel `part` is already whole. */
+static const void *seq_gather(const Model *m, void *buf, const void *part, int N) {
+    if (!m->sp) return part;
+    size_t n = held_rows(m, (size_t)N) * m->E;
+    void *mine = act_at(buf, (size_t)m->tp_rank * n);
+    if (mine != part) op_copy(mine, part, n * ops_act_size());
+    m->tp.allgather(m->tp.ctx, buf, n, 0);
+    return buf;
+}
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. On a
  * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
- * FFN units), and the two branch outputs are summed over the ranks before the residual. */
+ * FFN units), and the two branch outputs are summed over the ranks before the residual;
+ * under sequence parallel the norms run on the rank's rows (NS) and their outputs are
+ * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered. */
 static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
-    int N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
-    op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), N, E, RMS_EPS);
-    op_matmul_forward(la->qkv, la->xn1, act_at(w, ly->qkv), N, E, 3 * Et);
+    int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
+    op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), NS, E, RMS_EPS);
+    op_matmul_forward(la->qkv, seq_gather(m, a->gath, la->xn1, N), act_at(w, ly->qkv), N, E, 3 * Et);
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
-    op_matmul_forward(la->mid, la->att, act_at(w, ly->att_out), N, Et, E);
-    tp_sum(m, la->mid, (size_t)N * E);
-    op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), N, E, RMS_EPS);
-    op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+    void *y = m->sp ? a->full : la->mid;
+    op_matmul_forward(y, la->att, act_at(w, ly->att_out), N, Et, E);
+    branch_sum(m, la->mid, y, N);
+    op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
+    op_matmul_forward(la->gu, seq_gather(m, a->gath, la->xn2, N), act_at(w, ly->gate_up), N, E, 2 * H);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
     if (m->tp_size == 1) {
         op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
         return;
     }
-    /* the residual is added once, by tensor-parallel rank 0, into the sum */
-    if (m->tp_rank == 0) op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
-    else op_matmul_forward(la->out, la->hsw, act_at(w, ly->down), N, H, E);
-    tp_sum(m, la->out, (size_t)N * E);
+    /* the residual is added once: by tensor-parallel rank 0 into the sum, or into the rows
+     * each rank holds after the reduce-scatter */
+    y = m->sp ? a->full : la->out;
+    if (!m->sp && m->tp_rank == 0) op_matmul_forward_add(y, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
+    else op_matmul_forward(y, la->hsw, act_at(w, ly->down), N, H, E);
+    branch_sum(m, la->out, y, N);
+    if (m->sp) op_add(la->out, la->mid, (size_t)NS * E);
 }
 
-/* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return.
- * defer != 0: leaves out the weight gradients of gate_up and qkv, for
+/* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return (the
+ * rank's rows under sequence parallel, gathered whole into a->full where a product needs
+ * them). defer != 0: leaves out the weight gradients of gate_up and qkv, for
  * layer_backward_deferred (their inputs, dgu and dqkv, stay in the scratch until the next
  * layer_backward). */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
-    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
+    int B = a->B, T = a->T, N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     /* The branch gradients (dh, dgu, dxn, datt, dqkv) are written by the _set ops, not zeroed
      * and added to; dres, the residual stream's gradient, accumulates. On a tensor-parallel
      * rank each norm's output gradient (dxn) is summed over the ranks first: the norms'
-     * gradients are then the same on every rank. */
-    op_matmul_backward_set(a->dh, st_at(g, ly->down), a->dres, la->hsw, act_at(w, ly->down), N, H, E);
+     * gradients are then the same on every rank (under sequence parallel, each rank's rows'
+     * part: summed over the ranks by the strategy, parallel.c). */
+    void *dx = m->sp ? a->full : a->dxn;  /* the input gradients of gate_up and qkv, before the sum */
+    const void *d = seq_gather(m, a->full, a->dres, N);
+    op_matmul_backward_set(a->dh, st_at(g, ly->down), d, la->hsw, act_at(w, ly->down), N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N,
-                           E, 2 * H);
-    tp_sum(m, a->dxn, (size_t)N * E);
-    op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, E);
-    op_matmul_backward_set(a->datt, st_at(g, ly->att_out), a->dres, la->att, act_at(w, ly->att_out), N, Et, E);
+    op_matmul_backward_set(dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu,
+                           defer ? la->xn2 : seq_gather(m, a->gath, la->xn2, N), act_at(w, ly->gate_up), N, E, 2 * H);
+    branch_sum(m, a->dxn, dx, N);
+    op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
+    d = seq_gather(m, a->full, a->dres, N);
+    op_matmul_backward_set(a->datt, st_at(g, ly->att_out), d, la->att, act_at(w, ly->att_out), N, Et, E);
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    op_matmul_backward_set(a->dxn, defer ? NULL : st_at(g, ly->qkv), a->dqkv, la->xn1, act_at(w, ly->qkv), N, E,
-                           3 * Et);
-    tp_sum(m, a->dxn, (size_t)N * E);
-    op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, N, E);
+    op_matmul_backward_set(dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv,
+                           defer ? la->xn1 : seq_gather(m, a->gath, la->xn1, N), act_at(w, ly->qkv), N, E, 3 * Et);
+    branch_sum(m, a->dxn, dx, N);
+    op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
 
 /* The two weight gradients layer_backward(..., defer = 1) left out; they need no weights. */
@@ -551,8 +586,8 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
-    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, la->xn2, NULL, N, E, 2 * H);
-    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, la->xn1, NULL, N, E, 3 * Et);
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, seq_gather(m, a->gath, la->xn1, N), NULL, N, E, 3 * Et);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -568,15 +603,16 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
         HOOK(h, gather, UNIT_EMBEDDING, nl > 0 ? unit_of_layer(l0) : after);
         if (m->tp_size == 1) op_embedding_forward(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E);
         else {  /* vocabulary parallel: each rank's rows, zeros elsewhere, summed */
-            op_embedding_forward_shard(a->res, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E, m->v0, m->Vr);
-            tp_sum(m, a->res, (size_t)N * m->E);
+            void *y = m->sp ? a->full : a->res;
+            op_embedding_forward_shard(y, a->dev_inputs, unit_weights(m, UNIT_EMBEDDING), N, m->E, m->v0, m->Vr);
+            branch_sum(m, a->res, y, N);
         }
         HOOK(h, release, UNIT_EMBEDDING);
     }
     for (int i = 0; i < nl; i++) {
         int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
         LayerActs la = layer_acts(m, a, slot, r);
-        if (!training && i > 0) op_copy(la.x, la.out, (size_t)N * m->E * ops_act_size());
+        if (!training && i > 0) op_copy(la.x, la.out, held_rows(m, (size_t)N) * m->E * ops_act_size());
         HOOK(h, gather, unit_of_layer(l), i + 1 < nl ? unit_of_layer(l + 1) : after);
         layer_forward(m, a, l, &la, B, T, 0);
         HOOK(h, release, unit_of_layer(l));
@@ -585,7 +621,7 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
 
 static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {
     int nl = stage_n_layers(&m->c, s);
-    return act_at(a->res, (size_t)(training ? nl : nl > 0) * a->N * m->E);
+    return act_at(a->res, (size_t)(training ? nl : nl > 0) * held_rows(m, a->N) * m->E);
 }
 
 void *model_stage_input(const Model *m, const Acts *a) { (void)m; return a->res; }
@@ -593,6 +629,7 @@ void *model_stage_output(const Model *m, const Stage *s, const Acts *a, int trai
     return (void *)trunk_output(m, s, a, training);
 }
 void *model_stage_grad(const Acts *a) { return a->dres; }
+size_t model_stage_rows(const Model *m, const Acts *a) { return held_rows(m, a->N); }
 
 /* The per-row losses are read only at the end of the step, so that on a device the
  * download (which waits for the queued work) does not stall the backward. Summed in row
@@ -627,7 +664,12 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     }
     trace_mark(NULL, "trunk forward done, head");
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
-    op_rmsnorm_forward(a->xf, a->rstdf, last, w_out_norm, N, E, RMS_EPS);
+    /* sequence parallel: the norm on the rank's rows, gathered: every rank's lm_head columns
+     * take every row */
+    int NS = (int)held_rows(m, (size_t)N);
+    void *xf_mine = act_at(a->xf, m->sp ? (size_t)m->tp_rank * NS * E : 0);
+    op_rmsnorm_forward(xf_mine, a->rstdf, last, w_out_norm, NS, E, RMS_EPS);
+    seq_gather(m, a->xf, xf_mine, N);
     const void *wlm = model_lm_head(m);
     void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
     if (grad && !a->head_split) op_zero(a->dxf, (size_t)N * E * ops_act_size());
@@ -657,9 +699,10 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
         if (grad && !keep) op_matmul_backward_ld(act_at(a->dxf, r0 * E), glm, lg, ldl, x, wlm, rows, E, V);
     }
     if (grad && !keep) {
-        tp_sum(m, a->dxf, (size_t)N * E);
-        op_zero(a->dres, (size_t)N * E * ops_act_size());
-        op_rmsnorm_backward(a->dres, st_at(unit_grads(m, HU), m->head_out_norm), a->dxf, last, w_out_norm, a->rstdf, N,
+        void *dx = m->sp ? a->dxn : a->dxf;  /* the rank's rows of the sum */
+        branch_sum(m, dx, a->dxf, N);
+        op_zero(a->dres, (size_t)NS * E * ops_act_size());
+        op_rmsnorm_backward(a->dres, st_at(unit_grads(m, HU), m->head_out_norm), dx, last, w_out_norm, a->rstdf, NS,
                             E);
         HOOK(h, grad_ready, HU);
     }
@@ -693,12 +736,15 @@ static void head_backward(Model *m, const Stage *s, Acts *a, int input, int weig
         op_matmul_backward_ld(input ? act_at(a->dxf, r0 * E) : NULL, glm, act_at(a->logits, r0 * (size_t)ldl), ldl,
                               act_at(a->xf, r0 * E), wlm, rows, E, V);
     }
+    int NS = (int)held_rows(m, (size_t)N);  /* sequence parallel: the norm's rows are the rank's */
     if (input) {
-        tp_sum(m, a->dxf, (size_t)N * E);
-        op_zero(a->dres, (size_t)N * E * ops_act_size());
+        void *dx = m->sp ? a->dxn : a->dxf;  /* the rank's rows of the sum over tp */
+        branch_sum(m, dx, a->dxf, N);
+        if (dx != a->dxf) op_copy(a->dxf, dx, (size_t)NS * E * ops_act_size());  /* dxn: the layers' scratch */
+        op_zero(a->dres, (size_t)NS * E * ops_act_size());
     }
     op_rmsnorm_backward(input ? a->dres : NULL, weight ? st_at(unit_grads(m, HU), m->head_out_norm) : NULL, a->dxf,
-                        last, w_out_norm, a->rstdf, N, E);
+                        last, w_out_norm, a->rstdf, NS, E);
     if (weight) HOOK(h, grad_ready, HU);
     if (input) {
         if (tied) HOOK(h, release, UNIT_EMBEDDING);
@@ -753,7 +799,8 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
     /* The embedding's backward needs only the tokens, not its parameters. */
     trace_mark(NULL, "embedding backward");
     HOOK(h, grad_begin, UNIT_EMBEDDING);
-    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), a->dres, a->dev_emb_index, a->emb_nr, N, m->E);
+    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), seq_gather(m, a->full, a->dres, N), a->dev_emb_index,
+                               a->emb_nr, N, m->E);
     HOOK(h, grad_ready, UNIT_EMBEDDING);
     if (defer) {
         trace_mark(NULL, "layer 0 deferred weight gradients");
@@ -786,8 +833,8 @@ static WGrad wgrad_at(const Model *m, void *buf, int i, size_t N) {
 }
 
 void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int B = a->B, T = a->T, N = B * T, E = m->E, H = m->Ht, Et = m->NHt * m->HD, l0 = stage_first_layer(s),
-        nl = stage_n_layers(&m->c, s);
+    int B = a->B, T = a->T, N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD,
+        l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     size_t bytes = (size_t)N * E * ops_act_size();
     const LayerLayout *ly = &m->layer;
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 0, h);
@@ -797,19 +844,21 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
         const void *w = unit_weights(m, unit_of_layer(l));
-        op_copy(wg.dout, a->dres, bytes);
-        op_matmul_backward_set(a->dh, NULL, a->dres, la.hsw, act_at(w, ly->down), N, H, E);
+        /* (sequence parallel: dout and dmid kept whole, dxn2 and dxn1 the rank's rows) */
+        void *dx2 = m->sp ? a->full : wg.dxn2, *dx1 = m->sp ? a->full : wg.dxn1;
+        op_copy(wg.dout, seq_gather(m, a->full, a->dres, N), bytes);
+        op_matmul_backward_set(a->dh, NULL, wg.dout, la.hsw, act_at(w, ly->down), N, H, E);
         op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
-        op_matmul_backward_set(wg.dxn2, NULL, wg.dgu, la.xn2, act_at(w, ly->gate_up), N, E, 2 * H);
-        tp_sum(m, wg.dxn2, (size_t)N * E);
-        op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, N, E);
-        op_copy(wg.dmid, a->dres, bytes);
-        op_matmul_backward_set(a->datt, NULL, a->dres, la.att, act_at(w, ly->att_out), N, Et, E);
+        op_matmul_backward_set(dx2, NULL, wg.dgu, la.xn2, act_at(w, ly->gate_up), N, E, 2 * H);
+        branch_sum(m, wg.dxn2, dx2, N);
+        op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, NS, E);
+        op_copy(wg.dmid, seq_gather(m, a->full, a->dres, N), bytes);
+        op_matmul_backward_set(a->datt, NULL, wg.dmid, la.att, act_at(w, ly->att_out), N, Et, E);
         op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                        m->HD);
-        op_matmul_backward_set(wg.dxn1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * Et);
-        tp_sum(m, wg.dxn1, (size_t)N * E);
-        op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, N, E);
+        op_matmul_backward_set(dx1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * Et);
+        branch_sum(m, wg.dxn1, dx1, N);
+        op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, NS, E);
         HOOK(h, release, unit_of_layer(l));
     }
     tp_flush(m);
@@ -818,8 +867,8 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
 }
 
 void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD, l0 = stage_first_layer(s),
-        nl = stage_n_layers(&m->c, s);
+    int N = a->B * a->T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD,
+        l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     const LayerLayout *ly = &m->layer;
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 0, 1, h);
     for (int i = nl - 1; i >= 0; i--) {
@@ -829,16 +878,17 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
         HOOK(h, grad_begin, u);
         void *g = unit_grads(m, u);
         op_matmul_backward(NULL, st_at(g, ly->down), wg.dout, la.hsw, NULL, N, H, E);
-        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, la.xn2, NULL, N, E, 2 * H);
-        op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, N, E);
+        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, seq_gather(m, a->gath, la.xn2, N), NULL, N, E, 2 * H);
+        op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, NS, E);
         op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, Et, E);
-        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, la.xn1, NULL, N, E, 3 * Et);
-        op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, N, E);
+        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, seq_gather(m, a->gath, la.xn1, N), NULL, N, E, 3 * Et);
+        op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, NS, E);
         HOOK(h, grad_ready, u);
     }
     if (!stage_has_embedding(s)) return;
     HOOK(h, grad_begin, UNIT_EMBEDDING);
-    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), a->dres, a->dev_emb_index, a->emb_nr, N, m->E);
+    op_embedding_backward_rows(unit_grads(m, UNIT_EMBEDDING), seq_gather(m, a->full, a->dres, N), a->dev_emb_index,
+                               a->emb_nr, N, m->E);
     HOOK(h, grad_ready, UNIT_EMBEDDING);
 }
 

@@ -38,6 +38,9 @@ typedef struct {
      * block is filled from its rank. stats: fp32 statistics (float), else activations. */
     void (*allgather)(void *ctx, void *buf, size_t n, int stats);
     void (*flush)(void *ctx);
+    /* send holds tp_size blocks of n activations; recv gets the sum over the ranks of block
+     * tp_rank. send is scratch afterwards. (Sequence parallel only.) */
+    void (*reduce_scatter)(void *ctx, void *send, void *recv, size_t n);
 } ModelTp;
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
@@ -59,6 +62,14 @@ typedef struct {
      * [v0, v0 + Vr) of tok_embed and lm_head (Vr < Vt where the range reaches into the
      * padding, which no rank stores). tp_size = 1: v0 = 0, Vt = Vr = V. */
     int Vt, v0, Vr;
+    /* Sequence parallel (tp_size > 1, set with m->tp): the residual stream, the norms and the
+     * stage's input and output hold this rank's N / tp_size rows of the N = B*T tokens
+     * (rows tp_rank * N / tp_size onwards; tp_size divides context_len); the norms' outputs
+     * are all-gathered before qkv_proj, gate_up and lm_head, and the branch outputs
+     * reduce-scattered after att_out_proj and down_proj (and the embedding). The norms'
+     * weight gradients are then each rank's rows' part, summed over the tp ranks by the
+     * strategy before the gradient norm (parallel.c). */
+    int sp;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -89,7 +100,8 @@ static inline int layer_of_unit(int u) { return u - 1; }
  * stage that holds the embedding reads the tokens; the one that holds the head computes the
  * loss. Its input (the residual stream from the stage before) and output (to the stage
  * after), and their gradients, are plain [N, E] activation buffers of its Acts
- * (model_stage_input, model_stage_output, model_stage_grad). One process is the stage
+ * (model_stage_input, model_stage_output, model_stage_grad; under sequence parallel the
+ * rank's model_stage_rows of the N). One process is the stage
  * holding every unit (model_whole). */
 typedef struct { int first, last; } Stage;
 static inline Stage model_whole(const Model *m) { return (Stage){UNIT_EMBEDDING, unit_head(m)}; }
@@ -196,6 +208,9 @@ typedef struct {
     float *ce_stats;        /* tensor parallel: [tp][logit_rows][3], each rank's cross-entropy statistics */
     float *losses;          /* [N] */
     void *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
+    /* sequence parallel: [N, E] scratch for a gathered norm output (gath) and for a
+     * product's partial sum or a gathered gradient (full) */
+    void *gath, *full;
     float *rope_cos, *rope_sin;
     size_t bytes;
 } Acts;
@@ -222,9 +237,9 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training);
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes);
 /* ... on a tensor-parallel rank of tp ranks (the layers' head and FFN activations and the
- * logits shrink). */
+ * logits shrink; with sp, sequence parallel, the residual stream and the norms too). */
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
-                     size_t *logit_bytes, int tp);
+                     size_t *logit_bytes, int tp, int sp);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
 /* A smaller batch (B <= a->B) in a's buffers, for a forward without gradients (the
  * validation batch of a short shard): every buffer of a holds it. Not to be freed. */
@@ -259,6 +274,9 @@ void *model_stage_input(const Model *m, const Acts *a);
 /* training: as model_forward's grad (a forward without gradients leaves it elsewhere) */
 void *model_stage_output(const Model *m, const Stage *s, const Acts *a, int training);
 void *model_stage_grad(const Acts *a);
+/* The rows of those three buffers (of E activations each): a->N, or this rank's a->N /
+ * tp_size under sequence parallel. */
+size_t model_stage_rows(const Model *m, const Acts *a);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is

@@ -159,6 +159,7 @@ static double ddp_adafactor(Parallel *p, Ddp *d, const OptimConfig *oc, double *
     flush(p, d, 1);
     for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
     finish_erows(p, d);
+    par_tp_sum_partial(p, 0);
     double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
     *lr_out = par_adafactor(p, oc, clip_scale(oc, norm));
     par_params_stale(p);
@@ -170,7 +171,8 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     Ddp *d = p->st;
     if (oc->kind == OPTIM_ADAFACTOR) return ddp_adafactor(p, d, oc, lr_out);
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
-    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : d->late_hi;
+    /* (sequence parallel: nothing is updated before the norms' gradients are summed over tp) */
+    size_t n = m->n_flat, split = oc->grad_clip > 0 || m->sp ? n : d->late_hi;
     double lr = par_next_lr(p, oc);
     int step = p->adam_steps;
     for (int u = 0; u < m->n_units; u++)
@@ -184,6 +186,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
+    par_tp_sum_partial(p, 0);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));

@@ -420,6 +420,28 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     return sumsq;
 }
 
+void par_tp_sum_partial(Parallel *p, int sharded) {
+    const Mesh *mesh = p->mesh;
+    if (!mesh || mesh->tp_size < 2 || !p->m->sp) return;
+    int max = model_tp_max_runs(p->m);
+    TpRun *r = xmalloc((size_t)max * sizeof *r);
+    for (int u = 0; u < p->m->n_units; u++) {
+        const Unit *un = &p->m->units[u];
+        size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
+        void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);  /* element lo */
+        int n = model_tp_runs(p->m, u, r, max);
+        for (int i = 0; i < n; i++) {
+            size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
+            if (!r[i].replicated || a >= b) continue;
+            CommReq q = {0};
+            comm_iallreduce(&mesh->tp, st_at(g, a - lo), b - a, par_ctype(), COMM_SUM, &q,
+                            "tensor-parallel all-reduce (norms' gradients)");
+            par_wait(p, &q);
+        }
+    }
+    free(r);
+}
+
 double par_stages_sumsq(Parallel *p, double sumsq) {
     int piped = p->stages && p->stages->size > 1;
     const Unit *e = &p->m->units[UNIT_EMBEDDING];
@@ -435,6 +457,7 @@ double par_stages_sumsq(Parallel *p, double sumsq) {
 }
 
 double par_shard_norm(Parallel *p) {
+    par_tp_sum_partial(p, 1);
     double sumsq = op_sumsq(p->gshard, p->n_shard);
     int piped = p->stages && p->stages->size > 1;
     if (piped && !p->count_embedding && shard_len(p, UNIT_EMBEDDING))  /* the tied copy: counted by the first stage */

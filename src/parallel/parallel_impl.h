@@ -172,6 +172,12 @@ void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, cons
 /* A rank's sum of squares of its gradient, summed over the pipeline's stages (without the
  * tied embedding's copy); the sum itself with one stage. */
 double par_stages_sumsq(Parallel *p, double sumsq);
+/* Sequence parallel (model's sp): the gradients every tp rank holds alike (the norms'
+ * weights) are each rank's part, from its rows of the sequence, until this sums them over
+ * the tp group: once a step, where the gradient is complete (reduced over dp) and before
+ * its norm or any update. sharded: this rank's gradient is its shard of each unit (gshard;
+ * par_shard_norm calls it), else the whole units (grads, DDP). */
+void par_tp_sum_partial(Parallel *p, int sharded);
 /* The global norm of the gradient shards (gshard) over the group. */
 double par_shard_norm(Parallel *p);
 

@@ -33,9 +33,19 @@ static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
     comm_wait(&r);
 }
 
-void tensor_parallel_attach(Model *m, const Mesh *mesh) {
+static void tp_reduce_scatter(void *ctx, void *send, void *recv, size_t n) {
+    const Comm *tp = ctx;
+    CommReq r = {0};
+    comm_ireduce_scatter(tp, send, recv, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, &r,
+                         "tensor-parallel reduce-scatter");
+    comm_wait(&r);
+}
+
+void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     if (mesh->tp_size == 1) return;
-    m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce = tp_allreduce, .allgather = tp_allgather, .flush = tp_flush};
+    m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce = tp_allreduce, .allgather = tp_allgather,
+                      .reduce_scatter = tp_reduce_scatter, .flush = tp_flush};
+    m->sp = sequence_parallel != 0;
 }
 
 double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {

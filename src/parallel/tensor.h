@@ -7,8 +7,9 @@
 #include "mesh.h"
 #include "model.h"
 
-/* Points m->tp at the mesh's tensor-parallel group (nothing to do at tp = 1). */
-void tensor_parallel_attach(Model *m, const Mesh *mesh);
+/* Points m->tp at the mesh's tensor-parallel group (nothing to do at tp = 1), with sequence
+ * parallel (m->sp) or without. */
+void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel);
 /* The sum of squares of unit u's gradient elements [lo, hi) (local, from the unit's start)
  * that every tensor-parallel rank holds alike (replicated runs), read from g (element lo at
  * g): what a tp rank other than 0 leaves out of the gradient norm so that the sum over the

@@ -38,7 +38,7 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int tp, int gpu, OpsPrecision prec, int copy_engines,
+                     int world, int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
                      const OptimConfig *oc, MemEstimate *e) {
     memset(e, 0, sizeof *e);
     int af = oc && oc->kind == OPTIM_ADAFACTOR;
@@ -60,7 +60,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->compute = training ? pb.compute : 0;
     size_t logit_bytes;
     Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
-    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp);
+    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
@@ -73,7 +73,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
      * s*b*h*(34 + 5*a*s/h) bytes of 16-bit activations (Korthikanti et al.), doubled for
      * fp32 activations; with tensor parallel over t ranks, the parameters a rank holds and
-     * s*b*h*(10 + 24/t + 5*a*s/(h*t)) (their eq. 2). */
+     * s*b*h*(10 + 24/t + 5*a*s/(h*t)) (their eq. 2), with sequence parallel too
+     * s*b*h*(34/t + 5*a*s/(h*t)) (eq. 4). */
     double P = (double)held * (double)state_size, N = shard_size, w;
     switch (kind) {
     case PAR_DDP: w = 4 * P; break;
@@ -82,17 +83,20 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     default: w = 4 * P / N;
     }
     double s = T, b = B, h = c->embed_dim, a = c->n_heads;
-    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0, layer = s * b * h * (10 + 24.0 / tp + 5 * a * s / (h * tp));
+    int spt = sp && tp > 1 ? tp : 1;  /* what sequence parallel divides */
+    double act_factor = prec != OPS_FP32 ? 1.0 : 2.0,
+           layer = s * b * h * (10.0 / spt + 24.0 / tp + 5 * a * s / (h * tp));
     /* with activation checkpointing: each layer's 16-bit input, and one layer in full */
-    double acts_f = training == ACTS_RECOMPUTE ? c->n_layers * 2 * s * b * h + layer : c->n_layers * layer;
+    double acts_f = training == ACTS_RECOMPUTE ? c->n_layers * 2 * s * b * h / spt + layer : c->n_layers * layer;
     e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);
 }
 
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
-                    int training, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc) {
+                    int training, ParallelKind kind, int shard_size, int tp, int sp, OpsPrecision prec,
+                    const OptimConfig *oc) {
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
-    model_init_layout_stage(&m, c, shard_size, 0, s, sched->chunks);
+    model_init_layout_tp(&m, c, shard_size, 0, s, sched->chunks, tp, 0);
     ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
@@ -103,7 +107,7 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     e->logits = e->acts = 0;
     if (sched->head_split && training) training |= ACTS_HEAD_SPLIT;
     for (int k = 0; k < sched->chunks; k++) {
-        size_t logit_bytes, acts = acts_bytes_stage(c, &s[k], B_micro, T, training, act_size, &logit_bytes);
+        size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp);
         size_t n = (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1);
         e->logits += logit_bytes * n;
         e->acts += (acts - logit_bytes) * n;

@@ -28,10 +28,12 @@ typedef struct {
 /* copy_engines: DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer
  * (comm_alloc in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on
  * one machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
-/* tp: tensor-parallel ranks; each holds its slices of every layer (model_init_layout_tp)
- * and those layers' head and FFN activations, the embedding and the head whole. */
+/* tp: tensor-parallel ranks; each holds its slices of every layer and its vocabulary rows
+ * of the embedding and lm_head (model_init_layout_tp), its heads' and FFN units'
+ * activations and its columns of the logits; sp: sequence parallel, where it also holds
+ * 1/tp of the residual stream and the norms' activations. */
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int tp, int gpu, OpsPrecision prec, int copy_engines,
+                     int world, int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
                      const OptimConfig *oc, MemEstimate *e);
 /* A pipeline rank's share instead of the whole model's (e from estimate_memory, redone in
  * place): the units of its stages s[0..sched->chunks) (and a tied embedding's copy with the
@@ -39,7 +41,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
  * flight: sched->in_flight[c] micro-batches of B_micro sequences on chunk c (1F1B's first
  * stage holds the most), and zb1's weight-pass inputs of max_pending_w of them. */
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
-                    int training, ParallelKind kind, int shard_size, OpsPrecision prec, const OptimConfig *oc);
+                    int training, ParallelKind kind, int shard_size, int tp, int sp, OpsPrecision prec,
+                    const OptimConfig *oc);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);

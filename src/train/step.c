@@ -198,7 +198,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     /* each micro-batch's gradient is that of its mean loss / micro: the step's gradient is
      * that of the mean over all its tokens (every micro-batch has as many) */
     float scale = 1.0f / (float)st->micro;
-    size_t N = st->acts[0][0].N, act_bytes = N * (size_t)m->E * ops_act_size();
+    size_t N = st->acts[0][0].N, act_bytes = model_stage_rows(m, &st->acts[0][0]) * (size_t)m->E * ops_act_size();
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;
     if (st->pipe.tie) {
@@ -288,7 +288,7 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
     char err[256];
     if (loader_init(&l, val, va->B, va->T, dp_rank, dp, 0, 0, err, sizeof err)) return 0;
     int n = (int)(l.batches_per_epoch < (size_t)max_batches ? l.batches_per_epoch : (size_t)max_batches);
-    size_t bytes = va->N * (size_t)m->E * ops_act_size();
+    size_t bytes = model_stage_rows(m, va) * (size_t)m->E * ops_act_size();
     double sum = 0;
     for (int i = 0; i < n; i++) {
         int *inputs = NULL, *targets = NULL;

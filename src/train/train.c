@@ -272,10 +272,12 @@ int cmd_train(Config *c) {
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size, gpu, prec,
-                    ce, &oc, &est);
+    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
+                    c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
-    if (PP > 1) estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, prec, &oc);
+    if (PP > 1)
+        estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, mesh.tp_size,
+                       c->sequence_parallel, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
     if (limit && est.total > limit)
@@ -297,9 +299,10 @@ int cmd_train(Config *c) {
     comm_exit_if_failed(&world, &f);
 
     if (lead) {
-        printf("meshtrain train  (device %s%s%s%s, %d process%s: dp=%d tp=%d pp=%d, %s)\n", ops_backend_name(),
+        printf("meshtrain train  (device %s%s%s%s, %d process%s: dp=%d tp=%d pp=%d, %s%s)\n", ops_backend_name(),
                gpu ? " (" : "", ops_device_name(), gpu ? ")" : "", world.size, world.size > 1 ? "es" : "", dp,
-               mesh.tp_size, mesh.pp_size, parallel_kind_name(kind));
+               mesh.tp_size, mesh.pp_size, parallel_kind_name(kind),
+               mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
         if (kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", mesh.shard_size,
                                        dp / mesh.shard_size);
         config_print(c, CMD_TRAIN);
@@ -343,7 +346,8 @@ int cmd_train(Config *c) {
     Model m;
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
     model_init_layout_tp(&m, &mc, mesh.shard_size, 0, mine, V, mesh.tp_size, mesh.tp_rank);
-    tensor_parallel_attach(&m, &mesh);  /* tensor parallel: each rank holds its slices of every layer */
+    /* tensor parallel: each rank holds its slices of every layer */
+    tensor_parallel_attach(&m, &mesh, c->sequence_parallel);
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&mine[0]) && holds_head;
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));

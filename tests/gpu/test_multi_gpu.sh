@@ -6,9 +6,9 @@
 # sharding (shard groups of 1, the gradient averaged across 2 replicas); and in mixed
 # precision (bf16 roundings differ with the batch's shape) within 2e-2, for DDP and FSDP;
 # and in pure bf16 (bf16 gradients, reduced in bf16) within 2e-2, for DDP, ZeRO-2 and
-# FSDP; tensor parallel (tp=2, tied and untied, with activation checkpointing) follows one GPU
-# too. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
-# NCCL's all-reduce. A rank that is killed, or hangs, ends the job within seconds with a message
+# FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
+# NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
+# without sequence parallel, tied and untied) follows one GPU in fp32. A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP), as on CPU ranks.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
@@ -52,6 +52,22 @@ zero1|false|zero_opt=true
 zero2|false|fsdp=true shard_strategy=grad_op
 fsdp_tied|true|fsdp=true shard_strategy=full
 hybrid|false|fsdp=true shard_strategy=hybrid shard_group_size=1
+CASES
+# -- tensor parallel over the NP GPUs (dp = 1, so batch_size is the whole batch): heads, FFN
+# units and the vocabulary split (the cross-entropy's statistics all-gathered over NCCL),
+# with sequence parallel (all-gathers and reduce-scatters of bf16 or fp32 activations) and
+# without: NP GPUs follow one
+while IFS='|' read -r name tied keys; do
+  out=$TMP/tp_$name
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
+     close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_tp_follows_one_gpu_$name"
+  else bad "multi_gpu_tp_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+sp|false|
+sp_tied|true|
+no_sp|false|sequence_parallel=false
+no_sp_tied|true|sequence_parallel=false
 CASES
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one
@@ -130,6 +146,14 @@ for keys in "" "bucket_mb=0" "fsdp=true shard_strategy=full"; do
   if runn "$out" $MM tie_embeddings=true batch_size=$B $keys && close "$TMP/one_mixed" "$out"
   then ok "multi_gpu_mixed_follows_one_gpu ${keys:-ddp}"
   else bad "multi_gpu_mixed_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
+# tensor parallel with bf16 activations through NCCL (sequence parallel on and off)
+for keys in "" "sequence_parallel=false"; do
+  out=$TMP/tp_mixed_${keys//[ =]/_}
+  if runn "$out" $MM tie_embeddings=true batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
+     close "$TMP/one_mixed" "$out"
+  then ok "multi_gpu_tp_mixed_follows_one_gpu ${keys:-sp}"
+  else bad "multi_gpu_tp_mixed_follows_one_gpu ${keys:-sp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 
 MB=${M/precision=fp32/precision=bf16}
