@@ -514,6 +514,43 @@ static const void *seq_gather(const Model *m, void *buf, const void *part, int N
     return buf;
 }
 
+/* Begun forms, for overlap (tensor.c): the ticket to join before the result is used; -1 when
+ * no collective was needed. */
+static long seq_gather_begin(const Model *m, void *buf, const void *part, int N) {
+    if (!m->sp) return -1;
+    size_t n = held_rows(m, (size_t)N) * m->E;
+    void *mine = act_at(buf, (size_t)m->tp_rank * n);
+    if (mine != part) op_copy(mine, part, n * ops_act_size());
+    return m->tp.allgather_begin(m->tp.ctx, buf, n, 0);
+}
+static long branch_sum_begin(const Model *m, void *dst, void *src, int N) {
+    if (m->tp_size == 1) return -1;
+    if (m->sp) return m->tp.reduce_scatter_begin(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
+    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * m->E);
+}
+static void tp_join(const Model *m, long t) {
+    if (t >= 0) m->tp.join(m->tp.ctx, t);
+}
+
+/* A norm's input gradient through gate_up or qkv (dx = dout @ w, into the rank's rows of
+ * a->dxn once summed over tp) and that product's weight gradient (dw += dout^T @ inp; NULL:
+ * deferred). Under tensor parallel the sum is begun as soon as dx is, and the weight
+ * gradient computed while it runs (inp, gathered under ticket gx, joined first). */
+static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const void *dout, const void *inp, long gx,
+                              const void *w, int N, int C, int OC) {
+    if (m->tp_size == 1) {
+        op_matmul_backward_set(dx, dw, dout, inp, w, N, C, OC);
+        return;
+    }
+    op_matmul_backward_set(dx, NULL, dout, inp, w, N, C, OC);
+    long t = branch_sum_begin(m, a->dxn, dx, N);
+    if (dw) {
+        tp_join(m, gx);
+        op_matmul_backward(NULL, dw, dout, inp, NULL, N, C, OC);
+    }
+    tp_join(m, t);
+}
+
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. On a
  * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
@@ -564,20 +601,22 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
      * gradients are then the same on every rank (under sequence parallel, each rank's rows'
      * part: summed over the ranks by the strategy, parallel.c). */
     void *dx = m->sp ? a->full : a->dxn;  /* the input gradients of gate_up and qkv, before the sum */
+    /* under sequence parallel the norms' outputs, which the weight gradients need whole, are
+     * gathered while the products before them run */
     const void *d = seq_gather(m, a->full, a->dres, N);
+    long gx = defer ? -1 : seq_gather_begin(m, a->gath, la->xn2, N);
     op_matmul_backward_set(a->dh, st_at(g, ly->down), d, la->hsw, act_at(w, ly->down), N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    op_matmul_backward_set(dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu,
-                           defer ? la->xn2 : seq_gather(m, a->gath, la->xn2, N), act_at(w, ly->gate_up), N, E, 2 * H);
-    branch_sum(m, a->dxn, dx, N);
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, gx,
+                      act_at(w, ly->gate_up), N, E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
     d = seq_gather(m, a->full, a->dres, N);
+    gx = defer ? -1 : seq_gather_begin(m, a->gath, la->xn1, N);
     op_matmul_backward_set(a->datt, st_at(g, ly->att_out), d, la->att, act_at(w, ly->att_out), N, Et, E);
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    op_matmul_backward_set(dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv,
-                           defer ? la->xn1 : seq_gather(m, a->gath, la->xn1, N), act_at(w, ly->qkv), N, E, 3 * Et);
-    branch_sum(m, a->dxn, dx, N);
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? a->gath : la->xn1, gx,
+                      act_at(w, ly->qkv), N, E, 3 * Et);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
 

@@ -41,6 +41,12 @@ typedef struct {
     /* send holds tp_size blocks of n activations; recv gets the sum over the ranks of block
      * tp_rank. send is scratch afterwards. (Sequence parallel only.) */
     void (*reduce_scatter)(void *ctx, void *send, void *recv, size_t n);
+    /* The same begun, for overlap: the ops queued before join(ticket) may run while the
+     * collective does (they must not touch its buffers); join makes the ops after it wait. */
+    long (*allreduce_begin)(void *ctx, void *buf, size_t n);
+    long (*allgather_begin)(void *ctx, void *buf, size_t n, int stats);
+    long (*reduce_scatter_begin)(void *ctx, void *send, void *recv, size_t n);
+    void (*join)(void *ctx, long ticket);
 } ModelTp;
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the

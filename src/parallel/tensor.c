@@ -4,47 +4,74 @@
 #include "ops.h"
 #include "util.h"
 
-/* The layer needs the sum before its next op. On a device the NCCL all-reduce runs on the
- * comm stream and the compute stream waits for it there (comm_wait_device), so the GPU's queue
- * does not drain at each of a layer's all-reduces; the host polls (within comm_timeout) only
- * the one TP_LAG calls back, and tp_flush the rest. Activations are bf16 there with
- * precision=mixed or bf16, which NCCL sums as they are. On CPU ranks each completes here. */
+/* Every tensor-parallel collective runs on the comm stream (NCCL); the compute stream waits
+ * for it there (comm_wait_device) when the model joins it, so the GPU's queue does not drain
+ * at each of a layer's collectives, and a collective begun early overlaps the products the
+ * model queues before joining it. The host polls (within comm_timeout) only the one TP_LAG
+ * collectives back, and tp_flush the rest. Tickets number the collectives; ticket t uses
+ * slot t % TP_LAG until it is retired. Activations are bf16 there with precision=mixed or
+ * bf16, which NCCL sums as they are. On CPU ranks each completes at its begin. */
 #define TP_LAG 8
 static CommReq g_req[TP_LAG];
-static int g_first, g_n;
+static long g_next, g_done;  /* tickets [g_done, g_next) are in flight */
+
+static void retire_oldest(void) { comm_wait(&g_req[g_done++ % TP_LAG]); }
 
 static void tp_flush(void *ctx) {
     (void)ctx;
-    for (; g_n; g_n--, g_first = (g_first + 1) % TP_LAG) comm_wait(&g_req[g_first]);
+    while (g_done < g_next) retire_oldest();
 }
 
-static void tp_allreduce(void *ctx, void *buf, size_t n) {
-    const Comm *tp = ctx;
-    if (g_n == TP_LAG) comm_wait(&g_req[g_first]), g_first = (g_first + 1) % TP_LAG, g_n--;
-    CommReq *r = &g_req[(g_first + g_n++) % TP_LAG];
-    comm_iallreduce(tp, buf, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, r, "tensor-parallel all-reduce");
-    comm_wait_device(r);
+static CommReq *next_slot(void) {
+    if (g_next - g_done == TP_LAG) retire_oldest();
+    CommReq *r = &g_req[g_next % TP_LAG];
+    *r = (CommReq){0};
+    return r;
 }
 
+/* The request just begun in r: complete at once on CPU ranks (MPI rings progress only while
+ * waited on, one at a time); its ticket. */
+static long begun(CommReq *r) {
+    if (ops_host_memory()) comm_wait(r);
+    return g_next++;
+}
+
+static void tp_join(void *ctx, long t) {
+    (void)ctx;
+    if (t >= g_done && t < g_next) comm_wait_device(&g_req[t % TP_LAG]);
+}
+
+static CommType act_type(void) { return ops_act_size() == 2 ? COMM_BF16 : COMM_F32; }
+
+static long tp_allreduce_begin(void *ctx, void *buf, size_t n) {
+    CommReq *r = next_slot();
+    comm_iallreduce(ctx, buf, n, act_type(), COMM_SUM, r, "tensor-parallel all-reduce");
+    return begun(r);
+}
+static long tp_allgather_begin(void *ctx, void *buf, size_t n, int stats) {
+    CommReq *r = next_slot();
+    comm_iallgather(ctx, buf, n, stats ? COMM_F32 : act_type(), r, "tensor-parallel all-gather");
+    return begun(r);
+}
+static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n) {
+    CommReq *r = next_slot();
+    comm_ireduce_scatter(ctx, send, recv, n, act_type(), COMM_SUM, r, "tensor-parallel reduce-scatter");
+    return begun(r);
+}
+static void tp_allreduce(void *ctx, void *buf, size_t n) { tp_join(ctx, tp_allreduce_begin(ctx, buf, n)); }
 static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
-    const Comm *tp = ctx;
-    CommReq r = {0};
-    comm_iallgather(tp, buf, n, !stats && ops_act_size() == 2 ? COMM_BF16 : COMM_F32, &r, "tensor-parallel all-gather");
-    comm_wait(&r);
+    tp_join(ctx, tp_allgather_begin(ctx, buf, n, stats));
 }
-
 static void tp_reduce_scatter(void *ctx, void *send, void *recv, size_t n) {
-    const Comm *tp = ctx;
-    CommReq r = {0};
-    comm_ireduce_scatter(tp, send, recv, n, ops_act_size() == 2 ? COMM_BF16 : COMM_F32, COMM_SUM, &r,
-                         "tensor-parallel reduce-scatter");
-    comm_wait(&r);
+    tp_join(ctx, tp_reduce_scatter_begin(ctx, send, recv, n));
 }
 
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce = tp_allreduce, .allgather = tp_allgather,
-                      .reduce_scatter = tp_reduce_scatter, .flush = tp_flush};
+                      .reduce_scatter = tp_reduce_scatter, .flush = tp_flush, .allreduce_begin = tp_allreduce_begin,
+                      .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
+                      .join = tp_join};
     m->sp = sequence_parallel != 0;
 }
 
