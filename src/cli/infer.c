@@ -143,6 +143,8 @@ int cmd_estimate(Config *c) {
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP, gpu,
                     precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP, gpu,
+                           precision_of(c), c->copy_engines && dp > 1, &oc);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
                "units and their activations, the embedding and the head whole\n", TP, dp, TP);

@@ -26,6 +26,8 @@ static Slot *slot_of(Parallel *p, int u) {
  * NULL, when every slot that fits is taken; a gather that is needed now may wait for a
  * gradient slot to drain. */
 static Slot *start_gather(Parallel *p, int u, int may_fail) {
+    /* offload: not before its update is back in the shard (a prefetch does not wait for it) */
+    if (!par_offload_ready(p, u, !may_fail)) return NULL;
     Slot *s = par_take_slot(p, u, 0, may_fail);
     if (!s) return NULL;
     size_t n = shard_len(p, u);
@@ -92,7 +94,10 @@ static double fsdp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     float scale = clip_scale(oc, norm);
     double lr;
     if (oc->kind == OPTIM_ADAFACTOR) lr = par_adafactor(p, oc, scale);
-    else {
+    else if (p->off) {  /* on the host; each unit's gather waits for its own */
+        lr = par_next_lr(p, oc);
+        par_offload_adamw(p, oc, lr, p->adam_steps, scale);
+    } else {
         lr = par_next_lr(p, oc);
         par_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, oc, lr, p->adam_steps, scale, NULL);
     }
@@ -124,7 +129,7 @@ static void fsdp_free(Parallel *p) {
 /* Shards of everything; the pool counted once (parameters), with a bf16 copy per slot. */
 static ParallelBytes fsdp_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t shard = layout->n_flat * state_size / (size_t)D, pool = par_slot_elems(layout, 1);
-    return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, compute_size ? pool * compute_size : 0};
+    return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, compute_size ? pool * compute_size : 0, 0};
 }
 
 const ParallelStrategy par_fsdp = {
