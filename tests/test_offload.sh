@@ -4,7 +4,8 @@
 # copy calls), the update on a worker thread, unit by unit. The same code as on a GPU runs,
 # so every run follows the same run without offload bitwise: the losses, and the
 # checkpoints byte for byte (AdamW and Adafactor, one process, DDP, ZeRO-1, ZeRO-2 and FSDP
-# on 2 ranks, gradient accumulation, clipping on and off, tied embeddings). Clipping uses
+# on 2 ranks, gradient accumulation, clipping on and off, tied embeddings, 2 pipeline
+# stages, 2 tensor-parallel ranks; offload=params with FSDP and hybrid FSDP). Clipping uses
 # the global norm, computed on the device before any update starts; a clip that bites
 # (0.05) is the case that shows it. Resume from an offloaded checkpoint is bitwise, and
 # resumes without offload too (the checkpoint is the same file). Bad input: one line, exit 2.
@@ -21,15 +22,16 @@ same() {
   [ -n "$(strip "$1")" ] && [ "$(strip "$1")" = "$(strip "$2")" ] || return 1
   for f in "$1"/ckpt.bin*; do cmp -s "$f" "$2/${f##*/}" || return 1; done
 }
-# NAME|RANKS|BATCH_SIZE (per rank)|GRAD_CLIP|KEYS
-while IFS='|' read -r name np bs clip keys; do
+# NAME|RANKS|BATCH_SIZE (per rank)|GRAD_CLIP|KEYS|OFFLOAD SETTINGS (besides none; default optimizer)
+while IFS='|' read -r name np bs clip keys offs; do
   if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
-  for off in none optimizer; do
+  for off in none ${offs:-optimizer}; do
     "${run[@]}" train $M batch_size=$bs grad_clip=$clip $keys offload=$off out_dir="$TMP/${name}_$off" </dev/null \
       >"$TMP/${name}_$off.log" 2>&1
+    [ "$off" = none ] && continue
+    if same "$TMP/${name}_none" "$TMP/${name}_$off"; then ok "offload_${off}_follows_bitwise_$name"
+    else bad "offload_${off}_follows_bitwise_$name ($(tail -1 "$TMP/${name}_$off.log"))"; fi
   done
-  if same "$TMP/${name}_none" "$TMP/${name}_optimizer"; then ok "offload_follows_bitwise_$name"
-  else bad "offload_follows_bitwise_$name ($(tail -1 "$TMP/${name}_optimizer.log"))"; fi
 done <<'CASES'
 one|1|8|1|
 one_noclip|1|8|0|
@@ -39,12 +41,16 @@ one_tied_recompute|1|8|1|tie_embeddings=true activation_checkpointing=true
 ddp_np2|2|4|1|
 zero1_np2|2|4|1|zero_opt=true
 zero2_np2|2|4|1|fsdp=true shard_strategy=grad_op
-fsdp_np2|2|4|1|fsdp=true
-fsdp_np2_tied_accum|2|2|1|fsdp=true tie_embeddings=true grad_accum_steps=2
+fsdp_one|1|8|1|fsdp=true|params
+fsdp_np2|2|4|1|fsdp=true|optimizer params
+fsdp_np2_tied_accum|2|2|1|fsdp=true tie_embeddings=true grad_accum_steps=2|optimizer params
+hybrid_np4|4|2|1|fsdp=true shard_strategy=hybrid shard_group_size=2|params
 zero2_np2_accum_noclip|2|2|0|fsdp=true shard_strategy=grad_op grad_accum_steps=2
+pipeline_np2_tied|2|8|1|pipeline_parallel_size=2 micro_batches=2 tie_embeddings=true
+tp_np2|2|8|1|tensor_parallel_size=2
 adafactor_one|1|8|1|optimizer=adafactor adafactor_beta1=0.9
 adafactor_zero2_np2|2|4|1|optimizer=adafactor fsdp=true shard_strategy=grad_op
-adafactor_fsdp_np2|2|4|1|optimizer=adafactor fsdp=true adafactor_beta1=0.9
+adafactor_fsdp_np2|2|4|1|optimizer=adafactor fsdp=true adafactor_beta1=0.9|optimizer params
 adafactor_ddp_np2|2|4|1|optimizer=adafactor
 CASES
 # the bite: clip 0.05 is below every step's norm (else the case shows nothing)
@@ -81,6 +87,11 @@ resumes offplain 1 offload=optimizer --
 resume_ok offplain && ok offload_checkpoint_resumes_without_offload || bad "offload_checkpoint_resumes_without_offload ($(tail -1 "$OUT.log"))"
 resumes fsdp 2 fsdp=true offload=optimizer -- fsdp=true offload=optimizer
 resume_ok fsdp && ok offload_resume_fsdp_np2_bitwise || bad "offload_resume_fsdp_np2_bitwise ($(tail -1 "$OUT.log"))"
+resumes params 2 fsdp=true offload=params -- fsdp=true offload=params
+resume_ok params && ok offload_params_resume_fsdp_np2_bitwise || bad "offload_params_resume_fsdp_np2_bitwise ($(tail -1 "$OUT.log"))"
+resumes params_to_none 2 fsdp=true offload=params -- fsdp=true
+resume_ok params_to_none && ok offload_params_checkpoint_resumes_without_offload ||
+  bad "offload_params_checkpoint_resumes_without_offload ($(tail -1 "$OUT.log"))"
 resumes af 1 optimizer=adafactor adafactor_beta1=0.9 offload=optimizer -- offload=optimizer
 resume_ok af && ok offload_resume_adafactor_bitwise || bad "offload_resume_adafactor_bitwise ($(tail -1 "$OUT.log"))"
 # the straight offloaded runs' checkpoints are the plain ones, byte for byte
@@ -90,6 +101,8 @@ cmp -s "$TMP/plain_straight/ckpt.bin" "$TMP/off_straight/ckpt.bin" && ok offload
 # -- bad input, before anything runs
 expect_exit 2 "offload=disk: expected one of none\|optimizer\|params" unknown_offload -- "$BIN" train offload=disk
 expect_exit 2 "offload=params needs fsdp=true" offload_params_needs_fsdp -- "$BIN" train offload=params data_dir="$D"
+expect_exit 2 "offload=params needs fsdp=true with shard_strategy=full" offload_params_refuses_zero2 -- \
+  "$BIN" train offload=params fsdp=true shard_strategy=grad_op data_dir="$D"
 expect_exit 2 "offload=optimizer keeps fp32 master weights, which precision=bf16" offload_refuses_bf16 -- \
   "$BIN" estimate offload=optimizer precision=bf16 device=cuda
 MESHTRAIN_FAKE_MEMAVAILABLE=20000000 expect_exit 2 "offload=optimizer keeps about .* in host memory per rank .* but only" \
@@ -99,17 +112,23 @@ MESHTRAIN_FAKE_MEMAVAILABLE=20000000 expect_exit 2 "offload=optimizer keeps abou
 # -- the estimate: the optimizer's state leaves the GPU for the host, for each optimizer
 E="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=4 context_len=64 batch_size=4 device=cuda"
 est=$("$BIN" estimate $E)
+est_f=$("$BIN" estimate $E fsdp=true world_size=2)
 gpu_of() { awk -v o="offload=$1" -v k="$2" '$1 == o && $2 == k {print $3 " " $4}' <<<"$est"; }
 host_of() { awk -v o="offload=$1" -v k="$2" '$1 == o && $2 == k {print $5 " " $6}' <<<"$est"; }
 to_b() { awk '{m = $2 == "B" ? 1 : $2 == "KiB" ? 1024 : $2 == "MiB" ? 1048576 : $2 == "GiB" ? 1073741824 : 0; printf "%.0f\n", $1 * m}'; }
 g0=$(gpu_of none adamw | to_b); g1=$(gpu_of optimizer adamw | to_b); h0=$(host_of none adamw | to_b)
 h1=$(host_of optimizer adamw | to_b); ha=$(host_of optimizer adafactor | to_b)
+gf1=$(echo "$est_f" | awk '$1 == "offload=optimizer" && $2 == "adamw" {print $3 " " $4}' | to_b)
+gf2=$(echo "$est_f" | awk '$1 == "offload=params" && $2 == "adamw" {print $3 " " $4}' | to_b)
 P=$("$BIN" estimate $E | awk '$1 == "parameters:" {gsub(",", "", $2); print $2}')
 # AdamW: m and v (8 B/param) leave the GPU; the host holds them with the master and the gradients' copy (16 B/param)
 if [ -n "$g1" ] && [ "$h0" = 0 ] && awk -v g0="$g0" -v g1="$g1" -v h1="$h1" -v ha="$ha" -v P="$P" \
      'BEGIN {d = (g0 - g1) / (8 * P); h = h1 / (16 * P); exit !(d > 0.99 && d < 1.01 && h > 0.99 && h < 1.01 && ha < h1 / 1.9)}'
 then ok "offload_estimate_table (GPU $g0 -> $g1 B, host $h1 B; adafactor host $ha B)"
 else bad "offload_estimate_table ($g0 $g1 $h0 $h1 $ha P=$P)"; echo "$est"; fi
+# offload=params (FSDP over 2): the parameter shard (4 B/param / 2) leaves the GPU too
+if [ -n "$gf2" ] && awk -v a="$gf1" -v b="$gf2" -v P="$P" 'BEGIN {d = (a - b) / (2 * P); exit !(d > 0.99 && d < 1.01)}'
+then ok "offload_params_estimate (GPU $gf1 -> $gf2 B)"; else bad "offload_params_estimate ($gf1 $gf2)"; echo "$est_f"; fi
 
 echo "RESULT $pass $fail"
 [ "$fail" -eq 0 ]

@@ -275,8 +275,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                 !(c->fsdp && (!strcmp(c->shard_strategy, "full") || !strcmp(c->shard_strategy, "hybrid"))))
                 return set_err(err, errlen, "offload=params needs fsdp=true with shard_strategy=full or hybrid (the "
                                "others keep whole parameters on the device); use offload=optimizer");
-            if (!strcmp(c->offload, "params"))
-                return set_err(err, errlen, "offload=params is not available yet; use offload=optimizer");
         }
         if ((cmd & CMD_TRAIN) && c->ckpt_every && !strcmp(c->ckpt_path, "none"))
             return set_err(err, errlen, "ckpt_every=%d saves nothing with ckpt_path=none", c->ckpt_every);

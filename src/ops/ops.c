@@ -111,6 +111,11 @@ void op_copy_in(void *dst, const void *src, size_t bytes, int k) {
 }
 void op_copy_sync(int k, int in) { if (g_ops->copy_sync) g_ops->copy_sync(k, in); }
 void op_copy_wait(int k, int in) { if (g_ops->copy_wait) g_ops->copy_wait(k, in); }
+void op_copy_in_main(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    if (g_ops->copy_in_main) g_ops->copy_in_main(dst, src, bytes);
+    else memcpy(dst, src, bytes);
+}
 void *op_alloc(size_t bytes) { return bytes ? g_ops->alloc(bytes) : NULL; }
 void op_free(void *p) { if (p) g_ops->free(p); }
 void op_zero(void *p, size_t bytes) {

@@ -77,6 +77,10 @@ void op_copy_out(void *dst_host, const void *src, size_t bytes, int k);
 void op_copy_in(void *dst, const void *src_host, size_t bytes, int k);
 void op_copy_sync(int k, int in);
 void op_copy_wait(int k, int in);
+/* device <- host (op_host_alloc memory) on the main queue, not waited for: the host bytes
+ * must stay as they are until the main queue has passed the copy (offload=params' shards,
+ * copied in ahead of their all-gather). */
+void op_copy_in_main(void *dst, const void *src_host, size_t bytes);
 /* Device memory: free and total bytes now; and the high-water marks since ops_init of the
  * bytes op_alloc holds (`allocated`) and of the device's used memory as seen at each
  * allocation (`used`: includes the runtime's context and other processes). Each returns -1
@@ -313,6 +317,7 @@ typedef struct OpsBackend {
     void (*copy_in)(void *dst, const void *src_host, size_t bytes, int k);
     void (*copy_sync)(int k, int in);
     void (*copy_wait)(int k, int in);
+    void (*copy_in_main)(void *dst, const void *src_host, size_t bytes);
     int (*device_memory)(size_t *free_bytes, size_t *total_bytes); /* NULL on the cpu */
     int (*device_peak)(size_t *allocated, size_t *used);           /* NULL on the cpu */
     void *(*alloc)(size_t bytes);

@@ -31,7 +31,9 @@ static Slot *start_gather(Parallel *p, int u, int may_fail) {
     Slot *s = par_take_slot(p, u, 0, may_fail);
     if (!s) return NULL;
     size_t n = shard_len(p, u);
-    op_copy(st_at(s->buf, (size_t)p->r * n), st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
+    if (p->hshard)  /* offload=params: from the host, on the main queue ahead of the all-gather */
+        op_copy_in_main(st_at(s->buf, (size_t)p->r * n), p->hshard + shard_off(p, u), n * sizeof(float));
+    else op_copy(st_at(s->buf, (size_t)p->r * n), st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
     comm_iallgather(p->group, s->buf, n, par_ctype(), &s->req, "parameter all-gather");
     return s;
 }
@@ -111,7 +113,7 @@ static void fsdp_setup(Parallel *p) {
     f->refs = xcalloc((size_t)p->m->n_units, sizeof(int));
     f->rreq = xcalloc((size_t)p->m->n_units, sizeof(CommReq));
     size_t shard = p->n_shard * ops_state_size();
-    p->pshard = op_alloc(shard);
+    if (p->offload != OFFLOAD_PARAMS) p->pshard = op_alloc(shard);  /* else the host's (offload.c) */
     p->gshard = op_alloc(shard);
     par_alloc_optim(p, p->n_shard, 1);
     par_alloc_slots(p, 1);  /* one pool for parameters and gradients */

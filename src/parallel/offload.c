@@ -26,6 +26,7 @@
 
 struct Offload {
     int n_units, threads;
+    int params_host;            /* offload=params: the master copy is the parameter shard itself */
     size_t n;                   /* host elements per buffer: what this rank updates */
     float *master, *grad;       /* host: the fp32 master copy and the gradient's copy */
     float *m1, *m2;             /* host: AdamW's moments (the Parallel's mom1, mom2) */
@@ -53,7 +54,7 @@ static void update_unit(Offload *o, int u) {
     op_copy_sync(u, 0);
     ops_backend_cpu.adamw(o->master + h, o->grad + h, o->m1 + h, o->m2 + h, n, o->lr, o->b1, o->b2, o->eps, o->wd,
                           o->step, o->scale);
-    op_copy_in(o->dparam[u], o->master + h, n * sizeof(float), u);
+    if (!o->params_host) op_copy_in(o->dparam[u], o->master + h, n * sizeof(float), u);
 }
 
 static void *worker(void *arg) {
@@ -91,6 +92,8 @@ void par_offload_setup(Parallel *p) {
         die(EXIT_RUN_FAILURE, "internal: offload keeps fp32 state, and this run's state is not fp32");
     const Model *m = p->m;
     int U = m->n_units;
+    if (p->offload == OFFLOAD_PARAMS && (p->pshard || p->params))
+        die(EXIT_RUN_FAILURE, "internal: offload=params with a strategy that keeps parameters on the device");
     Offload *o = p->off = xcalloc(1, sizeof *o);
     o->n_units = U;
     o->dparam = xcalloc((size_t)U, sizeof *o->dparam);
@@ -113,6 +116,8 @@ void par_offload_setup(Parallel *p) {
         if (o->hoff[u] + o->hn[u] > o->n) o->n = o->hoff[u] + o->hn[u];
     }
     o->master = par_host_alloc(o->n * sizeof(float), "fp32 master weights");
+    o->params_host = p->offload == OFFLOAD_PARAMS;
+    if (o->params_host) p->hshard = o->master;
     o->grad = par_host_alloc(o->n * sizeof(float), "the gradients' copy");
     o->m1 = p->mom1;
     o->m2 = p->mom2;
@@ -154,7 +159,7 @@ void par_offload_free(Parallel *p) {
 
 void par_offload_pull(Parallel *p) {
     Offload *o = p->off;
-    if (!o) return;
+    if (!o || o->params_host) return;  /* offload=params: the master copy is the parameters */
     par_offload_finish(p);
     ops_synchronize();
     for (int u = 0; u < o->n_units; u++) op_download(o->master + o->hoff[u], o->dparam[u], o->hn[u] * sizeof(float));
@@ -218,7 +223,7 @@ void par_offload_grads_in(Parallel *p) {
 void par_offload_params_out(Parallel *p) {
     Offload *o = p->off;
     for (int u = 0; u < o->n_units; u++) {
-        op_copy_in(o->dparam[u], o->master + o->hoff[u], o->hn[u] * sizeof(float), u);
+        if (!o->params_host) op_copy_in(o->dparam[u], o->master + o->hoff[u], o->hn[u] * sizeof(float), u);
         pthread_mutex_lock(&o->mu);
         o->state[u] = UPLOADED;
         pthread_mutex_unlock(&o->mu);

@@ -113,7 +113,7 @@ void parallel_init_weights(Parallel *p, uint64_t seed) {
 }
 
 void parallel_sync(Parallel *p) { par_offload_finish(p); }
-int parallel_state_on_host(const Parallel *p) { return p->off != NULL; }
+int parallel_state_on_host(const Parallel *p) { return !p->off ? 0 : p->hshard ? 2 : 1; }
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
@@ -155,6 +155,7 @@ ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size
     if (oc && oc->offload) {  /* fp32 state: the master copy and the gradients' copy beside it */
         b.host = b.optim + 2 * one;
         b.optim = oc->kind == OPTIM_ADAFACTOR && D > 1 ? stats : 0;
+        if (oc->offload == OFFLOAD_PARAMS) b.params -= one;  /* the shard: the master copy is it */
     }
     return b;
 }
@@ -373,7 +374,9 @@ void par_owned(Parallel *p, int u, void **param, const void **grad, void **m1, s
     const Unit *un = &p->m->units[u];
     int sharded = p->gshard != NULL;
     size_t so = shard_off(p, u), own = sharded ? so : un->offset;
-    *param = p->pshard ? st_at(p->pshard, so) : st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0));
+    *param = p->pshard   ? st_at(p->pshard, so)
+             : p->params ? st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0))
+                         : NULL;  /* offload=params: on the host (hshard) */
     *grad = sharded ? st_at(p->gshard, so) : st_at(p->grads, un->offset);
     *m1 = p->mom1 ? st_at(p->mom1, own) : NULL;
     if (own_out) *own_out = own;
@@ -563,10 +566,13 @@ static void init_units(Parallel *p, uint64_t seed, int whole) {
     int big = 0;
     par_slot_caps(m, 1, caps);
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
-    float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
+    /* offload=params: straight into the host's shards */
+    float *host = ops_host_memory() || p->hshard ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
         size_t n = whole ? m->units[u].n_padded : shard_len(p, u), lo = whole ? 0 : (size_t)p->r * n;
-        void *dst = whole ? st_at(p->params, m->units[u].offset) : st_at(p->pshard, shard_off(p, u));
+        void *dst = whole      ? st_at(p->params, m->units[u].offset)
+                    : p->hshard ? (void *)(p->hshard + shard_off(p, u))
+                                : st_at(p->pshard, shard_off(p, u));
         model_init_range(m, u, lo, lo + n, host ? host : dst, seed);
         if (host) op_upload_state(dst, host, n);
     }
@@ -585,7 +591,7 @@ int par_shard_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         if (hi > nu) hi = nu;
         size_t so = shard_off(p, u);
         void *base_p = p->params ? st_at(p->params, m->units[u].offset) : NULL;
-        void *sp = p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
+        void *sp = p->hshard ? (void *)(p->hshard + so) : p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
         if (lo < hi && n < max)
             out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 ? st_at(p->mom1, so) : NULL, p->mom2 ? st_at(p->mom2, so) : NULL};
         /* Whole parameters: on load every unit's are needed, not only the shard. */

@@ -61,7 +61,8 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
  * back on the device (before a checkpoint reads them); nothing to do without offload. */
 void parallel_sync(Parallel *p);
 /* 1 when the optimizer's state (the moments in parallel_ranges, Adafactor's statistics)
- * is host memory (offload): read and written directly, not staged. */
+ * is host memory (offload): read and written directly, not staged; 2 when the parameters
+ * of parallel_ranges are too (offload=params). */
 int parallel_state_on_host(const Parallel *p);
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);

@@ -79,6 +79,9 @@ struct Parallel {
      * (offload.c); NULL without */
     int offload;
     Offload *off;
+    /* offload=params (FSDP): no pshard on the device; this rank's parameter shards are the
+     * host's master copy (hshard, fp32, at shard_off(u)), copied into a slot at each gather */
+    float *hshard;
     /* Pipeline parallel: the other stages of this rank's pipeline, over which the gradient
      * norm is summed; a tied embedding's copy (on the last stage) is not counted twice. */
     const Comm *stages;

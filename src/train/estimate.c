@@ -154,11 +154,12 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
 
 void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,
                             int shard_size, int tp, int gpu, OpsPrecision prec, int copy_engines, const OptimConfig *oc) {
-    static const char *names[] = {"none", "optimizer"};
+    static const char *names[] = {"none", "optimizer", "params"};
+    int last = kind == PAR_FSDP || kind == PAR_HYBRID ? OFFLOAD_PARAMS : OFFLOAD_OPTIMIZER;
     char b1[32], b2[32];
     printf("by offload and optimizer (%s over %d rank%s):\n", parallel_kind_name(kind), world, world > 1 ? "s" : "");
     printf("  %-19s %-10s %12s %14s\n", "offload", "optimizer", gpu ? "GPU" : "rank total", "host (offload)");
-    for (int off = OFFLOAD_NONE; off <= OFFLOAD_OPTIMIZER; off++)
+    for (int off = OFFLOAD_NONE; off <= last; off++)
         for (int k = OPTIM_ADAMW; k <= OPTIM_ADAFACTOR; k++) {
             OptimConfig o = *oc;
             o.offload = off;

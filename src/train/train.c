@@ -317,6 +317,9 @@ int cmd_train(Config *c) {
         if (world.size > 1 && getenv("OMPI_COMM_WORLD_SIZE") && !getenv("OMPI_MCA_odls_base_sigkill_timeout"))
             printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
                    "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
+        if (oc.offload && !gpu)
+            printf("note: offload=%s on device=cpu keeps the state in more of the same memory: it saves nothing "
+                   "(allowed: the same code runs as on a GPU, which is how the tests check it)\n", c->offload);
         if (PP > 1) {
             printf("pipeline: %d stages, schedule %s", PP, c->pipeline_schedule);
             if (V > 1) printf(" over %d virtual stages per rank", V);
@@ -426,9 +429,11 @@ int cmd_train(Config *c) {
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
         comm_allreduce_double(loss_group, &l, 1);
         loss = (float)(l / loss_ranks);
-        if (!isfinite(loss) || !isfinite(norm))
+        if (!isfinite(loss) || !isfinite(norm)) {
+            parallel_sync(par);  /* offload: no update thread left running into the exit */
             stop_non_finite(&pr, log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
                             lead, saving ? c->ckpt_path : NULL);
+        }
         /* a device runs the optimizer step asynchronously: time it, but for the units DDP
          * updates beside the next forward (ops' side queue), which count in the next step */
         ops_synchronize_main();

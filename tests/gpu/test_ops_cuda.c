@@ -693,7 +693,7 @@ static void test_backend_table(void) {
         (void (*)(void))b->adafactor_rms, (void (*)(void))b->adafactor_update, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
         (void (*)(void))b->copy_rows, (void (*)(void))b->host_alloc, (void (*)(void))b->host_free,
         (void (*)(void))b->copy_reserve, (void (*)(void))b->copy_out, (void (*)(void))b->copy_in,
-        (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait};
+        (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait, (void (*)(void))b->copy_in_main};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
 
     size_t n = 1000003, peak0 = 0, peak1 = 0, used = 0, fr = 0, tot = 0;
@@ -756,6 +756,10 @@ static void test_copy_queues(void) {
     b->scale(d, n, 0.5f);  /* on the main queue, after the copy in */
     b->download(h2, d, n * sizeof(float));
     CHECK(same(h2, x, n), "copy_in from another thread: the main queue did not see it");
+    b->copy_in_main(d, h, n * sizeof(float));  /* h holds 2x: on the main queue, before the scale */
+    b->scale(d, n, 0.5f);
+    b->download(h2, d, n * sizeof(float));
+    CHECK(same(h2, x, n), "copy_in_main: not ordered on the main queue");
     b->free(d);
     b->host_free(h);
     free(h2);

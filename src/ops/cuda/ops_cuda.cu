@@ -481,6 +481,10 @@ static void cuda_copy_sync(int k, int in) {
     CUDA_CHECK(cudaEventSynchronize(g_copy.ev[in != 0][k]));
 }
 
+static void cuda_copy_in_main(void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.main));
+}
+
 static void cuda_copy_wait(int k, int in) {
     copy_check(k);
     CUDA_CHECK(cudaStreamWaitEvent(g.main, g_copy.ev[in != 0][k], 0));
@@ -1216,6 +1220,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .copy_in = cuda_copy_in,
     .copy_sync = cuda_copy_sync,
     .copy_wait = cuda_copy_wait,
+    .copy_in_main = cuda_copy_in_main,
     .device_memory = cuda_memory_info,
     .device_peak = backend_device_peak,
     .alloc = backend_alloc,
