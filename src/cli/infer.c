@@ -184,5 +184,10 @@ int cmd_estimate(Config *c) {
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();
     if (avail) printf("fits in %s available: %s\n", fmt_bytes(b4, (double)avail), most <= avail ? "yes" : "no");
+    if (gpu && e.offload) {  /* the offloaded state against this machine's memory (ranks on one machine: each holds its own) */
+        size_t host = available_memory_bytes();
+        if (host) printf("offloaded state (per rank) fits in this machine's %s available: %s\n", fmt_bytes(b4, (double)host),
+                         e.host <= host ? "yes" : "no");
+    }
     return 0;
 }
