@@ -46,6 +46,9 @@ static const Key KEYS[] = {
     I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
     E(optimizer, "adamw", "adamw|adafactor", TR | CMD_ESTIMATE,
       "adamw, or adafactor: factored second moments, no first moment unless adafactor_beta1 (see README)"),
+    E(offload, "none", "none|optimizer|params", TR | CMD_ESTIMATE,
+      "optimizer = fp32 master weights and optimizer state in host memory, updated on the CPU cores beside the "
+      "GPU's work; params = with fsdp (full or hybrid) the parameter shards there too (see README)"),
     F(lr, "3e-4", 0, 10, TR, "peak learning rate (also Adafactor's step size, unless adafactor_relative_step)"),
     F(min_lr, "0", 0, 10, TR, "final learning rate of the cosine schedule"),
     E(lr_schedule, "constant", "constant|cosine", TR, "constant, or linear warmup then cosine decay to min_lr"),
@@ -269,6 +272,15 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                                    af ? "adamw" : "adafactor", c->optimizer,
                                    af && !strcmp(k, "beta1") ? " (Adafactor's first moment: adafactor_beta1)" : "");
             }
+        }
+        if (strcmp(c->offload, "none")) {
+            if (!strcmp(c->precision, "bf16"))
+                return set_err(err, errlen, "offload=%s keeps fp32 master weights, which precision=bf16 has none of; "
+                               "use precision=mixed", c->offload);
+            if (!strcmp(c->offload, "params") &&
+                !(c->fsdp && (!strcmp(c->shard_strategy, "full") || !strcmp(c->shard_strategy, "hybrid"))))
+                return set_err(err, errlen, "offload=params needs fsdp=true with shard_strategy=full or hybrid (the "
+                               "others keep whole parameters on the device); use offload=optimizer");
         }
         if ((cmd & CMD_TRAIN) && c->ckpt_every && !strcmp(c->ckpt_path, "none"))
             return set_err(err, errlen, "ckpt_every=%d saves nothing with ckpt_path=none", c->ckpt_every);

@@ -13,6 +13,7 @@ typedef struct {
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     char lr_schedule[16];           /* constant | cosine */
     char optimizer[16];             /* adamw | adafactor */
+    char offload[16];               /* none | optimizer | params */
     double adafactor_beta1, adafactor_clip_threshold, adafactor_decay_rate;
     int adafactor_relative_step, adafactor_scale_parameter;
     /* data */

@@ -143,6 +143,9 @@ int cmd_estimate(Config *c) {
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP,
+                           c->sequence_parallel, gpu,
+                           precision_of(c), c->copy_engines && dp > 1, &oc);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
                "units and their activations, of the vocabulary rows of the embedding and lm_head and of the logits%s\n",
@@ -185,5 +188,10 @@ int cmd_estimate(Config *c) {
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();
     if (avail) printf("fits in %s available: %s\n", fmt_bytes(b4, (double)avail), most <= avail ? "yes" : "no");
+    if (gpu && e.offload) {  /* the offloaded state against this machine's memory (ranks on one machine: each holds its own) */
+        size_t host = available_memory_bytes();
+        if (host) printf("offloaded state (per rank) fits in this machine's %s available: %s\n", fmt_bytes(b4, (double)host),
+                         e.host <= host ? "yes" : "no");
+    }
     return 0;
 }

@@ -85,6 +85,37 @@ int ops_device_peak(size_t *allocated, size_t *used) {
     return g_ops->device_peak ? g_ops->device_peak(allocated, used) : -1;
 }
 
+void *op_host_alloc(size_t bytes) {
+    if (!bytes) return NULL;
+    if (g_ops->host_alloc) return g_ops->host_alloc(bytes);
+    void *p = NULL;
+    if (posix_memalign(&p, 64, (bytes + 63) / 64 * 64)) return NULL;
+    memset(p, 0, bytes);
+    return p;
+}
+void op_host_free(void *p) {
+    if (p) (g_ops->host_free ? g_ops->host_free : free)(p);
+}
+void op_copy_reserve(int n) { if (g_ops->copy_reserve) g_ops->copy_reserve(n); }
+/* The cpu's: its buffers are host memory, so a copy either way is a memcpy (no PROF: the
+ * worker thread calls op_copy_in, and the profile's table is the ops thread's). */
+void op_copy_out(void *dst, const void *src, size_t bytes, int k) {
+    if (!bytes) return;
+    if (g_ops->copy_out) g_ops->copy_out(dst, src, bytes, k);
+    else memcpy(dst, src, bytes);
+}
+void op_copy_in(void *dst, const void *src, size_t bytes, int k) {
+    if (!bytes) return;
+    if (g_ops->copy_in) g_ops->copy_in(dst, src, bytes, k);
+    else memcpy(dst, src, bytes);
+}
+void op_copy_sync(int k, int in) { if (g_ops->copy_sync) g_ops->copy_sync(k, in); }
+void op_copy_wait(int k, int in) { if (g_ops->copy_wait) g_ops->copy_wait(k, in); }
+void op_copy_in_main(void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    if (g_ops->copy_in_main) g_ops->copy_in_main(dst, src, bytes);
+    else memcpy(dst, src, bytes);
+}
 void *op_alloc(size_t bytes) { return bytes ? g_ops->alloc(bytes) : NULL; }
 void op_free(void *p) { if (p) g_ops->free(p); }
 void op_zero(void *p, size_t bytes) {

@@ -61,6 +61,26 @@ void op_side_end(void);
 void op_side_mark(int k);
 void op_side_wait(int k);
 void ops_synchronize_main(void);
+/* Host memory for state kept off the device (offload=optimizer), and the two copy queues
+ * that move it. op_host_alloc: zeroed, 64-byte aligned host memory, pinned on cuda (so
+ * copies run asynchronously on the copy engines); NULL when refused (no exit: the caller
+ * says what it was for). op_copy_out(k): host <- device on the "out" queue, after all the
+ * main queue holds so far; op_copy_in(k): device <- host on the "in" queue (it may be
+ * called from another host thread than the ops'); each records mark k of its queue
+ * (0 <= k < op_copy_reserve's n). op_copy_sync(k, in): the calling host thread waits for
+ * the mark; op_copy_wait(k, in): the main queue's later ops wait for it. On the cpu the
+ * copies are plain copies, done when the call returns, and the marks do nothing. */
+void *op_host_alloc(size_t bytes);
+void op_host_free(void *p);
+void op_copy_reserve(int n);
+void op_copy_out(void *dst_host, const void *src, size_t bytes, int k);
+void op_copy_in(void *dst, const void *src_host, size_t bytes, int k);
+void op_copy_sync(int k, int in);
+void op_copy_wait(int k, int in);
+/* device <- host (op_host_alloc memory) on the main queue, not waited for: the host bytes
+ * must stay as they are until the main queue has passed the copy (offload=params' shards,
+ * copied in ahead of their all-gather). */
+void op_copy_in_main(void *dst, const void *src_host, size_t bytes);
 /* Device memory: free and total bytes now; and the high-water marks since ops_init of the
  * bytes op_alloc holds (`allocated`) and of the device's used memory as seen at each
  * allocation (`used`: includes the runtime's context and other processes). Each returns -1
@@ -312,6 +332,16 @@ typedef struct OpsBackend {
     void (*side_mark)(int k);
     void (*side_wait)(int k);
     void (*synchronize_main)(void);
+    /* offload's host memory and copy queues (ops.h); NULL: aligned malloc and plain
+     * copies (the cpu, whose buffers are host memory) */
+    void *(*host_alloc)(size_t bytes);
+    void (*host_free)(void *p);
+    void (*copy_reserve)(int n);
+    void (*copy_out)(void *dst_host, const void *src, size_t bytes, int k);
+    void (*copy_in)(void *dst, const void *src_host, size_t bytes, int k);
+    void (*copy_sync)(int k, int in);
+    void (*copy_wait)(int k, int in);
+    void (*copy_in_main)(void *dst, const void *src_host, size_t bytes);
     int (*device_memory)(size_t *free_bytes, size_t *total_bytes); /* NULL on the cpu */
     int (*device_peak)(size_t *allocated, size_t *used);           /* NULL on the cpu */
     void *(*alloc)(size_t bytes);

@@ -81,6 +81,13 @@ static void flush(Parallel *p, Ddp *d, int late) {
     CommReq *r = &p->greq[d->bkt_unit];
     if (late) mark_late(d, d->bkt_unit, d->bkt_off + d->bkt_n);
     comm_iallreduce(p->group, st_at(p->grads, d->bkt_off), d->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
+    /* offload: the bucket's units go out to the host once it is reduced (an embedding reduced
+     * in its rows is scattered back at the step, and goes out then) */
+    for (int u = 0; u < p->m->n_units; u++) {
+        const Unit *un = &p->m->units[u];
+        if (un->n_padded && un->offset >= d->bkt_off && un->offset < d->bkt_off + d->bkt_n)
+            par_offload_grad_request(p, u, r);
+    }
     d->bkt_n = 0;
     if (!p->overlap) par_wait(p, r);
 }
@@ -125,6 +132,7 @@ static void ddp_gather(void *ctx, int u, int next) {
         op_side_wait(u);
         d->side_pending[u] = 0;
     }
+    par_offload_ready(p, u, 1);
     par_cast_unit(p, u);
 }
 
@@ -166,10 +174,25 @@ static double ddp_adafactor(Parallel *p, Ddp *d, const OptimConfig *oc, double *
     return norm;
 }
 
+/* offload: after every reduction and the norm (in one part, as with clipping), the update
+ * on the host (offload.c); the gather hook waits for each unit and remakes its bf16 copy. */
+static double ddp_offload(Parallel *p, Ddp *d, const OptimConfig *oc, double *lr_out) {
+    flush(p, d, 1);
+    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
+    finish_erows(p, d);
+    double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
+    double lr = par_next_lr(p, oc);
+    par_offload_adamw(p, oc, lr, p->adam_steps, clip_scale(oc, norm));
+    par_params_stale(p);
+    *lr_out = lr;
+    return norm;
+}
+
 static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
     Ddp *d = p->st;
     if (oc->kind == OPTIM_ADAFACTOR) return ddp_adafactor(p, d, oc, lr_out);
+    if (p->off) return ddp_offload(p, d, oc, lr_out);
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
     /* (sequence parallel: nothing is updated before the norms' gradients are summed over tp) */
     size_t n = m->n_flat, split = oc->grad_clip > 0 || m->sp ? n : d->late_hi;
@@ -270,7 +293,7 @@ static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
 static ParallelBytes ddp_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t full = layout->n_flat * state_size, cap = erows_cap(layout, D);
     return (ParallelBytes){full, full + cap * ((size_t)layout->E * state_size + sizeof(int)), 2 * full,
-                           compute_size ? layout->n_flat * compute_size : 0};
+                           compute_size ? layout->n_flat * compute_size : 0, 0};
 }
 
 static void ddp_set_bucket(Parallel *p, size_t bytes) { ((Ddp *)p->st)->bucket_bytes = bytes; }

@@ -43,6 +43,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, 
     p->mesh = mesh;
     p->overlap = overlap;
     p->optim = oc ? oc->kind : OPTIM_ADAMW;
+    p->offload = oc ? oc->offload : OFFLOAD_NONE;
     p->af_beta1 = oc && oc->kind == OPTIM_ADAFACTOR ? oc->af_beta1 : 0;
     p->group = s->replicated ? &mesh->shard : &mesh->dp;
     p->replicas = s->replicated ? &mesh->replicate : NULL;
@@ -59,6 +60,7 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, 
     p->hooks = (UnitHooks){.ctx = p, .gather = s->gather, .release = s->release, .grad_begin = s->grad_begin,
                            .grad_ready = s->grad_ready ? grad_ready : NULL};
     s->setup(p);
+    if (p->offload) par_offload_setup(p);
     return p;
 }
 
@@ -68,12 +70,19 @@ void parallel_free(Parallel *p) {
      * leaves a prefetched gather behind (FSDP), with no step after it to wait for it. */
     for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->slots[i].req);
+    par_offload_free(p);
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
-    op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard); op_free(p->mom1);
-    op_free(p->mom2);
-    op_free(p->af_stats); op_free(p->af_fac); op_free(p->af_sums); op_free(p->af_seg);
+    op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard);
+    if (p->offload) {  /* host memory (par_alloc_optim) */
+        op_host_free(p->mom1); op_host_free(p->mom2);
+        op_host_free(p->af_stats); op_host_free(p->af_fac); op_host_free(p->af_sums);
+    } else {
+        op_free(p->mom1); op_free(p->mom2);
+        op_free(p->af_stats); op_free(p->af_fac); op_free(p->af_sums);
+    }
+    op_free(p->af_dsums); op_free(p->af_seg);
     free(p->af_seg_host); free(p->af_tensor);
     af_plan_free(&p->af);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->slots[i].buf);
@@ -95,12 +104,20 @@ double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void parallel_params_changed(Parallel *p) {
     if (p->s->params_changed) p->s->params_changed(p);
+    par_offload_pull(p);
 }
 
-void parallel_init_weights(Parallel *p, uint64_t seed) { p->s->init_weights(p, seed); }
+void parallel_init_weights(Parallel *p, uint64_t seed) {
+    p->s->init_weights(p, seed);
+    par_offload_pull(p);
+}
+
+void parallel_sync(Parallel *p) { par_offload_finish(p); }
+int parallel_state_on_host(const Parallel *p) { return !p->off ? 0 : p->hshard ? 2 : 1; }
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
+    par_offload_begin_step(p);
     p->n_micro = 1;
     memset(p->n_ready, 0, (size_t)p->m->n_units * sizeof(int));
     if (p->s->begin_step) p->s->begin_step(p);
@@ -127,11 +144,18 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size,
                              const OptimConfig *oc) {
     ParallelBytes b = strategy_for(kind)->bytes(layout, D, state_size, compute_size);
-    if (oc && oc->kind == OPTIM_ADAFACTOR) {  /* the strategies count AdamW's two moments */
-        b.optim = b.optim / 2 * (size_t)optim_moments(oc);
+    size_t one = b.optim / 2;  /* the strategies count AdamW's two moments: one is what the rank updates */
+    size_t nt = 8 + 7 * (size_t)layout->L, stats = af_stats_count(layout) * sizeof(float);
+    if (oc && oc->kind == OPTIM_ADAFACTOR) {
+        b.optim = one * (size_t)optim_moments(oc);
         /* statistics, factors and sums (fp32), and per tensor two doubles (at most one segment each) */
-        size_t nt = 8 + 7 * (size_t)layout->L;
-        b.optim += 3 * af_stats_count(layout) * sizeof(float) + 2 * nt * sizeof(double);
+        b.optim += 3 * stats + 2 * nt * sizeof(double);
+    }
+    b.host = 0;
+    if (oc && oc->offload) {  /* fp32 state: the master copy and the gradients' copy beside it */
+        b.host = b.optim + 2 * one;
+        b.optim = oc->kind == OPTIM_ADAFACTOR && D > 1 ? stats : 0;
+        if (oc->offload == OFFLOAD_PARAMS) b.params -= one;  /* the shard: the master copy is it */
     }
     return b;
 }
@@ -141,7 +165,11 @@ const AfPlan *parallel_af_plan(const Parallel *p) { return &p->af; }
 void parallel_af_stats(const Parallel *p, float *host, int upload) {
     size_t bytes = p->af.n_stats * sizeof(float);
     if (!bytes) return;
-    if (upload) op_upload(p->af_stats, host, bytes);
+    if (p->off) {  /* host memory already */
+        par_offload_finish((Parallel *)p);
+        if (upload) memcpy(p->af_stats, host, bytes);
+        else memcpy(host, p->af_stats, bytes);
+    } else if (upload) op_upload(p->af_stats, host, bytes);
     else {
         ops_synchronize();
         op_download(host, p->af_stats, bytes);
@@ -263,7 +291,13 @@ void par_slot_grad_begin(void *ctx, int u) {
 void par_slot_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     for (int i = 0; i < N_SLOTS; i++)
-        if (p->slots[i].grad && p->slots[i].unit == u) par_reduce_scatter_grad(p, u, p->slots[i].buf, &p->slots[i].req);
+        if (p->slots[i].grad && p->slots[i].unit == u) {
+            par_reduce_scatter_grad(p, u, p->slots[i].buf, &p->slots[i].req);
+            /* offload: the step's last reduce-scatter of u ends its gradient (hybrid's shards
+             * are all-reduced across replicas at the step, and go out then). Should the slot
+             * be taken again first, its request is another's: u's goes out later, never early. */
+            if (!p->replicas && p->n_ready[u] + 1 >= p->n_micro) par_offload_grad_request(p, u, &p->slots[i].req);
+        }
     p->grad_open[u] = 2;
     p->m->ugrads[u] = NULL;
     par_progress(p);
@@ -285,6 +319,7 @@ void par_wait(Parallel *p, CommReq *r) {
 void par_progress(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) comm_test(&p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) comm_test(&p->slots[i].req);
+    par_offload_poll(p);
 }
 
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
@@ -306,35 +341,76 @@ double par_next_lr(Parallel *p, const OptimConfig *oc) {
     return lr;
 }
 
+/* op_alloc, or with offload host memory */
+static void *optim_alloc(Parallel *p, size_t bytes, const char *what) {
+    return p->offload ? par_host_alloc(bytes, what) : op_alloc(bytes);
+}
+
 void par_alloc_optim(Parallel *p, size_t n, int sharded) {
     size_t bytes = n * ops_state_size();
     if (p->optim != OPTIM_ADAFACTOR) {
-        p->mom1 = op_alloc(bytes);
-        p->mom2 = op_alloc(bytes);
+        p->mom1 = optim_alloc(p, bytes, "AdamW's first moment");
+        p->mom2 = optim_alloc(p, bytes, "AdamW's second moment");
         return;
     }
-    if (p->af_beta1 > 0) p->mom1 = op_alloc(bytes);
+    if (p->af_beta1 > 0) p->mom1 = optim_alloc(p, bytes, "Adafactor's first moment");
     p->af_sharded = sharded && p->D > 1;
     af_plan_init(&p->af, p->m, sharded ? p->D : 1, sharded ? p->r : 0);
     size_t s = p->af.n_stats * sizeof(float), ns = (size_t)p->af.n_segs;
-    p->af_stats = op_alloc(s);
-    p->af_fac = op_alloc(s);
-    p->af_sums = op_alloc(s);
-    p->af_seg = op_alloc(2 * ns * sizeof(double));
+    p->af_stats = optim_alloc(p, s, "Adafactor's statistics");
+    p->af_fac = optim_alloc(p, s, "Adafactor's factors");
+    p->af_sums = optim_alloc(p, s, "Adafactor's sums");
+    /* offloaded and sharded: the sums are all-reduced through the device */
+    if (p->offload && p->af_sharded) p->af_dsums = op_alloc(s);
+    if (!p->offload) p->af_seg = op_alloc(2 * ns * sizeof(double));
     p->af_seg_host = xcalloc(2 * ns + 1, sizeof(double));
     p->af_tensor = xcalloc(2 * (size_t)p->af.n_tensors + 1, sizeof(double));
 }
 
-/* Where the rank's update of unit u starts in the parameters, gradients and first moment
- * (the segments' offsets are relative to it): its shard (pshard, gshard) or, updating
- * whole units (DDP), the unit in the whole buffers; ZeRO's whole parameters at its shard. */
-static void af_unit(Parallel *p, int u, void **param, const void **grad, void **m1) {
+/* Where the rank's update of unit u starts (Adafactor's segments' offsets are relative to
+ * it): its shard (pshard, gshard) or, updating whole units (DDP), the unit in the whole
+ * buffers; ZeRO's whole parameters at its shard. */
+void par_owned(Parallel *p, int u, void **param, const void **grad, void **m1, size_t *own_out) {
     const Unit *un = &p->m->units[u];
     int sharded = p->gshard != NULL;
     size_t so = shard_off(p, u), own = sharded ? so : un->offset;
-    *param = p->pshard ? st_at(p->pshard, so) : st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0));
+    *param = p->pshard   ? st_at(p->pshard, so)
+             : p->params ? st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0))
+                         : NULL;  /* offload=params: on the host (hshard) */
     *grad = sharded ? st_at(p->gshard, so) : st_at(p->grads, un->offset);
     *m1 = p->mom1 ? st_at(p->mom1, own) : NULL;
+    if (own_out) *own_out = own;
+}
+
+/* Adafactor's update reads and writes the device's buffers, or with offload the host's
+ * (the master copy, the gradients' copy, the moment) with the cpu backend's kernels, which
+ * the op_adafactor_* wrappers would guard as below. */
+static void af_unit(Parallel *p, int u, void **param, const void **grad, void **m1) {
+    size_t own;
+    par_owned(p, u, param, grad, m1, &own);
+    if (p->off) {
+        *param = par_offload_master(p) + own;
+        *grad = par_offload_grad(p) + own;
+    }
+}
+static void af_sums(const Parallel *p, float *sums, const void *grad, const AdafactorSeg *s, float scale) {
+    if (!p->off) op_adafactor_sums(sums, grad, s, scale);
+    else if (s->n) ops_backend_cpu.adafactor_sums(sums, grad, s, scale);
+}
+static void af_stats(const Parallel *p, float *stat, float *fac, const float *sums, int rows, int cols, float b2) {
+    if (!p->off) op_adafactor_stats(stat, fac, sums, rows, cols, b2, (float)ADAFACTOR_EPS1);
+    else ops_backend_cpu.adafactor_stats(stat, fac, sums, rows, cols, b2, (float)ADAFACTOR_EPS1);
+}
+static void af_rms(const Parallel *p, double *out, const void *param, const void *grad, const float *fac,
+                   const AdafactorSeg *s, float scale) {
+    if (!p->off) op_adafactor_rms(out, param, grad, fac, s, scale);
+    else if (!s->n) out[0] = out[1] = 0;
+    else ops_backend_cpu.adafactor_rms(out, param, grad, fac, s, scale);
+}
+static void af_update(const Parallel *p, void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
+                      float scale, float coef, float decay, float beta1) {
+    if (!p->off) op_adafactor_update(param, grad, m, fac, s, scale, coef, decay, beta1);
+    else if (s->n) ops_backend_cpu.adafactor_update(param, grad, m, fac, s, scale, coef, decay, beta1);
 }
 
 double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
@@ -343,25 +419,30 @@ double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
     const AfPlan *af = &p->af;
     int t = ++p->adam_steps;
     double rate = af_rate(oc, t);
+    if (p->off) par_offload_grads_in(p);
     /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, over the group */
-    op_zero(p->af_sums, af->n_stats * sizeof(float));
+    if (p->off) memset(p->af_sums, 0, af->n_stats * sizeof(float));
+    else op_zero(p->af_sums, af->n_stats * sizeof(float));
     for (int u = 0; u < p->m->n_units; u++) {
         void *param, *m1;
         const void *grad;
         af_unit(p, u, &param, &grad, &m1);
-        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) op_adafactor_sums(p->af_sums, grad, &af->segs[i], scale);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) af_sums(p, p->af_sums, grad, &af->segs[i], scale);
     }
     if (p->af_sharded) {
+        /* offloaded: through a device buffer (the collectives' buffers are the device's) */
+        float *sums = p->off ? p->af_dsums : p->af_sums;
+        if (p->off) op_upload(sums, p->af_sums, af->n_stats * sizeof(float));
         CommReq r = {0};
-        comm_iallreduce(p->group, p->af_sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
+        comm_iallreduce(p->group, sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
         par_wait(p, &r);
+        if (p->off) op_download(p->af_sums, sums, af->n_stats * sizeof(float));
     }
     /* 2. the statistics (the same on every rank) and the update's factors */
     float b2 = af_beta2(oc, t);
     for (int k = 0; k < af->n_tensors; k++) {
         const AfTensor *tk = &af->t[k];
-        op_adafactor_stats(p->af_stats + tk->stat, p->af_fac + tk->stat, p->af_sums + tk->stat, tk->rows, tk->cols, b2,
-                           (float)ADAFACTOR_EPS1);
+        af_stats(p, p->af_stats + tk->stat, p->af_fac + tk->stat, p->af_sums + tk->stat, tk->rows, tk->cols, b2);
     }
     /* 3. per tensor: the sums of u^2 and param^2, for the update clipping and the parameter scale */
     for (int u = 0; u < p->m->n_units; u++) {
@@ -369,9 +450,9 @@ double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
         const void *grad;
         af_unit(p, u, &param, &grad, &m1);
         for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
-            op_adafactor_rms(p->af_seg + 2 * i, param, grad, p->af_fac, &af->segs[i], scale);
+            af_rms(p, (p->off ? p->af_seg_host : p->af_seg) + 2 * i, param, grad, p->af_fac, &af->segs[i], scale);
     }
-    if (af->n_segs) op_download(p->af_seg_host, p->af_seg, 2 * (size_t)af->n_segs * sizeof(double));
+    if (af->n_segs && !p->off) op_download(p->af_seg_host, p->af_seg, 2 * (size_t)af->n_segs * sizeof(double));
     memset(p->af_tensor, 0, 2 * (size_t)af->n_tensors * sizeof(double));
     for (int i = 0; i < af->n_segs; i++) {
         p->af_tensor[2 * af->seg_tensor[i]] += p->af_seg_host[2 * i];
@@ -388,9 +469,10 @@ double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
             float coef, decay;
             af_coef(oc, rate, p->af_tensor[2 * k], p->af_tensor[2 * k + 1], (size_t)af->t[k].rows * af->t[k].cols, &coef,
                     &decay);
-            op_adafactor_update(param, grad, m1, p->af_fac, &af->segs[i], scale, coef, decay, (float)oc->af_beta1);
+            af_update(p, param, grad, m1, p->af_fac, &af->segs[i], scale, coef, decay, (float)oc->af_beta1);
         }
     }
+    if (p->off) par_offload_params_out(p);
     return rate;
 }
 
@@ -508,10 +590,13 @@ static void init_units(Parallel *p, uint64_t seed, int whole) {
     int big = 0;
     par_slot_caps(m, 1, caps);
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
-    float *host = ops_host_memory() ? NULL : xaligned_alloc(caps[big] * sizeof(float));
+    /* offload=params: straight into the host's shards */
+    float *host = ops_host_memory() || p->hshard ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
         size_t n = whole ? m->units[u].n_padded : shard_len(p, u), lo = whole ? 0 : (size_t)p->r * n;
-        void *dst = whole ? st_at(p->params, m->units[u].offset) : st_at(p->pshard, shard_off(p, u));
+        void *dst = whole      ? st_at(p->params, m->units[u].offset)
+                    : p->hshard ? (void *)(p->hshard + shard_off(p, u))
+                                : st_at(p->pshard, shard_off(p, u));
         model_init_range(m, u, lo, lo + n, host ? host : dst, seed);
         if (host) op_upload_state(dst, host, n);
     }
@@ -530,7 +615,7 @@ int par_shard_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         if (hi > nu) hi = nu;
         size_t so = shard_off(p, u);
         void *base_p = p->params ? st_at(p->params, m->units[u].offset) : NULL;
-        void *sp = p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
+        void *sp = p->hshard ? (void *)(p->hshard + so) : p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
         if (lo < hi && n < max)
             out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 ? st_at(p->mom1, so) : NULL, p->mom2 ? st_at(p->mom2, so) : NULL};
         /* Whole parameters: on load every unit's are needed, not only the shard. */

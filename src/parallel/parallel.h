@@ -57,6 +57,13 @@ void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding);
  * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather
  * hooks). Returns the norm (before clipping); *lr gets the rate used. */
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
+/* offload=optimizer: waits until every unit's update is done and its parameters are
+ * back on the device (before a checkpoint reads them); nothing to do without offload. */
+void parallel_sync(Parallel *p);
+/* 1 when the optimizer's state (the moments in parallel_ranges, Adafactor's statistics)
+ * is host memory (offload): read and written directly, not staged; 2 when the parameters
+ * of parallel_ranges are too (offload=params). */
+int parallel_state_on_host(const Parallel *p);
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);
 /* The parameters were written from outside (a checkpoint loaded into parallel_ranges):
@@ -85,9 +92,11 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
  * weights (for the estimate). state_size: bytes per element of the parameter state (4, or
  * 2 with precision=bf16); compute_size: bytes per element of the compute copy (2 with
  * precision=mixed), or 0 where the ops compute with the parameters themselves. */
-typedef struct { size_t params, grads, optim, compute; } ParallelBytes;
+typedef struct { size_t params, grads, optim, compute, host; } ParallelBytes;
 /* oc: the optimizer (NULL = AdamW): `optim` is its elementwise moments, sharded as the
- * strategy shards them, and Adafactor's statistics. */
+ * strategy shards them, and Adafactor's statistics. With oc->offload they are in `host`
+ * instead (host memory), with the fp32 master copy and the gradients' copy of what the
+ * rank updates; `optim` then holds what stays on the device (Adafactor's sums to reduce). */
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t state_size,
                              size_t compute_size, const OptimConfig *oc);
 #endif

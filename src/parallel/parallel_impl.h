@@ -37,6 +37,7 @@ typedef struct {
 } Slot;
 
 typedef struct ParallelStrategy ParallelStrategy;
+typedef struct Offload Offload;  /* offload.c */
 
 /* What every strategy has; the strategy's own fields are behind `st`. A strategy's setup
  * allocates the buffers it keeps (the others stay NULL), and the shared code below works
@@ -62,6 +63,7 @@ struct Parallel {
     int af_sharded;
     AfPlan af;
     float *af_stats, *af_fac, *af_sums;
+    float *af_dsums;  /* offload over several ranks: the sums' device copy, all-reduced there */
     double *af_seg, *af_seg_host, *af_tensor;
     Slot slots[N_SLOTS];    /* gradient slots (ZeRO-2), or the pool of parameters and gradients (FSDP) */
     /* precision=mixed: the bf16 copy the ops read, of the whole parameters
@@ -72,6 +74,14 @@ struct Parallel {
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;
+    /* offload=optimizer (oc->offload): the moments above (and Adafactor's statistics) are
+     * host memory, and `off` keeps the master weights, the gradients' copy and the update
+     * (offload.c); NULL without */
+    int offload;
+    Offload *off;
+    /* offload=params (FSDP): no pshard on the device; this rank's parameter shards are the
+     * host's master copy (hshard, fp32, at shard_off(u)), copied into a slot at each gather */
+    float *hshard;
     /* Pipeline parallel: the other stages of this rank's pipeline, over which the gradient
      * norm is summed; a tied embedding's copy (on the last stage) is not counted twice. */
     const Comm *stages;
@@ -156,6 +166,10 @@ void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 void par_wait_grads(Parallel *p);
 
 /* ---- the optimizer ---- */
+/* What the rank updates of unit u: its parameters and gradient (device) and first moment,
+ * and `own`, its offset in the optimizer's buffers (mom1, mom2: the shard's offset, or the
+ * unit's in whole buffers). Its length: shard_len with a gradient shard, else the unit. */
+void par_owned(Parallel *p, int u, void **param, const void **grad, void **m1, size_t *own);
 /* A strategy's setup allocates the optimizer's elementwise state over n elements (AdamW's
  * two moments, or Adafactor's first moment if any) and, for Adafactor, its statistics and
  * plan: sharded = 1 where the rank updates its shard of each unit, 0 whole units. */
@@ -180,6 +194,35 @@ double par_stages_sumsq(Parallel *p, double sumsq);
 void par_tp_sum_partial(Parallel *p, int sharded);
 /* The global norm of the gradient shards (gshard) over the group. */
 double par_shard_norm(Parallel *p);
+
+/* ---- offload=optimizer (offload.c) ---- */
+/* Host memory for the offloaded state (pinned on a GPU), or a one-line exit 2. */
+void *par_host_alloc(size_t bytes, const char *what);
+/* After the strategy's setup (its buffers and par_alloc_optim's host moments): the master
+ * copy, the gradients' copy, the worker thread. par_offload_free: waits and frees. */
+void par_offload_setup(Parallel *p);
+void par_offload_free(Parallel *p);
+/* The master copy := the device's parameters (after the init or a load). */
+void par_offload_pull(Parallel *p);
+/* Before a step's gradients are cleared: the last step's copies out are done. */
+void par_offload_begin_step(Parallel *p);
+/* Unit u's last reduction of the step is r: once r is done its gradient goes out to the
+ * host (par_offload_poll, from par_progress). */
+void par_offload_grad_request(Parallel *p, int u, CommReq *r);
+void par_offload_poll(Parallel *p);
+/* The AdamW step of every unit, on the worker (after the step's reductions and norm):
+ * returns at once; each unit's parameters are back on the device at par_offload_ready. */
+void par_offload_adamw(Parallel *p, const OptimConfig *oc, double lr, int step, float scale);
+/* Adafactor's (on this thread): every gradient into the host copy, waited for; and after
+ * the update every unit's parameters back to the device (waited for at par_offload_ready). */
+void par_offload_grads_in(Parallel *p);
+void par_offload_params_out(Parallel *p);
+/* Unit u's update is done and its parameters are on the device (the main queue waits for
+ * them): 1. wait = 0: 0 instead of waiting while its update still runs. 1 without offload. */
+int par_offload_ready(Parallel *p, int u, int wait);
+void par_offload_finish(Parallel *p);  /* par_offload_ready of every unit */
+float *par_offload_master(const Parallel *p);
+float *par_offload_grad(const Parallel *p);
 
 /* ---- parameters ---- */
 /* precision=mixed, a no-op otherwise: the bf16 copy of the whole parameters (cparams, the

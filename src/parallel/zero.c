@@ -5,23 +5,48 @@
  * ZeRO-1 keeps a whole gradient buffer; ZeRO-2 (shard_strategy=grad_op) accumulates a
  * unit's gradient in a slot that is reused once its reduce-scatter has drained it, so the
  * whole gradient never exists on one rank (the shared slot hooks, parallel_impl.h).
- * Neither has state of its own: greq[u] carries unit u's gradient reduce-scatter
- * (ZeRO-1), then its parameter all-gather. */
+ * greq[u] carries unit u's gradient reduce-scatter (ZeRO-1), then its parameter
+ * all-gather. With offload=optimizer the all-gather of a unit starts only once its update
+ * (on the host) is back on the device: at its gather hook, or as the previous unit's
+ * prefetch; the state is which units' all-gathers are still to start. */
+#include <stdlib.h>
+#include <string.h>
 #include "ops.h"
 #include "parallel_impl.h"
 #include "util.h"
 
+typedef struct { unsigned char *pending; } Zero;  /* per unit: all-gather still to start (offload) */
+
 static void zero1_grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
     par_reduce_scatter_grad(p, u, st_at(p->grads, p->m->units[u].offset), &p->greq[u]);
+    par_offload_grad_request(p, u, &p->greq[u]);
     par_progress(p);
+}
+
+static void gather_unit(Parallel *p, int u) {
+    comm_iallgather(p->group, st_at(p->params, p->m->units[u].offset), shard_len(p, u), par_ctype(), &p->greq[u],
+                    "parameter all-gather");
+    if (!p->overlap) par_wait(p, &p->greq[u]);
+}
+
+/* offload: starts unit u's all-gather once its update is on the device (wait = 0: only if
+ * it already is). */
+static void gather_offloaded(Parallel *p, int u, int wait) {
+    Zero *z = p->st;
+    if (u < 0 || !z->pending[u] || !par_offload_ready(p, u, wait)) return;
+    z->pending[u] = 0;
+    gather_unit(p, u);
 }
 
 /* Waits for unit u's parameter all-gather (started after the last update, overlapping
  * this forward); with precision=mixed remakes its bf16 copy if it is behind. */
 static void zero_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
-    (void)next;
+    if (p->off) {
+        gather_offloaded(p, u, 1);
+        gather_offloaded(p, next, 0);
+    }
     par_wait(p, &p->greq[u]);
     par_cast_unit(p, u);
 }
@@ -30,11 +55,7 @@ static void zero_gather(void *ctx, int u, int next) {
  * waited for by the gather hook of its unit (zero_gather), so they overlap the forward
  * instead of ending the step. */
 static void gather_params(Parallel *p) {
-    for (int u = 0; u < p->m->n_units; u++) {
-        comm_iallgather(p->group, st_at(p->params, p->m->units[u].offset), shard_len(p, u), par_ctype(), &p->greq[u],
-                        "parameter all-gather");
-        if (!p->overlap) par_wait(p, &p->greq[u]);
-    }
+    for (int u = 0; u < p->m->n_units; u++) gather_unit(p, u);
 }
 
 /* Every rank updates its shard of the whole parameters, then all gather. */
@@ -44,6 +65,13 @@ static double zero_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     double norm = par_shard_norm(p);
     float scale = clip_scale(oc, norm);
     double lr = oc->kind == OPTIM_ADAFACTOR ? par_adafactor(p, oc, scale) : par_next_lr(p, oc);
+    if (p->off) {  /* the update on the host; each unit's all-gather at its gather hook */
+        if (oc->kind != OPTIM_ADAFACTOR) par_offload_adamw(p, oc, lr, p->adam_steps, scale);
+        memset(((Zero *)p->st)->pending, 1, (size_t)m->n_units);
+        par_params_stale(p);
+        *lr_out = lr;
+        return norm;
+    }
     for (int u = 0; u < m->n_units && oc->kind != OPTIM_ADAFACTOR; u++) {
         size_t so = shard_off(p, u);
         par_adamw(st_at(p->params, m->units[u].offset + (size_t)p->r * shard_len(p, u)), st_at(p->gshard, so),
@@ -62,6 +90,8 @@ static void zero1_begin_step(Parallel *p) { op_zero(p->grads, p->m->n_flat * ops
  * The setups then add ZeRO-1's whole gradient buffer or ZeRO-2's gradient slots. */
 static void zero_alloc(Parallel *p) {
     size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
+    Zero *z = p->st = xcalloc(1, sizeof *z);
+    z->pending = xcalloc((size_t)p->m->n_units, 1);
     p->params = op_alloc(full);
     p->gshard = op_alloc(shard);
     par_alloc_optim(p, p->n_shard, 1);
@@ -81,20 +111,27 @@ static void zero2_setup(Parallel *p) {
     par_compute_whole(p);
 }
 
+static void zero_free(Parallel *p) {
+    Zero *z = p->st;
+    free(z->pending);
+    free(z);
+}
+
 static ParallelBytes zero1_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t full = layout->n_flat * state_size, shard = full / (size_t)D;
-    return (ParallelBytes){full, full + shard, 2 * shard, compute_size ? layout->n_flat * compute_size : 0};
+    return (ParallelBytes){full, full + shard, 2 * shard, compute_size ? layout->n_flat * compute_size : 0, 0};
 }
 
 static ParallelBytes zero2_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t full = layout->n_flat * state_size, shard = full / (size_t)D;
     return (ParallelBytes){full, par_slot_elems(layout, 0) * state_size + shard, 2 * shard,
-                           compute_size ? layout->n_flat * compute_size : 0};
+                           compute_size ? layout->n_flat * compute_size : 0, 0};
 }
 
 const ParallelStrategy par_zero1 = {
     .name = "zero1",
     .setup = zero1_setup,
+    .free = zero_free,
     .gather = zero_gather,
     .grad_ready = zero1_grad_ready,
     .init_weights = par_init_whole,
@@ -108,6 +145,7 @@ const ParallelStrategy par_zero1 = {
 const ParallelStrategy par_zero2 = {
     .name = "zero2",
     .setup = zero2_setup,
+    .free = zero_free,
     .gather = zero_gather,
     .grad_begin = par_slot_grad_begin,
     .grad_ready = par_slot_grad_ready,

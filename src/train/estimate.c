@@ -1,6 +1,7 @@
 #include "estimate.h"
 #include "attn_cudnn.h" /* the dP buffer of cuDNN's deterministic attention backward */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include "comm.h"
 #include "util.h"
@@ -44,6 +45,10 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     int af = oc && oc->kind == OPTIM_ADAFACTOR;
     snprintf(e->optim_what, sizeof e->optim_what, "%s", !af ? "AdamW m, v" : optim_moments(oc) ? "Adafactor R, C, m"
                                                                                               : "Adafactor R, C");
+    if (oc && oc->offload) {  /* what stays on the device: Adafactor's sums to reduce, or nothing */
+        size_t l = strlen(e->optim_what);
+        snprintf(e->optim_what + l, sizeof e->optim_what - l, ", on the host");
+    }
     e->gpu = gpu;
     e->prec = prec;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
@@ -58,6 +63,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
+    e->host = training ? pb.host : 0;
+    e->offload = oc ? oc->offload : 0;
     size_t logit_bytes;
     Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
     size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp);
@@ -67,7 +74,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
-    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;
+    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
+               (gpu ? 0 : e->host);
     model_free(&m);
     /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
@@ -102,6 +110,7 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
     e->compute = training ? pb.compute : 0;
+    e->host = training ? pb.host : 0;
     /* every micro-batch in flight has activations of its own (Acts), logits chunk included
      * (all its logits' gradient where the head's backward waits for B: ACTS_HEAD_SPLIT) */
     e->logits = e->acts = 0;
@@ -116,7 +125,8 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) *
                    model_wgrad_bytes(c, &s[0], B_micro, T, act_size);
     e->comm = 0;
-    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm;
+    e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
+               (e->gpu ? 0 : e->host);
     model_free(&m);
 }
 
@@ -142,13 +152,43 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     for (int i = 0; i < 9; i++)
         if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
+    if (e->offload && !e->gpu)
+        printf("  %-26s %12s   (offload: fp32 master weights, gradients' copy, optimizer state)\n", "offloaded state",
+               fmt_bytes(b1, (double)e->host));
     printf("  %-26s %12s   (the usual formula, %d B/param sharded as ZeRO + activations: %s)\n", "total",
            fmt_bytes(b1, (double)e->total), (int)(4 * ops_state_size_of(e->prec)),
            fmt_bytes(b2, e->formula));
     if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
+    if (e->offload && e->gpu)
+        printf("host memory per GPU (offload): %s pinned (fp32 master weights, gradients' copy, optimizer state)\n",
+               fmt_bytes(b1, (double)e->host));
+}
+
+void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,
+                            int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
+                            const OptimConfig *oc) {
+    static const char *names[] = {"none", "optimizer", "params"};
+    int last = kind == PAR_FSDP || kind == PAR_HYBRID ? OFFLOAD_PARAMS : OFFLOAD_OPTIMIZER;
+    char b1[32], b2[32];
+    printf("by offload and optimizer (%s over %d rank%s):\n", parallel_kind_name(kind), world, world > 1 ? "s" : "");
+    printf("  %-19s %-10s %12s %14s\n", "offload", "optimizer", gpu ? "GPU" : "rank total", "host (offload)");
+    for (int off = OFFLOAD_NONE; off <= last; off++)
+        for (int k = OPTIM_ADAMW; k <= OPTIM_ADAFACTOR; k++) {
+            OptimConfig o = *oc;
+            o.offload = off;
+            o.kind = (OptimKind)k;
+            MemEstimate e;
+            estimate_memory(c, B, T, training, 0, kind, world, shard_size, tp, sp, gpu, prec, copy_engines, &o, &e);
+            /* offload keeps fp32 master weights: none with precision=bf16 */
+            int na = off && prec == OPS_BF16;
+            printf("  offload=%-11s %-10s %12s %14s\n", names[off], optim_kind_name(o.kind),
+                   na ? "n/a" : fmt_bytes(b1, (double)e.total), na ? "n/a" : fmt_bytes(b2, (double)e.host));
+        }
 }
 
 size_t available_memory_bytes(void) {
+    const char *fake = getenv("MESHTRAIN_FAKE_MEMAVAILABLE");  /* test hook: bytes */
+    if (fake && *fake) return (size_t)strtoull(fake, NULL, 10);
     FILE *f = fopen("/proc/meminfo", "r");
     if (!f) return 0;
     char line[256];

@@ -17,6 +17,11 @@ typedef struct {
     int gpu;         /* the plan is on a GPU (device=cuda): data and the host's runtime don't count */
     OpsPrecision prec; /* fp32; mixed: bf16 activations and weight copies; bf16: everything */
     char optim_what[48]; /* what `optim` holds: "AdamW m, v", "Adafactor R, C", ... */
+    /* offload (oc->offload): the state kept in host memory (master weights, the gradients'
+     * copy, the optimizer's state), pinned on a GPU; on the cpu it is in `total` too (one
+     * memory), on a GPU not */
+    size_t host;
+    int offload;
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, the optimizer's state (oc; NULL = AdamW:
@@ -44,6 +49,12 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
                     int training, ParallelKind kind, int shard_size, int tp, int sp, OpsPrecision prec,
                     const OptimConfig *oc);
 void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
+/* `meshtrain estimate`'s table: the GPU's (or rank's) total and the host's offloaded state
+ * for every offload setting and optimizer, the others as given (arguments as
+ * estimate_memory's). */
+void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,
+                            int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
+                            const OptimConfig *oc);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */
 size_t available_memory_bytes(void);
 #endif

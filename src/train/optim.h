@@ -16,7 +16,13 @@ typedef struct {
      * parameter scaling (the step times max(eps2, RMS(param))) */
     double af_beta1, af_clip, af_decay;
     int af_relative_step, af_scale_parameter;
+    /* where the optimizer's state lives: OFFLOAD_NONE (the device), OFFLOAD_OPTIMIZER (fp32
+     * master weights and state in host memory, the update on the CPU), OFFLOAD_PARAMS (FSDP:
+     * the parameter shards there too) */
+    int offload;
 } OptimConfig;
+
+enum { OFFLOAD_NONE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS };
 
 /* "adamw" / "adafactor" */
 const char *optim_kind_name(OptimKind k);

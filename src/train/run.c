@@ -18,7 +18,9 @@ OptimConfig optim_config_of(const Config *c) {
                          c->lr_decay_steps, !strcmp(c->lr_schedule, "cosine"),
                          !strcmp(c->optimizer, "adafactor") ? OPTIM_ADAFACTOR : OPTIM_ADAMW, c->adafactor_beta1,
                          c->adafactor_clip_threshold, c->adafactor_decay_rate, c->adafactor_relative_step,
-                         c->adafactor_scale_parameter};
+                         c->adafactor_scale_parameter,
+                         !strcmp(c->offload, "params") ? OFFLOAD_PARAMS
+                         : !strcmp(c->offload, "optimizer") ? OFFLOAD_OPTIMIZER : OFFLOAD_NONE};
 }
 
 void ops_init_or_die(const char *device, int threads) {

@@ -279,7 +279,13 @@ int cmd_train(Config *c) {
         estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, mesh.tp_size,
                        c->sequence_parallel, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
-    size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : available_memory_bytes();
+    /* offload: every rank on this machine keeps its share of the state in its host memory */
+    size_t host_avail = available_memory_bytes(), local = (size_t)comm_local_size();
+    if (oc.offload && host_avail && est.host * local > host_avail)
+        fail_set(&f, EXIT_BAD_INPUT, "offload=%s keeps about %s in host memory per rank (%zu rank%s on this machine) "
+                 "but only %s is available (shard it over more ranks, or lower the model size)", c->offload,
+                 fmt_bytes(b1, (double)est.host), local, local > 1 ? "s" : "", fmt_bytes(b2, (double)host_avail));
+    size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : host_avail;
     if (limit && est.total > limit)
         fail_set(&f, EXIT_BAD_INPUT, "this run needs about %s per %s but only %s is available (lower batch_size or "
                  "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), gpu ? "GPU" : "rank",
@@ -315,6 +321,9 @@ int cmd_train(Config *c) {
         if (world.size > 1 && getenv("OMPI_COMM_WORLD_SIZE") && !getenv("OMPI_MCA_odls_base_sigkill_timeout"))
             printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
                    "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
+        if (oc.offload && !gpu)
+            printf("note: offload=%s on device=cpu keeps the state in more of the same memory: it saves nothing "
+                   "(allowed: the same code runs as on a GPU, which is how the tests check it)\n", c->offload);
         if (PP > 1) {
             printf("pipeline: %d stages, schedule %s", PP, c->pipeline_schedule);
             if (V > 1) printf(" over %d virtual stages per rank", V);
@@ -425,9 +434,11 @@ int cmd_train(Config *c) {
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
         comm_allreduce_double(loss_group, &l, 1);
         loss = (float)(l / loss_ranks);
-        if (!isfinite(loss) || !isfinite(norm))
+        if (!isfinite(loss) || !isfinite(norm)) {
+            parallel_sync(par);  /* offload: no update thread left running into the exit */
             stop_non_finite(&pr, log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
                             lead, saving ? c->ckpt_path : NULL);
+        }
         /* a device runs the optimizer step asynchronously: time it, but for the units DDP
          * updates beside the next forward (ops' side queue), which count in the next step */
         ops_synchronize_main();
@@ -482,6 +493,7 @@ int cmd_train(Config *c) {
             h.step = step + 1; h.adam_step = parallel_adam_steps(par);
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
+            parallel_sync(par);  /* offload: every unit's update is in */
             /* every rank gets the same answer: one of them says it */
             if (train_state_save(c->ckpt_path, &h, &world, par, &m, tied_copy, err, sizeof err)) {
                 progress_clear(&pr);
@@ -525,6 +537,7 @@ int cmd_train(Config *c) {
         json_num(log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
         fprintf(log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
                 est.total);
+        if (oc.offload) fprintf(log, ",\"host_estimate_bytes\":%zu", est.host);
         json_num(log, "loss", "%.6f", loss);
         json_num(log, "val_loss", "%.6f", val_loss);
         if (gpu)
@@ -532,15 +545,17 @@ int cmd_train(Config *c) {
                     ops_device_name(), flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
         fprintf(log, "}\n");
         fclose(log);
-        char b3[32], b4[32], vbuf[32];
+        char b3[32], b4[32], b5[32], vbuf[32];
         if (isfinite(val_loss)) snprintf(vbuf, sizeof vbuf, "%.4f", val_loss);
         else snprintf(vbuf, sizeof vbuf, "none (stopped first)");
         if (gpu)
             printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s per GPU, first step excluded) | "
-                   "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s | final loss %.4f "
-                   "| val_loss %s\n", done - start, tok_s, flops / 1e12, 100 * flops / (GPU_PEAK_FLOPS * world.size),
-                   GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc), fmt_bytes(b2, (double)est.total),
-                   fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max), loss, vbuf);
+                   "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s%s%s%s | final "
+                   "loss %.4f | val_loss %s\n", done - start, tok_s, flops / 1e12,
+                   100 * flops / (GPU_PEAK_FLOPS * world.size), GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc),
+                   fmt_bytes(b2, (double)est.total), fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max),
+                   oc.offload ? " (offloaded state estimate " : "", oc.offload ? fmt_bytes(b5, (double)est.host) : "",
+                   oc.offload ? ")" : "", loss, vbuf);
         else
             printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s, first step excluded) | peak memory per rank %s max, "
                    "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %s\n", done - start, tok_s,

@@ -35,22 +35,28 @@ static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRang
 
 /* Checkpoints read and write host memory. On a device backend the ranges are staged
  * through one host buffer: downloaded before a save, uploaded after a load. On the cpu the
- * ranges are used as they are (no copy, no extra memory). */
-typedef struct { StateRange *host; float *buf; } Staging;
+ * ranges are used as they are (no copy, no extra memory); so are the moments, and the
+ * parameters, where they are host memory already (offload). */
+typedef struct { StateRange *host; float *buf; int moments_host, params_host; } Staging;
 
-static const StateRange *stage(const StateRange *r, int n, Staging *s) {
+/* on_host: parallel_state_on_host */
+static const StateRange *stage(const StateRange *r, int n, Staging *s, int on_host) {
+    int moments_host = on_host > 0, params_host = on_host > 1;
     s->host = NULL;
     s->buf = NULL;
+    s->moments_host = moments_host;
+    s->params_host = params_host;
     if (ops_host_memory()) return r;
     size_t total = 0;
-    for (int i = 0; i < n; i++) total += r[i].count * (1 + (r[i].m != NULL) + (r[i].v != NULL));
+    for (int i = 0; i < n; i++)
+        total += r[i].count * (!params_host + (!moments_host && r[i].m != NULL) + (!moments_host && r[i].v != NULL));
     s->host = xmalloc((size_t)(n ? n : 1) * sizeof *s->host);
     s->buf = xmalloc((total ? total : 1) * sizeof(float));
     float *p = s->buf;
     for (int i = 0; i < n; i++) {
         float **dev[3] = {&s->host[i].params, &s->host[i].m, &s->host[i].v};
         s->host[i] = r[i];
-        for (int k = 0; k < 3; k++)
+        for (int k = params_host; k < (moments_host ? 1 : 3); k++)
             if (*dev[k]) { *dev[k] = p; p += r[i].count; }
     }
     return s->host;
@@ -63,7 +69,7 @@ static void stage_copy(const StateRange *r, int n, const Staging *s, int dir) {
     for (int i = 0; i < n; i++) {
         void *dev[3] = {r[i].params, r[i].m, r[i].v};
         float *host[3] = {s->host[i].params, s->host[i].m, s->host[i].v};
-        for (int k = 0; k < 3; k++) {
+        for (int k = s->params_host; k < (s->moments_host ? 1 : 3); k++) {
             if (!dev[k]) continue;
             if (dir > 0) op_download_state(host[k], dev[k], r[i].count);  /* widened from bf16 */
             else op_upload_state(dev[k], host[k], r[i].count);            /* rounded to bf16 */
@@ -92,7 +98,7 @@ int train_state_save(const char *path, const CkptHeader *h, const Comm *world, c
         n = k;
     }
     Staging st;
-    const StateRange *mine = stage(ranges, n, &st);
+    const StateRange *mine = stage(ranges, n, &st, parallel_state_on_host(par));
     stage_copy(ranges, n, &st, 1);
     StateRange *af = NULL;
     float *vbuf = NULL, *zeros = NULL;
@@ -150,7 +156,7 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
     StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
     int n = ckpt_ranges(par, m, 0, ranges, max);
     Staging st;
-    StateRange *need = (StateRange *)stage(ranges, n, &st);
+    StateRange *need = (StateRange *)stage(ranges, n, &st, parallel_state_on_host(par));
     float *scratch = NULL;
     int af = parallel_optim(par) == OPTIM_ADAFACTOR;
     if (af) {  /* v's place holds the statistics (load_af_stats): read into scratch, dropped */

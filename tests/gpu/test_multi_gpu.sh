@@ -9,7 +9,9 @@
 # FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32. A rank that is killed, or hangs, ends the job within seconds with a message
-# (DDP and FSDP), as on CPU ranks.
+# (DDP and FSDP), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
+# same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
+# offload=params (the FSDP shards in host memory too) as well.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -193,5 +195,35 @@ for keys in "" "fsdp=true"; do
   fault "gpu_killed_rank_ends_job_$name" MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" $keys
   fault "gpu_hung_rank_times_out_$name" MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" $keys
 done
+
+# -- offload=optimizer on NP GPUs: each rank's shard of the master weights and the
+# optimizer's state in its pinned host memory, its update on the CPU cores: ZeRO-2 and FSDP
+# follow the same NP-GPU run without offload over 20 steps (fp32 within 1e-5; mixed within
+# the mixed tolerance: every loss within 3%, the mean under 1%), AdamW and Adafactor
+O="${M/steps=5/steps=20} batch_size=$B"
+# NAME|PRECISION|KEYS|OFFLOAD SETTINGS (besides none; default optimizer)
+while IFS='|' read -r name prec keys offs; do
+  a=$TMP/moff_${name}_none
+  runn "$a" ${O/precision=fp32/precision=$prec} $keys offload=none
+  for off in ${offs:-optimizer}; do
+    b=$TMP/moff_${name}_$off
+    runn "$b" ${O/precision=fp32/precision=$prec} $keys offload=$off
+    if [ "$prec" = fp32 ]; then
+      if (TOL=1e-5; close "$a" "$b"); then ok "multi_gpu_offload_${off}_follows_$name"
+      else bad "multi_gpu_offload_${off}_follows_$name ($(tail -3 "$b.log" | tr '\n' ' '))"; fi
+    elif paste <(losses "$a") <(losses "$b") |
+         awk '{d=($1-$2)/$1; if(d<0)d=-d; s+=d; if(d>m)m=d; n++} END{printf "  offload mixed: max %.3g mean %.3g over %d steps\n", m, s/n, n;
+              exit !(n == 20 && m < 0.03 && s/n < 0.01)}'
+    then ok "multi_gpu_offload_${off}_follows_$name"; else bad "multi_gpu_offload_${off}_follows_$name ($(tail -3 "$b.log" | tr '\n' ' '))"; fi
+  done
+done <<'CASES'
+zero2_fp32|fp32|fsdp=true shard_strategy=grad_op
+fsdp_tied_fp32|fp32|fsdp=true shard_strategy=full tie_embeddings=true|optimizer params
+fsdp_accum_fp32|fp32|fsdp=true grad_accum_steps=2|optimizer params
+ddp_fp32|fp32|
+adafactor_fsdp_fp32|fp32|fsdp=true optimizer=adafactor|optimizer params
+zero2_mixed|mixed|fsdp=true shard_strategy=grad_op
+fsdp_mixed|mixed|fsdp=true|optimizer params
+CASES
 
 echo "RESULT $pass $fail"

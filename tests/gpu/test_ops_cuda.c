@@ -10,6 +10,7 @@
 #include "util.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -750,7 +751,9 @@ static void test_backend_table(void) {
         (void (*)(void))b->swiglu_backward, (void (*)(void))b->crossentropy_forward_backward,
         (void (*)(void))b->adamw, (void (*)(void))b->adafactor_sums, (void (*)(void))b->adafactor_stats,
         (void (*)(void))b->adafactor_rms, (void (*)(void))b->adafactor_update, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
-        (void (*)(void))b->copy_rows};
+        (void (*)(void))b->copy_rows, (void (*)(void))b->host_alloc, (void (*)(void))b->host_free,
+        (void (*)(void))b->copy_reserve, (void (*)(void))b->copy_out, (void (*)(void))b->copy_in,
+        (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait, (void (*)(void))b->copy_in_main};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
 
     size_t n = 1000003, peak0 = 0, peak1 = 0, used = 0, fr = 0, tot = 0;
@@ -780,6 +783,49 @@ static void test_backend_table(void) {
     free(x);
 }
 
+/* offload's copy queues: pinned host memory comes zeroed; a copy out lands at its mark; a
+ * copy in issued from another host thread (as offload's worker does) is what the main
+ * queue's later ops see once it waits for the mark. */
+typedef struct { const OpsBackend *b; float *d, *h; size_t bytes; } CopyIn;
+static void *copy_in_thread(void *arg) {
+    CopyIn *c = arg;
+    c->b->copy_in(c->d, c->h, c->bytes, 1);
+    return NULL;
+}
+
+static void test_copy_queues(void) {
+    const OpsBackend *b = &ops_backend_cuda;
+    size_t n = (1 << 20) + 3;
+    b->copy_reserve(4);
+    float *h = b->host_alloc(n * sizeof(float)), *h2 = xmalloc(n * sizeof(float)), *x = randf(n, 1.0f);
+    CHECK(h != NULL, "host_alloc refused %zu bytes", n * sizeof(float));
+    size_t nonzero = 0;
+    for (size_t i = 0; i < n; i++) nonzero += h[i] != 0.0f;
+    CHECK(nonzero == 0, "host_alloc: %zu of %zu floats not zero", nonzero, n);
+    float *d = b->alloc(n * sizeof(float));
+    b->upload(d, x, n * sizeof(float));
+    b->copy_out(h, d, n * sizeof(float), 0);
+    b->copy_sync(0, 0);
+    CHECK(same(h, x, n), "copy_out: not the device's bytes at its mark");
+    for (size_t i = 0; i < n; i++) h[i] *= 2.0f;
+    CopyIn c = {b, d, h, n * sizeof(float)};
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, copy_in_thread, &c) == 0, "cannot start a thread");
+    pthread_join(t, NULL);
+    b->copy_wait(1, 1);
+    b->scale(d, n, 0.5f);  /* on the main queue, after the copy in */
+    b->download(h2, d, n * sizeof(float));
+    CHECK(same(h2, x, n), "copy_in from another thread: the main queue did not see it");
+    b->copy_in_main(d, h, n * sizeof(float));  /* h holds 2x: on the main queue, before the scale */
+    b->scale(d, n, 0.5f);
+    b->download(h2, d, n * sizeof(float));
+    CHECK(same(h2, x, n), "copy_in_main: not ordered on the main queue");
+    b->free(d);
+    b->host_free(h);
+    free(h2);
+    free(x);
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     setenv("MESHTRAIN_CUDA_SYNC", "1", 0); /* a fault is reported at the kernel that made it */
@@ -796,6 +842,7 @@ int main(int argc, char **argv) {
     RUN(test_copy_rows);
     RUN(test_sum_blocks);
     RUN(test_backend_table);
+    RUN(test_copy_queues);
     RUN(test_matmul);
     RUN(test_embedding);
     RUN(test_rmsnorm);

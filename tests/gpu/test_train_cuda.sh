@@ -7,6 +7,8 @@
 # is deterministic and resumes bitwise from its checkpoint (mixed and bf16); eval and
 # sample run on cuda; the GPU allocator's peak is the estimate (fp32, mixed, bf16).
 # optimizer=adafactor: CUDA follows the CPU, mixed and bf16 follow fp32, resume is bitwise.
+# offload=optimizer follows the run without offload (fp32 1e-5, mixed as mixed), and its
+# GPU peak drops the optimizer's state.
 #
 # Needs a GPU, the meshtrain binary ($MESHTRAIN_BIN, default build/meshtrain) and
 # build/tests/ckpt_diff beside it. Data: MESHTRAIN_GPU_SHARDS=DIR holding train.bin and
@@ -154,5 +156,65 @@ for keys in "precision=fp32" "precision=mixed" "precision=mixed fsdp=true" "prec
   else bad "gpu_peak_within_5pct_of_estimate $keys (peak $peak, estimate $est; $(tail -1 "$E.log"))"; fi
 done
 grep -m1 "^done:" "$E.log"
+
+# -- offload=optimizer: the fp32 master weights and the optimizer's state in pinned host
+# memory, the update on the CPU cores (the cpu backend's kernels) in a host thread, each
+# unit's parameters copied back before its next forward. It follows the same run without
+# offload over 20 steps: fp32 within 1e-5 (losses and parameters: the host's AdamW rounds as
+# the GPU's, to an ulp), precision=mixed within the mixed tolerance (as above: every step's
+# loss within 3%, the mean under 1%); AdamW on DDP, FSDP (tied), with accumulation and a
+# clip that bites, and Adafactor; the GPU's peak drops AdamW's moments (8 B/param) and stays
+# within 5% of the estimate, and the log has the host's estimate.
+O="steps=20 lr_schedule=cosine warmup_steps=2 device=cuda"
+# NAME|PRECISION|KEYS|OFFLOAD SETTINGS (besides none; default optimizer)
+while IFS='|' read -r name prec keys offs; do
+  base=$M  # the case's keys replace M's (batch_size, grad_clip)
+  for k in $keys; do base=$(sed -E "s/(^| )${k%%=*}=[^ ]*//" <<<"$base"); done
+  a=$TMP/off_${name}_${prec}_none
+  run "$a" $base $O precision=$prec $keys offload=none
+  for off in ${offs:-optimizer}; do
+    b=$TMP/off_${name}_${prec}_$off
+    run "$b" $base $O precision=$prec $keys offload=$off
+    if [ "$prec" = fp32 ]; then
+      if (TOL=1e-5; close "$a" "$b"); then ok "offload_${off}_follows_fp32_20_steps_$name"
+      else bad "offload_${off}_follows_fp32_20_steps_$name ($(tail -2 "$b.log" | tr '\n' ' '))"; fi
+    elif paste <(losses "$a") <(losses "$b") |
+         awk '{d=($1-$2)/$1; if(d<0)d=-d; s+=d; if(d>m)m=d; n++} END{printf "  offload mixed: max %.3g mean %.3g over %d steps\n", m, s/n, n;
+              exit !(n == 20 && m < 0.03 && s/n < 0.01)}'
+    then ok "offload_${off}_follows_mixed_20_steps_$name"
+    else bad "offload_${off}_follows_mixed_20_steps_$name ($(tail -2 "$b.log" | tr '\n' ' '))"; fi
+  done
+done <<'CASES'
+ddp|fp32|
+fsdp_tied|fp32|fsdp=true tie_embeddings=true|optimizer params
+zero2_accum_clip|fp32|fsdp=true shard_strategy=grad_op grad_accum_steps=2 batch_size=4 grad_clip=0.05
+adafactor|fp32|optimizer=adafactor adafactor_beta1=0.9
+adafactor_fsdp|fp32|optimizer=adafactor fsdp=true|params
+ddp|mixed|
+fsdp|mixed|fsdp=true|optimizer params
+adafactor_fsdp|mixed|optimizer=adafactor fsdp=true
+CASES
+grep -m1 "^done:" "$TMP/off_fsdp_mixed_params.log"
+for keys in "precision=mixed" "precision=mixed fsdp=true"; do
+  E=$TMP/oest_${keys//[ =]/_}
+  for off in none optimizer params; do
+    [ "$off" = params ] && [ "${keys#*fsdp}" = "$keys" ] && continue
+    run "${E}_$off" vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 steps=2 data_dir="$D" \
+      device=cuda $keys offload=$off
+  done
+  p0=$(logged gpu_peak_alloc_bytes "${E}_none") p1=$(logged gpu_peak_alloc_bytes "${E}_optimizer")
+  est=$(logged estimate_bytes "${E}_optimizer") host=$(logged host_estimate_bytes "${E}_optimizer")
+  n=$(grep -o 'parameters: [0-9,]*' "${E}_none.log" | head -1 | tr -dc 0-9)
+  if within5 "$est" "$p1" && [ -n "$host" ] && [ "$host" -gt 0 ] &&
+     awk -v a="$p0" -v b="$p1" -v n="$n" 'BEGIN{s = (a - b) / (8 * n); exit !(s > 0.95 && s < 1.05)}'
+  then ok "offload_gpu_peak $keys (peak $p0 -> $p1, estimate $est, host $host)"
+  else bad "offload_gpu_peak $keys (peak $p0 -> $p1, estimate $est, host $host; $(tail -1 "${E}_optimizer.log"))"; fi
+done
+# offload=params (FSDP, one GPU): the fp32 parameter shard (4 B/param) leaves the GPU too
+E=$TMP/oest_precision_mixed_fsdp_true
+p1=$(logged gpu_peak_alloc_bytes "${E}_optimizer") p2=$(logged gpu_peak_alloc_bytes "${E}_params") est=$(logged estimate_bytes "${E}_params")
+if within5 "$est" "$p2" && awk -v a="$p1" -v b="$p2" -v n="$n" 'BEGIN{s = (a - b) / (4 * n); exit !(s > 0.95 && s < 1.05)}'
+then ok "offload_params_gpu_peak (peak $p1 -> $p2, estimate $est)"
+else bad "offload_params_gpu_peak (peak $p1 -> $p2, estimate $est; $(tail -1 "${E}_params.log"))"; fi
 
 echo "RESULT $pass $fail"

@@ -107,6 +107,14 @@ static struct {
     char name[256];
 } g;
 
+/* Offload's copy queues (ops.h): two streams, one per direction, and an event per mark and
+ * direction. op_copy_in and op_copy_sync are called from offload's worker thread too: the
+ * current device is per host thread, so each such call selects the run's device first. */
+static struct {
+    cudaStream_t q[2]; /* 0: out (device -> host), 1: in */
+    cudaEvent_t *ev[2], main_ev;
+    int n;
+} g_copy;
 /* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment */
 typedef struct {
     int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td;
@@ -176,6 +184,7 @@ static unsigned ew_grid(size_t n) {
 /* backend state                                                                         */
 
 extern "C" {
+static void copy_free(void);
 
 int cuda_init(int device, char *err, size_t errlen) {
     char dummy[1];
@@ -236,6 +245,7 @@ void cuda_shutdown(void) {
         for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventDestroy(g.side_ev[k]));
     }
     attn_cudnn_shutdown();
+    copy_free();
     stage_free();
     cuda_free(g.scratch);
     cuda_free(g.workspace);
@@ -378,6 +388,7 @@ void cuda_memset_zero(void *p, size_t bytes) {
 
 void cuda_synchronize(void) {
     CUDA_CHECK(cudaStreamSynchronize(g.main));
+    for (int d = 0; d < 2 && g_copy.q[0]; d++) CUDA_CHECK(cudaStreamSynchronize(g_copy.q[d]));
     if (g.side_used) CUDA_CHECK(cudaStreamSynchronize(g.side));
     g.side_used = 0;
 }
@@ -399,6 +410,86 @@ void cuda_side_begin(void) {
 void cuda_side_end(void) { g.stream = g.main; }
 void cuda_side_mark(int k) { CUDA_CHECK(cudaEventRecord(g.side_ev[k], g.side)); }
 void cuda_side_wait(int k) { CUDA_CHECK(cudaStreamWaitEvent(g.main, g.side_ev[k], 0)); }
+
+static thread_local int t_device = -1;
+
+static void copy_thread_device(void) {
+    if (t_device != g.device) {
+        CUDA_CHECK(cudaSetDevice(g.device));
+        t_device = g.device;
+    }
+}
+
+static void *cuda_host_alloc(size_t bytes) {
+    void *p = NULL;
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError(); /* refused: the caller says so, the next call must not see it */
+        return NULL;
+    }
+    memset(p, 0, bytes);
+    return p;
+}
+
+static void cuda_host_free(void *p) { CUDA_CHECK(cudaFreeHost(p)); }
+
+static void copy_free(void) {
+    for (int d = 0; d < 2 && g_copy.q[0]; d++) {
+        CUDA_CHECK(cudaStreamSynchronize(g_copy.q[d]));
+        CUDA_CHECK(cudaStreamDestroy(g_copy.q[d]));
+        for (int k = 0; k < g_copy.n; k++) CUDA_CHECK(cudaEventDestroy(g_copy.ev[d][k]));
+        free(g_copy.ev[d]);
+    }
+    if (g_copy.q[0]) CUDA_CHECK(cudaEventDestroy(g_copy.main_ev));
+    memset(&g_copy, 0, sizeof g_copy);
+}
+
+/* At set-up, on the ops' thread, before any copy: nothing is in flight to invalidate. */
+static void cuda_copy_reserve(int n) {
+    if (n <= g_copy.n) return;
+    copy_free();
+    for (int d = 0; d < 2; d++) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&g_copy.q[d], cudaStreamNonBlocking));
+        g_copy.ev[d] = (cudaEvent_t *)calloc((size_t)n, sizeof(cudaEvent_t));
+        if (!g_copy.ev[d]) die(2, "cannot allocate %d copy events: out of memory", n);
+        for (int k = 0; k < n; k++) CUDA_CHECK(cudaEventCreateWithFlags(&g_copy.ev[d][k], cudaEventDisableTiming));
+    }
+    CUDA_CHECK(cudaEventCreateWithFlags(&g_copy.main_ev, cudaEventDisableTiming));
+    g_copy.n = n;
+}
+
+static void copy_check(int k) {
+    if (k < 0 || k >= g_copy.n) die(1, "internal: copy mark %d outside the %d reserved", k, g_copy.n);
+}
+
+static void cuda_copy_out(void *dst, const void *src, size_t bytes, int k) {
+    copy_check(k);
+    CUDA_CHECK(cudaEventRecord(g_copy.main_ev, g.main));
+    CUDA_CHECK(cudaStreamWaitEvent(g_copy.q[0], g_copy.main_ev, 0));
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g_copy.q[0]));
+    CUDA_CHECK(cudaEventRecord(g_copy.ev[0][k], g_copy.q[0]));
+}
+
+static void cuda_copy_in(void *dst, const void *src, size_t bytes, int k) {
+    copy_check(k);
+    copy_thread_device();
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g_copy.q[1]));
+    CUDA_CHECK(cudaEventRecord(g_copy.ev[1][k], g_copy.q[1]));
+}
+
+static void cuda_copy_sync(int k, int in) {
+    copy_check(k);
+    copy_thread_device();
+    CUDA_CHECK(cudaEventSynchronize(g_copy.ev[in != 0][k]));
+}
+
+static void cuda_copy_in_main(void *dst, const void *src, size_t bytes) {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.main));
+}
+
+static void cuda_copy_wait(int k, int in) {
+    copy_check(k);
+    CUDA_CHECK(cudaStreamWaitEvent(g.main, g_copy.ev[in != 0][k], 0));
+}
 
 int cuda_idle(void) {
     cudaError_t e = cudaStreamQuery(g.main);
@@ -1158,6 +1249,14 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .side_mark = cuda_side_mark,
     .side_wait = cuda_side_wait,
     .synchronize_main = cuda_synchronize_main,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy_reserve = cuda_copy_reserve,
+    .copy_out = cuda_copy_out,
+    .copy_in = cuda_copy_in,
+    .copy_sync = cuda_copy_sync,
+    .copy_wait = cuda_copy_wait,
+    .copy_in_main = cuda_copy_in_main,
     .device_memory = cuda_memory_info,
     .device_peak = backend_device_peak,
     .alloc = backend_alloc,
