@@ -48,6 +48,8 @@ hybrid_np4|4|2|1|fsdp=true shard_strategy=hybrid shard_group_size=2|params
 zero2_np2_accum_noclip|2|2|0|fsdp=true shard_strategy=grad_op grad_accum_steps=2
 pipeline_np2_tied|2|8|1|pipeline_parallel_size=2 micro_batches=2 tie_embeddings=true
 tp_np2|2|8|1|tensor_parallel_size=2
+tp_nosp_np2|2|8|1|tensor_parallel_size=2 sequence_parallel=false
+tp_zero2_np4|4|4|1|tensor_parallel_size=2 fsdp=true shard_strategy=grad_op
 adafactor_one|1|8|1|optimizer=adafactor adafactor_beta1=0.9
 adafactor_zero2_np2|2|4|1|optimizer=adafactor fsdp=true shard_strategy=grad_op
 adafactor_fsdp_np2|2|4|1|optimizer=adafactor fsdp=true adafactor_beta1=0.9|optimizer params

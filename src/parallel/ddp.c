@@ -180,6 +180,7 @@ static double ddp_offload(Parallel *p, Ddp *d, const OptimConfig *oc, double *lr
     flush(p, d, 1);
     for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
     finish_erows(p, d);
+    par_tp_sum_partial(p, 0);  /* sequence parallel: copies those units out again */
     double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
     double lr = par_next_lr(p, oc);
     par_offload_adamw(p, oc, lr, p->adam_steps, clip_scale(oc, norm));

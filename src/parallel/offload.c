@@ -187,6 +187,13 @@ static void grad_out(Offload *o, int u) {
     o->out[u] = 1;
 }
 
+void par_offload_grad_changed(Parallel *p, int u) {
+    Offload *o = p->off;
+    if (!o) return;
+    o->out[u] = 0;
+    grad_out(o, u);
+}
+
 void par_offload_poll(Parallel *p) {
     Offload *o = p->off;
     if (!o) return;

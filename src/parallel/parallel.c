@@ -511,7 +511,7 @@ void par_tp_sum_partial(Parallel *p, int sharded) {
         const Unit *un = &p->m->units[u];
         size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
         void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);  /* element lo */
-        int n = model_tp_runs(p->m, u, r, max);
+        int n = model_tp_runs(p->m, u, r, max), summed = 0;
         for (int i = 0; i < n; i++) {
             size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
             if (!r[i].replicated || a >= b) continue;
@@ -519,7 +519,9 @@ void par_tp_sum_partial(Parallel *p, int sharded) {
             comm_iallreduce(&mesh->tp, st_at(g, a - lo), b - a, par_ctype(), COMM_SUM, &q,
                             "tensor-parallel all-reduce (norms' gradients)");
             par_wait(p, &q);
+            summed = 1;
         }
+        if (summed) par_offload_grad_changed(p, u);
     }
     free(r);
 }

@@ -209,6 +209,10 @@ void par_offload_begin_step(Parallel *p);
 /* Unit u's last reduction of the step is r: once r is done its gradient goes out to the
  * host (par_offload_poll, from par_progress). */
 void par_offload_grad_request(Parallel *p, int u, CommReq *r);
+/* Unit u's device gradient changed after it may have been copied out (under sequence parallel
+ * the norms' parts are summed over tp at the step, par_tp_sum_partial): copied out again,
+ * after the first on the in-order out queue, before the update reads it. */
+void par_offload_grad_changed(Parallel *p, int u);
 void par_offload_poll(Parallel *p);
 /* The AdamW step of every unit, on the worker (after the step's reductions and norm):
  * returns at once; each unit's parameters are back on the device at par_offload_ready. */
