@@ -496,6 +496,19 @@ static void cpu_swiglu_backward(float *dgu, const float *dout, const float *gu, 
 /* ------------------------------------------------------------------------------------ */
 /* cross-entropy                                                                         */
 
+/* A row's max and whether any of it is NaN (the comparison skips NaN: the flag catches it). */
+static inline float row_max_nan(const float *row, int V, int *bad) {
+    float mx = -INFINITY;
+    int b = 0;
+#pragma omp simd reduction(max : mx) reduction(| : b)
+    for (int j = 0; j < V; j++) {
+        mx = row[j] > mx ? row[j] : mx;
+        b |= row[j] != row[j];
+    }
+    *bad = b;
+    return mx;
+}
+
 /* Per row: max, then exp(l - max) in fp32 (stored in place when the gradient is wanted)
  * summed in double; loss and the target's gradient (where 1 - p cancels) in double. A row
  * with a NaN or +inf logit gets a NaN loss (and NaN gradient) instead of garbage. */
@@ -505,13 +518,8 @@ static void cpu_crossentropy_forward_backward(float *losses, float *logits, int 
     for (int n = 0; n < N; n++) {
         float *row = logits + (size_t)n * ld;
         int tgt = targets[n];
-        float mx = -INFINITY;
-        int bad = 0;
-#pragma omp simd reduction(max : mx) reduction(| : bad)
-        for (int j = 0; j < V; j++) {
-            mx = row[j] > mx ? row[j] : mx;
-            bad |= row[j] != row[j];
-        }
+        int bad;
+        float mx = row_max_nan(row, V, &bad);
         if (bad || mx == INFINITY || mx == -INFINITY) {
             losses[n] = NAN;
             if (dlogits_scale != 0.0f)
@@ -547,13 +555,8 @@ static void cpu_crossentropy_shard_stats(float *stats, const float *logits, int 
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *row = logits + (size_t)n * ld;
-        float mx = -INFINITY;
-        int bad = 0;
-#pragma omp simd reduction(max : mx) reduction(| : bad)
-        for (int j = 0; j < V; j++) {
-            mx = row[j] > mx ? row[j] : mx;
-            bad |= row[j] != row[j];
-        }
+        int bad;
+        float mx = row_max_nan(row, V, &bad);
         double sum = 0.0;
         if (bad || mx == INFINITY) mx = NAN;
         else if (mx != -INFINITY) {

@@ -10,6 +10,21 @@
  * pass 3 (gradient): exp recomputed and written once, scaled, in place. The target's
  * logit is read by every thread before the first block reduction, hence before any write. */
 #define CE_BLOCK 1024
+/* The block's max over a row's V logits, and whether any is NaN (fmaxf ignores NaN: the
+ * flag catches it). Every thread gets both. */
+static __device__ __forceinline__ float row_max_nan(const void *row, int V, int bf, int *bad) {
+    float mx = -INFINITY;
+    int b = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        float x = ld(row, j, bf);
+        mx = fmaxf(mx, x);
+        b |= x != x;
+    }
+    mx = block_max(mx);
+    *bad = __syncthreads_or(b);
+    return mx;
+}
+
 static __global__ void __launch_bounds__(CE_BLOCK)
 crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, int V, float scale, int bf) {
     int n = blockIdx.x;
@@ -17,15 +32,8 @@ crossentropy_kernel(float *losses, void *logits, int ldl, const int *targets, in
     int tgt = targets[n];
     int tgt_ok = tgt >= 0 && tgt < V;
     float lt = tgt_ok ? ld(row, tgt, bf) : 0.0f;
-    float mx = -INFINITY;
-    int bad = 0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = ld(row, j, bf);
-        mx = fmaxf(mx, x); /* ignores NaN; the flag catches it */
-        bad |= x != x;
-    }
-    mx = block_max(mx);
-    bad = __syncthreads_or(bad);
+    int bad;
+    float mx = row_max_nan(row, V, bf, &bad);
     if (bad || !tgt_ok || mx == INFINITY || mx == -INFINITY) {
         if (threadIdx.x == 0) losses[n] = NAN;
         if (scale != 0.0f)
@@ -141,15 +149,8 @@ crossentropy_shard_stats_kernel(float *stats, const void *logits, int ldl, const
     const void *row = bf ? (const void *)((const bf16 *)logits + (size_t)n * ldl)
                          : (const void *)((const float *)logits + (size_t)n * ldl);
     unsigned t = (unsigned)(targets[n] - v0);
-    float mx = -INFINITY;
-    int bad = 0;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        float x = ld(row, j, bf);
-        mx = fmaxf(mx, x); /* ignores NaN; the flag catches it */
-        bad |= x != x;
-    }
-    mx = block_max(mx);
-    bad = __syncthreads_or(bad);
+    int bad;
+    float mx = row_max_nan(row, V, bf, &bad);
     if (bad || mx == INFINITY) mx = NAN;
     double sum = 0.0;
     if (mx == mx && mx != -INFINITY)
