@@ -73,6 +73,7 @@ void parallel_free(Parallel *p) {
     par_offload_free(p);
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
+    op_free(p->tp_pack);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard);
     if (p->offload) {  /* host memory (par_alloc_optim) */
@@ -502,28 +503,45 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     return sumsq;
 }
 
-void par_tp_sum_partial(Parallel *p, int sharded) {
-    const Mesh *mesh = p->mesh;
-    if (!mesh || mesh->tp_size < 2 || !p->m->sp) return;
+/* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
+ * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
+ * has offload copy those units out again). */
+static size_t pack_replicated(Parallel *p, int sharded, int how) {
     int max = model_tp_max_runs(p->m);
     TpRun *r = xmalloc((size_t)max * sizeof *r);
+    size_t off = 0, es = ops_state_size();
     for (int u = 0; u < p->m->n_units; u++) {
         const Unit *un = &p->m->units[u];
         size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
         void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);  /* element lo */
-        int n = model_tp_runs(p->m, u, r, max), summed = 0;
+        int n = model_tp_runs(p->m, u, r, max), touched = 0;
         for (int i = 0; i < n; i++) {
             size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
             if (!r[i].replicated || a >= b) continue;
-            CommReq q = {0};
-            comm_iallreduce(&mesh->tp, st_at(g, a - lo), b - a, par_ctype(), COMM_SUM, &q,
-                            "tensor-parallel all-reduce (norms' gradients)");
-            par_wait(p, &q);
-            summed = 1;
+            if (how == 1) op_copy(st_at(p->tp_pack, off), st_at(g, a - lo), (b - a) * es);
+            if (how == 2) op_copy(st_at(g, a - lo), st_at(p->tp_pack, off), (b - a) * es);
+            off += b - a, touched = 1;
         }
-        if (summed) par_offload_grad_changed(p, u);
+        if (how == 2 && touched) par_offload_grad_changed(p, u);
     }
     free(r);
+    return off;
+}
+
+/* The norms' weight gradients under sequence parallel are each tp rank's rows' part: summed
+ * over tp once the gradient is complete, all of them in one all-reduce (one per norm was
+ * 2L + 1 small collectives, each waited for). */
+void par_tp_sum_partial(Parallel *p, int sharded) {
+    const Mesh *mesh = p->mesh;
+    if (!mesh || mesh->tp_size < 2 || !p->m->sp) return;
+    size_t n = pack_replicated(p, sharded, 0);
+    if (!n) return;
+    if (!p->tp_pack) p->tp_pack = op_alloc(n * ops_state_size());
+    pack_replicated(p, sharded, 1);
+    CommReq q = {0};
+    comm_iallreduce(&mesh->tp, p->tp_pack, n, par_ctype(), COMM_SUM, &q, "tensor-parallel all-reduce (norms' gradients)");
+    par_wait(p, &q);
+    pack_replicated(p, sharded, 2);
 }
 
 double par_stages_sumsq(Parallel *p, double sumsq) {

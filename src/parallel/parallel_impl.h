@@ -71,6 +71,7 @@ struct Parallel {
      * for slots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
     unsigned char *cstale;
+    void *tp_pack;            /* sequence parallel: the norms' gradient parts, packed for one all-reduce */
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;
