@@ -186,10 +186,7 @@ static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *bu
     TpRun *r = xmalloc((size_t)max * sizeof *r);
     int n = model_tp_runs(m, u, r, max);
     size_t *a = xmalloc((size_t)n * sizeof *a), *b = xmalloc((size_t)n * sizeof *b);
-    for (int i = 0; i < n; i++) {  /* the part of run i in [lo, hi), local offsets */
-        a[i] = lo > r[i].local ? lo : r[i].local;
-        b[i] = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
-    }
+    for (int i = 0; i < n; i++) tp_run_clip(&r[i], lo, hi, &a[i], &b[i]);  /* run i's part in [lo, hi) */
     for (int i = 0; i < n;) {
         if (a[i] >= b[i]) { i++; continue; }
         size_t g0 = r[i].global + (a[i] - r[i].local), g1 = g0 + (b[i] - a[i]);
@@ -485,37 +482,30 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
     return la;
 }
 
-/* Tensor parallel's collectives. tp_sum: the sum over the tensor-parallel ranks of what each
- * computed from its own heads or FFN units (Megatron-LM's g in the forward, after att_out
- * and down; its conjugate f in the backward, at the input gradients of qkv and gate_up).
- * Under sequence parallel g is a reduce-scatter (branch_sum: the sum of a full [N, E]
- * partial, this rank's rows of it) and f an all-gather (seq_gather), so the residual
- * stream and the norms hold N / tp_size rows. */
-static void tp_sum(const Model *m, void *buf, size_t n) {
-    if (m->tp_size > 1) m->tp.allreduce(m->tp.ctx, buf, n);
-}
+/* Tensor parallel's collectives. branch_sum: the sum over the tensor-parallel ranks of what
+ * each computed from its own heads or FFN units (Megatron-LM's g in the forward, after
+ * att_out and down; its conjugate f in the backward, at the input gradients of qkv and
+ * gate_up): an all-reduce, or under sequence parallel a reduce-scatter (this rank's rows of
+ * the sum), with f's other half an all-gather (seq_gather), so the residual stream and the
+ * norms hold N / tp_size rows. */
 static void tp_flush(const Model *m) {
     if (m->tp_size > 1 && m->tp.flush) m->tp.flush(m->tp.ctx);
 }
+/* Each collective is begun (tensor.c): the ticket to join before its result is used (-1:
+ * none was needed); the plain forms join at once. */
+static void tp_join(const Model *m, long t) {
+    if (t >= 0) m->tp.join(m->tp.ctx, t);
+}
 /* The sum over the ranks of src ([N, E], each rank's part) into dst: dst's rows under
  * sequence parallel (src is then scratch), else src itself (dst == src) in place. */
-static void branch_sum(const Model *m, void *dst, void *src, int N) {
-    if (m->sp) m->tp.reduce_scatter(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
-    else tp_sum(m, dst, (size_t)N * m->E);
+static long branch_sum_begin(const Model *m, void *dst, void *src, int N) {
+    if (m->tp_size == 1) return -1;
+    if (m->sp) return m->tp.reduce_scatter_begin(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
+    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * m->E);
 }
+static void branch_sum(const Model *m, void *dst, void *src, int N) { tp_join(m, branch_sum_begin(m, dst, src, N)); }
 /* The whole [N, E] of which this rank holds rows `part` (sequence parallel), gathered into
- * buf; without sequence parallel `part` is already whole. */
-static const void *seq_gather(const Model *m, void *buf, const void *part, int N) {
-    if (!m->sp) return part;
-    size_t n = held_rows(m, (size_t)N) * m->E;
-    void *mine = act_at(buf, (size_t)m->tp_rank * n);
-    if (mine != part) op_copy(mine, part, n * ops_act_size());
-    m->tp.allgather(m->tp.ctx, buf, n, 0);
-    return buf;
-}
-
-/* Begun forms, for overlap (tensor.c): the ticket to join before the result is used; -1 when
- * no collective was needed. */
+ * buf; without sequence parallel `part` is already whole (nothing to gather). */
 static long seq_gather_begin(const Model *m, void *buf, const void *part, int N) {
     if (!m->sp) return -1;
     size_t n = held_rows(m, (size_t)N) * m->E;
@@ -523,13 +513,10 @@ static long seq_gather_begin(const Model *m, void *buf, const void *part, int N)
     if (mine != part) op_copy(mine, part, n * ops_act_size());
     return m->tp.allgather_begin(m->tp.ctx, buf, n, 0);
 }
-static long branch_sum_begin(const Model *m, void *dst, void *src, int N) {
-    if (m->tp_size == 1) return -1;
-    if (m->sp) return m->tp.reduce_scatter_begin(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
-    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * m->E);
-}
-static void tp_join(const Model *m, long t) {
-    if (t >= 0) m->tp.join(m->tp.ctx, t);
+static const void *seq_gather(const Model *m, void *buf, const void *part, int N) {
+    if (!m->sp) return part;
+    tp_join(m, seq_gather_begin(m, buf, part, N));
+    return buf;
 }
 
 /* A norm's input gradient through gate_up or qkv (dx = dout @ w, into the rank's rows of
@@ -731,7 +718,7 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
             size_t blk = 3 * (size_t)rows;
             op_crossentropy_shard_stats(a->ce_stats + (size_t)m->tp_rank * blk, lg, ldl, a->dev_targets + r0,
                                         rows, V, m->v0);
-            m->tp.allgather(m->tp.ctx, a->ce_stats, blk, 1);
+            tp_join(m, m->tp.allgather_begin(m->tp.ctx, a->ce_stats, blk, 1));
             op_crossentropy_shard_backward(a->losses + r0, lg, ldl, a->dev_targets + r0, rows, V, m->v0,
                                            a->ce_stats, m->tp_size, scale);
         }

@@ -27,26 +27,23 @@ typedef struct {
 } LayerLayout;
 
 /* Tensor parallel (Megatron-LM): how the model reaches the other ranks of its tensor-parallel
- * group, given from outside (src/parallel/tensor.c). allreduce sums n activations (the ops'
- * activation type) of buf over the group, in place, the same result on every rank, for the
- * ops queued after it (it may still be in flight on the host's side); flush waits for every
- * one in flight, at the end of a stage's forward or backward, before the host reads a result. */
+ * group, given from outside (src/parallel/tensor.c). Each collective is begun and returns a
+ * ticket; join(ticket) makes the ops queued after it see the result (the ops queued between
+ * may run while the collective does, and must not touch its buffers); it may still be in
+ * flight on the host's side, and flush waits for every one, at the end of a stage's forward
+ * or backward, before the host reads a result. Activations are of the ops' activation type.
+ * allreduce: buf summed over the group, in place, the same on every rank. allgather: in
+ * place, buf holds tp_size blocks of n elements, this rank's at tp_rank * n, every block
+ * filled from its rank (stats: fp32 statistics, else activations). reduce_scatter: send holds
+ * tp_size blocks of n activations, recv gets the sum of block tp_rank; send is scratch
+ * afterwards (sequence parallel only). */
 typedef struct {
     void *ctx;
-    void (*allreduce)(void *ctx, void *buf, size_t n);
-    /* In place: buf holds tp_size blocks of n elements, this rank's at tp_rank * n; every
-     * block is filled from its rank. stats: fp32 statistics (float), else activations. */
-    void (*allgather)(void *ctx, void *buf, size_t n, int stats);
-    void (*flush)(void *ctx);
-    /* send holds tp_size blocks of n activations; recv gets the sum over the ranks of block
-     * tp_rank. send is scratch afterwards. (Sequence parallel only.) */
-    void (*reduce_scatter)(void *ctx, void *send, void *recv, size_t n);
-    /* The same begun, for overlap: the ops queued before join(ticket) may run while the
-     * collective does (they must not touch its buffers); join makes the ops after it wait. */
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);
     long (*allgather_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*reduce_scatter_begin)(void *ctx, void *send, void *recv, size_t n);
     void (*join)(void *ctx, long ticket);
+    void (*flush)(void *ctx);
 } ModelTp;
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
@@ -54,6 +51,12 @@ typedef struct {
  * tensor-parallel rank's slices are strided pieces of the whole. replicated: every
  * tensor-parallel rank holds the same values (norm weights, the embedding and the head). */
 typedef struct { size_t local, global, n; int replicated; } TpRun;
+/* The part of run r within local elements [lo, hi): [*a, *b), and whether it is not empty. */
+static inline int tp_run_clip(const TpRun *r, size_t lo, size_t hi, size_t *a, size_t *b) {
+    *a = lo > r->local ? lo : r->local;
+    *b = hi < r->local + r->n ? hi : r->local + r->n;
+    return *a < *b;
+}
 
 typedef struct {
     ModelConfig c;

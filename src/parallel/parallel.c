@@ -516,8 +516,8 @@ static size_t pack_replicated(Parallel *p, int sharded, int how) {
         void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);  /* element lo */
         int n = model_tp_runs(p->m, u, r, max), touched = 0;
         for (int i = 0; i < n; i++) {
-            size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
-            if (!r[i].replicated || a >= b) continue;
+            size_t a, b;
+            if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
             if (how == 1) op_copy(st_at(p->tp_pack, off), st_at(g, a - lo), (b - a) * es);
             if (how == 2) op_copy(st_at(g, a - lo), st_at(p->tp_pack, off), (b - a) * es);
             off += b - a, touched = 1;

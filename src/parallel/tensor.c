@@ -58,20 +58,12 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     comm_ireduce_scatter(ctx, send, recv, n, act_type(), COMM_SUM, r, "tensor-parallel reduce-scatter");
     return begun(r);
 }
-static void tp_allreduce(void *ctx, void *buf, size_t n) { tp_join(ctx, tp_allreduce_begin(ctx, buf, n)); }
-static void tp_allgather(void *ctx, void *buf, size_t n, int stats) {
-    tp_join(ctx, tp_allgather_begin(ctx, buf, n, stats));
-}
-static void tp_reduce_scatter(void *ctx, void *send, void *recv, size_t n) {
-    tp_join(ctx, tp_reduce_scatter_begin(ctx, send, recv, n));
-}
 
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     if (mesh->tp_size == 1) return;
-    m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce = tp_allreduce, .allgather = tp_allgather,
-                      .reduce_scatter = tp_reduce_scatter, .flush = tp_flush, .allreduce_begin = tp_allreduce_begin,
+    m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
                       .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
-                      .join = tp_join};
+                      .join = tp_join, .flush = tp_flush};
     m->sp = sequence_parallel != 0;
 }
 
@@ -81,9 +73,8 @@ double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, cons
     int n = model_tp_runs(m, u, r, max);
     double s = 0;
     for (int i = 0; i < n; i++) {
-        if (!r[i].replicated) continue;
-        size_t a = lo > r[i].local ? lo : r[i].local, b = hi < r[i].local + r[i].n ? hi : r[i].local + r[i].n;
-        if (a < b) s += op_sumsq(st_at(g, a - lo), b - a);
+        size_t a, b;
+        if (r[i].replicated && tp_run_clip(&r[i], lo, hi, &a, &b)) s += op_sumsq(st_at(g, a - lo), b - a);
     }
     free(r);
     return s;
