@@ -17,17 +17,8 @@ echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $NP
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
 COMMON="device=cuda precision=bf16 progress=false ckpt_path=none val_batches=1 log_every=$STEPS steps=$((STEPS + 1))"
 
-# mt NAME NPROC KEYS...: one meshtrain row "NAME tokens/s GB(peak) GB(estimate)"
-mt() {
-  local name=$1 np=$2; shift 2
-  local out; out=$(mktemp -d)
-  local d; d=$(mt_run "$out" "$np" "" $COMMON "$@")
-  local t m e
-  t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d") e=$(field estimate_bytes "$d")
-  if [ -z "$t" ]; then echo "$name: failed: $(mt_failed "$out" 3)"; return; fi
-  printf '%-34s %9.0f tokens/s  peak %5.1f GB  estimate %5.1f GB\n' "$name" "$t" \
-    "$(awk -v m="$m" 'BEGIN{print m/1e9}')" "$(awk -v m="$e" 'BEGIN{print m/1e9}')"
-}
+# mt NAME NPROC KEYS...: one meshtrain row (bench/lib.sh's mt_row, with COMMON)
+mt() { local name=$1 np=$2; shift 2; mt_row "$name" "$np" $COMMON "$@"; }
 # peer NAME NPROC KEYS...: one peer row
 peer() {
   local name=$1 np=$2; shift 2

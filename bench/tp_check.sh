@@ -21,14 +21,7 @@ for tied in false true; do
   done
 done
 C="device=cuda precision=bf16 progress=false ckpt_path=none val_batches=1 log_every=$STEPS steps=$((STEPS + 1))"
-row() {  # row NAME NPROC KEYS...
-  local name=$1 np=$2; shift 2
-  local out; out=$(mktemp -d)
-  local d; d=$(mt_run "$out" "$np" "" $C "$@")
-  [ -n "$d" ] || { echo "$name: failed: $(mt_failed "$out" 3)"; return; }
-  printf '%-44s %9.0f tokens/s  peak %5.1f GB  estimate %5.1f GB\n' "$name" "$(field tokens_per_s "$d")" \
-    "$(awk -v m="$(field gpu_peak_alloc_bytes "$d")" 'BEGIN{print m/1e9}')" "$(awk -v m="$(field estimate_bytes "$d")" 'BEGIN{print m/1e9}')"
-}
+row() { local name=$1 np=$2; shift 2; mt_row "$name" "$np" $C "$@"; }  # row NAME NPROC KEYS...
 EFF="embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1"
 row "eff: one GPU" 1 $EFF
 row "eff: tp=$NP sequence_parallel=true" "$NP" $EFF tensor_parallel_size=$NP

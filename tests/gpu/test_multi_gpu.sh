@@ -58,7 +58,7 @@ CASES
 # -- tensor parallel over the NP GPUs (dp = 1, so batch_size is the whole batch): heads, FFN
 # units and the vocabulary split (the cross-entropy's statistics all-gathered over NCCL),
 # with sequence parallel (all-gathers and reduce-scatters of bf16 or fp32 activations) and
-# without: NP GPUs follow one
+# without, and with activation checkpointing: NP GPUs follow one
 while IFS='|' read -r name tied keys; do
   out=$TMP/tp_$name
   if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
@@ -70,6 +70,7 @@ sp|false|
 sp_tied|true|
 no_sp|false|sequence_parallel=false
 no_sp_tied|true|sequence_parallel=false
+sp_ckpt|false|activation_checkpointing=true
 CASES
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one
@@ -104,20 +105,6 @@ for sched in 1f1b interleaved; do
 done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
-# -- tensor parallel: NP ranks share every layer (heads and FFN units; NCCL all-reduces of
-# the activations), batch_size=NP*B as one GPU: fp32 follows one GPU, tied and untied, and
-# with activation checkpointing
-while IFS='|' read -r name tied keys; do
-  out=$TMP/tp_$name
-  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
-     close "$TMP/one_$tied" "$out"
-  then ok "multi_gpu_tensor_parallel_follows_one_gpu_$name"
-  else bad "multi_gpu_tensor_parallel_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-untied|false|
-tied|true|
-ckpt|false|activation_checkpointing=true
-CASES
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
