@@ -105,11 +105,11 @@ static void test_interleaved_balances_ranks(void) {
 }
 
 /* The schedules built and played for the post's estimated stage costs (p=4, m=8): the last
- * stage's forward carries the head's whole forward and backward (fused), 5.5 layers' worth,
- * so GPipe, whose phases wait for the largest forward and then the largest backward,
- * is a quarter slower than 1F1B, which waits for the largest forward + backward, and zb1
- * gains less on 1F1B than it should: what the GPUs showed (bench/RESULTS.md, session 13:
- * GPipe 0.80x, zb1 1.026x of 1F1B; simulated now 0.78x and 1.08x). */
+ * stage's forward carries the head's whole forward and backward (fused), 3.3 layers' worth
+ * at the head's measured rate, so GPipe, whose phases wait for the largest forward and then
+ * the largest backward, is a quarter slower than 1F1B, which waits for the largest forward +
+ * backward (bench/RESULTS.md, session 13: GPipe 0.80x of 1F1B with the fused head; simulated
+ * now 0.79x), and zb1, played with the fused head here, gains on 1F1B. */
 static void test_costed_schedules(void) {
     ModelConfig post = {50257, 1024, 8, 16, 256, 0};
     char err[256];
@@ -117,7 +117,7 @@ static void test_costed_schedules(void) {
     double cost[12];
     CHECK(pipeline_split(&post, 256, 4, "auto", st, err, sizeof err) == 0, "%s", err);
     pipeline_stage_costs(&post, 256, st, 4, NULL, cost);
-    CHECK(cost[9] > 3 * cost[0], "the head's stage forward %g, the first's %g", cost[9], cost[0]);
+    CHECK(cost[9] > 2 * cost[0], "the head's stage forward %g, the first's %g", cost[9], cost[0]);
     int one = schedule_makespan(SCHED_1F1B, 4, 8, 1, cost), gp = schedule_makespan(SCHED_GPIPE, 4, 8, 1, cost);
     int zb = schedule_makespan(SCHED_ZB1, 4, 8, 1, cost);
     fprintf(stderr, "  post, p=4 m=8, simulated: 1F1B %d, GPipe %d (%.3f), zb1 %d (%.3f)\n", one, gp, (double)one / gp, zb,
@@ -166,9 +166,14 @@ static void test_searched_split(void) {
             stage_n_layers(&post, &got[1]), a, stage_n_layers(&post, &bal[0]), stage_n_layers(&post, &bal[1]), b);
     CHECK(stage_n_layers(&post, &got[0]) == 8 && a < b, "GPipe p=2: %d layers first, %d against %d",
           stage_n_layers(&post, &got[0]), a, b);
-    /* 1F1B waits for the largest F + B, which the balanced split already makes least */
+    /* 1F1B waits for the largest F + B: the balanced split evens FLOPs, the searched one the
+     * estimated time (the head's matmuls run faster per FLOP), so it moves a layer to the
+     * head's stage */
     CHECK(pipeline_split_schedule(&post, 256, 2, 1, SCHED_1F1B, 8, NULL, "auto", got, err, sizeof err) == 0 &&
-          !memcmp(got, bal, sizeof bal), "1F1B p=2 moved from the balanced split");
+          stage_n_layers(&post, &got[1]) == stage_n_layers(&post, &bal[1]) + 1 &&
+          span(&post, SCHED_1F1B, 2, 1, 8, got) < span(&post, SCHED_1F1B, 2, 1, 8, bal),
+          "1F1B p=2: %d layers on the head's stage, balanced %d", stage_n_layers(&post, &got[1]),
+          stage_n_layers(&post, &bal[1]));
     /* explicit counts are taken as they come, and errors are the plain split's */
     CHECK(pipeline_split_schedule(&post, 256, 4, 1, SCHED_GPIPE, 8, NULL, "2,2,2,10", four, err, sizeof err) == 0 &&
           stage_n_layers(&post, &four[3]) == 10, "explicit counts changed");
@@ -183,7 +188,7 @@ static void test_head_placement(void) {
     double fused[3], moved[3], h[3] = {1, 1, 1};
     pipeline_stage_costs(&post, 256, &s, 1, NULL, fused);
     pipeline_stage_costs(&post, 256, &s, 1, h, moved);
-    double hm = 2.0 * 1024 * 50257;
+    double hm = 0.6 * 2.0 * 1024 * 50257;  /* one head matmul at its measured rate (pipeline.c's COST_HEAD) */
     CHECK(fabs(fused[0] - moved[0] - 2 * hm) < 1 && fabs(moved[1] - fused[1] - hm) < 1 && fabs(moved[2] - fused[2] - hm) < 1,
           "F %g -> %g, B %g -> %g, W %g -> %g", fused[0], moved[0], fused[1], moved[1], fused[2], moved[2]);
     /* a run's placement: the head's backward leaves the forward under GPipe and zb1 across

@@ -32,7 +32,9 @@ void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out
 /* "embedding, layers 0-3" / "layers 4-7, head"; chunks joined by " + ". */
 void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len);
 /* Each of stages s[0..n)'s estimated forward, backward (input gradient) and weight-pass
- * FLOPs per token, into out[i x 3 + 0..2]: what the simulated schedules are built for.
+ * time per token, into out[i x 3 + 0..2], in FLOPs at a layer forward's rate (each pass's
+ * FLOPs times its measured time per FLOP, pipeline.c): what the simulated schedules are
+ * built for.
  * head[0..3): how many of the head's three matmuls (logits, input gradient, weight
  * gradient; 2 E V FLOPs per token each, a recomputed one counting again) fall in the last
  * stage's F, B and W; NULL: {3, 0, 0}, the model's head, whose backward is fused into the

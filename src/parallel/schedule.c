@@ -227,8 +227,12 @@ static void sim_free(Sim *S) {
 static int plan(Sim *S, ScheduleKind kind) {
     int p = S->p, v = S->v, vm = v * S->m, rc;
     int *lim = xmalloc((size_t)p * sizeof(int));
+    /* MESHTRAIN_ZB1_EXTRA=k (a tuning knob, read on every rank alike): zb1's limit on rank
+     * r is p - r + k, 1F1B's in-flight count plus k - 1, capped at p + 1 */
+    const char *zx = getenv("MESHTRAIN_ZB1_EXTRA");
+    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1;
     for (int r = 0; r < p; r++) {
-        int l = kind == SCHED_ZB1 ? p + 1 : (p - r - 1) * 2 + (v - 1) * p + 2;
+        int l = kind == SCHED_ZB1 ? (p - r + extra < p + 1 ? p - r + extra : p + 1) : (p - r - 1) * 2 + (v - 1) * p + 2;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
@@ -246,7 +250,10 @@ static int plan(Sim *S, ScheduleKind kind) {
             if (lim[r] < vm) lim[r]++, raised = 1;
         if (!raised) break;
     }
-    if (mega >= 0 && (rc || mega <= S->makespan)) rc = simulate(S, vmlim, fixed, nfixed);
+    /* MESHTRAIN_INTERLEAVED_LISTS=megatron|greedy (a tuning knob): take that one where it runs */
+    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
+    int want = il && !strcmp(il, "megatron") ? 1 : il && !strcmp(il, "greedy") ? 0 : -1;
+    if (mega >= 0 && (rc || (want < 0 ? mega <= S->makespan : want))) rc = simulate(S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
     free(vmlim);
