@@ -188,7 +188,7 @@ static void test_head_placement(void) {
     double fused[3], moved[3], h[3] = {1, 1, 1};
     pipeline_stage_costs(&post, 256, &s, 1, NULL, fused);
     pipeline_stage_costs(&post, 256, &s, 1, h, moved);
-    double hm = 0.6 * 2.0 * 1024 * 50257;  /* one head matmul at its measured rate (pipeline.c's COST_HEAD) */
+    double hm = 0.55 * 2.0 * 1024 * 50257;  /* one head matmul at its measured rate (pipeline.c's COST_HEAD) */
     CHECK(fabs(fused[0] - moved[0] - 2 * hm) < 1 && fabs(moved[1] - fused[1] - hm) < 1 && fabs(moved[2] - fused[2] - hm) < 1,
           "F %g -> %g, B %g -> %g, W %g -> %g", fused[0], moved[0], fused[1], moved[1], fused[2], moved[2]);
     /* a run's placement: the head's backward leaves the forward under GPipe and zb1 across

@@ -24,22 +24,26 @@ static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (do
 /* Time per FLOP against a layer's forward, measured on the GPU timeline (H200, the post's
  * model at micro-batch 16 x 256, bench/pp_timeline.sh, session 15): a layer's input-gradient
  * pass 1.2 (attention's backward and the elementwise backwards cost more than their FLOPs
- * say), its weight-gradient pass 0.87 (plain matmuls), the head's matmuls 0.6 (one large
- * E x V product runs nearer the chip's peak than a layer's small ones). FLOPs alone put the
- * head's stage 30% over the others where the GPU shows them even, and the lists built for
- * that left the pipeline waiting. */
+ * say), its weight-gradient pass 0.87 (plain matmuls), the head's matmuls 0.55 (one large
+ * E x V product runs nearer the chip's peak than a layer's small ones), and the
+ * cross-entropy's passes over the logits, in the head's forward, 0.3 of one head matmul's
+ * FLOPs (memory-bound: N x V read and written). FLOPs alone put the head's stage 30% over
+ * the others where the GPU shows them even, and the lists built for that left the pipeline
+ * waiting. */
 #define COST_B 1.2
 #define COST_W 0.87
-#define COST_HEAD 0.6
+#define COST_HEAD 0.55
+#define COST_CE 0.3
 
 void pipeline_stage_costs(const ModelConfig *c, int T, const Stage *s, int n, const double *head, double *out) {
     static const double fused[3] = {3, 0, 0};
     double E = c->embed_dim, pm = layer_matmul_params(c), hm = COST_HEAD * head_flops(c) / 3;  /* one head matmul */
+    double ce = COST_CE * head_flops(c) / 3;
     if (!head) head = fused;
     for (int i = 0; i < n; i++) {
         double nl = stage_n_layers(c, &s[i]);
         int h = s[i].last == head_unit(c);
-        out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (h ? head[0] * hm : 0);
+        out[i * 3 + 0] = nl * (2 * pm + 4 * E * T) + (s[i].first == 0 ? E : 0) + (h ? head[0] * hm + ce : 0);
         out[i * 3 + 1] = COST_B * nl * (2 * pm + 8 * E * T) + (h ? head[1] * hm : 0);
         out[i * 3 + 2] = COST_W * nl * 2 * pm + (s[i].first == 0 ? E : 0) + (h ? head[2] * hm : 0);
     }
