@@ -623,37 +623,73 @@ static void sqrt_inplace(float *x, int n) {
  * with lerp_ and the step with addcdiv_, in their operation order. */
 #define ADAMW_BLOCK 1024
 
+/* The step's scalars, the same for every block. */
+typedef struct { float decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, scale; int small; } AdamwCoef;
+
+static AdamwCoef adamw_coef(float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                            float grad_scale) {
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    AdamwCoef c;
+    c.decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
+    c.w1 = (float)(1.0 - (double)beta1), c.w1c = 1.0f - c.w1; /* exp_avg.lerp_(grad, 1 - beta1) */
+    c.small = fabsf(c.w1) < 0.5f;
+    c.b2 = beta2, c.w2 = (float)(1.0 - (double)beta2);
+    c.neg_step = (float)(-((double)lr / bc1));
+    c.bc2_sqrt = (float)sqrt(bc2);
+    c.eps = eps, c.scale = grad_scale;
+    return c;
+}
+
+/* One block of at most ADAMW_BLOCK elements. */
+static inline void adamw_block(const AdamwCoef *c, float *p, const float *gb, float *mb, float *vb, int len) {
+    float den[ADAMW_BLOCK];
+    for (int i = 0; i < len; i++) {
+        float g = gb[i] * c->scale;
+        float mi = mb[i];
+        mb[i] = c->small ? mi + c->w1 * (g - mi) : g - (g - mi) * c->w1c;
+        float vi = vb[i] * c->b2;
+        vi = vi + c->w2 * g * g;
+        vb[i] = vi;
+        den[i] = vi;
+    }
+    sqrt_inplace(den, len);
+    for (int i = 0; i < len; i++) {
+        float pi = p[i] * c->decay;
+        p[i] = pi + c->neg_step * mb[i] / (den[i] / c->bc2_sqrt + c->eps);
+    }
+}
+
 static void cpu_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
                       float beta2, float eps, float weight_decay, int step, float grad_scale) {
-    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
-    float decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
-    float w1 = (float)(1.0 - (double)beta1), w1c = 1.0f - w1; /* exp_avg.lerp_(grad, 1 - beta1) */
-    int small = fabsf(w1) < 0.5f;
-    float b2 = beta2, w2 = (float)(1.0 - (double)beta2);
-    float neg_step = (float)(-((double)lr / bc1));
-    float bc2_sqrt = (float)sqrt(bc2);
+    AdamwCoef c = adamw_coef(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
     size_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < nb; b++) {
         size_t i0 = b * ADAMW_BLOCK;
         int len = (int)(n - i0 < ADAMW_BLOCK ? n - i0 : ADAMW_BLOCK);
-        float *p = param + i0, *mb = m + i0, *vb = v + i0;
-        const float *gb = grad + i0;
-        float den[ADAMW_BLOCK];
-        for (int i = 0; i < len; i++) {
-            float g = gb[i] * grad_scale;
-            float mi = mb[i];
-            mb[i] = small ? mi + w1 * (g - mi) : g - (g - mi) * w1c;
-            float vi = vb[i] * b2;
-            vi = vi + w2 * g * g;
-            vb[i] = vi;
-            den[i] = vi;
-        }
-        sqrt_inplace(den, len);
-        for (int i = 0; i < len; i++) {
-            float pi = p[i] * decay;
-            p[i] = pi + neg_step * mb[i] / (den[i] / bc2_sqrt + eps);
-        }
+        adamw_block(&c, param + i0, grad + i0, m + i0, v + i0, len);
+    }
+}
+
+/* offload's lean host update (ops.h, adamw_host16): bf16 gradients widened per block (exact),
+ * the same arithmetic as cpu_adamw, and the updated parameters rounded to bf16 over the
+ * gradients they came from: one pass over the host's buffers, no fp32 gradient copy. */
+static void cpu_adamw_host16(float *param, uint16_t *g16, float *m, float *v, size_t n, float lr, float beta1,
+                             float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    AdamwCoef c = adamw_coef(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    size_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * ADAMW_BLOCK;
+        int len = (int)(n - i0 < ADAMW_BLOCK ? n - i0 : ADAMW_BLOCK);
+        float g[ADAMW_BLOCK];
+        uint16_t *h = g16 + i0;
+        const float *p = param + i0;
+#pragma omp simd
+        for (int i = 0; i < len; i++) g[i] = bf16_widen(h[i]);
+        adamw_block(&c, param + i0, g, m + i0, v + i0, len);
+#pragma omp simd
+        for (int i = 0; i < len; i++) h[i] = bf16_round(p[i]);
     }
 }
 
@@ -992,6 +1028,7 @@ const OpsBackend ops_backend_cpu = {
     .crossentropy_shard_stats = t_crossentropy_shard_stats,
     .crossentropy_shard_backward = t_crossentropy_shard_backward,
     .adamw = t_adamw,
+    .adamw_host16 = cpu_adamw_host16,
     .adafactor_sums = t_adafactor_sums,
     .adafactor_stats = cpu_adafactor_stats,
     .adafactor_rms = cpu_adafactor_rms,
