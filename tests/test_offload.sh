@@ -9,6 +9,11 @@
 # the global norm, computed on the device before any update starts; a clip that bites
 # (0.05) is the case that shows it. Resume from an offloaded checkpoint is bitwise, and
 # resumes without offload too (the checkpoint is the same file). Bad input: one line, exit 2.
+# DDP with AdamW is lean (the host's master the only fp32 copy; the init, checkpoints and loads
+# go through it): in fp32 its gradients go out as they are, and MESHTRAIN_OFFLOAD_STAGING=1
+# sends them through the device staging buffers that carry bf16 gradients under
+# precision=mixed (which the cpu backend has not: its rounding is checked in test_optim and on
+# a GPU by bench/gpu_offload_7b.sh's sanity run).
 TEST_NAME=offload
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -23,10 +28,15 @@ same() {
   for f in "$1"/ckpt.bin*; do cmp -s "$f" "$2/${f##*/}" || return 1; done
 }
 # NAME|RANKS|BATCH_SIZE (per rank)|GRAD_CLIP|KEYS|OFFLOAD SETTINGS (besides none; default optimizer)
+# KEYS may start with NAME=VALUE words: the environment of the offloaded runs (test hooks).
 while IFS='|' read -r name np bs clip keys offs; do
   if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
+  envs=(); read -ra kw <<<"$keys"
+  while [ "${#kw[@]}" -gt 0 ] && [[ ${kw[0]} == MESHTRAIN_* ]]; do envs+=("${kw[0]}"); kw=("${kw[@]:1}"); done
+  keys="${kw[*]}"
   for off in none ${offs:-optimizer}; do
-    "${run[@]}" train $M batch_size=$bs grad_clip=$clip $keys offload=$off out_dir="$TMP/${name}_$off" </dev/null \
+    pre=(env); [ "$off" = none ] || pre+=("${envs[@]}")
+    "${pre[@]}" "${run[@]}" train $M batch_size=$bs grad_clip=$clip $keys offload=$off out_dir="$TMP/${name}_$off" </dev/null \
       >"$TMP/${name}_$off.log" 2>&1
     [ "$off" = none ] && continue
     if same "$TMP/${name}_none" "$TMP/${name}_$off"; then ok "offload_${off}_follows_bitwise_$name"
@@ -38,6 +48,8 @@ one_noclip|1|8|0|
 one_clip_bites|1|8|0.05|
 one_accum|1|4|1|grad_accum_steps=2
 one_tied_recompute|1|8|1|tie_embeddings=true activation_checkpointing=true
+one_staging_accum|1|4|1|MESHTRAIN_OFFLOAD_STAGING=1 grad_accum_steps=2 tie_embeddings=true
+ddp_np2_staging|2|4|0.05|MESHTRAIN_OFFLOAD_STAGING=1
 ddp_np2|2|4|1|
 zero1_np2|2|4|1|zero_opt=true
 zero2_np2|2|4|1|fsdp=true shard_strategy=grad_op
@@ -87,6 +99,9 @@ resumes off 1 offload=optimizer -- offload=optimizer
 resume_ok off && ok offload_resume_bitwise || bad "offload_resume_bitwise ($(tail -1 "$OUT.log"))"
 resumes offplain 1 offload=optimizer --
 resume_ok offplain && ok offload_checkpoint_resumes_without_offload || bad "offload_checkpoint_resumes_without_offload ($(tail -1 "$OUT.log"))"
+# lean DDP over 2 ranks, gradients through the staging buffers (the bf16 path's code, in fp32)
+MESHTRAIN_OFFLOAD_STAGING=1 resumes staging 2 offload=optimizer -- offload=optimizer
+resume_ok staging && ok offload_resume_ddp_np2_staging_bitwise || bad "offload_resume_ddp_np2_staging_bitwise ($(tail -1 "$OUT.log"))"
 resumes fsdp 2 fsdp=true offload=optimizer -- fsdp=true offload=optimizer
 resume_ok fsdp && ok offload_resume_fsdp_np2_bitwise || bad "offload_resume_fsdp_np2_bitwise ($(tail -1 "$OUT.log"))"
 resumes params 2 fsdp=true offload=params -- fsdp=true offload=params
@@ -123,11 +138,29 @@ h1=$(host_of optimizer adamw | to_b); ha=$(host_of optimizer adafactor | to_b)
 gf1=$(echo "$est_f" | awk '$1 == "offload=optimizer" && $2 == "adamw" {print $3 " " $4}' | to_b)
 gf2=$(echo "$est_f" | awk '$1 == "offload=params" && $2 == "adamw" {print $3 " " $4}' | to_b)
 P=$("$BIN" estimate $E | awk '$1 == "parameters:" {gsub(",", "", $2); print $2}')
-# AdamW: m and v (8 B/param) leave the GPU; the host holds them with the master and the gradients' copy (16 B/param)
-if [ -n "$g1" ] && [ "$h0" = 0 ] && awk -v g0="$g0" -v g1="$g1" -v h1="$h1" -v ha="$ha" -v P="$P" \
-     'BEGIN {d = (g0 - g1) / (8 * P); h = h1 / (16 * P); exit !(d > 0.99 && d < 1.01 && h > 0.99 && h < 1.01 && ha < h1 / 1.9)}'
+# AdamW under DDP is lean: with precision=mixed (the GPU's default) m, v and the fp32 parameters
+# (12 B/param) leave the GPU, which gains two bf16 staging buffers of the largest unit (the head,
+# V x E + E); the host holds the master, m, v (12 B/param) and a bf16 gradients' copy (2 B/param).
+# Adafactor (not lean: master and fp32 gradients, 8 B/param, and its statistics) holds less.
+if [ -n "$g1" ] && [ "$h0" = 0 ] && awk -v g0="$g0" -v g1="$g1" -v h1="$h1" -v ha="$ha" -v P="$P" -v S=$((4 * (50257 * 256 + 256))) \
+     'BEGIN {d = (g0 - g1 + S) / (12 * P); h = h1 / (14 * P); exit !(d > 0.99 && d < 1.01 && h > 0.99 && h < 1.01 && ha < h1 / 1.6)}'
 then ok "offload_estimate_table (GPU $g0 -> $g1 B, host $h1 B; adafactor host $ha B)"
 else bad "offload_estimate_table ($g0 $g1 $h0 $h1 $ha P=$P)"; echo "$est"; fi
+# with precision=fp32: m and v (8 B/param) leave the GPU; the host holds them, the master and the
+# gradients' copy (16 B/param)
+est=$("$BIN" estimate $E precision=fp32)
+g0=$(gpu_of none adamw | to_b); g1=$(gpu_of optimizer adamw | to_b); h1=$(host_of optimizer adamw | to_b)
+if [ -n "$g1" ] && awk -v g0="$g0" -v g1="$g1" -v h1="$h1" -v P="$P" \
+     'BEGIN {d = (g0 - g1) / (8 * P); h = h1 / (16 * P); exit !(d > 0.99 && d < 1.01 && h > 0.99 && h < 1.01)}'
+then ok "offload_estimate_table_fp32 (GPU $g0 -> $g1 B, host $h1 B)"
+else bad "offload_estimate_table_fp32 ($g0 $g1 $h1 P=$P)"; echo "$est"; fi
+# ZeRO-1 keeps today's layout (not lean): 8 B/param leave the GPU, 16 B/param on the host
+est=$("$BIN" estimate $E zero_opt=true world_size=2)
+g0=$(gpu_of none adamw | to_b); g1=$(gpu_of optimizer adamw | to_b); h1=$(host_of optimizer adamw | to_b)
+if [ -n "$g1" ] && awk -v g0="$g0" -v g1="$g1" -v h1="$h1" -v P="$P" \
+     'BEGIN {d = (g0 - g1) / (4 * P); h = h1 / (8 * P); exit !(d > 0.99 && d < 1.01 && h > 0.99 && h < 1.01)}'
+then ok "offload_estimate_zero1_not_lean (GPU $g0 -> $g1 B, host $h1 B)"
+else bad "offload_estimate_zero1_not_lean ($g0 $g1 $h1 P=$P)"; echo "$est"; fi
 # offload=params (FSDP over 2): the parameter shard (4 B/param / 2) leaves the GPU too
 if [ -n "$gf2" ] && awk -v a="$gf1" -v b="$gf2" -v P="$P" 'BEGIN {d = (a - b) / (2 * P); exit !(d > 0.99 && d < 1.01)}'
 then ok "offload_params_estimate (GPU $gf1 -> $gf2 B)"; else bad "offload_params_estimate ($gf1 $gf2)"; echo "$est_f"; fi

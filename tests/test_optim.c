@@ -1,4 +1,4 @@
-/* Learning-rate schedule and clipping. (AdamW itself is checked in test_ops and, against
+/* Learning-rate schedule and clipping; offload's bf16-gradient AdamW against adamw. (AdamW itself is checked in test_ops and, against
  * torch, in test_model.) Adafactor against a float64 reference of its update
  * (tests/gen_adafactor_fixture.py), one process and sharded. */
 #include <stdint.h>
@@ -164,7 +164,40 @@ static void test_adafactor_fixture(void) {
     fclose(f);
 }
 
+/* offload's lean host update: adamw_host16 is bitwise adamw on the widened bf16 gradients,
+ * its parameters then rounded to bf16 over the gradients (several steps, a length that is
+ * not a whole number of blocks, a clip scale, weight decay). */
+static void test_adamw_host16(void) {
+    size_t n = 3000;
+    float *p = malloc(n * sizeof(float)), *m = calloc(n, sizeof(float)), *v = calloc(n, sizeof(float));
+    float *p2 = malloc(n * sizeof(float)), *m2 = calloc(n, sizeof(float)), *v2 = calloc(n, sizeof(float));
+    float *g = malloc(n * sizeof(float));
+    uint16_t *g16 = malloc(n * sizeof(uint16_t));
+    uint64_t r = 12345;
+    for (size_t i = 0; i < n; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        p[i] = p2[i] = (float)((double)(r >> 11) / 9007199254740992.0 - 0.5);
+    }
+    for (int step = 1; step <= 3; step++) {
+        for (size_t i = 0; i < n; i++) {
+            r = r * 6364136223846793005ull + 1442695040888963407ull;
+            g16[i] = bf16_round((float)((double)(r >> 11) / 9007199254740992.0 - 0.5) * 0.01f);
+            g[i] = bf16_widen(g16[i]);
+        }
+        float scale = step == 2 ? 0.37f : 1.0f;
+        ops_backend_cpu.adamw(p, g, m, v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, scale);
+        ops_backend_cpu.adamw_host16(p2, g16, m2, v2, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, scale);
+        CHECK(!memcmp(p, p2, n * sizeof(float)) && !memcmp(m, m2, n * sizeof(float)) &&
+                  !memcmp(v, v2, n * sizeof(float)), "step %d: master, m or v differ from adamw's", step);
+        size_t bad = 0;
+        for (size_t i = 0; i < n; i++) bad += g16[i] != bf16_round(p[i]);
+        CHECK(bad == 0, "step %d: %zu bf16 parameters are not the rounded master", step, bad);
+    }
+    free(p); free(m); free(v); free(p2); free(m2); free(v2); free(g); free(g16);
+}
+
 int main(void) {
+    RUN(test_adamw_host16);
     RUN(test_schedule);
     RUN(test_clip);
     RUN(test_adafactor_fixture);

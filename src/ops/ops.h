@@ -387,6 +387,12 @@ typedef struct OpsBackend {
                                         const float *stats, int t, float dlogits_scale);
     void (*adamw)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int step, float grad_scale);
+    /* The cpu backend's only (NULL elsewhere; offload calls ops_backend_cpu's): adamw on fp32
+     * host state with bf16 gradients g16, which then hold the updated parameters rounded to
+     * bf16 (offload=optimizer with precision=mixed: the copy the device computes with).
+     * Bitwise adamw on the widened gradients, then bf16_round. */
+    void (*adamw_host16)(float *param, uint16_t *g16, float *m, float *v, size_t n, float lr, float beta1,
+                         float beta2, float eps, float weight_decay, int step, float grad_scale);
     /* NULL: op_adamw_cast is adamw then to_act */
     void (*adamw_cast)(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1,
                        float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);

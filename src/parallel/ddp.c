@@ -247,7 +247,9 @@ static void ddp_setup(Parallel *p) {
     d->side_lo = SIZE_MAX;
     d->greq_late = xcalloc((size_t)p->m->n_units, 1);
     size_t bytes = p->m->n_flat * ops_state_size();
-    p->params = op_alloc(bytes);
+    /* lean offload with bf16 compute: the host's master is the only fp32 copy (offload.c) */
+    p->lean = par_offload_lean(p);
+    if (!p->lean || ops_precision() != OPS_MIXED) p->params = op_alloc(bytes);
     p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
     par_alloc_optim(p, p->m->n_flat, 0);
     model_point_units(p->m, p->params, p->grads);
@@ -277,7 +279,7 @@ static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         size_t s = shard_len(p, u), lo = (size_t)p->r * s, hi = lo + s, nu = m->units[u].n;
         if (hi > nu) hi = nu;
         size_t off = m->units[u].offset;
-        void *base_p = st_at(p->params, off);
+        void *base_p = p->hparams ? (void *)(p->hparams + off) : st_at(p->params, off);  /* lean: the host's master */
         if (write) {
             if (lo < hi && n < max)
                 out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), p->mom1 ? st_at(p->mom1, off + lo) : NULL,
@@ -313,6 +315,7 @@ static void ddp_set_rows(Parallel *p, const int *rows, size_t n) {
 
 const ParallelStrategy par_ddp = {
     .name = "ddp",
+    .lean_offload = 1,
     .setup = ddp_setup,
     .free = ddp_free,
     .gather = ddp_gather,

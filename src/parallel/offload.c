@@ -15,7 +15,19 @@
  *   (par_offload_ready): the update of the later units overlaps the forward of the first.
  * Adafactor's update needs whole tensors' statistics, with collectives between its
  * passes: it runs on the ops' thread, at the step (par_adafactor, on the host buffers).
- * On the cpu backend the copies are plain copies and the same code runs, worker included. */
+ * On the cpu backend the copies are plain copies and the same code runs, worker included.
+ *
+ * Lean (p->lean: DDP with AdamW) keeps the host and the device small enough for a 7B model
+ * on one GPU: the master copy is the only fp32 copy of the parameters (no device fp32
+ * parameters under precision=mixed, only the bf16 copy the ops read), and the host's
+ * gradient copy is in the compute type. With precision=mixed a unit's final fp32 gradient is
+ * rounded to bf16 into one of two device staging buffers and copied out from there (half
+ * the PCIe bytes and host memory); the worker's AdamW (adamw_host16) reads the bf16
+ * gradient, updates the fp32 master and moments, and writes the parameters' bf16 copy over
+ * that gradient, which the "in" queue then copies into the device's compute copy. The
+ * host's bf16 buffer is free for it: the next copy out into it follows the next forward's
+ * gather of the unit, which waits for the copy in. With fp32 the gradient goes out as it is
+ * and the master comes back as it is (bitwise the run without offload, as before). */
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -28,9 +40,19 @@ struct Offload {
     int n_units, threads;
     int params_host;            /* offload=params: the master copy is the parameter shard itself */
     size_t n;                   /* host elements per buffer: what this rank updates */
-    float *master, *grad;       /* host: the fp32 master copy and the gradient's copy */
+    float *master;              /* host: the fp32 master copy */
+    void *grad;                 /* host: the gradient's copy (fp32; lean: the compute type, act bytes) */
+    size_t act;                 /* bytes of one element of grad (and, lean, of the device's dparam) */
+    int lean;
+    /* lean with a bf16 gradient copy: two device buffers of the largest unit in the compute
+     * type, which gradients are rounded into on their way out (stage_unit: the unit whose
+     * copy out last read each, -1 none) */
+    void *stage[2];
+    int stage_unit[2], stage_next;
+    double update_s, wait_s;    /* the worker's time in updates, the main thread's waiting for them (totals) */
     float *m1, *m2;             /* host: AdamW's moments (the Parallel's mom1, mom2) */
-    void **dparam;              /* per unit: the device parameters of what the rank updates */
+    void **dparam;              /* per unit: the device parameters of what the rank updates (lean:
+                                 * the compute copy, act bytes an element) */
     const void **dgrad;         /* ... its gradient on the device */
     size_t *hoff, *hn;          /* ... its offset and length in the host buffers */
     CommReq **dreq;             /* per unit: the request that ends its last reduction (or NULL) */
@@ -52,9 +74,16 @@ enum { IDLE, QUEUED, UPLOADED };
 static void update_unit(Offload *o, int u) {
     size_t h = o->hoff[u], n = o->hn[u];
     op_copy_sync(u, 0);
-    ops_backend_cpu.adamw(o->master + h, o->grad + h, o->m1 + h, o->m2 + h, n, o->lr, o->b1, o->b2, o->eps, o->wd,
-                          o->step, o->scale);
-    if (!o->params_host) op_copy_in(o->dparam[u], o->master + h, n * sizeof(float), u);
+    if (o->act == 2) {  /* lean, bf16: the parameters' bf16 copy replaces the gradient, and goes in from there */
+        uint16_t *g16 = (uint16_t *)o->grad + h;
+        ops_backend_cpu.adamw_host16(o->master + h, g16, o->m1 + h, o->m2 + h, n, o->lr, o->b1, o->b2, o->eps, o->wd,
+                                     o->step, o->scale);
+        if (n) op_copy_in(o->dparam[u], g16, n * 2, u);
+        return;
+    }
+    ops_backend_cpu.adamw(o->master + h, (float *)o->grad + h, o->m1 + h, o->m2 + h, n, o->lr, o->b1, o->b2, o->eps,
+                          o->wd, o->step, o->scale);
+    if (!o->params_host && n) op_copy_in(o->dparam[u], o->master + h, n * sizeof(float), u);
 }
 
 static void *worker(void *arg) {
@@ -66,8 +95,11 @@ static void *worker(void *arg) {
         if (o->next == o->queued) break;  /* quit, nothing left */
         int u = o->queue[o->next];
         pthread_mutex_unlock(&o->mu);
+        double t0 = now_seconds();
         update_unit(o, u);
+        double dt = now_seconds() - t0;
         pthread_mutex_lock(&o->mu);
+        o->update_s += dt;
         o->next++;
         o->state[u] = UPLOADED;
         pthread_cond_broadcast(&o->done);
@@ -96,6 +128,8 @@ void par_offload_setup(Parallel *p) {
         die(EXIT_RUN_FAILURE, "internal: offload=params with a strategy that keeps parameters on the device");
     Offload *o = p->off = xcalloc(1, sizeof *o);
     o->n_units = U;
+    o->lean = p->lean;
+    o->act = p->lean ? ops_act_size() : sizeof(float);
     o->dparam = xcalloc((size_t)U, sizeof *o->dparam);
     o->dgrad = xcalloc((size_t)U, sizeof *o->dgrad);
     o->hoff = xcalloc((size_t)U, sizeof *o->hoff);
@@ -109,7 +143,8 @@ void par_offload_setup(Parallel *p) {
         const void *grad;
         size_t own;
         par_owned(p, u, &param, &grad, &m1, &own);
-        o->dparam[u] = param;
+        /* lean: the update comes back into what the ops read (the compute copy, or the params in fp32) */
+        o->dparam[u] = !p->lean ? param : m->ucompute[u] ? m->ucompute[u] : param;
         o->dgrad[u] = grad;
         o->hoff[u] = own;
         o->hn[u] = p->gshard ? shard_len(p, u) : m->units[u].n_padded;
@@ -118,7 +153,15 @@ void par_offload_setup(Parallel *p) {
     o->master = par_host_alloc(o->n * sizeof(float), "fp32 master weights");
     o->params_host = p->offload == OFFLOAD_PARAMS;
     if (o->params_host) p->hshard = o->master;
-    o->grad = par_host_alloc(o->n * sizeof(float), "the gradients' copy");
+    if (o->lean) p->hparams = o->master;
+    o->grad = par_host_alloc(o->n * o->act, o->act == 2 ? "the gradients' bf16 copy" : "the gradients' copy");
+    /* test hook (=1): the staging buffers in fp32 too, so that the cpu's tests run their code */
+    const char *env = getenv("MESHTRAIN_OFFLOAD_STAGING");
+    if (o->lean && (o->act != sizeof(float) || (env && !strcmp(env, "1")))) {
+        size_t caps[N_SLOTS];
+        par_slot_caps(m, 0, caps);  /* caps[0]: the largest unit */
+        for (int i = 0; i < 2; i++) o->stage[i] = op_alloc(caps[0] * o->act), o->stage_unit[i] = -1;
+    }
     o->m1 = p->mom1;
     o->m2 = p->mom2;
     op_copy_reserve(U);
@@ -151,18 +194,35 @@ void par_offload_free(Parallel *p) {
     pthread_cond_destroy(&o->done);
     op_host_free(o->master);
     op_host_free(o->grad);
+    op_free(o->stage[0]);
+    op_free(o->stage[1]);
     free(o->dparam); free(o->dgrad); free(o->hoff); free(o->hn); free(o->dreq); free(o->out); free(o->state);
     free(o->queue);
     free(o);
     p->off = NULL;
 }
 
-void par_offload_pull(Parallel *p) {
+void par_offload_params_written(Parallel *p) {
     Offload *o = p->off;
     if (!o || o->params_host) return;  /* offload=params: the master copy is the parameters */
     par_offload_finish(p);
-    ops_synchronize();
-    for (int u = 0; u < o->n_units; u++) op_download(o->master + o->hoff[u], o->dparam[u], o->hn[u] * sizeof(float));
+    ops_synchronize();  /* no copy in flight into or out of the host's buffers */
+    for (int u = 0; u < o->n_units; u++) {
+        size_t h = o->hoff[u], n = o->hn[u];
+        if (!o->lean) op_download(o->master + h, o->dparam[u], n * sizeof(float));
+        else if (o->act == sizeof(float)) op_upload(o->dparam[u], o->master + h, n * sizeof(float));
+        else {  /* rounded to bf16 in the gradients' host copy (free until the next backward), then up */
+            uint16_t *g16 = (uint16_t *)o->grad + h;
+            const float *src = o->master + h;
+#pragma omp parallel for schedule(static)
+            for (size_t i = 0; i < n; i++) g16[i] = bf16_round(src[i]);
+            op_upload(o->dparam[u], g16, n * 2);
+        }
+    }
+}
+
+int par_offload_lean(const Parallel *p) {
+    return p->offload == OFFLOAD_OPTIMIZER && p->optim == OPTIM_ADAMW && p->s->lean_offload;
 }
 
 void par_offload_begin_step(Parallel *p) {
@@ -183,7 +243,19 @@ void par_offload_grad_request(Parallel *p, int u, CommReq *r) {
 
 static void grad_out(Offload *o, int u) {
     if (o->out[u]) return;
-    op_copy_out(o->grad + o->hoff[u], o->dgrad[u], o->hn[u] * sizeof(float), u);
+    size_t n = o->hn[u];
+    void *dst = (char *)o->grad + o->hoff[u] * o->act;
+    if (!o->stage[0]) op_copy_out(dst, o->dgrad[u], n * o->act, u);
+    else if (n) {
+        /* the main queue rounds it into a staging buffer once that buffer's last copy out is
+         * done, and the out queue copies it from there */
+        int s = o->stage_next;
+        o->stage_next ^= 1;
+        if (o->stage_unit[s] >= 0) op_copy_wait(o->stage_unit[s], 0);
+        op_to_act(o->stage[s], o->dgrad[u], n);
+        op_copy_out(dst, o->stage[s], n * o->act, u);
+        o->stage_unit[s] = u;
+    }
     o->out[u] = 1;
 }
 
@@ -241,6 +313,7 @@ int par_offload_ready(Parallel *p, int u, int wait) {
     Offload *o = p->off;
     if (!o) return 1;
     pthread_mutex_lock(&o->mu);
+    double t0 = o->state[u] == QUEUED && wait ? now_seconds() : 0;
     while (o->state[u] == QUEUED) {
         if (!wait) {
             pthread_mutex_unlock(&o->mu);
@@ -248,6 +321,7 @@ int par_offload_ready(Parallel *p, int u, int wait) {
         }
         pthread_cond_wait(&o->done, &o->mu);
     }
+    if (t0 > 0) o->wait_s += now_seconds() - t0;
     int up = o->state[u] == UPLOADED;
     o->state[u] = IDLE;
     pthread_mutex_unlock(&o->mu);
@@ -261,4 +335,17 @@ void par_offload_finish(Parallel *p) {
 }
 
 float *par_offload_master(const Parallel *p) { return p->off ? p->off->master : NULL; }
-float *par_offload_grad(const Parallel *p) { return p->off ? p->off->grad : NULL; }
+float *par_offload_grad(const Parallel *p) {
+    if (p->off && p->off->act != sizeof(float)) die(EXIT_RUN_FAILURE, "internal: the gradients' host copy is not fp32");
+    return p->off ? p->off->grad : NULL;
+}
+
+void parallel_offload_times(Parallel *p, double *update_s, double *wait_s) {
+    Offload *o = p->off;
+    *update_s = *wait_s = 0;
+    if (!o) return;
+    pthread_mutex_lock(&o->mu);
+    *update_s = o->update_s;
+    *wait_s = o->wait_s;
+    pthread_mutex_unlock(&o->mu);
+}

@@ -105,16 +105,16 @@ double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void parallel_params_changed(Parallel *p) {
     if (p->s->params_changed) p->s->params_changed(p);
-    par_offload_pull(p);
+    par_offload_params_written(p);
 }
 
 void parallel_init_weights(Parallel *p, uint64_t seed) {
     p->s->init_weights(p, seed);
-    par_offload_pull(p);
+    par_offload_params_written(p);
 }
 
 void parallel_sync(Parallel *p) { par_offload_finish(p); }
-int parallel_state_on_host(const Parallel *p) { return !p->off ? 0 : p->hshard ? 2 : 1; }
+int parallel_state_on_host(const Parallel *p) { return !p->off ? 0 : p->hshard || p->hparams ? 2 : 1; }
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
@@ -153,12 +153,28 @@ ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size
         b.optim += 3 * stats + 2 * nt * sizeof(double);
     }
     b.host = 0;
-    if (oc && oc->offload) {  /* fp32 state: the master copy and the gradients' copy beside it */
+    if (parallel_offload_lean(kind, oc)) {
+        /* the master copy and the moments in fp32, the gradients' copy in the compute type;
+         * on the device no fp32 parameters under precision=mixed (the compute copy is what
+         * the ops read), and two staging buffers of the largest unit for the bf16 gradients */
+        size_t act = compute_size ? compute_size : state_size, caps[N_SLOTS];
+        b.host = b.optim + one + one / state_size * act;
+        b.optim = 0;
+        if (compute_size) {
+            par_slot_caps(layout, 0, caps);
+            b.params = 0;
+            b.grads += 2 * caps[0] * act;
+        }
+    } else if (oc && oc->offload) {  /* fp32 state: the master copy and the gradients' copy beside it */
         b.host = b.optim + 2 * one;
         b.optim = oc->kind == OPTIM_ADAFACTOR && D > 1 ? stats : 0;
         if (oc->offload == OFFLOAD_PARAMS) b.params -= one;  /* the shard: the master copy is it */
     }
     return b;
+}
+
+int parallel_offload_lean(ParallelKind kind, const OptimConfig *oc) {
+    return oc && oc->offload == OFFLOAD_OPTIMIZER && oc->kind == OPTIM_ADAMW && strategy_for(kind)->lean_offload;
 }
 
 OptimKind parallel_optim(const Parallel *p) { return p->optim; }
@@ -578,6 +594,7 @@ void par_compute_whole(Parallel *p) {
     Model *m = p->m;
     p->cparams = op_alloc(m->n_flat * ops_act_size());
     for (int u = 0; u < m->n_units; u++) m->ucompute[u] = act_at(p->cparams, m->units[u].offset);
+    if (p->lean) return;  /* made from the host's master by offload.c, never from device params */
     p->cstale = xmalloc((size_t)m->n_units);
     par_params_stale(p);
 }
@@ -610,11 +627,12 @@ static void init_units(Parallel *p, uint64_t seed, int whole) {
     int big = 0;
     par_slot_caps(m, 1, caps);
     for (int i = 1; i < N_SLOTS; i++) big = caps[i] > caps[big] ? i : big;
-    /* offload=params: straight into the host's shards */
-    float *host = ops_host_memory() || p->hshard ? NULL : xaligned_alloc(caps[big] * sizeof(float));
+    /* offload=params and lean offload: straight into the host's master copy */
+    float *host = ops_host_memory() || p->hshard || p->hparams ? NULL : xaligned_alloc(caps[big] * sizeof(float));
     for (int u = 0; u < m->n_units; u++) {
         size_t n = whole ? m->units[u].n_padded : shard_len(p, u), lo = whole ? 0 : (size_t)p->r * n;
-        void *dst = whole      ? st_at(p->params, m->units[u].offset)
+        void *dst = whole && p->hparams ? (void *)(p->hparams + m->units[u].offset)
+                    : whole             ? st_at(p->params, m->units[u].offset)
                     : p->hshard ? (void *)(p->hshard + shard_off(p, u))
                                 : st_at(p->pshard, shard_off(p, u));
         model_init_range(m, u, lo, lo + n, host ? host : dst, seed);

@@ -60,9 +60,13 @@ double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
 /* offload=optimizer: waits until every unit's update is done and its parameters are
  * back on the device (before a checkpoint reads them); nothing to do without offload. */
 void parallel_sync(Parallel *p);
+/* offload=optimizer: the update thread's time in updates, and this thread's time waiting
+ * for them before a unit's forward (totals in seconds since the start; 0 without offload). */
+void parallel_offload_times(Parallel *p, double *update_s, double *wait_s);
 /* 1 when the optimizer's state (the moments in parallel_ranges, Adafactor's statistics)
  * is host memory (offload): read and written directly, not staged; 2 when the parameters
- * of parallel_ranges are too (offload=params). */
+ * of parallel_ranges are too (offload=params, and lean offload=optimizer: DDP with AdamW,
+ * whose host master copy is the parameters' only fp32 copy). */
 int parallel_state_on_host(const Parallel *p);
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);
@@ -99,4 +103,8 @@ typedef struct { size_t params, grads, optim, compute, host; } ParallelBytes;
  * rank updates; `optim` then holds what stays on the device (Adafactor's sums to reduce). */
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t state_size,
                              size_t compute_size, const OptimConfig *oc);
+/* Whether offload under this strategy and optimizer is lean (oc->offload == optimizer, AdamW,
+ * DDP): the host's master is the only fp32 copy of the parameters and the gradients' host
+ * copy is in the compute type (bf16 with precision=mixed). */
+int parallel_offload_lean(ParallelKind kind, const OptimConfig *oc);
 #endif

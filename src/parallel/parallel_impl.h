@@ -83,6 +83,14 @@ struct Parallel {
     /* offload=params (FSDP): no pshard on the device; this rank's parameter shards are the
      * host's master copy (hshard, fp32, at shard_off(u)), copied into a slot at each gather */
     float *hshard;
+    /* Lean offload=optimizer (a strategy with lean_offload, AdamW): the host's master copy
+     * (hparams, fp32, whole units at their offsets) is the only copy of the parameters the
+     * checkpoint, the init and a load see. The device keeps only what the ops read: with
+     * precision=mixed the bf16 compute copy (cparams; no fp32 params at all), with fp32 the
+     * params. Gradients go out in the compute type (bf16 with mixed) and each unit's update
+     * comes back into the compute copy (offload.c). */
+    int lean;
+    float *hparams;
     /* Pipeline parallel: the other stages of this rank's pipeline, over which the gradient
      * norm is summed; a tied embedding's copy (on the last stage) is not counted twice. */
     const Comm *stages;
@@ -102,6 +110,9 @@ struct ParallelStrategy {
     /* 1: a unit is sharded over mesh->shard and each shard replicated over mesh->replicate
      * (hybrid); 0: sharded or replicated over mesh->dp. */
     int replicated;
+    /* 1: keeps whole parameters and updates them whole (DDP): offload=optimizer with AdamW is
+     * then lean (Parallel.lean); the setup leaves p->params out under precision=mixed. */
+    int lean_offload;
     /* Allocates the buffers the strategy keeps and its state, points the model's units at
      * them; with precision=mixed also the bf16 compute copies (par_compute_*). */
     void (*setup)(Parallel *p);
@@ -203,8 +214,10 @@ void *par_host_alloc(size_t bytes, const char *what);
  * copy, the gradients' copy, the worker thread. par_offload_free: waits and frees. */
 void par_offload_setup(Parallel *p);
 void par_offload_free(Parallel *p);
-/* The master copy := the device's parameters (after the init or a load). */
-void par_offload_pull(Parallel *p);
+/* The parameters were written (the init, a load): the master copy := the device's
+ * parameters; lean (p->lean), where the init and the load wrote the master, the device's
+ * compute copy := the master instead. */
+void par_offload_params_written(Parallel *p);
 /* Before a step's gradients are cleared: the last step's copies out are done. */
 void par_offload_begin_step(Parallel *p);
 /* Unit u's last reduction of the step is r: once r is done its gradient goes out to the
@@ -226,6 +239,9 @@ void par_offload_params_out(Parallel *p);
  * them): 1. wait = 0: 0 instead of waiting while its update still runs. 1 without offload. */
 int par_offload_ready(Parallel *p, int u, int wait);
 void par_offload_finish(Parallel *p);  /* par_offload_ready of every unit */
+/* Whether a strategy's setup should make this run lean (AdamW, offload=optimizer, a
+ * strategy with lean_offload); it sets p->lean before allocating. */
+int par_offload_lean(const Parallel *p);
 float *par_offload_master(const Parallel *p);
 float *par_offload_grad(const Parallel *p);
 

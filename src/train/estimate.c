@@ -65,6 +65,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->compute = training ? pb.compute : 0;
     e->host = training ? pb.host : 0;
     e->offload = oc ? oc->offload : 0;
+    e->lean = training && parallel_offload_lean(kind, oc);
     size_t logit_bytes;
     Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
     size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp);
@@ -152,16 +153,21 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     for (int i = 0; i < 9; i++)
         if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
+    /* lean (DDP, AdamW): the master is the only fp32 copy, the gradients' copy in the compute type */
+    const char *what = !e->lean ? "fp32 master weights, gradients' copy, optimizer state"
+                       : e->prec == OPS_MIXED ? "fp32 master weights and optimizer state, bf16 gradients' copy"
+                                              : "fp32 master weights (the only copy), gradients' copy, optimizer state";
     if (e->offload && !e->gpu)
-        printf("  %-26s %12s   (offload: fp32 master weights, gradients' copy, optimizer state)\n", "offloaded state",
-               fmt_bytes(b1, (double)e->host));
+        printf("  %-26s %12s   (offload: %s)\n", "offloaded state", fmt_bytes(b1, (double)e->host), what);
     printf("  %-26s %12s   (the usual formula, %d B/param sharded as ZeRO + activations: %s)\n", "total",
            fmt_bytes(b1, (double)e->total), (int)(4 * ops_state_size_of(e->prec)),
            fmt_bytes(b2, e->formula));
     if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
     if (e->offload && e->gpu)
-        printf("host memory per GPU (offload): %s pinned (fp32 master weights, gradients' copy, optimizer state)\n",
-               fmt_bytes(b1, (double)e->host));
+        printf("host memory per GPU (offload): %s pinned (%s)\n", fmt_bytes(b1, (double)e->host), what);
+    if (e->lean && e->gpu && e->prec == OPS_MIXED)
+        printf("  (offload: no fp32 parameters on the GPU; gradients include two bf16 staging buffers of the largest "
+               "unit)\n");
 }
 
 void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,

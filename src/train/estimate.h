@@ -22,6 +22,7 @@ typedef struct {
      * memory), on a GPU not */
     size_t host;
     int offload;
+    int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, the optimizer's state (oc; NULL = AdamW:

@@ -411,6 +411,9 @@ int cmd_train(Config *c) {
     double tokens_per_step = (double)G * T, flops_per_step = est.flops_per_token * tokens_per_step;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */
     double t_timed = 0, comm_timed = 0, val_loss = NAN;
+    /* offload: the update thread's time and the forward's wait for it, totals (upd0, wait0: at
+     * the last step's end); the update of step s runs beside step s + 1, and is counted there */
+    double upd0 = 0, uwait0 = 0, upd_timed = 0, uwait_timed = 0;
     int timed_steps = 0;
     float loss = 0;
     Step st;
@@ -444,8 +447,11 @@ int cmd_train(Config *c) {
         ops_synchronize_main();
         trace_mark(NULL, "host: step synchronised");  /* an idle queue: the event takes the host's time */
         trace_dump(world.rank);
-        double dt = now_seconds() - t0, wait = parallel_comm_wait(par);
-        if (step + 1 > warm) { t_timed += dt; comm_timed += wait; timed_steps++; }
+        double dt = now_seconds() - t0, wait = parallel_comm_wait(par), upd1, uwait1;
+        parallel_offload_times(par, &upd1, &uwait1);
+        double upd = upd1 - upd0, uwait = uwait1 - uwait0;
+        upd0 = upd1, uwait0 = uwait1;
+        if (step + 1 > warm) { t_timed += dt; comm_timed += wait; upd_timed += upd; uwait_timed += uwait; timed_steps++; }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
         if (log) {
             fprintf(log, "{\"step\":%d", step + 1);
@@ -457,6 +463,10 @@ int cmd_train(Config *c) {
             json_num(log, "tokens_per_s", "%.1f", tok_s);
             json_num(log, "gflops", "%.2f", gflops);
             if (gpu) json_num(log, "mfu", "%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
+            if (oc.offload) {  /* the last step's host update, run beside this one, and the wait for it */
+                json_num(log, "host_update_ms", "%.2f", upd * 1e3);
+                json_num(log, "update_wait_ms", "%.2f", uwait * 1e3);
+            }
             fprintf(log, "}\n");
             fflush(log);
         }
@@ -537,7 +547,11 @@ int cmd_train(Config *c) {
         json_num(log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
         fprintf(log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
                 est.total);
-        if (oc.offload) fprintf(log, ",\"host_estimate_bytes\":%zu", est.host);
+        if (oc.offload) {
+            fprintf(log, ",\"host_estimate_bytes\":%zu", est.host);
+            json_num(log, "host_update_ms", "%.2f", timed_steps ? upd_timed / timed_steps * 1e3 : 0.0);
+            json_num(log, "update_wait_ms", "%.2f", timed_steps ? uwait_timed / timed_steps * 1e3 : 0.0);
+        }
         json_num(log, "loss", "%.6f", loss);
         json_num(log, "val_loss", "%.6f", val_loss);
         if (gpu)
@@ -561,6 +575,11 @@ int cmd_train(Config *c) {
                    "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %s\n", done - start, tok_s,
                    flops / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
                    vbuf);
+        if (oc.offload && timed_steps)
+            printf("offload: the host's update took %.1f ms a step on %s; the forward waited %.1f ms a step for it "
+                   "(%.1f%% of the step)\n", upd_timed / timed_steps * 1e3,
+                   parallel_offload_lean(kind, &oc) && prec == OPS_MIXED ? "bf16 gradients" : "fp32 gradients",
+                   uwait_timed / timed_steps * 1e3, t_timed > 0 ? 100 * uwait_timed / t_timed : 0.0);
         if (world.size > 1 || comm_timed > 0)
             printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");

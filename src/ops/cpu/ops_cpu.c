@@ -623,37 +623,101 @@ static void sqrt_inplace(float *x, int n) {
  * with lerp_ and the step with addcdiv_, in their operation order. */
 #define ADAMW_BLOCK 1024
 
+/* The step's scalars, the same for every block. */
+typedef struct { float decay, w1, w1c, b2, w2, neg_step, bc2_sqrt, eps, scale; int small; } AdamwCoef;
+
+static AdamwCoef adamw_coef(float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                            float grad_scale) {
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    AdamwCoef c;
+    c.decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
+    c.w1 = (float)(1.0 - (double)beta1), c.w1c = 1.0f - c.w1; /* exp_avg.lerp_(grad, 1 - beta1) */
+    c.small = fabsf(c.w1) < 0.5f;
+    c.b2 = beta2, c.w2 = (float)(1.0 - (double)beta2);
+    c.neg_step = (float)(-((double)lr / bc1));
+    c.bc2_sqrt = (float)sqrt(bc2);
+    c.eps = eps, c.scale = grad_scale;
+    return c;
+}
+
+/* One block of at most ADAMW_BLOCK elements. */
+static inline void adamw_block(const AdamwCoef *c, float *p, const float *gb, float *mb, float *vb, int len) {
+    float den[ADAMW_BLOCK];
+    for (int i = 0; i < len; i++) {
+        float g = gb[i] * c->scale;
+        float mi = mb[i];
+        mb[i] = c->small ? mi + c->w1 * (g - mi) : g - (g - mi) * c->w1c;
+        float vi = vb[i] * c->b2;
+        vi = vi + c->w2 * g * g;
+        vb[i] = vi;
+        den[i] = vi;
+    }
+    sqrt_inplace(den, len);
+    for (int i = 0; i < len; i++) {
+        float pi = p[i] * c->decay;
+        p[i] = pi + c->neg_step * mb[i] / (den[i] / c->bc2_sqrt + c->eps);
+    }
+}
+
 static void cpu_adamw(float *param, const float *grad, float *m, float *v, size_t n, float lr, float beta1,
                       float beta2, float eps, float weight_decay, int step, float grad_scale) {
-    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
-    float decay = weight_decay != 0.0f ? (float)(1.0 - (double)lr * (double)weight_decay) : 1.0f;
-    float w1 = (float)(1.0 - (double)beta1), w1c = 1.0f - w1; /* exp_avg.lerp_(grad, 1 - beta1) */
-    int small = fabsf(w1) < 0.5f;
-    float b2 = beta2, w2 = (float)(1.0 - (double)beta2);
-    float neg_step = (float)(-((double)lr / bc1));
-    float bc2_sqrt = (float)sqrt(bc2);
+    AdamwCoef c = adamw_coef(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
     size_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
 #pragma omp parallel for schedule(static)
     for (size_t b = 0; b < nb; b++) {
         size_t i0 = b * ADAMW_BLOCK;
         int len = (int)(n - i0 < ADAMW_BLOCK ? n - i0 : ADAMW_BLOCK);
-        float *p = param + i0, *mb = m + i0, *vb = v + i0;
-        const float *gb = grad + i0;
-        float den[ADAMW_BLOCK];
-        for (int i = 0; i < len; i++) {
-            float g = gb[i] * grad_scale;
-            float mi = mb[i];
-            mb[i] = small ? mi + w1 * (g - mi) : g - (g - mi) * w1c;
-            float vi = vb[i] * b2;
-            vi = vi + w2 * g * g;
-            vb[i] = vi;
-            den[i] = vi;
+        adamw_block(&c, param + i0, grad + i0, m + i0, v + i0, len);
+    }
+}
+
+/* offload's lean host update (ops.h, adamw_host16): bf16 gradients widened per block (exact),
+ * the same arithmetic as cpu_adamw, and the updated parameters rounded to bf16 over the
+ * gradients they came from: one pass over the host's buffers, no fp32 gradient copy. */
+/* bf16_round as a select, not a branch, so that the loop below vectorises (same results). */
+static inline uint16_t bf16_round_sel(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+static void cpu_adamw_host16(float *param, uint16_t *g16, float *m, float *v, size_t n, float lr, float beta1,
+                             float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    AdamwCoef c = adamw_coef(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    size_t nb = (n + ADAMW_BLOCK - 1) / ADAMW_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * ADAMW_BLOCK;
+        int len = (int)(n - i0 < ADAMW_BLOCK ? n - i0 : ADAMW_BLOCK);
+        float g[ADAMW_BLOCK];
+        uint16_t *h = g16 + i0;
+        const float *p = param + i0;
+        int i = 0;
+#ifdef __AVX2__
+        /* GCC leaves these scalar (the 16-bit loads and stores): 8 at a time by hand, the same bits */
+        for (; i + 8 <= len; i += 8)
+            _mm256_storeu_ps(g + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i))), 16)));
+#endif
+        for (; i < len; i++) g[i] = bf16_widen(h[i]);
+        adamw_block(&c, param + i0, g, m + i0, v + i0, len);
+        i = 0;
+#ifdef __AVX2__
+        const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), abs = _mm256_set1_epi32(0x7fffffff),
+                      inf = _mm256_set1_epi32(0x7f800000), quiet = _mm256_set1_epi32(0x40);
+        for (; i + 8 <= len; i += 8) {
+            __m256i u = _mm256_castps_si256(_mm256_loadu_ps(p + i));
+            __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(u, half), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet), nan);
+            /* 32 -> 16 bits (each fits: no saturation), lanes back in order */
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128((__m128i *)(h + i), _mm256_castsi256_si128(packed));
         }
-        sqrt_inplace(den, len);
-        for (int i = 0; i < len; i++) {
-            float pi = p[i] * decay;
-            p[i] = pi + neg_step * mb[i] / (den[i] / bc2_sqrt + eps);
-        }
+#endif
+        for (; i < len; i++) h[i] = bf16_round_sel(p[i]);
     }
 }
 
@@ -992,6 +1056,7 @@ const OpsBackend ops_backend_cpu = {
     .crossentropy_shard_stats = t_crossentropy_shard_stats,
     .crossentropy_shard_backward = t_crossentropy_shard_backward,
     .adamw = t_adamw,
+    .adamw_host16 = cpu_adamw_host16,
     .adafactor_sums = t_adafactor_sums,
     .adafactor_stats = cpu_adafactor_stats,
     .adafactor_rms = cpu_adafactor_rms,

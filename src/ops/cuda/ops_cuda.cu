@@ -1289,6 +1289,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .crossentropy_shard_stats = cuda_crossentropy_shard_stats,
     .crossentropy_shard_backward = cuda_crossentropy_shard_backward,
     .adamw = cuda_adamw,
+    .adamw_host16 = NULL,  /* the cpu backend's (offload's host update) */
     .adamw_cast = cuda_adamw_cast,
     .adafactor_sums = cuda_adafactor_sums,
     .adafactor_stats = cuda_adafactor_stats,
