@@ -4,7 +4,9 @@
 # pipeline stages (1F1B, zb1) and in the 3D mesh pp 2 x dp 2 x tp 2 with FSDP, follow the single-process run on the same global
 # batch (losses within 1e-5 relative for 5 steps, the same final parameters); checkpoints
 # hold the whole model's packed order, so they resume across tp layouts and eval reads them
-# in one process; layouts it cannot run are refused at start-up.
+# in one process; layouts it cannot run are refused at start-up. Each collective runs in
+# chunks beside its matrix product (MESHTRAIN_TP_CHUNKS, 4 by default; the cases below
+# also with 2 and 4 at tp = 2 and 4, and where the rows make it fall back).
 TEST_NAME=tp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -47,6 +49,36 @@ grep -q "dp=2 tp=2 pp=1" "$TMP/tp2_dp2_ddp_false.log" && ok header_names_tp || b
 # the header names sequence parallel
 grep -q "tp=2 pp=1, ddp, sequence parallel)" "$TMP/tp2_false.log" && ! grep -q "sequence parallel)" "$TMP/tp2_no_sp_false.log" \
   && ok header_names_sp || bad header_names_sp
+
+# -- async tensor parallel: each collective split into MESHTRAIN_TP_CHUNKS chunks of rows
+# beside its matrix product (under sequence parallel the ranks then hold chunk-interleaved
+# rows) follows the one-process run; a count the rows do not divide falls back to the
+# largest that does (the header says which: here N = 20 rows, 10 or 5 a rank under sp)
+Q="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=20 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+"$BIN" train $Q batch_size=1 out_dir="$TMP/ref_q" >/dev/null
+# name|MESHTRAIN_TP_CHUNKS|ranks|reference|chunks it must report|keys
+while IFS='|' read -r name c np ref want keys; do
+  out=$TMP/chunks_$name
+  if [ "$ref" = ref_q ]; then k="$Q batch_size=1"; else k="$M batch_size=8"; fi
+  if MESHTRAIN_TP_CHUNKS=$c $MPIRUN -np "$np" "$BIN" train $k $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
+     grep -q "each collective in $want chunks\{0,1\} of" "$out.log" && follows "$TMP/$ref" "$out"
+  then ok "chunks_$name"
+  else bad "chunks_$name ($(grep 'each collective' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+tp2_c2|2|2|ref_false|2|tensor_parallel_size=2
+tp4_c4|4|4|ref_false|4|tensor_parallel_size=4
+tp2_c4_no_sp|4|2|ref_false|4|tensor_parallel_size=2 sequence_parallel=false
+tp4_c2_no_sp|2|4|ref_false|2|tensor_parallel_size=4 sequence_parallel=false
+tp2_pp2_c4_zb1|4|4|ref_false|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1
+tp2_c2_activation_checkpointing|2|2|ref_false|2|tensor_parallel_size=2 activation_checkpointing=true
+tp2_c4_falls_to_2|4|2|ref_q|2|tensor_parallel_size=2
+tp4_c4_falls_to_1|4|4|ref_q|1|tensor_parallel_size=4
+tp2_c3_no_sp_falls_to_2|3|2|ref_q|2|tensor_parallel_size=2 sequence_parallel=false
+CASES
+err=$(MESHTRAIN_TP_CHUNKS=x $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_chunks" \
+      2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CHUNKS=x: not a whole number" <<<"$err" \
+  && ok bad_tp_chunks_refused || bad "bad_tp_chunks_refused (exit $rc: $err)"
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS

@@ -487,7 +487,9 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
  * att_out and down; its conjugate f in the backward, at the input gradients of qkv and
  * gate_up): an all-reduce, or under sequence parallel a reduce-scatter (this rank's rows of
  * the sum), with f's other half an all-gather (seq_gather), so the residual stream and the
- * norms hold N / tp_size rows. */
+ * norms hold N / tp_size rows. Each runs as c collectives, one per chunk of rows (Chunks),
+ * so that a product can start on the chunks that have arrived, or the sum of its first
+ * chunks travel while it computes the rest (async tensor parallel). */
 static void tp_flush(const Model *m) {
     if (m->tp_size > 1 && m->tp.flush) m->tp.flush(m->tp.ctx);
 }
@@ -496,46 +498,134 @@ static void tp_flush(const Model *m) {
 static void tp_join(const Model *m, long t) {
     if (t >= 0) m->tp.join(m->tp.ctx, t);
 }
-/* The sum over the ranks of src ([N, E], each rank's part) into dst: dst's rows under
- * sequence parallel (src is then scratch), else src itself (dst == src) in place. */
-static long branch_sum_begin(const Model *m, void *dst, void *src, int N) {
-    if (m->tp_size == 1) return -1;
-    if (m->sp) return m->tp.reduce_scatter_begin(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * m->E);
-    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * m->E);
+/* The tickets of one collective's chunks (n = 0: nothing was begun). */
+typedef struct { long t[TP_MAX_CHUNKS]; int n; } Tickets;
+static void tp_join_all(const Model *m, const Tickets *ts) {
+    for (int j = 0; j < ts->n; j++) tp_join(m, ts->t[j]);
 }
-static void branch_sum(const Model *m, void *dst, void *src, int N) { tp_join(m, branch_sum_begin(m, dst, src, N)); }
+
+/* N rows as c chunks of `rows` rows; under sequence parallel a rank holds `held` of each
+ * (Model's sp says which), else held = rows. */
+typedef struct { int c; size_t rows, held; } Chunks;
+int model_tp_chunks(const Model *m, size_t N) {
+    int c = m->tp_size > 1 && m->tp_chunks > 1 ? m->tp_chunks : 1;
+    if (c > TP_MAX_CHUNKS) c = TP_MAX_CHUNKS;  /* (Tickets' size) */
+    size_t per = held_rows(m, N);
+    while (per % (size_t)c) c--;  /* c = 1 divides anything */
+    return c;
+}
+static Chunks tp_chunks(const Model *m, int N) {
+    int c = model_tp_chunks(m, (size_t)N);
+    return (Chunks){c, (size_t)N / (size_t)c, held_rows(m, (size_t)N) / (size_t)c};
+}
+/* Where this rank's rows of chunk j are among the whole N (the first row); at j * held
+ * among its own. */
+static size_t mine_row(const Model *m, const Chunks *k, int j) {
+    return (size_t)j * k->rows + (m->sp ? (size_t)m->tp_rank * k->held : 0);
+}
+
+/* Chunk j of the sum over the ranks of src ([N, E], each rank's part) into dst: dst's rows
+ * under sequence parallel (src is then scratch), else src itself (dst == src) in place. */
+static long branch_sum_chunk(const Model *m, const Chunks *k, void *dst, void *src, int j) {
+    size_t E = m->E;
+    if (m->sp)
+        return m->tp.reduce_scatter_begin(m->tp.ctx, act_at(src, (size_t)j * k->rows * E),
+                                          act_at(dst, (size_t)j * k->held * E), k->held * E);
+    return m->tp.allreduce_begin(m->tp.ctx, act_at(dst, (size_t)j * k->rows * E), k->rows * E);
+}
+static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Tickets *ts) {
+    ts->n = 0;
+    if (m->tp_size == 1) return;
+    Chunks k = tp_chunks(m, N);
+    for (int j = 0; j < k.c; j++) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, src, j);
+}
+static void branch_sum(const Model *m, void *dst, void *src, int N) {
+    Tickets ts;
+    branch_sum_begin(m, dst, src, N, &ts);
+    tp_join_all(m, &ts);
+}
 /* The whole [N, E] of which this rank holds rows `part` (sequence parallel), gathered into
- * buf; without sequence parallel `part` is already whole (nothing to gather). */
-static long seq_gather_begin(const Model *m, void *buf, const void *part, int N) {
-    if (!m->sp) return -1;
-    size_t n = held_rows(m, (size_t)N) * m->E;
-    void *mine = act_at(buf, (size_t)m->tp_rank * n);
-    if (mine != part) op_copy(mine, part, n * ops_act_size());
-    return m->tp.allgather_begin(m->tp.ctx, buf, n, 0);
+ * buf chunk by chunk (part == buf: the rank's rows are already in their places there);
+ * returns where the whole is: buf, or without sequence parallel `part`, already whole
+ * (nothing begun). */
+static const void *seq_gather_begin(const Model *m, void *buf, const void *part, int N, Tickets *ts) {
+    ts->n = 0;
+    if (!m->sp) return part;
+    Chunks k = tp_chunks(m, N);
+    size_t n = k.held * m->E;
+    for (int j = 0; j < k.c; j++) {
+        void *mine = act_at(buf, mine_row(m, &k, j) * m->E);
+        if (part != buf) op_copy(mine, act_at(part, (size_t)j * n), n * ops_act_size());
+    }
+    /* begun after every copy: the first chunk's product then waits for no later copy */
+    for (int j = 0; j < k.c; j++)
+        ts->t[ts->n++] = m->tp.allgather_begin(m->tp.ctx, act_at(buf, (size_t)j * k.rows * m->E), n, 0);
+    return buf;
 }
 static const void *seq_gather(const Model *m, void *buf, const void *part, int N) {
-    if (!m->sp) return part;
-    tp_join(m, seq_gather_begin(m, buf, part, N));
-    return buf;
+    Tickets ts;
+    const void *whole = seq_gather_begin(m, buf, part, N, &ts);
+    tp_join_all(m, &ts);
+    return whole;
+}
+
+/* One matrix product of a layer, to be run a chunk of rows at a time: the forward's
+ * out = inp @ w^T (+ res when res: out and res [N, OC], inp [N, C]), or with bwd the input
+ * gradient out = inp @ w (inp = d(output) [N, OC], out [N, C]; written, not added). */
+typedef struct { int bwd; void *out; const void *inp, *w, *res; int C, OC; } Product;
+static void product_rows(const Product *p, size_t r0, size_t rows) {
+    size_t ci = (size_t)(p->bwd ? p->OC : p->C), co = (size_t)(p->bwd ? p->C : p->OC);
+    void *out = act_at(p->out, r0 * co);
+    const void *inp = act_at(p->inp, r0 * ci);
+    if (p->bwd) op_matmul_backward_set(out, NULL, inp, NULL, p->w, (int)rows, p->C, p->OC);
+    else if (p->res) op_matmul_forward_add(out, inp, p->w, act_at(p->res, r0 * co), (int)rows, p->C, p->OC);
+    else op_matmul_forward(out, inp, p->w, (int)rows, p->C, p->OC);
+}
+/* Collective, then product: p's input gathered under tickets ts (seq_gather_begin; none:
+ * whole already), each chunk's product run as soon as its rows have arrived, while the
+ * later chunks still travel. */
+static void product_after(const Model *m, const Product *p, const Tickets *ts, int N) {
+    if (!ts->n) {
+        product_rows(p, 0, (size_t)N);
+        return;
+    }
+    Chunks k = tp_chunks(m, N);
+    for (int j = 0; j < ts->n; j++) {
+        tp_join(m, ts->t[j]);
+        product_rows(p, (size_t)j * k.rows, k.rows);
+    }
+}
+/* Product, then collective: p's output ([N, E], this rank's part of a branch) summed over
+ * the ranks into dst (branch_sum) chunk by chunk, each chunk's sum begun as soon as its
+ * product is queued, so that it travels while the next chunk's product runs; ts: the
+ * tickets to join before dst is read. At tp_size = 1 the product alone. */
+static void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts) {
+    ts->n = 0;
+    Chunks k = tp_chunks(m, N);
+    for (int j = 0; j < k.c; j++) {
+        product_rows(p, (size_t)j * k.rows, k.rows);
+        if (m->tp_size > 1) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, p->out, j);
+    }
 }
 
 /* A norm's input gradient through gate_up or qkv (dx = dout @ w, into the rank's rows of
  * a->dxn once summed over tp) and that product's weight gradient (dw += dout^T @ inp; NULL:
- * deferred). Under tensor parallel the sum is begun as soon as dx is, and the weight
- * gradient computed while it runs (inp, gathered under ticket gx, joined first). */
-static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const void *dout, const void *inp, long gx,
-                              const void *w, int N, int C, int OC) {
+ * deferred). Under tensor parallel each chunk's sum is begun as soon as its part of dx is,
+ * and the weight gradient computed while the sums run (inp, gathered under gx, joined
+ * first). */
+static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const void *dout, const void *inp,
+                              const Tickets *gx, const void *w, int N, int C, int OC) {
     if (m->tp_size == 1) {
         op_matmul_backward_set(dx, dw, dout, inp, w, N, C, OC);
         return;
     }
-    op_matmul_backward_set(dx, NULL, dout, inp, w, N, C, OC);
-    long t = branch_sum_begin(m, a->dxn, dx, N);
+    Tickets ts;
+    product_then_sum(m, &(Product){1, dx, dout, w, NULL, C, OC}, a->dxn, N, &ts);
     if (dw) {
-        tp_join(m, gx);
+        tp_join_all(m, gx);
         op_matmul_backward(NULL, dw, dout, inp, NULL, N, C, OC);
     }
-    tp_join(m, t);
+    tp_join_all(m, &ts);
 }
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
@@ -543,40 +633,41 @@ static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const
  * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
  * FFN units), and the two branch outputs are summed over the ranks before the residual;
  * under sequence parallel the norms run on the rank's rows (NS) and their outputs are
- * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered. */
+ * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered.
+ * Each collective is chunked beside its product (product_after, product_then_sum). */
 static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
+    Tickets ts;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), NS, E, RMS_EPS);
-    op_matmul_forward(la->qkv, seq_gather(m, a->gath, la->xn1, N), act_at(w, ly->qkv), N, E, 3 * Et);
+    const void *xn = seq_gather_begin(m, a->gath, la->xn1, N, &ts);
+    product_after(m, &(Product){0, la->qkv, xn, act_at(w, ly->qkv), NULL, E, 3 * Et}, &ts, N);
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
     void *y = m->sp ? a->full : la->mid;
-    op_matmul_forward(y, la->att, act_at(w, ly->att_out), N, Et, E);
-    branch_sum(m, la->mid, y, N);
+    product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts);
+    tp_join_all(m, &ts);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
-    op_matmul_forward(la->gu, seq_gather(m, a->gath, la->xn2, N), act_at(w, ly->gate_up), N, E, 2 * H);
+    xn = seq_gather_begin(m, a->gath, la->xn2, N, &ts);
+    product_after(m, &(Product){0, la->gu, xn, act_at(w, ly->gate_up), NULL, E, 2 * H}, &ts, N);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
-    if (m->tp_size == 1) {
-        op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
-        return;
-    }
-    /* the residual is added once: by tensor-parallel rank 0 into the sum, or into the rows
-     * each rank holds after the reduce-scatter */
+    /* the residual is added once: in the product (one rank, tensor-parallel rank 0 under
+     * tensor parallel, adds it into the sum), or into the rows each rank holds after the
+     * reduce-scatter */
     y = m->sp ? a->full : la->out;
-    if (!m->sp && m->tp_rank == 0) op_matmul_forward_add(y, la->hsw, act_at(w, ly->down), la->mid, N, H, E);
-    else op_matmul_forward(y, la->hsw, act_at(w, ly->down), N, H, E);
-    branch_sum(m, la->out, y, N);
+    const void *res = !m->sp && m->tp_rank == 0 ? la->mid : NULL;
+    product_then_sum(m, &(Product){0, y, la->hsw, act_at(w, ly->down), res, H, E}, la->out, N, &ts);
+    tp_join_all(m, &ts);
     if (m->sp) op_add(la->out, la->mid, (size_t)NS * E);
 }
 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return (the
  * rank's rows under sequence parallel, gathered whole into a->full where a product needs
- * them). defer != 0: leaves out the weight gradients of gate_up and qkv, for
- * layer_backward_deferred (their inputs, dgu and dqkv, stay in the scratch until the next
- * layer_backward). */
+ * them, chunk by chunk beside the product's input gradient: product_after). defer != 0:
+ * leaves out the weight gradients of gate_up and qkv, for layer_backward_deferred (their
+ * inputs, dgu and dqkv, stay in the scratch until the next layer_backward). */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
@@ -589,20 +680,23 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
      * part: summed over the ranks by the strategy, parallel.c). */
     void *dx = m->sp ? a->full : a->dxn;  /* the input gradients of gate_up and qkv, before the sum */
     /* under sequence parallel the norms' outputs, which the weight gradients need whole, are
-     * gathered while the products before them run */
-    const void *d = seq_gather(m, a->full, a->dres, N);
-    long gx = defer ? -1 : seq_gather_begin(m, a->gath, la->xn2, N);
-    op_matmul_backward_set(a->dh, st_at(g, ly->down), d, la->hsw, act_at(w, ly->down), N, H, E);
+     * gathered while the products before them run (begun after d's gathers, needed first) */
+    Tickets td, gx = {.n = 0};
+    const void *d = seq_gather_begin(m, a->full, a->dres, N, &td);
+    if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
+    product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);
+    op_matmul_backward(NULL, st_at(g, ly->down), d, la->hsw, NULL, N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, &gx,
                       act_at(w, ly->gate_up), N, E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
-    d = seq_gather(m, a->full, a->dres, N);
-    gx = defer ? -1 : seq_gather_begin(m, a->gath, la->xn1, N);
-    op_matmul_backward_set(a->datt, st_at(g, ly->att_out), d, la->att, act_at(w, ly->att_out), N, Et, E);
+    d = seq_gather_begin(m, a->full, a->dres, N, &td);
+    if (!defer) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
+    product_after(m, &(Product){1, a->datt, d, act_at(w, ly->att_out), NULL, Et, E}, &td, N);
+    op_matmul_backward(NULL, st_at(g, ly->att_out), d, la->att, NULL, N, Et, E);
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? a->gath : la->xn1, gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? a->gath : la->xn1, &gx,
                       act_at(w, ly->qkv), N, E, 3 * Et);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
@@ -690,12 +784,15 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     }
     trace_mark(NULL, "trunk forward done, head");
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
-    /* sequence parallel: the norm on the rank's rows, gathered: every rank's lm_head columns
-     * take every row */
+    /* sequence parallel: the norm on the rank's rows, each chunk's written into its place in
+     * xf and gathered: every rank's lm_head columns take every row */
     int NS = (int)held_rows(m, (size_t)N);
-    void *xf_mine = act_at(a->xf, m->sp ? (size_t)m->tp_rank * NS * E : 0);
-    op_rmsnorm_forward(xf_mine, a->rstdf, last, w_out_norm, NS, E, RMS_EPS);
-    seq_gather(m, a->xf, xf_mine, N);
+    Chunks k = tp_chunks(m, N);
+    if (!m->sp) k = (Chunks){1, (size_t)N, (size_t)N};
+    for (int j = 0; j < k.c; j++)
+        op_rmsnorm_forward(act_at(a->xf, mine_row(m, &k, j) * E), a->rstdf + (size_t)j * k.held,
+                           act_at(last, (size_t)j * k.held * E), w_out_norm, (int)k.held, E, RMS_EPS);
+    seq_gather(m, a->xf, a->xf, N);
     const void *wlm = model_lm_head(m);
     void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
     if (grad && !a->head_split) op_zero(a->dxf, (size_t)N * E * ops_act_size());
@@ -872,18 +969,23 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         const void *w = unit_weights(m, unit_of_layer(l));
         /* (sequence parallel: dout and dmid kept whole, dxn2 and dxn1 the rank's rows) */
         void *dx2 = m->sp ? a->full : wg.dxn2, *dx1 = m->sp ? a->full : wg.dxn1;
-        op_copy(wg.dout, seq_gather(m, a->full, a->dres, N), bytes);
-        op_matmul_backward_set(a->dh, NULL, wg.dout, la.hsw, act_at(w, ly->down), N, H, E);
+        /* d(output) gathered straight into dout (copied without sequence parallel), each
+         * chunk's input gradient computed as it arrives; the sums chunked beside theirs */
+        Tickets ts;
+        if (!m->sp) op_copy(wg.dout, a->dres, bytes);
+        seq_gather_begin(m, wg.dout, a->dres, N, &ts);
+        product_after(m, &(Product){1, a->dh, wg.dout, act_at(w, ly->down), NULL, H, E}, &ts, N);
         op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
-        op_matmul_backward_set(dx2, NULL, wg.dgu, la.xn2, act_at(w, ly->gate_up), N, E, 2 * H);
-        branch_sum(m, wg.dxn2, dx2, N);
+        product_then_sum(m, &(Product){1, dx2, wg.dgu, act_at(w, ly->gate_up), NULL, E, 2 * H}, wg.dxn2, N, &ts);
+        tp_join_all(m, &ts);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, NS, E);
-        op_copy(wg.dmid, seq_gather(m, a->full, a->dres, N), bytes);
-        op_matmul_backward_set(a->datt, NULL, wg.dmid, la.att, act_at(w, ly->att_out), N, Et, E);
+        if (!m->sp) op_copy(wg.dmid, a->dres, bytes);
+        seq_gather_begin(m, wg.dmid, a->dres, N, &ts);
+        product_after(m, &(Product){1, a->datt, wg.dmid, act_at(w, ly->att_out), NULL, Et, E}, &ts, N);
         op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                        m->HD);
-        op_matmul_backward_set(dx1, NULL, wg.dqkv, la.xn1, act_at(w, ly->qkv), N, E, 3 * Et);
-        branch_sum(m, wg.dxn1, dx1, N);
+        product_then_sum(m, &(Product){1, dx1, wg.dqkv, act_at(w, ly->qkv), NULL, E, 3 * Et}, wg.dxn1, N, &ts);
+        tp_join_all(m, &ts);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, NS, E);
         HOOK(h, release, unit_of_layer(l));
     }

@@ -37,6 +37,8 @@ typedef struct {
  * filled from its rank (stats: fp32 statistics, else activations). reduce_scatter: send holds
  * tp_size blocks of n activations, recv gets the sum of block tp_rank; send is scratch
  * afterwards (sequence parallel only). */
+/* The most chunks tensor parallel's collectives are split into (Model's tp_chunks). */
+#define TP_MAX_CHUNKS 16
 typedef struct {
     void *ctx;
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);
@@ -73,12 +75,23 @@ typedef struct {
     int Vt, v0, Vr;
     /* Sequence parallel (tp_size > 1, set with m->tp): the residual stream, the norms and the
      * stage's input and output hold this rank's N / tp_size rows of the N = B*T tokens
-     * (rows tp_rank * N / tp_size onwards; tp_size divides context_len); the norms' outputs
-     * are all-gathered before qkv_proj, gate_up and lm_head, and the branch outputs
-     * reduce-scattered after att_out_proj and down_proj (and the embedding). The norms'
-     * weight gradients are then each rank's rows' part, summed over the tp ranks by the
-     * strategy before the gradient norm (parallel.c). */
+     * (tp_size divides context_len); the norms' outputs are all-gathered before qkv_proj,
+     * gate_up and lm_head, and the branch outputs reduce-scattered after att_out_proj and
+     * down_proj (and the embedding). The norms' weight gradients are then each rank's rows'
+     * part, summed over the tp ranks by the strategy before the gradient norm (parallel.c).
+     * Which rows a rank holds follows the chunks below: of c chunks of N / c consecutive
+     * rows, within chunk j the rows j * N / c + tp_rank * N / (c * tp_size) onwards, held
+     * consecutively (chunk j at local row j * N / (c * tp_size)); c = 1: the rows
+     * tp_rank * N / tp_size onwards. Every row is a token's place in the flat [N, E]
+     * activations only (attention and RoPE run on gathered whole rows), so any ownership the
+     * whole forward and backward keep alike is correct. */
     int sp;
+    /* Tensor parallel's collectives are split into chunks of rows, each overlapping the
+     * matrix product of another chunk (the product of chunk j runs while chunk j - 1's
+     * sum, or chunk j + 1's gather, travels): tp_chunks are asked for (set with m->tp;
+     * 0 or 1: none), and N rows use the largest count up to it that divides them (under
+     * sequence parallel, each rank's N / tp_size). */
+    int tp_chunks;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -286,6 +299,9 @@ void *model_stage_grad(const Acts *a);
 /* The rows of those three buffers (of E activations each): a->N, or this rank's a->N /
  * tp_size under sequence parallel. */
 size_t model_stage_rows(const Model *m, const Acts *a);
+/* The chunks tensor parallel's collectives are split into for N rows (Model's tp_chunks,
+ * or the largest count below it that divides the rows; 1 at tp_size = 1). */
+int model_tp_chunks(const Model *m, size_t N);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is

@@ -10,8 +10,17 @@
  * model queues before joining it. The host polls (within comm_timeout) only the one TP_LAG
  * collectives back, and tp_flush the rest. Tickets number the collectives; ticket t uses
  * slot t % TP_LAG until it is retired. Activations are bf16 there with precision=mixed or
- * bf16, which NCCL sums as they are. On CPU ranks each completes at its begin. */
-#define TP_LAG 8
+ * bf16, which NCCL sums as they are. On CPU ranks each completes at its begin.
+ * The model splits each collective into c chunks (Model's tp_chunks, up to TP_MAX_CHUNKS):
+ * a layer begins 4 c of them in the forward under sequence parallel, 6 c in the backward,
+ * and holds up to 2 c begun and not yet joined. TP_LAG bounds only how far the host runs
+ * ahead of the device, not what it may hold unjoined: a ticket retired before its join is
+ * complete, and its join waits for nothing. At 8, c = 4 would have had the host wait for the
+ * collective half a layer back, the queue it keeps ahead of the GPU (and the slack for its
+ * own pauses) shrinking with c; 64 keeps a layer queued at c = 16. No wait can deadlock:
+ * every rank begins the group's collectives in the same order, and the one waited for was
+ * begun after all the work it depends on was queued. */
+#define TP_LAG 64
 static CommReq g_req[TP_LAG];
 static long g_next, g_done;  /* tickets [g_done, g_next) are in flight */
 
@@ -59,12 +68,26 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     return begun(r);
 }
 
+/* The chunks asked for: MESHTRAIN_TP_CHUNKS (an A/B knob for the GPU benchmarks, not a run
+ * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. */
+#define TP_CHUNKS 4
+static int chunks_asked(void) {
+    const char *e = getenv("MESHTRAIN_TP_CHUNKS");
+    if (!e) return TP_CHUNKS;
+    char *end;
+    long c = strtol(e, &end, 10);
+    if (end == e || *end || c < 1 || c > TP_MAX_CHUNKS)
+        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_CHUNKS=%s: not a whole number from 1 to %d", e, TP_MAX_CHUNKS);
+    return (int)c;
+}
+
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
                       .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
                       .join = tp_join, .flush = tp_flush};
     m->sp = sequence_parallel != 0;
+    m->tp_chunks = chunks_asked();
 }
 
 double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {

@@ -373,6 +373,11 @@ int cmd_train(Config *c) {
                    mesh.pp_rank, "tie", &tie);
     Acts a;
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
+    if (lead && mesh.tp_size > 1) {
+        int chunks = model_tp_chunks(&m, a.N);
+        printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
+               chunks > 1 ? "s" : "", a.N / (size_t)chunks, m.tp_chunks);
+    }
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
