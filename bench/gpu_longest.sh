@@ -43,6 +43,7 @@ for NP in ${NPS:-2 4}; do
   for T in 131072 262144 524288 1048576 2097152; do
     g=$("$BIN" estimate $MODEL context_len=$T batch_size=1 tensor_parallel_size=$NP world_size=$NP \
         activation_checkpointing=true device=cuda precision=bf16 2>/dev/null | awk '/^  total/ {print $2, $3}')
+    [ -n "$g" ] || break  # the estimate refused the context
     gib=$(awk -v v="${g% *}" -v u="${g#* }" 'BEGIN{print u == "TiB" ? v * 1024 : u == "GiB" ? v : v / 1024}')
     awk -v a="$gib" -v c="$cardgb" 'BEGIN{exit !(a < 0.95 * c)}' && fit="$T ($g)"
   done

@@ -5,7 +5,7 @@
 # batch (losses within 1e-5 relative for 5 steps, the same final parameters); checkpoints
 # hold the whole model's packed order, so they resume across tp layouts and eval reads them
 # in one process; layouts it cannot run are refused at start-up. Each collective runs in
-# chunks beside its matrix product (MESHTRAIN_TP_CHUNKS, 4 by default; the cases below
+# chunks beside its matrix product (MESHTRAIN_TP_CHUNKS, 1 by default: one collective; the cases below
 # also with 2 and 4 at tp = 2 and 4, and where the rows make it fall back).
 TEST_NAME=tp
 source "$(dirname "$0")/lib.sh"

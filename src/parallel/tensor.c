@@ -69,8 +69,11 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
 }
 
 /* The chunks asked for: MESHTRAIN_TP_CHUNKS (an A/B knob for the GPU benchmarks, not a run
- * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. */
-#define TP_CHUNKS 4
+ * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. 1, as
+ * measured on H200s (bench/RESULTS.md, session 15): NCCL's kernels take SMs from the
+ * products they run beside, and the smaller products run slower, so 2 and 4 chunks were
+ * 1-6% slower at tp 2 and up to 17% at tp 4. */
+#define TP_CHUNKS 1
 static int chunks_asked(void) {
     const char *e = getenv("MESHTRAIN_TP_CHUNKS");
     if (!e) return TP_CHUNKS;

@@ -10,7 +10,7 @@
 /* Points m->tp at the mesh's tensor-parallel group (nothing to do at tp = 1), with sequence
  * parallel (m->sp) or without, and sets the chunks its collectives are split into
  * (m->tp_chunks): MESHTRAIN_TP_CHUNKS (1 to TP_MAX_CHUNKS; 1: one collective each, beside
- * no product), 4 without it. A malformed value ends the run (exit 2). */
+ * no product, the default). A malformed value ends the run (exit 2). */
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel);
 /* The sum of squares of unit u's gradient elements [lo, hi) (local, from the unit's start)
  * that every tensor-parallel rank holds alike (replicated runs), read from g (element lo at
