@@ -60,7 +60,7 @@ printf '7.26B B=%s K=%s: %.0f tokens/s, MFU %.1f%% (the run: 6 N + attention FLO
   "$B" "$K" "$tok" "$(awk -v m="$(field mfu "$d")" 'BEGIN {print 100 * m}')" \
   "$(awk -v t="$tok" -v P=$P 'BEGIN {print 100 * 6 * P * t / 989e12}')"
 awk -v p="$peak" -v e="$est" 'BEGIN {r = p / e; printf "GPU peak %.2f GiB allocated, estimate %.2f GiB (%+.1f%%: %s)\n",
-  p / 1073741824, e / 1073741824, 100 * (r - 1), r > 0.95 && r < 1.05 ? "within 5%" : "OFF BY MORE THAN 5%"}'
+  p / 1073741824, e / 1073741824, 100 * (r - 1), (r > 0.95 && r < 1.05) ? "within 5%" : "OFF BY MORE THAN 5%"}'
 printf 'GPU used on the card (context included): %s GiB\n' "$(gb "$(field gpu_peak_used_bytes "$d")")"
 printf 'host: max RSS %s GiB, offloaded state estimate %s GiB pinned\n' "$(gb "$(field max_rss_bytes "$d")")" \
   "$(gb "$(field host_estimate_bytes "$d")")"
