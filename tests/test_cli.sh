@@ -70,6 +70,10 @@ if command -v mpirun >/dev/null; then
 fi
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=fp32 | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
 # cuda defaults to mixed precision: bf16 activations (half of fp32's) and bf16 weight copies
+# the estimate takes train's grad_accum_steps: the same memory (one micro-batch's), the global batch printed
+a1=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 batch_size=8 | grep '^  total')
+a4=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 batch_size=8 grad_accum_steps=4 world_size=2)
+if [ -n "$a1" ] && grep -q "global batch 64 sequences" <<<"$a4"; then ok estimate_grad_accum; else bad "estimate_grad_accum ($a4)"; fi
 est_acts() { "$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda "$@" | awk '$1 == "activations" {print $2 $3}'; }
 m=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 device=cuda)
 # about half: the bf16 activations; the fp32 statistics (rstd, lse) and token ids stay

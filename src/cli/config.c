@@ -39,7 +39,7 @@ static const Key KEYS[] = {
       "sequence length T of a training window (eval: the checkpoint's unless given)"),
     B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
     I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
-    I(grad_accum_steps, "1", 1, 1 << 16, TR,
+    I(grad_accum_steps, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "micro-batches of batch_size per optimizer step (gradient accumulation): the global batch is batch_size x "
       "grad_accum_steps x dp"),
     I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),

@@ -143,6 +143,10 @@ int cmd_estimate(Config *c) {
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    if (c->grad_accum_steps > 1)  /* the same memory: each micro-batch's activations, the gradients accumulate in place */
+        printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
+               "one micro-batch's\n", c->grad_accum_steps, c->batch_size,
+               (long long)c->batch_size * c->grad_accum_steps * dp);
     estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP,
                            c->sequence_parallel, gpu,
                            precision_of(c), c->copy_engines && dp > 1, &oc);
