@@ -66,8 +66,9 @@ static void row(ScheduleKind k, int p, int m, const char *hname, const double *h
            d0, b, pr / b, b1 / b, d1, s, pr / s, s1 / s, gb);
 }
 
-/* The head on a stage of its own (no layer; pipeline_split does not allow it today): the
- * shortest of every split whose last stage holds only the head. */
+/* The head on a stage of its own (no layer; `auto` takes such a split where it is the
+ * shortest, and explicit counts ending in 0 ask for one): the shortest of every split whose
+ * last stage holds only the head. */
 static int BEST, N[16], BEST_N[16];
 static void every(ScheduleKind k, int p, int v, int m, int i, int left) {
     int S = p * v;
@@ -152,8 +153,8 @@ int main(int argc, char **argv) {
             row(SCHED_INTERLEAVED, p, m, "F1+B3", gr);
             row(SCHED_INTERLEAVED, p, m, "F1+B2", gk);
         }
-    printf("\nThe head on a stage of its own (the last stage holds no layer; not allowed by pipeline_split today), the\n"
-           "best such split of every one (/1f1b: against 1F1B on its searched split, each stage a layer at least):\n");
+    printf("\nThe head on a stage of its own (the last stage holds no layer: pipeline_split=...,0, and what auto takes\n"
+           "where it is shortest), the best such split of every one (/1f1b: against 1F1B on its searched split):\n");
     printf("%-2s %-3s %-12s %-9s | %-16s %7s %6s %6s\n", "p", "m", "schedule", "head", "split", "step", "/pred", "/1f1b");
     for (int p = 2; p <= 4; p += 2)
         for (int m = 8; m <= 32; m *= 4)

@@ -4,8 +4,10 @@
 # untied, and 2 stages x 2 DDP ranks, each following the
 # single-process run of the same global batch; 2 stages x 2 data-parallel ranks with DDP,
 # ZeRO-1, ZeRO-2, FSDP and hybrid FSDP, (losses within 1e-5 relative over 5 steps,
-# final parameters within 1e-5); a checkpoint resumes across pipeline layouts; bad layouts
-# are one line and exit 2; a killed stage ends the job.
+# final parameters within 1e-5); the same with a last stage holding the head alone
+# (pipeline_split=...,0) under every schedule; a checkpoint resumes across pipeline layouts
+# (from and to a head-only stage too); bad layouts are one line and exit 2; a killed stage
+# ends the job.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -65,6 +67,18 @@ zb1|2|2|2|4|false|
 gpipe|2|2|2|4|false|fsdp=true
 1f1b|2|2|4|4|true|fsdp=true
 1f1b|2|2|2|4|true|fsdp=true shard_strategy=hybrid shard_group_size=1
+1f1b|2|1|4|8|false|pipeline_split=4,0
+1f1b|2|1|4|8|true|pipeline_split=4,0
+gpipe|2|1|4|8|false|pipeline_split=4,0
+gpipe|2|1|4|8|true|pipeline_split=4,0
+zb1|2|1|4|8|false|pipeline_split=4,0
+zb1|2|1|4|8|true|pipeline_split=4,0
+interleaved|2|1|4|8|true|pipeline_split=2,1,1,0
+interleaved|4|1|4|8|false|n_layers=8 pipeline_split=2,1,1,1,1,1,1,0
+interleaved|4|1|4|8|true|n_layers=8 pipeline_split=2,1,1,1,1,1,1,0
+zb1|4|1|4|8|true|pipeline_split=2,1,1,0
+1f1b|2|2|2|4|true|fsdp=true pipeline_split=4,0
+zb1|2|2|2|4|false|fsdp=true shard_strategy=grad_op pipeline_split=4,0
 CASES
 
 # the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose
@@ -83,6 +97,9 @@ o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_ba
     out_dir="$TMP/split" 2>&1)
 grep -q "stage 0: embedding, layers 0-2; stage 1: layers 3-3, head" <<<"$o" && follows "$(ref 8 false)" "$TMP/split" &&
   ok explicit_split || bad "explicit_split ($(grep pipeline: <<<"$o"))"
+# ... and a last 0: the last stage holds the head alone
+grep -q "stage 0: embedding, layers 0-3; stage 1: head" "$TMP/1f1b_pp2_m4_pipeline_split=4,0.log" &&
+  ok header_head_alone || bad "header_head_alone ($(grep pipeline: "$TMP/1f1b_pp2_m4_pipeline_split=4,0.log"))"
 
 # resume across layouts: 2 stages for 3 steps, then one process to step 5; and one process
 # for 3 steps, then 4 stages to step 5: both follow the straight run
@@ -94,6 +111,16 @@ follows "$(ref 8 false)" "$TMP/res_a" && ok resume_pp2_on_one_process || bad res
 $MPIRUN -np 4 "$BIN" train resume="$TMP/res_b/ckpt.bin" steps=5 data_dir="$D" progress=false threads=1 \
   pipeline_parallel_size=4 micro_batches=4 out_dir="$TMP/res_b" >/dev/null 2>&1
 follows "$(ref 8 true)" "$TMP/res_b" && ok resume_one_process_on_pp4_tied || bad resume_one_process_on_pp4_tied
+# ... from a stage holding the head alone (it saves the head, tied: not the embedding's copy)
+# to one process, and from one process to such a stage
+$MPIRUN -np 2 "$BIN" train $R3 batch_size=8 tie_embeddings=true pipeline_parallel_size=2 micro_batches=2 \
+  pipeline_split=4,0 out_dir="$TMP/res_c" >/dev/null 2>&1
+"$BIN" train resume="$TMP/res_c/ckpt.bin" steps=5 data_dir="$D" progress=false threads=1 out_dir="$TMP/res_c" >/dev/null
+follows "$(ref 8 true)" "$TMP/res_c" && ok resume_head_alone_on_one_process_tied || bad resume_head_alone_on_one_process_tied
+"$BIN" train $R3 batch_size=8 out_dir="$TMP/res_d" >/dev/null
+$MPIRUN -np 4 "$BIN" train resume="$TMP/res_d/ckpt.bin" steps=5 data_dir="$D" progress=false threads=1 \
+  pipeline_parallel_size=4 micro_batches=4 pipeline_schedule=zb1 pipeline_split=2,1,1,0 out_dir="$TMP/res_d" >/dev/null 2>&1
+follows "$(ref 8 false)" "$TMP/res_d" && ok resume_one_process_on_head_alone || bad resume_one_process_on_head_alone
 
 # bad layouts: one line from the job, exit 2, at start-up
 while IFS='|' read -r np keys pat; do
@@ -104,6 +131,8 @@ done <<'CASES'
 2|pipeline_parallel_size=2 micro_batches=1|micro_batches=1 is fewer than pipeline_parallel_size=2
 2|pipeline_parallel_size=2 micro_batches=3|micro_batches=3 does not divide batch_size=8
 8|pipeline_parallel_size=8 micro_batches=8|pipeline_parallel_size=8 exceeds n_layers=4
+2|pipeline_parallel_size=2 micro_batches=2 pipeline_split=0,4|pipeline_split=0,4: stage 0 holds no layer; only the last
+4|pipeline_parallel_size=4 micro_batches=4 pipeline_split=2,0,2,0|pipeline_split=2,0,2,0: stage 1 holds no layer
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_split=2,1|pipeline_split=2,1: 2 counts summing to 3
 3|pipeline_parallel_size=2 micro_batches=2|world size 3 is not divisible
 4|pipeline_parallel_size=4 micro_batches=4 pipeline_schedule=interleaved|x virtual_stages=2 = 8 stages exceeds n_layers=4
@@ -119,10 +148,13 @@ CASES
 if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
   EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64"
   E="$EM steps=2 progress=false threads=1 data_dir=$D"
-  for sched in 1f1b gpipe interleaved zb1; do
+  # (and a last stage holding the head alone: its activations hold no layer's)
+  for sched in 1f1b gpipe interleaved zb1 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do
+    split=auto; [[ $sched == *:* ]] && split=${sched#*:} sched=${sched%%:*}
     o=$($MPIRUN -np 2 "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
-        out_dir="$TMP/mem_$sched" 2>&1)
-    est=$("$BIN" estimate $EM batch_size=16 world_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched 2>&1)
+        pipeline_split=$split out_dir="$TMP/mem_$sched" 2>&1)
+    est=$("$BIN" estimate $EM batch_size=16 world_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
+          pipeline_split=$split 2>&1)
     good=1
     for s in 0 1; do
       line=$(grep "^pipeline stage $s: peak memory" <<<"$o")
@@ -133,7 +165,8 @@ if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no me
         BEGIN {r = bytes(a); e = bytes(b); d = (e - r) / r; if (d < 0) d = -d; x = (bytes(c) - e) / e; if (x < 0) x = -x
                exit !(r > 0 && d < 0.10 && x < 0.02)}' || good=0
     done
-    [ $good = 1 ] && ok "stage_memory_within_10pct_$sched" || bad "stage_memory_within_10pct_$sched ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
+    [ $split = auto ] && split= || split=_$split
+    [ $good = 1 ] && ok "stage_memory_within_10pct_$sched$split" || bad "stage_memory_within_10pct_$sched$split ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
   done
 fi
 

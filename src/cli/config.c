@@ -117,7 +117,7 @@ static const Key KEYS[] = {
     I(virtual_stages, "0", 0, 8, TR | CMD_ESTIMATE,
       "interleaved: stages (chunks of layers) per pipeline rank (0 = 2 with interleaved, else 1)"),
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
-      "pipeline: layers per stage, e.g. 5,4,4,3; auto: the split whose simulated step (the schedule over the stages' "
+      "pipeline: layers per stage, e.g. 5,4,4,3 (a last 0, 5,6,5,0: the last stage holds the head alone); auto: the split whose simulated step (the schedule over the stages' "
       "estimated FLOPs, embedding and head counted) is shortest"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
     F(bucket_mb, "100", 0, 1e6, TR,
@@ -315,13 +315,14 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                 return set_err(err, errlen, "grad_accum_steps with pipeline_parallel_size > 1: raise micro_batches "
                                "instead");
         }
-        if (pp > c->n_layers)
-            return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", pp,
-                           c->n_layers);
+        /* the last stage may hold the head alone (pipeline_split): one stage more than layers */
+        if (pp > 1 && pp > c->n_layers + 1)
+            return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d + 1: every stage but the last "
+                           "needs a layer", pp, c->n_layers);
         int v = config_virtual_stages(c);
-        if (v > 1 && pp * v > c->n_layers)
-            return set_err(err, errlen, "pipeline_parallel_size=%d x virtual_stages=%d = %d stages exceeds n_layers=%d: "
-                           "every stage needs a layer", pp, v, pp * v, c->n_layers);
+        if (v > 1 && pp * v > c->n_layers + 1)
+            return set_err(err, errlen, "pipeline_parallel_size=%d x virtual_stages=%d = %d stages exceeds n_layers=%d "
+                           "+ 1: every stage but the last needs a layer", pp, v, pp * v, c->n_layers);
     }
     return 0;
 }

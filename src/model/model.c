@@ -345,22 +345,28 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     int keep = training & ACTS_HEAD_SPLIT;
     training &= ~ACTS_HEAD_SPLIT;
     size_t Ls = training == 1 ? (size_t)n_layers : 1, Lr = training ? (size_t)n_layers : 1;
+    int layers = n_layers > 0;  /* a stage holding the head alone: no layer's buffers, its input its only slot */
+    if (!layers) Ls = Lr = 0;
     size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0, lrows = head && keep && training ? N : rows;
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
     P(res, (Lr + 1) * NS * E);
-    P(xn1, Ls * NS * E); F(rstd1, Ls * NS); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
-    F(lse, Ls * B * NH * T); P(mid, Ls * NS * E); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
-    P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
-    if (sp) { P(gath, N * E); P(full, N * E); }
+    if (layers) {
+        P(xn1, Ls * NS * E); F(rstd1, Ls * NS); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
+        F(lse, Ls * B * NH * T); P(mid, Ls * NS * E); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
+        P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
+    }
+    if (sp && layers) { P(gath, N * E); P(full, N * E); }
     if (head) { P(xf, N * E); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
-    F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2);
+    if (layers) { F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2); }
     if (training) {
-        P(dres, NS * E); P(dqkv, N * 3 * Et); P(datt, N * Et);
+        P(dres, NS * E);
+        if (layers) { P(dqkv, N * 3 * Et); P(datt, N * Et); }
         if (head) P(dxf, N * E);
-        P(dgu, N * 2 * H); P(dh, N * H); P(dxn, NS * E);
+        if (layers) { P(dgu, N * 2 * H); P(dh, N * H); }
+        P(dxn, NS * E);  /* (the head's too, under sequence parallel) */
     }
 #undef P
 #undef F
@@ -431,7 +437,7 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
         *s[i].p = op_alloc(bytes);
         a->bytes += (bytes + 63) / 64 * 64;
     }
-    op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);
+    if (a->rope_cos) op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);  /* (none without layers) */
 }
 
 void acts_view(Acts *v, const Acts *a, const Model *m, int B) {
@@ -772,12 +778,20 @@ void model_enqueue_step(Model *m, Acts *a, int grad, float grad_scale, const Uni
     if (grad) model_backward(m, &whole, a, h);
 }
 
+/* The unit a stage's backward needs after its head: its last layer, or none where the stage
+ * holds the head alone (the layer before is another stage's: nothing to prefetch). */
+static int unit_before_head(const Model *m, const Stage *s) {
+    return stage_n_layers(&m->c, s) > 0 ? unit_head(m) - 1 : -1;
+}
+
 /* The head: output_norm, then lm_head (tok_embed's matrix when tied), and the loss; with
- * grad, fused with its backward per chunk of logits, ending with d(loss)/d(last) in dres. */
-static void head_forward_backward(Model *m, Acts *a, const void *last, int grad, float grad_scale, const UnitHooks *h) {
+ * grad, fused with its backward per chunk of logits, ending with d(loss)/d(last) in dres.
+ * before: unit_before_head. */
+static void head_forward_backward(Model *m, Acts *a, const void *last, int grad, float grad_scale, int before,
+                                  const UnitHooks *h) {
     int N = a->B * a->T, E = m->E, V = m->Vr, HU = unit_head(m), tied = m->c.tie_embeddings;
-    HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
-    if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
+    HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : before);
+    if (tied) HOOK(h, gather, UNIT_EMBEDDING, before);
     if (grad && !a->head_split) {
         HOOK(h, grad_begin, HU);
         if (tied) HOOK(h, grad_begin, UNIT_EMBEDDING);
@@ -842,8 +856,9 @@ static void head_backward(Model *m, const Stage *s, Acts *a, int input, int weig
     int ldl = ops_logit_stride(V);
     const void *last = trunk_output(m, s, a, 1);
     if (input) {
-        HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : HU - 1);
-        if (tied) HOOK(h, gather, UNIT_EMBEDDING, HU - 1);
+        int before = unit_before_head(m, s);
+        HOOK(h, gather, HU, tied ? UNIT_EMBEDDING : before);
+        if (tied) HOOK(h, gather, UNIT_EMBEDDING, before);
     }
     if (weight) {
         HOOK(h, grad_begin, HU);
@@ -886,7 +901,7 @@ void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale
     }
     if (stage_has_head(m, s)) op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
     trunk_forward(m, s, a, B, T, grad, h);
-    if (stage_has_head(m, s)) head_forward_backward(m, a, trunk_output(m, s, a, grad), grad, grad_scale, h);
+    if (stage_has_head(m, s)) head_forward_backward(m, a, trunk_output(m, s, a, grad), grad, grad_scale, unit_before_head(m, s), h);
     tp_flush(m);
 }
 
@@ -898,7 +913,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
      * last, and its reduction (the largest unit's, otherwise exposed at the end of the step)
      * overlaps them. */
     int defer = emb && nl > 0 && !(h && h->embed_last);
-    LayerActs la0 = layer_acts(m, a, 0, 0);
+    LayerActs la0 = {0};  /* layer 0's, set below where it is the stage's (defer) */
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 1, h);
     trace_mark(NULL, "head done, layers' backward");
     for (int i = nl - 1; i >= 0; i--) {

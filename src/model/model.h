@@ -124,7 +124,8 @@ static inline int layer_of_unit(int u) { return u - 1; }
  * after), and their gradients, are plain [N, E] activation buffers of its Acts
  * (model_stage_input, model_stage_output, model_stage_grad; under sequence parallel the
  * rank's model_stage_rows of the N). One process is the stage
- * holding every unit (model_whole). */
+ * holding every unit (model_whole). The last pipeline stage may hold the head alone
+ * (first = last = unit_head: stage_n_layers 0, its input the head's). */
 typedef struct { int first, last; } Stage;
 static inline Stage model_whole(const Model *m) { return (Stage){UNIT_EMBEDDING, unit_head(m)}; }
 static inline int stage_has_embedding(const Stage *s) { return s->first == UNIT_EMBEDDING; }

@@ -204,6 +204,9 @@ void par_slot_caps(const Model *m, int pool, size_t caps[N_SLOTS]) {
     if (m->units[unit_head(m)].n_padded > big) big = m->units[unit_head(m)].n_padded;
     if (big < layer) big = layer;
     int tied = m->c.tie_embeddings;
+    /* a pipeline stage holding the head alone, tied: the head unit (output_norm) takes the
+     * slot a layer would, beside tok_embed's copy and its gradient in the big ones */
+    if (!layer && tied) layer = m->units[unit_head(m)].n_padded;
     if (pool) {  /* see N_SLOTS */
         caps[0] = big; caps[1] = big; caps[2] = layer; caps[3] = layer; caps[4] = tied ? layer : 0;
     } else {

@@ -70,14 +70,15 @@ void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, s
     size_t k = 0;
     buf[0] = 0;
     for (int i = 0; i < n && k < len; i++) {
-        int l0 = stage_first_layer(&s[i]), l1 = l0 + stage_n_layers(c, &s[i]) - 1;
-        k += (size_t)snprintf(buf + k, len - k, "%s%slayers %d-%d%s", i ? " + " : "",
-                              stage_has_embedding(&s[i]) ? "embedding, " : "", l0, l1,
-                              s[i].last == head_unit(c) ? ", head" : "");
+        int l0 = stage_first_layer(&s[i]), nl = stage_n_layers(c, &s[i]), h = s[i].last == head_unit(c);
+        k += (size_t)snprintf(buf + k, len - k, "%s%s", i ? " + " : "", stage_has_embedding(&s[i]) ? "embedding, " : "");
+        if (k < len && nl > 0) k += (size_t)snprintf(buf + k, len - k, "layers %d-%d%s", l0, l0 + nl - 1, h ? ", " : "");
+        if (k < len && h) k += (size_t)snprintf(buf + k, len - k, "head");  /* nl = 0: the head alone */
     }
 }
 
-/* Stages from layer counts n[0..p): stage i holds layers [sum n[<i], sum n[<=i]). */
+/* Stages from layer counts n[0..p): stage i holds layers [sum n[<i], sum n[<=i]); a last
+ * stage of 0 layers holds the head alone (first = last = the head's unit). */
 static void stages_of_counts(const ModelConfig *c, int p, const int *n, Stage *s) {
     int l = 0;
     for (int i = 0; i < p; i++) {
@@ -90,8 +91,9 @@ static void stages_of_counts(const ModelConfig *c, int p, const int *n, Stage *s
 int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen) {
     int L = c->n_layers;
     if (p < 1) return set_err(err, errlen, "pipeline_parallel_size=%d: at least 1", p);
-    if (p > L)
-        return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage needs a layer", p, L);
+    if (p > (p > 1 ? L + 1 : L))
+        return set_err(err, errlen, "pipeline_parallel_size=%d exceeds n_layers=%d: every stage but the last (which may "
+                       "hold the head alone) needs a layer", p, L);
     int *n = xcalloc((size_t)p, sizeof(int));
     if (strcmp(spec, "auto")) {
         const char *q = spec;
@@ -99,9 +101,9 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
         while (*q) {
             char *end;
             long v = strtol(q, &end, 10);
-            if (end == q || v < 1 || v > L || i >= p || (*end && *end != ',')) {
+            if (end == q || v < 0 || v > L || i >= p || (*end && *end != ',')) {
                 free(n);
-                return set_err(err, errlen, "pipeline_split=%s: expected auto or %d layer counts >= 1, comma-separated",
+                return set_err(err, errlen, "pipeline_split=%s: expected auto or %d layer counts, comma-separated",
                                spec, p);
             }
             n[i++] = (int)v;
@@ -113,22 +115,32 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
             return set_err(err, errlen, "pipeline_split=%s: %d counts summing to %d; pipeline_parallel_size=%d and "
                            "n_layers=%d want %d summing to %d", spec, i, sum, p, L, p, L);
         }
+        for (int k = 0; k < p; k++)
+            if (n[k] == 0 && (k < p - 1 || p == 1)) {
+                free(n);
+                return set_err(err, errlen, "pipeline_split=%s: stage %d holds no layer; only the last stage may (it "
+                               "then holds the head alone)", spec, k);
+            }
         stages_of_counts(c, p, n, stages);
         free(n);
         return 0;
     }
-    /* auto: the contiguous split of the layers into p groups (each >= 1) whose largest
-     * stage cost, the embedding added to the first and the head to the last, is least.
+    /* auto: the contiguous split of the layers into p groups (each >= 1, but for the last
+     * when there are p - 1 layers: it then holds the head alone) whose largest stage cost,
+     * the embedding added to the first and the head to the last, is least. A head-only last
+     * stage is otherwise left to the searches below, which weigh it by its time.
      * best[i][l]: the least largest cost of stages 0..i holding layers [0, l). */
     double lf = layer_flops(c, T), ef = c->embed_dim, hf = head_flops(c);
     double *best = xmalloc((size_t)p * (L + 1) * sizeof(double));
     int *from = xmalloc((size_t)p * (L + 1) * sizeof(int));
+    int empty_last = p > L;
     for (int i = 0; i < p; i++)
         for (int l = 0; l <= L; l++) {
             best[i * (L + 1) + l] = 1e300;
             from[i * (L + 1) + l] = -1;
-            if (l < i + 1) continue;
-            for (int k = i; k < l; k++) {  /* stage i holds layers [k, l) */
+            int last_empty = i == p - 1 && empty_last;
+            if (l < i + !last_empty) continue;
+            for (int k = i; k < l + last_empty; k++) {  /* stage i holds layers [k, l) */
                 if (i == 0 && k != 0) break;
                 double prev = i == 0 ? 0 : best[(i - 1) * (L + 1) + k];
                 if (i > 0 && from[(i - 1) * (L + 1) + k] < 0) continue;
@@ -153,6 +165,10 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
 static void counts_of_stages(const ModelConfig *c, const Stage *s, int S, int *n) {
     for (int i = 0; i < S; i++) n[i] = stage_n_layers(c, &s[i]);
 }
+
+/* The fewest layers stage i of S may keep: one, but the last of several may hold the head
+ * alone. */
+static int min_layers(int i, int S) { return i == S - 1 && S > 1 ? 0 : 1; }
 
 /* (the largest rank's load, the sum of the ranks' loads squared, the largest stage's) for
  * layer counts n of p x v stages */
@@ -189,7 +205,7 @@ int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *
         for (int i = 0; i < S; i++)
             for (int d = -1; d <= 1; d += 2) {
                 int j = i + d;  /* stage i gives its last (d = 1) or first (d = -1) layer to j */
-                if (j < 0 || j >= S || n[i] < 2) continue;
+                if (j < 0 || j >= S || n[i] <= min_layers(i, S)) continue;
                 n[i]--, n[j]++;
                 double r2, q2, s2;
                 loads(c, T, p, v, n, &r2, &q2, &s2);
@@ -232,7 +248,7 @@ typedef struct {
     double *cost;
 } Search;
 
-/* Every split of the layers left over stages i.. (each >= 1), the shortest kept. */
+/* Every split of the layers left over stages i.. (each >= 1, the last >= 0), the shortest kept. */
 static void every_split(Search *q, int i, int left) {
     if (i == q->S - 1) {
         q->n[i] = left;
@@ -240,7 +256,7 @@ static void every_split(Search *q, int i, int left) {
         if (t > 0 && t < q->best) q->best = t, memcpy(q->best_n, q->n, (size_t)q->S * sizeof(int));
         return;
     }
-    for (int k = 1; k <= left - (q->S - 1 - i); k++) {
+    for (int k = 1; k <= left - (q->S - 2 - i); k++) {  /* stages i + 1 .. S - 2 keep one each */
         q->n[i] = k;
         every_split(q, i + 1, left - k);
     }
@@ -251,7 +267,8 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
     int S = p * v;
     if (pipeline_split_ranks(c, T, p, v, spec, stages, err, errlen)) return -1;
     if (p < 2 || m < 1 || strcmp(spec, "auto")) return 0;
-    /* Every split where there are few enough (C(L - 1, S - 1)); else, from the balanced
+    /* Every split where there are few enough (C(L, S - 1), the last stage holding the head
+     * alone or with layers); else, from the balanced
      * split, move one layer at a time from one stage to another (every pair of stages up to
      * 16, else neighbours) while the best such move shortens the simulated step. Only a
      * step shorter by more than 1/500 replaces the balanced split (a tick's rounding is no
@@ -263,7 +280,7 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
     counts_of_stages(c, stages, S, n);
     int best = span_of(c, T, p, v, kind, m, head, n, tmp, cost);
     spent += per_eval;
-    for (int k = 1; k < S && splits * per_eval <= SEARCH_BUDGET; k++) splits *= (double)(c->n_layers - S + k) / k;
+    for (int k = 1; k < S && splits * per_eval <= SEARCH_BUDGET; k++) splits *= (double)(c->n_layers - S + 1 + k) / k;
     if (best > 0 && splits * per_eval <= SEARCH_BUDGET) {
         Search q = {c, T, p, v, m, S, INT_MAX, kind, head, xmalloc((size_t)S * sizeof(int)),
                     xmalloc((size_t)S * sizeof(int)), tmp, cost};
@@ -277,7 +294,7 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
         int move_a = -1, move_b = -1, move_span = best;
         for (int a = 0; a < S && spent < SEARCH_BUDGET; a++)
             for (int b = 0; b < S && spent < SEARCH_BUDGET; b++) {
-                if (b == a || n[a] < 2 || (S > 16 && abs(a - b) != 1)) continue;
+                if (b == a || n[a] <= min_layers(a, S) || (S > 16 && abs(a - b) != 1)) continue;
                 n[a]--, n[b]++;
                 int t = span_of(c, T, p, v, kind, m, head, n, tmp, cost);
                 n[a]++, n[b]--;

@@ -1,5 +1,6 @@
 /* pipeline — how a model is cut into pipeline stages: contiguous units, the embedding on the
- * first stage and the head on the last, each stage at least one layer. `auto` starts from
+ * first stage and the head on the last, each stage at least one layer but the last, which
+ * may hold the head alone (0 layers: its Stage is the head's unit only). `auto` starts from
  * the split that balances the estimated time of each stage (FLOPs of forward + backward per
  * token, with the embedding and the head counted) and moves layers while the schedule's
  * simulated step shortens; explicit layer counts ("5,4,4,3") are taken as given. */
@@ -10,19 +11,21 @@
 #include "schedule.h"
 
 /* Fills stages[0..p) for a model of c at context T. spec: "auto" or p comma-separated layer
- * counts summing to n_layers. Returns -1 with a one-line err (naming pipeline_split or
+ * counts summing to n_layers, each >= 1 but the last of several (0: the head alone). auto:
+ * the min-max FLOPs split, each stage a layer (the last none only where p = n_layers + 1).
+ * Returns -1 with a one-line err (naming pipeline_split or
  * pipeline_parallel_size) on an impossible split. */
 int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *stages, char *err, size_t errlen);
 /* The same for interleaving: p x v stages, of which rank r computes stages c x p + r. With
  * "auto" the contiguous min-max split is then moved a layer at a time between neighbouring
- * stages while that lowers the largest rank's load (the sum of its v stages: what the
+ * stages (the last may give away its last layer, keeping the head alone) while that lowers the largest rank's load (the sum of its v stages: what the
  * steady state waits for), then the spread of the ranks' loads (their squares' sum), then
  * the largest stage's; explicit counts are taken as given. */
 int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *spec, Stage *stages, char *err,
                          size_t errlen);
 /* What a run uses: pipeline_split_ranks, then with "auto" the split whose simulated step
  * under kind over m micro-batches (schedule_makespan with pipeline_stage_costs for head) is
- * shortest: of every split where there are few enough, else from the balanced one by moving
+ * shortest, a last stage holding the head alone among them: of every split where there are few enough, else from the balanced one by moving
  * a layer at a time (never longer than it; bounded work, half a second at most). */
 int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, const double *head,
                             const char *spec, Stage *stages, char *err, size_t errlen);
