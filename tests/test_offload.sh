@@ -5,9 +5,9 @@
 # so every run follows the same run without offload bitwise: the losses, and the
 # checkpoints byte for byte (AdamW and Adafactor, one process, DDP, ZeRO-1, ZeRO-2 and FSDP
 # on 2 ranks, gradient accumulation, clipping on and off, tied embeddings, 2 pipeline
-# stages, 2 tensor-parallel ranks; offload=params with FSDP and hybrid FSDP). Clipping uses
-# the global norm, computed on the device before any update starts; a clip that bites
-# (0.05) is the case that shows it. Resume from an offloaded checkpoint is bitwise, and
+# stages, 2 tensor-parallel ranks (AdamW and Adafactor); offload=params with FSDP and hybrid
+# FSDP). Clipping uses the global norm, computed on the device before any update starts; a
+# clip that bites (0.05) is the case that shows it. Resume from an offloaded checkpoint is bitwise, and
 # resumes without offload too (the checkpoint is the same file). Bad input: one line, exit 2.
 # DDP with AdamW is lean (the host's master the only fp32 copy; the init, checkpoints and loads
 # go through it): in fp32 its gradients go out as they are, and MESHTRAIN_OFFLOAD_STAGING=1
@@ -66,6 +66,8 @@ adafactor_one|1|8|1|optimizer=adafactor adafactor_beta1=0.9
 adafactor_zero2_np2|2|4|1|optimizer=adafactor fsdp=true shard_strategy=grad_op
 adafactor_fsdp_np2|2|4|1|optimizer=adafactor fsdp=true adafactor_beta1=0.9|optimizer params
 adafactor_ddp_np2|2|4|1|optimizer=adafactor
+adafactor_tp_np2|2|8|1|optimizer=adafactor tensor_parallel_size=2 adafactor_beta1=0.9
+adafactor_tp_zero2_np4|4|4|1|optimizer=adafactor tensor_parallel_size=2 fsdp=true shard_strategy=grad_op
 CASES
 # the bite: clip 0.05 is below every step's norm (else the case shows nothing)
 awk -F'"grad_norm":' 'NF > 1 {split($2, a, ","); if (a[1] + 0 <= 0.05) low = 1; n++} END {exit !(n == 5 && !low)}' \

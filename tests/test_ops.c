@@ -814,41 +814,45 @@ static void test_adamw(void) {
 /* adafactor                                                                             */
 
 /* Each piece against a naive double loop, on a segment that starts and ends mid-row (a
- * shard of a 13 x 9 matrix) and on part of a vector; with and without a first moment. */
-static void adafactor_case(int rows, int cols, size_t first, size_t n, float beta1) {
-    size_t numel = (size_t)rows * cols, S = rows == 1 ? (size_t)cols : (size_t)rows + cols;
+ * shard of a 13 x 9 matrix) and on part of a vector; with and without a first moment. A
+ * segment of a rows x cols column slice (tensor parallel) of a rows x wcols matrix has
+ * the whole matrix's statistics, its column j at col0 + j (wcols = cols: no slice). */
+static void adafactor_case(int rows, int cols, size_t first, size_t n, float beta1, int col0, int wcols) {
+    size_t numel = (size_t)rows * cols, S = rows == 1 ? (size_t)wcols : (size_t)rows + wcols;
+    int R = rows == 1 ? 0 : rows;  /* where the column statistics start */
     float scale = 0.7f, beta2t = 0.6f, eps1 = 1e-30f, coef = 0.01f, decay = 0.999f;
     /* the buffers hold the segment at offset 3 */
     float *g = randf(n + 3, 0.1f), *p = randf(n + 3, 1.0f), *m = beta1 > 0 ? randf(n + 3, 0.01f) : NULL;
     float *sums = randf(S, 0.01f), *stat = randf(S, 0.01f), *fac = zerosf(S);
     for (size_t j = 0; j < S; j++) stat[j] = fabsf(stat[j]) + 1e-4f, sums[j] = fabsf(sums[j]);
-    AdafactorSeg sg = {.off = 3, .n = n, .first = first, .stat = 0, .rows = rows, .cols = cols};
+    AdafactorSeg sg = {.off = 3, .n = n, .first = first, .stat = 0, .col0 = (size_t)col0,
+                       .rows = rows, .cols = cols};
     double *rs = tod(sums, S), *rst = tod(stat, S), *rf = zerosd(S), *rp = tod(p, n + 3), *rm = m ? tod(m, n + 3) : NULL;
     for (size_t e = 0; e < n; e++) {  /* sums */
         size_t i = (first + e) / cols, j = (first + e) % cols;
         double x = (double)g[3 + e] * scale;
-        if (rows == 1) rs[j] += x * x;
-        else rs[i] += x * x, rs[rows + j] += x * x;
+        if (rows > 1) rs[i] += x * x;
+        rs[R + col0 + j] += x * x;
     }
     op_adafactor_sums(sums, g, &sg, scale);
     CHECK(nerr(sums, rs, S) < 1e-6, "sums %dx%d: %g", rows, cols, nerr(sums, rs, S));
     if (rows == 1) {  /* stats, from the sums just made */
-        for (int j = 0; j < cols; j++) rst[j] = beta2t * rst[j] + (1 - beta2t) * (rs[j] + eps1), rf[j] = 1 / sqrt(rst[j]);
+        for (int j = 0; j < wcols; j++) rst[j] = beta2t * rst[j] + (1 - beta2t) * (rs[j] + eps1), rf[j] = 1 / sqrt(rst[j]);
     } else {
         double mean = 0;
-        for (int i = 0; i < rows; i++) rst[i] = beta2t * rst[i] + (1 - beta2t) * (rs[i] / cols + eps1), mean += rst[i] / rows;
+        for (int i = 0; i < rows; i++) rst[i] = beta2t * rst[i] + (1 - beta2t) * (rs[i] / wcols + eps1), mean += rst[i] / rows;
         for (int i = 0; i < rows; i++) rf[i] = 1 / sqrt(rst[i] / mean);
-        for (int j = 0; j < cols; j++)
+        for (int j = 0; j < wcols; j++)
             rst[rows + j] = beta2t * rst[rows + j] + (1 - beta2t) * (rs[rows + j] / rows + eps1),
             rf[rows + j] = 1 / sqrt(rst[rows + j]);
     }
-    op_adafactor_stats(stat, fac, sums, rows, cols, beta2t, eps1);
+    op_adafactor_stats(stat, fac, sums, rows, wcols, beta2t, eps1);
     CHECK(nerr(stat, rst, S) < 1e-6 && nerr(fac, rf, S) < 1e-6, "stats %dx%d: %g, factors %g", rows, cols,
           nerr(stat, rst, S), nerr(fac, rf, S));
     double su = 0, sp = 0, out[2];
     for (size_t e = 0; e < n; e++) {  /* rms, then the update */
         size_t i = (first + e) / cols, j = (first + e) % cols;
-        double u = (double)g[3 + e] * scale * (rows == 1 ? 1.0 : rf[i]) * rf[rows == 1 ? j : rows + j];
+        double u = (double)g[3 + e] * scale * (rows == 1 ? 1.0 : rf[i]) * rf[R + col0 + j];
         su += u * u;
         sp += rp[3 + e] * rp[3 + e];
         if (rm) rm[3 + e] = beta1 * rm[3 + e] + (1 - beta1) * coef * u, rp[3 + e] = rp[3 + e] * decay - rm[3 + e];
@@ -865,10 +869,12 @@ static void adafactor_case(int rows, int cols, size_t first, size_t n, float bet
 }
 
 static void test_adafactor(void) {
-    adafactor_case(13, 9, 5, 80, 0.0f);    /* rows 0..9, the first and last cut */
-    adafactor_case(13, 9, 0, 117, 0.9f);   /* the whole matrix, a first moment */
-    adafactor_case(300, 70, 0, 21000, 0.0f);  /* more rows than a chunk of the column sums */
-    adafactor_case(1, 40, 7, 20, 0.0f);    /* part of a vector */
+    adafactor_case(13, 9, 5, 80, 0.0f, 0, 9);    /* rows 0..9, the first and last cut */
+    adafactor_case(13, 9, 0, 117, 0.9f, 0, 9);   /* the whole matrix, a first moment */
+    adafactor_case(300, 70, 0, 21000, 0.0f, 0, 70);  /* more rows than a chunk of the column sums */
+    adafactor_case(1, 40, 7, 20, 0.0f, 0, 40);   /* part of a vector */
+    adafactor_case(13, 9, 5, 80, 0.9f, 9, 27);   /* columns 9..17 of a 13 x 27 matrix */
+    adafactor_case(1, 40, 7, 20, 0.0f, 40, 120); /* part of a slice of a vector */
 }
 
 /* ------------------------------------------------------------------------------------ */

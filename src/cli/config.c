@@ -245,9 +245,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (tp > 1 && c->sequence_parallel && c->context_len % tp)
             return set_err(err, errlen, "sequence_parallel=true: tensor_parallel_size=%d does not divide context_len=%d "
                            "(or set sequence_parallel=false)", tp, c->context_len);
-        if (tp > 1 && !strcmp(c->optimizer, "adafactor"))
-            return set_err(err, errlen, "tensor_parallel_size=%d with optimizer=adafactor: Adafactor's factored "
-                           "statistics need whole tensors; use optimizer=adamw", tp);
         if ((long long)c->batch_size * c->context_len > INT_MAX / 4)
             return set_err(err, errlen, "batch_size x context_len = %lld tokens is too many for one step",
                            (long long)c->batch_size * c->context_len);

@@ -278,14 +278,17 @@ void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, fl
  * row-major tensor, at `off` in the buffers passed (param, grad, m: state type). Each
  * tensor has `rows + cols` statistics at `stat` in the fp32 stats arrays (rows of the row
  * statistic R, then cols of the column statistic C), or, for a vector (rows == 1,
- * unfactored), `cols` of its second moment v. Per-element work is deterministic (no
+ * unfactored), `cols` of its second moment v. A tensor-parallel rank's column slice of a
+ * matrix is a segment of its own rows x cols matrix whose column j has the whole matrix's
+ * column statistic col0 + j (col0 = 0 otherwise). Per-element work is deterministic (no
  * atomics; fixed reduction order). */
 typedef struct {
-    size_t off, n, first, stat;
+    size_t off, n, first, stat, col0;
     int rows, cols;
 } AdafactorSeg;
 /* sums[stat + i] += sum over the segment's elements of row i of (grad_scale g)^2, and
- * sums[stat + rows + j] += the same over column j (a vector: sums[stat + j] += (s g_j)^2).
+ * sums[stat + rows + col0 + j] += the same over column j (a vector: sums[stat + col0 + j]
+ * += (s g_j)^2).
  * Accumulated in double, added once in fp32. */
 void op_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, float grad_scale);
 /* One tensor's statistics (stat, fac, sums all at its offset), from the complete sums of

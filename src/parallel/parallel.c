@@ -375,13 +375,14 @@ void par_alloc_optim(Parallel *p, size_t n, int sharded) {
     }
     if (p->af_beta1 > 0) p->mom1 = optim_alloc(p, bytes, "Adafactor's first moment");
     p->af_sharded = sharded && p->D > 1;
+    p->af_tp = p->mesh && p->mesh->tp_size > 1 ? &p->mesh->tp : NULL;
     af_plan_init(&p->af, p->m, sharded ? p->D : 1, sharded ? p->r : 0);
     size_t s = p->af.n_stats * sizeof(float), ns = (size_t)p->af.n_segs;
     p->af_stats = optim_alloc(p, s, "Adafactor's statistics");
     p->af_fac = optim_alloc(p, s, "Adafactor's factors");
     p->af_sums = optim_alloc(p, s, "Adafactor's sums");
-    /* offloaded and sharded: the sums are all-reduced through the device */
-    if (p->offload && p->af_sharded) p->af_dsums = op_alloc(s);
+    /* offloaded and sharded or tensor parallel: the sums are all-reduced through the device */
+    if (p->offload && (p->af_sharded || p->af_tp)) p->af_dsums = op_alloc(s);
     if (!p->offload) p->af_seg = op_alloc(2 * ns * sizeof(double));
     p->af_seg_host = xcalloc(2 * ns + 1, sizeof(double));
     p->af_tensor = xcalloc(2 * (size_t)p->af.n_tensors + 1, sizeof(double));
@@ -433,6 +434,10 @@ static void af_update(const Parallel *p, void *param, const void *grad, void *m,
     else if (s->n) ops_backend_cpu.adafactor_update(param, grad, m, fac, s, scale, coef, decay, beta1);
 }
 
+/* Segment i is of a tensor every tp rank holds alike, and this rank is not tp rank 0: its
+ * sums are tp rank 0's to add (the tp all-reduces would count them tp_size times). */
+static int af_tp_skip(const AfPlan *af, int i) { return af->tp_rank != 0 && af->t[af->seg_tensor[i]].replicated; }
+
 double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
     if (oc->kind != OPTIM_ADAFACTOR || p->optim != OPTIM_ADAFACTOR)
         die(EXIT_RUN_FAILURE, "internal: the optimizer step is not the one whose state was allocated");
@@ -440,22 +445,34 @@ double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
     int t = ++p->adam_steps;
     double rate = af_rate(oc, t);
     if (p->off) par_offload_grads_in(p);
-    /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, over the group */
+    /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, over the shard
+     * group and then the tp group: a tp rank's row slice adds its rows' sums (zeros in the
+     * other ranks' rows) and its part of every column's, a column slice the reverse; what
+     * every tp rank holds alike (the norms) is counted by tp rank 0 alone */
     if (p->off) memset(p->af_sums, 0, af->n_stats * sizeof(float));
     else op_zero(p->af_sums, af->n_stats * sizeof(float));
     for (int u = 0; u < p->m->n_units; u++) {
         void *param, *m1;
         const void *grad;
         af_unit(p, u, &param, &grad, &m1);
-        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) af_sums(p, p->af_sums, grad, &af->segs[i], scale);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
+            if (!af_tp_skip(af, i)) af_sums(p, p->af_sums, grad, &af->segs[i], scale);
     }
-    if (p->af_sharded) {
+    if (p->af_sharded || p->af_tp) {
         /* offloaded: through a device buffer (the collectives' buffers are the device's) */
         float *sums = p->off ? p->af_dsums : p->af_sums;
         if (p->off) op_upload(sums, p->af_sums, af->n_stats * sizeof(float));
-        CommReq r = {0};
-        comm_iallreduce(p->group, sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
-        par_wait(p, &r);
+        if (p->af_sharded) {
+            CommReq r = {0};
+            comm_iallreduce(p->group, sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
+            par_wait(p, &r);
+        }
+        if (p->af_tp) {
+            CommReq r = {0};
+            comm_iallreduce(p->af_tp, sums, af->n_stats, COMM_F32, COMM_SUM, &r,
+                            "adafactor statistics tensor-parallel all-reduce");
+            par_wait(p, &r);
+        }
         if (p->off) op_download(p->af_sums, sums, af->n_stats * sizeof(float));
     }
     /* 2. the statistics (the same on every rank) and the update's factors */
@@ -475,10 +492,12 @@ double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
     if (af->n_segs && !p->off) op_download(p->af_seg_host, p->af_seg, 2 * (size_t)af->n_segs * sizeof(double));
     memset(p->af_tensor, 0, 2 * (size_t)af->n_tensors * sizeof(double));
     for (int i = 0; i < af->n_segs; i++) {
+        if (af_tp_skip(af, i)) continue;
         p->af_tensor[2 * af->seg_tensor[i]] += p->af_seg_host[2 * i];
         p->af_tensor[2 * af->seg_tensor[i] + 1] += p->af_seg_host[2 * i + 1];
     }
     if (p->af_sharded) comm_allreduce_double(p->group, p->af_tensor, 2 * (size_t)af->n_tensors);
+    if (p->af_tp) comm_allreduce_double(p->af_tp, p->af_tensor, 2 * (size_t)af->n_tensors);
     /* 4. the update */
     for (int u = 0; u < p->m->n_units; u++) {
         void *param, *m1;

@@ -61,6 +61,7 @@ struct Parallel {
     OptimKind optim;
     double af_beta1;
     int af_sharded;
+    const Comm *af_tp;  /* tensor parallel: the tp group the statistics are summed over, else NULL */
     AfPlan af;
     float *af_stats, *af_fac, *af_sums;
     float *af_dsums;  /* offload over several ranks: the sums' device copy, all-reduced there */

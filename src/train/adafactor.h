@@ -10,6 +10,13 @@
  * segments (AdafactorSeg, ops.h) are those parts, and the partial row and column sums of
  * g^2, and the per-tensor sums of u^2 and param^2, are summed over the shard group before
  * use, so every rank holds the same statistics and takes the update one process would.
+ * Tensor parallel is the same on another axis: a tp rank holds a slice of a matrix (rows:
+ * qkv's heads, gate's and up's units, the vocabulary; columns: att_out's and down's) but
+ * keeps the whole matrix's statistics (rows, cols and numel below are the whole tensor's);
+ * a row slice's segments are parts of the whole matrix (its rows land in their own row
+ * statistics, zeros in the others'), a column slice's are of its own matrix with col0
+ * (ops.h), and the sums are summed over the tp group too, the tensors every tp rank holds
+ * alike (replicated) counted by tp rank 0 alone.
  *
  * In a checkpoint the statistics take the place of AdamW's v, in packed order: tensor k's
  * R then C (or v) are the values at the first rows + cols (cols) packed positions of the
@@ -27,10 +34,11 @@
 #define ADAFACTOR_EPS2 1e-3   /* the least parameter scale (eps2) */
 
 typedef struct {
-    int rows, cols, unit;
-    size_t offset;   /* in its unit (elements) */
-    size_t stat;     /* its statistics in the stats array */
-    uint64_t packed; /* its first element in packed order (checkpoints) */
+    int rows, cols, unit; /* the whole tensor's shape (a tensor-parallel rank holds a slice) */
+    size_t offset;        /* in its unit, in this layout (elements) */
+    size_t stat;          /* its statistics in the stats array */
+    uint64_t packed;      /* its first element in packed order (checkpoints) */
+    int replicated;       /* tensor parallel: every tp rank holds it alike (the norms) */
 } AfTensor;
 
 typedef struct {
@@ -42,14 +50,15 @@ typedef struct {
      * is segment i's tensor */
     AdafactorSeg *segs;
     int *seg_tensor, *useg, n_segs;
+    int tp_rank;  /* of the layout (0 without tensor parallel) */
 } AfPlan;
 
 /* The tensors of the units this layout holds (n_padded > 0), and the segments of a rank
  * that updates elements [r * n_padded / D, (r + 1) * n_padded / D) of every unit (D = 1:
- * whole units). */
+ * whole units), of this layout's tensor-parallel slices. */
 void af_plan_init(AfPlan *p, const Model *m, int D, int r);
 void af_plan_free(AfPlan *p);
-/* Statistics of a layout's tensors (for the estimate). */
+/* Statistics of a layout's tensors, the whole tensors' under tensor parallel (for the estimate). */
 size_t af_stats_count(const Model *m);
 /* Statistics count of one tensor. */
 static inline size_t af_tensor_stats(int rows, int cols) { return rows == 1 ? (size_t)cols : (size_t)rows + cols; }

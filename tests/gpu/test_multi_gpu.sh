@@ -73,13 +73,16 @@ no_sp_tied|true|sequence_parallel=false
 sp_ckpt|false|activation_checkpointing=true
 CASES
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
-# and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one
+# and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one. So does tensor
+# parallel over the NP GPUs (dp = 1), whose slices' sums are all-reduced over the tp group
 run1 "$TMP/af_one" $M optimizer=adafactor batch_size=$((NP * B))
-for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full"; do
-  out=$TMP/af_np_${keys##*=}
-  if runn "$out" $M optimizer=adafactor batch_size=$B $keys && close "$TMP/af_one" "$out"
-  then ok "multi_gpu_adafactor_follows_one_gpu ${keys##*=}"
-  else bad "multi_gpu_adafactor_follows_one_gpu ${keys##*=} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
+for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full" "tensor_parallel_size=$NP"; do
+  name=${keys##*=} b=$B
+  [ "$keys" = "tensor_parallel_size=$NP" ] && name=tp$NP b=$((NP * B))  # dp = 1: the whole batch
+  out=$TMP/af_np_$name
+  if runn "$out" $M optimizer=adafactor batch_size=$b $keys && close "$TMP/af_one" "$out"
+  then ok "multi_gpu_adafactor_follows_one_gpu $name"
+  else bad "multi_gpu_adafactor_follows_one_gpu $name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
 # too, under every schedule; activations and their gradients go by NCCL send/receive on

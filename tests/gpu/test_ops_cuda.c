@@ -674,17 +674,21 @@ static void test_copy_rows(void) {
 /* adafactor: each piece against the CPU op, on a segment that starts and ends mid-row (a
  * shard), a whole large matrix and part of a vector; deterministic (twice, same bits)      */
 
-static void adafactor_case(int rows, int cols, size_t first, size_t n, float beta1, int off) {
+/* slice: the segment is of the middle third of a matrix 3 cols wide (a tensor-parallel
+ * rank's column slice, whose statistics are the whole matrix's: AdafactorSeg's col0) */
+static void adafactor_case(int rows, int cols, size_t first, size_t n, float beta1, int off, int slice) {
     char shape[96];
-    snprintf(shape, sizeof shape, "%dx%d [%zu, +%zu)%s%s", rows, cols, first, n, beta1 > 0 ? " beta1" : "",
-             off ? " unaligned" : "");
-    size_t S = rows == 1 ? (size_t)cols : (size_t)rows + cols;
+    snprintf(shape, sizeof shape, "%dx%d [%zu, +%zu)%s%s%s", rows, cols, first, n, beta1 > 0 ? " beta1" : "",
+             off ? " unaligned" : "", slice ? " slice" : "");
+    int wcols = slice ? 3 * cols : cols;
+    size_t S = rows == 1 ? (size_t)wcols : (size_t)rows + wcols;
     float scale = 0.7f, beta2t = 0.6f, eps1 = 1e-30f, coef = 0.01f, decay = 0.999f;
     float *g = randf(n, 0.1f), *p = randf(n, 1.0f), *m = randf(n, 0.01f), *sums = randf(S, 0.01f), *stat = randf(S, 0.01f);
     for (size_t j = 0; j < S; j++) stat[j] = fabsf(stat[j]) + 1e-4f, sums[j] = fabsf(sums[j]);
     float *fac = calloc(S, sizeof(float));
     /* the segment at element 0 of its buffers (off: unaligned ones) */
-    AdafactorSeg sg = {.off = 0, .n = n, .first = first, .stat = 0, .rows = rows, .cols = cols};
+    AdafactorSeg sg = {.off = 0, .n = n, .first = first, .stat = 0, .col0 = slice ? (size_t)cols : 0,
+                       .rows = rows, .cols = cols};
     float *d_g = dcopy(g, n, off), *d_p = dcopy(p, n, off), *d_m = dcopy(m, n, off), *d_sums = dcopy(sums, S, 0);
     float *d_stat = dcopy(stat, S, 0), *d_fac = dnan(S, 0);
     double *d_out = (double *)dalloc(4, 0), out[2], d_res[2];
@@ -702,8 +706,8 @@ static void adafactor_case(int rows, int cols, size_t first, size_t n, float bet
         expect_same_host("adafactor sums (twice)", shape, d_b2, h1, S);
         free(base); free(h1);
     }
-    op_adafactor_stats(stat, fac, h_sums, rows, cols, beta2t, eps1);
-    cuda_adafactor_stats(d_stat, d_fac, d_sums, rows, cols, beta2t, eps1);
+    op_adafactor_stats(stat, fac, h_sums, rows, wcols, beta2t, eps1);
+    cuda_adafactor_stats(d_stat, d_fac, d_sums, rows, wcols, beta2t, eps1);
     expect_close("adafactor stats", shape, d_stat, stat, S, TOL_FWD);
     expect_close("adafactor factors", shape, d_fac, fac, S, TOL_FWD);
     float *h_fac = hcopy(d_fac, S);
@@ -724,11 +728,13 @@ static void adafactor_case(int rows, int cols, size_t first, size_t n, float bet
 }
 
 static void test_adafactor(void) {
-    adafactor_case(13, 9, 5, 80, 0.0f, 0);             /* rows 0..9, the first and last cut */
-    adafactor_case(13, 9, 0, 117, 0.9f, 1);            /* whole, a first moment, unaligned */
-    adafactor_case(50257, 64, 0, 50257 * 64, 0.0f, 0); /* an embedding: many chunks of rows */
-    adafactor_case(3072, 1024, 1000001, 1500000, 0.9f, 0); /* a shard of qkv_proj, mid-row at both ends */
-    adafactor_case(1, 1024, 300, 500, 0.0f, 0);        /* part of a norm's weight */
+    adafactor_case(13, 9, 5, 80, 0.0f, 0, 0);             /* rows 0..9, the first and last cut */
+    adafactor_case(13, 9, 0, 117, 0.9f, 1, 0);            /* whole, a first moment, unaligned */
+    adafactor_case(50257, 64, 0, 50257 * 64, 0.0f, 0, 0); /* an embedding: many chunks of rows */
+    adafactor_case(3072, 1024, 1000001, 1500000, 0.9f, 0, 0); /* a shard of qkv_proj, mid-row at both ends */
+    adafactor_case(1, 1024, 300, 500, 0.0f, 0, 0);        /* part of a norm's weight */
+    adafactor_case(13, 9, 5, 80, 0.9f, 0, 1);             /* a column slice (tensor parallel) */
+    adafactor_case(1, 40, 7, 20, 0.0f, 0, 1);             /* part of a slice of a vector */
 }
 
 /* The backend table the trainer uses (ops_backend_cuda): every entry is set; op_alloc's

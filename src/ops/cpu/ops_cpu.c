@@ -750,11 +750,11 @@ static void cpu_adafactor_sums(float *sums, const void *grad, const AdafactorSeg
         const float *row = af_row_cols(s, g, 0, &c0, &c1);
         for (int j = c0; j < c1; j++) {
             float x = row[j] * scale;
-            sums[s->stat + j] += (float)((double)x * x);
+            sums[s->stat + s->col0 + j] += (float)((double)x * x);
         }
         return;
     }
-    float *rsum = sums + s->stat, *csum = sums + s->stat + s->rows;
+    float *rsum = sums + s->stat, *csum = sums + s->stat + s->rows + s->col0;
 #pragma omp parallel for schedule(static)
     for (size_t r = r0; r < r1; r++) {
         int c0, c1;
@@ -825,7 +825,7 @@ static inline float af_fac_row(const AdafactorSeg *s, const float *fac, size_t r
     return s->rows == 1 ? 1.0f : fac[s->stat + r];
 }
 static inline const float *af_fac_cols(const AdafactorSeg *s, const float *fac) {
-    return fac + s->stat + (s->rows == 1 ? 0 : s->rows);
+    return fac + s->stat + s->col0 + (s->rows == 1 ? 0 : s->rows);
 }
 
 static void cpu_adafactor_rms(double *out, const void *param, const void *grad, const float *fac,

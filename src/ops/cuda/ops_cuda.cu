@@ -1093,8 +1093,8 @@ void cuda_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, f
     if (!s->n) return;
     const void *gp = af_at(grad, s->off);
     if (s->rows == 1) {
-        af_vec_sums_kernel<<<ew_grid(s->n), EW_BLOCK, 0, g.stream>>>(sums + s->stat, gp, s->first, s->n, grad_scale,
-                                                                       g.sbf16);
+        af_vec_sums_kernel<<<ew_grid(s->n), EW_BLOCK, 0, g.stream>>>(sums + s->stat + s->col0, gp, s->first, s->n,
+                                                                       grad_scale, g.sbf16);
         LAUNCH_CHECK(af_vec_sums_kernel);
         return;
     }
@@ -1109,7 +1109,8 @@ void cuda_adafactor_sums(float *sums, const void *grad, const AdafactorSeg *s, f
     dim3 grid((unsigned)((s->cols + 31) / 32), (unsigned)nch), block(32, 8);
     af_col_part_kernel<<<grid, block, 0, g.stream>>>(part, gp, s->first, s->n, s->cols, r0, r1, grad_scale, g.sbf16);
     LAUNCH_CHECK(af_col_part_kernel);
-    af_col_final_kernel<<<(s->cols + 255) / 256, 256, 0, g.stream>>>(sums + s->stat + s->rows, part, nch, s->cols);
+    af_col_final_kernel<<<(s->cols + 255) / 256, 256, 0, g.stream>>>(sums + s->stat + s->rows + s->col0, part, nch,
+                                                                   s->cols);
     LAUNCH_CHECK(af_col_final_kernel);
 }
 
@@ -1122,7 +1123,7 @@ void cuda_adafactor_stats(float *stat, float *fac, const float *sums, int rows, 
 static AfSeg af_seg(const float *fac, const AdafactorSeg *s) {
     AfSeg a = {s->first, s->n, s->rows, s->cols, s->first + s->n < ((size_t)1 << 32), NULL, NULL};
     a.fr = fac + s->stat;
-    a.fc = fac + s->stat + (s->rows == 1 ? 0 : s->rows);
+    a.fc = fac + s->stat + s->col0 + (s->rows == 1 ? 0 : s->rows);
     return a;
 }
 
