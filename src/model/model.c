@@ -178,6 +178,11 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
  * runs, and drawing each alone starts at its block's jump (INIT_BLOCK values), which took
  * minutes at embed_dim=4096. */
 #define TP_SPAN ((size_t)1 << 24)
+/* ... and only across gaps (other ranks' values, drawn and dropped) of up to TP_GAP: the
+ * head's output_norm and its vocabulary rows, or qkv's q, k and v blocks, lie far apart,
+ * and one span over them held the other ranks' rows too (12 MiB of a tiny model's 90, past
+ * the estimate) */
+#define TP_GAP ((size_t)1 << 16)
 static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
     memset(buf, 0, (hi - lo) * sizeof(float));
     Model g;
@@ -193,7 +198,7 @@ static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *bu
         int j = i + 1;  /* runs i..j-1 share one span: later in the whole layout, within TP_SPAN */
         for (; j < n && a[j] < b[j]; j++) {
             size_t s = r[j].global + (a[j] - r[j].local);
-            if (s < g1 || s + (b[j] - a[j]) - g0 > TP_SPAN) break;
+            if (s < g1 || s - g1 > TP_GAP || s + (b[j] - a[j]) - g0 > TP_SPAN) break;
             g1 = s + (b[j] - a[j]);
         }
         if (j == i + 1) {  /* one run (a vocabulary range, a long one): drawn straight into place */
