@@ -6,8 +6,9 @@
 # ZeRO-1, ZeRO-2, FSDP and hybrid FSDP, (losses within 1e-5 relative over 5 steps,
 # final parameters within 1e-5); the same with a last stage holding the head alone
 # (pipeline_split=...,0) under every schedule; a checkpoint resumes across pipeline layouts
-# (from and to a head-only stage too); bad layouts are one line and exit 2; a killed stage
-# ends the job.
+# (from and to a head-only stage too); grad_accum_steps beside the pipeline follows one
+# process at the k times larger batch (every schedule, and with FSDP); bad layouts are one
+# line and exit 2; a killed stage ends the job.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -79,6 +80,24 @@ interleaved|4|1|4|8|true|n_layers=8 pipeline_split=2,1,1,1,1,1,1,0
 zb1|4|1|4|8|true|pipeline_split=2,1,1,0
 1f1b|2|2|2|4|true|fsdp=true pipeline_split=4,0
 zb1|2|2|2|4|false|fsdp=true shard_strategy=grad_op pipeline_split=4,0
+CASES
+# gradient accumulation beside the pipeline: grad_accum_steps=k makes the step's schedule k x m
+# micro-batches long, the update of a batch k times larger (the reference: one process at
+# batch x dp x k)
+while IFS='|' read -r sched p dp m batch k tied keys; do
+  name="accum_${sched}_pp${p}$([ "$dp" -gt 1 ] && echo "_dp$dp")_m${m}_k${k}$([ "$tied" = true ] && echo _tied)${keys:+_${keys// /_}}"
+  r=$(ref $((batch * dp * k)) "$tied")
+  out=$TMP/$name
+  if $MPIRUN -np $((p * dp)) "$BIN" train $M batch_size=$batch tie_embeddings=$tied pipeline_parallel_size=$p \
+       micro_batches=$m grad_accum_steps=$k pipeline_schedule=$sched $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
+     grep -q "micro-batches of" "$out.log" && follows "$r" "$out"
+  then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+1f1b|2|1|2|4|2|false
+gpipe|2|1|2|4|3|true
+zb1|2|1|2|4|2|true
+interleaved|2|1|2|4|2|false
+1f1b|2|2|2|2|2|false|fsdp=true
 CASES
 
 # the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose

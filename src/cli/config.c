@@ -308,9 +308,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
                 return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
                                "pass: it does not combine with activation_checkpointing=true");
-            if (pp > 1 && c->grad_accum_steps > 1)
-                return set_err(err, errlen, "grad_accum_steps with pipeline_parallel_size > 1: raise micro_batches "
-                               "instead");
         }
         /* the last stage may hold the head alone (pipeline_split): one stage more than layers */
         if (pp > 1 && pp > c->n_layers + 1)

@@ -143,9 +143,13 @@ int cmd_estimate(Config *c) {
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), c->copy_engines && dp > 1, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
-    if (c->grad_accum_steps > 1)  /* the same memory: each micro-batch's activations, the gradients accumulate in place */
+    if (c->grad_accum_steps > 1 && PP == 1)  /* the same memory: one micro-batch's activations, gradients in place */
         printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
                "one micro-batch's\n", c->grad_accum_steps, c->batch_size,
+               (long long)c->batch_size * c->grad_accum_steps * dp);
+    else if (c->grad_accum_steps > 1)  /* a pipeline: one schedule of k x m micro-batches (in flight: below) */
+        printf("gradient accumulation: %d rounds of %d micro-batches in one schedule a step, global batch %lld "
+               "sequences\n", c->grad_accum_steps, c->micro_batches,
                (long long)c->batch_size * c->grad_accum_steps * dp);
     estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP,
                            c->sequence_parallel, gpu,
@@ -157,7 +161,7 @@ int cmd_estimate(Config *c) {
     char b1[32], b2[32], b3[32], b4[32];
     size_t most = e.total;
     if (PP > 1) {  /* each stage's share, as a pipeline run holds it */
-        int M = c->micro_batches, BM = c->batch_size / M;
+        int M = c->micro_batches * c->grad_accum_steps, BM = c->batch_size / c->micro_batches;  /* as train runs it */
         ScheduleKind sched = SCHED_1F1B;
         schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
         int V = config_virtual_stages(c);

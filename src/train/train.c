@@ -225,8 +225,10 @@ int cmd_train(Config *c) {
     ModelConfig mc = model_config_of(c);
     int B = c->batch_size, T = c->context_len, K = c->grad_accum_steps, G = B * dp * K;  /* G: the global batch */
     ParallelKind kind = strategy_of(c);
-    /* Pipeline parallel: this rank's stage; each micro-batch is B / micro_batches sequences */
-    int PP = mesh.pp_size, M = PP > 1 ? c->micro_batches : K, BM = PP > 1 ? B / M : B;
+    /* Pipeline parallel: this rank's stage; each micro-batch is B / micro_batches sequences,
+     * and grad_accum_steps = K makes the step's schedule K x micro_batches of them long (the
+     * same update as K rounds, with one fill and drain of the pipeline instead of K) */
+    int PP = mesh.pp_size, M = PP > 1 ? c->micro_batches * K : K, BM = PP > 1 ? B / c->micro_batches : B;
     ScheduleKind sched = SCHED_1F1B;
     schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
     /* interleaved: V stages per rank (chunks), stages c x PP + pp_rank of the split */
@@ -487,7 +489,8 @@ int cmd_train(Config *c) {
         if ((c->val_every && (step + 1) % c->val_every == 0) || last) {
             Acts va;  /* a short validation shard: a smaller batch, in the training buffers */
             acts_view(&va, &a, &m, PP > 1 ? BM : val_B);
-            val_loss = step_eval(&st, &va, &val, PP > 1 ? c->val_batches * M : c->val_batches, mesh.dp_rank, dp);
+            val_loss = step_eval(&st, &va, &val, PP > 1 ? c->val_batches * c->micro_batches : c->val_batches,
+                                 mesh.dp_rank, dp);
             if (step + 1 == nan_val_step && lead) val_loss = NAN;
             comm_allreduce_double(loss_group, &val_loss, 1);
             val_loss /= loss_ranks;
