@@ -153,18 +153,25 @@ t=$(( $(date +%s) - t0 ))
 [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 60 ] && ok "non_finite_loss_stops_every_tp_rank (${t}s)" \
   || bad "non_finite_loss_stops_every_tp_rank (exit $rc after ${t}s)"
 MESHTRAIN_FAULT_NAN_STEP=4 "$BIN" train $R batch_size=4 ckpt_every=3 out_dir="$TMP/cut_tp1" </dev/null >/dev/null 2>&1
-while IFS='|' read -r name cut np keys; do
-  out=$TMP/resume_$name
-  rm -rf "$out"; mkdir -p "$out"; cp "$TMP/$cut"/ckpt.bin* "$out/"
-  if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
-  "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 </dev/null \
-    >"$out.log" 2>&1
-  a=$(losses "$TMP/straight" | tail -3); b=$(losses "$out" | tail -3)
-  if [ "$(echo "$b" | wc -l)" -eq 3 ] &&
-     paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' &&
-     params_close "$TMP/straight/ckpt.bin" "$out/ckpt.bin"
-  then ok "resume_$name"; else bad "resume_$name ($(tail -1 "$out.log"))"; fi
-done <<'CASES'
+# resume_cases LABEL STRAIGHT < CASES (name|cut run|ranks|keys): each cut run's checkpoint
+# resumed at the case's layout follows the uninterrupted run $TMP/STRAIGHT over the last 3
+# steps (losses within 1e-5) and in its final parameters; the tests are LABEL_name
+resume_cases() {
+  local label=$1 straight=$TMP/$2 name cut np keys out a b run
+  while IFS='|' read -r name cut np keys; do
+    out=$TMP/${label}_$name
+    rm -rf "$out"; mkdir -p "$out"; cp "$TMP/$cut"/ckpt.bin* "$out/"
+    if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
+    "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 </dev/null \
+      >"$out.log" 2>&1
+    a=$(losses "$straight" | tail -3); b=$(losses "$out" | tail -3)
+    if [ "$(echo "$b" | wc -l)" -eq 3 ] &&
+       paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' &&
+       params_close "$straight/ckpt.bin" "$out/ckpt.bin"
+    then ok "${label}_$name"; else bad "${label}_$name ($(tail -1 "$out.log"))"; fi
+  done
+}
+resume_cases resume straight <<'CASES'
 tp2_at_tp1|cut_tp2|1|batch_size=4
 tp2_at_tp4|cut_tp2|4|batch_size=4 tensor_parallel_size=4
 tp1_at_tp2|cut_tp1|2|batch_size=4 tensor_parallel_size=2
@@ -218,18 +225,7 @@ RA="${R} optimizer=adafactor adafactor_beta1=0.9"
 MESHTRAIN_FAULT_NAN_STEP=4 $MPIRUN -np 2 "$BIN" train $RA batch_size=4 tensor_parallel_size=2 ckpt_every=3 \
   out_dir="$TMP/af_cut_tp2" </dev/null >/dev/null 2>&1
 MESHTRAIN_FAULT_NAN_STEP=4 "$BIN" train $RA batch_size=4 ckpt_every=3 out_dir="$TMP/af_cut_tp1" </dev/null >/dev/null 2>&1
-while IFS='|' read -r name cut np keys; do
-  out=$TMP/af_resume_$name
-  rm -rf "$out"; mkdir -p "$out"; cp "$TMP/$cut"/ckpt.bin* "$out/"
-  if [ "$np" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$np" "$BIN"); fi
-  "${run[@]}" train resume="$out/ckpt.bin" $keys out_dir="$out" data_dir="$D" progress=false threads=1 </dev/null \
-    >"$out.log" 2>&1
-  a=$(losses "$TMP/af_straight" | tail -3); b=$(losses "$out" | tail -3)
-  if [ "$(echo "$b" | wc -l)" -eq 3 ] &&
-     paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if(d<0)d=-d; if(d>1e-5) bad=1} END{exit bad}' &&
-     params_close "$TMP/af_straight/ckpt.bin" "$out/ckpt.bin"
-  then ok "adafactor_resume_$name"; else bad "adafactor_resume_$name ($(tail -1 "$out.log"))"; fi
-done <<'CASES'
+resume_cases adafactor_resume af_straight <<'CASES'
 tp2_at_tp1|af_cut_tp2|1|batch_size=4
 tp1_at_tp2_dp2_zero2|af_cut_tp1|4|batch_size=2 tensor_parallel_size=2 fsdp=true shard_strategy=grad_op
 CASES
