@@ -43,10 +43,10 @@ for s in ${SETTINGS:-bf16 mixed adafactor offload}; do
   d=$(mt_run "$out" 1 "" $M n_layers=$best grad_accum_steps=$K steps=$STEPS log_every=1 progress=false ckpt_path=none val_batches=1)
   p=$(grep -o 'parameters: [0-9,]*' "$out/stdout" | head -1 | awk '{print $2}')
   [ -n "$d" ] || { echo "| $s | $best | $p | failed: $(mt_failed "$out" 2) | | | |"; continue; }
-  printf '| %s | %s | %s | %.0f | %.1f%% | %.1f (%.1f) | %.1f (%.1f) |\n' "$s" "$best" "$p" "$(field tokens_per_s "$d")" \
+  printf '| %s | %s | %s | %.0f | %.1f%% | %s (%s) | %s (%s) |\n' "$s" "$best" "$p" "$(field tokens_per_s "$d")" \
     "$(awk -v m="$(field mfu "$d")" 'BEGIN{print 100 * m}')" \
-    "$(awk -v m="$(field gpu_peak_alloc_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
-    "$(awk -v m="$(field estimate_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
-    "$(awk -v m="$(field max_rss_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
-    "$(awk -v m="$(field host_estimate_bytes "$d")" 'BEGIN{print m / 1073741824}')"
+    "$(gib "$(field gpu_peak_alloc_bytes "$d")")" \
+    "$(gib "$(field estimate_bytes "$d")")" \
+    "$(gib "$(field max_rss_bytes "$d")")" \
+    "$(gib "$(field host_estimate_bytes "$d")")"
 done

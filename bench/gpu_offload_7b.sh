@@ -21,7 +21,6 @@ BIN=${1:-build/meshtrain} B=${B:-8} K=${K:-32} STEPS=${STEPS:-3}
 echo "card: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1); host: $(nproc) cores," \
   "$(awk '/MemTotal/ {printf "%.1f GiB total", $2 / 1048576} /MemAvailable/ {printf ", %.1f GiB available", $2 / 1048576}' /proc/meminfo)"
 [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
-gb() { awk -v m="$1" 'BEGIN {printf "%.2f", m / 1073741824}'; }  # GiB, as the estimate prints
 
 if [ "${SANITY:-1}" != 0 ]; then
   echo "== sanity: the post's model, precision=mixed, 20 steps, offload none vs optimizer"
@@ -33,7 +32,7 @@ if [ "${SANITY:-1}" != 0 ]; then
     [ -n "$d" ] || { echo "offload=$off: failed: $(mt_failed "$out" 3)"; continue; }
     printf 'offload=%-9s %8.0f tokens/s  loss %s  val_loss %s  peak %s GiB (estimate %s GiB)\n' "$off" \
       "$(field tokens_per_s "$d")" "$(field loss "$d")" "$(field val_loss "$d")" \
-      "$(gb "$(field gpu_peak_alloc_bytes "$d")")" "$(gb "$(field estimate_bytes "$d")")"
+      "$(gib "$(field gpu_peak_alloc_bytes "$d")" 2)" "$(gib "$(field estimate_bytes "$d")" 2)"
   done
   # every step's loss: the largest relative difference (bf16 gradients on the host: small, not 0)
   paste <(grep -o '"step":[0-9]*,"loss":[0-9.]*' "$dir_none/log.jsonl" | cut -d: -f3) \
@@ -61,9 +60,9 @@ printf '7.26B B=%s K=%s: %.0f tokens/s, MFU %.1f%% (the run: 6 N + attention FLO
   "$(awk -v t="$tok" -v P=$P 'BEGIN {print 100 * 6 * P * t / 989e12}')"
 awk -v p="$peak" -v e="$est" 'BEGIN {r = p / e; printf "GPU peak %.2f GiB allocated, estimate %.2f GiB (%+.1f%%: %s)\n",
   p / 1073741824, e / 1073741824, 100 * (r - 1), (r > 0.95 && r < 1.05) ? "within 5%" : "OFF BY MORE THAN 5%"}'
-printf 'GPU used on the card (context included): %s GiB\n' "$(gb "$(field gpu_peak_used_bytes "$d")")"
-printf 'host: max RSS %s GiB, offloaded state estimate %s GiB pinned\n' "$(gb "$(field max_rss_bytes "$d")")" \
-  "$(gb "$(field host_estimate_bytes "$d")")"
+printf 'GPU used on the card (context included): %s GiB\n' "$(gib "$(field gpu_peak_used_bytes "$d")" 2)"
+printf 'host: max RSS %s GiB, offloaded state estimate %s GiB pinned\n' "$(gib "$(field max_rss_bytes "$d")" 2)" \
+  "$(gib "$(field host_estimate_bytes "$d")" 2)"
 printf 'host update: %s ms a step on the CPU cores; the forward waited %s ms a step for it (timed steps mean)\n' \
   "$(field host_update_ms "$d")" "$(field update_wait_ms "$d")"
 grep '"step":[0-9]*,"loss"' "$out/log.jsonl" | while read -r line; do

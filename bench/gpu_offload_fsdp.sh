@@ -27,10 +27,10 @@ for r in ${ROWS:-bf16 mixed optimizer params}; do
   out=$(mktemp -d)
   d=$(MT_TIMEOUT=${MT_TIMEOUT:-400} mt_run "$out" "$NP" "" $BIG $keys $RUN)
   [ -n "$d" ] || { echo "| \`$keys\` | failed: $(mt_failed "$out" 2) | | | | |"; continue; }
-  printf '| `%s` | %.0f | %.1f%% | %.1f (%.1f) | %.1f | %s / %s |\n' "$keys" "$(field tokens_per_s "$d")" \
+  printf '| `%s` | %.0f | %.1f%% | %s (%s) | %s | %s / %s |\n' "$keys" "$(field tokens_per_s "$d")" \
     "$(awk -v m="$(field mfu "$d")" 'BEGIN{print 100 * m}')" \
-    "$(awk -v m="$(field gpu_peak_alloc_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
-    "$(awk -v m="$(field estimate_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
-    "$(awk -v m="$(field max_rss_bytes "$d")" 'BEGIN{print m / 1073741824}')" \
+    "$(gib "$(field gpu_peak_alloc_bytes "$d")")" \
+    "$(gib "$(field estimate_bytes "$d")")" \
+    "$(gib "$(field max_rss_bytes "$d")")" \
     "$(field host_update_ms "$d")" "$(field update_wait_ms "$d")"
 done

@@ -39,6 +39,9 @@ median() { sort -n | awk '{a[NR] = $1} END {if (NR) print (NR % 2 ? a[(NR + 1) /
 # runs: their mean, and the slowest, whose pace DDP cannot beat); nothing for none
 mean_min() { awk 'NF {s += $1; if (!n || $1 < w) w = $1; n++} END {if (n) printf "%.0f %.0f\n", s / n, w}'; }
 
+# gib BYTES [DIGITS]: BYTES in GiB (as the estimate prints them), DIGITS decimals (1)
+gib() { awk -v m="${1:-0}" -v d="${2:-1}" 'BEGIN {printf "%." d "f", m / 1073741824}'; }
+
 # field NAME LINE: a number from a JSON line ("k":v as meshtrain writes it, "k": v the peer)
 field() { grep -o "\"$1\": *[0-9.e+-]*" <<<"$2" | head -1 | sed 's/.*: *//'; }
 
