@@ -45,6 +45,17 @@ params_close() {
   awk '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < 1e-5 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d"
 }
 
+# Under the sanitizer build (make test-asan: 5-10x slower) the case lists run a lighter half.
+# skip_sanitized NAME: true there for a case whose name starts with "~" (its code paths are
+# covered by the cases that stay; the plain build runs it, without the "~").
+skip_sanitized() { [ -n "${MESHTRAIN_SANITIZED:-}" ] && [ "${1#\~}" != "$1" ]; }
+# ties_for I: the tie_embeddings values of the I-th case: both in the plain build; one there,
+# alternating by I so both still run across the list.
+ties_for() {
+  if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then echo "false true"
+  elif [ $(($1 % 2)) -eq 1 ]; then echo false; else echo true; fi
+}
+
 # expect_exit CODE PATTERN NAME -- CMD...: exit status CODE, exactly one line on stderr
 # matching PATTERN, no crash.
 expect_exit() {

@@ -13,7 +13,8 @@ static OpsPrecision g_prec = OPS_FP32;
 
 /* MESHTRAIN_PROFILE=1: every op waits for the device before and after, and its time is
  * added to its name's total; the table goes to stderr at exit. It slows the run (no
- * overlap of launches with work) but says where a step's time goes. */
+ * overlap of launches with work) but says where a step's time goes. The train loop resets it
+ * after the first step, whose plans, autotuning and first touches are no step's cost. */
 #define PROF_MAX 32
 static struct { const char *name; double s; long n; } g_prof[PROF_MAX];
 static int g_prof_on, g_n_prof;
@@ -23,8 +24,11 @@ static void prof_report(void) {
     for (int i = 0; i < g_n_prof; i++) total += g_prof[i].s;
     fprintf(stderr, "ops profile (MESHTRAIN_PROFILE=1, %s): %.3f s in ops\n", g_ops->name, total);
     for (int i = 0; i < g_n_prof; i++)
-        fprintf(stderr, "  %-34s %9.3f s %5.1f%% %8ld calls\n", g_prof[i].name, g_prof[i].s,
+        fprintf(stderr, "  %-34s %9.4f s %5.1f%% %8ld calls\n", g_prof[i].name, g_prof[i].s,
                 total > 0 ? 100 * g_prof[i].s / total : 0.0, g_prof[i].n);
+}
+void ops_profile_reset(void) {
+    for (int i = 0; i < g_n_prof; i++) g_prof[i].s = 0, g_prof[i].n = 0;
 }
 static void prof_begin(void) {
     if (!g_prof_on) return;

@@ -44,6 +44,8 @@ const char *ops_device_name(void);   /* the GPU's name; "" on the cpu */
 int ops_host_memory(void);
 /* Returns when every op issued so far has finished (ops may run asynchronously). */
 void ops_synchronize(void);
+/* MESHTRAIN_PROFILE=1's per-op totals back to zero (the train loop: after the first step) */
+void ops_profile_reset(void);
 /* 1 when the device has run all the work queued so far on the main queue (always on the
  * cpu, whose ops run as they are called). */
 int ops_idle(void);

@@ -438,6 +438,7 @@ int cmd_train(Config *c) {
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
         trace_step(step + 1);
+        if (step == start + 1) ops_profile_reset();
         /* A non-finite loss still stops the run before anything is saved. */
         double lr, norm, l = step_run(&st, &oc, &norm, &lr);
         if (step + 1 == nan_step && lead) l = NAN;
