@@ -7,7 +7,9 @@
 #    all of it is exposed), printed as one line a rank; the whole timeline kept in $OUT.
 #  - MESHTRAIN_PROFILE=1 (steps 2-6, every op synchronised): the per-op table of one GPU and
 #    of rank 0 at tp=t, side by side: an op whose time does not fall by t is replicated work.
-# Usage: TPS="2 4" SPS="false true" bench/tp_timeline.sh [meshtrain]
+# VARIANTS: environment settings to compare at each tp (';' between variants, spaces between
+# the variables of one; default one variant, the plain run); PROFILE=0 leaves the profiles out.
+# Usage: TPS="2 4" SPS="false true" [VARIANTS="NCCL_MAX_CTAS=8;NCCL_PROTO=Simple"] bench/tp_timeline.sh [meshtrain]
 set -u
 BIN=${1:-build/meshtrain} TL_STEP=${TL_STEP:-3}
 OUT=${OUT:-/tmp/tp_timeline}; mkdir -p "$OUT"
@@ -20,9 +22,13 @@ RUN="progress=false ckpt_path=none val_batches=1 log_every=1"
 
 # summary FILE: one line a rank: the step (first to last mark) and the TP collectives' sums
 summary() {
-  awk '$1 == "timeline" { r = $3; sub(":", "", r); t = $4 + 0; if (t > last[r]) last[r] = t
+  awk '$1 == "timeline" && $2 == "rank" { r = $3; sub(":", "", r); t = $4 + 0; if (t > last[r]) last[r] = t
          if ($6 == "comm" && $7 == "tensor-parallel" && $10 == "ms") { k = $8; ms[r, k] += $9; n[r, k]++; tot[r] += $9 } }
-       END { for (r in last) { printf "  rank %s: step %.2f ms on the GPU; TP collectives %.2f ms (%.0f%%):", r, last[r], tot[r],
+       $1 == "timeline" && $2 == "rank" && $6 == "compute" { l = $0; sub(/.* compute +/, "", l)
+         if (l == "trunk forward done, head") fwd[r] = t; if (l == "head done, layers'"'"' backward") head[r] = t
+         if (l == "backward done") bwd[r] = t }
+       END { for (r in last) { printf "  rank %s: step %.2f ms on the GPU (forward %.2f, head %.2f, backward %.2f, the rest %.2f); TP collectives %.2f ms (%.0f%%):",
+                                 r, last[r], fwd[r], head[r] - fwd[r], bwd[r] - head[r], last[r] - bwd[r], tot[r],
                                  last[r] ? 100 * tot[r] / last[r] : 0
                                for (key in ms) { split(key, p, SUBSEP); if (p[1] == r) printf " %s %d x %.2f ms", p[2], n[key], ms[key] / n[key] }
                                printf "\n" } }' "$1" | sort
@@ -31,14 +37,19 @@ summary() {
 out=$(mktemp -d); d=$(mt_run "$out" 1 "MESHTRAIN_TIMELINE=$TL_STEP" $EFF $RUN steps=$((TL_STEP + 1)))
 cp "$out/stdout" "$OUT/timeline_tp1.txt"
 echo "== one GPU: $(field tokens_per_s "$d") tokens/s"; summary "$OUT/timeline_tp1.txt"
-out=$(mktemp -d); mt_run "$out" 1 "MESHTRAIN_PROFILE=1" $EFF $RUN steps=6 >/dev/null; cp "$out/stdout" "$OUT/profile_tp1.txt"
+[ "${PROFILE:-1}" = 1 ] && { out=$(mktemp -d); mt_run "$out" 1 "MESHTRAIN_PROFILE=1" $EFF $RUN steps=6 >/dev/null
+                             cp "$out/stdout" "$OUT/profile_tp1.txt"; }
+IFS=';' read -r -a variants <<<"${VARIANTS:-}"; [ ${#variants[@]} -gt 0 ] || variants=("")
 for t in ${TPS:-2}; do
   for sp in ${SPS:-false true}; do
-    out=$(mktemp -d)
-    d=$(mt_run "$out" "$t" "MESHTRAIN_TIMELINE=$TL_STEP" $EFF $RUN steps=$((TL_STEP + 1)) tensor_parallel_size=$t sequence_parallel=$sp)
-    cp "$out/stdout" "$OUT/timeline_tp${t}_sp$sp.txt"
-    echo "== tp=$t sequence_parallel=$sp: $(field tokens_per_s "$d") tokens/s ($(mt_failed "$out" 1 | cut -c1-80))"
-    summary "$OUT/timeline_tp${t}_sp$sp.txt"
+   for v in "${variants[@]}"; do
+    out=$(mktemp -d) tag=$(tr ' =' '_-' <<<"$v")
+    d=$(mt_run "$out" "$t" "MESHTRAIN_TIMELINE=$TL_STEP $v" $EFF $RUN steps=$((TL_STEP + 1)) tensor_parallel_size=$t sequence_parallel=$sp)
+    cp "$out/stdout" "$OUT/timeline_tp${t}_sp$sp$tag.txt"
+    echo "== tp=$t sequence_parallel=$sp${v:+ ($v)}: $(field tokens_per_s "$d") tokens/s"
+    summary "$OUT/timeline_tp${t}_sp$sp$tag.txt"
+   done
+    [ "${PROFILE:-1}" = 1 ] || continue
     out=$(mktemp -d)
     mt_run "$out" "$t" "MESHTRAIN_PROFILE=1" $EFF $RUN steps=6 tensor_parallel_size=$t sequence_parallel=$sp >/dev/null
     cp "$out/stdout" "$OUT/profile_tp${t}_sp$sp.txt"
