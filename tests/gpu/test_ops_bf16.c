@@ -403,7 +403,7 @@ static void test_bf16_embedding_backward(void) {
 }
 
 static void test_bf16_rmsnorm_backward(void) {
-    int shapes[][2] = {{300, 192}, {1000, 77}};
+    int shapes[][2] = {{300, 192}, {1000, 77}, {70, 4096}};  /* (4096: the wide-row kernel) */
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         int N = shapes[k][0], C = shapes[k][1];
         char sh[64];

@@ -302,7 +302,10 @@ static void test_rmsnorm(void) {
     rmsnorm_case(37, 1000);
     rmsnorm_case(300, 70);
     rmsnorm_case(4096, 768);
-    rmsnorm_case(40, 2056); /* forward: more vectors than a lane keeps; backward: the scalar kernel */
+    rmsnorm_case(40, 2056); /* forward: more vectors than a lane keeps; backward: the wide-row kernel */
+    rmsnorm_case(33, 4096); /* the 7B model's rows */
+    rmsnorm_case(9, 16392); /* beyond what the scalar kernel's shared memory could hold */
+    rmsnorm_case(21, 1500); /* C % 8 != 0 past 1024: the scalar kernel */
 }
 
 /* ------------------------------------------------------------------------------------ */

@@ -687,6 +687,23 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
     if ((!dx && !dw) || N <= 0 || C <= 0) return;
     /* blocks of about 16 rows, at most RMSNORM_DW_BLOCKS: a count fixed by N alone */
     int nb = (N + 15) / 16 < RMSNORM_DW_BLOCKS ? (N + 15) / 16 : RMSNORM_DW_BLOCKS;
+    float *part = (float *)scratch((size_t)nb * C * sizeof(float));
+    if (C % 8 == 0 && C > 256 * RMS_VEC && C <= 8192 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) {
+        /* wide rows: a block's threads share each row, warps enough for RMS_VEC vectors a thread */
+        int threads = (C / 8 + RMS_VEC - 1) / RMS_VEC;
+        threads = (threads + 31) / 32 * 32;
+        float *pt = dw ? part : NULL;
+        if (g.bf16)
+            rmsnorm_wide_backward_bf16_kernel<<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+        else
+            rmsnorm_wide_backward_f32_kernel<<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+        LAUNCH_CHECK(rmsnorm_wide_backward_kernel);
+        if (dw) {
+            rmsnorm_dw_reduce_kernel<<<(C + 31) / 32, 1024, 0, g.stream>>>(dw, part, C, nb, g.sbf16);
+            LAUNCH_CHECK(rmsnorm_dw_reduce_kernel);
+        }
+        return;
+    }
     size_t smem = (size_t)RMS_BWD_WARPS * C * sizeof(float);
     if (smem > g.smem_optin)
         die(2, "cuda: rmsnorm backward with %d channels needs %zu bytes of shared memory; the GPU allows %zu", C, smem,
@@ -696,7 +713,6 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         g.rms_smem_set = smem;
     }
-    float *part = (float *)scratch((size_t)nb * C * sizeof(float));
     if (C % 8 == 0 && C <= 256 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) { /* dx may be NULL */
         if (g.bf16)
             rmsnorm8_backward_bf16_kernel<<<nb, RMS_BWD_WARPS * 32, smem, g.stream>>>(dx, part, dout, x, w, rstd, N, C,

@@ -280,6 +280,96 @@ rmsnorm8_backward_f32_kernel(void *dx, float *part, const void *dout, const void
     rmsnorm8_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 0);
 }
 
+/* Wide rows (C % 8 == 0, 256 RMS_VEC < C <= 8192 RMS_VEC: the 7B model's 4096 channels, which
+ * the kernels above took with one warp a row and 16 KB of shared memory a warp, at about a
+ * sixth of the memory's speed): the block's threads share each row, thread t taking channels
+ * [8(kT + t), +8) for k < RMS_VEC (T threads, coalesced), so it keeps those channels' dw sums
+ * in registers over all the block's rows, in row order, and writes them to part[b, :] once;
+ * a row's g.w.x is summed over the block (warp sums, then the warps in order; red is double
+ * buffered by row parity, so one barrier a row). part = NULL: dx only. */
+static __device__ __forceinline__ void rmsnorm_wide_backward_body(void *dx, float *part, const void *dout,
+                                                                  const void *x, const void *w, const float *rstd,
+                                                                  int N, int C, int nb, const int bf) {
+    __shared__ float red[2][32];
+    int T = blockDim.x, t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = T >> 5, b = blockIdx.x;
+    float dwa[RMS_VEC][8];
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) dwa[k][e] = 0.0f;
+    int n0 = (int)((long long)N * b / nb), n1 = (int)((long long)N * (b + 1) / nb);
+    for (int row = n0; row < n1; row++) {
+        size_t r0 = (size_t)row * C;
+        float r = rstd[row], dot = 0.0f;
+        uint4 graw[RMS_VEC][2], xraw[RMS_VEC][2], draw[RMS_VEC][2];
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (k * T + t) * 8;
+            if (c < C) {
+                ldraw8(graw[k], dout, r0 + c, bf);
+                ldraw8(xraw[k], x, r0 + c, bf);
+                if (dx) ldraw8(draw[k], dx, r0 + c, bf);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (k * T + t) * 8;
+            if (c < C) {
+                float g[8], xv[8], wv[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
+                if (dx) {
+                    ld8(wv, w, c, bf);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) dot += g[e] * wv[e] * xv[e];
+                }
+                if (part)
+#pragma unroll
+                    for (int e = 0; e < 8; e++) dwa[k][e] += g[e] * (xv[e] * r);
+            }
+        }
+        if (!dx) continue;
+        dot = warp_sum(dot);
+        if (lane == 0) red[row & 1][warp] = dot;
+        __syncthreads();
+        dot = 0.0f;
+        for (int k = 0; k < nw; k++) dot += red[row & 1][k];
+        float coef = r * r * r * dot / (float)C;
+#pragma unroll
+        for (int k = 0; k < RMS_VEC; k++) {
+            int c = (k * T + t) * 8;
+            if (c < C) {
+                float g[8], xv[8], wv[8], d[8];
+                unraw8(g, graw[k], bf);
+                unraw8(xv, xraw[k], bf);
+                unraw8(d, draw[k], bf);
+                ld8(wv, w, c, bf);
+#pragma unroll
+                for (int e = 0; e < 8; e++) d[e] += r * wv[e] * g[e] - coef * xv[e];
+                st8(dx, r0 + c, d, bf);
+            }
+        }
+    }
+    if (!part) return;
+#pragma unroll
+    for (int k = 0; k < RMS_VEC; k++) {
+        int c = (k * T + t) * 8;
+        if (c < C)
+#pragma unroll
+            for (int e = 0; e < 8; e++) part[(size_t)b * C + c + e] = dwa[k][e];
+    }
+}
+static __global__ void __launch_bounds__(1024)
+rmsnorm_wide_backward_bf16_kernel(void *dx, float *part, const void *dout, const void *x, const void *w,
+                                  const float *rstd, int N, int C, int nb) {
+    rmsnorm_wide_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 1);
+}
+static __global__ void __launch_bounds__(1024)
+rmsnorm_wide_backward_f32_kernel(void *dx, float *part, const void *dout, const void *x, const void *w,
+                                 const float *rstd, int N, int C, int nb) {
+    rmsnorm_wide_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 0);
+}
+
 /* dw, second pass: a block of 32 x 32 threads per 32 channels; thread (x, y) sums the
  * partials of channel x in the y-th of 32 runs of consecutive blocks, in block order, and
  * then y = 0 adds the 32 run sums in order. The order depends on nb (so on N) alone; one
