@@ -10,7 +10,6 @@
 #   adafactor precision=bf16 optimizer=adafactor
 #   offload   precision=mixed offload=optimizer (lean: bf16 weights, fp32 gradients on the GPU)
 # Usage: SETTINGS="bf16 mixed adafactor offload" B=8 K=4 STEPS=3 bench/gpu_largest.sh [meshtrain]
-# Not yet run on a GPU (written in session 15, device time spent).
 set -u
 BIN=${1:-build/meshtrain} B=${B:-8} K=${K:-4} STEPS=${STEPS:-3} LSTEP=${LSTEP:-4}
 . "$(dirname "$0")/lib.sh"

@@ -5,7 +5,6 @@
 # rank's shard; the host update runs on each rank's share of the CPU cores). Activation
 # checkpointing, batch_size=B per GPU, grad_accum_steps=K, STEPS steps (the first excluded).
 # Usage: NP=2 B=8 K=8 STEPS=3 ROWS="bf16 mixed optimizer params" bench/gpu_offload_fsdp.sh [meshtrain]
-# Not yet run on a GPU (written in session 15, device time spent).
 set -u
 BIN=${1:-build/meshtrain} NP=${NP:-2} B=${B:-8} K=${K:-8} STEPS=${STEPS:-3}
 . "$(dirname "$0")/lib.sh"
