@@ -325,9 +325,10 @@ size_t acts_logit_rows(const ModelConfig *c, int B, int T, size_t act_size) {
     return rows < N ? rows : N;
 }
 
-/* One buffer of the plan: where its pointer goes, its length, and whether it holds
- * activations (act_size bytes each) or fp32 statistics. */
-typedef struct { void **p; size_t n; int act; } Slot;
+/* One buffer of the plan: where its pointer goes, its length, whether it holds
+ * activations (act_size bytes each) or fp32 statistics, and whether tensor parallel's
+ * collectives run over it (coll: ModelTp's alloc gives its memory). */
+typedef struct { void **p; size_t n; int act, coll; } Slot;
 
 /* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan:
  * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
@@ -354,27 +355,35 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     if (!layers) Ls = Lr = 0;
     size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0, lrows = head && keep && training ? N : rows;
     int n = 0;
-#define P(field, count) s[n++] = (Slot){&a->field, (count), 1}
-#define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0}
-    P(res, (Lr + 1) * NS * E);
+#define P(field, count) s[n++] = (Slot){&a->field, (count), 1, 0}
+#define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0, 0}
+    /* what the tensor-parallel collectives run over (C): without sequence parallel the
+     * residual stream (the embedding's and down_proj's sums, in place), mid (att_out_proj's)
+     * and dxn (the input gradients of gate_up and qkv); under it the staging buffers (gath
+     * and full: gathers, and the partial sums a reduce-scatter sends) and the head's xf
+     * (gathered); dxf (the head input's gradient, summed) in both */
+    int nsp = tp > 1 && !sp;
+#define C(field, count, on) s[n++] = (Slot){&a->field, (count), 1, (on)}
+    C(res, (Lr + 1) * NS * E, nsp);
     if (layers) {
         P(xn1, Ls * NS * E); F(rstd1, Ls * NS); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
-        F(lse, Ls * B * NH * T); P(mid, Ls * NS * E); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
+        F(lse, Ls * B * NH * T); C(mid, Ls * NS * E, nsp); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
         P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
     }
-    if (sp && layers) { P(gath, N * E); P(full, N * E); }
-    if (head) { P(xf, N * E); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
+    if (sp && layers) { C(gath, N * E, 1); C(full, N * E, 1); }
+    if (head) { C(xf, N * E, sp); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     if (layers) { F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2); }
     if (training) {
         P(dres, NS * E);
         if (layers) { P(dqkv, N * 3 * Et); P(datt, N * Et); }
-        if (head) P(dxf, N * E);
+        if (head) C(dxf, N * E, tp > 1);
         if (layers) { P(dgu, N * 2 * H); P(dh, N * H); }
-        P(dxn, NS * E);  /* (the head's too, under sequence parallel) */
+        C(dxn, NS * E, nsp);  /* (the head's too, under sequence parallel) */
     }
 #undef P
 #undef F
+#undef C
     *logit_n = lrows * ldl;
     return n;
 }
@@ -412,6 +421,26 @@ size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int tr
     return total;
 }
 
+size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
+                                  int tp, int sp) {
+    Acts a;
+    Slot s[32];
+    size_t logit_n;
+    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
+                      tp, sp);
+    for (int i = 0; i < n; i++)
+        if (s[i].coll) return slot_bytes(&s[i], act_size);
+    return 0;
+}
+
+void *model_tp_alloc(const Model *m, size_t bytes) {
+    return m->tp_size > 1 && m->tp.alloc ? m->tp.alloc(m->tp.ctx, bytes) : op_alloc(bytes);
+}
+void model_tp_free(const Model *m, void *p) {
+    if (m->tp_size > 1 && m->tp.free) m->tp.free(p);
+    else op_free(p);
+}
+
 void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
     Stage whole = model_whole(m);
     acts_alloc_stage(a, m, &whole, B, T, training);
@@ -439,9 +468,10 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     a->bytes = acts_extra_bytes(B, T, m->V);
     for (int i = 0; i < n; i++) {
         size_t bytes = slot_bytes(&s[i], ops_act_size());
-        *s[i].p = op_alloc(bytes);
+        *s[i].p = s[i].coll ? model_tp_alloc(m, bytes) : op_alloc(bytes);
         a->bytes += (bytes + 63) / 64 * 64;
     }
+    if (m->tp_size > 1 && m->tp.alloc) a->buf_free = m->tp.free;  /* (it frees op_alloc memory too) */
     if (a->rope_cos) op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);  /* (none without layers) */
 }
 
@@ -458,7 +488,10 @@ void acts_free(Acts *a) {
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
                    a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) op_free(all[i]);
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        if (a->buf_free) a->buf_free(all[i]);
+        else op_free(all[i]);
+    }
     op_free(a->dev_inputs);
     op_free(a->dev_targets);
     op_free(a->dev_emb_index);

@@ -39,8 +39,16 @@ typedef struct {
  * afterwards (sequence parallel only). */
 /* The most chunks tensor parallel's collectives are split into (Model's tp_chunks). */
 #define TP_MAX_CHUNKS 16
+/* alloc (may be NULL: op_alloc): the memory of the activation buffers that the collectives
+ * run over (Slot's coll in acts_plan: the branch outputs and input gradients summed in
+ * place without sequence parallel; under it the staging buffers gath and full, the head's
+ * xf and dxf), zeroed, called with the same sizes in the same order on every rank of the
+ * group; free frees it (and op_alloc memory). tensor.c gives them with MESHTRAIN_TP_CE=1,
+ * where they put the buffers in NCCL windows and the collectives run on the copy engines. */
 typedef struct {
     void *ctx;
+    void *(*alloc)(void *ctx, size_t bytes);
+    void (*free)(void *p);
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);
     long (*allgather_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*reduce_scatter_begin)(void *ctx, void *send, void *recv, size_t n);
@@ -236,6 +244,7 @@ typedef struct {
     void *gath, *full;
     float *rope_cos, *rope_sin;
     size_t bytes;
+    void (*buf_free)(void *p);  /* frees the buffers where ModelTp's alloc made some (NULL: op_free) */
 } Acts;
 
 /* `training`: 0 = inference (one layer's activations, reused), 1 = training (every layer's
@@ -264,6 +273,15 @@ size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int 
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                      size_t *logit_bytes, int tp, int sp);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
+/* The bytes of the first buffer acts_alloc_stage takes from ModelTp's alloc on a
+ * tensor-parallel rank (arguments as acts_bytes_tp's; 0: none), which sizes the group's
+ * copy-engine all-to-all buffer (comm_ce_buffer_bytes), for the estimate. */
+size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
+                                  int tp, int sp);
+/* Memory the tensor-parallel collectives may run over (ModelTp's alloc, else op_alloc; the
+ * zero-bubble weight pass's buffer), and its free. */
+void *model_tp_alloc(const Model *m, size_t bytes);
+void model_tp_free(const Model *m, void *p);
 /* A smaller batch (B <= a->B) in a's buffers, for a forward without gradients (the
  * validation batch of a short shard): every buffer of a holds it. Not to be freed. */
 void acts_view(Acts *v, const Acts *a, const Model *m, int B);

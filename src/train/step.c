@@ -94,7 +94,7 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         st->n_wbuf = st->sched.max_pending_w < 1 ? 1 : st->sched.max_pending_w;
         st->wbuf = xcalloc((size_t)st->n_wbuf, sizeof(void *));
         for (int i = 0; i < st->n_wbuf; i++)
-            st->wbuf[i] = op_alloc(model_wgrad_bytes(&m->c, &s[0], a->B, a->T, ops_act_size()));
+            st->wbuf[i] = model_tp_alloc(m, model_wgrad_bytes(&m->c, &s[0], a->B, a->T, ops_act_size()));
     }
     st->mb_inputs = xmalloc((size_t)micro * N * sizeof(int));
     st->mb_targets = xmalloc((size_t)micro * N * sizeof(int));
@@ -332,7 +332,7 @@ void step_free(Step *st) {
         free(st->sent_out[c]);
         free(st->sent_grad[c]);
     }
-    for (int i = 0; i < st->n_wbuf; i++) op_free(st->wbuf[i]);
+    for (int i = 0; i < st->n_wbuf; i++) model_tp_free(st->m, st->wbuf[i]);
     free(st->wbuf);
     free(st->own_losses);
     free(st->mb_inputs);
