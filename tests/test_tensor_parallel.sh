@@ -6,7 +6,8 @@
 # hold the whole model's packed order, so they resume across tp layouts and eval reads them
 # in one process; layouts it cannot run are refused at start-up. Each collective runs in
 # chunks beside its matrix product (MESHTRAIN_TP_CHUNKS, 1 by default: one collective; the cases below
-# also with 2 and 4 at tp = 2 and 4, and where the rows make it fall back). Under the sanitizer build
+# also with 2 and 4 at tp = 2 and 4, and where the rows make it fall back); MESHTRAIN_TP_CE=1 (the
+# collectives on the GPUs' copy engines) falls back to MPI on CPU ranks. Under the sanitizer build
 # the cases marked ~ are left out and each layout runs tied or untied, not both (lib.sh).
 TEST_NAME=tp
 source "$(dirname "$0")/lib.sh"
@@ -83,6 +84,21 @@ err=$(MESHTRAIN_TP_CHUNKS=x $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_pa
       2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CHUNKS=x: not a whole number" <<<"$err" \
   && ok bad_tp_chunks_refused || bad "bad_tp_chunks_refused (exit $rc: $err)"
+# -- MESHTRAIN_TP_CE=1 (the collectives on the GPUs' copy engines) takes GPUs: on CPU ranks
+# the run takes today's path (MPI), says so in its header, and follows the one-process run;
+# a malformed value is refused
+out=$TMP/tp_ce_cpu
+if MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2 $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
+     out_dir="$out" </dev/null >"$out.log" 2>&1 &&
+   grep -q "^tensor parallel collectives: MPI" "$out.log" && follows "$TMP/ref_false" "$out"
+then ok tp_ce_on_cpu_ranks_falls_back
+else bad "tp_ce_on_cpu_ranks_falls_back ($(grep 'collectives' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+! grep -q "^tensor parallel collectives" "$TMP/tp2_false.log" && ok tp_ce_line_only_when_asked_on_cpu ||
+  bad tp_ce_line_only_when_asked_on_cpu
+err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_ce" \
+      2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CE=yes: not 0 or 1" <<<"$err" \
+  && ok bad_tp_ce_refused || bad "bad_tp_ce_refused (exit $rc: $err)"
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS

@@ -11,6 +11,7 @@
 #include "pipeline.h"
 #include "schedule.h"
 #include "run.h"
+#include "tensor.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -140,8 +141,11 @@ int cmd_estimate(Config *c) {
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
     OptimConfig oc = optim_config_of(c);
+    /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1 */
+    int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |
+             (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0);
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
-                    c->sequence_parallel, gpu, precision_of(c), c->copy_engines && dp > 1, &oc, &e);
+                    c->sequence_parallel, gpu, precision_of(c), ce, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
     if (c->grad_accum_steps > 1 && PP == 1)  /* the same memory: one micro-batch's activations, gradients in place */
         printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
@@ -153,7 +157,7 @@ int cmd_estimate(Config *c) {
                (long long)c->batch_size * c->grad_accum_steps * dp);
     estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP,
                            c->sequence_parallel, gpu,
-                           precision_of(c), c->copy_engines && dp > 1, &oc);
+                           precision_of(c), ce, &oc);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
                "units and their activations, of the vocabulary rows of the embedding and lm_head and of the logits%s\n",

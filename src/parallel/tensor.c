@@ -1,5 +1,6 @@
 #include "tensor.h"
 #include <stdlib.h>
+#include <string.h>
 #include "comm.h"
 #include "ops.h"
 #include "util.h"
@@ -84,6 +85,22 @@ static int chunks_asked(void) {
     return (int)c;
 }
 
+/* Copy-engine collectives: MESHTRAIN_TP_CE=1 (an A/B knob for the GPU benchmarks, like
+ * MESHTRAIN_TP_CHUNKS: it changes the speed only, and the results within rounding), default
+ * 0. The activation buffers the collectives run over (ModelTp's alloc) then lie in NCCL
+ * symmetric windows on the tp group (comm_alloc), whose communicator takes NCCL's zero-CTA
+ * policy: the all-reduces in place run as an all-to-all, a short sum kernel and an
+ * all-gather, the reduce-scatters as the first two, the all-gathers on the copy engines,
+ * and no SM is held while the bytes move, so chunks can overlap their products (NCCL's
+ * kernels took SMs from the products beside them). */
+int tensor_parallel_ce_asked(void) {
+    const char *e = getenv("MESHTRAIN_TP_CE");
+    if (!e || !strcmp(e, "0")) return 0;
+    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_CE=%s: not 0 or 1", e);
+    return 1;
+}
+static void *tp_alloc(void *ctx, size_t bytes) { return comm_alloc(ctx, bytes); }
+
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
@@ -91,6 +108,24 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
                       .join = tp_join, .flush = tp_flush};
     m->sp = sequence_parallel != 0;
     m->tp_chunks = chunks_asked();
+    (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
+    if (tensor_parallel_ce_possible(mesh)) {
+        m->tp.alloc = tp_alloc;
+        m->tp.free = comm_buffer_free;
+    }
+}
+
+int tensor_parallel_ce_possible(const Mesh *mesh) {
+    /* CPU ranks: today's path, silently. On GPUs every rank of the group must take the same
+     * path (comm_alloc is collective): they agree to ask only if all of them were asked. */
+    if (mesh->tp_size == 1 || ops_host_memory()) return 0;
+    int not_asked = !tensor_parallel_ce_asked();
+    comm_allreduce_max_int(&mesh->tp, &not_asked, 1);
+    return !not_asked && comm_copy_engines_possible(&mesh->tp);
+}
+
+int tensor_parallel_on_copy_engines(const Mesh *mesh) {
+    return mesh->tp_size > 1 && comm_copy_engines_active(&mesh->tp);
 }
 
 double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {

@@ -12,6 +12,18 @@
  * (m->tp_chunks): MESHTRAIN_TP_CHUNKS (1 to TP_MAX_CHUNKS; 1: one collective each, beside
  * no product, the default). A malformed value ends the run (exit 2). */
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel);
+/* MESHTRAIN_TP_CE=1 (0 or unset: 0; anything else ends the run, exit 2): tensor_parallel_attach
+ * then, on GPUs whose tp group can take the copy-engine path (comm_copy_engines_possible:
+ * one machine, NCCL 2.28+, copy_engines=true), gives the model the allocator that puts the
+ * activation buffers its collectives run over in NCCL windows (comm_alloc), and the
+ * collectives run on the copy engines; elsewhere it changes nothing. */
+int tensor_parallel_ce_asked(void);
+/* Whether tensor_parallel_attach will take that path (for the memory estimate, before it):
+ * every rank of the mesh's tp group calls it together. */
+int tensor_parallel_ce_possible(const Mesh *mesh);
+/* Whether the tp group's collectives run on the copy engines (after the model's activations
+ * are allocated: comm_alloc made the group's all-to-all buffer). */
+int tensor_parallel_on_copy_engines(const Mesh *mesh);
 /* The sum of squares of unit u's gradient elements [lo, hi) (local, from the unit's start)
  * that every tensor-parallel rank holds alike (replicated runs), read from g (element lo at
  * g): what a tp rank other than 0 leaves out of the gradient norm so that the sum over the

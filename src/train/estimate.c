@@ -74,7 +74,12 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->data = gpu ? 0 : data_bytes;
     e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
-    e->comm = gpu && training && kind == PAR_DDP && world > 1 && copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
+    e->comm = gpu && training && kind == PAR_DDP && world > 1 && (copy_engines & EST_CE_DDP)
+                  ? comm_ce_buffer_bytes(e->grads) : 0;
+    /* tensor parallel on the copy engines: the tp group's all-to-all buffer, sized by the
+     * first of the activation buffers that go in windows */
+    e->ce_tp = gpu && training && tp > 1 && (copy_engines & EST_CE_TP);
+    if (e->ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                (gpu ? 0 : e->host);
     model_free(&m);
@@ -125,7 +130,9 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     if (sched->split_backward)
         e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) *
                    model_wgrad_bytes(c, &s[0], B_micro, T, act_size);
-    e->comm = 0;
+    e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
+    if (e->ce_tp && training)
+        e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                (e->gpu ? 0 : e->host);
     model_free(&m);

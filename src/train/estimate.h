@@ -23,6 +23,7 @@ typedef struct {
     size_t host;
     int offload;
     int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
+    int ce_tp; /* EST_CE_TP was asked: estimate_stage counts the stage's all-to-all buffer */
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, the optimizer's state (oc; NULL = AdamW:
@@ -31,9 +32,14 @@ typedef struct {
  * per shard group) holds them. data_bytes: the shards the run maps (they count in RSS as
  * they are read). gpu != 0: the same plan in the GPU's memory, where the runtime is the
  * cuBLASLt workspace and the ops' scratch (the CUDA context is outside the allocator). */
-/* copy_engines: DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer
- * (comm_alloc in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on
- * one machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
+/* copy_engines: EST_CE_DDP, DDP's all-reduces on GPUs take the copy-engine path, whose
+ * all-to-all buffer (comm_alloc in comm.h) counts as `comm`; EST_CE_TP (or'd), so do tensor
+ * parallel's collectives (MESHTRAIN_TP_CE=1, tensor.h): their buffers are activations the
+ * plan counts already, and the tp group's all-to-all buffer counts as `comm` too.
+ * `meshtrain estimate` assumes they will (ranks on one machine, NCCL 2.28 or later); a
+ * training run asks comm_copy_engines_possible (tensor_parallel_ce_possible). */
+#define EST_CE_DDP 1
+#define EST_CE_TP 2
 /* tp: tensor-parallel ranks; each holds its slices of every layer and its vocabulary rows
  * of the embedding and lm_head (model_init_layout_tp), its heads' and FFN units'
  * activations and its columns of the logits; sp: sequence parallel, where it also holds

@@ -273,7 +273,8 @@ int cmd_train(Config *c) {
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
-    int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
+    int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp) ? EST_CE_DDP : 0;
+    if (tensor_parallel_ce_possible(&mesh)) ce |= EST_CE_TP;  /* (MESHTRAIN_TP_CE=1 on GPUs) */
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -380,6 +381,16 @@ int cmd_train(Config *c) {
         printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
                chunks > 1 ? "s" : "", a.N / (size_t)chunks, m.tp_chunks);
     }
+    /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
+    int tp_ce = tensor_parallel_on_copy_engines(&mesh);
+    if (lead && mesh.tp_size > 1 && (gpu || tensor_parallel_ce_asked()))
+        printf("tensor parallel collectives: %s\n",
+               tp_ce ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
+                       "all-gather)"
+               : !gpu ? "MPI (MESHTRAIN_TP_CE=1 takes GPUs)"
+               : tensor_parallel_ce_asked() ? "NCCL kernels (MESHTRAIN_TP_CE=1, but the copy engines cannot take "
+                                              "them here: one machine, NCCL 2.28+, copy_engines=true)"
+                                            : "NCCL kernels (MESHTRAIN_TP_CE=1 puts them on the copy engines)");
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
