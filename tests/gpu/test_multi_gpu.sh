@@ -8,7 +8,8 @@
 # and in pure bf16 (bf16 gradients, reduced in bf16) within 2e-2, for DDP, ZeRO-2 and
 # FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
-# without sequence parallel, tied and untied) follows one GPU in fp32. A rank that is killed, or hangs, ends the job within seconds with a message
+# without sequence parallel, tied and untied) follows one GPU in fp32, also with its
+# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
 # offload=params (the FSDP shards in host memory too) as well.
@@ -72,6 +73,48 @@ no_sp|false|sequence_parallel=false
 no_sp_tied|true|sequence_parallel=false
 sp_ckpt|false|activation_checkpointing=true
 CASES
+# -- tensor parallel's collectives on the copy engines (MESHTRAIN_TP_CE=1): the activation
+# buffers they run over lie in NCCL windows; all-reduces run as an all-to-all, a sum kernel
+# and an all-gather, reduce-scatters as the first two, all-gathers on the copy engines. In 1
+# and 4 chunks (MESHTRAIN_TP_CHUNKS), with and without sequence parallel, with activation
+# checkpointing, and in pieces of a tiny all-to-all buffer (MESHTRAIN_CE_BUFFER_BYTES: the
+# all-reduces in pieces, the reduce-scatters larger than it on NCCL's kernels): NP GPUs
+# follow one, and the header says the copy engines run them
+while IFS='|' read -r name tied envs keys; do
+  out=$TMP/tp_ce_$name
+  if (export MESHTRAIN_TP_CE=1 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
+        tensor_parallel_size=$NP $keys) &&
+     grep -q "^tensor parallel collectives: copy engines" "$out.log" && close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_tp_ce_follows_one_gpu_$name"
+  else bad "multi_gpu_tp_ce_follows_one_gpu_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+sp_c1|false|MESHTRAIN_TP_CHUNKS=1|
+sp_c4|false|MESHTRAIN_TP_CHUNKS=4|
+no_sp_c1|false|MESHTRAIN_TP_CHUNKS=1|sequence_parallel=false
+no_sp_c4|false|MESHTRAIN_TP_CHUNKS=4|sequence_parallel=false
+sp_c4_tied|true|MESHTRAIN_TP_CHUNKS=4|
+no_sp_c4_tied|true|MESHTRAIN_TP_CHUNKS=4|sequence_parallel=false
+sp_ckpt_c2|false|MESHTRAIN_TP_CHUNKS=2|activation_checkpointing=true
+sp_pieces_c2|false|MESHTRAIN_TP_CHUNKS=2 MESHTRAIN_CE_BUFFER_BYTES=4096|
+no_sp_pieces_c2|false|MESHTRAIN_TP_CHUNKS=2 MESHTRAIN_CE_BUFFER_BYTES=4096|sequence_parallel=false
+CASES
+# at tp 2 in fp32 a sum of two is the same number whoever adds it, and a gather copies: the
+# copy engines' run is bitwise NCCL's kernels' (one chunk, with and without sequence parallel)
+if [ "$NP" = 2 ]; then
+  for sp in sp no_sp; do
+    d=$("$DIFF" "$TMP/tp_$sp/ckpt.bin" "$TMP/tp_ce_${sp}_c1/ckpt.bin" 2>&1)
+    [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_tp_ce_bitwise_nccl_$sp" || bad "multi_gpu_tp_ce_bitwise_nccl_$sp ($d)"
+  done
+fi
+# the estimate counts the tp group's all-to-all buffer: it grows by what the peak grows by
+# (the windows replace activation buffers of the same size), within 5% of the peak
+ec=$(logged estimate_bytes "$TMP/tp_ce_no_sp_c1") pc=$(logged gpu_peak_alloc_bytes "$TMP/tp_ce_no_sp_c1")
+en=$(logged estimate_bytes "$TMP/tp_no_sp") pn=$(logged gpu_peak_alloc_bytes "$TMP/tp_no_sp")
+echo "  tp copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $en, peak $pn"
+if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
+   awk -v a=$((ec - en)) -v b=$((pc - pn)) -v p="$pc" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
+then ok multi_gpu_tp_ce_estimate_counts_all_to_all_buffer
+else bad multi_gpu_tp_ce_estimate_counts_all_to_all_buffer; fi
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one. So does tensor
 # parallel over the NP GPUs (dp = 1), whose slices' sums are all-reduced over the tp group
@@ -156,6 +199,19 @@ for keys in "" "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full
   then ok "multi_gpu_bf16_follows_one_gpu ${keys:-ddp}"
   else bad "multi_gpu_bf16_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
+# tensor parallel on the copy engines with bf16 activations (sums in fp32, rounded once),
+# 2 chunks, sequence parallel on and off: the header says the copy engines run them
+for keys in "" "sequence_parallel=false"; do
+  out=$TMP/tp_ce_bf16_${keys//[ =]/_}
+  if (export MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2; runn "$out" $MB tie_embeddings=true batch_size=$((NP * B)) \
+        tensor_parallel_size=$NP $keys) &&
+     grep -q "^tensor parallel collectives: copy engines" "$out.log" && close "$TMP/one_bf16" "$out"
+  then ok "multi_gpu_tp_ce_bf16_on_copy_engines ${keys:-sp}"
+  else bad "multi_gpu_tp_ce_bf16_on_copy_engines ${keys:-sp} ($(grep -m1 '^tensor parallel collectives' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+done
+# without MESHTRAIN_TP_CE the header says NCCL's kernels run them
+grep -q "^tensor parallel collectives: NCCL kernels" "$TMP/tp_sp.log" && ok multi_gpu_tp_ce_off_by_default ||
+  bad "multi_gpu_tp_ce_off_by_default ($(grep -m1 '^tensor parallel collectives' "$TMP/tp_sp.log"))"
 
 # -- without clipping DDP updates in two parts, first the part whose all-reduces are done
 # (the head's and layer 3's; units 2..0 and the embedding rows are reduced at the end of
