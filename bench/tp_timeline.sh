@@ -10,6 +10,8 @@
 # VARIANTS: environment settings to compare at each tp (';' between variants, spaces between
 # the variables of one; default one variant, the plain run); PROFILE=0 leaves the profiles out.
 # Usage: TPS="2 4" SPS="false true" [VARIANTS="NCCL_MAX_CTAS=8;NCCL_PROTO=Simple"] bench/tp_timeline.sh [meshtrain]
+# e.g. the collectives on the copy engines (MESHTRAIN_TP_CE=1) against NCCL's kernels, whole and chunked:
+#   PROFILE=0 TPS=2 SPS="false true" VARIANTS=";MESHTRAIN_TP_CE=1;MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2;MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=4" bench/tp_timeline.sh
 set -u
 BIN=${1:-build/meshtrain} TL_STEP=${TL_STEP:-3}
 OUT=${OUT:-/tmp/tp_timeline}; mkdir -p "$OUT"
