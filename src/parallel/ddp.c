@@ -195,15 +195,18 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     if (oc->kind == OPTIM_ADAFACTOR) return ddp_adafactor(p, d, oc, lr_out);
     if (p->off) return ddp_offload(p, d, oc, lr_out);
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
-    /* (sequence parallel: nothing is updated before the norms' gradients are summed over tp) */
-    size_t n = m->n_flat, split = oc->grad_clip > 0 || m->sp ? n : d->late_hi;
+    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : d->late_hi;
     double lr = par_next_lr(p, oc);
     int step = p->adam_steps;
     for (int u = 0; u < m->n_units; u++)
         if (!d->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
     int side = side_units(p, d, split);
-    if (split < n) {
+    /* Sequence parallel: nothing is updated, nor its norm taken, before the norms' gradients
+     * are summed over tp; the side update (after that sum) still overlaps the next forward,
+     * but the first part may not run ahead of it. */
+    if (m->sp && !side) split = n;
+    if (split < n && !m->sp) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
         if (!side) update(p, split, n - split, oc, lr, step, 1.0f);
     }
@@ -211,6 +214,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
     par_tp_sum_partial(p, 0);
+    if (split < n && m->sp) sumsq = op_sumsq(st_at(p->grads, split), n - split);
     sumsq += op_sumsq(p->grads, split);
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
