@@ -7,7 +7,8 @@
  * (logits, input gradient, weight gradient) placed in F, B and W otherwise than the model
  * does today. No GPU; CPU time about a second.
  * Usage: pp_sim [embed_dim n_heads n_layers context_len [head_scale]]  (default: the post's
- * model; head_scale: the head's matmuls' time per FLOP against a layer's, 1 by default) */
+ * model; head_scale: the head's matmuls' time per FLOP against a layer's, 1 by default)
+ *        pp_sim replay KIND P M LAT_MS F0 B0 W0 ...: the trainer's lists with measured times */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,7 +117,86 @@ static void header(void) {
            "step", "/pred", "/1f1b", "searched split", "step", "/pred", "/1f1b", "dlogits held");
 }
 
+/* replay: the lists the trainer builds for kind at p stages (v = 1), m micro-batches (the
+ * post's model, `auto` split, its head placement), run with measured per-stage times instead
+ * of the estimate: F, B, W in ms for each stage (B includes W where the backward is not
+ * split), and lat ms from a send's start to the data's use on the next stage. Each rank runs
+ * its compute actions in list order, each when its inputs are in; prints every rank's
+ * actions with their start times and the step's length, to set beside a GPU timeline
+ * (bench/pp_timeline.sh) and see whether a gap comes from the lists or from the costs. */
+static int replay(ScheduleKind k, int p, int m, const double *ms, double lat) {
+    Stage st[16];
+    double cost[16 * 3];
+    char err[256];
+    const double *head = pipeline_head_placement(k, p);
+    if (p > 16 || pipeline_split_schedule(&C, C.context_len, p, 1, k, m, head, "auto", st, err, sizeof err)) {
+        fprintf(stderr, "replay: %s\n", p > 16 ? "at most 16 stages" : err);
+        return 1;
+    }
+    pipeline_stage_costs(&C, C.context_len, st, p, head, cost);
+    Schedule *sc = calloc((size_t)p, sizeof *sc);
+    double *fend = malloc(sizeof(double) * p * m), *bend = malloc(sizeof(double) * p * m), *free_at = calloc((size_t)p, sizeof(double));
+    int *next = calloc((size_t)p, sizeof(int));
+    for (int i = 0; i < p * m; i++) fend[i] = bend[i] = -1;
+    for (int r = 0; r < p; r++)
+        if (schedule_build(&sc[r], k, p, r, m, 1, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
+    printf("%s p=%d m=%d, split", schedule_kind_name(k), p, m);
+    for (int r = 0; r < p; r++) printf("%s%d", r ? "," : " ", stage_n_layers(&C, &st[r]));
+    printf("; per stage F/B/W ms:");
+    for (int r = 0; r < p; r++) printf(" %.2f/%.2f/%.2f", ms[r * 3], ms[r * 3 + 1], ms[r * 3 + 2]);
+    printf("; link %.3f ms\n", lat);
+    for (int progress = 1; progress;) {  /* sweep the ranks until none can start its next action */
+        progress = 0;
+        for (int r = 0; r < p; r++) {
+            while (next[r] < sc[r].n) {
+                Action a = sc[r].actions[next[r]];
+                if (a.kind != ACT_FORWARD && a.kind != ACT_BACKWARD && a.kind != ACT_WEIGHT) { next[r]++; continue; }
+                int i = a.micro;
+                double ready = free_at[r];
+                if (a.kind == ACT_FORWARD && r > 0) {
+                    if (fend[(r - 1) * m + i] < 0) break;
+                    if (fend[(r - 1) * m + i] + lat > ready) ready = fend[(r - 1) * m + i] + lat;
+                }
+                if (a.kind == ACT_BACKWARD) {
+                    if (fend[r * m + i] < 0 || (r < p - 1 && bend[(r + 1) * m + i] < 0)) break;
+                    if (r < p - 1 && bend[(r + 1) * m + i] + lat > ready) ready = bend[(r + 1) * m + i] + lat;
+                }
+                if (a.kind == ACT_WEIGHT && bend[r * m + i] < 0) break;
+                double d = ms[r * 3 + (a.kind == ACT_FORWARD ? 0 : a.kind == ACT_BACKWARD ? 1 : 2)];
+                if (a.kind == ACT_BACKWARD && !sc[r].split_backward) d += ms[r * 3 + 2];
+                printf("  rank %d %c%d@%.2f", r, a.kind == ACT_FORWARD ? 'F' : a.kind == ACT_BACKWARD ? 'B' : 'W', i, ready);
+                free_at[r] = ready + d;
+                if (a.kind == ACT_FORWARD) fend[r * m + i] = free_at[r];
+                if (a.kind == ACT_BACKWARD) bend[r * m + i] = free_at[r];
+                next[r]++;
+                progress = 1;
+                printf("\n");
+            }
+        }
+    }
+    double end = 0;
+    for (int r = 0; r < p; r++) {
+        if (next[r] < sc[r].n) { fprintf(stderr, "replay: rank %d stuck at action %d\n", r, next[r]); return 1; }
+        if (free_at[r] > end) end = free_at[r];
+    }
+    printf("step (last action's end): %.2f ms\n", end);
+    for (int r = 0; r < p; r++) schedule_free(&sc[r]);
+    free(sc); free(fend); free(bend); free(free_at); free(next);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc >= 2 && !strcmp(argv[1], "replay")) {
+        ScheduleKind k;
+        int p = argc >= 5 ? atoi(argv[3]) : 0;
+        if (argc < 6 + 3 * p || p < 2 || schedule_kind_parse(argv[2], &k)) {
+            fprintf(stderr, "usage: pp_sim replay gpipe|1f1b|zb1 P M LAT_MS F0 B0 W0 ... (3 x P ms; the post's model)\n");
+            return 2;
+        }
+        double ms[48];
+        for (int i = 0; i < 3 * p && i < 48; i++) ms[i] = atof(argv[6 + i]);
+        return replay(k, p, atoi(argv[4]), ms, atof(argv[5]));
+    }
     if (argc >= 5) C.embed_dim = atoi(argv[1]), C.n_heads = atoi(argv[2]), C.n_layers = atoi(argv[3]), C.context_len = atoi(argv[4]);
     if (argc >= 6) HS = atof(argv[5]);
     ScheduleKind kinds[] = {SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1};

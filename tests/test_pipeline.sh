@@ -102,6 +102,17 @@ zb1|2|1|2|4|2|true
 1f1b|2|2|2|2|2|false|fsdp=true
 CASES
 
+# MESHTRAIN_ZB1_HELD raises how many micro-batches a zb1 rank holds: other lists (stage 0's
+# estimate grows with the buffers they need), the same arithmetic: it still follows one process
+for h in 5 7; do
+  MESHTRAIN_ZB1_HELD=$h $MPIRUN -np 4 -x MESHTRAIN_ZB1_HELD "$BIN" train $M batch_size=8 pipeline_parallel_size=4 \
+    micro_batches=8 pipeline_schedule=zb1 out_dir="$TMP/zb1_held$h" </dev/null >"$TMP/zb1_held$h.log" 2>&1
+done
+e5=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held5.log" | grep -o "estimate .*")
+e7=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held7.log" | grep -o "estimate .*")
+if follows "$(ref 8 false)" "$TMP/zb1_held7" && [ -n "$e5" ] && [ -n "$e7" ] && [ "$e5" != "$e7" ]
+then ok "zb1_held_7_follows ($e5 -> $e7)"; else bad "zb1_held_7_follows ($e5 -> $e7; $(tail -2 "$TMP/zb1_held7.log" | tr '\n' ' '))"; fi
+
 # the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose
 # weight pass adds the same products in the same order) end with the same bits
 for sched in 1f1b interleaved zb1; do

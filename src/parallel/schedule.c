@@ -228,11 +228,14 @@ static int plan(Sim *S, ScheduleKind kind) {
     int p = S->p, v = S->v, vm = v * S->m, rc;
     int *lim = xmalloc((size_t)p * sizeof(int));
     /* MESHTRAIN_ZB1_EXTRA=k (a tuning knob, read on every rank alike): zb1's limit on rank
-     * r is p - r + k, 1F1B's in-flight count plus k - 1, capped at p + 1 */
-    const char *zx = getenv("MESHTRAIN_ZB1_EXTRA");
-    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1;
+     * r is p - r + k, 1F1B's in-flight count plus k - 1, capped at MESHTRAIN_ZB1_HELD (another
+     * knob: the most micro-batches a rank holds from its F to its W; p + 1 by default). With
+     * the times measured on H100s the lists of a larger cap end sooner (bench/pp_sim replay:
+     * at p = 4, m = 8, 29.96 ms at p + 1, 27.04 at p + 3), for more activation memory. */
+    const char *zx = getenv("MESHTRAIN_ZB1_EXTRA"), *zh = getenv("MESHTRAIN_ZB1_HELD");
+    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1, cap = zh && atoi(zh) > 0 ? atoi(zh) : p + 1;
     for (int r = 0; r < p; r++) {
-        int l = kind == SCHED_ZB1 ? (p - r + extra < p + 1 ? p - r + extra : p + 1) : (p - r - 1) * 2 + (v - 1) * p + 2;
+        int l = kind == SCHED_ZB1 ? (p - r + extra < cap ? p - r + extra : cap) : (p - r - 1) * 2 + (v - 1) * p + 2;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
