@@ -127,6 +127,11 @@ expect_exit 2 "offload=optimizer keeps fp32 master weights, which precision=bf16
 MESHTRAIN_FAKE_MEMAVAILABLE=20000000 expect_exit 2 "offload=optimizer keeps about .* in host memory per rank .* but only" \
   offload_host_memory_too_small -- "$BIN" train $M batch_size=8 offload=optimizer out_dir="$TMP/small"
 [ ! -e "$TMP/small/ckpt.bin" ] && ok offload_host_check_before_training || bad offload_host_check_before_training
+# a refused host (pinned) allocation: one line, exit 2, before any step
+MESHTRAIN_FAULT_HOST_ALLOC=1 expect_exit 2 "offload: cannot allocate .* in .*host memory" offload_host_alloc_refused -- \
+  "$BIN" train $M batch_size=8 offload=optimizer out_dir="$TMP/refused"
+! grep -q '"step"' "$TMP/refused/log.jsonl" 2>/dev/null && ok offload_host_alloc_refused_before_training ||
+  bad offload_host_alloc_refused_before_training
 
 # -- the estimate: the optimizer's state leaves the GPU for the host, for each optimizer
 E="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=4 context_len=64 batch_size=4 device=cuda"

@@ -110,7 +110,9 @@ static void *worker(void *arg) {
 
 void *par_host_alloc(size_t bytes, const char *what) {
     if (!bytes) return NULL;
-    void *q = op_host_alloc(bytes);
+    /* MESHTRAIN_FAULT_HOST_ALLOC (a test hook): the allocation is refused, as a pinned one
+     * can be where the driver will not lock that much */
+    void *q = getenv("MESHTRAIN_FAULT_HOST_ALLOC") ? NULL : op_host_alloc(bytes);
     char b[32];
     if (!q)
         die(EXIT_BAD_INPUT, "offload: cannot allocate %s of %s in %shost memory (%s); lower the model size, or shard "
