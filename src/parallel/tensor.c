@@ -101,7 +101,7 @@ int tensor_parallel_ce_asked(void) {
 }
 static void *tp_alloc(void *ctx, size_t bytes) { return comm_alloc(ctx, bytes); }
 
-void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
+void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, int copy_engines) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
                       .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
@@ -109,7 +109,7 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel) {
     m->sp = sequence_parallel != 0;
     m->tp_chunks = chunks_asked();
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
-    if (tensor_parallel_ce_possible(mesh)) {
+    if (copy_engines) {
         m->tp.alloc = tp_alloc;
         m->tp.free = comm_buffer_free;
     }

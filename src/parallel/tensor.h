@@ -10,16 +10,17 @@
 /* Points m->tp at the mesh's tensor-parallel group (nothing to do at tp = 1), with sequence
  * parallel (m->sp) or without, and sets the chunks its collectives are split into
  * (m->tp_chunks): MESHTRAIN_TP_CHUNKS (1 to TP_MAX_CHUNKS; 1: one collective each, beside
- * no product, the default). A malformed value ends the run (exit 2). */
-void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel);
-/* MESHTRAIN_TP_CE=1 (0 or unset: 0; anything else ends the run, exit 2): tensor_parallel_attach
- * then, on GPUs whose tp group can take the copy-engine path (comm_copy_engines_possible:
- * one machine, NCCL 2.28+, copy_engines=true), gives the model the allocator that puts the
- * activation buffers its collectives run over in NCCL windows (comm_alloc), and the
- * collectives run on the copy engines; elsewhere it changes nothing. */
+ * no product, the default). A malformed value ends the run (exit 2). copy_engines (what
+ * tensor_parallel_ce_possible said): the model gets the allocator that puts the activation
+ * buffers its collectives run over in NCCL windows (comm_alloc), and the collectives run on
+ * the copy engines. */
+void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, int copy_engines);
+/* MESHTRAIN_TP_CE=1 (0 or unset: 0; anything else ends the run, exit 2) asks for that path. */
 int tensor_parallel_ce_asked(void);
-/* Whether tensor_parallel_attach will take that path (for the memory estimate, before it):
- * every rank of the mesh's tp group calls it together. */
+/* Whether it is taken: asked on every rank of the mesh's tp group, on GPUs whose tp group
+ * can take the copy-engine path (comm_copy_engines_possible: one machine, NCCL 2.28+,
+ * copy_engines=true); elsewhere nothing changes. Decided once, before the memory estimate
+ * and tensor_parallel_attach: every rank of the tp group calls it together. */
 int tensor_parallel_ce_possible(const Mesh *mesh);
 /* Whether the tp group's collectives run on the copy engines (after the model's activations
  * are allocated: comm_alloc made the group's all-to-all buffer). */

@@ -274,7 +274,8 @@ int cmd_train(Config *c) {
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp) ? EST_CE_DDP : 0;
-    if (tensor_parallel_ce_possible(&mesh)) ce |= EST_CE_TP;  /* (MESHTRAIN_TP_CE=1 on GPUs) */
+    int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
+    if (tp_ce) ce |= EST_CE_TP;
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -359,7 +360,7 @@ int cmd_train(Config *c) {
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
     model_init_layout_tp(&m, &mc, mesh.shard_size, 0, mine, V, mesh.tp_size, mesh.tp_rank);
     /* tensor parallel: each rank holds its slices of every layer */
-    tensor_parallel_attach(&m, &mesh, c->sequence_parallel);
+    tensor_parallel_attach(&m, &mesh, c->sequence_parallel, tp_ce);
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&mine[0]) && holds_head;
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
@@ -382,10 +383,9 @@ int cmd_train(Config *c) {
                chunks > 1 ? "s" : "", a.N / (size_t)chunks, m.tp_chunks);
     }
     /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
-    int tp_ce = tensor_parallel_on_copy_engines(&mesh);
     if (lead && mesh.tp_size > 1 && (gpu || tensor_parallel_ce_asked()))
         printf("tensor parallel collectives: %s\n",
-               tp_ce ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
+               tensor_parallel_on_copy_engines(&mesh) ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
                        "all-gather)"
                : !gpu ? "MPI (MESHTRAIN_TP_CE=1 takes GPUs)"
                : tensor_parallel_ce_asked() ? "NCCL kernels (MESHTRAIN_TP_CE=1, but the copy engines cannot take "
