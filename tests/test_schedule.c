@@ -190,8 +190,13 @@ static void test_bubbles(void) {
             }
             fprintf(stderr, "\n");
         }
-    /* zero bubble holds p + 1 micro-batches (1F1B's first stage p): on one stage, two */
+    /* zero bubble's rank r holds at most min(2p + 1 - r, p + 3) micro-batches from F to W:
+     * on one stage three; with MESHTRAIN_ZB1_HELD=2 (ZB-H1's p + 1), two */
+    CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 6), "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 F4 B4 W2 F5 B5 W3 W4 W5 step"), "%s",
+          printed(SCHED_ZB1, 1, 0, 6));
+    setenv("MESHTRAIN_ZB1_HELD", "2", 1);
     CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 3), "F0 B0 F1 B1 W0 F2 B2 W1 W2 step"), "%s", printed(SCHED_ZB1, 1, 0, 3));
+    unsetenv("MESHTRAIN_ZB1_HELD");
 }
 
 /* schedule_makespan plays every rank's list together and ends with the last action's end

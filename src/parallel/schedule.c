@@ -47,9 +47,10 @@ static void backward(Schedule *s, int i, int c) {
  * In unit time steps (forward 1, backward 2, or 1 + 1 when split), a free rank runs the
  * next backward if its gradient has arrived, else the next forward if its input has and it
  * holds fewer micro-batches than its limit, else (split) the oldest weight-gradient pass
- * waiting; communication is taken as instant. The limit is p + 1 micro-batches for zb1 (one
- * more than 1F1B's first stage, p: with p, the simulated step is one unit longer than
- * ZB-H1's m (F + B + W) + (p - 1)(F + B - W)); for interleaved Megatron's warm-up plus one,
+ * waiting; communication is taken as instant. The limit for zb1 is p + 3 micro-batches, less
+ * on the last stages (p + 1, one more than 1F1B's first stage, gives ZB-H1's
+ * m (F + B + W) + (p - 1)(F + B - W) in unit steps, but measured times are not equal units:
+ * see plan()); for interleaved Megatron's warm-up plus one,
  * (p - r - 1) x 2 + (v - 1) x p + 1, raised by one until the simulation ends (a short last
  * round can need more). Interleaved takes Megatron-LM's own lists instead where they run
  * and are no longer. What each rank ran, in the order it ran it, is its list: every rank
@@ -229,11 +230,12 @@ static int plan(Sim *S, ScheduleKind kind) {
     int *lim = xmalloc((size_t)p * sizeof(int));
     /* MESHTRAIN_ZB1_EXTRA=k (a tuning knob, read on every rank alike): zb1's limit on rank
      * r is p - r + k, 1F1B's in-flight count plus k - 1, capped at MESHTRAIN_ZB1_HELD (another
-     * knob: the most micro-batches a rank holds from its F to its W; p + 1 by default). With
-     * the times measured on H100s the lists of a larger cap end sooner (bench/pp_sim replay:
-     * at p = 4, m = 8, 29.96 ms at p + 1, 27.04 at p + 3), for more activation memory. */
+     * knob: the most micro-batches a rank holds from its F to its W; p + 3 by default). A cap
+     * of p + 1 gives ZB-H1's memory (1F1B's plus one), but its lists end on the last micro-
+     * batch's chain: on four H100s at m = 8, p + 3 ran 1.19x 1F1B against p + 1's 1.06x
+     * (bench/RESULTS.md), for 1.2 GB more activations on the first stage. */
     const char *zx = getenv("MESHTRAIN_ZB1_EXTRA"), *zh = getenv("MESHTRAIN_ZB1_HELD");
-    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1, cap = zh && atoi(zh) > 0 ? atoi(zh) : p + 1;
+    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1, cap = zh && atoi(zh) > 0 ? atoi(zh) : p + 3;
     for (int r = 0; r < p; r++) {
         int l = kind == SCHED_ZB1 ? (p - r + extra < cap ? p - r + extra : cap) : (p - r - 1) * 2 + (v - 1) * p + 2;
         lim[r] = l < vm ? l : vm;
