@@ -8,7 +8,8 @@
  * does today. No GPU; CPU time about a second.
  * Usage: pp_sim [embed_dim n_heads n_layers context_len [head_scale]]  (default: the post's
  * model; head_scale: the head's matmuls' time per FLOP against a layer's, 1 by default)
- *        pp_sim replay KIND P M LAT_MS F0 B0 W0 ...: the trainer's lists with measured times */
+ *        pp_sim replay KIND P M LAT_MS F0 B0 W0 ...: the trainer's lists with measured times
+ *        (3 x P x v of them: v chunks a rank with interleaved) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,7 @@ static double span(ScheduleKind k, int p, int m, const double *head, int search,
     double hs[3];
     for (int i = 0; i < 3; i++) hs[i] = HS * (head ? head : FUSED)[i];
     head = hs;
-    int rc = search ? pipeline_split_schedule(&C, C.context_len, p, v, k, m, head, "auto", st, err, sizeof err)
+    int rc = search ? pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, head, "auto", st, err, sizeof err)
                     : pipeline_split_ranks(&C, C.context_len, p, v, "auto", st, err, sizeof err);
     if (rc) { fprintf(stderr, "%s\n", err); exit(1); }
     pipeline_stage_costs(&C, C.context_len, st, S, head, cost);
@@ -42,10 +43,10 @@ static double span(ScheduleKind k, int p, int m, const double *head, int search,
         snprintf(desc + n, len - n, "%s%d", g ? "," : "", stage_n_layers(&C, &st[g]));
     }
     Schedule sc;
-    if (schedule_build(&sc, k, p, p - 1, m, v, cost, err, sizeof err)) { fprintf(stderr, "%s\n", err); exit(1); }
+    if (schedule_build(&sc, k, p, p - 1, m, v, SCHED_SPLIT_ANY, cost, err, sizeof err)) { fprintf(stderr, "%s\n", err); exit(1); }
     *held = sc.in_flight[v - 1];
     schedule_free(&sc);
-    return schedule_makespan(k, p, m, v, cost) * meanf / SCHED_TICKS_PER_FORWARD / UNIT;
+    return schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, cost) * meanf / SCHED_TICKS_PER_FORWARD / UNIT;
 }
 
 static double predicted(ScheduleKind k, int p, int m) {
@@ -84,7 +85,7 @@ static void every(ScheduleKind k, int p, int v, int m, int i, int left) {
         }
         double hs[3] = {3 * HS, 0, 0};
         pipeline_stage_costs(&C, C.context_len, st, S, hs, cost);
-        int t = schedule_makespan(k, p, m, v, cost);
+        int t = schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, cost);
         if (t > 0 && t < BEST) BEST = t, memcpy(BEST_N, N, sizeof N);
         return;
     }
@@ -117,33 +118,35 @@ static void header(void) {
            "step", "/pred", "/1f1b", "searched split", "step", "/pred", "/1f1b", "dlogits held");
 }
 
-/* replay: the lists the trainer builds for kind at p stages (v = 1), m micro-batches (the
- * post's model, `auto` split, its head placement), run with measured per-stage times instead
- * of the estimate: F, B, W in ms for each stage (B includes W where the backward is not
- * split), and lat ms from a send's start to the data's use on the next stage. Each rank runs
- * its compute actions in list order, each when its inputs are in; prints every rank's
+/* replay: the lists the trainer builds for kind at p ranks x v chunks (v > 1: interleaved),
+ * m micro-batches (the post's model, `auto` split, its head placement), run with measured
+ * per-stage times instead of the estimate: F, B, W in ms for each of the p v stages (stage
+ * c p + r is rank r's chunk c; B includes W where the backward is not split; W is then
+ * ignored), and lat ms from a send's start to the data's use on the next stage. Each rank
+ * runs its compute actions in list order, each when its inputs are in; prints every rank's
  * actions with their start times and the step's length, to set beside a GPU timeline
  * (bench/pp_timeline.sh) and see whether a gap comes from the lists or from the costs. */
-static int replay(ScheduleKind k, int p, int m, const double *ms, double lat) {
-    Stage st[16];
-    double cost[16 * 3];
+static int replay(ScheduleKind k, int p, int v, int m, const double *ms, double lat) {
+    int G = p * v;
+    Stage st[64];
+    double cost[64 * 3];
     char err[256];
     const double *head = pipeline_head_placement(k, p);
-    if (p > 16 || pipeline_split_schedule(&C, C.context_len, p, 1, k, m, head, "auto", st, err, sizeof err)) {
-        fprintf(stderr, "replay: %s\n", p > 16 ? "at most 16 stages" : err);
+    if (G > 64 || pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, head, "auto", st, err, sizeof err)) {
+        fprintf(stderr, "replay: %s\n", G > 64 ? "at most 64 stages" : err);
         return 1;
     }
-    pipeline_stage_costs(&C, C.context_len, st, p, head, cost);
+    pipeline_stage_costs(&C, C.context_len, st, G, head, cost);
     Schedule *sc = calloc((size_t)p, sizeof *sc);
-    double *fend = malloc(sizeof(double) * p * m), *bend = malloc(sizeof(double) * p * m), *free_at = calloc((size_t)p, sizeof(double));
+    double *fend = malloc(sizeof(double) * G * m), *bend = malloc(sizeof(double) * G * m), *free_at = calloc((size_t)p, sizeof(double));
     int *next = calloc((size_t)p, sizeof(int));
-    for (int i = 0; i < p * m; i++) fend[i] = bend[i] = -1;
+    for (int i = 0; i < G * m; i++) fend[i] = bend[i] = -1;
     for (int r = 0; r < p; r++)
-        if (schedule_build(&sc[r], k, p, r, m, 1, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
-    printf("%s p=%d m=%d, split", schedule_kind_name(k), p, m);
-    for (int r = 0; r < p; r++) printf("%s%d", r ? "," : " ", stage_n_layers(&C, &st[r]));
+        if (schedule_build(&sc[r], k, p, r, m, v, SCHED_SPLIT_ANY, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
+    printf("%s p=%d v=%d m=%d%s, split", schedule_kind_name(k), p, v, m, sc[0].split_backward ? " (backward split)" : "");
+    for (int g = 0; g < G; g++) printf("%s%d", g ? "," : " ", stage_n_layers(&C, &st[g]));
     printf("; per stage F/B/W ms:");
-    for (int r = 0; r < p; r++) printf(" %.2f/%.2f/%.2f", ms[r * 3], ms[r * 3 + 1], ms[r * 3 + 2]);
+    for (int g = 0; g < G; g++) printf(" %.2f/%.2f/%.2f", ms[g * 3], ms[g * 3 + 1], ms[g * 3 + 2]);
     printf("; link %.3f ms\n", lat);
     for (int progress = 1; progress;) {  /* sweep the ranks until none can start its next action */
         progress = 0;
@@ -151,26 +154,27 @@ static int replay(ScheduleKind k, int p, int m, const double *ms, double lat) {
             while (next[r] < sc[r].n) {
                 Action a = sc[r].actions[next[r]];
                 if (a.kind != ACT_FORWARD && a.kind != ACT_BACKWARD && a.kind != ACT_WEIGHT) { next[r]++; continue; }
-                int i = a.micro;
+                int i = a.micro, g = a.chunk * p + r;
                 double ready = free_at[r];
-                if (a.kind == ACT_FORWARD && r > 0) {
-                    if (fend[(r - 1) * m + i] < 0) break;
-                    if (fend[(r - 1) * m + i] + lat > ready) ready = fend[(r - 1) * m + i] + lat;
+                if (a.kind == ACT_FORWARD && g > 0) {
+                    if (fend[(g - 1) * m + i] < 0) break;
+                    if (fend[(g - 1) * m + i] + lat > ready) ready = fend[(g - 1) * m + i] + lat;
                 }
                 if (a.kind == ACT_BACKWARD) {
-                    if (fend[r * m + i] < 0 || (r < p - 1 && bend[(r + 1) * m + i] < 0)) break;
-                    if (r < p - 1 && bend[(r + 1) * m + i] + lat > ready) ready = bend[(r + 1) * m + i] + lat;
+                    if (fend[g * m + i] < 0 || (g < G - 1 && bend[(g + 1) * m + i] < 0)) break;
+                    if (g < G - 1 && bend[(g + 1) * m + i] + lat > ready) ready = bend[(g + 1) * m + i] + lat;
                 }
-                if (a.kind == ACT_WEIGHT && bend[r * m + i] < 0) break;
-                double d = ms[r * 3 + (a.kind == ACT_FORWARD ? 0 : a.kind == ACT_BACKWARD ? 1 : 2)];
-                if (a.kind == ACT_BACKWARD && !sc[r].split_backward) d += ms[r * 3 + 2];
-                printf("  rank %d %c%d@%.2f", r, a.kind == ACT_FORWARD ? 'F' : a.kind == ACT_BACKWARD ? 'B' : 'W', i, ready);
+                if (a.kind == ACT_WEIGHT && bend[g * m + i] < 0) break;
+                double d = ms[g * 3 + (a.kind == ACT_FORWARD ? 0 : a.kind == ACT_BACKWARD ? 1 : 2)];
+                if (a.kind == ACT_BACKWARD && !sc[r].split_backward) d += ms[g * 3 + 2];
+                if (getenv("REPLAY_QUIET") == NULL)
+                    printf("  rank %d %c%d.%d@%.2f\n", r, a.kind == ACT_FORWARD ? 'F' : a.kind == ACT_BACKWARD ? 'B' : 'W', i,
+                           a.chunk, ready);
                 free_at[r] = ready + d;
-                if (a.kind == ACT_FORWARD) fend[r * m + i] = free_at[r];
-                if (a.kind == ACT_BACKWARD) bend[r * m + i] = free_at[r];
+                if (a.kind == ACT_FORWARD) fend[g * m + i] = free_at[r];
+                if (a.kind == ACT_BACKWARD) bend[g * m + i] = free_at[r];
                 next[r]++;
                 progress = 1;
-                printf("\n");
             }
         }
     }
@@ -188,14 +192,16 @@ static int replay(ScheduleKind k, int p, int m, const double *ms, double lat) {
 int main(int argc, char **argv) {
     if (argc >= 2 && !strcmp(argv[1], "replay")) {
         ScheduleKind k;
-        int p = argc >= 5 ? atoi(argv[3]) : 0;
-        if (argc < 6 + 3 * p || p < 2 || schedule_kind_parse(argv[2], &k)) {
-            fprintf(stderr, "usage: pp_sim replay gpipe|1f1b|zb1 P M LAT_MS F0 B0 W0 ... (3 x P ms; the post's model)\n");
+        int p = argc >= 5 ? atoi(argv[3]) : 0, n = argc - 6, v = p > 0 && n > 0 ? n / (3 * p) : 0;
+        if (argc < 6 || p < 2 || v < 1 || n != 3 * p * v || 3 * n > 3 * 64 * 3 || schedule_kind_parse(argv[2], &k) ||
+            (v > 1 && k != SCHED_INTERLEAVED)) {
+            fprintf(stderr, "usage: pp_sim replay gpipe|1f1b|zb1|interleaved P M LAT_MS F0 B0 W0 ... (3 x P x v ms, "
+                            "stage c P + r = rank r's chunk c; the post's model)\n");
             return 2;
         }
-        double ms[48];
-        for (int i = 0; i < 3 * p && i < 48; i++) ms[i] = atof(argv[6 + i]);
-        return replay(k, p, atoi(argv[4]), ms, atof(argv[5]));
+        double ms[64 * 3];
+        for (int i = 0; i < n; i++) ms[i] = atof(argv[6 + i]);
+        return replay(k, p, v, atoi(argv[4]), ms, atof(argv[5]));
     }
     if (argc >= 5) C.embed_dim = atoi(argv[1]), C.n_heads = atoi(argv[2]), C.n_layers = atoi(argv[3]), C.context_len = atoi(argv[4]);
     if (argc >= 6) HS = atof(argv[5]);

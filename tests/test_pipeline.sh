@@ -113,16 +113,21 @@ e7=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held7.log
 if follows "$(ref 8 false)" "$TMP/zb1_held7" && [ -n "$e5" ] && [ -n "$e7" ] && [ "$e5" != "$e7" ]
 then ok "zb1_held_7_follows ($e5 -> $e7)"; else bad "zb1_held_7_follows ($e5 -> $e7; $(tail -2 "$TMP/zb1_held7.log" | tr '\n' ' '))"; fi
 
-# the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose
-# weight pass adds the same products in the same order) end with the same bits
-for sched in 1f1b interleaved zb1; do
-  $MPIRUN -np 4 "$BIN" train $M0 n_layers=8 batch_size=8 pipeline_parallel_size=4 micro_batches=8 \
-    pipeline_schedule=$sched out_dir="$TMP/same_$sched" >/dev/null 2>&1
+# the schedules order the same arithmetic differently: 1f1b, interleaved (with its backward
+# split too, forced here: auto takes it where the simulation says it ends sooner) and zb1
+# (whose weight pass adds the same products in the same order) end with the same bits
+for sched in 1f1b interleaved interleaved:split zb1; do
+  lists=; [[ $sched == *:* ]] && lists=${sched#*:}
+  MESHTRAIN_INTERLEAVED_LISTS=$lists $MPIRUN -np 4 -x MESHTRAIN_INTERLEAVED_LISTS "$BIN" train $M0 n_layers=8 \
+    batch_size=8 pipeline_parallel_size=4 micro_batches=8 pipeline_schedule=${sched%:*} out_dir="$TMP/same_$sched" \
+    >"$TMP/same_$sched.log" 2>&1
 done
 d1=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved/ckpt.bin" 2>&1)
 d2=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_zb1/ckpt.bin" 2>&1)
-[ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && ok schedules_agree_bitwise ||
-  bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2)"
+d3=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved:split/ckpt.bin" 2>&1)
+[ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && [ "$d3" = "max_rel_diff 0" ] &&
+  grep -q "backward split" "$TMP/same_interleaved:split.log" && ok schedules_agree_bitwise ||
+  bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2; interleaved split: $d3)"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \
@@ -181,9 +186,12 @@ if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no me
   EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64"
   E="$EM steps=2 progress=false threads=1 data_dir=$D"
   # (and a last stage holding the head alone: its activations hold no layer's)
-  for sched in 1f1b gpipe interleaved zb1 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do
+  # (interleaved/split: its lists with the backward split, which auto takes from larger micro-batches)
+  for sched in 1f1b gpipe interleaved interleaved/split zb1 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do
     split=auto; [[ $sched == *:* ]] && split=${sched#*:} sched=${sched%%:*}
-    o=$($MPIRUN -np 2 "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
+    lists=; [[ $sched == */* ]] && lists=${sched#*/} sched=${sched%/*}
+    export MESHTRAIN_INTERLEAVED_LISTS=$lists
+    o=$($MPIRUN -np 2 -x MESHTRAIN_INTERLEAVED_LISTS "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
         pipeline_split=$split out_dir="$TMP/mem_$sched" 2>&1)
     est=$("$BIN" estimate $EM batch_size=16 world_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
           pipeline_split=$split 2>&1)
@@ -198,6 +206,8 @@ if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no me
                exit !(r > 0 && d < 0.10 && x < 0.02)}' || good=0
     done
     [ $split = auto ] && split= || split=_$split
+    [ -n "$lists" ] && { split=_$lists$split; grep -q "backward split" <<<"$o" || good=0; }
+    unset MESHTRAIN_INTERLEAVED_LISTS
     [ $good = 1 ] && ok "stage_memory_within_10pct_$sched$split" || bad "stage_memory_within_10pct_$sched$split ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
   done
 fi

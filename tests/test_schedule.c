@@ -111,7 +111,7 @@ static int play_built(Schedule *s, int p, int m) {
 static int play(ScheduleKind kind, int p, int m, int v) {
     Schedule *s = calloc((size_t)p, sizeof *s);
     char err[128];
-    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, v, NULL, err, sizeof err) == 0, "%s", err);
+    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, v, SCHED_SPLIT_ANY, NULL, err, sizeof err) == 0, "%s", err);
     int r = play_built(s, p, m);
     for (int i = 0; i < p; i++) schedule_free(&s[i]);
     free(s);
@@ -132,7 +132,7 @@ static char *printed(ScheduleKind k, int p, int stage, int m) {
     static char buf[4096];
     Schedule s;
     char err[64];
-    schedule_build(&s, k, p, stage, m, 1, NULL, err, sizeof err);
+    schedule_build(&s, k, p, stage, m, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
     FILE *f = fmemopen(buf, sizeof buf, "w");
     schedule_print(f, &s);
     fclose(f);
@@ -154,10 +154,10 @@ static void test_shapes(void) {
           printed(SCHED_GPIPE, 2, 1, 2));
     Schedule s;
     char err[64];
-    schedule_build(&s, SCHED_1F1B, 4, 0, 8, 1, NULL, err, sizeof err);
+    schedule_build(&s, SCHED_1F1B, 4, 0, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
     CHECK(s.max_in_flight == 4, "1F1B's first stage of 4 holds %d", s.max_in_flight);
     schedule_free(&s);
-    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, 1, NULL, err, sizeof err);
+    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
     CHECK(s.max_in_flight == 8, "GPipe holds every micro-batch: %d", s.max_in_flight);
     schedule_free(&s);
 }
@@ -170,7 +170,7 @@ static int makespan(ScheduleKind k, int p, int m, int v) {
     char err[64];
     int most = 0;
     for (int r = 0; r < p; r++) {
-        schedule_build(&s, k, p, r, m, v, NULL, err, sizeof err);
+        schedule_build(&s, k, p, r, m, v, SCHED_SPLIT_ANY, NULL, err, sizeof err);
         if (s.makespan > most) most = s.makespan;
         schedule_free(&s);
     }
@@ -204,27 +204,27 @@ static void test_bubbles(void) {
  * GPipe and 1F1B take (m + p - 1)(F + B); with costs, one simulation of all ranks gives
  * what every rank's own list says, and a longer stage lengthens the step. */
 static void test_makespan(void) {
-    CHECK(schedule_makespan(SCHED_1F1B, 1, 1, 1, NULL) == 3, "F0 B0: %d", schedule_makespan(SCHED_1F1B, 1, 1, 1, NULL));
+    CHECK(schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, NULL) == 3, "F0 B0: %d", schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, NULL));
     for (int p = 1; p <= 4; p++)
         for (int m = p; m <= 2 * p + 1; m++)
             for (int k = SCHED_GPIPE; k <= SCHED_1F1B; k++)
-                CHECK(schedule_makespan((ScheduleKind)k, p, m, 1, NULL) == (m + p - 1) * 3, "%s p=%d m=%d: %d",
-                      schedule_kind_name((ScheduleKind)k), p, m, schedule_makespan((ScheduleKind)k, p, m, 1, NULL));
+                CHECK(schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, NULL) == (m + p - 1) * 3, "%s p=%d m=%d: %d",
+                      schedule_kind_name((ScheduleKind)k), p, m, schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, NULL));
     double cost[4 * 2 * 3];
     for (int g = 0; g < 8; g++) cost[g * 3] = 1 + g % 3, cost[g * 3 + 1] = 2 + g % 2, cost[g * 3 + 2] = 1;
     for (int k = SCHED_INTERLEAVED; k <= SCHED_ZB1; k++) {
-        int v = k == SCHED_INTERLEAVED ? 2 : 1, t = schedule_makespan((ScheduleKind)k, 4, 6, v, cost);
+        int v = k == SCHED_INTERLEAVED ? 2 : 1, t = schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, cost);
         for (int r = 0; r < 4; r++) {
             Schedule s;
             char err[64];
-            schedule_build(&s, (ScheduleKind)k, 4, r, 6, v, cost, err, sizeof err);
+            schedule_build(&s, (ScheduleKind)k, 4, r, 6, v, SCHED_SPLIT_ANY, cost, err, sizeof err);
             CHECK(s.makespan == t, "%s rank %d: %d, all ranks %d", schedule_kind_name((ScheduleKind)k), r, s.makespan, t);
             schedule_free(&s);
         }
         double more[4 * 2 * 3];
         memcpy(more, cost, sizeof more);
         more[0] *= 3, more[1] *= 3;
-        CHECK(schedule_makespan((ScheduleKind)k, 4, 6, v, more) > t, "%s: a heavier first stage is not slower",
+        CHECK(schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, more) > t, "%s: a heavier first stage is not slower",
               schedule_kind_name((ScheduleKind)k));
     }
 }
@@ -232,16 +232,16 @@ static void test_makespan(void) {
 static void test_bad_layouts(void) {
     Schedule s;
     char err[128];
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, 1, NULL, err, sizeof err) == -1, "m = 0 accepted");
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, 1, NULL, err, sizeof err) == -1, "stage 2 of 2 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "m = 0 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "stage 2 of 2 accepted");
     ScheduleKind k;
     CHECK(schedule_kind_parse("1f1b", &k) == 0 && k == SCHED_1F1B, "1f1b");
     CHECK(schedule_kind_parse("gpipe", &k) == 0 && k == SCHED_GPIPE, "gpipe");
     CHECK(schedule_kind_parse("zbv", &k) == -1, "zbv parsed");
     CHECK(schedule_kind_parse("zb1", &k) == 0 && k == SCHED_ZB1, "zb1");
     CHECK(schedule_kind_parse("interleaved", &k) == 0 && k == SCHED_INTERLEAVED, "interleaved");
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 4, 2, NULL, err, sizeof err) == -1, "1f1b with 2 chunks accepted");
-    CHECK(schedule_build(&s, SCHED_INTERLEAVED, 2, 0, 4, SCHED_MAX_CHUNKS + 1, NULL, err, sizeof err) == -1, "too many chunks");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 4, 2, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "1f1b with 2 chunks accepted");
+    CHECK(schedule_build(&s, SCHED_INTERLEAVED, 2, 0, 4, SCHED_MAX_CHUNKS + 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "too many chunks");
 }
 
 /* The player itself catches broken schedules: a receive moved before the neighbour can
@@ -250,8 +250,8 @@ static void test_player_catches_broken(void) {
     Schedule s[2];
     char err[64];
     for (int broken = 0; broken < 2; broken++) {
-        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, 1, NULL, err, sizeof err);
-        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, 1, NULL, err, sizeof err);
+        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
         ActionKind want = broken == 0 ? ACT_RECV_GRAD : ACT_BACKWARD;
         int j = 0;
         while (s[0].actions[j].kind != want) j++;

@@ -53,7 +53,8 @@ static void backward(Schedule *s, int i, int c) {
  * see plan()); for interleaved Megatron's warm-up plus one,
  * (p - r - 1) x 2 + (v - 1) x p + 1, raised by one until the simulation ends (a short last
  * round can need more). Interleaved takes Megatron-LM's own lists instead where they run
- * and are no longer. What each rank ran, in the order it ran it, is its list: every rank
+ * and are no longer, and, without activation checkpointing, lists with its backward split
+ * (as zb1's: the W passes fill the bubble, two more held) where those end sooner. What each rank ran, in the order it ran it, is its list: every rank
  * simulates all of them alike, so the lists agree. */
 
 typedef struct { int c, i; } Op;
@@ -226,6 +227,10 @@ static void sim_free(Sim *S) {
 
 /* Every rank's list of kind (interleaved or zb1) into S: 0, or -1 if none was found. */
 static int plan(Sim *S, ScheduleKind kind) {
+    /* interleaved with its backward split: Megatron-LM's lists have no W; two more held
+     * (micro-batch, chunk)s than without, where W waits (bench/pp_sim: 0.95 of the bubble's
+     * prediction at p = 4, m = 8 with none more, 0.98 with two, no better with more) */
+    int more = kind == SCHED_INTERLEAVED && S->split ? 2 : 0;
     int p = S->p, v = S->v, vm = v * S->m, rc;
     int *lim = xmalloc((size_t)p * sizeof(int));
     /* MESHTRAIN_ZB1_EXTRA=k (a tuning knob, read on every rank alike): zb1's limit on rank
@@ -237,13 +242,13 @@ static int plan(Sim *S, ScheduleKind kind) {
     const char *zx = getenv("MESHTRAIN_ZB1_EXTRA"), *zh = getenv("MESHTRAIN_ZB1_HELD");
     int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1, cap = zh && atoi(zh) > 0 ? atoi(zh) : p + 3;
     for (int r = 0; r < p; r++) {
-        int l = kind == SCHED_ZB1 ? (p - r + extra < cap ? p - r + extra : cap) : (p - r - 1) * 2 + (v - 1) * p + 2;
+        int l = kind == SCHED_ZB1 ? (p - r + extra < cap ? p - r + extra : cap) : (p - r - 1) * 2 + (v - 1) * p + 2 + more;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
     int mega = -1, *vmlim = xmalloc((size_t)p * sizeof(int)), *nfixed = xmalloc((size_t)p * sizeof(int));
     Action **fixed = NULL;
-    if (kind == SCHED_INTERLEAVED) {
+    if (kind == SCHED_INTERLEAVED && !S->split) {
         fixed = xmalloc((size_t)p * sizeof(Action *));
         for (int r = 0; r < p; r++) fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action)), vmlim[r] = vm, nfixed[r] = 2 * vm;
         megatron_lists(S, fixed);
@@ -258,6 +263,7 @@ static int plan(Sim *S, ScheduleKind kind) {
     /* MESHTRAIN_INTERLEAVED_LISTS=megatron|greedy (a tuning knob): take that one where it runs */
     const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
     int want = il && !strcmp(il, "megatron") ? 1 : il && !strcmp(il, "greedy") ? 0 : -1;
+    if (S->split) want = -1;
     if (mega >= 0 && (rc || (want < 0 ? mega <= S->makespan : want))) rc = simulate(S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
@@ -267,10 +273,33 @@ static int plan(Sim *S, ScheduleKind kind) {
     return rc;
 }
 
-static int build_simulated(Schedule *s, const double *cost, char *err, size_t errlen) {
+/* The lists of kind (interleaved or zb1) into *S: zb1's with the backward split; interleaved's
+ * without, and, with SCHED_SPLIT_ANY, also with it, taking those where they end sooner (or as
+ * MESHTRAIN_INTERLEAVED_LISTS=split|unsplit|megatron|greedy, a tuning knob, forces). 0, or -1. */
+static int plan_best(Sim *S, ScheduleKind kind, int p, int v, int m, int split_ok, const double *cost) {
+    *S = sim_new(p, v, m, kind == SCHED_ZB1, cost);
+    int rc = plan(S, kind);
+    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
+    int force = il && !strcmp(il, "split") ? 1
+                : il && (!strcmp(il, "megatron") || !strcmp(il, "greedy") || !strcmp(il, "unsplit")) ? 0 : -1;
+    if (kind != SCHED_INTERLEAVED || split_ok == SCHED_SPLIT_NONE || force == 0 ||
+        (split_ok == SCHED_SPLIT_ZB1 && force != 1))
+        return rc;
+    Sim T = sim_new(p, v, m, 1, cost);
+    if (plan(&T, kind) == 0 && (rc || force == 1 || T.makespan < S->makespan)) {
+        sim_free(S);
+        *S = T;
+        return 0;
+    }
+    sim_free(&T);
+    return rc;
+}
+
+static int build_simulated(Schedule *s, int split_ok, const double *cost, char *err, size_t errlen) {
     int v = s->chunks;
-    Sim S = sim_new(s->stages, v, s->micro_batches, s->split_backward, cost);
-    int rc = plan(&S, s->kind);
+    Sim S;
+    int rc = plan_best(&S, s->kind, s->stages, v, s->micro_batches, split_ok, cost);
+    s->split_backward = S.split;
     if (rc) {
         set_err(err, errlen, "internal: no %s schedule for %d stages, %d chunks, %d micro-batches",
                 schedule_kind_name(s->kind), s->stages, v, s->micro_batches);
@@ -293,8 +322,8 @@ static int build_simulated(Schedule *s, const double *cost, char *err, size_t er
     return rc;
 }
 
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, const double *cost,
-                   char *err, size_t errlen) {
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, int split_ok,
+                   const double *cost, char *err, size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
     if (m < 1) return set_err(err, errlen, "%d micro-batches: at least one is needed", m);
@@ -302,11 +331,13 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         return set_err(err, errlen, "virtual_stages=%d: 1 to %d, and more than 1 only with pipeline_schedule=interleaved",
                        chunks, SCHED_MAX_CHUNKS);
     s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = chunks;
-    s->split_backward = kind == SCHED_ZB1;
+    if (kind == SCHED_ZB1 && split_ok == SCHED_SPLIT_NONE)
+        return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "
+                       "it does not combine with activation_checkpointing");
     s->head_split = schedule_head_split(kind, stages);
     s->actions = xmalloc((size_t)(7 * m * chunks + 1) * sizeof *s->actions);
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
-        if (build_simulated(s, cost, err, errlen)) { schedule_free(s); return -1; }
+        if (build_simulated(s, split_ok, cost, err, errlen)) { schedule_free(s); return -1; }
     } else if (kind == SCHED_GPIPE) {
         /* every forward, then every backward (in reverse order, as the activations were made) */
         for (int i = 0; i < m; i++) forward(s, i, 0);
@@ -346,22 +377,24 @@ void schedule_print(FILE *f, const Schedule *s) {
     fputc('\n', f);
 }
 
-int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost) {
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, const double *cost) {
     int p = stages, vm = chunks * m, rc = 0;
     char err[128];
     if (stages < 1 || m < 1 || chunks < 1 || chunks > SCHED_MAX_CHUNKS || (chunks > 1 && kind != SCHED_INTERLEAVED))
         return -1;
-    Sim S = sim_new(p, chunks, m, kind == SCHED_ZB1, cost);
+    if (kind == SCHED_ZB1 && split_ok == SCHED_SPLIT_NONE) return -1;
+    Sim S;
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
-        rc = plan(&S, kind);  /* every rank's list at once: its makespan is theirs */
-    } else {  /* the fixed lists, played together */
+        rc = plan_best(&S, kind, p, chunks, m, split_ok, cost);  /* every rank's list at once: its makespan is theirs */
+    } else {
+        S = sim_new(p, chunks, m, 0, cost);  /* the fixed lists, played together */
         Action **fixed = xmalloc((size_t)p * sizeof(Action *));
         int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
         for (int r = 0; r < p; r++) {
             Schedule sc;
             fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action));
             lim[r] = vm;
-            if (schedule_build(&sc, kind, p, r, m, chunks, cost, err, sizeof err)) { rc = -1; continue; }
+            if (schedule_build(&sc, kind, p, r, m, chunks, split_ok, cost, err, sizeof err)) { rc = -1; continue; }
             for (int k = 0; k < sc.n; k++)
                 if (sc.actions[k].kind == ACT_FORWARD || sc.actions[k].kind == ACT_BACKWARD) fixed[r][nfixed[r]++] = sc.actions[k];
             schedule_free(&sc);

@@ -39,11 +39,12 @@ typedef struct {
     int stages, stage, micro_batches, chunks;  /* stages: pipeline ranks; stage: this rank */
     int n;
     Action *actions;
-    int split_backward;                 /* zb1: ACT_BACKWARD is the input gradient, ACT_WEIGHT the rest */
+    int split_backward;                 /* zb1 (and interleaved where that is shorter): ACT_BACKWARD is the
+                                         * input gradient, ACT_WEIGHT the rest */
     int head_split;                     /* schedule_head_split: the head's backward in B (and W) */
     int max_in_flight;                  /* micro-batches whose activations this rank holds at once */
     int in_flight[SCHED_MAX_CHUNKS];    /* ... per chunk (a chunk's micro-batch i uses slot i % this) */
-    int max_pending_w;                  /* zb1: micro-batches between their B and their W at once */
+    int max_pending_w;                  /* split: (micro-batch, chunk)s between their B and their W at once */
     int makespan;                       /* the step's length in the builder's unit costs (0: not simulated) */
 } Schedule;
 
@@ -65,13 +66,17 @@ const char *schedule_kind_name(ScheduleKind k);
  * cost (or NULL: unit costs): [stages x chunks][3], each stage's estimated forward,
  * backward (input gradient) and weight-pass times, stage c x stages + r for chunk c of rank
  * r; the simulated schedules (interleaved, zb1) are built for them. Every rank must pass
- * the same. */
-int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, const double *cost,
-                   char *err, size_t errlen);
+ * the same. split_ok (SCHED_SPLIT_*): whether the backward may be split in B and W: never
+ * with activation checkpointing (W needs every layer's activations kept); zb1 needs it;
+ * with SCHED_SPLIT_ANY interleaved also simulates its lists with the backward split (W
+ * filling the bubble) and takes them where they end sooner. */
+enum { SCHED_SPLIT_NONE, SCHED_SPLIT_ZB1, SCHED_SPLIT_ANY };
+int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, int split_ok,
+                   const double *cost, char *err, size_t errlen);
 /* The simulated step of every rank's list under kind (all ranks together, in ticks of the
  * builders' scale: the mean forward is SCHED_TICKS_PER_FORWARD with cost, 1 in unit costs);
  * -1 on a deadlock. */
-int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, const double *cost);
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, const double *cost);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
  * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */

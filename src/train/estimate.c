@@ -127,9 +127,14 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         e->logits += logit_bytes * n;
         e->acts += (acts - logit_bytes) * n;
     }
-    if (sched->split_backward)
-        e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) *
-                   model_wgrad_bytes(c, &s[0], B_micro, T, act_size);
+    if (sched->split_backward) {  /* step.c's ring: max_pending_w of the largest chunk's */
+        size_t wb = 0;
+        for (int k = 0; k < sched->chunks; k++) {
+            size_t b = model_wgrad_bytes(c, &s[k], B_micro, T, act_size);
+            if (b > wb) wb = b;
+        }
+        e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) * wb;
+    }
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     if (e->ce_tp && training)
         e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));

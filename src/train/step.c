@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "ops.h"
+#include "pipeline.h"
 #include "run.h"
 #include "trace.h"
 #include "util.h"
@@ -65,11 +66,9 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
-                       piped(st) ? st->pipe.cost : NULL, err, errlen))
+                       pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute), piped(st) ? st->pipe.cost : NULL,
+                       err, errlen))
         return -1;
-    if (st->sched.split_backward && a->recompute)
-        return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "
-                       "it does not combine with activation_checkpointing");
     if (piped(st)) {
         make_links(st, +1, "pp-act", &st->act_out, &st->act_in);
         make_links(st, -1, "pp-grad", &st->grad_out, &st->grad_in);
@@ -90,11 +89,15 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         st->sent_out[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
         st->sent_grad[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
     }
-    if (st->sched.split_backward) {
+    if (st->sched.split_backward) {  /* a ring: the W passes run in their B passes' order */
+        size_t wb = 0;
+        for (int c = 0; c < n_stages; c++) {
+            size_t b = model_wgrad_bytes(&m->c, &s[c], a->B, a->T, ops_act_size());
+            if (b > wb) wb = b;
+        }
         st->n_wbuf = st->sched.max_pending_w < 1 ? 1 : st->sched.max_pending_w;
         st->wbuf = xcalloc((size_t)st->n_wbuf, sizeof(void *));
-        for (int i = 0; i < st->n_wbuf; i++)
-            st->wbuf[i] = model_tp_alloc(m, model_wgrad_bytes(&m->c, &s[0], a->B, a->T, ops_act_size()));
+        for (int i = 0; i < st->n_wbuf; i++) st->wbuf[i] = model_tp_alloc(m, wb);
     }
     st->mb_inputs = xmalloc((size_t)micro * N * sizeof(int));
     st->mb_targets = xmalloc((size_t)micro * N * sizeof(int));
@@ -212,6 +215,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     for (int i = 0; i < st->micro; i++) loader_next(st->loader, st->mb_inputs + (size_t)i * N, st->mb_targets + (size_t)i * N);
     parallel_begin_step(st->par);
     parallel_set_micro_batches(st->par, st->micro);
+    int n_b = 0, n_w = 0;  /* split backward: B and W passes so far (their wbuf ring's places) */
     for (int i = 0; i < st->sched.n; i++) {
         const Action *act = &st->sched.actions[i];
         int c = act->chunk, slot = act->micro >= 0 ? act->micro % st->n_acts[c] : 0;
@@ -247,7 +251,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             comm_p2p_wait(&r);
             break;
         case ACT_BACKWARD:
-            if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[act->micro % st->n_wbuf], hooks);
+            if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[n_b++ % st->n_wbuf], hooks);
             else model_backward(m, s, a, hooks);
             break;
         case ACT_SEND_GRAD:
@@ -255,7 +259,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
                        &st->sent_grad[c][slot], "pipeline send");
             break;
         case ACT_WEIGHT:
-            model_backward_weight(m, s, a, st->wbuf[act->micro % st->n_wbuf], hooks);
+            model_backward_weight(m, s, a, st->wbuf[n_w++ % st->n_wbuf], hooks);
             break;
         case ACT_OPTIM_STEP:
             free_all_slots(st);

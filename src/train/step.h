@@ -34,7 +34,7 @@ typedef struct {
     Loader *loader;
     Acts *acts[SCHED_MAX_CHUNKS];   /* per chunk, n_acts[c] micro-batches' activations in flight */
     int n_acts[SCHED_MAX_CHUNKS];   /* acts[0][0] is the caller's */
-    void **wbuf;                    /* zb1: the split backward's weight-gradient inputs, n_wbuf of them */
+    void **wbuf;                    /* split backward: the weight-gradient inputs, n_wbuf of them */
     int n_wbuf;
     Schedule sched;
     int micro;             /* micro-batches per step */

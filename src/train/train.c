@@ -236,13 +236,14 @@ int cmd_train(Config *c) {
     Stage *stages = xcalloc((size_t)PP * V, sizeof(Stage)), mine[SCHED_MAX_CHUNKS] = {{0, mc.n_layers + 1}};
     Schedule sc = {0};
     double *stage_cost = xcalloc((size_t)PP * V * 3, sizeof(double));  /* each stage's F, B, W estimate */
+    int split_ok = pipeline_split_backward_ok(&mc, BM * T, c->activation_checkpointing);
     if (!f.code && PP > 1) {
-        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, pipeline_head_placement(sched, PP), c->pipeline_split,
-                                    stages, err, sizeof err))
+        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, split_ok,
+                                    pipeline_head_placement(sched, PP), c->pipeline_split, stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
         if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, pipeline_head_placement(sched, PP), stage_cost);
-        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, stage_cost, err, sizeof err))
+        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, split_ok, stage_cost, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
     int holds_head = 0;
@@ -331,6 +332,7 @@ int cmd_train(Config *c) {
         if (PP > 1) {
             printf("pipeline: %d stages, schedule %s", PP, c->pipeline_schedule);
             if (V > 1) printf(" over %d virtual stages per rank", V);
+            if (sched == SCHED_INTERLEAVED && sc.split_backward) printf(" (backward split: weight passes fill the bubble)");
             printf(", %d micro-batches of %d sequences per data-parallel rank;", M, BM);
             for (int i = 0; i < PP; i++) {
                 Stage rs[SCHED_MAX_CHUNKS];
