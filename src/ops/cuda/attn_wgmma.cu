@@ -1,0 +1,515 @@
+/* Causal flash-attention forward for Hopper (sm_90a) on warpgroup MMA (wgmma) and the tensor
+ * memory accelerator (TMA): FlashAttention-3's structure, written out in C-style CUDA.
+ *
+ * Same interface and results as attn_bf16_forward (attn_bf16.h): qkv [B, T, 3C] bf16, out [B, T, C]
+ * bf16, lse [B, NH, T] fp32 (natural log), query i attends keys j <= i, scale 1/sqrt(HD).
+ *
+ * A block (CTA) owns BM = 128 query rows of one (batch, head) and walks the key tiles of BN = 128
+ * keys from its diagonal tile down to tile 0 (only the first, diagonal tile needs the causal mask;
+ * keys past T only ever appear in a diagonal tile, so the same mask hides them). Blocks are
+ * numbered so that the last (heaviest) query tiles of every head launch first.
+ *
+ * Two consumer warpgroups and a producer warp: 288 threads, one block per SM, registers capped at
+ * 224 (__maxnreg__; 288 x 224 fit the register file), no setmaxnreg. (With 3 warpgroups ptxas
+ * capped the kernel at 168 and the HD = 128 consumer spilled and serialized its wgmmas; at 288
+ * threads __launch_bounds__(288, 1) still gave 168, __maxnreg__(224) gives 186 and no spills.)
+ *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
+ *   warp 8, the producer: one thread issues the TMA loads (Q once; then K and V of each key tile
+ *     into a ring of STAGES shared-memory stages).
+ * Per key tile a consumer computes S = Q K^T (wgmma m64n128k16, A = Q and B = K from shared
+ * memory, both K-major), the online softmax in fp32 registers (exp2, scale folded into log2e),
+ * converts P to bf16 A-operand registers in place (the m64nNk16 accumulator fragment of columns
+ * 16k..16k+15 is exactly the A register fragment of the k-th k16 slice, as with mma.sync m16n8k16)
+ * and computes O += P V (wgmma m64n{HD}k16, A = P from registers, B = V from shared memory,
+ * MN-major: imm-trans-b = 1). The S GEMM of tile i+1 and the P V GEMM of tile i are in flight
+ * together while the softmax of tile i+1 runs (FA3's intra-warpgroup overlap).
+ *
+ * Synchronisation: mbarriers. qfull (TMA bytes of Q), kfull[s] / vfull[s] (TMA bytes of the K / V
+ * tile in stage s), empty[s] (NCONSUMER = 256 arrivals: every consumer thread, after the wgmmas that read
+ * stage s have completed). A waiter on a barrier used for the u-th time waits for phase parity u & 1.
+ *
+ * Shared memory layout (base aligned to 1024 bytes, as the 128-byte swizzle needs):
+ *   a "tile" is 128 rows (tokens) x HD bf16, stored as HD/64 column panels; panel p holds columns
+ *   64p..64p+63 as 128 rows of 128 bytes (PANEL = 16 KiB), row r at byte r*128 of the panel, its
+ *   16-byte chunk c (columns 8c..8c+7) at chunk position c ^ (r & 7): the TMA's
+ *   CU_TENSOR_MAP_SWIZZLE_128B layout, which is the wgmma 128-byte swizzle (Swizzle<3,4,3> on the
+ *   byte address: bits 4..6 ^= bits 7..9), so 8 rows x 128 B = 1024 B is one swizzle atom.
+ *     [0, TILE)                         Q tile
+ *     [TILE * (1 + 2s), + TILE)         K tile of stage s
+ *     [TILE * (2 + 2s), + TILE)         V tile of stage s
+ *   TILE = 128 * HD * 2 bytes.
+ *
+ * Matrix descriptors (bits 0-13 start >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 = 1: 128B swizzle):
+ *   Q (A of S = Q K^T, K-major, 64 x 16 per wgmma): rows of the warpgroup start at Q + cw*64*128
+ *     (cw = consumer 0/1; 8 KiB, a multiple of 1024); k16 slice kk of the head dim lies in panel
+ *     kk/4 at byte offset (kk%4)*32 inside the 128-byte rows (the hardware applies the swizzle to
+ *     the final address, so stepping the start by 32 B inside an atom is the canonical K step).
+ *     SBO = 1024 (next 8 rows), LBO unused for swizzled K-major (set to 16 B, "1").
+ *   K (B of S = Q K^T, K-major, N = 128 keys x 16): same as Q: start K_s + (kk/4)*PANEL + (kk%4)*32,
+ *     SBO = 1024, LBO = 16.
+ *   V (B of O = P V, MN-major: N = head dim contiguous, K = keys are the 128-byte rows): the k16
+ *     slice kk (keys 16kk..16kk+15) starts at V_s + kk*16*128 (two whole atoms); SBO = 1024 (the
+ *     next 8 keys), LBO = PANEL (the next 64 head-dim columns = the next panel; unused for HD = 64).
+ *     (PTX ISA "matrix descriptor": MN-major swizzled, LBO = offset between repeats of the swizzle
+ *     width along MN, SBO = offset between groups of 8 along K; CuTe's canonical
+ *     ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)).)
+ *
+ * Register fragments (per warp w of a warpgroup: rows 16w..16w+15; g = lane/4, t = lane%4):
+ *   accumulator m64nN, f32: d[4c + 2h + e] = element (row 16w + g + 8h, col 8c + 2t + e);
+ *   A m64k16 bf16 (4 regs): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..),
+ *   a[3] = (g+8, 2t+8..), low half = lower column. So P's k16 slice kk is
+ *   a[j] = bf16x2(s[8kk + 2j], s[8kk + 2j + 1]), j = 0..3.
+ *
+ * This file is built for sm_90a only (wgmma); attn_wgmma_device_ok says whether the
+ * current device can run it. */
+#include "attn_wgmma.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled: the driver function, found at run time */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define BM 128       /* query rows per block: 2 consumer warpgroups x 64 */
+#define BN 128       /* keys per tile */
+#define STAGES 2     /* (K, V) stages in the shared-memory ring */
+#define NCONSUMER 256 /* 2 consumer warpgroups (threads 0..255) */
+#define NTHREADS 288  /* + 1 producer warp (threads 256..287) */
+#define PANEL 16384u /* one 64-column panel of a 128-row tile: 128 rows x 128 bytes */
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+/* an mbarrier wait gives up (trap: the launch fails instead of hanging) after this many ns */
+#define WATCHDOG_NS 4000000000ull
+
+typedef __nv_bfloat16 bf16;
+
+static constexpr __host__ __device__ size_t tile_bytes(int HD) { return (size_t)BM * HD * 2; }
+static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (1 + 2 * STAGES) + 1024; /* + alignment */ }
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGMMA_DEVICE 1
+#endif
+
+#ifdef WGMMA_DEVICE
+/* ------------------------------------------------------------------------------------------- */
+/* PTX helpers                                                                                  */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* arrive (count 1) and add `bytes` to the transaction count this phase waits for */
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* wait until the phase of parity `parity` has completed; after WATCHDOG_NS of waiting, trap (the
+ * launch fails with an error instead of hanging: a bug, never a legitimate wait) */
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done, polls = 0;
+    uint64_t t0 = 0;
+    for (;;) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+        if (done) return;
+        if ((++polls & 255u) == 0) {
+            uint64_t now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (!t0) t0 = now;
+            else if (now - t0 > WATCHDOG_NS) __trap();
+        }
+    }
+}
+/* TMA: box (64 columns, 128 rows, 1) of the 3-D tensor map at coordinates (c0, c1, c2) -> shared dst,
+ * completing `bar`'s transaction bytes; rows past the tensor's end are filled with zeros. */
+static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2,
+                                                uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+            dst),
+        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+
+static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void wgmma_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* keeps the compiler from moving accesses of accumulator registers across a wgmma issue / wait */
+template <int N> static __device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* 128-byte-swizzle shared-memory matrix descriptor (see the table at the top) */
+static __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+}
+
+/* two floats -> bf16x2 (round to nearest even), lo in the low half (the lower column) */
+static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+static __device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* wgmma wrappers (operand lists written out by a short script; one per shape used)             */
+
+/* d[64] (+)= A * B, m64n128k16: A (Q) and B (K) both K-major in shared memory (descriptors);
+ * accumulate = 0 ignores the old d (scale-d false). */
+static __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+/* d[64] += A * B, m64n128k16: A (P) in registers (4 x bf16x2), B (V) MN-major in shared memory
+ * (imm-trans-b = 1). */
+static __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+/* d[32] += A * B, m64n64k16: A (P) in registers (4 x bf16x2), B (V) MN-major in shared memory
+ * (imm-trans-b = 1). */
+static __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+template <int HD> struct PV; /* O += P V for one k16 slice: N = HD */
+template <> struct PV<128> {
+    static __device__ __forceinline__ void mma(float (&o)[64], const uint32_t (&a)[4], uint64_t db) {
+        wgmma_rs_n128(o, a, db);
+    }
+};
+template <> struct PV<64> {
+    static __device__ __forceinline__ void mma(float (&o)[32], const uint32_t (&a)[4], uint64_t db) {
+        wgmma_rs_n64(o, a, db);
+    }
+};
+
+/* S (64 x 128 keys) = Q_wg K^T: HD/16 wgmmas, the first one overwriting s. Issued, not waited for. */
+template <int HD> static __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q, uint32_t k) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        const uint32_t off = (uint32_t)(kk / 4) * PANEL + (uint32_t)(kk % 4) * 32u;
+        wgmma_ss_n128(s, sw128_desc(q + off, 16, 1024), sw128_desc(k + off, 16, 1024), kk > 0);
+    }
+}
+/* O (64 x HD) += P V: 8 wgmmas over the 128 keys. Issued, not waited for. */
+template <int HD>
+static __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&p)[BN / 16][4], uint32_t v) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) PV<HD>::mma(o, p[kk], sw128_desc(v + (uint32_t)kk * 16u * 128u, PANEL, 1024));
+}
+
+/* online softmax of one S tile (raw scores in s; both rows of this thread): m (log2 units of the
+ * scaled scores) and the thread's partial row sums l advance; s becomes P = 2^(s*scale2 - m);
+ * alpha = the factor the old O and l had to be scaled by (applied to l here, to O by the caller). */
+static __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                                    float scale2) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < BN / 8; c++) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * r], s[4 * c + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[r], mx * scale2);
+        const float mu = mnew == -INFINITY ? 0.f : mnew; /* a row with nothing yet stays at 0 */
+        alpha[r] = ex2(m[r] - mu);
+        m[r] = mnew;
+        float sum = 0.f;
+#pragma unroll
+        for (int c = 0; c < BN / 8; c++) {
+            s[4 * c + 2 * r] = ex2(fmaf(s[4 * c + 2 * r], scale2, -mu));
+            s[4 * c + 2 * r + 1] = ex2(fmaf(s[4 * c + 2 * r + 1], scale2, -mu));
+            sum += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
+        }
+        l[r] = l[r] * alpha[r] + sum;
+    }
+}
+static __device__ __forceinline__ void p_to_bf16(uint32_t (&p)[BN / 16][4], const float (&s)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[kk][j] = pack_bf16(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+}
+#endif /* WGMMA_DEVICE */
+
+/* ------------------------------------------------------------------------------------------- */
+/* the kernel                                                                                   */
+
+/* grid: nqt * BH blocks; block x -> query tile nqt - 1 - x / BH (heaviest first), head bh = x % BH */
+template <int HD>
+__global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see the top */
+    attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
+                          int T, int NH, int BH, int nqt, float scale2) {
+#ifdef WGMMA_DEVICE
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[1 + 3 * STAGES];
+    constexpr uint32_t TILE = (uint32_t)tile_bytes(HD);
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int qt = nqt - 1 - (int)(blockIdx.x / (unsigned)BH), bh = (int)(blockIdx.x % (unsigned)BH);
+    const int b = bh / NH, h = bh % NH, C = NH * HD;
+    const int nkv = qt + 1; /* key tiles qt (the diagonal), qt - 1, ..., 0 */
+    const uint32_t qfull = smem_u32(&bars[0]);
+#define KFULL(s) (qfull + 8u * (1u + (uint32_t)(s)))
+#define VFULL(s) (qfull + 8u * (1u + STAGES + (uint32_t)(s)))
+#define EMPTY(s) (qfull + 8u * (1u + 2 * STAGES + (uint32_t)(s)))
+#define KTILE(s) (base + TILE * (1u + 2u * (uint32_t)(s)))
+#define VTILE(s) (base + TILE * (2u + 2u * (uint32_t)(s)))
+
+    if (threadIdx.x == 0) {
+        mbar_init(qfull, 1);
+        for (int s = 0; s < STAGES; s++) mbar_init(KFULL(s), 1), mbar_init(VFULL(s), 1), mbar_init(EMPTY(s), NCONSUMER);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= NCONSUMER) { /* ---------------- producer warp ---------------- */
+        if (threadIdx.x == NCONSUMER) {
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tm) : "memory");
+            mbar_expect_tx(qfull, TILE);
+#pragma unroll
+            for (int p = 0; p < HD / 64; p++) tma_load(base + p * PANEL, &tm, h * HD + 64 * p, qt * BM, b, qfull);
+            for (int i = 0; i < nkv; i++) {
+                const int s = i % STAGES, n = qt - i;
+                if (i >= STAGES) mbar_wait(EMPTY(s), (uint32_t)((i / STAGES - 1) & 1));
+                mbar_expect_tx(KFULL(s), TILE);
+#pragma unroll
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(KTILE(s) + p * PANEL, &tm, C + h * HD + 64 * p, n * BN, b, KFULL(s));
+                mbar_expect_tx(VFULL(s), TILE);
+#pragma unroll
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(VTILE(s) + p * PANEL, &tm, 2 * C + h * HD + 64 * p, n * BN, b, VFULL(s));
+            }
+        }
+    } else { /* ---------------- consumer warpgroups ---------------- */
+        const int ct = (int)threadIdx.x, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
+        const int g = lane >> 2, t = lane & 3;
+        const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
+        const uint32_t qa = base + (uint32_t)cw * 64u * 128u;
+
+        float s[64], o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+        uint32_t p[BN / 16][4];
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+
+        mbar_wait(qfull, 0);
+        /* tile 0 of the walk: the diagonal, masked */
+        mbar_wait(KFULL(0), 0);
+        fence_regs(s);
+        wgmma_fence();
+        issue_qk<HD>(s, qa, KTILE(0));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s);
+#pragma unroll
+        for (int c = 0; c < BN / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (8 * c + 2 * t + (e & 1) > rloc + 8 * (e >> 1)) s[4 * c + e] = -INFINITY;
+        softmax_tile(s, m, l, alpha, scale2);
+        p_to_bf16(p, s);
+
+        for (int i = 1; i < nkv; i++) {
+            const int st = i % STAGES, ps = (i - 1) % STAGES;
+            mbar_wait(KFULL(st), (uint32_t)((i / STAGES) & 1));
+            mbar_wait(VFULL(ps), (uint32_t)(((i - 1) / STAGES) & 1));
+            fence_regs(s);
+            fence_regs(o);
+            wgmma_fence();
+            issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
+            wgmma_commit();
+            issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
+            wgmma_commit();
+            wgmma_wait<1>(); /* S done; P V may still run */
+            fence_regs(s);
+            softmax_tile(s, m, l, alpha, scale2);
+            wgmma_wait<0>(); /* P V done: stage ps is free, p and o may be touched */
+            fence_regs(o);
+            mbar_arrive(EMPTY(ps));
+#pragma unroll
+            for (int c = 0; c < HD / 8; c++) {
+                o[4 * c] *= alpha[0], o[4 * c + 1] *= alpha[0];
+                o[4 * c + 2] *= alpha[1], o[4 * c + 3] *= alpha[1];
+            }
+            p_to_bf16(p, s);
+        }
+        {
+            const int ls = (nkv - 1) % STAGES;
+            mbar_wait(VFULL(ls), (uint32_t)(((nkv - 1) / STAGES) & 1));
+            fence_regs(o);
+            wgmma_fence();
+            issue_pv<HD>(o, p, VTILE(ls));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o);
+        }
+
+        /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
+        bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            const float inv = 1.f / l[r];
+            const int row = qt * BM + rloc + 8 * r;
+            if (row < T) {
+                if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
+                uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
+#pragma unroll
+                for (int c = 0; c < HD / 8; c++) dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+            }
+        }
+    }
+#undef KFULL
+#undef VFULL
+#undef EMPTY
+#undef KTILE
+#undef VTILE
+#else
+    (void)tm, (void)out, (void)lse, (void)T, (void)NH, (void)BH, (void)nqt, (void)scale2;
+    __trap(); /* built for a target without wgmma */
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* host side                                                                                    */
+
+static void wg_die(const char *what, const char *why) {
+    fprintf(stderr, "meshtrain: cuda: attention %s failed: %s\n", what, why);
+    exit(1);
+}
+static void wg_check(const char *what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) wg_die(what, cudaGetErrorString(e));
+}
+
+/* cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda) */
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void) {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    if (!fn) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess || !p)
+            wg_die("wgmma forward", "the driver has no cuTensorMapEncodeTiled");
+        fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }
+    return fn;
+}
+
+extern "C" int attn_wgmma_supported(int HD) { return HD == 64 || HD == 128; }
+
+extern "C" int attn_wgmma_device_ok(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        int dev = 0, major = 0, minor = 0;
+        ok = cudaGetDevice(&dev) == cudaSuccess &&
+             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+             minor == 0;
+        cudaGetLastError(); /* a failed query leaves no sticky error behind */
+    }
+    return ok;
+}
+
+template <int HD>
+static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, int NH, cudaStream_t st) {
+    const int nqt = (T + BM - 1) / BM, BH = B * NH;
+    const unsigned long long grid = (unsigned long long)nqt * (unsigned long long)BH;
+    if (grid > 0x7fffffffull) wg_die("wgmma forward", "grid too large");
+    const size_t smem = smem_bytes(HD);
+    const void *fn = (const void *)attn_wgmma_fwd_kernel<HD>;
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    wg_check("attn_wgmma_fwd (shared memory opt-in)");
+    const float scale2 = LOG2E / sqrtf((float)HD);
+    attn_wgmma_fwd_kernel<HD><<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, scale2);
+    wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");
+}
+
+extern "C" void attn_wgmma_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD,
+                                   void *stream) {
+    if (B <= 0 || T <= 0 || NH <= 0) return;
+    if (!attn_wgmma_supported(HD)) {
+        fprintf(stderr, "meshtrain: cuda: attention wgmma does not support head_dim %d\n", HD);
+        exit(1);
+    }
+    if (((uintptr_t)out | (uintptr_t)lse | (uintptr_t)qkv) % 16) wg_die("wgmma forward", "pointers not 16-byte aligned");
+    /* qkv as a 3-D tensor (innermost first): 3C columns, T rows, B batches; a box is 64 columns
+     * (128 bytes, the swizzle width) x 128 rows; rows past T read as zeros */
+    const cuuint64_t C3 = 3ull * (cuuint64_t)NH * (cuuint64_t)HD;
+    const cuuint64_t dims[3] = {C3, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {C3 * 2, C3 * 2 * (cuuint64_t)T}; /* bytes, of dims 1 and 2 */
+    const cuuint32_t box[3] = {64, BM, 1}, estr[3] = {1, 1, 1};
+    CUtensorMap tm;
+    const CUresult r = encode_tiled()(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)qkv, dims, strides, box, estr,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        char why[64];
+        snprintf(why, sizeof why, "cuTensorMapEncodeTiled returned %d", (int)r);
+        wg_die("wgmma forward", why);
+    }
+    cudaStream_t st = (cudaStream_t)stream;
+    if (HD == 64) launch<64>(tm, out, lse, B, T, NH, st);
+    else launch<128>(tm, out, lse, B, T, NH, st);
+}
