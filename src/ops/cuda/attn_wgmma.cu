@@ -127,6 +127,11 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
         }
     }
 }
+/* a consumer's wait: the warp reconverges before the .sync.aligned wgmma instructions that follow */
+static __device__ __forceinline__ void consumer_wait(uint32_t bar, uint32_t parity) {
+    mbar_wait(bar, parity);
+    __syncwarp();
+}
 /* TMA: box (64 columns, 128 rows, 1) of the 3-D tensor map at coordinates (c0, c1, c2) -> shared dst,
  * completing `bar`'s transaction bytes; rows past the tensor's end are filled with zeros. */
 static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2,
@@ -351,9 +356,9 @@ __global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see
 #pragma unroll
         for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
 
-        mbar_wait(qfull, 0);
+        consumer_wait(qfull, 0);
         /* tile 0 of the walk: the diagonal, masked */
-        mbar_wait(KFULL(0), 0);
+        consumer_wait(KFULL(0), 0);
         fence_regs(s);
         wgmma_fence();
         issue_qk<HD>(s, qa, KTILE(0));
@@ -370,8 +375,8 @@ __global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see
 
         for (int i = 1; i < nkv; i++) {
             const int st = i % STAGES, ps = (i - 1) % STAGES;
-            mbar_wait(KFULL(st), (uint32_t)((i / STAGES) & 1));
-            mbar_wait(VFULL(ps), (uint32_t)(((i - 1) / STAGES) & 1));
+            consumer_wait(KFULL(st), (uint32_t)((i / STAGES) & 1));
+            consumer_wait(VFULL(ps), (uint32_t)(((i - 1) / STAGES) & 1));
             fence_regs(s);
             fence_regs(o);
             wgmma_fence();
@@ -394,7 +399,7 @@ __global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see
         }
         {
             const int ls = (nkv - 1) % STAGES;
-            mbar_wait(VFULL(ls), (uint32_t)(((nkv - 1) / STAGES) & 1));
+            consumer_wait(VFULL(ls), (uint32_t)(((nkv - 1) / STAGES) & 1));
             fence_regs(o);
             wgmma_fence();
             issue_pv<HD>(o, p, VTILE(ls));
