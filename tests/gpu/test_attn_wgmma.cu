@@ -3,7 +3,9 @@
  * out (max |err| / max |ref| and the norm-wise relative error), lse (max abs error), every output
  * element written (outputs start as NaN), nothing written past the ends (guard regions), two runs
  * bitwise equal; HD 64 and 128 at T = 1 .. 4096. Then times both forwards (median of several
- * launches; causal FLOPs 4 B NH T^2 HD / 2). Prints "ok   <check>" / "FAIL <check>" per check and
+ * launches; causal FLOPs 4 B NH T^2 HD / 2), each shape on its own (a head dim whose wgmma kernel
+ * cannot launch is a FAIL once in the checks and "skipped" in the timings; the rest still run),
+ * then a summary table of wgmma and own TFLOP/s side by side. Prints "ok   <check>" / "FAIL <check>" per check and
  * "RESULT <passed> <failed>" last, like tests/test.h. A device other than compute capability 9.0
  * skips everything (RESULT 0 0).
  * Usage: gpu_test_attn_wgmma [--no-perf] [--perf-only] [--perf]
@@ -271,8 +273,19 @@ static float time_one(int which, void *out, float *lse, const void *qkv, int B, 
     return ms[REPS / 2];
 }
 
+/* one perf line per shape, wgmma and own side by side; a shape whose wgmma kernel cannot launch
+ * times own alone and says why (the other shapes still run). Kept for the summary at the end. */
+#define MAX_PERF 16
+static struct {
+    int B, NH, T, HD;
+    float mw, mo; /* ms; mw < 0: wgmma not run */
+    double tw, to; /* TFLOP/s */
+} perf_rows[MAX_PERF];
+static int n_perf;
+
 static void time_shape(int B, int NH, int T, int HD) {
     const int C = NH * HD;
+    const char *why = attn_wgmma_unlaunchable(HD);
     const size_t nqkv = (size_t)B * T * 3 * C, nout = (size_t)B * T * C;
     void *qkv, *out;
     float *lse;
@@ -284,13 +297,23 @@ static void time_shape(int B, int NH, int T, int HD) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    const float mw = time_one(0, out, lse, qkv, B, T, NH, HD, e0, e1);
+    const float mw = why ? -1.f : time_one(0, out, lse, qkv, B, T, NH, HD, e0, e1);
     const float mo = time_one(1, out, lse, qkv, B, T, NH, HD, e0, e1);
     const double fl = 4.0 * B * NH * (double)T * T * HD / 2;
-    printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma %.4f ms %.1f TFLOP/s, own (attn_bf16) %.4f ms %.1f TFLOP/s, "
-           "speed-up %.2fx\n",
-           B, NH, T, HD, mw, fl / mw * 1e-9, mo, fl / mo * 1e-9, mo / mw);
+    if (why)
+        printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma skipped (%s), own (attn_bf16) %.4f ms %.1f TFLOP/s\n", B,
+               NH, T, HD, why, mo, fl / mo * 1e-9);
+    else
+        printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma %.1f TFLOP/s (%.4f ms), own (attn_bf16) %.1f TFLOP/s "
+               "(%.4f ms), speed-up %.2fx\n",
+               B, NH, T, HD, fl / mw * 1e-9, mw, fl / mo * 1e-9, mo, mo / mw);
     fflush(stdout);
+    if (n_perf < MAX_PERF) {
+        perf_rows[n_perf].B = B, perf_rows[n_perf].NH = NH, perf_rows[n_perf].T = T, perf_rows[n_perf].HD = HD;
+        perf_rows[n_perf].mw = mw, perf_rows[n_perf].mo = mo;
+        perf_rows[n_perf].tw = why ? 0 : fl / mw * 1e-9, perf_rows[n_perf].to = fl / mo * 1e-9;
+        n_perf++;
+    }
     cudaEventDestroy(e0), cudaEventDestroy(e1);
     cudaFree(qkv), cudaFree(out), cudaFree(lse);
 }
@@ -331,18 +354,34 @@ int main(int argc, char **argv) {
                "attn_wgmma_supported: 64 and 128 yes, 32, 96 and 256 no");
         static const int Ts[] = {1, 7, 64, 127, 128, 129, 300, 1000, 4096};
         static const int HDs[] = {64, 128};
-        for (int hi = 0; hi < 2; hi++)
+        for (int hi = 0; hi < 2; hi++) {
+            const char *why = attn_wgmma_unlaunchable(HDs[hi]);
+            report(!why, "attn_wgmma HD=%d launchable%s%s", HDs[hi], why ? ": " : "", why ? why : "");
+            if (why) continue; /* its shapes would only die at the launch */
             for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
                 const int T = Ts[ti];
                 if (T >= 4096) test_shape(1, 2, T, HDs[hi]);
                 else test_shape(2, 3, T, HDs[hi]);
             }
+        }
     }
     if (perf) {
         time_shape(8, 8, 4096, 128);
         time_shape(2, 8, 10000, 128);
         time_shape(32, 8, 1024, 128);
+        time_shape(8, 8, 4096, 64);
         time_shape(8, 16, 4096, 64);
+        printf("perf summary (causal forward, TFLOP/s = 2 B NH T^2 HD / time):\n");
+        printf("perf   B  NH      T   HD   wgmma TFLOP/s   own TFLOP/s   speed-up\n");
+        for (int i = 0; i < n_perf; i++) {
+            if (perf_rows[i].mw < 0)
+                printf("perf %3d %3d %6d %4d   %13s   %11.1f   %8s\n", perf_rows[i].B, perf_rows[i].NH, perf_rows[i].T,
+                       perf_rows[i].HD, "skipped", perf_rows[i].to, "-");
+            else
+                printf("perf %3d %3d %6d %4d   %13.1f   %11.1f   %7.2fx\n", perf_rows[i].B, perf_rows[i].NH,
+                       perf_rows[i].T, perf_rows[i].HD, perf_rows[i].tw, perf_rows[i].to,
+                       perf_rows[i].mo / perf_rows[i].mw);
+        }
     }
     printf("RESULT %d %d\n", n_passed, n_failed);
     return n_failed ? 1 : 0;

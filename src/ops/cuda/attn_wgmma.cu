@@ -9,13 +9,25 @@
  * keys past T only ever appear in a diagonal tile, so the same mask hides them). Blocks are
  * numbered so that the last (heaviest) query tiles of every head launch first.
  *
- * Two consumer warpgroups and a producer warp: 288 threads, one block per SM, registers capped at
- * 224 (__maxnreg__; 288 x 224 fit the register file), no setmaxnreg. (With 3 warpgroups ptxas
- * capped the kernel at 168 and the HD = 128 consumer spilled and serialized its wgmmas; at 288
- * threads __launch_bounds__(288, 1) still gave 168, __maxnreg__(224) gives 186 and no spills.)
+ * Two consumer warpgroups and a producer warpgroup: 384 threads, one block per SM.
  *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
- *   warp 8, the producer: one thread issues the TMA loads (Q once; then K and V of each key tile
- *     into a ring of STAGES shared-memory stages).
+ *   warps 8-11, the producer (warpgroup 2): one thread issues the TMA loads (Q once; then K and V
+ *     of each key tile into a ring of STAGES shared-memory stages); the other 127 only give their
+ *     registers back.
+ * Registers. A block's warps are spread round-robin over the SM's 4 sub-partitions (warp w on
+ * w % 4), each holding a quarter of the register file (16,384 32-bit registers, allocated per warp
+ * in units of 256, i.e. per thread in units of 8). A block of W warps may therefore use at most
+ * 16,384 / (32 ceil(W / 4)) registers a thread: 168 for 9 to 12 warps (ptxas gives 168 for
+ * __launch_bounds__(288, 1) as for 384), not 65,536 / threads. The first version had a single
+ * producer warp (288 threads) and __maxnreg__(224): HD 64 took 154 registers and ran, HD 128 took
+ * 186 (192 allocated), and sub-partition 0 (warps 0, 4, 8) would have needed 3 x 32 x 192 = 18,432:
+ * "too many resources requested for launch". Capped at 168, the HD 128 consumer spills (240 bytes)
+ * and ptxas serializes its wgmmas. So, as in FlashAttention-3, the kernel is compiled at KREGS = 168
+ * (__launch_bounds__(384, 1)) and for HD 128 the producer warpgroup gives registers back
+ * (setmaxnreg.dec to 24) that the consumer warpgroups take (setmaxnreg.inc to 240): per
+ * sub-partition 2 x 240 + 24 = 3 x 168 warps' worth, the same registers the block was launched
+ * with (the host checks the kernel really was built at 168: an .inc asking for more than the
+ * block holds would wait forever). HD 64 fits in 168 (154, no spills) and skips setmaxnreg.
  * Per key tile a consumer computes S = Q K^T (wgmma m64n128k16, A = Q and B = K from shared
  * memory, both K-major), the online softmax in fp32 registers (exp2, scale folded into log2e),
  * converts P to bf16 A-operand registers in place (the m64nNk16 accumulator fragment of columns
@@ -76,7 +88,13 @@
 #define BN 128       /* keys per tile */
 #define STAGES 2     /* (K, V) stages in the shared-memory ring */
 #define NCONSUMER 256 /* 2 consumer warpgroups (threads 0..255) */
-#define NTHREADS 288  /* + 1 producer warp (threads 256..287) */
+#define NTHREADS 384  /* + 1 producer warpgroup (threads 256..383; one thread issues the TMA loads) */
+/* registers per thread: ptxas caps the kernel at KREGS (__launch_bounds__(384, 1): 65,536 / 384 =
+ * 170, in units of 8); with setmaxnreg (HD = 128) the producer warpgroup drops to PRODREGS and the
+ * consumers rise to CONSREGS: 2 x CONSREGS + PRODREGS = 3 x KREGS, the whole block's registers */
+#define KREGS 168
+#define PRODREGS 24
+#define CONSREGS 240
 #define PANEL 16384u /* one 64-column panel of a 128-row tile: 128 rows x 128 bytes */
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -108,7 +126,13 @@ static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t byt
 static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-/* wait until the phase of parity `parity` has completed; after WATCHDOG_NS of waiting, trap (the
+/* the watchdog's way of failing the launch: a store to address 0 ("an illegal memory access was
+ * encountered"). Not __trap(): a trap inside the setmaxnreg regions makes ptxas give up on them
+ * (HD 128: the consumers stay at 168 registers, spill 200 bytes and serialize their wgmmas). */
+static __device__ __forceinline__ void watchdog_fault(void) {
+    asm volatile("st.global.u32 [%0], %1;\n" ::"l"(0ull), "r"(0u) : "memory");
+}
+/* wait until the phase of parity `parity` has completed; after WATCHDOG_NS of waiting, fault (the
  * launch fails with an error instead of hanging: a bug, never a legitimate wait) */
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done, polls = 0;
@@ -123,7 +147,7 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
             uint64_t now;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
             if (!t0) t0 = now;
-            else if (now - t0 > WATCHDOG_NS) __trap();
+            else if (now - t0 > WATCHDOG_NS) watchdog_fault();
         }
     }
 }
@@ -149,6 +173,13 @@ static __device__ __forceinline__ void wgmma_commit(void) {
 }
 template <int N> static __device__ __forceinline__ void wgmma_wait(void) {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* register reallocation between warpgroups (every warp of the warpgroup, converged, executes it) */
+template <int N> static __device__ __forceinline__ void setmaxnreg_dec(void) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> static __device__ __forceinline__ void setmaxnreg_inc(void) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 /* keeps the compiler from moving accesses of accumulator registers across a wgmma issue / wait */
 template <int N> static __device__ __forceinline__ void fence_regs(float (&d)[N]) {
@@ -300,7 +331,7 @@ static __device__ __forceinline__ void p_to_bf16(uint32_t (&p)[BN / 16][4], cons
 
 /* grid: nqt * BH blocks; block x -> query tile nqt - 1 - x / BH (heaviest first), head bh = x % BH */
 template <int HD>
-__global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see the top */
+__global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see the top */
     attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
                           int T, int NH, int BH, int nqt, float scale2) {
 #ifdef WGMMA_DEVICE
@@ -326,7 +357,10 @@ __global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see
     }
     __syncthreads();
 
-    if (threadIdx.x >= NCONSUMER) { /* ---------------- producer warp ---------------- */
+    /* the warpgroup, warp-uniform (as CUTLASS computes it; setmaxnreg is per warpgroup) */
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128u), 0);
+    if (wg == NCONSUMER / 128) { /* ---------------- producer warpgroup ---------------- */
+        if constexpr (HD == 128) setmaxnreg_dec<PRODREGS>(); /* all 4 warps, converged */
         if (threadIdx.x == NCONSUMER) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tm) : "memory");
             mbar_expect_tx(qfull, TILE);
@@ -346,6 +380,7 @@ __global__ void __maxnreg__(224) /* 288 threads x 224 fit the register file; see
             }
         }
     } else { /* ---------------- consumer warpgroups ---------------- */
+        if constexpr (HD == 128) setmaxnreg_inc<CONSREGS>();
         const int ct = (int)threadIdx.x, cw = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
         const int g = lane >> 2, t = lane & 3;
         const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
@@ -477,15 +512,45 @@ extern "C" int attn_wgmma_device_ok(void) {
     return ok;
 }
 
+/* once per instantiation: the dynamic shared memory opt-in, and whether a block fits an SM (NULL)
+ * or why not (registers: see the top) */
+template <int HD> static const char *prepare(void) {
+    static int done;
+    static char why[160];
+    if (done) return why[0] ? why : NULL;
+    done = 1;
+    const void *fn = (const void *)attn_wgmma_fwd_kernel<HD>;
+    cudaFuncAttributes fa;
+    int nb = 0;
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes(HD));
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fn);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, NTHREADS, smem_bytes(HD));
+    cudaGetLastError(); /* reported below, not left sticky */
+    if (e != cudaSuccess) snprintf(why, sizeof why, "%s", cudaGetErrorString(e));
+    /* setmaxnreg (HD 128) hands out exactly the registers of a block launched at KREGS: with fewer,
+     * the consumers' setmaxnreg.inc would wait forever */
+    else if (HD == 128 && fa.numRegs != KREGS)
+        snprintf(why, sizeof why, "built with %d registers a thread, setmaxnreg needs %d", fa.numRegs, KREGS);
+    else if (nb < 1)
+        snprintf(why, sizeof why, "a block (%d threads x %d registers, %zu bytes of shared memory) fits no SM",
+                 NTHREADS, fa.numRegs, smem_bytes(HD) + fa.sharedSizeBytes);
+    return why[0] ? why : NULL;
+}
+
+extern "C" const char *attn_wgmma_unlaunchable(int HD) {
+    if (HD == 64) return prepare<64>();
+    if (HD == 128) return prepare<128>();
+    return "head_dim not 64 or 128";
+}
+
 template <int HD>
 static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, int NH, cudaStream_t st) {
     const int nqt = (T + BM - 1) / BM, BH = B * NH;
     const unsigned long long grid = (unsigned long long)nqt * (unsigned long long)BH;
     if (grid > 0x7fffffffull) wg_die("wgmma forward", "grid too large");
     const size_t smem = smem_bytes(HD);
-    const void *fn = (const void *)attn_wgmma_fwd_kernel<HD>;
-    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    wg_check("attn_wgmma_fwd (shared memory opt-in)");
+    const char *why = prepare<HD>();
+    if (why) wg_die(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128", why);
     const float scale2 = LOG2E / sqrtf((float)HD);
     attn_wgmma_fwd_kernel<HD><<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, scale2);
     wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");

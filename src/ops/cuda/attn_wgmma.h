@@ -20,6 +20,11 @@ int attn_wgmma_supported(int HD);
 /* 1 when the current device is compute capability 9.0 (asked once per process, then cached). */
 int attn_wgmma_device_ok(void);
 
+/* NULL when this process's device can launch the kernel for HD (64 or 128; asked once per HD,
+ * which also opts the kernel into its dynamic shared memory), else why not (a static string).
+ * attn_wgmma_forward dies with the same reason. */
+const char *attn_wgmma_unlaunchable(int HD);
+
 /* out = causal softmax(q k^T / sqrt(HD)) v per head, and lse; both overwritten (rows < T only). */
 void attn_wgmma_forward(void *out, float *lse, const void *qkv, int B, int T, int NH, int HD, void *stream);
 
