@@ -369,6 +369,7 @@ int main(int argc, char **argv) {
         time_shape(8, 8, 4096, 128);
         time_shape(2, 8, 10000, 128);
         time_shape(32, 8, 1024, 128);
+        time_shape(16, 16, 1024, 128);
         time_shape(8, 8, 4096, 64);
         time_shape(8, 16, 4096, 64);
         printf("perf summary (causal forward, TFLOP/s = 2 B NH T^2 HD / time):\n");

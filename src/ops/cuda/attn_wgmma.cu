@@ -6,8 +6,14 @@
  *
  * A block (CTA) owns BM = 128 query rows of one (batch, head) and walks the key tiles of BN = 128
  * keys from its diagonal tile down to tile 0 (only the first, diagonal tile needs the causal mask;
- * keys past T only ever appear in a diagonal tile, so the same mask hides them). Blocks are
- * numbered so that the last (heaviest) query tiles of every head launch first.
+ * keys past T only ever appear in a diagonal tile, so the same mask hides them).
+ * Block order (FlashAttention-3's L2 "sections"): a CTA of 128 x 128 tiles does 128 FLOPs per byte
+ * of K and V it reads, below the H100's ~295 FLOPs per byte of HBM, so the kernel is compute bound
+ * only while K and V come from L2. The (batch, head) pairs are cut into sections of SWZ heads whose
+ * K and V together fit in 32 MB of L2 (SWZ a power of 2); inside a section, the heaviest (last)
+ * query tiles of all its heads come first, then the next ones: the blocks in flight at a time are
+ * many query tiles of few heads, which read the same K and V. (Before: heaviest-first over all
+ * heads, at most ~2 blocks a head in flight at T = 4096, about 1 at T = 1024.)
  *
  * Two consumer warpgroups and a producer warpgroup: 384 threads, one block per SM.
  *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
@@ -329,17 +335,28 @@ static __device__ __forceinline__ void p_to_bf16(uint32_t (&p)[BN / 16][4], cons
 /* ------------------------------------------------------------------------------------------- */
 /* the kernel                                                                                   */
 
-/* grid: nqt * BH blocks; block x -> query tile nqt - 1 - x / BH (heaviest first), head bh = x % BH */
+/* work item x (0 .. nqt * BH - 1) -> query tile qt and (batch, head) bh: sections of swz heads
+ * (the last one holds BH % swz when that is not 0), inside a section heaviest query tile first,
+ * heads fastest */
+static __device__ __forceinline__ void tile_coords(int x, int nqt, int BH, int swz, int &qt, int &bh) {
+    const int per = swz * nqt, sec = x / per, in = x % per;
+    const int nh = sec < BH / swz ? swz : BH % swz;
+    qt = nqt - 1 - in / nh;
+    bh = sec * swz + in % nh;
+}
+
+/* grid: nqt * BH blocks; block x -> tile_coords */
 template <int HD>
 __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see the top */
     attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
-                          int T, int NH, int BH, int nqt, float scale2) {
+                          int T, int NH, int BH, int nqt, int swz, float scale2) {
 #ifdef WGMMA_DEVICE
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[1 + 3 * STAGES];
     constexpr uint32_t TILE = (uint32_t)tile_bytes(HD);
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const int qt = nqt - 1 - (int)(blockIdx.x / (unsigned)BH), bh = (int)(blockIdx.x % (unsigned)BH);
+    int qt, bh;
+    tile_coords((int)blockIdx.x, nqt, BH, swz, qt, bh);
     const int b = bh / NH, h = bh % NH, C = NH * HD;
     const int nkv = qt + 1; /* key tiles qt (the diagonal), qt - 1, ..., 0 */
     const uint32_t qfull = smem_u32(&bars[0]);
@@ -465,7 +482,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
 #undef KTILE
 #undef VTILE
 #else
-    (void)tm, (void)out, (void)lse, (void)T, (void)NH, (void)BH, (void)nqt, (void)scale2;
+    (void)tm, (void)out, (void)lse, (void)T, (void)NH, (void)BH, (void)nqt, (void)swz, (void)scale2;
     __trap(); /* built for a target without wgmma */
 #endif
 }
@@ -552,7 +569,12 @@ static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, i
     const char *why = prepare<HD>();
     if (why) wg_die(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128", why);
     const float scale2 = LOG2E / sqrtf((float)HD);
-    attn_wgmma_fwd_kernel<HD><<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, scale2);
+    /* heads per L2 section: K and V of one head are T x HD x 2 x 2 bytes; 32 MB of the 50 MB L2 */
+    const size_t kv_head = (size_t)T * HD * 4, l2 = 32u << 20;
+    int swz = 1;
+    while (swz < BH && (size_t)swz * 2 * kv_head <= l2) swz *= 2;
+    attn_wgmma_fwd_kernel<HD>
+        <<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, swz, scale2);
     wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");
 }
 
