@@ -45,7 +45,11 @@
  * 16k..16k+15 is exactly the A register fragment of the k-th k16 slice, as with mma.sync m16n8k16)
  * and computes O += P V (wgmma m64n{HD}k16, A = P from registers, B = V from shared memory,
  * MN-major: imm-trans-b = 1). The S GEMM of tile i+1 and the P V GEMM of tile i are in flight
- * together while the softmax of tile i+1 runs (FA3's intra-warpgroup overlap).
+ * together while the softmax of tile i+1 runs (FA3's intra-warpgroup overlap). Across the two
+ * consumer warpgroups, FA3's ping-pong: they take turns issuing their GEMMs (named barriers 1 and
+ * 2: wait for my turn, issue, pass the turn), so one's softmax (the MUFU's ex2) runs while the
+ * other's GEMMs hold the tensor cores, instead of both exponentiating at the same time. At HD 64
+ * a tile's ex2 (128 x 128 on 16 a clock per SM) take as long as its GEMMs.
  *
  * Synchronisation: mbarriers. qfull (TMA bytes of Q), qempty (NCONSUMER arrivals: Q may be
  * overwritten), kfull[s] / vfull[s] (TMA bytes of the K / V
@@ -193,6 +197,23 @@ template <int N> static __device__ __forceinline__ void setmaxnreg_dec(void) {
 }
 template <int N> static __device__ __forceinline__ void setmaxnreg_inc(void) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+/* named barriers (id 0 is __syncthreads): bar.sync waits until `count` threads have arrived at `id`
+ * (its own warps included); bar.arrive counts this warp in without waiting */
+template <int ID, int COUNT> static __device__ __forceinline__ void named_sync(void) {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory");
+}
+template <int ID, int COUNT> static __device__ __forceinline__ void named_arrive(void) {
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory");
+}
+/* ping-pong turns of the two consumer warpgroups: named barriers 1 (warpgroup 0's turn) and 2 */
+static __device__ __forceinline__ void turn_wait(int cw) {
+    if (cw == 0) named_sync<1, NCONSUMER>();
+    else named_sync<2, NCONSUMER>();
+}
+static __device__ __forceinline__ void turn_pass(int cw) {
+    if (cw == 0) named_arrive<2, NCONSUMER>();
+    else named_arrive<1, NCONSUMER>();
 }
 /* keeps the compiler from moving accesses of accumulator registers across a wgmma issue / wait */
 template <int N> static __device__ __forceinline__ void fence_regs(float (&d)[N]) {
@@ -426,6 +447,10 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
         const uint32_t qa = base + (uint32_t)cw * 64u * 128u;
         int kv = 0; /* key tiles consumed so far by this block (all work items): ring position */
+        /* ping-pong: the warpgroups take turns issuing their GEMMs, warpgroup 0 first; each turn
+         * is one named-barrier round (sync on mine, arrive on the other's), the same number per
+         * work item in both, so the turns stay paired across items */
+        if (cw == 1) turn_pass(1); /* warpgroup 0 goes first */
 
         for (int j = 0;; j++) {
             const int x = work_item(j, cta, G);
@@ -445,9 +470,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                 const int st = kv % STAGES;
                 consumer_wait(KFULL(st), (uint32_t)((kv / STAGES) & 1));
                 fence_regs(s);
+                turn_wait(cw); /* my turn on the tensor cores */
                 wgmma_fence();
                 issue_qk<HD>(s, qa, KTILE(st));
                 wgmma_commit();
+                turn_pass(cw); /* the other warpgroup's turn */
                 wgmma_wait<0>();
                 fence_regs(s);
                 if (nkv == 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
@@ -466,11 +493,13 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                 consumer_wait(VFULL(ps), (uint32_t)(((gi - 1) / STAGES) & 1));
                 fence_regs(s);
                 fence_regs(o);
+                turn_wait(cw);
                 wgmma_fence();
                 issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
                 wgmma_commit();
                 issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
                 wgmma_commit();
+                turn_pass(cw);
                 wgmma_wait<1>(); /* S done; P V may still run */
                 fence_regs(s);
                 if (i == nkv - 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
@@ -489,9 +518,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                 const int gl = kv + nkv - 1, ls = gl % STAGES;
                 consumer_wait(VFULL(ls), (uint32_t)((gl / STAGES) & 1));
                 fence_regs(o);
+                turn_wait(cw);
                 wgmma_fence();
                 issue_pv<HD>(o, p, VTILE(ls));
                 wgmma_commit();
+                turn_pass(cw);
                 wgmma_wait<0>();
                 fence_regs(o);
                 mbar_arrive(EMPTY(ls)); /* the next work item's key tiles reuse the stage */
