@@ -2,7 +2,7 @@
  * mma.sync kernel attn_bf16_forward (src/ops/cuda/attn_bf16.cu) on the same random bf16 inputs:
  * out (max |err| / max |ref| and the norm-wise relative error), lse (max abs error), every output
  * element written (outputs start as NaN), nothing written past the ends (guard regions), two runs
- * bitwise equal; HD 64 and 128 at T = 1 .. 4096, and B=4 NH=8 T=2048 (several work items a block). Then times both forwards (median of several
+ * bitwise equal; HD 64 and 128 at T = 1 .. 4096, and B=4 NH=8 T=2048 (more blocks than SMs). Then times both forwards (median of several
  * launches; causal FLOPs 4 B NH T^2 HD / 2), each shape on its own (a head dim whose wgmma kernel
  * cannot launch is a FAIL once in the checks and "skipped" in the timings; the rest still run),
  * then a summary table of wgmma and own TFLOP/s side by side. Prints "ok   <check>" / "FAIL <check>" per check and
@@ -363,8 +363,8 @@ int main(int argc, char **argv) {
                 if (T >= 4096) test_shape(1, 2, T, HDs[hi]);
                 else test_shape(2, 3, T, HDs[hi]);
             }
-            /* more work items (query tiles x heads) than SMs: each block of the persistent grid
-             * takes several, of different heads and lengths, in turn */
+            /* more work items (query tiles x heads) than SMs: several waves of blocks (and, in a
+             * persistent grid, several items a block, of different heads and lengths) */
             test_shape(4, 8, 2048, HDs[hi]);
         }
     }

@@ -14,11 +14,6 @@
  * query tiles of all its heads come first, then the next ones: the blocks in flight at a time are
  * many query tiles of few heads, which read the same K and V. (Before: heaviest-first over all
  * heads, at most ~2 blocks a head in flight at T = 4096, about 1 at T = 1024.)
- * Persistent grid: min(#SMs, work items) blocks, each taking the work items (query tile, head) of
- * that order in turn (work_item: serpentine rounds). The producer loads the next item's Q as soon
- * as both consumers' last S GEMM on the current Q is done (mbarrier qempty), and its first key
- * tiles as soon as ring stages free up, so the load latency of a new item hides behind the last
- * softmax, P V and the epilogue of the current one (no block launch, no cold prologue per item).
  *
  * Two consumer warpgroups and a producer warpgroup: 384 threads, one block per SM.
  *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
@@ -51,11 +46,9 @@
  * other's GEMMs hold the tensor cores, instead of both exponentiating at the same time. At HD 64
  * a tile's ex2 (128 x 128 on 16 a clock per SM) take as long as its GEMMs.
  *
- * Synchronisation: mbarriers. qfull (TMA bytes of Q), qempty (NCONSUMER arrivals: Q may be
- * overwritten), kfull[s] / vfull[s] (TMA bytes of the K / V
+ * Synchronisation: mbarriers. qfull (TMA bytes of Q), kfull[s] / vfull[s] (TMA bytes of the K / V
  * tile in stage s), empty[s] (NCONSUMER = 256 arrivals: every consumer thread, after the wgmmas that read
- * stage s have completed). A waiter on a barrier used for the u-th time waits for phase parity u & 1;
- * the ring position (stage, parity) runs on across a block's work items.
+ * stage s have completed). A waiter on a barrier used for the u-th time waits for phase parity u & 1.
  *
  * Shared memory layout (base aligned to 1024 bytes, as the 128-byte swizzle needs):
  *   a "tile" is 128 rows (tokens) x HD bf16, stored as HD/64 column panels; panel p holds columns
@@ -372,26 +365,22 @@ static __device__ __forceinline__ void tile_coords(int x, int nqt, int BH, int s
     qt = nqt - 1 - in / nh;
     bh = sec * swz + in % nh;
 }
-/* persistent grid: the j-th work item of block c among G, serpentine (round j takes items jG ..
- * jG + G - 1, block c the c-th of them in even rounds and the (G-1-c)-th in odd ones: over a list
- * sorted heaviest first, the blocks' sums stay level). Increasing in j: the first one >= total
- * ends the block's list. */
-static __device__ __forceinline__ int work_item(int j, int c, int G) { return j * G + ((j & 1) ? G - 1 - c : c); }
 
-/* persistent grid of min(#SMs, nqt * BH) blocks; block c does work_item(0, c), work_item(1, c), ...
- * (tile_coords) while < nqt * BH */
+/* grid: nqt * BH blocks; block x -> tile_coords */
 template <int HD>
 __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see the top */
     attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
                           int T, int NH, int BH, int nqt, int swz, float scale2) {
 #ifdef WGMMA_DEVICE
     extern __shared__ unsigned char smem_raw[];
-    __shared__ __align__(8) uint64_t bars[2 + 3 * STAGES];
+    __shared__ __align__(8) uint64_t bars[1 + 3 * STAGES];
     constexpr uint32_t TILE = (uint32_t)tile_bytes(HD);
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const int C = NH * HD, total = nqt * BH, G = (int)gridDim.x, cta = (int)blockIdx.x;
+    int qt, bh;
+    tile_coords((int)blockIdx.x, nqt, BH, swz, qt, bh);
+    const int b = bh / NH, h = bh % NH, C = NH * HD;
+    const int nkv = qt + 1; /* key tiles qt (the diagonal), qt - 1, ..., 0 */
     const uint32_t qfull = smem_u32(&bars[0]);
-#define QEMPTY (qfull + 8u * (1u + 3u * STAGES))
 #define KFULL(s) (qfull + 8u * (1u + (uint32_t)(s)))
 #define VFULL(s) (qfull + 8u * (1u + STAGES + (uint32_t)(s)))
 #define EMPTY(s) (qfull + 8u * (1u + 2 * STAGES + (uint32_t)(s)))
@@ -400,7 +389,6 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
 
     if (threadIdx.x == 0) {
         mbar_init(qfull, 1);
-        mbar_init(QEMPTY, NCONSUMER);
         for (int s = 0; s < STAGES; s++) mbar_init(KFULL(s), 1), mbar_init(VFULL(s), 1), mbar_init(EMPTY(s), NCONSUMER);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -413,31 +401,20 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         if constexpr (HD == 128) setmaxnreg_dec<PRODREGS>(); /* all 4 warps, converged */
         if (threadIdx.x == NCONSUMER) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tm) : "memory");
-            int g = 0; /* key tiles loaded so far by this block (all work items): ring position */
-            for (int j = 0;; j++) {
-                const int x = work_item(j, cta, G);
-                if (x >= total) break;
-                int qt, bh;
-                tile_coords(x, nqt, BH, swz, qt, bh);
-                const int b = bh / NH, h = bh % NH;
-                /* Q of the previous work item is free once every consumer's last S GEMM on it is done
-                 * (its softmax, P V and epilogue still run while this Q and the first K, V load) */
-                if (j > 0) mbar_wait(QEMPTY, (uint32_t)((j - 1) & 1));
-                mbar_expect_tx(qfull, TILE);
+            mbar_expect_tx(qfull, TILE);
 #pragma unroll
-                for (int p = 0; p < HD / 64; p++) tma_load(base + p * PANEL, &tm, h * HD + 64 * p, qt * BM, b, qfull);
-                for (int i = 0; i <= qt; i++, g++) {
-                    const int s = g % STAGES, n = qt - i;
-                    if (g >= STAGES) mbar_wait(EMPTY(s), (uint32_t)((g / STAGES - 1) & 1));
-                    mbar_expect_tx(KFULL(s), TILE);
+            for (int p = 0; p < HD / 64; p++) tma_load(base + p * PANEL, &tm, h * HD + 64 * p, qt * BM, b, qfull);
+            for (int i = 0; i < nkv; i++) {
+                const int s = i % STAGES, n = qt - i;
+                if (i >= STAGES) mbar_wait(EMPTY(s), (uint32_t)((i / STAGES - 1) & 1));
+                mbar_expect_tx(KFULL(s), TILE);
 #pragma unroll
-                    for (int p = 0; p < HD / 64; p++)
-                        tma_load(KTILE(s) + p * PANEL, &tm, C + h * HD + 64 * p, n * BN, b, KFULL(s));
-                    mbar_expect_tx(VFULL(s), TILE);
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(KTILE(s) + p * PANEL, &tm, C + h * HD + 64 * p, n * BN, b, KFULL(s));
+                mbar_expect_tx(VFULL(s), TILE);
 #pragma unroll
-                    for (int p = 0; p < HD / 64; p++)
-                        tma_load(VTILE(s) + p * PANEL, &tm, 2 * C + h * HD + 64 * p, n * BN, b, VFULL(s));
-                }
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(VTILE(s) + p * PANEL, &tm, 2 * C + h * HD + 64 * p, n * BN, b, VFULL(s));
             }
         }
     } else { /* ---------------- consumer warpgroups ---------------- */
@@ -446,108 +423,90 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         const int g = lane >> 2, t = lane & 3;
         const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
         const uint32_t qa = base + (uint32_t)cw * 64u * 128u;
-        int kv = 0; /* key tiles consumed so far by this block (all work items): ring position */
-        /* ping-pong: the warpgroups take turns issuing their GEMMs, warpgroup 0 first; each turn
-         * is one named-barrier round (sync on mine, arrive on the other's), the same number per
-         * work item in both, so the turns stay paired across items */
+        /* ping-pong: the warpgroups take turns issuing their GEMMs, warpgroup 0 first; each turn is
+         * one named-barrier round (sync on mine, arrive on the other's), nkv + 1 in both warpgroups;
+         * warpgroup 1's last pass is left unmatched at exit */
         if (cw == 1) turn_pass(1); /* warpgroup 0 goes first */
 
-        for (int j = 0;; j++) {
-            const int x = work_item(j, cta, G);
-            if (x >= total) break;
-            int qt, bh;
-            tile_coords(x, nqt, BH, swz, qt, bh);
-            const int b = bh / NH, h = bh % NH, nkv = qt + 1; /* key tiles qt (the diagonal), ..., 0 */
+        float s[64], o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+        uint32_t p[BN / 16][4];
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
 
-            float s[64], o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-            uint32_t p[BN / 16][4];
+        consumer_wait(qfull, 0);
+        /* tile 0 of the walk: the diagonal, masked */
+        consumer_wait(KFULL(0), 0);
+        fence_regs(s);
+        turn_wait(cw); /* my turn on the tensor cores */
+        wgmma_fence();
+        issue_qk<HD>(s, qa, KTILE(0));
+        wgmma_commit();
+        turn_pass(cw); /* the other warpgroup's turn */
+        wgmma_wait<0>();
+        fence_regs(s);
 #pragma unroll
-            for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+        for (int c = 0; c < BN / 8; c++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                if (8 * c + 2 * t + (e & 1) > rloc + 8 * (e >> 1)) s[4 * c + e] = -INFINITY;
+        softmax_tile(s, m, l, alpha, scale2);
+        p_to_bf16(p, s);
 
-            consumer_wait(qfull, (uint32_t)(j & 1));
-            /* tile 0 of the walk: the diagonal, masked */
-            {
-                const int st = kv % STAGES;
-                consumer_wait(KFULL(st), (uint32_t)((kv / STAGES) & 1));
-                fence_regs(s);
-                turn_wait(cw); /* my turn on the tensor cores */
-                wgmma_fence();
-                issue_qk<HD>(s, qa, KTILE(st));
-                wgmma_commit();
-                turn_pass(cw); /* the other warpgroup's turn */
-                wgmma_wait<0>();
-                fence_regs(s);
-                if (nkv == 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
-            }
-#pragma unroll
-            for (int c = 0; c < BN / 8; c++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (8 * c + 2 * t + (e & 1) > rloc + 8 * (e >> 1)) s[4 * c + e] = -INFINITY;
+        for (int i = 1; i < nkv; i++) {
+            const int st = i % STAGES, ps = (i - 1) % STAGES;
+            consumer_wait(KFULL(st), (uint32_t)((i / STAGES) & 1));
+            consumer_wait(VFULL(ps), (uint32_t)(((i - 1) / STAGES) & 1));
+            fence_regs(s);
+            fence_regs(o);
+            turn_wait(cw);
+            wgmma_fence();
+            issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
+            wgmma_commit();
+            issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
+            wgmma_commit();
+            turn_pass(cw);
+            wgmma_wait<1>(); /* S done; P V may still run */
+            fence_regs(s);
             softmax_tile(s, m, l, alpha, scale2);
+            wgmma_wait<0>(); /* P V done: stage ps is free, p and o may be touched */
+            fence_regs(o);
+            mbar_arrive(EMPTY(ps));
+#pragma unroll
+            for (int c = 0; c < HD / 8; c++) {
+                o[4 * c] *= alpha[0], o[4 * c + 1] *= alpha[0];
+                o[4 * c + 2] *= alpha[1], o[4 * c + 3] *= alpha[1];
+            }
             p_to_bf16(p, s);
+        }
+        {
+            const int ls = (nkv - 1) % STAGES;
+            consumer_wait(VFULL(ls), (uint32_t)(((nkv - 1) / STAGES) & 1));
+            fence_regs(o);
+            turn_wait(cw);
+            wgmma_fence();
+            issue_pv<HD>(o, p, VTILE(ls));
+            wgmma_commit();
+            turn_pass(cw);
+            wgmma_wait<0>();
+            fence_regs(o);
+        }
 
-            for (int i = 1; i < nkv; i++) {
-                const int gi = kv + i, st = gi % STAGES, ps = (gi - 1) % STAGES;
-                consumer_wait(KFULL(st), (uint32_t)((gi / STAGES) & 1));
-                consumer_wait(VFULL(ps), (uint32_t)(((gi - 1) / STAGES) & 1));
-                fence_regs(s);
-                fence_regs(o);
-                turn_wait(cw);
-                wgmma_fence();
-                issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
-                wgmma_commit();
-                issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
-                wgmma_commit();
-                turn_pass(cw);
-                wgmma_wait<1>(); /* S done; P V may still run */
-                fence_regs(s);
-                if (i == nkv - 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
-                softmax_tile(s, m, l, alpha, scale2);
-                wgmma_wait<0>(); /* P V done: stage ps is free, p and o may be touched */
-                fence_regs(o);
-                mbar_arrive(EMPTY(ps));
+        /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
+        bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
 #pragma unroll
-                for (int c = 0; c < HD / 8; c++) {
-                    o[4 * c] *= alpha[0], o[4 * c + 1] *= alpha[0];
-                    o[4 * c + 2] *= alpha[1], o[4 * c + 3] *= alpha[1];
-                }
-                p_to_bf16(p, s);
-            }
-            {
-                const int gl = kv + nkv - 1, ls = gl % STAGES;
-                consumer_wait(VFULL(ls), (uint32_t)((gl / STAGES) & 1));
-                fence_regs(o);
-                turn_wait(cw);
-                wgmma_fence();
-                issue_pv<HD>(o, p, VTILE(ls));
-                wgmma_commit();
-                turn_pass(cw);
-                wgmma_wait<0>();
-                fence_regs(o);
-                mbar_arrive(EMPTY(ls)); /* the next work item's key tiles reuse the stage */
-            }
-            kv += nkv;
-
-            /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
-            bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
+        for (int r = 0; r < 2; r++) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+            const float inv = 1.f / l[r];
+            const int row = qt * BM + rloc + 8 * r;
+            if (row < T) {
+                if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
+                uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-                const float inv = 1.f / l[r];
-                const int row = qt * BM + rloc + 8 * r;
-                if (row < T) {
-                    if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
-                    uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
-#pragma unroll
-                    for (int c = 0; c < HD / 8; c++)
-                        dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
-                }
+                for (int c = 0; c < HD / 8; c++) dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
             }
         }
     }
-#undef QEMPTY
 #undef KFULL
 #undef VFULL
 #undef EMPTY
@@ -635,13 +594,8 @@ extern "C" const char *attn_wgmma_unlaunchable(int HD) {
 template <int HD>
 static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, int NH, cudaStream_t st) {
     const int nqt = (T + BM - 1) / BM, BH = B * NH;
-    const unsigned long long total = (unsigned long long)nqt * (unsigned long long)BH;
-    if (total > 0x7fffffffull) wg_die("wgmma forward", "too many tiles");
-    int dev = 0, nsm = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev) !=
-                                                  cudaSuccess || nsm < 1)
-        wg_die("wgmma forward", "no multiprocessor count");
-    const unsigned grid = total < (unsigned long long)nsm ? (unsigned)total : (unsigned)nsm; /* persistent */
+    const unsigned long long grid = (unsigned long long)nqt * (unsigned long long)BH;
+    if (grid > 0x7fffffffull) wg_die("wgmma forward", "grid too large");
     const size_t smem = smem_bytes(HD);
     const char *why = prepare<HD>();
     if (why) wg_die(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128", why);
@@ -651,7 +605,7 @@ static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, i
     int swz = 1;
     while (swz < BH && (size_t)swz * 2 * kv_head <= l2) swz *= 2;
     attn_wgmma_fwd_kernel<HD>
-        <<<grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, swz, scale2);
+        <<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, swz, scale2);
     wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");
 }
 
