@@ -2,10 +2,14 @@
  * mma.sync kernel attn_bf16_forward (src/ops/cuda/attn_bf16.cu) on the same random bf16 inputs:
  * out (max |err| / max |ref| and the norm-wise relative error), lse (max abs error), every output
  * element written (outputs start as NaN), nothing written past the ends (guard regions), two runs
- * bitwise equal; HD 64 and 128 at T = 1 .. 4096, and B=4 NH=8 T=2048 (more blocks than SMs). Then times both forwards (median of several
- * launches; causal FLOPs 4 B NH T^2 HD / 2), each shape on its own (a head dim whose wgmma kernel
- * cannot launch is a FAIL once in the checks and "skipped" in the timings; the rest still run),
- * then a summary table of wgmma and own TFLOP/s side by side. Prints "ok   <check>" / "FAIL <check>" per check and
+ * bitwise equal; HD 64 and 128 at T = 1 .. 4096, and B=4 NH=8 T=2048 and B=2 NH=12 T=1000 (more
+ * work items than SMs: the persistent grid's dynamic scheduler; the former's second run comes
+ * after more launches than the scheduler has counter slots, so a slot left dirty would show),
+ * some of them again with MESHTRAIN_WGMMA_GRID=blocks (one block per item). Then times the
+ * forwards (median of several launches; causal FLOPs 4 B NH T^2 HD / 2): wgmma persistent, wgmma
+ * one block per item, attn_bf16, each shape on its own (a head dim whose wgmma kernel cannot
+ * launch is a FAIL once in the checks and "skipped" in the timings; the rest still run), then a
+ * summary table of their TFLOP/s side by side. Prints "ok   <check>" / "FAIL <check>" per check and
  * "RESULT <passed> <failed>" last, like tests/test.h. A device other than compute capability 9.0
  * skips everything (RESULT 0 0).
  * Usage: gpu_test_attn_wgmma [--no-perf] [--perf-only] [--perf]
@@ -31,6 +35,14 @@
 #define GUARD 4096    /* elements past each output's end that must stay untouched */
 
 static int n_passed, n_failed;
+
+/* the wgmma grid (MESHTRAIN_WGMMA_GRID, read by every launch): NULL = the default (persistent) */
+static const char *grid_mode;
+static void set_grid(const char *mode) {
+    grid_mode = mode;
+    if (mode) setenv("MESHTRAIN_WGMMA_GRID", mode, 1);
+    else unsetenv("MESHTRAIN_WGMMA_GRID");
+}
 
 static void report(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void report(int ok, const char *fmt, ...) {
@@ -96,11 +108,13 @@ static int guards_intact(const uint16_t *out, const float *lse, size_t nout, siz
 /* ---------------------------------------------------------------------------------------------- */
 /* against attn_bf16_forward                                                                       */
 
-static void test_shape(int B, int NH, int T, int HD) {
+/* extra: launches on the same inputs between the two runs that are compared bitwise */
+static void test_shape(int B, int NH, int T, int HD, int extra = 0) {
     const int C = NH * HD;
     const size_t nqkv = (size_t)B * T * 3 * C, nout = (size_t)B * T * C, nlse = (size_t)B * NH * T;
-    char name[96];
-    snprintf(name, sizeof name, "attn_wgmma B=%d NH=%d T=%d HD=%d", B, NH, T, HD);
+    char name[128];
+    snprintf(name, sizeof name, "attn_wgmma B=%d NH=%d T=%d HD=%d%s%s", B, NH, T, HD, grid_mode ? " grid=" : "",
+             grid_mode ? grid_mode : "");
 
     uint16_t *h_qkv = (uint16_t *)malloc(nqkv * 2);
     for (size_t i = 0; i < nqkv; i++) h_qkv[i] = bf16_round((float)nrand());
@@ -156,15 +170,18 @@ static void test_shape(int B, int NH, int T, int HD) {
                rl[worst]);
     report(guards_intact(ho, hl, nout, nlse), "%s: nothing written past out and lse", name);
 
-    /* a second run over NaN: bitwise the same */
+    /* a second run over NaN (after `extra` more): bitwise the same */
     uint16_t *ho2 = (uint16_t *)malloc(nout * 2);
     float *hl2 = (float *)malloc(nlse * 4);
+    for (int i = 0; i < extra; i++) attn_wgmma_forward(w.out, w.lse, qkv, B, T, NH, HD, NULL);
+    SYNC();
     outs_poison(w, nout, nlse);
     attn_wgmma_forward(w.out, w.lse, qkv, B, T, NH, HD, NULL);
     SYNC();
     CK(cudaMemcpy(ho2, w.out, nout * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hl2, w.lse, nlse * 4, cudaMemcpyDeviceToHost));
-    report(!memcmp(ho, ho2, nout * 2) && !memcmp(hl, hl2, nlse * 4), "%s: two runs bitwise equal", name);
+    report(!memcmp(ho, ho2, nout * 2) && !memcmp(hl, hl2, nlse * 4), "%s: two runs bitwise equal%s", name,
+           extra ? " (launches between)" : "");
 
     free(h_qkv), free(ho), free(ro), free(hl), free(rl), free(ho2), free(hl2);
     cudaFree(qkv), cudaFree(w.out), cudaFree(w.lse), cudaFree(r.out), cudaFree(r.lse);
@@ -278,8 +295,8 @@ static float time_one(int which, void *out, float *lse, const void *qkv, int B, 
 #define MAX_PERF 16
 static struct {
     int B, NH, T, HD;
-    float mw, mo; /* ms; mw < 0: wgmma not run */
-    double tw, to; /* TFLOP/s */
+    float mw, mb, mo; /* ms (wgmma persistent, wgmma one block per item, own); mw < 0: wgmma not run */
+    double tw, tb, to; /* TFLOP/s */
 } perf_rows[MAX_PERF];
 static int n_perf;
 
@@ -298,20 +315,24 @@ static void time_shape(int B, int NH, int T, int HD) {
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     const float mw = why ? -1.f : time_one(0, out, lse, qkv, B, T, NH, HD, e0, e1);
+    set_grid("blocks");
+    const float mb = why ? -1.f : time_one(0, out, lse, qkv, B, T, NH, HD, e0, e1);
+    set_grid(NULL);
     const float mo = time_one(1, out, lse, qkv, B, T, NH, HD, e0, e1);
     const double fl = 4.0 * B * NH * (double)T * T * HD / 2;
     if (why)
         printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma skipped (%s), own (attn_bf16) %.4f ms %.1f TFLOP/s\n", B,
                NH, T, HD, why, mo, fl / mo * 1e-9);
     else
-        printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma %.1f TFLOP/s (%.4f ms), own (attn_bf16) %.1f TFLOP/s "
-               "(%.4f ms), speed-up %.2fx\n",
-               B, NH, T, HD, fl / mw * 1e-9, mw, fl / mo * 1e-9, mo, mo / mw);
+        printf("perf forward B=%d NH=%d T=%d HD=%d: wgmma %.1f TFLOP/s (%.4f ms), wgmma grid=blocks %.1f TFLOP/s "
+               "(%.4f ms), own (attn_bf16) %.1f TFLOP/s (%.4f ms), speed-up %.2fx\n",
+               B, NH, T, HD, fl / mw * 1e-9, mw, fl / mb * 1e-9, mb, fl / mo * 1e-9, mo, mo / mw);
     fflush(stdout);
     if (n_perf < MAX_PERF) {
         perf_rows[n_perf].B = B, perf_rows[n_perf].NH = NH, perf_rows[n_perf].T = T, perf_rows[n_perf].HD = HD;
-        perf_rows[n_perf].mw = mw, perf_rows[n_perf].mo = mo;
-        perf_rows[n_perf].tw = why ? 0 : fl / mw * 1e-9, perf_rows[n_perf].to = fl / mo * 1e-9;
+        perf_rows[n_perf].mw = mw, perf_rows[n_perf].mb = mb, perf_rows[n_perf].mo = mo;
+        perf_rows[n_perf].tw = why ? 0 : fl / mw * 1e-9, perf_rows[n_perf].tb = why ? 0 : fl / mb * 1e-9;
+        perf_rows[n_perf].to = fl / mo * 1e-9;
         n_perf++;
     }
     cudaEventDestroy(e0), cudaEventDestroy(e1);
@@ -363,9 +384,17 @@ int main(int argc, char **argv) {
                 if (T >= 4096) test_shape(1, 2, T, HDs[hi]);
                 else test_shape(2, 3, T, HDs[hi]);
             }
-            /* more work items (query tiles x heads) than SMs: several waves of blocks (and, in a
-             * persistent grid, several items a block, of different heads and lengths) */
+            /* more work items (query tiles x heads) than SMs: the persistent grid's blocks take
+             * several, of different heads and lengths, from the dynamic scheduler; 70 launches
+             * before the second run (more than its 64 counter slots: each must be left reset) */
+            test_shape(4, 8, 2048, HDs[hi], 70);
+            test_shape(2, 12, 1000, HDs[hi]);
+            /* one block per item (several waves of blocks) */
+            set_grid("blocks");
             test_shape(4, 8, 2048, HDs[hi]);
+            test_shape(2, 12, 1000, HDs[hi]);
+            test_shape(1, 2, 4096, HDs[hi]);
+            set_grid(NULL);
         }
     }
     if (perf) {
@@ -376,14 +405,14 @@ int main(int argc, char **argv) {
         time_shape(8, 8, 4096, 64);
         time_shape(8, 16, 4096, 64);
         printf("perf summary (causal forward, TFLOP/s = 2 B NH T^2 HD / time):\n");
-        printf("perf   B  NH      T   HD   wgmma TFLOP/s   own TFLOP/s   speed-up\n");
+        printf("perf   B  NH      T   HD   wgmma TFLOP/s   wgmma grid=blocks   own TFLOP/s   speed-up\n");
         for (int i = 0; i < n_perf; i++) {
             if (perf_rows[i].mw < 0)
-                printf("perf %3d %3d %6d %4d   %13s   %11.1f   %8s\n", perf_rows[i].B, perf_rows[i].NH, perf_rows[i].T,
-                       perf_rows[i].HD, "skipped", perf_rows[i].to, "-");
+                printf("perf %3d %3d %6d %4d   %13s   %17s   %11.1f   %8s\n", perf_rows[i].B, perf_rows[i].NH,
+                       perf_rows[i].T, perf_rows[i].HD, "skipped", "skipped", perf_rows[i].to, "-");
             else
-                printf("perf %3d %3d %6d %4d   %13.1f   %11.1f   %7.2fx\n", perf_rows[i].B, perf_rows[i].NH,
-                       perf_rows[i].T, perf_rows[i].HD, perf_rows[i].tw, perf_rows[i].to,
+                printf("perf %3d %3d %6d %4d   %13.1f   %17.1f   %11.1f   %7.2fx\n", perf_rows[i].B, perf_rows[i].NH,
+                       perf_rows[i].T, perf_rows[i].HD, perf_rows[i].tw, perf_rows[i].tb, perf_rows[i].to,
                        perf_rows[i].mo / perf_rows[i].mw);
         }
     }

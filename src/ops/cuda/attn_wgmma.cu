@@ -14,6 +14,14 @@
  * query tiles of all its heads come first, then the next ones: the blocks in flight at a time are
  * many query tiles of few heads, which read the same K and V. (Before: heaviest-first over all
  * heads, at most ~2 blocks a head in flight at T = 4096, about 1 at T = 1024.)
+ * Persistent grid with a dynamic scheduler (FA3's DynamicPersistentTileScheduler): min(#SMs, work
+ * items) blocks; each starts on one item and its producer then takes the next item of that order
+ * from an atomic counter, broadcasting it to the consumers through shared memory under the Q
+ * barrier (a static assignment, serpentine, lost 20-25% at long T on an H100: fixed shares of
+ * triangular work do not come out level). The producer loads the next item's Q as soon as both
+ * consumers' last S GEMM on the current Q is done (mbarrier qempty), and its first key tiles as
+ * soon as ring stages free up, so a new item's load latency hides behind the last softmax, P V and
+ * epilogue of the current one. MESHTRAIN_WGMMA_GRID=blocks: one block per item instead.
  *
  * Two consumer warpgroups and a producer warpgroup: 384 threads, one block per SM.
  *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
@@ -46,9 +54,12 @@
  * other's GEMMs hold the tensor cores, instead of both exponentiating at the same time. At HD 64
  * a tile's ex2 (128 x 128 on 16 a clock per SM) take as long as its GEMMs.
  *
- * Synchronisation: mbarriers. qfull (TMA bytes of Q), kfull[s] / vfull[s] (TMA bytes of the K / V
- * tile in stage s), empty[s] (NCONSUMER = 256 arrivals: every consumer thread, after the wgmmas that read
- * stage s have completed). A waiter on a barrier used for the u-th time waits for phase parity u & 1.
+ * Synchronisation: mbarriers. qfull (TMA bytes of Q, and the work item in shared memory; with no
+ * bytes when no item is left), qempty (NCONSUMER arrivals: Q and the item may be overwritten),
+ * kfull[s] / vfull[s] (TMA bytes of the K / V tile in stage s), empty[s] (NCONSUMER = 256 arrivals:
+ * every consumer thread, after the wgmmas that read stage s have completed). A waiter on a barrier
+ * used for the u-th time waits for phase parity u & 1; the ring position (stage, parity) runs on
+ * across a block's work items.
  *
  * Shared memory layout (base aligned to 1024 bytes, as the 128-byte swizzle needs):
  *   a "tile" is 128 rows (tokens) x HD bf16, stored as HD/64 column panels; panel p holds columns
@@ -93,6 +104,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BM 128       /* query rows per block: 2 consumer warpgroups x 64 */
 #define BN 128       /* keys per tile */
@@ -366,21 +378,35 @@ static __device__ __forceinline__ void tile_coords(int x, int nqt, int BH, int s
     bh = sec * swz + in % nh;
 }
 
-/* grid: nqt * BH blocks; block x -> tile_coords */
+/* The dynamic scheduler of the persistent grid (FlashAttention-3's DynamicPersistentTileScheduler):
+ * block c starts on work item c; its producer then takes the next items from a counter in global
+ * memory (atomicAdd: the k-th fetch of the launch, over all blocks, gets item G + k), so a block
+ * that finishes early takes the next item in the order (heaviest first inside an L2 section)
+ * instead of a share fixed up front. The k-th fetch returns k, and the launch makes exactly total
+ * fetches (total - G that get an item, one per block that gets none), so the counter pair of a
+ * launch is left as it started (0, 0) if the last block to finish resets it: its producer counts
+ * the blocks out on the second counter and the last one zeroes both. A launch takes one of SCHED_SLOTS
+ * pairs round-robin, so launches in flight at the same time on different streams (up to
+ * SCHED_SLOTS of them) do not share a counter. With one block per item (G = total) no block fetches. */
+#define SCHED_SLOTS 64
+__device__ unsigned attn_wgmma_sched[2 * SCHED_SLOTS];
+
+/* grid: G blocks (min(#SMs, nqt * BH): persistent, or nqt * BH: one item a block); block c does
+ * items c, then those its producer fetches from sched (the scheduler above), until none is left.
+ * Item x -> tile_coords. */
 template <int HD>
 __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see the top */
     attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
-                          int T, int NH, int BH, int nqt, int swz, float scale2) {
+                          unsigned *__restrict__ sched, int T, int NH, int BH, int nqt, int swz, float scale2) {
 #ifdef WGMMA_DEVICE
     extern __shared__ unsigned char smem_raw[];
-    __shared__ __align__(8) uint64_t bars[1 + 3 * STAGES];
+    __shared__ __align__(8) uint64_t bars[2 + 3 * STAGES];
+    __shared__ int item; /* the current work item (producer -> consumers; -1: none left), under qfull */
     constexpr uint32_t TILE = (uint32_t)tile_bytes(HD);
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    int qt, bh;
-    tile_coords((int)blockIdx.x, nqt, BH, swz, qt, bh);
-    const int b = bh / NH, h = bh % NH, C = NH * HD;
-    const int nkv = qt + 1; /* key tiles qt (the diagonal), qt - 1, ..., 0 */
+    const int C = NH * HD, total = nqt * BH, G = (int)gridDim.x;
     const uint32_t qfull = smem_u32(&bars[0]);
+#define QEMPTY (qfull + 8u * (1u + 3u * STAGES))
 #define KFULL(s) (qfull + 8u * (1u + (uint32_t)(s)))
 #define VFULL(s) (qfull + 8u * (1u + STAGES + (uint32_t)(s)))
 #define EMPTY(s) (qfull + 8u * (1u + 2 * STAGES + (uint32_t)(s)))
@@ -389,6 +415,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
 
     if (threadIdx.x == 0) {
         mbar_init(qfull, 1);
+        mbar_init(QEMPTY, NCONSUMER);
         for (int s = 0; s < STAGES; s++) mbar_init(KFULL(s), 1), mbar_init(VFULL(s), 1), mbar_init(EMPTY(s), NCONSUMER);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -401,20 +428,49 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         if constexpr (HD == 128) setmaxnreg_dec<PRODREGS>(); /* all 4 warps, converged */
         if (threadIdx.x == NCONSUMER) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tm) : "memory");
-            mbar_expect_tx(qfull, TILE);
+            const bool fetch = G < total; /* else every fetch would come back empty: skip them */
+            int x = (int)blockIdx.x;
+            int g = 0; /* key tiles loaded so far by this block (all work items): ring position */
+            for (int j = 0;; j++) {
+                /* the item slot and Q are free once every consumer's last S GEMM on the previous
+                 * item's Q is done (its softmax, P V and epilogue still run while this Q and the
+                 * first K, V load) */
+                if (j > 0) mbar_wait(QEMPTY, (uint32_t)((j - 1) & 1));
+                if (x >= total) { /* none left: tell the consumers (qfull completes with no bytes) */
+                    item = -1;
+                    mbar_arrive(qfull);
+                    break;
+                }
+                item = x; /* released to the consumers by the arrive below, acquired by their wait */
+                int qt, bh;
+                tile_coords(x, nqt, BH, swz, qt, bh);
+                const int b = bh / NH, h = bh % NH;
+                mbar_expect_tx(qfull, TILE);
 #pragma unroll
-            for (int p = 0; p < HD / 64; p++) tma_load(base + p * PANEL, &tm, h * HD + 64 * p, qt * BM, b, qfull);
-            for (int i = 0; i < nkv; i++) {
-                const int s = i % STAGES, n = qt - i;
-                if (i >= STAGES) mbar_wait(EMPTY(s), (uint32_t)((i / STAGES - 1) & 1));
-                mbar_expect_tx(KFULL(s), TILE);
+                for (int p = 0; p < HD / 64; p++) tma_load(base + p * PANEL, &tm, h * HD + 64 * p, qt * BM, b, qfull);
+                for (int i = 0; i <= qt; i++, g++) {
+                    const int s = g % STAGES, n = qt - i;
+                    if (g >= STAGES) mbar_wait(EMPTY(s), (uint32_t)((g / STAGES - 1) & 1));
+                    mbar_expect_tx(KFULL(s), TILE);
 #pragma unroll
-                for (int p = 0; p < HD / 64; p++)
-                    tma_load(KTILE(s) + p * PANEL, &tm, C + h * HD + 64 * p, n * BN, b, KFULL(s));
-                mbar_expect_tx(VFULL(s), TILE);
+                    for (int p = 0; p < HD / 64; p++)
+                        tma_load(KTILE(s) + p * PANEL, &tm, C + h * HD + 64 * p, n * BN, b, KFULL(s));
+                    mbar_expect_tx(VFULL(s), TILE);
 #pragma unroll
-                for (int p = 0; p < HD / 64; p++)
-                    tma_load(VTILE(s) + p * PANEL, &tm, 2 * C + h * HD + 64 * p, n * BN, b, VFULL(s));
+                    for (int p = 0; p < HD / 64; p++)
+                        tma_load(VTILE(s) + p * PANEL, &tm, 2 * C + h * HD + 64 * p, n * BN, b, VFULL(s));
+                }
+                /* the next item, fetched once this one's last loads are issued (the consumers have
+                 * about STAGES key tiles left of it): late enough that the block that frees up
+                 * first takes it, early enough that the atomic's latency hides */
+                x = fetch ? G + (int)atomicAdd(&sched[0], 1u) : total;
+            }
+            if (fetch) { /* this block's fetches are done: count it out; the last one resets the pair */
+                __threadfence();
+                if (atomicAdd(&sched[1], 1u) == (unsigned)G - 1u) {
+                    atomicExch(&sched[0], 0u);
+                    atomicExch(&sched[1], 0u);
+                }
             }
         }
     } else { /* ---------------- consumer warpgroups ---------------- */
@@ -423,97 +479,116 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         const int g = lane >> 2, t = lane & 3;
         const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
         const uint32_t qa = base + (uint32_t)cw * 64u * 128u;
+        int kv = 0; /* key tiles consumed so far by this block (all work items): ring position */
         /* ping-pong: the warpgroups take turns issuing their GEMMs, warpgroup 0 first; each turn is
-         * one named-barrier round (sync on mine, arrive on the other's), nkv + 1 in both warpgroups;
-         * warpgroup 1's last pass is left unmatched at exit */
+         * one named-barrier round (sync on mine, arrive on the other's), nkv + 1 per item in both
+         * warpgroups, so the turns stay paired across items; warpgroup 1's last pass is left
+         * unmatched at exit */
         if (cw == 1) turn_pass(1); /* warpgroup 0 goes first */
 
-        float s[64], o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-        uint32_t p[BN / 16][4];
-#pragma unroll
-        for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
+        for (int j = 0;; j++) {
+            consumer_wait(qfull, (uint32_t)(j & 1));
+            const int x = item;
+            if (x < 0) break;
+            int qt, bh;
+            tile_coords(x, nqt, BH, swz, qt, bh);
+            const int b = bh / NH, h = bh % NH, nkv = qt + 1; /* key tiles qt (the diagonal), ..., 0 */
 
-        consumer_wait(qfull, 0);
-        /* tile 0 of the walk: the diagonal, masked */
-        consumer_wait(KFULL(0), 0);
-        fence_regs(s);
-        turn_wait(cw); /* my turn on the tensor cores */
-        wgmma_fence();
-        issue_qk<HD>(s, qa, KTILE(0));
-        wgmma_commit();
-        turn_pass(cw); /* the other warpgroup's turn */
-        wgmma_wait<0>();
-        fence_regs(s);
+            float s[64], o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+            uint32_t p[BN / 16][4];
 #pragma unroll
-        for (int c = 0; c < BN / 8; c++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                if (8 * c + 2 * t + (e & 1) > rloc + 8 * (e >> 1)) s[4 * c + e] = -INFINITY;
-        softmax_tile(s, m, l, alpha, scale2);
-        p_to_bf16(p, s);
+            for (int i = 0; i < HD / 2; i++) o[i] = 0.f;
 
-        for (int i = 1; i < nkv; i++) {
-            const int st = i % STAGES, ps = (i - 1) % STAGES;
-            consumer_wait(KFULL(st), (uint32_t)((i / STAGES) & 1));
-            consumer_wait(VFULL(ps), (uint32_t)(((i - 1) / STAGES) & 1));
-            fence_regs(s);
-            fence_regs(o);
-            turn_wait(cw);
-            wgmma_fence();
-            issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
-            wgmma_commit();
-            issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
-            wgmma_commit();
-            turn_pass(cw);
-            wgmma_wait<1>(); /* S done; P V may still run */
-            fence_regs(s);
-            softmax_tile(s, m, l, alpha, scale2);
-            wgmma_wait<0>(); /* P V done: stage ps is free, p and o may be touched */
-            fence_regs(o);
-            mbar_arrive(EMPTY(ps));
-#pragma unroll
-            for (int c = 0; c < HD / 8; c++) {
-                o[4 * c] *= alpha[0], o[4 * c + 1] *= alpha[0];
-                o[4 * c + 2] *= alpha[1], o[4 * c + 3] *= alpha[1];
+            /* tile 0 of the walk: the diagonal, masked */
+            {
+                const int st = kv % STAGES;
+                consumer_wait(KFULL(st), (uint32_t)((kv / STAGES) & 1));
+                fence_regs(s);
+                turn_wait(cw); /* my turn on the tensor cores */
+                wgmma_fence();
+                issue_qk<HD>(s, qa, KTILE(st));
+                wgmma_commit();
+                turn_pass(cw); /* the other warpgroup's turn */
+                wgmma_wait<0>();
+                fence_regs(s);
+                if (nkv == 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
             }
+#pragma unroll
+            for (int c = 0; c < BN / 8; c++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (8 * c + 2 * t + (e & 1) > rloc + 8 * (e >> 1)) s[4 * c + e] = -INFINITY;
+            softmax_tile(s, m, l, alpha, scale2);
             p_to_bf16(p, s);
-        }
-        {
-            const int ls = (nkv - 1) % STAGES;
-            consumer_wait(VFULL(ls), (uint32_t)(((nkv - 1) / STAGES) & 1));
-            fence_regs(o);
-            turn_wait(cw);
-            wgmma_fence();
-            issue_pv<HD>(o, p, VTILE(ls));
-            wgmma_commit();
-            turn_pass(cw);
-            wgmma_wait<0>();
-            fence_regs(o);
-        }
 
-        /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
-        bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
+            for (int i = 1; i < nkv; i++) {
+                const int gi = kv + i, st = gi % STAGES, ps = (gi - 1) % STAGES;
+                consumer_wait(KFULL(st), (uint32_t)((gi / STAGES) & 1));
+                consumer_wait(VFULL(ps), (uint32_t)(((gi - 1) / STAGES) & 1));
+                fence_regs(s);
+                fence_regs(o);
+                turn_wait(cw);
+                wgmma_fence();
+                issue_qk<HD>(s, qa, KTILE(st)); /* S of tile i */
+                wgmma_commit();
+                issue_pv<HD>(o, p, VTILE(ps)); /* O += P V of tile i - 1 */
+                wgmma_commit();
+                turn_pass(cw);
+                wgmma_wait<1>(); /* S done; P V may still run */
+                fence_regs(s);
+                if (i == nkv - 1) mbar_arrive(QEMPTY); /* the last S GEMM on this Q is done */
+                softmax_tile(s, m, l, alpha, scale2);
+                wgmma_wait<0>(); /* P V done: stage ps is free, p and o may be touched */
+                fence_regs(o);
+                mbar_arrive(EMPTY(ps));
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-            const float inv = 1.f / l[r];
-            const int row = qt * BM + rloc + 8 * r;
-            if (row < T) {
-                if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
-                uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
+                for (int c = 0; c < HD / 8; c++) {
+                    o[4 * c] *= alpha[0], o[4 * c + 1] *= alpha[0];
+                    o[4 * c + 2] *= alpha[1], o[4 * c + 3] *= alpha[1];
+                }
+                p_to_bf16(p, s);
+            }
+            {
+                const int gl = kv + nkv - 1, ls = gl % STAGES;
+                consumer_wait(VFULL(ls), (uint32_t)((gl / STAGES) & 1));
+                fence_regs(o);
+                turn_wait(cw);
+                wgmma_fence();
+                issue_pv<HD>(o, p, VTILE(ls));
+                wgmma_commit();
+                turn_pass(cw);
+                wgmma_wait<0>();
+                fence_regs(o);
+                mbar_arrive(EMPTY(ls)); /* the next work item's key tiles reuse the stage */
+            }
+            kv += nkv;
+
+            /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
+            bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
 #pragma unroll
-                for (int c = 0; c < HD / 8; c++) dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+            for (int r = 0; r < 2; r++) {
+                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+                const float inv = 1.f / l[r];
+                const int row = qt * BM + rloc + 8 * r;
+                if (row < T) {
+                    if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
+                    uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
+#pragma unroll
+                    for (int c = 0; c < HD / 8; c++)
+                        dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+                }
             }
         }
     }
+#undef QEMPTY
 #undef KFULL
 #undef VFULL
 #undef EMPTY
 #undef KTILE
 #undef VTILE
 #else
-    (void)tm, (void)out, (void)lse, (void)T, (void)NH, (void)BH, (void)nqt, (void)swz, (void)scale2;
+    (void)tm, (void)out, (void)lse, (void)sched, (void)T, (void)NH, (void)BH, (void)nqt, (void)swz, (void)scale2;
     __trap(); /* built for a target without wgmma */
 #endif
 }
@@ -594,8 +669,33 @@ extern "C" const char *attn_wgmma_unlaunchable(int HD) {
 template <int HD>
 static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, int NH, cudaStream_t st) {
     const int nqt = (T + BM - 1) / BM, BH = B * NH;
-    const unsigned long long grid = (unsigned long long)nqt * (unsigned long long)BH;
-    if (grid > 0x7fffffffull) wg_die("wgmma forward", "grid too large");
+    const unsigned long long total = (unsigned long long)nqt * (unsigned long long)BH;
+    if (total > 0x3fffffffull) wg_die("wgmma forward", "too many tiles"); /* G + fetches stay < 2^31 */
+    int dev = 0, nsm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || nsm < 1)
+        wg_die("wgmma forward", "no multiprocessor count");
+    /* MESHTRAIN_WGMMA_GRID (benchmark knob): "persistent" (the default: min(#SMs, items) blocks,
+     * dynamic scheduler) or "blocks" (one block per work item, the hardware's block scheduler);
+     * read at every launch so that a benchmark can switch it */
+    const char *mode = getenv("MESHTRAIN_WGMMA_GRID");
+    int persistent = 1;
+    if (mode && *mode) {
+        if (!strcmp(mode, "blocks")) persistent = 0;
+        else if (strcmp(mode, "persistent"))
+            wg_die("wgmma forward", "MESHTRAIN_WGMMA_GRID is neither persistent nor blocks");
+    }
+    const unsigned grid = persistent && total > (unsigned long long)nsm ? (unsigned)nsm : (unsigned)total;
+    /* the scheduler's counter pair for this launch (see attn_wgmma_sched), round-robin */
+    static unsigned *sched_base[64];
+    unsigned *sched = NULL;
+    if (grid < total) {
+        if (dev < 0 || dev >= 64) wg_die("wgmma forward", "device index past 63");
+        if (!sched_base[dev] && cudaGetSymbolAddress((void **)&sched_base[dev], attn_wgmma_sched) != cudaSuccess)
+            wg_die("wgmma forward", "no address of the scheduler's counters");
+        static unsigned next_slot;
+        sched = sched_base[dev] + 2 * (__atomic_fetch_add(&next_slot, 1u, __ATOMIC_RELAXED) % SCHED_SLOTS);
+    }
     const size_t smem = smem_bytes(HD);
     const char *why = prepare<HD>();
     if (why) wg_die(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128", why);
@@ -605,7 +705,7 @@ static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, i
     int swz = 1;
     while (swz < BH && (size_t)swz * 2 * kv_head <= l2) swz *= 2;
     attn_wgmma_fwd_kernel<HD>
-        <<<(unsigned)grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, T, NH, BH, nqt, swz, scale2);
+        <<<grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, sched, T, NH, BH, nqt, swz, scale2);
     wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");
 }
 
