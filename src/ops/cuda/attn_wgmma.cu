@@ -53,6 +53,12 @@
  * 2: wait for my turn, issue, pass the turn), so one's softmax (the MUFU's ex2) runs while the
  * other's GEMMs hold the tensor cores, instead of both exponentiating at the same time. At HD 64
  * a tile's ex2 (128 x 128 on 16 a clock per SM) take as long as its GEMMs.
+ * Epilogue: each consumer warpgroup writes its O / l rows (bf16) into its half of a staging tile
+ * in shared memory (the 128-byte swizzle: conflict-free 4-byte stores) and one of its threads
+ * stores them with TMA (64 rows x 64 columns a box, rows past T clipped by the hardware) instead
+ * of 4-byte global stores from registers (8 rows x 16 bytes per warp instruction); the next
+ * item's epilogue first waits until those stores have read the tile (a dedicated tile: Q's buffer
+ * already holds the next item's Q in the persistent grid).
  *
  * Synchronisation: mbarriers. qfull (TMA bytes of Q, and the work item in shared memory; with no
  * bytes when no item is left), qempty (NCONSUMER arrivals: Q and the item may be overwritten),
@@ -70,6 +76,9 @@
  *     [0, TILE)                         Q tile
  *     [TILE * (1 + 2s), + TILE)         K tile of stage s
  *     [TILE * (2 + 2s), + TILE)         V tile of stage s
+ *     [TILE * (1 + 2 STAGES), + TILE)   O staging tile of the epilogue: consumer warpgroup cw's 64
+ *                                       rows at + cw * TILE / 2, as HD/64 panels of 64 rows x 128 B
+ *                                       (8 KiB each), same swizzle: the TMA store's boxes
  *   TILE = 128 * HD * 2 bytes.
  *
  * Matrix descriptors (bits 0-13 start >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 = 1: 128B swizzle):
@@ -126,7 +135,8 @@
 typedef __nv_bfloat16 bf16;
 
 static constexpr __host__ __device__ size_t tile_bytes(int HD) { return (size_t)BM * HD * 2; }
-static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (1 + 2 * STAGES) + 1024; /* + alignment */ }
+/* Q, STAGES x (K, V), the O staging tile, + alignment */
+static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (2 + 2 * STAGES) + 1024; }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WGMMA_DEVICE 1
@@ -189,6 +199,22 @@ static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap 
         : "memory");
 }
 
+/* TMA store: box (64 columns, 64 rows, 1) from shared src (128-byte swizzled) to the 3-D tensor map
+ * at (c0, c1, c2), in this thread's bulk async-group; rows past the tensor's end are not written */
+static __device__ __forceinline__ void tma_store(const CUtensorMap *tm, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                     (uint64_t)tm),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
+}
+static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* wait until this thread's bulk async-groups have finished reading their shared-memory sources */
+static __device__ __forceinline__ void bulk_wait_read(void) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit(void) {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -396,8 +422,9 @@ __device__ unsigned attn_wgmma_sched[2 * SCHED_SLOTS];
  * Item x -> tile_coords. */
 template <int HD>
 __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see the top */
-    attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, bf16 *__restrict__ out, float *__restrict__ lse,
-                          unsigned *__restrict__ sched, int T, int NH, int BH, int nqt, int swz, float scale2) {
+    attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, const __grid_constant__ CUtensorMap tmo,
+                          float *__restrict__ lse, unsigned *__restrict__ sched, int T, int NH, int BH, int nqt,
+                          int swz, float scale2) {
 #ifdef WGMMA_DEVICE
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 + 3 * STAGES];
@@ -428,6 +455,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         if constexpr (HD == 128) setmaxnreg_dec<PRODREGS>(); /* all 4 warps, converged */
         if (threadIdx.x == NCONSUMER) {
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tm) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tmo) : "memory");
             const bool fetch = G < total; /* else every fetch would come back empty: skip them */
             int x = (int)blockIdx.x;
             int g = 0; /* key tiles loaded so far by this block (all work items): ring position */
@@ -479,6 +507,11 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         const int g = lane >> 2, t = lane & 3;
         const int rloc = cw * 64 + warp * 16 + g; /* this thread's rows in the tile: rloc, rloc + 8 */
         const uint32_t qa = base + (uint32_t)cw * 64u * 128u;
+        /* this warpgroup's half of the O staging tile; the thread's 4-byte pieces of row
+         * warp * 16 + g (+ 8) at 16-byte chunk (c % 8) ^ g of panel c / 8: conflict-free stores */
+        const uint32_t oa = base + TILE * (1u + 2u * STAGES) + (uint32_t)cw * (TILE / 2u) +
+                            (uint32_t)(warp * 16 + g) * 128u + 4u * (uint32_t)t;
+        const bool issuer = (ct & 127) == 0; /* issues this warpgroup's TMA stores */
         int kv = 0; /* key tiles consumed so far by this block (all work items): ring position */
         /* ping-pong: the warpgroups take turns issuing their GEMMs, warpgroup 0 first; each turn is
          * one named-barrier round (sync on mine, arrive on the other's), nkv + 1 per item in both
@@ -563,23 +596,36 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
             }
             kv += nkv;
 
-            /* epilogue: O / l -> out (bf16), lse = (m + log2 l) ln 2 */
-            bf16 *og = out + (size_t)b * T * C + (size_t)h * HD;
+            /* epilogue: O / l (bf16) -> the staging tile -> out by TMA stores (rows past T are
+             * not written), lse = (m + log2 l) ln 2 from registers */
+            if (issuer) bulk_wait_read(); /* the previous item's stores have read the staging tile */
+            if (cw == 0) named_sync<3, 128>();
+            else named_sync<4, 128>();
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
                 l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
                 const float inv = 1.f / l[r];
                 const int row = qt * BM + rloc + 8 * r;
-                if (row < T) {
-                    if (t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
-                    uint32_t *dst = (uint32_t *)(og + (size_t)row * C + 2 * t);
+                if (row < T && t == 0) lse[(size_t)bh * T + row] = m[r] * LN2 + logf(l[r]);
 #pragma unroll
-                    for (int c = 0; c < HD / 8; c++)
-                        dst[4 * c] = pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
-                }
+                for (int c = 0; c < HD / 8; c++)
+                    st_shared_u32(oa + (uint32_t)(c / 8) * 8192u + (uint32_t)r * 1024u +
+                                      (uint32_t)(((c % 8) ^ g) << 4),
+                                  pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv));
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* visible to the TMA */
+            if (cw == 0) named_sync<3, 128>();
+            else named_sync<4, 128>();
+            if (issuer) {
+#pragma unroll
+                for (int p = 0; p < HD / 64; p++)
+                    tma_store(&tmo, base + TILE * (1u + 2u * STAGES) + (uint32_t)cw * (TILE / 2u) + (uint32_t)p * 8192u,
+                              h * HD + 64 * p, qt * BM + cw * 64, b);
+                bulk_commit();
             }
         }
+        if (issuer) bulk_wait_read(); /* the staging tile stays valid until the last stores read it */
     }
 #undef QEMPTY
 #undef KFULL
@@ -588,7 +634,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
 #undef KTILE
 #undef VTILE
 #else
-    (void)tm, (void)out, (void)lse, (void)sched, (void)T, (void)NH, (void)BH, (void)nqt, (void)swz, (void)scale2;
+    (void)tm, (void)tmo, (void)lse, (void)sched, (void)T, (void)NH, (void)BH, (void)nqt, (void)swz, (void)scale2;
     __trap(); /* built for a target without wgmma */
 #endif
 }
@@ -667,7 +713,7 @@ extern "C" const char *attn_wgmma_unlaunchable(int HD) {
 }
 
 template <int HD>
-static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, int NH, cudaStream_t st) {
+static void launch(const CUtensorMap &tm, const CUtensorMap &tmo, float *lse, int B, int T, int NH, cudaStream_t st) {
     const int nqt = (T + BM - 1) / BM, BH = B * NH;
     const unsigned long long total = (unsigned long long)nqt * (unsigned long long)BH;
     if (total > 0x3fffffffull) wg_die("wgmma forward", "too many tiles"); /* G + fetches stay < 2^31 */
@@ -705,7 +751,7 @@ static void launch(const CUtensorMap &tm, void *out, float *lse, int B, int T, i
     int swz = 1;
     while (swz < BH && (size_t)swz * 2 * kv_head <= l2) swz *= 2;
     attn_wgmma_fwd_kernel<HD>
-        <<<grid, NTHREADS, smem, st>>>(tm, (bf16 *)out, lse, sched, T, NH, BH, nqt, swz, scale2);
+        <<<grid, NTHREADS, smem, st>>>(tm, tmo, lse, sched, T, NH, BH, nqt, swz, scale2);
     wg_check(HD == 64 ? "attn_wgmma_fwd_hd64" : "attn_wgmma_fwd_hd128");
 }
 
@@ -723,16 +769,26 @@ extern "C" void attn_wgmma_forward(void *out, float *lse, const void *qkv, int B
     const cuuint64_t dims[3] = {C3, (cuuint64_t)T, (cuuint64_t)B};
     const cuuint64_t strides[2] = {C3 * 2, C3 * 2 * (cuuint64_t)T}; /* bytes, of dims 1 and 2 */
     const cuuint32_t box[3] = {64, BM, 1}, estr[3] = {1, 1, 1};
-    CUtensorMap tm;
-    const CUresult r = encode_tiled()(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)qkv, dims, strides, box, estr,
-                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUtensorMap tm, tmo;
+    CUresult r = encode_tiled()(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)qkv, dims, strides, box, estr,
+                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    /* out as a 3-D tensor: C columns, T rows, B batches; the stores' box is 64 columns x 64 rows
+     * (one consumer warpgroup's rows, one panel); rows past T are not written */
+    const cuuint64_t C1 = (cuuint64_t)NH * (cuuint64_t)HD;
+    const cuuint64_t odims[3] = {C1, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t ostrides[2] = {C1 * 2, C1 * 2 * (cuuint64_t)T};
+    const cuuint32_t obox[3] = {64, BM / 2, 1};
+    if (r == CUDA_SUCCESS)
+        r = encode_tiled()(&tmo, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, odims, ostrides, obox, estr,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         char why[64];
         snprintf(why, sizeof why, "cuTensorMapEncodeTiled returned %d", (int)r);
         wg_die("wgmma forward", why);
     }
     cudaStream_t st = (cudaStream_t)stream;
-    if (HD == 64) launch<64>(tm, out, lse, B, T, NH, st);
-    else launch<128>(tm, out, lse, B, T, NH, st);
+    if (HD == 64) launch<64>(tm, tmo, lse, B, T, NH, st);
+    else launch<128>(tm, tmo, lse, B, T, NH, st);
 }
