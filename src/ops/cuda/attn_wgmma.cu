@@ -26,8 +26,8 @@
  * Two consumer warpgroups and a producer warpgroup: 384 threads, one block per SM.
  *   warps 0-3 and 4-7, the consumers (warpgroups 0 and 1): each owns 64 of the 128 query rows;
  *   warps 8-11, the producer (warpgroup 2): one thread issues the TMA loads (Q once; then K and V
- *     of each key tile into a ring of STAGES shared-memory stages); the other 127 only give their
- *     registers back.
+ *     of each key tile into a ring of STAGES = STAGES_OF(HD) shared-memory stages); the other 127
+ *     only give their registers back.
  * Registers. A block's warps are spread round-robin over the SM's 4 sub-partitions (warp w on
  * w % 4), each holding a quarter of the register file (16,384 32-bit registers, allocated per warp
  * in units of 256, i.e. per thread in units of 8). A block of W warps may therefore use at most
@@ -117,7 +117,10 @@
 
 #define BM 128       /* query rows per block: 2 consumer warpgroups x 64 */
 #define BN 128       /* keys per tile */
-#define STAGES 2     /* (K, V) stages in the shared-memory ring */
+/* (K, V) stages in the shared-memory ring: 2 at HD 128 (6 tiles of 32 KiB with Q and the O staging
+ * tile: 193 KiB), 4 at HD 64 (10 tiles of 16 KiB: 161 KiB), where a key tile's GEMMs are half as
+ * long and the loads have to run further ahead to stay hidden */
+#define STAGES_OF(HD) ((HD) == 64 ? 4 : 2)
 #define NCONSUMER 256 /* 2 consumer warpgroups (threads 0..255) */
 #define NTHREADS 384  /* + 1 producer warpgroup (threads 256..383; one thread issues the TMA loads) */
 /* registers per thread: ptxas caps the kernel at KREGS (__launch_bounds__(384, 1): 65,536 / 384 =
@@ -136,7 +139,7 @@ typedef __nv_bfloat16 bf16;
 
 static constexpr __host__ __device__ size_t tile_bytes(int HD) { return (size_t)BM * HD * 2; }
 /* Q, STAGES x (K, V), the O staging tile, + alignment */
-static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (2 + 2 * STAGES) + 1024; }
+static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (2 + 2 * STAGES_OF(HD)) + 1024; }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WGMMA_DEVICE 1
@@ -426,6 +429,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                           float *__restrict__ lse, unsigned *__restrict__ sched, int T, int NH, int BH, int nqt,
                           int swz, float scale2) {
 #ifdef WGMMA_DEVICE
+    constexpr int STAGES = STAGES_OF(HD);
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 + 3 * STAGES];
     __shared__ int item; /* the current work item (producer -> consumers; -1: none left), under qfull */
