@@ -21,6 +21,7 @@
 #include "ops_cuda.h"
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
+#include "attn_wgmma.h"
 #include "ops.h"
 
 #include <cublasLt.h>
@@ -223,7 +224,7 @@ int cuda_init(int device, char *err, size_t errlen) {
     g.sync_each = s && *s && strcmp(s, "0") != 0;
     s = getenv("MESHTRAIN_ATTN");
     if (cuda_set_attention_mode(s && *s ? s : "auto")) {
-        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det or own", s);
+        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det, own or wgmma", s);
         return -1;
     }
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
@@ -844,14 +845,16 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
- * bitwise reproducible. */
-enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN };
+ * bitwise reproducible. wgmma (being measured, not chosen by auto) = own, except that the forward
+ * runs attn_wgmma.cu's Hopper kernel where it can (bf16, head_dim 64 or 128, compute capability 9.0). */
+enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN, ATT_WGMMA };
 
 int cuda_set_attention_mode(const char *mode) {
     if (!mode || !strcmp(mode, "auto")) g.att_mode = ATT_AUTO;
     else if (!strcmp(mode, "cudnn")) g.att_mode = ATT_CUDNN;
     else if (!strcmp(mode, "cudnn-det")) g.att_mode = ATT_CUDNN_DET;
     else if (!strcmp(mode, "own")) g.att_mode = ATT_OWN;
+    else if (!strcmp(mode, "wgmma")) g.att_mode = ATT_WGMMA;
     else return -1;
     return 0;
 }
@@ -864,7 +867,7 @@ void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
-    if (!g.bf16 || g.att_mode == ATT_OWN) return 0;
+    if (!g.bf16 || g.att_mode == ATT_OWN || g.att_mode == ATT_WGMMA) return 0;
     if (g.att_mode == ATT_AUTO && !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD))) return 0;
     char why[320];
     int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
@@ -878,8 +881,13 @@ static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     return 0;
 }
 
+static int att_wgmma(int HD) {
+    return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
+}
+
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
     size_t ws;
+    if (!backward && att_wgmma(HD)) return "wgmma";
     if (att_cudnn(backward, B, T, NH, HD, &ws)) return "cudnn";
     return g.bf16 && attn_bf16_supported(HD) ? "own" : "generic";
 }
@@ -890,6 +898,11 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     if (al16(out) && al16(lse) && al16(qkv) && att_cudnn(0, B, T, NH, HD, &ws)) {
         if (attn_cudnn_forward(out, lse, qkv, B, T, NH, HD, scratch(ws), (void *)g.stream))
             die(1, "cuda: cuDNN attention forward B=%d T=%d NH=%d HD=%d failed to run", B, T, NH, HD);
+        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+        return;
+    }
+    if (al16(out) && al16(lse) && al16(qkv) && att_wgmma(HD)) {
+        attn_wgmma_forward(out, lse, qkv, B, T, NH, HD, (void *)g.stream);
         if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
         return;
     }
