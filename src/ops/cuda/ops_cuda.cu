@@ -845,8 +845,9 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
- * bitwise reproducible. wgmma (being measured, not chosen by auto) = own, except that the forward
- * runs attn_wgmma.cu's Hopper kernel where it can (bf16, head_dim 64 or 128, compute capability 9.0). */
+ * bitwise reproducible. wgmma (being measured, not yet chosen by auto) = auto, except that the
+ * forward runs attn_wgmma.cu's Hopper kernel where it can (bf16, head_dim 64 or 128, compute
+ * capability 9.0). */
 enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN, ATT_WGMMA };
 
 int cuda_set_attention_mode(const char *mode) {
@@ -865,10 +866,16 @@ void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
 
 /* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
+static int att_wgmma(int HD) {
+    return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
+}
+
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
-    if (!g.bf16 || g.att_mode == ATT_OWN || g.att_mode == ATT_WGMMA) return 0;
-    if (g.att_mode == ATT_AUTO && !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD))) return 0;
+    if (!g.bf16 || g.att_mode == ATT_OWN || (!backward && att_wgmma(HD))) return 0;
+    if ((g.att_mode == ATT_AUTO || g.att_mode == ATT_WGMMA) &&
+        !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD)))
+        return 0;
     char why[320];
     int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
                      : attn_cudnn_forward_plan(B, T, NH, HD, ws, why, sizeof why);
@@ -879,10 +886,6 @@ static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
                 backward ? "backward" : "forward", B, T, NH, HD, why);
     }
     return 0;
-}
-
-static int att_wgmma(int HD) {
-    return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
 }
 
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
