@@ -112,11 +112,11 @@ $(BUILD)/obj/ops/cuda/attn_cudnn.o: $(CUDA_DIR)/attn_cudnn.cu $(CUDA_DIR)/attn_c
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(CUDNN_DEF) $(INC) -c $< -o $@
 
-$(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
+$(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu tests/gpu/cu_report.h $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
 # The wgmma forward against attn_bf16_forward, and both timed (a GPU test program built by nvcc).
-$(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_bf16.h \
+$(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu tests/gpu/cu_report.h $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_bf16.h \
                                     $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma.o \
 	    $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@

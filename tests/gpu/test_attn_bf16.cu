@@ -6,6 +6,7 @@
  * "RESULT <passed> <failed>" last, like tests/test.h.
  * Usage: gpu_test_attn_bf16 [--no-perf] [--small] [--perf-only] [--profile]. */
 #include "attn_bf16.h"
+#include "cu_report.h"
 #include "ops.h" /* bf16_round, bf16_widen */
 
 #include <cuda_bf16.h>
@@ -19,31 +20,6 @@
 
 #define TOL_BF16 2e-2 /* max |x - ref| / max |ref| for bf16 outputs */
 #define TOL_LSE 1e-3  /* max |lse - ref| */
-
-static int n_passed, n_failed;
-
-static void report(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void report(int ok, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf(ok ? "ok   " : "FAIL ");
-    vprintf(fmt, ap);
-    printf("\n");
-    fflush(stdout);
-    va_end(ap);
-    if (ok) n_passed++;
-    else n_failed++;
-}
-
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            printf("RESULT %d %d\n", n_passed, n_failed + 1);                                     \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 
 /* ---------------------------------------------------------------------------------------------- */
 /* host helpers                                                                                    */

@@ -18,6 +18,7 @@
  * only the P V product and V's layout) and once random. */
 #include "attn_bf16.h"
 #include "attn_wgmma.h"
+#include "cu_report.h"
 #include "ops.h" /* bf16_round, bf16_widen */
 
 #include <cuda_bf16.h>
@@ -34,8 +35,6 @@
 #define TOL_LSE 1e-3  /* max |lse - ref| */
 #define GUARD 4096    /* elements past each output's end that must stay untouched */
 
-static int n_passed, n_failed;
-
 /* the wgmma grid (MESHTRAIN_WGMMA_GRID, read by every launch): NULL = the default (persistent) */
 static const char *grid_mode;
 static void set_grid(const char *mode) {
@@ -44,30 +43,6 @@ static void set_grid(const char *mode) {
     else unsetenv("MESHTRAIN_WGMMA_GRID");
 }
 
-static void report(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void report(int ok, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf(ok ? "ok   " : "FAIL ");
-    vprintf(fmt, ap);
-    printf("\n");
-    fflush(stdout);
-    va_end(ap);
-    if (ok) n_passed++;
-    else n_failed++;
-}
-
-/* any CUDA error (a faulting or trapping kernel included): FAIL, the RESULT line, exit 1 */
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            printf("RESULT %d %d\n", n_passed, n_failed + 1);                                     \
-            fflush(stdout);                                                                       \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 #define SYNC()                                                                                    \
     do {                                                                                          \
         CK(cudaGetLastError());                                                                   \
