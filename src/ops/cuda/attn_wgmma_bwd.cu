@@ -14,7 +14,8 @@
  *        dQ_i (+)= dS K (dS^T written to shared memory as bf16, the A operand of an SS wgmma),
  *      dQ_i goes (fp32) through shared memory to the global accumulator by the copy engine's
  *      reduce-add (cp.reduce.async.bulk .add.f32); with `deterministic`, the key tiles of a query
- *      tile add in a fixed order (a semaphore per (bh, query tile) in the workspace).
+ *      tile add in a fixed order (a semaphore per (bh, query tile) in the workspace), the first in
+ *      the order storing instead of adding (so only the semaphores need zeroing there).
  *      dK (times the softmax scale: S = scale Q K^T) and dV are written from registers at the end.
  *   3. postprocess: dQ (fp32, times the scale) -> bf16 into dqkv's q columns (acc: added).
  *
@@ -33,15 +34,19 @@
  * Per query tile, a consumer warpgroup (w: its 64 keys; s = the ring stage of tile i):
  *   wait Q[s]; S^T (m64nBMk16 x HD/16, SS: A = K rows of w, B = Q[s], both K-major); commit
  *   wait dO[s]; dP^T (same, A = V rows, B = dO[s]); commit
- *   wait<1>: P^T from S^T (lse2 from shared memory); wait<0>: dS^T from dP^T (D from shared memory)
- *   P^T, dS^T -> bf16 A fragments in registers; dS^T -> dS[s] in shared memory; fence.proxy.async;
- *     named barrier 1 over both consumer warpgroups (dQ needs the other one's keys too)
- *   dV += P^T dO[s] (m64nHDk16 x BM/16, RS, B = dO MN-major: imm-trans-b); commit
+ *   wait<1>: P^T from S^T (lse2 from shared memory), P^T -> bf16 A fragments;
+ *     HD 128 only: dV += P^T dO[s] (m64nHDk16 x BM/16, RS, B = dO MN-major: imm-trans-b); commit
+ *     (it runs during the next lines; at HD 64 the registers do not allow it: issued after the barrier)
+ *   wait (dP^T done): dS^T from dP^T (D from shared memory) -> bf16 A fragments and -> dS[s] in shared
+ *     memory; fence.proxy.async; named barrier 1 over both consumer warpgroups (dQ needs the other
+ *     one's keys too)
  *   dQ_i = dS K (m64n64k16 x 8, SS, A = dS[s] MN-major: imm-trans-a, B = K MN-major); commit
- *   wait<1> (dV done): release dO[s]; dK += dS^T Q[s] (RS, as dV); commit
+ *   dK += dS^T Q[s] (RS, as dV); commit
+ *   wait<2> (dV done): release dO[s]
  *   wait<1> (dQ done): dQ -> this warpgroup's staging half (after the dQ warp emptied it), signal
  *   wait<0> (dK done): release Q[s]
- * (FA3's order; the tensor cores wait during the exponentials: both warpgroups run the same phase.)
+ * (FA3's order, but for dV's early issue; the tensor cores wait during the exponentials: both
+ * warpgroups run the same phase.)
  *
  * Synchronisation. mbarriers: kvfull (TMA bytes of K and V), qfull[s] / dofull[s] (TMA bytes of Q /
  * dO and the bulk bytes of lse2 / D), qempty[s] / doempty[s] (NCONS = 256 arrivals: every consumer
@@ -247,6 +252,9 @@ __global__ void __launch_bounds__(NTHR, 1)
                 const int i = i0 + n;
                 float *g = dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD);
                 int *sm = sem + (size_t)bh * nq + i;
+                /* deterministic: the first in the order (the diagonal key tile J(i) = i * BM / BN) stores,
+                 * the others add (the accumulator is not zeroed in this mode) */
+                const bool first = det && j == i * BM / BN;
                 if (det) { /* my turn: the key tiles J(i) .. j + 1 have added theirs */
                     if (lane == 0) {
                         sem_wait_eq(sm, i * BM / BN - j);
@@ -256,12 +264,14 @@ __global__ void __launch_bounds__(NTHR, 1)
                 }
                 named_sync<BAR_DQFULL + 0, 160>();
                 if (lane == 0) {
-                    bulk_reduce_add_f32(g, base + K_::OFF_DQ, K_::DQW);
+                    if (first) bulk_store(g, base + K_::OFF_DQ, K_::DQW);
+                    else bulk_reduce_add_f32(g, base + K_::OFF_DQ, K_::DQW);
                     bulk_commit();
                 }
                 named_sync<BAR_DQFULL + 1, 160>();
                 if (lane == 0) {
-                    bulk_reduce_add_f32(g + K_::DQW / 4, base + K_::OFF_DQ + K_::DQW, K_::DQW);
+                    if (first) bulk_store(g + K_::DQW / 4, base + K_::OFF_DQ + K_::DQW, K_::DQW);
+                    else bulk_reduce_add_f32(g + K_::DQW / 4, base + K_::OFF_DQ + K_::DQW, K_::DQW);
                     bulk_commit();
                     if (det) { /* the adds are done (in L2) before the next key tile may start its own */
                         bulk_wait<0>();
@@ -345,8 +355,28 @@ __global__ void __launch_bounds__(NTHR, 1)
                         sa[x] = p;
                     }
             }
-            /* dS^T = P^T (dP^T - D[query]) */
-            wgmma_wait<0>();
+            /* P^T as bf16 A fragments (k16 slice kk = queries 16kk..16kk+15). At HD 128, dV += P^T dO
+             * (M = 64 keys, N = HD, K = BM queries; B = dO MN-major) is issued at once, to run while
+             * dS is computed and written; at HD 64 (BM = 128: S^T and dP^T take 128 registers) that
+             * leaves too few registers (ptxas serializes the wgmmas), so it waits for the barrier. */
+            constexpr bool EARLY_DV = HD == 128;
+            uint32_t pa[BM / 16][4], da[BM / 16][4];
+            if constexpr (EARLY_DV) {
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+                fence_regs(dv);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; kk++)
+                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dP^T done (dV may still run) */
+            } else {
+                wgmma_wait<0>(); /* dP^T done */
+            }
+            /* dS^T = P^T (dP^T - D[query]) (P^T in fp32) */
             fence_regs(dp);
 #pragma unroll
             for (int c = 0; c < BM / 8; c++) {
@@ -357,13 +387,11 @@ __global__ void __launch_bounds__(NTHR, 1)
                     dp[4 * c + 2 * hh + 1] = sa[4 * c + 2 * hh + 1] * (dp[4 * c + 2 * hh + 1] - dd.y);
                 }
             }
-            /* both as bf16 A fragments (k16 slice kk = queries 16kk..16kk+15) */
-            uint32_t pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+                    if constexpr (!EARLY_DV) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
                     da[kk][q] = pack_bf16(dp[8 * kk + 2 * q], dp[8 * kk + 2 * q + 1]);
                 }
             /* dS^T -> dS[s]: da[kk][q] holds (key row kloc + 8 (q & 1), queries 16kk + 8 (q >> 1) + 2t, +1):
@@ -380,33 +408,33 @@ __global__ void __launch_bounds__(NTHR, 1)
             fence_async_shared();
             named_sync<BAR_DS, NCONS>();
 
-            /* dV += P^T dO (M = 64 keys, N = HD, K = BM queries; B = dO MN-major) */
-            fence_regs(dv);
-            wgmma_fence();
+            if constexpr (!EARLY_DV) { /* dV += P^T dO (see above) */
+                fence_regs(dv);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; kk++)
-                Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
-            wgmma_commit();
+                for (int kk = 0; kk < BM / 16; kk++)
+                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+                wgmma_commit();
+            }
             /* dQ_i = dS K (M = 64 queries, N = 64 head-dim columns, K = 128 keys; A = dS MN-major,
-             * B = K MN-major) */
+             * B = K MN-major), then dK += dS^T Q (B = Q MN-major) */
             float dq[32];
             const uint32_t dsA = BM == 64 ? dss : dss + (uint32_t)w * K_::DSPANEL;
             const uint32_t kB = BM == 64 ? base + K_::OFF_K + (uint32_t)w * K_::KPANEL : base + K_::OFF_K;
+            fence_regs(dk);
+            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)
                 Mma<64>::template ss<1, 1>(dq, sw128_desc(dsA + (uint32_t)kk * 2048u, K_::DSPANEL, 1024),
                                            sw128_desc(kB + (uint32_t)kk * 2048u, K_::KPANEL, 1024), kk > 0);
             wgmma_commit();
-            wgmma_wait<1>(); /* dV done: dO[s] is free */
-            fence_regs(dv);
-            mbar_arrive(DOEMPTY(s));
-            /* dK += dS^T Q (B = Q MN-major) */
-            fence_regs(dk);
-            wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++)
                 Mma<HD>::template rs<1>(dk, da[kk], sw128_desc(qs + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
             wgmma_commit();
+            wgmma_wait<2>(); /* dV done: dO[s] is free */
+            fence_regs(dv);
+            mbar_arrive(DOEMPTY(s));
             wgmma_wait<1>(); /* dQ done */
             fence_regs(dq);
             /* dQ -> staging half w (fragment order), for the dQ warp */
@@ -605,7 +633,10 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
     const Ws L = ws_layout(B, T, NH, HD);
     float *dqacc = (float *)(ws + L.dq), *lse2 = (float *)(ws + L.lse2), *Dw = (float *)(ws + L.D);
     int *sem = (int *)(ws + L.sem);
-    if (cudaMemsetAsync(ws, 0, L.lse2, st) != cudaSuccess) wb_die("wgmma backward", "memset of the workspace");
+    /* the dQ accumulator starts at 0 (added to in any order), or in deterministic mode is stored by the
+     * first key tile in the order (only the semaphores start at 0) */
+    const cudaError_t me = det ? cudaMemsetAsync(ws + L.sem, 0, L.lse2 - L.sem, st) : cudaMemsetAsync(ws, 0, L.lse2, st);
+    if (me != cudaSuccess) wb_die("wgmma backward", "memset of the workspace");
 
     const size_t rows = (size_t)BH * nq * BM, threads = rows * (HD / 8);
     attn_wgmma_bwd_pre<<<(unsigned)((threads + 255) / 256), 256, 0, st>>>(lse2, Dw, dout, out, lse, T, NH, HD, nq * BM,

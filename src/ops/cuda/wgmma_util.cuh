@@ -143,6 +143,12 @@ static __device__ __forceinline__ void bulk_reduce_add_f32(void *dst, uint32_t s
                  "r"(src), "r"(bytes)
                  : "memory");
 }
+/* global[dst .. + bytes) = shared[src ..) by the copy engine, in this thread's bulk async-group */
+static __device__ __forceinline__ void bulk_store(void *dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"((uint64_t)dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
 static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 /* wait until at most N of this thread's bulk async-groups have not finished reading their sources */
 template <int N> static __device__ __forceinline__ void bulk_wait_read(void) {
