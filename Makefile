@@ -28,7 +28,7 @@ CUDA_ARCH ?= -arch=sm_90
 WGMMA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a
 ifneq ($(NVCC),)
 CUDA_OBJ := $(BUILD)/obj/ops/cuda/ops_cuda.o $(BUILD)/obj/ops/cuda/attn_bf16.o $(BUILD)/obj/ops/cuda/attn_cudnn.o \
-            $(BUILD)/obj/ops/cuda/attn_wgmma.o
+            $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o
 # cuDNN's fused attention (attn_cudnn.cu): built against cudnn_graph.h where the toolkit has it,
 # libcudnn opened with dlopen at run time; without the header it compiles to "not available".
 CUDNN_DEF := $(if $(wildcard $(CUDA_HOME)/include/cudnn_graph.h /usr/include/cudnn_graph.h \
@@ -56,7 +56,7 @@ TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 # GPU tests (tests/gpu/test_*.c and *.sh): built here, run by `make test-gpu` on a GPU machine.
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)) $(BUILD)/tests/gpu_test_attn_bf16 \
-             $(BUILD)/tests/gpu_test_attn_wgmma)
+             $(BUILD)/tests/gpu_test_attn_wgmma $(BUILD)/tests/gpu_test_attn_wgmma_bwd)
 
 .PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu install
 all: meshtrain
@@ -108,6 +108,11 @@ $(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_w
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
+# Hopper's wgmma + TMA attention backward: sm_90a only (see WGMMA_ARCH).
+$(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o: $(CUDA_DIR)/attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/wgmma_util.cuh
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
+
 $(BUILD)/obj/ops/cuda/attn_cudnn.o: $(CUDA_DIR)/attn_cudnn.cu $(CUDA_DIR)/attn_cudnn.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(CUDNN_DEF) $(INC) -c $< -o $@
@@ -120,6 +125,13 @@ $(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu tests/gpu/cu_re
                                     $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma.o \
 	    $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
+
+# The wgmma backward against attn_bf16_backward, and both timed (a GPU test program built by nvcc).
+$(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_wgmma.h \
+                                        $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
+                                        $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
+	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
 # Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
 cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)

@@ -1,0 +1,680 @@
+/* Causal flash-attention backward for Hopper (sm_90a) on warpgroup MMA (wgmma) and the tensor memory
+ * accelerator (TMA): FlashAttention-3's backward structure, written out in C-style CUDA. Interface and
+ * results as attn_bf16_backward (attn_bf16.h) without RoPE; see attn_wgmma_bwd.h.
+ *
+ * Three kernels per call (plus a memset of the dQ accumulator and the semaphores):
+ *   1. preprocess: D[bh, t] = sum_d dO * O (fp32) and lse2[bh, t] = lse * log2(e), both padded to whole
+ *      query tiles (rows past T: D = 0, lse2 = +inf, so that P = 0 there).
+ *   2. main: one block per (key tile of BN = 128 keys, batch * head); it keeps dK and dV of its keys
+ *      in registers and walks the query tiles of BM queries from its diagonal to the end (FA3's
+ *      kBlockM x kBlockN: HD 128: 64 x 128; HD 64: 128 x 128). Per query tile i:
+ *        S^T = K Q_i^T, P^T = exp2(S^T scale log2e - lse2) (causal mask where a key can pass a query),
+ *        dP^T = V dO_i^T, dS^T = P^T (dP^T - D),
+ *        dV += P^T dO_i, dK += dS^T Q_i (P^T and dS^T straight from registers: the A operand),
+ *        dQ_i (+)= dS K (dS^T written to shared memory as bf16, the A operand of an SS wgmma),
+ *      dQ_i goes (fp32) through shared memory to the global accumulator by the copy engine's
+ *      reduce-add (cp.reduce.async.bulk .add.f32); with `deterministic`, the key tiles of a query
+ *      tile add in a fixed order (a semaphore per (bh, query tile) in the workspace), the first in
+ *      the order storing instead of adding (so only the semaphores need zeroing there).
+ *      dK (times the softmax scale: S = scale Q K^T) and dV are written from registers at the end.
+ *   3. postprocess: dQ (fp32, times the scale) -> bf16 into dqkv's q columns (acc: added).
+ *
+ * Main kernel: 384 threads, one block per SM, three warpgroups.
+ *   warpgroups 0 and 1 (consumers): warpgroup w owns keys 64w..64w+63 of the block's 128 (the M rows
+ *     of S^T, dP^T, dK, dV: FA3's SdP_swapAB with the warpgroups along the keys); for dQ_i they split
+ *     the work along the head dim (BM = 64: each has all 64 queries x HD/2 columns) or the queries
+ *     (BM = 128: 64 queries x HD each): FA3's AtomLayoutMdQ 1 and 2.
+ *   warpgroup 2 (producer): warp 0 lane 0 issues the TMA loads (K and V once; then Q_i with lse2_i,
+ *     dO_i with D_i into a 2-stage ring); warp 1 moves dQ_i from shared memory to the global
+ *     accumulator (and waits on / signals the semaphores); warps 2 and 3 only give their registers.
+ *   Registers (as the forward, see attn_wgmma.cu): compiled at 168 a thread (__launch_bounds__(384,
+ *   1)); the producer warpgroup drops to 24 (setmaxnreg.dec), the consumers rise to 240: per SM
+ *   sub-partition 2 x 240 + 24 = 3 x 168. The host checks the build really is at 168.
+ *
+ * Per query tile, a consumer warpgroup (w: its 64 keys; s = the ring stage of tile i):
+ *   wait Q[s]; S^T (m64nBMk16 x HD/16, SS: A = K rows of w, B = Q[s], both K-major); commit
+ *   wait dO[s]; dP^T (same, A = V rows, B = dO[s]); commit
+ *   wait<1>: P^T from S^T (lse2 from shared memory), P^T -> bf16 A fragments;
+ *     HD 128 only: dV += P^T dO[s] (m64nHDk16 x BM/16, RS, B = dO MN-major: imm-trans-b); commit
+ *     (it runs during the next lines; at HD 64 the registers do not allow it: issued after the barrier)
+ *   wait (dP^T done): dS^T from dP^T (D from shared memory) -> bf16 A fragments and -> dS[s] in shared
+ *     memory; fence.proxy.async; named barrier 1 over both consumer warpgroups (dQ needs the other
+ *     one's keys too)
+ *   dQ_i = dS K (m64n64k16 x 8, SS, A = dS[s] MN-major: imm-trans-a, B = K MN-major); commit
+ *   dK += dS^T Q[s] (RS, as dV); commit
+ *   wait<2> (dV done): release dO[s]
+ *   wait<1> (dQ done): dQ -> this warpgroup's staging half (after the dQ warp emptied it), signal
+ *   wait<0> (dK done): release Q[s]
+ * (FA3's order, but for dV's early issue; the tensor cores wait during the exponentials: both
+ * warpgroups run the same phase.)
+ *
+ * Synchronisation. mbarriers: kvfull (TMA bytes of K and V), qfull[s] / dofull[s] (TMA bytes of Q /
+ * dO and the bulk bytes of lse2 / D), qempty[s] / doempty[s] (NCONS = 256 arrivals: every consumer
+ * thread, after the wgmmas that read the stage completed). A waiter on a barrier used for the u-th
+ * time waits for parity u & 1. Named barriers: 1 (dS written, both consumer warpgroups: 256),
+ * 2 + w (dQ staging half w full: warpgroup w arrives, the dQ warp syncs: 160), 4 + w (half w empty:
+ * the dQ warp arrives, warpgroup w syncs). dS has 2 stages: the next tile's dS goes to the other
+ * one, and by the tile after, both warpgroups have passed barrier 1 of the tile between, so their
+ * dQ wgmmas of the old one are complete.
+ *
+ * Shared memory (base aligned to 1024 bytes, as the 128-byte swizzle needs; all TMA tiles in the
+ * 128-byte swizzle, as HD/64 panels of 64 columns = 128-byte rows; see wgmma_util.cuh):
+ *   K, V            BN x HD bf16 each: panel p (columns 64p..) = 128 rows x 128 B (16 KiB)
+ *   Q[2], dO[2]     BM x HD bf16 each: panel p = BM rows x 128 B (QPANEL = BM * 128)
+ *   dS[2]           dS^T: BN key rows x BM queries bf16, as BM/64 panels of 128 rows x 128 B
+ *                   (panel = 64 queries; a thread's two adjacent queries = one 4-byte store, chunk
+ *                   c ^ (row & 7): conflict-free)
+ *   dQ staging      2 halves (one per consumer warpgroup) of BM x HD / 2 fp32 in fragment order:
+ *                   float4 r of consumer thread ct at (r * 128 + ct) * 16 bytes (conflict-free)
+ *   lse2[2], D[2]   BM fp32 each
+ * Descriptors (start, LBO, SBO; sw128_desc):
+ *   S^T: A = K + (kk/4) KPANEL + w * 64 * 128 + (kk%4) * 32, (16, 1024); B = Q[s] + (kk/4) QPANEL +
+ *        (kk%4) * 32, (16, 1024). dP^T: V and dO[s] alike.
+ *   dV: B = dO[s] + kk * 2048 (queries 16kk.. as K), LBO = QPANEL (the next 64 head-dim columns),
+ *       SBO = 1024. dK: Q[s] alike.
+ *   dQ: A = dS[s] (+ w * 16 KiB for BM = 128: warpgroup w's queries) + kk * 2048 (keys 16kk.. as
+ *       K), M = 64 queries = one swizzle width (LBO unused), SBO = 1024; B = K (+ w * KPANEL for
+ *       BM = 64: warpgroup w's head-dim columns) + kk * 2048, N = 64 (LBO unused), SBO = 1024.
+ *
+ * Global dQ accumulator (workspace): per (bh, query tile) BM * HD fp32 in the staging's fragment
+ * order (half w, then float4 r of thread ct), so each half is one contiguous bulk reduce-add; the
+ * postprocess maps it back: element 4 (r * 128 + ct) + k of half w is (row 16 (ct / 32) + (ct % 32)
+ * / 4 + 8 (k / 2), column 8r + 2 (ct % 4) + k % 2) of warpgroup w's m64 x 64 dQ.
+ *
+ * Order of the blocks: sections of swz (batch, head) pairs whose Q, dO and dQ accumulator fit in
+ * ~40 MB of L2; inside a section key tile rank fastest over heads. Not deterministic: key tile 0
+ * (the most query tiles) first. Deterministic: FA3's "shortest first": the last key tile first,
+ * and the key tiles of query tile i add dQ_i in that same order (J(i), J(i) - 1, ..., 0, J(i) = the
+ * diagonal key tile): the block a semaphore waits for has a lower index, so it was started earlier
+ * (blocks start in index order) and is usually ahead (it has fewer query tiles before tile i). */
+#include "attn_wgmma_bwd.h"
+#include "wgmma_util.cuh"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <string.h>
+
+#define BN 128        /* keys per block */
+#define NCONS 256     /* 2 consumer warpgroups (threads 0..255) */
+#define NTHR 384      /* + the producer warpgroup (threads 256..383) */
+#define KREGS 168     /* registers per thread at launch: __launch_bounds__(384, 1) */
+#define PRODREGS 24   /* the producer warpgroup after setmaxnreg.dec */
+#define CONSREGS 240  /* each consumer warpgroup after setmaxnreg.inc: 2 x 240 + 24 = 3 x 168 */
+#define LOG2E_F 1.4426950408889634f
+/* named barriers */
+#define BAR_DS 1      /* dS written by both consumer warpgroups (256 threads) */
+#define BAR_DQFULL 2  /* + w: staging half w written (warpgroup w arrives, the dQ warp syncs; 160) */
+#define BAR_DQEMPTY 4 /* + w: staging half w read by the copy engine (the dQ warp arrives; 160) */
+
+typedef __nv_bfloat16 bf16;
+
+static constexpr __host__ __device__ int bm_of(int HD) { return HD == 64 ? 128 : 64; }
+
+template <int HD> struct Cfg {
+    static constexpr int BM = bm_of(HD);                 /* queries per step */
+    static constexpr uint32_t KPANEL = BN * 128;         /* one 64-column panel of K or V */
+    static constexpr uint32_t KVT = BN * HD * 2;         /* K or V tile */
+    static constexpr uint32_t QPANEL = BM * 128;         /* one 64-column panel of Q or dO */
+    static constexpr uint32_t QT = BM * HD * 2;          /* Q or dO tile */
+    static constexpr uint32_t DSPANEL = BN * 128;        /* 64 queries of dS^T */
+    static constexpr uint32_t DST = BN * BM * 2;         /* dS^T tile */
+    static constexpr int DQN = BM == 64 ? HD / 2 : HD;   /* N of a warpgroup's dQ GEMM (M = 64) */
+    static constexpr uint32_t DQW = 64 * DQN * 4;        /* a staging half (fp32) */
+    static constexpr uint32_t OFF_K = 0, OFF_V = KVT, OFF_Q = 2 * KVT, OFF_DO = OFF_Q + 2 * QT;
+    static constexpr uint32_t OFF_DS = OFF_DO + 2 * QT, OFF_DQ = OFF_DS + 2 * DST;
+    static constexpr uint32_t OFF_LSE = OFF_DQ + 2 * DQW, OFF_D = OFF_LSE + 2 * BM * 4;
+    static constexpr size_t SMEM = OFF_D + 2 * BM * 4 + 1024; /* + alignment of the base */
+    static_assert(DQN == 64, "the dQ GEMM is m64n64 (one 64-column panel of K, one of dS)");
+    static_assert(DQW * 2 == (uint32_t)BM * HD * 4, "two staging halves hold a dQ tile");
+};
+
+/* ------------------------------------------------------------------------------------------- */
+/* 1. preprocess                                                                                */
+
+/* Row r of the padded [BH, nqp] arrays: D = sum dO * O and lse2 = lse log2(e) for t < T; D = 0 and
+ * lse2 = +inf past T. HD / 8 consecutive threads per row, 16 bytes of dO and O each. */
+__global__ void attn_wgmma_bwd_pre(float *__restrict__ lse2, float *__restrict__ Dw, const bf16 *__restrict__ dout,
+                                   const bf16 *__restrict__ out, const float *__restrict__ lse, int T, int NH,
+                                   int HD, int nqp, size_t rows) {
+    const int per = HD / 8;
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, row = i / per;
+    const int c = (int)(i % per);
+    const size_t bh = row / (size_t)nqp;
+    const int t = (int)(row % (size_t)nqp);
+    const bool ok = row < rows && t < T;
+    float acc = 0.f;
+    if (ok) {
+        const size_t b = bh / NH, h = bh % NH, C = (size_t)NH * HD;
+        const size_t off = (b * T + t) * C + h * HD + (size_t)c * 8;
+        const uint4 a = *(const uint4 *)(dout + off), o = *(const uint4 *)(out + off);
+        acc = __uint_as_float(a.x << 16) * __uint_as_float(o.x << 16) +
+              __uint_as_float(a.x & 0xffff0000u) * __uint_as_float(o.x & 0xffff0000u) +
+              __uint_as_float(a.y << 16) * __uint_as_float(o.y << 16) +
+              __uint_as_float(a.y & 0xffff0000u) * __uint_as_float(o.y & 0xffff0000u) +
+              __uint_as_float(a.z << 16) * __uint_as_float(o.z << 16) +
+              __uint_as_float(a.z & 0xffff0000u) * __uint_as_float(o.z & 0xffff0000u) +
+              __uint_as_float(a.w << 16) * __uint_as_float(o.w << 16) +
+              __uint_as_float(a.w & 0xffff0000u) * __uint_as_float(o.w & 0xffff0000u);
+    }
+    for (int off = per / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (row < rows && c == 0) {
+        Dw[row] = ok ? acc : 0.f;
+        lse2[row] = ok ? lse[bh * (size_t)T + t] * LOG2E_F : INFINITY;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* 2. main kernel                                                                               */
+
+/* block x -> key tile j and (batch, head) bh (see the top: sections of swz heads, key tile rank
+ * fastest over the heads of a section; rank 0 = key tile 0, or with det the last key tile) */
+static __device__ __forceinline__ void block_coords(int x, int nkv, int BH, int swz, int det, int &j, int &bh) {
+    const int per = swz * nkv, sec = x / per, in = x % per;
+    const int nh = sec < BH / swz ? swz : BH % swz;
+    const int rank = in / nh;
+    j = det ? nkv - 1 - rank : rank;
+    bh = sec * swz + in % nh;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(NTHR, 1)
+    attn_wgmma_bwd_kernel(const __grid_constant__ CUtensorMap tmq, const __grid_constant__ CUtensorMap tmkv,
+                          const __grid_constant__ CUtensorMap tmdo, bf16 *__restrict__ dqkv,
+                          float *__restrict__ dqacc, const float *__restrict__ lse2, const float *__restrict__ Dw,
+                          int *__restrict__ sem, int T, int NH, int BH, int nkv, int nq, int swz, int det, int acc,
+                          float scale2, float scale) {
+#ifdef WGU_DEVICE
+    using namespace wgu;
+    typedef Cfg<HD> K_;
+    constexpr int BM = K_::BM;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[9];
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t kvfull = smem_u32(&bars[0]);
+#define QFULL(s) (kvfull + 8u * (1u + (uint32_t)(s)))
+#define DOFULL(s) (kvfull + 8u * (3u + (uint32_t)(s)))
+#define QEMPTY(s) (kvfull + 8u * (5u + (uint32_t)(s)))
+#define DOEMPTY(s) (kvfull + 8u * (7u + (uint32_t)(s)))
+
+    int j, bh;
+    block_coords((int)blockIdx.x, nkv, BH, swz, det, j, bh);
+    const int b = bh / NH, h = bh % NH, C = NH * HD;
+    const int i0 = j * BN / BM, nsteps = nq - i0; /* query tiles i0 (the diagonal) .. nq - 1 */
+
+    if (threadIdx.x == 0) {
+        mbar_init(kvfull, 1);
+        for (int s = 0; s < 2; s++) {
+            mbar_init(QFULL(s), 1), mbar_init(DOFULL(s), 1);
+            mbar_init(QEMPTY(s), NCONS), mbar_init(DOEMPTY(s), NCONS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_async_shared();
+    }
+    __syncthreads();
+
+    /* the warpgroup, warp-uniform (setmaxnreg is per warpgroup) */
+    const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128u), 0);
+    if (wg == 2) { /* ---------------- producer warpgroup ---------------- */
+        setmaxnreg_dec<PRODREGS>();
+        const int warp = ((int)threadIdx.x >> 5) & 3, lane = (int)threadIdx.x & 31;
+        if (warp == 0 && lane == 0) { /* TMA loads */
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tmq) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tmkv) : "memory");
+            asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tmdo) : "memory");
+            mbar_expect_tx(kvfull, 2 * K_::KVT);
+#pragma unroll
+            for (int p = 0; p < HD / 64; p++) {
+                tma_load(base + K_::OFF_K + p * K_::KPANEL, &tmkv, C + h * HD + 64 * p, j * BN, b, kvfull);
+                tma_load(base + K_::OFF_V + p * K_::KPANEL, &tmkv, 2 * C + h * HD + 64 * p, j * BN, b, kvfull);
+            }
+            const float *l2 = lse2 + (size_t)bh * nq * BM, *d2 = Dw + (size_t)bh * nq * BM;
+            for (int n = 0; n < nsteps; n++) {
+                const int i = i0 + n, s = n & 1;
+                if (n >= 2) mbar_wait(QEMPTY(s), (uint32_t)(((n >> 1) - 1) & 1));
+                mbar_expect_tx(QFULL(s), K_::QT + BM * 4);
+#pragma unroll
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(base + K_::OFF_Q + s * K_::QT + p * K_::QPANEL, &tmq, h * HD + 64 * p, i * BM, b,
+                             QFULL(s));
+                bulk_load(base + K_::OFF_LSE + s * BM * 4, l2 + (size_t)i * BM, BM * 4, QFULL(s));
+                if (n >= 2) mbar_wait(DOEMPTY(s), (uint32_t)(((n >> 1) - 1) & 1));
+                mbar_expect_tx(DOFULL(s), K_::QT + BM * 4);
+#pragma unroll
+                for (int p = 0; p < HD / 64; p++)
+                    tma_load(base + K_::OFF_DO + s * K_::QT + p * K_::QPANEL, &tmdo, h * HD + 64 * p, i * BM, b,
+                             DOFULL(s));
+                bulk_load(base + K_::OFF_D + s * BM * 4, d2 + (size_t)i * BM, BM * 4, DOFULL(s));
+            }
+        } else if (warp == 1) { /* dQ: staging -> global accumulator (reduce-add by the copy engine) */
+            named_arrive<BAR_DQEMPTY + 0, 160>(); /* both staging halves start empty */
+            named_arrive<BAR_DQEMPTY + 1, 160>();
+            for (int n = 0; n < nsteps; n++) {
+                const int i = i0 + n;
+                float *g = dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD);
+                int *sm = sem + (size_t)bh * nq + i;
+                /* deterministic: the first in the order (the diagonal key tile J(i) = i * BM / BN) stores,
+                 * the others add (the accumulator is not zeroed in this mode) */
+                const bool first = det && j == i * BM / BN;
+                if (det) { /* my turn: the key tiles J(i) .. j + 1 have added theirs */
+                    if (lane == 0) {
+                        sem_wait_eq(sm, i * BM / BN - j);
+                        fence_async_global();
+                    }
+                    __syncwarp();
+                }
+                named_sync<BAR_DQFULL + 0, 160>();
+                if (lane == 0) {
+                    if (first) bulk_store(g, base + K_::OFF_DQ, K_::DQW);
+                    else bulk_reduce_add_f32(g, base + K_::OFF_DQ, K_::DQW);
+                    bulk_commit();
+                }
+                named_sync<BAR_DQFULL + 1, 160>();
+                if (lane == 0) {
+                    if (first) bulk_store(g + K_::DQW / 4, base + K_::OFF_DQ + K_::DQW, K_::DQW);
+                    else bulk_reduce_add_f32(g + K_::DQW / 4, base + K_::OFF_DQ + K_::DQW, K_::DQW);
+                    bulk_commit();
+                    if (det) { /* the adds are done (in L2) before the next key tile may start its own */
+                        bulk_wait<0>();
+                        fence_async_global();
+                        red_release_add(sm, 1);
+                    } else {
+                        bulk_wait_read<0>();
+                    }
+                }
+                __syncwarp();
+                if (n + 1 < nsteps) { /* the halves may be overwritten (not after the last tile) */
+                    named_arrive<BAR_DQEMPTY + 0, 160>();
+                    named_arrive<BAR_DQEMPTY + 1, 160>();
+                }
+            }
+            if (lane == 0) bulk_wait<0>(); /* all reduce-adds complete before the block ends */
+            __syncwarp();
+        }
+    } else { /* ---------------- consumer warpgroups ---------------- */
+        setmaxnreg_inc<CONSREGS>();
+        const int ct = (int)threadIdx.x, w = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
+        const int g = lane >> 2, t = lane & 3;
+        const int wt = ct & 127;                              /* thread in the warpgroup */
+        const int kloc = w * 64 + warp * 16 + g;              /* this thread's key rows: kloc, kloc + 8 */
+        const int key0 = j * BN + kloc;                       /* as token indices */
+        const uint32_t kA = base + K_::OFF_K + (uint32_t)w * 64u * 128u; /* warpgroup w's K rows */
+        const uint32_t vA = base + K_::OFF_V + (uint32_t)w * 64u * 128u;
+        float dk[HD / 2], dv[HD / 2];
+#pragma unroll
+        for (int q = 0; q < HD / 2; q++) dk[q] = 0.f, dv[q] = 0.f;
+        mbar_wait(kvfull, 0u);
+        __syncwarp();
+
+        for (int n = 0; n < nsteps; n++) {
+            const int i = i0 + n, s = n & 1;
+            const uint32_t ph = (uint32_t)((n >> 1) & 1);
+            const uint32_t qs = base + K_::OFF_Q + (uint32_t)s * K_::QT, dos = base + K_::OFF_DO + (uint32_t)s * K_::QT;
+            const uint32_t dss = base + K_::OFF_DS + (uint32_t)s * K_::DST;
+            const uint32_t lses = base + K_::OFF_LSE + (uint32_t)s * BM * 4u, ds_ = base + K_::OFF_D + (uint32_t)s * BM * 4u;
+            float sa[BM / 2], dp[BM / 2];
+
+            /* S^T = K_w Q^T and dP^T = V_w dO^T (M = 64 keys, N = BM queries, K = HD) */
+            mbar_wait(QFULL(s), ph);
+            __syncwarp();
+            fence_regs(sa);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
+                const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
+                Mma<BM>::template ss<0, 0>(sa, sw128_desc(kA + ko, 16, 1024), sw128_desc(qs + qo, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+            mbar_wait(DOFULL(s), ph);
+            __syncwarp();
+            fence_regs(dp);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
+                const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
+                Mma<BM>::template ss<0, 0>(dp, sw128_desc(vA + ko, 16, 1024), sw128_desc(dos + qo, 16, 1024), kk > 0);
+            }
+            wgmma_commit();
+
+            /* P^T = exp2(S^T scale2 - lse2[query]); element (key key0 + 8h, query i*BM + 8c + 2t + e) */
+            wgmma_wait<1>();
+            fence_regs(sa);
+            const bool need_mask = i * BM < (j + 1) * BN; /* some key of the tile can pass some query */
+            const int qb = i * BM + 2 * t;
+#pragma unroll
+            for (int c = 0; c < BM / 8; c++) {
+                const float2 l2 = ld_shared_f2(lses + (uint32_t)(8 * c + 2 * t) * 4u);
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int x = 4 * c + 2 * hh + e;
+                        float p = ex2(fmaf(sa[x], scale2, -(e ? l2.y : l2.x)));
+                        if (need_mask && key0 + 8 * hh > qb + 8 * c + e) p = 0.f;
+                        sa[x] = p;
+                    }
+            }
+            /* P^T as bf16 A fragments (k16 slice kk = queries 16kk..16kk+15). At HD 128, dV += P^T dO
+             * (M = 64 keys, N = HD, K = BM queries; B = dO MN-major) is issued at once, to run while
+             * dS is computed and written; at HD 64 (BM = 128: S^T and dP^T take 128 registers) that
+             * leaves too few registers (ptxas serializes the wgmmas), so it waits for the barrier. */
+            constexpr bool EARLY_DV = HD == 128;
+            uint32_t pa[BM / 16][4], da[BM / 16][4];
+            if constexpr (EARLY_DV) {
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+                fence_regs(dv);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; kk++)
+                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+                wgmma_commit();
+                wgmma_wait<1>(); /* dP^T done (dV may still run) */
+            } else {
+                wgmma_wait<0>(); /* dP^T done */
+            }
+            /* dS^T = P^T (dP^T - D[query]) (P^T in fp32) */
+            fence_regs(dp);
+#pragma unroll
+            for (int c = 0; c < BM / 8; c++) {
+                const float2 dd = ld_shared_f2(ds_ + (uint32_t)(8 * c + 2 * t) * 4u);
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    dp[4 * c + 2 * hh] = sa[4 * c + 2 * hh] * (dp[4 * c + 2 * hh] - dd.x);
+                    dp[4 * c + 2 * hh + 1] = sa[4 * c + 2 * hh + 1] * (dp[4 * c + 2 * hh + 1] - dd.y);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    if constexpr (!EARLY_DV) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+                    da[kk][q] = pack_bf16(dp[8 * kk + 2 * q], dp[8 * kk + 2 * q + 1]);
+                }
+            /* dS^T -> dS[s]: da[kk][q] holds (key row kloc + 8 (q & 1), queries 16kk + 8 (q >> 1) + 2t, +1):
+             * query chunk c = 2kk + (q >> 1) of panel c / 8, at chunk position (c % 8) ^ g (kloc & 7 = g) */
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; kk++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int c = 2 * kk + (q >> 1);
+                    st_shared_u32(dss + (uint32_t)(c / 8) * K_::DSPANEL + (uint32_t)(kloc + 8 * (q & 1)) * 128u +
+                                      (uint32_t)(((c % 8) ^ g) << 4) + 4u * (uint32_t)t,
+                                  da[kk][q]);
+                }
+            fence_async_shared();
+            named_sync<BAR_DS, NCONS>();
+
+            if constexpr (!EARLY_DV) { /* dV += P^T dO (see above) */
+                fence_regs(dv);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BM / 16; kk++)
+                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+                wgmma_commit();
+            }
+            /* dQ_i = dS K (M = 64 queries, N = 64 head-dim columns, K = 128 keys; A = dS MN-major,
+             * B = K MN-major), then dK += dS^T Q (B = Q MN-major) */
+            float dq[32];
+            const uint32_t dsA = BM == 64 ? dss : dss + (uint32_t)w * K_::DSPANEL;
+            const uint32_t kB = BM == 64 ? base + K_::OFF_K + (uint32_t)w * K_::KPANEL : base + K_::OFF_K;
+            fence_regs(dk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+                Mma<64>::template ss<1, 1>(dq, sw128_desc(dsA + (uint32_t)kk * 2048u, K_::DSPANEL, 1024),
+                                           sw128_desc(kB + (uint32_t)kk * 2048u, K_::KPANEL, 1024), kk > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; kk++)
+                Mma<HD>::template rs<1>(dk, da[kk], sw128_desc(qs + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+            wgmma_commit();
+            wgmma_wait<2>(); /* dV done: dO[s] is free */
+            fence_regs(dv);
+            mbar_arrive(DOEMPTY(s));
+            wgmma_wait<1>(); /* dQ done */
+            fence_regs(dq);
+            /* dQ -> staging half w (fragment order), for the dQ warp */
+            if (w == 0) named_sync<BAR_DQEMPTY + 0, 160>();
+            else named_sync<BAR_DQEMPTY + 1, 160>();
+            {
+                const uint32_t st = base + K_::OFF_DQ + (uint32_t)w * K_::DQW + (uint32_t)wt * 16u;
+#pragma unroll
+                for (int r = 0; r < 8; r++)
+                    st_shared_v4(st + (uint32_t)r * 2048u, dq[4 * r], dq[4 * r + 1], dq[4 * r + 2], dq[4 * r + 3]);
+            }
+            fence_async_shared();
+            if (w == 0) named_arrive<BAR_DQFULL + 0, 160>();
+            else named_arrive<BAR_DQFULL + 1, 160>();
+            wgmma_wait<0>(); /* dK done: Q[s] is free */
+            fence_regs(dk);
+            mbar_arrive(QEMPTY(s));
+        }
+
+        /* epilogue: dK (times scale) and dV, rows (keys) < T, from registers: row key0 + 8hh,
+         * columns 8c + 2t, +1 */
+        const size_t ld = 3 * (size_t)C;
+        bf16 *gk = dqkv + (size_t)b * T * ld + C + (size_t)h * HD, *gv = gk + C;
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int row = key0 + 8 * hh;
+            if (row < T) {
+                uint32_t *pk = (uint32_t *)(gk + (size_t)row * ld + 2 * t), *pv = (uint32_t *)(gv + (size_t)row * ld + 2 * t);
+#pragma unroll
+                for (int c = 0; c < HD / 8; c++) {
+                    float k0 = dk[4 * c + 2 * hh] * scale, k1 = dk[4 * c + 2 * hh + 1] * scale;
+                    float v0 = dv[4 * c + 2 * hh], v1 = dv[4 * c + 2 * hh + 1];
+                    if (acc) {
+                        const uint32_t ok = pk[4 * c], ov = pv[4 * c];
+                        k0 += bf16_lo(ok), k1 += bf16_hi(ok), v0 += bf16_lo(ov), v1 += bf16_hi(ov);
+                    }
+                    pk[4 * c] = pack_bf16(k0, k1);
+                    pv[4 * c] = pack_bf16(v0, v1);
+                }
+            }
+        }
+    }
+#undef QFULL
+#undef DOFULL
+#undef QEMPTY
+#undef DOEMPTY
+#else
+    (void)tmq, (void)tmkv, (void)tmdo, (void)dqkv, (void)dqacc, (void)lse2, (void)Dw, (void)sem, (void)T, (void)NH;
+    (void)BH, (void)nkv, (void)nq, (void)swz, (void)det, (void)acc, (void)scale2, (void)scale;
+    __trap(); /* built for a target without wgmma */
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* 3. postprocess                                                                               */
+
+/* One block (256 threads) per (query tile, bh): the tile's BM x HD fp32 accumulator (fragment order,
+ * see the top) -> a row-major tile in shared memory (row stride HD + 8 floats: the float2 stores of a
+ * half warp hit distinct banks) -> times scale, (+ old), bf16, 16-byte stores of rows < T. */
+template <int HD>
+__global__ void __launch_bounds__(256) attn_wgmma_bwd_post(bf16 *__restrict__ dqkv, const float *__restrict__ dqacc,
+                                                           int T, int NH, int nq, float scale, int acc) {
+    constexpr int BM = bm_of(HD), SS = HD + 8, HALF = BM * HD / 2;
+    __shared__ __align__(16) float tile[BM * SS];
+    const int i = (int)(blockIdx.x % (unsigned)nq), bh = (int)(blockIdx.x / (unsigned)nq);
+    const int b = bh / NH, h = bh % NH, C = NH * HD;
+    const float4 *src = (const float4 *)(dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD));
+    for (int f = (int)threadIdx.x; f < BM * HD / 4; f += 256) {
+        const float4 v = src[f];
+        const int e = 4 * f, w = e / HALF, rem = e % HALF, r = rem / 512, ct = (rem / 4) % 128;
+        int row = 16 * (ct >> 5) + ((ct & 31) >> 2), col = 8 * r + 2 * (ct & 3);
+        if (BM == 64) col += w * (HD / 2);
+        else row += 64 * w;
+        *(float2 *)&tile[row * SS + col] = make_float2(v.x, v.y);
+        *(float2 *)&tile[(row + 8) * SS + col] = make_float2(v.z, v.w);
+    }
+    __syncthreads();
+    const size_t ld = 3 * (size_t)C;
+    for (int idx = (int)threadIdx.x; idx < BM * HD / 8; idx += 256) {
+        const int row = idx / (HD / 8), c = idx % (HD / 8), trow = i * BM + row;
+        if (trow >= T) continue;
+        const float4 x0 = *(const float4 *)&tile[row * SS + 8 * c], x1 = *(const float4 *)&tile[row * SS + 8 * c + 4];
+        float y[8] = {x0.x * scale, x0.y * scale, x0.z * scale, x0.w * scale,
+                      x1.x * scale, x1.y * scale, x1.z * scale, x1.w * scale};
+        uint4 *p = (uint4 *)(dqkv + ((size_t)b * T + trow) * ld + (size_t)h * HD + 8 * c);
+        if (acc) {
+            const uint4 o = *p;
+            const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                y[2 * k] += __uint_as_float(ow[k] << 16), y[2 * k + 1] += __uint_as_float(ow[k] & 0xffff0000u);
+        }
+        uint32_t wv[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const __nv_bfloat162 v2 = __floats2bfloat162_rn(y[2 * k], y[2 * k + 1]);
+            memcpy(&wv[k], &v2, 4);
+        }
+        *p = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* host side                                                                                    */
+
+static void wb_die(const char *what, const char *why) {
+    fprintf(stderr, "meshtrain: cuda: attention %s failed: %s\n", what, why);
+    exit(1);
+}
+static void wb_check(const char *what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) wb_die(what, cudaGetErrorString(e));
+}
+
+extern "C" int attn_wgmma_bwd_supported(int HD) { return HD == 64 || HD == 128; }
+
+/* workspace: [dQ accumulator BH * nqp * HD fp32][semaphores BH * nq int][lse2 BH * nqp][D BH * nqp],
+ * each part rounded up to 256 bytes; the first two are zeroed by one memset per call */
+struct Ws {
+    size_t dq, sem, lse2, D, total;
+};
+static Ws ws_layout(int B, int T, int NH, int HD) {
+    const size_t BH = (size_t)B * NH, BM = (size_t)bm_of(HD), nq = ((size_t)T + BM - 1) / BM, nqp = nq * BM;
+    const size_t a = ((BH * nqp * HD * 4) + 255) & ~(size_t)255, s = ((BH * nq * 4) + 255) & ~(size_t)255;
+    const size_t l = ((BH * nqp * 4) + 255) & ~(size_t)255;
+    Ws w;
+    w.dq = 0, w.sem = a, w.lse2 = a + s, w.D = a + s + l, w.total = a + s + 2 * l;
+    return w;
+}
+
+extern "C" size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD) {
+    if (B <= 0 || T <= 0 || NH <= 0 || !attn_wgmma_bwd_supported(HD)) return 0;
+    return ws_layout(B, T, NH, HD).total;
+}
+
+/* once per instantiation: the dynamic shared memory opt-in, and whether a block fits an SM (NULL) or
+ * why not */
+template <int HD> static const char *prepare(void) {
+    static int done;
+    static char why[160];
+    if (done) return why[0] ? why : NULL;
+    done = 1;
+    const void *fn = (const void *)attn_wgmma_bwd_kernel<HD>;
+    cudaFuncAttributes fa;
+    int nb = 0;
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<HD>::SMEM);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fn);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, NTHR, Cfg<HD>::SMEM);
+    cudaGetLastError(); /* reported below, not left sticky */
+    if (e != cudaSuccess) snprintf(why, sizeof why, "%s", cudaGetErrorString(e));
+    /* setmaxnreg hands out exactly the registers of a block launched at KREGS: with fewer, the
+     * consumers' setmaxnreg.inc would wait forever */
+    else if (fa.numRegs != KREGS)
+        snprintf(why, sizeof why, "built with %d registers a thread, setmaxnreg needs %d", fa.numRegs, KREGS);
+    else if (nb < 1)
+        snprintf(why, sizeof why, "a block (%d threads x %d registers, %zu bytes of shared memory) fits no SM", NTHR,
+                 fa.numRegs, Cfg<HD>::SMEM + fa.sharedSizeBytes);
+    else if (!wgu::encode_tiled())
+        snprintf(why, sizeof why, "the driver has no cuTensorMapEncodeTiled");
+    return why[0] ? why : NULL;
+}
+
+extern "C" const char *attn_wgmma_bwd_unlaunchable(int HD) {
+    if (HD == 64) return prepare<64>();
+    if (HD == 128) return prepare<128>();
+    return "head_dim not 64 or 128";
+}
+
+/* a 3-D tensor map (innermost first: cols, T rows, B) over a bf16 [B, T, cols] array, box 64 columns
+ * (128 bytes, the swizzle width) x rows x 1, 128-byte swizzle; rows past T read as zeros */
+static CUtensorMap make_map(const void *p, size_t cols, int T, int B, int rows) {
+    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, (cuuint64_t)cols * 2 * (cuuint64_t)T};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
+    CUtensorMap tm;
+    const CUresult r = wgu::encode_tiled()(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)p, dims, strides, box,
+                                           estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        char why[64];
+        snprintf(why, sizeof why, "cuTensorMapEncodeTiled returned %d", (int)r);
+        wb_die("wgmma backward", why);
+    }
+    return tm;
+}
+
+template <int HD>
+static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out, const float *lse,
+                   unsigned char *ws, int B, int T, int NH, int acc, int det, cudaStream_t st) {
+    constexpr int BM = bm_of(HD);
+    const char *why = prepare<HD>();
+    if (why) wb_die(HD == 64 ? "attn_wgmma_bwd_hd64" : "attn_wgmma_bwd_hd128", why);
+    const int BH = B * NH, nq = (T + BM - 1) / BM, nkv = (T + BN - 1) / BN, C = NH * HD;
+    if ((unsigned long long)nkv * BH > 0x7fffffffull || (unsigned long long)nq * BH > 0x7fffffffull)
+        wb_die("wgmma backward", "too many tiles");
+    const Ws L = ws_layout(B, T, NH, HD);
+    float *dqacc = (float *)(ws + L.dq), *lse2 = (float *)(ws + L.lse2), *Dw = (float *)(ws + L.D);
+    int *sem = (int *)(ws + L.sem);
+    /* the dQ accumulator starts at 0 (added to in any order), or in deterministic mode is stored by the
+     * first key tile in the order (only the semaphores start at 0) */
+    const cudaError_t me = det ? cudaMemsetAsync(ws + L.sem, 0, L.lse2 - L.sem, st) : cudaMemsetAsync(ws, 0, L.lse2, st);
+    if (me != cudaSuccess) wb_die("wgmma backward", "memset of the workspace");
+
+    const size_t rows = (size_t)BH * nq * BM, threads = rows * (HD / 8);
+    attn_wgmma_bwd_pre<<<(unsigned)((threads + 255) / 256), 256, 0, st>>>(lse2, Dw, dout, out, lse, T, NH, HD, nq * BM,
+                                                                         rows);
+    wb_check("attn_wgmma_bwd_pre");
+
+    const CUtensorMap tmq = make_map(qkv, 3 * (size_t)C, T, B, BM), tmkv = make_map(qkv, 3 * (size_t)C, T, B, BN);
+    const CUtensorMap tmdo = make_map(dout, (size_t)C, T, B, BM);
+    /* heads per L2 section: Q and dO (bf16) and the dQ accumulator (fp32) of a head, ~40 MB */
+    const size_t per_head = (size_t)T * HD * 8, l2 = 40u << 20;
+    int swz = 1;
+    while (swz * 2 <= BH && (size_t)swz * 2 * per_head <= l2) swz *= 2;
+    const float scale = 1.f / sqrtf((float)HD), scale2 = scale * LOG2E_F;
+    attn_wgmma_bwd_kernel<HD><<<(unsigned)(nkv * BH), NTHR, Cfg<HD>::SMEM, st>>>(
+        tmq, tmkv, tmdo, dqkv, dqacc, lse2, Dw, sem, T, NH, BH, nkv, nq, swz, det, acc, scale2, scale);
+    wb_check(HD == 64 ? "attn_wgmma_bwd_hd64" : "attn_wgmma_bwd_hd128");
+
+    attn_wgmma_bwd_post<HD><<<(unsigned)(nq * BH), 256, 0, st>>>(dqkv, dqacc, T, NH, nq, scale, acc);
+    wb_check("attn_wgmma_bwd_post");
+}
+
+extern "C" void attn_wgmma_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                    void *workspace, int B, int T, int NH, int HD, int acc, int deterministic,
+                                    void *stream) {
+    if (B <= 0 || T <= 0 || NH <= 0) return;
+    if (!attn_wgmma_bwd_supported(HD)) {
+        fprintf(stderr, "meshtrain: cuda: attention wgmma backward does not support head_dim %d\n", HD);
+        exit(1);
+    }
+    if (((uintptr_t)dqkv | (uintptr_t)dout | (uintptr_t)qkv | (uintptr_t)out | (uintptr_t)lse |
+         (uintptr_t)workspace) % 16)
+        wb_die("wgmma backward", "pointers not 16-byte aligned");
+    cudaStream_t st = (cudaStream_t)stream;
+    unsigned char *ws = (unsigned char *)workspace;
+    if (HD == 64)
+        launch<64>((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, ws, B, T, NH, acc,
+                   deterministic ? 1 : 0, st);
+    else
+        launch<128>((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, ws, B, T, NH, acc,
+                    deterministic ? 1 : 0, st);
+}
