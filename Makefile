@@ -90,7 +90,7 @@ $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
 $(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CUDA_DIR)/ops_cuda.h src/ops/ops.h $(CUDA_DIR)/attn_bf16.h \
-                                  $(CUDA_DIR)/attn_cudnn.h $(CUDA_DIR)/attn_wgmma.h
+                                  $(CUDA_DIR)/attn_cudnn.h $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_wgmma_bwd.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 

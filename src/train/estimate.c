@@ -1,5 +1,6 @@
 #include "estimate.h"
-#include "attn_cudnn.h" /* the dP buffer of cuDNN's deterministic attention backward */
+#include "attn_cudnn.h"      /* the dP buffer of cuDNN's deterministic attention backward */
+#include "attn_wgmma_bwd.h" /* our Hopper backward's, which auto takes from T = 2048 */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +20,8 @@
 
 /* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
  * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
- * sumsq's 1025 doubles; in bf16, where attention's backward runs on cuDNN's deterministic engine
+ * sumsq's 1025 doubles; in bf16, where attention's backward runs on our Hopper kernel
+ * (attn_wgmma_bwd_auto, as on an H100 or H200) its workspace, or on cuDNN's deterministic engine
  * (ops_cuda.cu's auto choice, attn_cudnn_auto; our kernels take head dims 64 and 128), its
  * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
  * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
@@ -30,7 +32,9 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float);
     size_t s = 1025 * sizeof(double);
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
-    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
+    if (prec != OPS_FP32 && attn_wgmma_bwd_auto(T, hd)) {  /* (on an H100 or H200: elsewhere cuDNN's) */
+        b = ((attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255);
+    } else if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
         int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
         b = ((attn_cudnn_det_workspace_bytes(bc, T, nh) + 255) & ~(size_t)255) +
             (((size_t)bc * T * nh * sizeof(float) + 255) & ~(size_t)255);

@@ -565,10 +565,6 @@ static Ws ws_layout(int B, int T, int NH, int HD) {
     return w;
 }
 
-extern "C" size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD) {
-    if (B <= 0 || T <= 0 || NH <= 0 || !attn_wgmma_bwd_supported(HD)) return 0;
-    return ws_layout(B, T, NH, HD).total;
-}
 
 /* once per instantiation: the dynamic shared memory opt-in, and whether a block fits an SM (NULL) or
  * why not */
@@ -631,6 +627,7 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
     if ((unsigned long long)nkv * BH > 0x7fffffffull || (unsigned long long)nq * BH > 0x7fffffffull)
         wb_die("wgmma backward", "too many tiles");
     const Ws L = ws_layout(B, T, NH, HD);
+    if (L.total != attn_wgmma_bwd_workspace_bytes(B, T, NH, HD)) wb_die("wgmma backward", "workspace layout");
     float *dqacc = (float *)(ws + L.dq), *lse2 = (float *)(ws + L.lse2), *Dw = (float *)(ws + L.D);
     int *sem = (int *)(ws + L.sem);
     /* the dQ accumulator starts at 0 (added to in any order), or in deterministic mode is stored by the

@@ -23,8 +23,23 @@ int attn_wgmma_bwd_supported(int HD);
 const char *attn_wgmma_bwd_unlaunchable(int HD);
 
 /* Bytes of device scratch attn_wgmma_backward needs: the fp32 dQ accumulator, D = rowsum(dO * O),
- * lse in log2 units (both padded to whole query tiles) and the deterministic mode's semaphores. */
-size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD);
+ * lse in log2 units (both padded to whole query tiles of 64 queries at head_dim 128, 128 at 64) and
+ * the deterministic mode's semaphores. Plain C, so that the memory estimate counts the same. */
+static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD) {
+    if (B <= 0 || T <= 0 || NH <= 0 || (HD != 64 && HD != 128)) return 0;
+    size_t BH = (size_t)B * NH, BM = HD == 64 ? 128 : 64, nq = ((size_t)T + BM - 1) / BM, nqp = nq * BM;
+    size_t a = ((BH * nqp * HD * 4) + 255) & ~(size_t)255, s = ((BH * nq * 4) + 255) & ~(size_t)255;
+    size_t l = ((BH * nqp * 4) + 255) & ~(size_t)255;
+    return a + s + 2 * l;
+}
+
+/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured on an H100
+ * (bench/RESULTS.md, session 17): 1 where this kernel runs, on a device that takes it
+ * (attn_wgmma_device_ok). Against cuDNN's deterministic engine: 436.7 / 459.7 TFLOP/s at head_dim
+ * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
+ * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice. */
+#define ATTN_WGMMA_BWD_AUTO_T 2048
+static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= ATTN_WGMMA_BWD_AUTO_T; }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).

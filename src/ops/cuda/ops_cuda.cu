@@ -22,6 +22,7 @@
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
 #include "attn_wgmma.h"
+#include "attn_wgmma_bwd.h"
 #include "ops.h"
 
 #include <cublasLt.h>
@@ -845,9 +846,9 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
- * bitwise reproducible. wgmma (being measured, not yet chosen by auto) = auto, except that the
- * forward runs attn_wgmma.cu's Hopper kernel where it can (bf16, head_dim 64 or 128, compute
- * capability 9.0). */
+ * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
+ * that was faster (attn_wgmma_bwd_auto). wgmma = our Hopper kernels forward and backward wherever
+ * they run (bf16, head_dim 64 or 128, compute capability 9.0), else auto's choice. */
 enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN, ATT_WGMMA };
 
 int cuda_set_attention_mode(const char *mode) {
@@ -868,6 +869,13 @@ void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_wgmma(int HD) {
     return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
+}
+
+/* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
+ * (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
+static int att_wgmma_bwd(int T, int HD) {
+    return g.bf16 && (g.att_mode == ATT_WGMMA || (g.att_mode == ATT_AUTO && attn_wgmma_bwd_auto(T, HD))) &&
+           attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
@@ -891,6 +899,7 @@ static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
     size_t ws;
     if (!backward && att_wgmma(HD)) return "wgmma";
+    if (backward && att_wgmma_bwd(T, HD)) return "wgmma";
     if (att_cudnn(backward, B, T, NH, HD, &ws)) return "cudnn";
     return g.bf16 && attn_bf16_supported(HD) ? "own" : "generic";
 }
@@ -921,6 +930,16 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     float scale = 1.0f / sqrtf((float)HD);
     attention_forward_kernel<<<grid, ATT_WARPS * 32, smem, g.stream>>>(out, lse, qkv, T, NH, HD, scale, g.bf16);
     LAUNCH_CHECK(attention_forward_kernel);
+}
+
+/* att_wgmma_bwd's backward: 1 when it ran */
+static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                              int B, int T, int NH, int HD, int acc) {
+    if (!att_wgmma_bwd(T, HD) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse))) return 0;
+    void *ws = scratch(attn_wgmma_bwd_workspace_bytes(B, T, NH, HD));
+    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, 1, (void *)g.stream);
+    if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
+    return 1;
 }
 
 /* cuDNN's backward writes dq, dk, dv: with acc, into scratch after its workspace, then added. The
@@ -954,6 +973,7 @@ static int att_backward_cudnn(void *dqkv, const void *dout, const void *qkv, con
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD, int acc) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
+    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc)) return;
     if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc)) return;
     if (g.bf16 && attn_bf16_supported(HD)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
@@ -987,7 +1007,8 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
 void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
-    if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0)) {
+    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0) ||
+        att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0)) {
         cuda_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
         return;
     }
