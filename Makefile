@@ -104,7 +104,7 @@ $(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf1
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
 # Hopper's wgmma + TMA attention forward: sm_90a only (see WGMMA_ARCH).
-$(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h
+$(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/wgmma_util.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
@@ -121,13 +121,15 @@ $(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu tests/gpu/cu_repo
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
 # The wgmma forward against attn_bf16_forward, and both timed (a GPU test program built by nvcc).
-$(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu tests/gpu/cu_report.h $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_bf16.h \
+$(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu tests/gpu/cu_report.h tests/gpu/attn_test_util.h \
+                                    $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_bf16.h \
                                     $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma.o \
 	    $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
 # The wgmma backward against attn_bf16_backward, and both timed (a GPU test program built by nvcc).
-$(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_wgmma.h \
+$(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/gpu/cu_report.h tests/gpu/attn_test_util.h \
+                                        $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_wgmma.h \
                                         $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
                                         $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \

@@ -20,14 +20,15 @@
  * column c0): then only dq's row r0, dk's rows <= r0 and dv's column c0 (rows <= r0) are nonzero,
  * which tells a layout error from a numerical one. */
 #include "attn_bf16.h"
+#include "attn_test_util.h"
 #include "attn_wgmma.h"
 #include "attn_wgmma_bwd.h"
+#include "cu_report.h"
 #include "ops.h" /* bf16_round, bf16_widen */
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,33 +39,6 @@
 #define TOL_NORM 2e-2 /* ||x - ref|| / ||ref|| per gradient (bf16 results of two bf16 kernels) */
 #define GUARD 4096    /* bf16 elements past dqkv's end (and bytes past the workspace's) that must stay 0xff */
 #define HANG_S 30.0   /* a synchronisation that takes longer is a hang: FAIL and exit */
-
-static int n_passed, n_failed;
-
-static void report(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void report(int ok, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf(ok ? "ok   " : "FAIL ");
-    vprintf(fmt, ap);
-    printf("\n");
-    fflush(stdout);
-    va_end(ap);
-    if (ok) n_passed++;
-    else n_failed++;
-}
-
-/* any CUDA error (a faulting kernel, the device watchdog included): FAIL, the RESULT line, exit 1 */
-#define CK(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            printf("RESULT %d %d\n", n_passed, n_failed + 1);                                     \
-            fflush(stdout);                                                                       \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
 
 static double now_s(void) {
     struct timespec ts;
@@ -95,13 +69,6 @@ static void sync_or_die(const char *where, int line) {
     CK(cudaDeviceSynchronize());
 }
 #define SYNC(where) sync_or_die(where, __LINE__)
-
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static double urand(void) { /* xorshift64*, uniform in (0, 1) */
-    rng_state ^= rng_state >> 12, rng_state ^= rng_state << 25, rng_state ^= rng_state >> 27;
-    return ((double)((rng_state * 2685821657736338717ull) >> 11) + 0.5) / 9007199254740992.0;
-}
-static double nrand(void) { return sqrt(-2.0 * log(urand())) * cos(6.283185307179586 * urand()); }
 
 /* ---------------------------------------------------------------------------------------------- */
 /* comparisons                                                                                     */
@@ -329,18 +296,6 @@ static void debug_case(int T, int HD, int one_hot, int det) {
 
 /* ---------------------------------------------------------------------------------------------- */
 /* timing                                                                                          */
-
-__global__ void fill_random(__nv_bfloat16 *x, size_t n, uint32_t seed) { /* roughly N(0, 1) */
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-        h ^= h >> 15, h *= 2246822519u, h ^= h >> 13, h *= 3266489917u, h ^= h >> 16;
-        x[i] = __float2bfloat16(((float)(h & 0xffffff) / 16777216.f - 0.5f) * 3.4641f);
-    }
-}
-static int cmp_float(const void *a, const void *b) {
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 #define REPS 7
 struct Bufs {

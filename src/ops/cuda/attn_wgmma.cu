@@ -105,6 +105,7 @@
  * This file is built for sm_90a only (wgmma); attn_wgmma_device_ok says whether the
  * current device can run it. */
 #include "attn_wgmma.h"
+#include "wgmma_util.cuh"
 
 #include <cuda.h>
 #include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled: the driver function, found at run time */
@@ -132,8 +133,6 @@
 #define PANEL 16384u /* one 64-column panel of a 128-row tile: 128 rows x 128 bytes */
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
-/* an mbarrier wait gives up (trap: the launch fails instead of hanging) after this many ns */
-#define WATCHDOG_NS 4000000000ull
 
 typedef __nv_bfloat16 bf16;
 
@@ -141,104 +140,38 @@ static constexpr __host__ __device__ size_t tile_bytes(int HD) { return (size_t)
 /* Q, STAGES x (K, V), the O staging tile, + alignment */
 static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_bytes(HD) * (2 + 2 * STAGES_OF(HD)) + 1024; }
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define WGMMA_DEVICE 1
-#endif
-
-#ifdef WGMMA_DEVICE
+#ifdef WGU_DEVICE
 /* ------------------------------------------------------------------------------------------- */
-/* PTX helpers                                                                                  */
+/* PTX helpers: wgmma_util.cuh's (namespace wgu), and the forward's own                         */
 
-static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+using wgu::bulk_commit;
+using wgu::bulk_wait_read;
+using wgu::ex2;
+using wgu::fence_async_shared;
+using wgu::fence_regs;
+using wgu::mbar_arrive;
+using wgu::mbar_expect_tx;
+using wgu::mbar_init;
+using wgu::mbar_wait;
+using wgu::named_arrive;
+using wgu::named_sync;
+using wgu::pack_bf16;
+using wgu::setmaxnreg_dec;
+using wgu::setmaxnreg_inc;
+using wgu::smem_u32;
+using wgu::st_shared_u32;
+using wgu::sw128_desc;
+using wgu::tma_load;
+using wgu::tma_store;
+using wgu::wgmma_commit;
+using wgu::wgmma_fence;
+using wgu::wgmma_ss_n128;
+using wgu::wgmma_wait;
 
-static __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-/* arrive (count 1) and add `bytes` to the transaction count this phase waits for */
-static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-/* the watchdog's way of failing the launch: a store to address 0 ("an illegal memory access was
- * encountered"). Not __trap(): a trap inside the setmaxnreg regions makes ptxas give up on them
- * (HD 128: the consumers stay at 168 registers, spill 200 bytes and serialize their wgmmas). */
-static __device__ __forceinline__ void watchdog_fault(void) {
-    asm volatile("st.global.u32 [%0], %1;\n" ::"l"(0ull), "r"(0u) : "memory");
-}
-/* wait until the phase of parity `parity` has completed; after WATCHDOG_NS of waiting, fault (the
- * launch fails with an error instead of hanging: a bug, never a legitimate wait) */
-static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done, polls = 0;
-    uint64_t t0 = 0;
-    for (;;) {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-        if (done) return;
-        if ((++polls & 255u) == 0) {
-            uint64_t now;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-            if (!t0) t0 = now;
-            else if (now - t0 > WATCHDOG_NS) watchdog_fault();
-        }
-    }
-}
 /* a consumer's wait: the warp reconverges before the .sync.aligned wgmma instructions that follow */
 static __device__ __forceinline__ void consumer_wait(uint32_t bar, uint32_t parity) {
     mbar_wait(bar, parity);
     __syncwarp();
-}
-/* TMA: box (64 columns, 128 rows, 1) of the 3-D tensor map at coordinates (c0, c1, c2) -> shared dst,
- * completing `bar`'s transaction bytes; rows past the tensor's end are filled with zeros. */
-static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *tm, int c0, int c1, int c2,
-                                                uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-            dst),
-        "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-        : "memory");
-}
-
-/* TMA store: box (64 columns, 64 rows, 1) from shared src (128-byte swizzled) to the 3-D tensor map
- * at (c0, c1, c2), in this thread's bulk async-group; rows past the tensor's end are not written */
-static __device__ __forceinline__ void tma_store(const CUtensorMap *tm, uint32_t src, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                     (uint64_t)tm),
-                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
-                 : "memory");
-}
-static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-/* wait until this thread's bulk async-groups have finished reading their shared-memory sources */
-static __device__ __forceinline__ void bulk_wait_read(void) {
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-static __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-static __device__ __forceinline__ void wgmma_commit(void) {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N> static __device__ __forceinline__ void wgmma_wait(void) {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-/* register reallocation between warpgroups (every warp of the warpgroup, converged, executes it) */
-template <int N> static __device__ __forceinline__ void setmaxnreg_dec(void) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N> static __device__ __forceinline__ void setmaxnreg_inc(void) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-/* named barriers (id 0 is __syncthreads): bar.sync waits until `count` threads have arrived at `id`
- * (its own warps included); bar.arrive counts this warp in without waiting */
-template <int ID, int COUNT> static __device__ __forceinline__ void named_sync(void) {
-    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory");
-}
-template <int ID, int COUNT> static __device__ __forceinline__ void named_arrive(void) {
-    asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory");
 }
 /* ping-pong turns of the two consumer warpgroups: named barriers 1 (warpgroup 0's turn) and 2 */
 static __device__ __forceinline__ void turn_wait(int cw) {
@@ -249,115 +182,21 @@ static __device__ __forceinline__ void turn_pass(int cw) {
     if (cw == 0) named_arrive<2, NCONSUMER>();
     else named_arrive<1, NCONSUMER>();
 }
-/* keeps the compiler from moving accesses of accumulator registers across a wgmma issue / wait */
-template <int N> static __device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* 128-byte-swizzle shared-memory matrix descriptor (see the table at the top) */
-static __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
-           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
-}
-
-/* two floats -> bf16x2 (round to nearest even), lo in the low half (the lower column) */
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* ------------------------------------------------------------------------------------------- */
-/* wgmma wrappers (operand lists written out by a short script; one per shape used)             */
-
-/* d[64] (+)= A * B, m64n128k16: A (Q) and B (K) both K-major in shared memory (descriptors);
- * accumulate = 0 ignores the old d (scale-d false). */
-static __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(accumulate));
-}
-
-/* d[64] += A * B, m64n128k16: A (P) in registers (4 x bf16x2), B (V) MN-major in shared memory
- * (imm-trans-b = 1). */
-static __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-/* d[32] += A * B, m64n64k16: A (P) in registers (4 x bf16x2), B (V) MN-major in shared memory
- * (imm-trans-b = 1). */
-static __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-template <int HD> struct PV; /* O += P V for one k16 slice: N = HD */
-template <> struct PV<128> {
-    static __device__ __forceinline__ void mma(float (&o)[64], const uint32_t (&a)[4], uint64_t db) {
-        wgmma_rs_n128(o, a, db);
-    }
-};
-template <> struct PV<64> {
-    static __device__ __forceinline__ void mma(float (&o)[32], const uint32_t (&a)[4], uint64_t db) {
-        wgmma_rs_n64(o, a, db);
-    }
-};
 
 /* S (64 x 128 keys) = Q_wg K^T: HD/16 wgmmas, the first one overwriting s. Issued, not waited for. */
 template <int HD> static __device__ __forceinline__ void issue_qk(float (&s)[64], uint32_t q, uint32_t k) {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
         const uint32_t off = (uint32_t)(kk / 4) * PANEL + (uint32_t)(kk % 4) * 32u;
-        wgmma_ss_n128(s, sw128_desc(q + off, 16, 1024), sw128_desc(k + off, 16, 1024), kk > 0);
+        wgmma_ss_n128<0, 0>(s, sw128_desc(q + off, 16, 1024), sw128_desc(k + off, 16, 1024), kk > 0);
     }
 }
 /* O (64 x HD) += P V: 8 wgmmas over the 128 keys. Issued, not waited for. */
 template <int HD>
 static __device__ __forceinline__ void issue_pv(float (&o)[HD / 2], const uint32_t (&p)[BN / 16][4], uint32_t v) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++) PV<HD>::mma(o, p[kk], sw128_desc(v + (uint32_t)kk * 16u * 128u, PANEL, 1024));
+    for (int kk = 0; kk < BN / 16; kk++)
+        wgu::Mma<HD>::template rs<1>(o, p[kk], sw128_desc(v + (uint32_t)kk * 16u * 128u, PANEL, 1024), 1);
 }
 
 /* online softmax of one S tile (raw scores in s; both rows of this thread): m (log2 units of the
@@ -392,7 +231,7 @@ static __device__ __forceinline__ void p_to_bf16(uint32_t (&p)[BN / 16][4], cons
 #pragma unroll
         for (int j = 0; j < 4; j++) p[kk][j] = pack_bf16(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
 }
-#endif /* WGMMA_DEVICE */
+#endif /* WGU_DEVICE */
 
 /* ------------------------------------------------------------------------------------------- */
 /* the kernel                                                                                   */
@@ -428,7 +267,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
     attn_wgmma_fwd_kernel(const __grid_constant__ CUtensorMap tm, const __grid_constant__ CUtensorMap tmo,
                           float *__restrict__ lse, unsigned *__restrict__ sched, int T, int NH, int BH, int nqt,
                           int swz, float scale2) {
-#ifdef WGMMA_DEVICE
+#ifdef WGU_DEVICE
     constexpr int STAGES = STAGES_OF(HD);
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 + 3 * STAGES];
@@ -449,7 +288,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
         mbar_init(QEMPTY, NCONSUMER);
         for (int s = 0; s < STAGES; s++) mbar_init(KFULL(s), 1), mbar_init(VFULL(s), 1), mbar_init(EMPTY(s), NCONSUMER);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_async_shared();
     }
     __syncthreads();
 
@@ -602,7 +441,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
 
             /* epilogue: O / l (bf16) -> the staging tile -> out by TMA stores (rows past T are
              * not written), lse = (m + log2 l) ln 2 from registers */
-            if (issuer) bulk_wait_read(); /* the previous item's stores have read the staging tile */
+            if (issuer) bulk_wait_read<0>(); /* the previous item's stores have read the staging tile */
             if (cw == 0) named_sync<3, 128>();
             else named_sync<4, 128>();
 #pragma unroll
@@ -618,7 +457,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                                       (uint32_t)(((c % 8) ^ g) << 4),
                                   pack_bf16(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv));
             }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* visible to the TMA */
+            fence_async_shared(); /* visible to the TMA */
             if (cw == 0) named_sync<3, 128>();
             else named_sync<4, 128>();
             if (issuer) {
@@ -629,7 +468,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) /* KREGS registers a thread; see 
                 bulk_commit();
             }
         }
-        if (issuer) bulk_wait_read(); /* the staging tile stays valid until the last stores read it */
+        if (issuer) bulk_wait_read<0>(); /* the staging tile stays valid until the last stores read it */
     }
 #undef QEMPTY
 #undef KFULL
@@ -655,18 +494,10 @@ static void wg_check(const char *what) {
     if (e != cudaSuccess) wg_die(what, cudaGetErrorString(e));
 }
 
-/* cuTensorMapEncodeTiled from the driver, found once through the runtime (no -lcuda) */
+/* cuTensorMapEncodeTiled from the driver (wgmma_util.cuh); fails the forward if absent */
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void) {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn;
-    if (!fn) {
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
-                cudaSuccess ||
-            q != cudaDriverEntryPointSuccess || !p)
-            wg_die("wgmma forward", "the driver has no cuTensorMapEncodeTiled");
-        fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-    }
+    const PFN_cuTensorMapEncodeTiled_v12000 fn = wgu::encode_tiled();
+    if (!fn) wg_die("wgmma forward", "the driver has no cuTensorMapEncodeTiled");
     return fn;
 }
 

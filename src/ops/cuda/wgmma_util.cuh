@@ -1,6 +1,6 @@
 /* PTX wrappers for Hopper (sm_90a) kernels: wgmma, TMA and bulk copies, mbarriers, named barriers,
- * setmaxnreg, shared-memory matrix descriptors; and the host's tensor-map encoder. Copied from the
- * proven forward (attn_wgmma.cu, which keeps its own copies) for the backward (attn_wgmma_bwd.cu);
+ * setmaxnreg, shared-memory matrix descriptors; and the host's tensor-map encoder. Shared by the
+ * forward (attn_wgmma.cu, where they were first proven) and the backward (attn_wgmma_bwd.cu);
  * header-only, everything static, in namespace wgu.
  *
  * Device code exists only where WGU_DEVICE is defined (the sm_90a device pass); a kernel body
@@ -70,7 +70,8 @@ static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 /* the watchdog's way of failing the launch: a store to address 0 ("an illegal memory access was
- * encountered"). Not __trap(): a trap inside setmaxnreg regions makes ptxas give up on them. */
+ * encountered"). Not __trap(): a trap inside setmaxnreg regions makes ptxas give up on them (the
+ * forward at HD 128: the consumers stay at 168 registers, spill 200 bytes and serialize their wgmmas). */
 static __device__ __forceinline__ void watchdog_fault(void) {
     asm volatile("st.global.u32 [%0], %1;\n" ::"l"(0ull), "r"(0u) : "memory");
 }
@@ -79,7 +80,8 @@ static __device__ __forceinline__ uint64_t globaltimer(void) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     return now;
 }
-/* wait until the phase of parity `parity` has completed; after WGU_WATCHDOG_NS, fault */
+/* wait until the phase of parity `parity` has completed; after WGU_WATCHDOG_NS, fault (the launch
+ * fails with an error instead of hanging: a bug, never a legitimate wait) */
 static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done, polls = 0;
     uint64_t t0 = 0;
@@ -129,6 +131,14 @@ static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap 
             dst),
         "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
+}
+/* TMA store: box of the 3-D tensor map at (c0, c1, c2) <- shared src (laid out as the map's swizzle
+ * says), in this thread's bulk async-group; elements past the tensor's ends are not written */
+static __device__ __forceinline__ void tma_store(const CUtensorMap *tm, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                     (uint64_t)tm),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
+                 : "memory");
 }
 /* `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared, completing `bar` */
 static __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
