@@ -22,11 +22,28 @@ run() {  # run OUT KEYS...: one training run, its output in OUT.log
 }
 
 M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 batch_size=8 lr=1e-3 grad_clip=1 data_dir=$D"
+strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
+
 
 # -- the GPU is there (else one clear failure, not a page of them)
 if ! run "$TMP/smoke" $M steps=1 device=cuda; then
   echo "device=cuda does not run here:"; tail -3 "$TMP/smoke.log"; echo "RESULT 0 1"; exit 1
 fi
+
+# -- a long context (T=2048, head_dim 64): auto's attention backward is our Hopper kernel on an
+# H100 or H200 (attn_wgmma_bwd_auto; cuDNN's deterministic engine elsewhere): the run is
+# deterministic, follows the run on cuDNN alone (MESHTRAIN_ATTN=cudnn-det) within 2%, and the
+# allocator's peak is the estimate within 5%
+L="vocab_size=50257 embed_dim=128 n_heads=2 n_layers=2 context_len=2048 batch_size=2 lr=1e-3 grad_clip=1 data_dir=$D"
+L="$L steps=4 device=cuda"
+run "$TMP/long_a" $L
+run "$TMP/long_b" $L
+MESHTRAIN_ATTN=cudnn-det run "$TMP/long_c" $L
+pa=$(logged gpu_peak_alloc_bytes "$TMP/long_a") ea=$(logged estimate_bytes "$TMP/long_a")
+if [ "$(strip "$TMP/long_a")" = "$(strip "$TMP/long_b")" ] && cmp -s "$TMP/long_a/ckpt.bin" "$TMP/long_b/ckpt.bin" &&
+   TOL=0.02 close "$TMP/long_c" "$TMP/long_a" && within5 "$ea" "$pa"
+then ok "long_context_attention_auto (peak $pa, estimate $ea)"
+else bad "long_context_attention_auto (peak $pa, estimate $ea; $(tail -1 "$TMP/long_a.log"))"; fi
 grep -m1 "device cuda" "$TMP/smoke.log"
 
 # -- CUDA follows the CPU, per strategy (one process each)
@@ -69,7 +86,6 @@ grep -m1 "memory per GPU" "$TMP/mixed100_ddp.log" "$TMP/bf16100_ddp.log"
 
 # -- deterministic: the same CUDA run twice gives bitwise the same losses and parameters
 # (fp32, and mixed)
-strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
 run "$TMP/cuda_again" $M steps=5 device=cuda precision=fp32
 run "$TMP/mixed_a" $M steps=5 device=cuda
 run "$TMP/mixed_b" $M steps=5 device=cuda
@@ -80,20 +96,6 @@ if [ "$(strip "$TMP/cuda_ddp")" = "$(strip "$TMP/cuda_again")" ] && cmp -s "$TMP
    [ "$(strip "$TMP/bf16_a")" = "$(strip "$TMP/bf16_b")" ] && cmp -s "$TMP/bf16_a/ckpt.bin" "$TMP/bf16_b/ckpt.bin"
 then ok cuda_deterministic; else bad cuda_deterministic; fi
 
-# -- a long context (T=2048, head_dim 64): auto's attention backward is our Hopper kernel on an
-# H100 or H200 (attn_wgmma_bwd_auto; cuDNN's deterministic engine elsewhere): the run is
-# deterministic, follows the run on cuDNN alone (MESHTRAIN_ATTN=cudnn-det) within 2%, and the
-# allocator's peak is the estimate within 5%
-L="vocab_size=50257 embed_dim=128 n_heads=2 n_layers=2 context_len=2048 batch_size=2 lr=1e-3 grad_clip=1 data_dir=$D"
-L="$L steps=4 device=cuda"
-run "$TMP/long_a" $L
-run "$TMP/long_b" $L
-MESHTRAIN_ATTN=cudnn-det run "$TMP/long_c" $L
-pa=$(logged gpu_peak_alloc_bytes "$TMP/long_a") ea=$(logged estimate_bytes "$TMP/long_a")
-if [ "$(strip "$TMP/long_a")" = "$(strip "$TMP/long_b")" ] && cmp -s "$TMP/long_a/ckpt.bin" "$TMP/long_b/ckpt.bin" &&
-   TOL=0.02 close "$TMP/long_c" "$TMP/long_a" && within5 "$ea" "$pa"
-then ok "long_context_attention_auto (peak $pa, estimate $ea)"
-else bad "long_context_attention_auto (peak $pa, estimate $ea; $(tail -1 "$TMP/long_a.log"))"; fi
 
 # -- bitwise resume on CUDA: 8 straight steps, versus a run stopped (NaN) after its step-4
 # checkpoint and resumed to step 8 (checkpoints go through the host staging both ways)
