@@ -26,20 +26,21 @@
  * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
  * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
  * did not). */
-static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp) {
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
     size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
-    size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float);
+    size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
-    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
-    if (prec != OPS_FP32 && attn_wgmma_bwd_auto(T, hd)) {  /* (on an H100 or H200: elsewhere cuDNN's) */
-        b = ((attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255);
-    } else if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
+    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, hopper = prec != OPS_FP32 && attn_wgmma_bwd_auto(T, hd);
+    if (hopper) hb = (attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255;
+    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
         int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
         b = ((attn_cudnn_det_workspace_bytes(bc, T, nh) + 255) & ~(size_t)255) +
             (((size_t)bc * T * nh * sizeof(float) + 255) & ~(size_t)255);
     }
-    return a > b ? (a > s ? a : s) : (b > s ? b : s);
+    size_t rest = a > s ? a : s, other = b > rest ? b : rest, mine = hopper ? (hb > rest ? hb : rest) : other;
+    if (elsewhere) *elsewhere = other > mine ? other - mine : 0;  /* the GPUs our Hopper kernel does not run on */
+    return mine;
 }
 
 void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
@@ -76,7 +77,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp)
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, &e->attn_elsewhere)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && (copy_engines & EST_CE_DDP)
                   ? comm_ce_buffer_bytes(e->grads) : 0;
@@ -179,6 +180,9 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
            fmt_bytes(b1, (double)e->total), (int)(4 * ops_state_size_of(e->prec)),
            fmt_bytes(b2, e->formula));
     if (e->gpu) printf("  (besides: the CUDA context and libraries on the card, a few hundred MiB)\n");
+    if (e->gpu && e->attn_elsewhere)
+        printf("  (attention's backward as on an H100 or H200, our Hopper kernel; on other GPUs cuDNN's engine "
+               "needs %s more)\n", fmt_bytes(b1, (double)e->attn_elsewhere));
     if (e->offload && e->gpu)
         printf("host memory per GPU (offload): %s pinned (%s)\n", fmt_bytes(b1, (double)e->host), what);
     if (e->lean && e->gpu && e->prec == OPS_MIXED)

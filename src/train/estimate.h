@@ -24,6 +24,8 @@ typedef struct {
     int offload;
     int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
     int ce_tp; /* EST_CE_TP was asked: estimate_stage counts the stage's all-to-all buffer */
+    size_t attn_elsewhere; /* runtime assumes attention's backward on our Hopper kernel (an H100 or
+                            * H200): what cuDNN's engine needs more on other GPUs (0: the same) */
 } MemEstimate;
 
 /* Per rank. training != 0: parameters, gradients, the optimizer's state (oc; NULL = AdamW:
