@@ -1,6 +1,7 @@
 /* bench_attn — causal attention in bf16 (precision=mixed) through the ops interface, on each
- * implementation the cuda backend has: our tensor-core kernels ("own", attn_bf16.cu) and cuDNN's
- * fused flash attention ("cudnn", attn_cudnn.cu; "cudnn-det" its deterministic backward), forward (op_attention_forward) and backward
+ * implementation the cuda backend has: our tensor-core kernels ("own", attn_bf16.cu), cuDNN's
+ * fused flash attention ("cudnn", attn_cudnn.cu; "cudnn-det" its deterministic backward) and our
+ * Hopper kernels ("wgmma", attn_wgmma.cu and attn_wgmma_bwd.cu, deterministic), forward (op_attention_forward) and backward
  * (op_attention_backward_set, what a layer calls), at the shapes given as B:NH:T:HD arguments
  * (default: issue 20's). TFLOP/s count causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that
  * backward, as bench_ops_cuda does. Each figure is the median of 7 timings of back-to-back calls
@@ -74,19 +75,19 @@ static void bench_shape(int B, int NH, int T, int HD) {
     Call c = {rand_act(nqkv), rand_act(nout), op_alloc(nout * 2), op_alloc(nqkv * 2),
               op_alloc((size_t)B * NH * T * sizeof(float)), B, T, NH, HD, 0};
     const double flops = 4.0 * B * NH * (double)T * T * HD / 2;
-    static const char *impls[] = {"own", "cudnn", "cudnn-det"};
-    for (int m = 0; m < 3; m++) {
+    static const char *impls[] = {"own", "cudnn", "cudnn-det", "wgmma"}, *runs[] = {"own", "cudnn", "cudnn", "wgmma"};
+    for (int m = 0; m < 4; m++) {
         cuda_set_attention_mode(impls[m]);
         for (int bw = m == 2; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
             double tp = now_seconds();
             const char *ran = cuda_attention_impl(bw, B, T, NH, HD); /* builds cuDNN's plan */
             tp = now_seconds() - tp;
             size_t ws = 0;
-            if (m && (bw ? attn_cudnn_backward_plan(B, T, NH, HD, m == 2, &ws, NULL, 0)
+            if ((m == 1 || m == 2) && (bw ? attn_cudnn_backward_plan(B, T, NH, HD, m == 2, &ws, NULL, 0)
                          : attn_cudnn_forward_plan(B, T, NH, HD, &ws, NULL, 0)) == 0)
                 printf("info %s %s B=%d NH=%d T=%d HD=%d: plan built in %.0f ms, workspace %zu bytes (dP %zu)\n",
                        impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, tp * 1e3, ws, attn_cudnn_det_dp_bytes(B, T, NH));
-            if (strcmp(ran, m ? "cudnn" : "own")) {
+            if (strcmp(ran, runs[m])) {
                 printf("SKIP %s %s %d %d %d %d (runs on %s)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, ran);
                 continue;
             }
