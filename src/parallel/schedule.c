@@ -54,8 +54,9 @@ static void backward(Schedule *s, int i, int c) {
  * (p - r - 1) x 2 + (v - 1) x p + 1, raised by one until the simulation ends (a short last
  * round can need more). Interleaved takes Megatron-LM's own lists instead where they run
  * and are no longer, and, without activation checkpointing, lists with its backward split
- * (as zb1's: the W passes fill the bubble, two more held) where those end sooner. What each rank ran, in the order it ran it, is its list: every rank
- * simulates all of them alike, so the lists agree. */
+ * (as zb1's: the W passes fill the bubble, two more held) where those end sooner. What
+ * each rank ran, in the order it ran it, is its list: every rank simulates all of them
+ * alike, so the lists agree. */
 
 typedef struct { int c, i; } Op;
 
