@@ -206,7 +206,8 @@ if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no me
                exit !(r > 0 && d < 0.10 && x < 0.02)}' || good=0
     done
     [ $split = auto ] && split= || split=_$split
-    [ -n "$lists" ] && { split=_$lists$split; grep -q "backward split" <<<"$o" || good=0; }
+    [ -n "$lists" ] && { split=_$lists$split; grep -q "backward split" <<<"$o" && grep -q "backward split" <<<"$est" ||
+                         good=0; }
     unset MESHTRAIN_INTERLEAVED_LISTS
     [ $good = 1 ] && ok "stage_memory_within_10pct_$sched$split" || bad "stage_memory_within_10pct_$sched$split ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
   done

@@ -180,10 +180,12 @@ int cmd_estimate(Config *c) {
         double *cost = xmalloc((size_t)PP * V * 3 * sizeof(double));
         pipeline_stage_costs(&mc, c->context_len, st, PP * V, pipeline_head_placement(sched, PP), cost);
         most = 0;
+        int split = 0;
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
             Schedule sc;
             if (schedule_build(&sc, sched, PP, s, M, V, split_ok, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+            split |= sched == SCHED_INTERLEAVED && sc.split_backward;
             pipeline_rank_stages(st, PP, V, s, mine);
             estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, TP,
                            c->sequence_parallel, precision_of(c), &oc);
@@ -195,6 +197,7 @@ int cmd_estimate(Config *c) {
             if (es.total > most) most = es.total;
             schedule_free(&sc);
         }
+        if (split) printf("  (interleaved with its backward split, as a run takes it: weight passes fill the bubble)\n");
         free(st);
         free(cost);
     }
