@@ -99,17 +99,17 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h tests/gpu/bf16_check.h $(LIB_OB
 
 # bf16 flash attention (tensor cores, mma.sync): its own object, linked wherever ops_cuda.o is,
 # and a standalone GPU test program built by nvcc.
-$(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(CUDA_DIR)/sfu.cuh
+$(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
 # Hopper's wgmma + TMA attention forward: sm_90a only (see WGMMA_ARCH).
-$(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/wgmma_util.cuh
+$(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/wgmma_util.cuh $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
 # Hopper's wgmma + TMA attention backward: sm_90a only (see WGMMA_ARCH).
-$(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o: $(CUDA_DIR)/attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/wgmma_util.cuh
+$(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o: $(CUDA_DIR)/attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/wgmma_util.cuh $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 

@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include "cuda/bf16x2.cuh"
 #include "cuda/sfu.cuh"
 
 #define TILE 64 /* query rows per block and keys per tile: equal, so each tile has one diagonal tile */
@@ -80,14 +81,6 @@ static __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4],
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-/* two floats -> bf16x2 (round to nearest even), lo in the low half (the lower column) */
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-static __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-static __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 /* ------------------------------------------------------------------------------------------- */
 /* tiles                                                                                        */

@@ -146,7 +146,6 @@ static constexpr __host__ __device__ size_t smem_bytes(int HD) { return tile_byt
 
 using wgu::bulk_commit;
 using wgu::bulk_wait_read;
-using wgu::ex2;
 using wgu::fence_async_shared;
 using wgu::fence_regs;
 using wgu::mbar_arrive;
@@ -155,7 +154,6 @@ using wgu::mbar_init;
 using wgu::mbar_wait;
 using wgu::named_arrive;
 using wgu::named_sync;
-using wgu::pack_bf16;
 using wgu::setmaxnreg_dec;
 using wgu::setmaxnreg_inc;
 using wgu::smem_u32;
@@ -213,13 +211,13 @@ static __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&m)[2
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mnew = fmaxf(m[r], mx * scale2);
         const float mu = mnew == -INFINITY ? 0.f : mnew; /* a row with nothing yet stays at 0 */
-        alpha[r] = ex2(m[r] - mu);
+        alpha[r] = sfu_ex2(m[r] - mu);
         m[r] = mnew;
         float sum = 0.f;
 #pragma unroll
         for (int c = 0; c < BN / 8; c++) {
-            s[4 * c + 2 * r] = ex2(fmaf(s[4 * c + 2 * r], scale2, -mu));
-            s[4 * c + 2 * r + 1] = ex2(fmaf(s[4 * c + 2 * r + 1], scale2, -mu));
+            s[4 * c + 2 * r] = sfu_ex2(fmaf(s[4 * c + 2 * r], scale2, -mu));
+            s[4 * c + 2 * r + 1] = sfu_ex2(fmaf(s[4 * c + 2 * r + 1], scale2, -mu));
             sum += s[4 * c + 2 * r] + s[4 * c + 2 * r + 1];
         }
         l[r] = l[r] * alpha[r] + sum;

@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(NTHR, 1)
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         const int x = 4 * c + 2 * hh + e;
-                        float p = ex2(fmaf(sa[x], scale2, -(e ? l2.y : l2.x)));
+                        float p = sfu_ex2(fmaf(sa[x], scale2, -(e ? l2.y : l2.x)));
                         if (need_mask && key0 + 8 * hh > qb + 8 * c + e) p = 0.f;
                         sa[x] = p;
                     }

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include "bf16x2.cuh" /* pack_bf16, bf16_lo, bf16_hi */
+#include "sfu.cuh"    /* sfu_ex2 */
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WGU_DEVICE 1
@@ -221,19 +223,6 @@ template <int ID, int COUNT> static __device__ __forceinline__ void named_arrive
 static __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
-}
-/* two floats -> bf16x2 (round to nearest even), lo in the low half (the lower column) */
-static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-static __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-static __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 /* ---- wgmma (operand lists written out by a short script) ---- */
