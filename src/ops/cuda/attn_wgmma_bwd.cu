@@ -176,6 +176,38 @@ static __device__ __forceinline__ void block_coords(int x, int nkv, int BH, int 
     bh = sec * swz + in % nh;
 }
 
+#ifdef WGU_DEVICE
+/* acc = a b^T for one consumer warpgroup (M = 64 key rows of K or V at a, N = BM query rows of Q or
+ * dO at b, K = HD; both K-major in 64-column panels), fenced and committed: S^T and dP^T */
+template <int HD>
+static __device__ __forceinline__ void issue_rows_cols(float (&acc)[Cfg<HD>::BM / 2], uint32_t a, uint32_t b) {
+    typedef Cfg<HD> K_;
+    wgu::fence_regs(acc);
+    wgu::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
+        const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
+        wgu::Mma<K_::BM>::template ss<0, 0>(acc, wgu::sw128_desc(a + ko, 16, 1024), wgu::sw128_desc(b + qo, 16, 1024),
+                                            kk > 0);
+    }
+    wgu::wgmma_commit();
+}
+
+/* dV += P^T dO (M = 64 keys, N = HD, K = BM queries; P^T from registers, dO at dos MN-major),
+ * fenced and committed */
+template <int HD>
+static __device__ __forceinline__ void issue_dv(float (&dv)[HD / 2], const uint32_t (&pa)[Cfg<HD>::BM / 16][4],
+                                                uint32_t dos) {
+    wgu::fence_regs(dv);
+    wgu::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Cfg<HD>::BM / 16; kk++)
+        wgu::Mma<HD>::template rs<1>(dv, pa[kk], wgu::sw128_desc(dos + (uint32_t)kk * 2048u, Cfg<HD>::QPANEL, 1024), 1);
+    wgu::wgmma_commit();
+}
+#endif
+
 template <int HD>
 __global__ void __launch_bounds__(NTHR, 1)
     attn_wgmma_bwd_kernel(const __grid_constant__ CUtensorMap tmq, const __grid_constant__ CUtensorMap tmkv,
@@ -316,26 +348,10 @@ __global__ void __launch_bounds__(NTHR, 1)
             /* S^T = K_w Q^T and dP^T = V_w dO^T (M = 64 keys, N = BM queries, K = HD) */
             mbar_wait(QFULL(s), ph);
             __syncwarp();
-            fence_regs(sa);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
-                const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
-                Mma<BM>::template ss<0, 0>(sa, sw128_desc(kA + ko, 16, 1024), sw128_desc(qs + qo, 16, 1024), kk > 0);
-            }
-            wgmma_commit();
+            issue_rows_cols<HD>(sa, kA, qs);
             mbar_wait(DOFULL(s), ph);
             __syncwarp();
-            fence_regs(dp);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; kk++) {
-                const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
-                const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
-                Mma<BM>::template ss<0, 0>(dp, sw128_desc(vA + ko, 16, 1024), sw128_desc(dos + qo, 16, 1024), kk > 0);
-            }
-            wgmma_commit();
+            issue_rows_cols<HD>(dp, vA, dos);
 
             /* P^T = exp2(S^T scale2 - lse2[query]); element (key key0 + 8h, query i*BM + 8c + 2t + e) */
             wgmma_wait<1>();
@@ -366,12 +382,7 @@ __global__ void __launch_bounds__(NTHR, 1)
                 for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
                     for (int q = 0; q < 4; q++) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
-                fence_regs(dv);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BM / 16; kk++)
-                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
-                wgmma_commit();
+                issue_dv<HD>(dv, pa, dos);
                 wgmma_wait<1>(); /* dP^T done (dV may still run) */
             } else {
                 wgmma_wait<0>(); /* dP^T done */
@@ -408,14 +419,7 @@ __global__ void __launch_bounds__(NTHR, 1)
             fence_async_shared();
             named_sync<BAR_DS, NCONS>();
 
-            if constexpr (!EARLY_DV) { /* dV += P^T dO (see above) */
-                fence_regs(dv);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BM / 16; kk++)
-                    Mma<HD>::template rs<1>(dv, pa[kk], sw128_desc(dos + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
-                wgmma_commit();
-            }
+            if constexpr (!EARLY_DV) issue_dv<HD>(dv, pa, dos); /* (see above) */
             /* dQ_i = dS K (M = 64 queries, N = 64 head-dim columns, K = 128 keys; A = dS MN-major,
              * B = K MN-major), then dK += dS^T Q (B = Q MN-major) */
             float dq[32];
