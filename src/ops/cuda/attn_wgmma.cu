@@ -521,21 +521,9 @@ template <int HD> static const char *prepare(void) {
     static char why[160];
     if (done) return why[0] ? why : NULL;
     done = 1;
-    const void *fn = (const void *)attn_wgmma_fwd_kernel<HD>;
-    cudaFuncAttributes fa;
-    int nb = 0;
-    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes(HD));
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fn);
-    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, NTHREADS, smem_bytes(HD));
-    cudaGetLastError(); /* reported below, not left sticky */
-    if (e != cudaSuccess) snprintf(why, sizeof why, "%s", cudaGetErrorString(e));
-    /* setmaxnreg (HD 128) hands out exactly the registers of a block launched at KREGS: with fewer,
-     * the consumers' setmaxnreg.inc would wait forever */
-    else if (HD == 128 && fa.numRegs != KREGS)
-        snprintf(why, sizeof why, "built with %d registers a thread, setmaxnreg needs %d", fa.numRegs, KREGS);
-    else if (nb < 1)
-        snprintf(why, sizeof why, "a block (%d threads x %d registers, %zu bytes of shared memory) fits no SM",
-                 NTHREADS, fa.numRegs, smem_bytes(HD) + fa.sharedSizeBytes);
+    /* (setmaxnreg at HD 128 only) */
+    wgu::launchable((const void *)attn_wgmma_fwd_kernel<HD>, smem_bytes(HD), NTHREADS, HD == 128 ? KREGS : 0, why,
+                    sizeof why);
     return why[0] ? why : NULL;
 }
 

@@ -577,22 +577,8 @@ template <int HD> static const char *prepare(void) {
     static char why[160];
     if (done) return why[0] ? why : NULL;
     done = 1;
-    const void *fn = (const void *)attn_wgmma_bwd_kernel<HD>;
-    cudaFuncAttributes fa;
-    int nb = 0;
-    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<HD>::SMEM);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fn);
-    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, NTHR, Cfg<HD>::SMEM);
-    cudaGetLastError(); /* reported below, not left sticky */
-    if (e != cudaSuccess) snprintf(why, sizeof why, "%s", cudaGetErrorString(e));
-    /* setmaxnreg hands out exactly the registers of a block launched at KREGS: with fewer, the
-     * consumers' setmaxnreg.inc would wait forever */
-    else if (fa.numRegs != KREGS)
-        snprintf(why, sizeof why, "built with %d registers a thread, setmaxnreg needs %d", fa.numRegs, KREGS);
-    else if (nb < 1)
-        snprintf(why, sizeof why, "a block (%d threads x %d registers, %zu bytes of shared memory) fits no SM", NTHR,
-                 fa.numRegs, Cfg<HD>::SMEM + fa.sharedSizeBytes);
-    else if (!wgu::encode_tiled())
+    if (wgu::launchable((const void *)attn_wgmma_bwd_kernel<HD>, Cfg<HD>::SMEM, NTHR, KREGS, why, sizeof why) == 0 &&
+        !wgu::encode_tiled())
         snprintf(why, sizeof why, "the driver has no cuTensorMapEncodeTiled");
     return why[0] ? why : NULL;
 }

@@ -57,6 +57,27 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void) {
     return fn;
 }
 
+/* Whether kernel fn launches with nthreads threads and smem bytes of dynamic shared memory (which
+ * it is opted in to here): 0, or why not in why[len]. kregs > 0: the kernel's setmaxnreg split
+ * hands out exactly the registers of a block launched at kregs, so it must be built with exactly
+ * that many (with fewer, the consumers' setmaxnreg.inc would wait forever). */
+static inline int launchable(const void *fn, size_t smem, int nthreads, int kregs, char *why, size_t len) {
+    cudaFuncAttributes fa;
+    int nb = 0;
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, fn);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, nthreads, smem);
+    cudaGetLastError(); /* reported below, not left sticky */
+    if (e != cudaSuccess) snprintf(why, len, "%s", cudaGetErrorString(e));
+    else if (kregs > 0 && fa.numRegs != kregs)
+        snprintf(why, len, "built with %d registers a thread, setmaxnreg needs %d", fa.numRegs, kregs);
+    else if (nb < 1)
+        snprintf(why, len, "a block (%d threads x %d registers, %zu bytes of shared memory) fits no SM", nthreads,
+                 fa.numRegs, smem + fa.sharedSizeBytes);
+    else return 0;
+    return -1;
+}
+
 #ifdef WGU_DEVICE
 static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
