@@ -865,8 +865,7 @@ static int att_det(void) { return g.att_mode != ATT_CUDNN; }
 
 void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
 
-/* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
- * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
+/* Our Hopper forward (attn_wgmma.cu) runs where MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma(int HD) {
     return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
 }
@@ -878,6 +877,8 @@ static int att_wgmma_bwd(int T, int HD) {
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
+/* 1 when cuDNN runs this call, with the bytes of workspace it needs; 0: our kernels do. The first
+ * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
     if (!g.bf16 || g.att_mode == ATT_OWN || (!backward && att_wgmma(HD))) return 0;
