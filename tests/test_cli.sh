@@ -102,6 +102,15 @@ t1=$(ce world_size=4 | awk '$1 == "total" {print $2}'); t0=$(ce world_size=4 cop
 if [ "$a" = "64.0 MiB" ] && ! ce world_size=4 copy_engines=false | grep -q "all-to-all" && ! ce | grep -q "all-to-all" \
    && ! ce world_size=4 zero_opt=true | grep -q "all-to-all" && [ "$t1" != "$t0" ]; then
   ok estimate_copy_engine_buffer; else bad "estimate_copy_engine_buffer ($a; $t1 vs $t0)"; fi
+# from T=2048 (head_dim 64 or 128, bf16 or mixed) attention's backward is counted on our Hopper
+# kernel, whose workspace is far smaller than cuDNN's B NH T^2 dP: the estimate says so, and how
+# much more cuDNN needs elsewhere (about 1.9 GiB for the post's model at 4096 x 8); not below
+lc() { "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=bf16 "$@"; }
+rl=$(lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+if lc context_len=4096 batch_size=8 | grep -q "on other GPUs cuDNN's engine needs 1.9 GiB more" && [ "$rl" = "162.0 MiB" ] &&
+   ! lc context_len=1024 batch_size=32 | grep -q "on other GPUs" && ! lc context_len=4096 batch_size=8 precision=fp32 |
+   grep -q "on other GPUs"
+then ok estimate_attention_backward_workspace; else bad "estimate_attention_backward_workspace ($rl)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data
