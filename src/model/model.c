@@ -679,7 +679,79 @@ static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const
  * under sequence parallel the norms run on the rank's rows (NS) and their outputs are
  * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered.
  * Each collective is chunked beside its product (product_after, product_then_sum). */
-static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
+int model_tp_groups(const Model *m, size_t N) {
+    int g = m->tp_size > 1 && !m->sp && m->tp_groups > 1 ? m->tp_groups : 1;
+    if (g > TP_MAX_CHUNKS) g = TP_MAX_CHUNKS;  /* (Tickets' size) */
+    while (N % (size_t)g) g--;
+    return g;
+}
+
+/* Tensor parallel without sequence parallel, the forward in G groups of rows (G > 1:
+ * model_tp_groups). Every op of a layer but attention works row by row, so each group's
+ * all-reduce travels while the next group's products run: att_out's sum of group g beside
+ * group g + 1's att_out product and group g - 1's FFN; down's sum of group g beside the FFN
+ * of group g + 1 and, for the last group, the next layer's norm and qkv product of the
+ * groups before it. pend holds down's sums still travelling: the previous layer's on entry
+ * (group g's joined before group g's rows are read), this layer's on return (none with
+ * recompute, which stops before down). The same ops on the same rows as layer_forward's,
+ * each product on a group's rows. */
+static void layer_forward_groups(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int G,
+                                 int recompute, Tickets *pend) {
+    const void *w = unit_weights(m, unit_of_layer(l));
+    const LayerLayout *ly = &m->layer;
+    size_t N = (size_t)B * T, R = N / (size_t)G, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
+    for (int g = 0; g < G; g++) {
+        size_t r0 = (size_t)g * R;
+        if (g < pend->n) tp_join(m, pend->t[g]);
+        op_rmsnorm_forward(act_at(la->xn1, r0 * E), la->rstd1 + r0, act_at(la->x, r0 * E),
+                           act_at(w, ly->att_norm), (int)R, (int)E, RMS_EPS);
+        op_matmul_forward(act_at(la->qkv, r0 * 3 * Et), act_at(la->xn1, r0 * E), act_at(w, ly->qkv), (int)R, (int)E,
+                          (int)(3 * Et));
+    }
+    tp_join_all(m, pend);  /* (a count that differed: none left behind) */
+    pend->n = 0;
+    op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
+    op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
+    Tickets t1 = {.n = 0};
+    for (int g = 0; g < G; g++) {
+        size_t r0 = (size_t)g * R;
+        op_matmul_forward(act_at(la->mid, r0 * E), act_at(la->att, r0 * Et), act_at(w, ly->att_out), (int)R, (int)Et,
+                          (int)E);
+        t1.t[t1.n++] = m->tp.allreduce_begin(m->tp.ctx, act_at(la->mid, r0 * E), R * E);
+    }
+    for (int g = 0; g < G; g++) {
+        size_t r0 = (size_t)g * R;
+        tp_join(m, t1.t[g]);
+        op_add_rmsnorm_forward(act_at(la->mid, r0 * E), act_at(la->xn2, r0 * E), la->rstd2 + r0, act_at(la->x, r0 * E),
+                               act_at(w, ly->ffn_norm), (int)R, (int)E, RMS_EPS);
+        op_matmul_forward(act_at(la->gu, r0 * 2 * H), act_at(la->xn2, r0 * E), act_at(w, ly->gate_up), (int)R, (int)E,
+                          (int)(2 * H));
+        op_swiglu_forward(act_at(la->hsw, r0 * H), act_at(la->gu, r0 * 2 * H), (int)R, (int)H);
+        if (recompute) continue;
+        /* the residual added once, by tensor-parallel rank 0, into its part of the sum */
+        void *out = act_at(la->out, r0 * E);
+        if (m->tp_rank == 0)
+            op_matmul_forward_add(out, act_at(la->hsw, r0 * H), act_at(w, ly->down), act_at(la->mid, r0 * E), (int)R,
+                                  (int)H, (int)E);
+        else op_matmul_forward(out, act_at(la->hsw, r0 * H), act_at(w, ly->down), (int)R, (int)H, (int)E);
+        pend->t[pend->n++] = m->tp.allreduce_begin(m->tp.ctx, out, R * E);
+    }
+}
+
+/* pend: see layer_forward_groups; NULL: every collective joined before the return. */
+static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute,
+                          Tickets *pend) {
+    int G = model_tp_groups(m, (size_t)B * T);
+    if (G > 1) {
+        Tickets mine = {.n = 0};
+        layer_forward_groups(m, a, l, la, B, T, G, recompute, pend ? pend : &mine);
+        tp_join_all(m, &mine);
+        return;
+    }
+    if (pend) {
+        tp_join_all(m, pend);
+        pend->n = 0;
+    }
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
@@ -773,14 +845,18 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
         }
         HOOK(h, release, UNIT_EMBEDDING);
     }
+    /* down's sums of the layer before, still travelling (layer_forward_groups); out of
+     * training each layer's output is copied to the next one's input slot, so joined first */
+    Tickets pend = {.n = 0};
     for (int i = 0; i < nl; i++) {
         int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
         LayerActs la = layer_acts(m, a, slot, r);
         if (!training && i > 0) op_copy(la.x, la.out, held_rows(m, (size_t)N) * m->E * ops_act_size());
         HOOK(h, gather, unit_of_layer(l), i + 1 < nl ? unit_of_layer(l + 1) : after);
-        layer_forward(m, a, l, &la, B, T, 0);
+        layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
         HOOK(h, release, unit_of_layer(l));
     }
+    tp_join_all(m, &pend);
 }
 
 static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {
@@ -958,7 +1034,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
-        if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
+        if (a->recompute) layer_forward(m, a, l, &la, B, T, 1, NULL);
         HOOK(h, grad_begin, unit_of_layer(l));
         if (trace_active()) {
             char label[48];

@@ -100,6 +100,10 @@ typedef struct {
      * 0 or 1: none), and N rows use the largest count up to it that divides them (under
      * sequence parallel, each rank's N / tp_size). */
     int tp_chunks;
+    /* Without sequence parallel, the layers' forward runs in tp_groups groups of rows (set
+     * with m->tp; 0 or 1: whole), each group's all-reduces travelling beside the next group's
+     * products and the group before's FFN (model_tp_groups: the count used for N rows). */
+    int tp_groups;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -321,6 +325,10 @@ size_t model_stage_rows(const Model *m, const Acts *a);
 /* The chunks tensor parallel's collectives are split into for N rows (Model's tp_chunks,
  * or the largest count below it that divides the rows; 1 at tp_size = 1). */
 int model_tp_chunks(const Model *m, size_t N);
+/* The groups of rows the forward runs in for N rows (Model's tp_groups, up to TP_MAX_CHUNKS,
+ * the largest count up to it that divides N); 1 at tp_size 1, under sequence parallel, or
+ * where 1 was asked. */
+int model_tp_groups(const Model *m, size_t N);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is

@@ -85,6 +85,19 @@ static int chunks_asked(void) {
     return (int)c;
 }
 
+/* The forward's groups of rows without sequence parallel (Model's tp_groups):
+ * MESHTRAIN_TP_OVERLAP (an A/B knob like MESHTRAIN_TP_CHUNKS), else TP_GROUPS. */
+#define TP_GROUPS 2
+static int groups_asked(void) {
+    const char *e = getenv("MESHTRAIN_TP_OVERLAP");
+    if (!e) return TP_GROUPS;
+    char *end;
+    long g = strtol(e, &end, 10);
+    if (end == e || *end || g < 1 || g > TP_MAX_CHUNKS)
+        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_OVERLAP=%s: not a whole number from 1 to %d", e, TP_MAX_CHUNKS);
+    return (int)g;
+}
+
 /* Copy-engine collectives: MESHTRAIN_TP_CE=1 (an A/B knob for the GPU benchmarks, like
  * MESHTRAIN_TP_CHUNKS: it changes the speed only, and the results within rounding), default
  * 0. The activation buffers the collectives run over (ModelTp's alloc) then lie in NCCL
@@ -108,6 +121,7 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
                       .join = tp_join, .flush = tp_flush};
     m->sp = sequence_parallel != 0;
     m->tp_chunks = chunks_asked();
+    m->tp_groups = groups_asked();
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
     if (copy_engines) {
         m->tp.alloc = tp_alloc;

@@ -381,8 +381,12 @@ int cmd_train(Config *c) {
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
     if (lead && mesh.tp_size > 1) {
         int chunks = model_tp_chunks(&m, a.N);
+        int groups = model_tp_groups(&m, a.N);
         printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
                chunks > 1 ? "s" : "", a.N / (size_t)chunks, m.tp_chunks);
+        if (groups > 1)
+            printf("tensor parallel: the forward in %d groups of %zu rows, each group's all-reduces beside the next "
+                   "group's products (MESHTRAIN_TP_OVERLAP=%d)\n", groups, a.N / (size_t)groups, m.tp_groups);
     }
     /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
     if (lead && mesh.tp_size > 1 && (gpu || tensor_parallel_ce_asked()))
