@@ -3,9 +3,9 @@
 # issue 19) on the GPUs of one machine, in one call:
 #  1. tp = NP follows one GPU in fp32 (tiny model, tied and untied) at 1, 2 and 4 groups
 #     (ckpt_diff of the final parameters against the one-GPU run);
-#  2. the TP-efficiency model at tp = t for each t in TPS, each group count in GROUPS
+#  2. the TP-efficiency model at tp = t for each t in TPS, each group count in GROUP_COUNTS
 #     (bench/tp_timeline.sh, sequence parallel off, no profile): tokens/s and where the step goes.
-# Usage: NP=4 TPS="2 4" GROUPS="1 2 4" bench/tp_overlap.sh [meshtrain]
+# Usage: NP=4 TPS="2 4" GROUP_COUNTS="1 2 4" bench/tp_overlap.sh [meshtrain]
 set -u
 BIN=${1:-build/meshtrain} NP=${NP:-2}
 export MT_TIMEOUT=${MT_TIMEOUT:-120}
@@ -23,5 +23,5 @@ for tied in false true; do
     echo "tp=$NP tied=$tied groups=$g ($(grep -o 'the forward in [0-9]* groups' $o.log)) vs one GPU: $("$DIFF" /tmp/tpo_one_$tied/ckpt.bin $o/ckpt.bin 2>&1)"
   done
 done
-v=""; for g in ${GROUPS:-1 2 4}; do v="$v${v:+;}MESHTRAIN_TP_OVERLAP=$g"; done
+v=""; for g in ${GROUP_COUNTS:-1 2 4}; do v="$v${v:+;}MESHTRAIN_TP_OVERLAP=$g"; done
 PROFILE=0 TPS="${TPS:-$NP}" SPS=false VARIANTS="$v" bash "$(dirname "$0")/tp_timeline.sh" "$BIN"

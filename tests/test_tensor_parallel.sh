@@ -105,9 +105,9 @@ err=$(MESHTRAIN_TP_CHUNKS=x $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_pa
       2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CHUNKS=x: not a whole number" <<<"$err" \
   && ok bad_tp_chunks_refused || bad "bad_tp_chunks_refused (exit $rc: $err)"
-# -- without sequence parallel the forward runs in MESHTRAIN_TP_OVERLAP groups of rows (2 by
-# default: the no_sp cases above), each group's all-reduces beside the next group's products:
-# 1 (whole), 4, a count the rows do not divide (falls back: N = 20 rows), beside pipeline
+# -- without sequence parallel the forward runs in MESHTRAIN_TP_OVERLAP groups of rows (1 by
+# default: whole, as in the no_sp cases above), each group's all-reduces beside the next
+# group's products: 1, 2, 4, a count the rows do not divide (falls back: N = 20 rows), beside pipeline
 # stages and activation checkpointing, follow the one-process run; under sequence parallel
 # nothing is grouped (the header says nothing); a malformed value is refused
 # name|MESHTRAIN_TP_OVERLAP|ranks|reference|groups it must report (1: no line)|keys
@@ -122,14 +122,15 @@ while IFS='|' read -r name g np ref want keys; do
   else bad "overlap_$name ($(grep 'the forward in' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 tp2_g1|1|2|ref_false|1|tensor_parallel_size=2 sequence_parallel=false
+tp2_g2|2|2|ref_false|2|tensor_parallel_size=2 sequence_parallel=false
 ~tp4_g4|4|4|ref_false|4|tensor_parallel_size=4 sequence_parallel=false
 tp2_g3_falls_to_2|3|2|ref_q|2|tensor_parallel_size=2 sequence_parallel=false
 ~tp2_g2_activation_checkpointing|2|2|ref_false|2|tensor_parallel_size=2 sequence_parallel=false activation_checkpointing=true
 tp2_pp2_g4_zb1|4|4|ref_false|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 sequence_parallel=false
 ~tp2_g4_sp_not_grouped|4|2|ref_false|1|tensor_parallel_size=2
 CASES
-grep -q "the forward in 2 groups of 128 rows" "$TMP/tp2_no_sp_false.log" && ok overlap_default_two_groups ||
-  bad "overlap_default_two_groups ($(grep 'the forward in' "$TMP/tp2_no_sp_false.log"))"
+! grep -q "the forward in" "$TMP/tp2_no_sp_false.log" && ok overlap_default_whole ||
+  bad "overlap_default_whole ($(grep 'the forward in' "$TMP/tp2_no_sp_false.log"))"
 err=$(MESHTRAIN_TP_OVERLAP=0 $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_overlap" \
       2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_OVERLAP=0: not a whole number" <<<"$err" \

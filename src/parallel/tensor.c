@@ -86,8 +86,11 @@ static int chunks_asked(void) {
 }
 
 /* The forward's groups of rows without sequence parallel (Model's tp_groups):
- * MESHTRAIN_TP_OVERLAP (an A/B knob like MESHTRAIN_TP_CHUNKS), else TP_GROUPS. */
-#define TP_GROUPS 2
+ * MESHTRAIN_TP_OVERLAP (an A/B knob like MESHTRAIN_TP_CHUNKS), else TP_GROUPS. 1, as
+ * measured on two H100s (bench/RESULTS.md, session 18): with NCCL's kernels the groups'
+ * all-reduces, though beside products, take their SMs, and the layer ran 2% faster at best
+ * (4 groups: slower); on the copy engines the forward fell 0.9 ms but not the step. */
+#define TP_GROUPS 1
 static int groups_asked(void) {
     const char *e = getenv("MESHTRAIN_TP_OVERLAP");
     if (!e) return TP_GROUPS;
