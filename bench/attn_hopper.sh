@@ -33,16 +33,17 @@ import sys
 rows, res = [], {}
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) == 9 and f[0] == "RESULT":
+    if len(f) == 10 and f[0] == "RESULT":
         key = tuple(int(x) for x in f[3:7])
         if key not in rows: rows.append(key)
-        res[(f[1], f[2], key)] = float(f[8])
+        res[(f[1], f[2], key, f[9])] = float(f[8])
 impls = ["own", "cudnn", "cudnn-det", "wgmma", "torch-flash", "torch-cudnn"]
-for d in ("fwd", "bwd"):
-    print(f"\nTFLOP/s, {d} (causal FLOPs)" )
-    print(f"{'B x H x T, D':>22} " + " ".join(f"{i:>12}" for i in impls))
-    for k in rows:
-        cells = [res.get((i, d, k)) for i in impls]
-        print(f"{'%d x %d x %d, %d' % k:>22} " + " ".join(f"{c:12.1f}" if c is not None else f"{'-':>12}" for c in cells))
+for how, what in (("loop", "back-to-back calls"), ("events", "each call between CUDA events after an L2 flush, as do_bench")):
+    for d in ("fwd", "bwd"):
+        print(f"\nTFLOP/s, {d} (causal FLOPs), timed by {what}")
+        print(f"{'B x H x T, D':>22} " + " ".join(f"{i:>12}" for i in impls))
+        for k in rows:
+            cells = [res.get((i, d, k, how)) for i in impls]
+            print(f"{'%d x %d x %d, %d' % k:>22} " + " ".join(f"{c:12.1f}" if c is not None else f"{'-':>12}" for c in cells))
 PY
 rm -f "$out"

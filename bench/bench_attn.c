@@ -4,10 +4,13 @@
  * Hopper kernels ("wgmma", attn_wgmma.cu and attn_wgmma_bwd.cu, deterministic), forward (op_attention_forward) and backward
  * (op_attention_backward_set, what a layer calls), at the shapes given as B:NH:T:HD arguments
  * (default: issue 20's). TFLOP/s count causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that
- * backward, as bench_ops_cuda does. Each figure is the median of 7 timings of back-to-back calls
- * (about 50 ms each) after warm-up; the first call's time (cuDNN builds its plan there) is printed
- * apart. Prints one line per figure:
- *   RESULT <impl> <fwd|bwd> <B> <NH> <T> <HD> <ms> <TFLOP/s>
+ * backward, as bench_ops_cuda does. Each figure is timed two ways after warm-up: "loop", the
+ * median of 7 timings of back-to-back calls (about 50 ms each: every gap between calls and every
+ * small kernel counted), and "events", as attn_torch.py's do_bench: the median of 100 calls each
+ * between two CUDA events, the L2 cache cleared before each (256 MB zeroed outside the events).
+ * The first call's time (cuDNN builds its plan there) is printed apart. Prints one line per
+ * figure:
+ *   RESULT <impl> <fwd|bwd> <B> <NH> <T> <HD> <ms> <TFLOP/s> <loop|events>
  * and "SKIP <impl> ..." where an implementation does not run a shape. Needs a GPU. */
 #include "attn_cudnn.h"
 #include "ops.h"
@@ -36,6 +39,10 @@ static void *rand_act(size_t n) {
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
     return x < y ? -1 : x > y;
 }
 
@@ -70,6 +77,17 @@ static double time_call(const Call *c) {
     return ts[3];
 }
 
+static void call_arg(const void *c) { call((const Call *)c); }
+
+/* median seconds per call, each between CUDA events after an L2 flush (do_bench's way) */
+#define EVENT_CALLS 100
+static double time_call_events(const Call *c) {
+    float ms[EVENT_CALLS];
+    cuda_event_times_ms(call_arg, c, EVENT_CALLS, (size_t)256 << 20, ms);
+    qsort(ms, EVENT_CALLS, sizeof ms[0], cmp_float);
+    return 0.5e-3 * (ms[EVENT_CALLS / 2 - 1] + ms[EVENT_CALLS / 2]);
+}
+
 static void bench_shape(int B, int NH, int T, int HD) {
     size_t C = (size_t)NH * HD, nqkv = (size_t)B * T * 3 * C, nout = (size_t)B * T * C;
     Call c = {rand_act(nqkv), rand_act(nout), op_alloc(nout * 2), op_alloc(nqkv * 2),
@@ -100,9 +118,12 @@ static void bench_shape(int B, int NH, int T, int HD) {
             double t0 = now_seconds();
             call(&c); /* cuDNN builds its plan in cuda_attention_impl; this is the first execution */
             ops_synchronize();
-            double first = now_seconds() - t0, s = time_call(&c), f = bw ? 2.5 * flops : flops;
-            printf("RESULT %s %s %d %d %d %d %.4f %.1f\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, s * 1e3,
+            double first = now_seconds() - t0, s = time_call(&c), se = time_call_events(&c);
+            double f = bw ? 2.5 * flops : flops;
+            printf("RESULT %s %s %d %d %d %d %.4f %.1f loop\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, s * 1e3,
                    f / s * 1e-12);
+            printf("RESULT %s %s %d %d %d %d %.4f %.1f events\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD,
+                   se * 1e3, f / se * 1e-12);
             printf("info %s %s B=%d NH=%d T=%d HD=%d: first call %.1f ms\n", impls[m], bw ? "bwd" : "fwd", B, NH, T,
                    HD, first * 1e3);
             fflush(stdout);

@@ -260,6 +260,25 @@ void cuda_shutdown(void) {
 
 const char *cuda_device_name(void) { return g.name; }
 void *cuda_stream(void) { return (void *)g.stream; }
+
+void cuda_event_times_ms(void (*fn)(const void *), const void *arg, int n, size_t flush, float *ms) {
+    void *buf = NULL;
+    if (flush) CUDA_CHECK(cudaMalloc(&buf, flush));
+    cudaEvent_t *ev = (cudaEvent_t *)malloc(2 * (size_t)n * sizeof *ev);
+    if (!ev) die(2, "out of host memory");
+    for (int i = 0; i < 2 * n; i++) CUDA_CHECK(cudaEventCreate(&ev[i]));
+    for (int i = 0; i < n; i++) {
+        if (buf) CUDA_CHECK(cudaMemsetAsync(buf, 0, flush, g.stream));
+        CUDA_CHECK(cudaEventRecord(ev[2 * i], g.stream));
+        fn(arg);
+        CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], g.stream));
+    }
+    CUDA_CHECK(cudaEventSynchronize(ev[2 * n - 1]));
+    for (int i = 0; i < n; i++) CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+    for (int i = 0; i < 2 * n; i++) CUDA_CHECK(cudaEventDestroy(ev[i]));
+    free(ev);
+    if (buf) CUDA_CHECK(cudaFree(buf));
+}
 void cuda_set_tf32(int on) { g.tf32 = on != 0; }
 
 /* Live allocations, for the high-water mark of the bytes held on the card (cudaFree does

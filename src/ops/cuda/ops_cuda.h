@@ -33,6 +33,10 @@ int cuda_init(int device, char *err, size_t errlen);
 void cuda_shutdown(void);
 const char *cuda_device_name(void);   /* "" before cuda_init */
 void *cuda_stream(void);              /* the backend's cudaStream_t, for comm overlap later */
+/* For benchmarks: n calls of fn(arg), each timed on the stream by a pair of CUDA events, with
+ * `flush` bytes (0: none) zeroed before each outside its pair, to clear the L2 cache, as
+ * Triton's do_bench does; the host queues all n before waiting once. ms[i]: call i's time. */
+void cuda_event_times_ms(void (*fn)(const void *), const void *arg, int n, size_t flush, float *ms);
 /* Matmuls in TF32 (faster, ~1e-3 relative error) instead of exact fp32. Default off. */
 void cuda_set_tf32(int on);
 
