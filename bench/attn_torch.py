@@ -24,8 +24,12 @@ SHAPES = [(128, 8, 256, 128), (32, 8, 1024, 128), (8, 8, 4096, 128), (2, 8, 1000
           (16, 16, 1024, 128)]
 
 
+HOST = {}
+
+
 def loop_ms(fn):
-    """median ms per call over 7 timings of back-to-back calls, as bench_attn's time_call"""
+    """median ms per call over 7 timings of back-to-back calls, as bench_attn's time_call; HOST["ms"]: the
+    host's ms per call while queueing the last timing's calls"""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -38,6 +42,7 @@ def loop_ms(fn):
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
+        HOST["ms"] = (time.perf_counter() - t0) / reps * 1e3
         torch.cuda.synchronize()
         ts.append((time.perf_counter() - t0) / reps * 1e3)
     return statistics.median(ts)
@@ -58,10 +63,16 @@ def bench(backend, name, B, H, T, D):
             torch.cuda.synchronize()
             ms = {"events": (do_bench(fwd, warmup=25, rep=200, return_mode="median"),
                              do_bench(bwd, warmup=25, rep=200, return_mode="median")),
-                  "loop": (loop_ms(fwd), loop_ms(bwd))}
+                  "loop": (loop_ms(fwd),)}
+            host_f = HOST["ms"]
+            ms["loop"] += (loop_ms(bwd),)
+            host_b = HOST["ms"]
     except RuntimeError as e:
         print(f"SKIP {name} {B} {H} {T} {D} ({str(e).splitlines()[0][:120]})", flush=True)
         return
+    for d, host, loop in (("fwd", host_f, ms["loop"][0]), ("bwd", host_b, ms["loop"][1])):
+        print(f"info {name} {d} B={B} NH={H} T={T} HD={D}: the host {host * 1e3:.1f} us a call queueing the loop "
+              f"({100 * host / loop:.0f}% of its time)", flush=True)
     for how in ("loop", "events"):
         ms_f, ms_b = ms[how]
         print(f"RESULT {name} fwd {B} {H} {T} {D} {ms_f:.4f} {flops / ms_f * 1e-9:.1f} {how}", flush=True)

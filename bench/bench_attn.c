@@ -57,6 +57,10 @@ static void call(const Call *c) {
     else op_attention_forward(c->out, c->lse, c->qkv, c->B, c->T, c->NH, c->HD);
 }
 
+/* the host's seconds per call while queueing the last timing's calls (time_call): near the
+ * call's time on the GPU, the loop measures the host */
+static double host_per_call;
+
 /* median seconds per call */
 static double time_call(const Call *c) {
     for (int i = 0; i < 3; i++) call(c);
@@ -70,6 +74,7 @@ static double time_call(const Call *c) {
     for (int k = 0; k < 7; k++) {
         t0 = now_seconds();
         for (int i = 0; i < reps; i++) call(c);
+        host_per_call = (now_seconds() - t0) / reps;
         ops_synchronize();
         ts[k] = (now_seconds() - t0) / reps;
     }
@@ -124,8 +129,9 @@ static void bench_shape(int B, int NH, int T, int HD) {
                    f / s * 1e-12);
             printf("RESULT %s %s %d %d %d %d %.4f %.1f events\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD,
                    se * 1e3, f / se * 1e-12);
-            printf("info %s %s B=%d NH=%d T=%d HD=%d: first call %.1f ms\n", impls[m], bw ? "bwd" : "fwd", B, NH, T,
-                   HD, first * 1e3);
+            printf("info %s %s B=%d NH=%d T=%d HD=%d: first call %.1f ms; the host %.1f us a call queueing the "
+                   "loop (%.0f%% of its time)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, first * 1e3,
+                   host_per_call * 1e6, 100 * host_per_call / s);
             fflush(stdout);
         }
     }
