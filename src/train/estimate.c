@@ -28,7 +28,10 @@
  * did not). */
 static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
-    size_t nb = ((size_t)B * T + 15) / 16 < 1024 ? ((size_t)B * T + 15) / 16 : 1024;
+    /* rmsnorm's backward: blocks of 16 rows, of 8 for wide rows (cuda_rmsnorm_backward) */
+    int E = c->embed_dim;
+    size_t per = E % 8 == 0 && E > 1024 && E <= 32768 ? 8 : 16;
+    size_t nb = ((size_t)B * T + per - 1) / per < 1024 ? ((size_t)B * T + per - 1) / per : 1024;
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, hopper = prec != OPS_FP32 && attn_wgmma_bwd_auto(T, hd);

@@ -710,14 +710,22 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
     int nb = (N + 15) / 16 < RMSNORM_DW_BLOCKS ? (N + 15) / 16 : RMSNORM_DW_BLOCKS;
     float *part = (float *)scratch((size_t)nb * C * sizeof(float));
     if (C % 8 == 0 && C > 256 * RMS_VEC && C <= 8192 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) {
-        /* wide rows: a block's threads share each row, warps enough for RMS_VEC vectors a thread */
-        int threads = (C / 8 + RMS_VEC - 1) / RMS_VEC;
+        /* wide rows: a block's threads share each row, warps enough for VEC vectors a thread;
+         * blocks of about 8 rows (a count fixed by N alone), for enough blocks on every SM */
+        nb = (N + 7) / 8 < RMSNORM_DW_BLOCKS ? (N + 7) / 8 : RMSNORM_DW_BLOCKS;
+        part = (float *)scratch((size_t)nb * C * sizeof(float));
+        int narrow = C <= RMS_WIDE_NARROW_C, vec = narrow ? 2 : 4;
+        int threads = (C / 8 + vec - 1) / vec;
         threads = (threads + 31) / 32 * 32;
         float *pt = dw ? part : NULL;
-        if (g.bf16)
-            rmsnorm_wide_backward_bf16_kernel<<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+        if (narrow && g.bf16)
+            rmsnorm_wide_backward_bf16_kernel<2, 512><<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+        else if (narrow)
+            rmsnorm_wide_backward_f32_kernel<2, 512><<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+        else if (g.bf16)
+            rmsnorm_wide_backward_bf16_kernel<4, 1024><<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
         else
-            rmsnorm_wide_backward_f32_kernel<<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
+            rmsnorm_wide_backward_f32_kernel<4, 1024><<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
         LAUNCH_CHECK(rmsnorm_wide_backward_kernel);
         if (dw) {
             rmsnorm_dw_reduce_kernel<<<(C + 31) / 32, 1024, 0, g.stream>>>(dw, part, C, nb, g.sbf16);

@@ -283,36 +283,41 @@ rmsnorm8_backward_f32_kernel(void *dx, float *part, const void *dout, const void
 /* Wide rows (C % 8 == 0, 256 RMS_VEC < C <= 8192 RMS_VEC: the 7B model's 4096 channels, which
  * the kernels above took with one warp a row and 16 KB of shared memory a warp, at about a
  * sixth of the memory's speed): the block's threads share each row, thread t taking channels
- * [8(kT + t), +8) for k < RMS_VEC (T threads, coalesced), so it keeps those channels' dw sums
+ * [8(kT + t), +8) for k < VEC (T threads, coalesced), so it keeps those channels' dw sums
  * in registers over all the block's rows, in row order, and writes them to part[b, :] once;
  * a row's g.w.x is summed over the block (warp sums, then the warps in order; red is double
- * buffered by row parity, so one barrier a row). part = NULL: dx only. */
+ * buffered by row parity, so one barrier a row). part = NULL: dx only. dx's old values are
+ * read after the barrier, not held across it. VEC and the launch bound MAXT (T <= MAXT)
+ * are chosen together so that a thread's registers fit without spilling where they can:
+ * C <= 16 * 512 takes VEC 2 under 512 threads (up to 128 registers a thread); wider rows
+ * VEC 4 under 1024 (64 registers). */
+#define RMS_WIDE_NARROW_C (16 * 512) /* the widest row for VEC 2, MAXT 512 */
+template <int VEC>
 static __device__ __forceinline__ void rmsnorm_wide_backward_body(void *dx, float *part, const void *dout,
                                                                   const void *x, const void *w, const float *rstd,
                                                                   int N, int C, int nb, const int bf) {
     __shared__ float red[2][32];
     int T = blockDim.x, t = threadIdx.x, warp = t >> 5, lane = t & 31, nw = T >> 5, b = blockIdx.x;
-    float dwa[RMS_VEC][8];
+    float dwa[VEC][8];
 #pragma unroll
-    for (int k = 0; k < RMS_VEC; k++)
+    for (int k = 0; k < VEC; k++)
 #pragma unroll
         for (int e = 0; e < 8; e++) dwa[k][e] = 0.0f;
     int n0 = (int)((long long)N * b / nb), n1 = (int)((long long)N * (b + 1) / nb);
     for (int row = n0; row < n1; row++) {
         size_t r0 = (size_t)row * C;
         float r = rstd[row], dot = 0.0f;
-        uint4 graw[RMS_VEC][2], xraw[RMS_VEC][2], draw[RMS_VEC][2];
+        uint4 graw[VEC][2], xraw[VEC][2];
 #pragma unroll
-        for (int k = 0; k < RMS_VEC; k++) {
+        for (int k = 0; k < VEC; k++) {
             int c = (k * T + t) * 8;
             if (c < C) {
                 ldraw8(graw[k], dout, r0 + c, bf);
                 ldraw8(xraw[k], x, r0 + c, bf);
-                if (dx) ldraw8(draw[k], dx, r0 + c, bf);
             }
         }
 #pragma unroll
-        for (int k = 0; k < RMS_VEC; k++) {
+        for (int k = 0; k < VEC; k++) {
             int c = (k * T + t) * 8;
             if (c < C) {
                 float g[8], xv[8], wv[8];
@@ -336,13 +341,13 @@ static __device__ __forceinline__ void rmsnorm_wide_backward_body(void *dx, floa
         for (int k = 0; k < nw; k++) dot += red[row & 1][k];
         float coef = r * r * r * dot / (float)C;
 #pragma unroll
-        for (int k = 0; k < RMS_VEC; k++) {
+        for (int k = 0; k < VEC; k++) {
             int c = (k * T + t) * 8;
             if (c < C) {
                 float g[8], xv[8], wv[8], d[8];
                 unraw8(g, graw[k], bf);
                 unraw8(xv, xraw[k], bf);
-                unraw8(d, draw[k], bf);
+                ld8(d, dx, r0 + c, bf);
                 ld8(wv, w, c, bf);
 #pragma unroll
                 for (int e = 0; e < 8; e++) d[e] += r * wv[e] * g[e] - coef * xv[e];
@@ -352,22 +357,24 @@ static __device__ __forceinline__ void rmsnorm_wide_backward_body(void *dx, floa
     }
     if (!part) return;
 #pragma unroll
-    for (int k = 0; k < RMS_VEC; k++) {
+    for (int k = 0; k < VEC; k++) {
         int c = (k * T + t) * 8;
         if (c < C)
 #pragma unroll
             for (int e = 0; e < 8; e++) part[(size_t)b * C + c + e] = dwa[k][e];
     }
 }
-static __global__ void __launch_bounds__(1024)
+template <int VEC, int MAXT>
+static __global__ void __launch_bounds__(MAXT)
 rmsnorm_wide_backward_bf16_kernel(void *dx, float *part, const void *dout, const void *x, const void *w,
                                   const float *rstd, int N, int C, int nb) {
-    rmsnorm_wide_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 1);
+    rmsnorm_wide_backward_body<VEC>(dx, part, dout, x, w, rstd, N, C, nb, 1);
 }
-static __global__ void __launch_bounds__(1024)
+template <int VEC, int MAXT>
+static __global__ void __launch_bounds__(MAXT)
 rmsnorm_wide_backward_f32_kernel(void *dx, float *part, const void *dout, const void *x, const void *w,
                                  const float *rstd, int N, int C, int nb) {
-    rmsnorm_wide_backward_body(dx, part, dout, x, w, rstd, N, C, nb, 0);
+    rmsnorm_wide_backward_body<VEC>(dx, part, dout, x, w, rstd, N, C, nb, 0);
 }
 
 /* dw, second pass: a block of 32 x 32 threads per 32 channels; thread (x, y) sums the
