@@ -111,6 +111,16 @@ if lc context_len=4096 batch_size=8 | grep -q "on other GPUs cuDNN's engine need
    ! lc context_len=1024 batch_size=32 | grep -q "on other GPUs" && ! lc context_len=4096 batch_size=8 precision=fp32 |
    grep -q "on other GPUs"
 then ok estimate_attention_backward_workspace; else bad "estimate_attention_backward_workspace ($rl)"; fi
+# MESHTRAIN_ATTN (a benchmark knob) forces a path, and the estimate counts that path's buffers:
+# cudnn-det keeps dP (B NH T^2 bf16, 2.0 GiB at 4096 x 8), cudnn the fp32 dQ accumulator
+# (128 MiB), own neither; wgmma is auto's Hopper kernel
+r_det=$(MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_at=$(MESHTRAIN_ATTN=cudnn lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_own=$(MESHTRAIN_ATTN=own lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_wg=$(MESHTRAIN_ATTN=wgmma lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] && [ "$r_wg" = "162.0 MiB" ] &&
+   ! MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | grep -q "Hopper kernel"
+then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

@@ -34,10 +34,19 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     size_t nb = ((size_t)B * T + per - 1) / per < 1024 ? ((size_t)B * T + per - 1) / per : 1024;
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
-    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, hopper = prec != OPS_FP32 && attn_wgmma_bwd_auto(T, hd);
+    /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one
+     * MESHTRAIN_ATTN forces (a benchmark knob; own and a malformed value: our kernels' terms) */
+    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));
+    int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0;
+    int hopper = bf && (mode == ATTN_MODE_AUTO ? attn_wgmma_bwd_auto(T, hd) : mode == ATTN_MODE_WGMMA && ours);
+    int dnn = bf && (mode == ATTN_MODE_CUDNN || mode == ATTN_MODE_CUDNN_DET ||
+                     ((mode == ATTN_MODE_AUTO || mode == ATTN_MODE_WGMMA) && attn_cudnn_auto(1, B, T, nh, hd, ours)));
     if (hopper) hb = (attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255;
-    if (prec != OPS_FP32 && hd > 0 && attn_cudnn_auto(1, B, T, nh, hd, hd == 64 || hd == 128)) {
+    if (dnn && mode == ATTN_MODE_CUDNN)
+        b = attn_cudnn_atomic_extra_bytes(B, T, nh, hd);
+    else if (dnn) {
         int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
+        if (bc < 1) bc = B;  /* forced where one row's dP is over the limit: cuDNN takes or refuses it whole */
         b = ((attn_cudnn_det_workspace_bytes(bc, T, nh) + 255) & ~(size_t)255) +
             (((size_t)bc * T * nh * sizeof(float) + 255) & ~(size_t)255);
     }

@@ -80,6 +80,27 @@ static inline int attn_cudnn_auto(int backward, int B, int T, int NH, int HD, in
     return backward ? T >= 512 || (T >= 256 && HD >= 128) : T >= 256;
 }
 
+/* MESHTRAIN_ATTN as ops_cuda reads it at start-up (auto when unset or empty), so that the memory
+ * estimate counts the workspace of the path a benchmark forces; -1 for a value ops_cuda refuses. */
+enum { ATTN_MODE_AUTO, ATTN_MODE_CUDNN, ATTN_MODE_CUDNN_DET, ATTN_MODE_OWN, ATTN_MODE_WGMMA };
+static inline int attn_mode_of(const char *s) {
+    static const char *names[] = {"auto", "cudnn", "cudnn-det", "own", "wgmma"};
+    if (!s || !*s) return ATTN_MODE_AUTO;
+    for (int i = 0; i < 5; i++) {
+        const char *a = names[i], *b = s;
+        while (*a && *a == *b) a++, b++;
+        if (!*a && !*b) return i;
+    }
+    return -1;
+}
+/* The atomic backward's own buffers after its plan's workspace (attn_cudnn.cu): Dsum [B, NH, T]
+ * and the fp32 dQ accumulator [B, NH, T, HD] (the plan's own part is not known before it is
+ * built: a few KB to a MB measured). */
+static inline size_t attn_cudnn_atomic_extra_bytes(int B, int T, int NH, int HD) {
+    size_t rows = (size_t)B * NH * T;
+    return ((rows * 4 + 255) & ~(size_t)255) + rows * (size_t)HD * 4;
+}
+
 /* Destroys the cached plans and the handle (before the device is reset); the library stays open. */
 void attn_cudnn_shutdown(void);
 
