@@ -69,21 +69,24 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     return begun(r);
 }
 
+/* A count knob: the environment variable `name` (1 to TP_MAX_CHUNKS), else dflt; a malformed
+ * value ends the run (exit 2). */
+static int count_asked(const char *name, int dflt) {
+    const char *e = getenv(name);
+    if (!e) return dflt;
+    char *end;
+    long c = strtol(e, &end, 10);
+    if (end == e || *end || c < 1 || c > TP_MAX_CHUNKS)
+        die_once(EXIT_BAD_INPUT, "%s=%s: not a whole number from 1 to %d", name, e, TP_MAX_CHUNKS);
+    return (int)c;
+}
+
 /* The chunks asked for: MESHTRAIN_TP_CHUNKS (an A/B knob for the GPU benchmarks, not a run
  * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. 1, as
  * measured on H200s (bench/RESULTS.md, session 15): NCCL's kernels take SMs from the
  * products they run beside, and the smaller products run slower, so 2 and 4 chunks were
  * 1-6% slower at tp 2 and up to 17% at tp 4. */
 #define TP_CHUNKS 1
-static int chunks_asked(void) {
-    const char *e = getenv("MESHTRAIN_TP_CHUNKS");
-    if (!e) return TP_CHUNKS;
-    char *end;
-    long c = strtol(e, &end, 10);
-    if (end == e || *end || c < 1 || c > TP_MAX_CHUNKS)
-        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_CHUNKS=%s: not a whole number from 1 to %d", e, TP_MAX_CHUNKS);
-    return (int)c;
-}
 
 /* The forward's groups of rows without sequence parallel (Model's tp_groups):
  * MESHTRAIN_TP_OVERLAP (an A/B knob like MESHTRAIN_TP_CHUNKS), else TP_GROUPS. 1, as
@@ -91,15 +94,6 @@ static int chunks_asked(void) {
  * all-reduces, though beside products, take their SMs, and the layer ran 2% faster at best
  * (4 groups: slower); on the copy engines the forward fell 0.9 ms but not the step. */
 #define TP_GROUPS 1
-static int groups_asked(void) {
-    const char *e = getenv("MESHTRAIN_TP_OVERLAP");
-    if (!e) return TP_GROUPS;
-    char *end;
-    long g = strtol(e, &end, 10);
-    if (end == e || *end || g < 1 || g > TP_MAX_CHUNKS)
-        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_OVERLAP=%s: not a whole number from 1 to %d", e, TP_MAX_CHUNKS);
-    return (int)g;
-}
 
 /* Copy-engine collectives: MESHTRAIN_TP_CE=1 (an A/B knob for the GPU benchmarks, like
  * MESHTRAIN_TP_CHUNKS: it changes the speed only, and the results within rounding), default
@@ -123,8 +117,8 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
                       .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
                       .join = tp_join, .flush = tp_flush};
     m->sp = sequence_parallel != 0;
-    m->tp_chunks = chunks_asked();
-    m->tp_groups = groups_asked();
+    m->tp_chunks = count_asked("MESHTRAIN_TP_CHUNKS", TP_CHUNKS);
+    m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
     if (copy_engines) {
         m->tp.alloc = tp_alloc;
