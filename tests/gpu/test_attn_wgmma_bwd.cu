@@ -156,7 +156,7 @@ static void test_shape(int B, int NH, int T, int HD) {
             /* the output: NaN (acc = 0) or the base (acc = 1); the guard past it: 0xff */
             CK(cudaMemset(dw, 0xff, (n3 + GUARD) * 2));
             if (acc) CK(cudaMemcpy(dw, hbase, n3 * 2, cudaMemcpyHostToDevice));
-            attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL);
+            attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL, NULL, NULL);
             SYNC(cn);
             CK(cudaMemcpy(hw, dw, (n3 + GUARD) * 2, cudaMemcpyDeviceToHost));
             const uint16_t *ref = acc ? ref1 : ref0;
@@ -176,7 +176,7 @@ static void test_shape(int B, int NH, int T, int HD) {
             if (det) { /* a second run from the same start: bitwise the same */
                 CK(cudaMemset(dw, 0xff, n3 * 2));
                 if (acc) CK(cudaMemcpy(dw, hbase, n3 * 2, cudaMemcpyHostToDevice));
-                attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL);
+                attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL, NULL, NULL);
                 SYNC(cn);
                 CK(cudaMemcpy(hw2, dw, n3 * 2, cudaMemcpyDeviceToHost));
                 size_t ndiff = 0, first = 0;
@@ -260,7 +260,7 @@ static void debug_case(int T, int HD, int one_hot, int det) {
     CK(cudaMemcpy(dout, hdo, nout * 2, cudaMemcpyHostToDevice));
     CK(cudaMemset(dw, 0xff, n3 * 2));
     attn_bf16_forward(out, lse, qkv, B, T, NH, HD, NULL);
-    attn_wgmma_backward(dw, dout, qkv, out, lse, ws, B, T, NH, HD, 0, det, NULL);
+    attn_wgmma_backward(dw, dout, qkv, out, lse, ws, B, T, NH, HD, 0, det, NULL, NULL, NULL);
     SYNC("debug case");
     uint16_t *hw = (uint16_t *)malloc(n3 * 2);
     CK(cudaMemcpy(hw, dw, n3 * 2, cudaMemcpyDeviceToHost));
@@ -306,7 +306,8 @@ struct Bufs {
 /* which: 0 wgmma deterministic, 1 wgmma not deterministic, 2 attn_bf16_backward */
 static void run_bwd(int which, const Bufs &b) {
     if (which < 2)
-        attn_wgmma_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.ws, b.B, b.T, b.NH, b.HD, 0, which == 0, NULL);
+        attn_wgmma_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.ws, b.B, b.T, b.NH, b.HD, 0, which == 0, NULL, NULL,
+                            NULL);
     else attn_bf16_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.wsr, b.B, b.T, b.NH, b.HD, 0, NULL, NULL, NULL);
 }
 static float time_one(int which, const Bufs &b, cudaEvent_t e0, cudaEvent_t e1) {
