@@ -10,6 +10,7 @@
 #ifndef MESHTRAIN_ATTN_WGMMA_BWD_H
 #define MESHTRAIN_ATTN_WGMMA_BWD_H
 #include <stddef.h>
+#include <stdlib.h> /* getenv */
 
 #ifdef __cplusplus
 extern "C" {
@@ -38,9 +39,22 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * (bench/RESULTS.md, session 17): 1 where this kernel runs, on a device that takes it
  * (attn_wgmma_device_ok). Against cuDNN's deterministic engine: 436.7 / 459.7 TFLOP/s at head_dim
  * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
- * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice. */
+ * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice.
+ * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
+ * takes this kernel at instead of ATTN_WGMMA_BWD_AUTO_T; a value that is not a whole number >= 1
+ * (digits only) leaves the default. Read at every call (cheap next to an attention backward). */
 #define ATTN_WGMMA_BWD_AUTO_T 2048
-static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= ATTN_WGMMA_BWD_AUTO_T; }
+static inline int attn_wgmma_bwd_auto_t(void) {
+    const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
+    long long v = 0;
+    if (!e || !*e) return ATTN_WGMMA_BWD_AUTO_T;
+    for (; *e; e++) {
+        if (*e < '0' || *e > '9') return ATTN_WGMMA_BWD_AUTO_T;
+        if (v <= 0x7fffffffLL) v = v * 10 + (*e - '0'); /* past INT_MAX: saturates (never) */
+    }
+    return v < 1 ? ATTN_WGMMA_BWD_AUTO_T : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
+}
+static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= attn_wgmma_bwd_auto_t(); }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).
