@@ -121,6 +121,17 @@ r_wg=$(MESHTRAIN_ATTN=wgmma lc context_len=4096 batch_size=8 | awk '$1 == "runti
 if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] && [ "$r_wg" = "162.0 MiB" ] &&
    ! MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | grep -q "Hopper kernel"
 then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg)"; fi
+# MESHTRAIN_WGMMA_BWD_T (a benchmark knob) moves auto's threshold for the Hopper backward, and the
+# estimate follows: at 1024 x 32 our kernel's 162 MiB instead of cuDNN's 546; a value that is not a
+# whole number >= 1 leaves the default (2048)
+r_lo=$(MESHTRAIN_WGMMA_BWD_T=1024 lc context_len=1024 batch_size=32 | awk '$1 == "runtime" {print $4, $5}')
+r_hi=$(MESHTRAIN_WGMMA_BWD_T=4097 lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_bad=""
+for v in 0 -5 1024x abc ""; do
+  r_bad="$r_bad$(MESHTRAIN_WGMMA_BWD_T=$v lc context_len=1024 batch_size=32 | awk '$1 == "runtime" {print $4, $5}');"
+done
+if [ "$r_lo" = "162.0 MiB" ] && [ "$r_hi" = "2.0 GiB" ] && [ "$r_bad" = "546.0 MiB;546.0 MiB;546.0 MiB;546.0 MiB;546.0 MiB;" ]
+then ok estimate_follows_wgmma_bwd_threshold; else bad "estimate_follows_wgmma_bwd_threshold ($r_lo, $r_hi, $r_bad)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

@@ -6,7 +6,9 @@
  * attn_bf16_backward's acc = 1 on the same base); deterministic 1 and 0; in deterministic mode two
  * runs must be bitwise equal; nothing written past the end of dqkv or of the workspace (guard
  * regions). HD 64 and 128 at T = 1, 7, 64, 127, 128, 129, 300, 1000, 2048, and shapes with more
- * blocks than SMs (deterministic mode's semaphores across waves of blocks).
+ * blocks than SMs (deterministic mode's semaphores across waves of blocks). With RoPE's tables
+ * (the fused backward, acc = 0) at odd T = 1 .. 2049: against an fp64 CPU reference (attention's
+ * backward, then RoPE's), attn_bf16_backward's fused RoPE and the two passes (test_rope_shape).
  * A hang (a lost barrier) is a FAIL, not a stuck test: the kernels' mbarrier and semaphore waits fault
  * after 4 s (device watchdog), and every synchronisation here gives up after HANG_S seconds.
  * Prints "ok   <check>" / "FAIL <check>" per check and "RESULT <passed> <failed>" last. A device other
@@ -73,19 +75,21 @@ static void sync_or_die(const char *where, int line) {
 /* ---------------------------------------------------------------------------------------------- */
 /* comparisons                                                                                     */
 
-/* gradient part `part` (0 q, 1 k, 2 v) of [B*T, 3C] bf16 x against ref: max abs err, max |ref|,
- * norm-wise relative error, non-finite count, first non-finite index */
+/* gradient part `part` (0 q, 1 k, 2 v) of [B*T, 3C] bf16 x against ref (bf16, or with ref64 the fp64
+ * reference): max abs err, max |ref|, norm-wise relative error, non-finite count, first non-finite
+ * index */
 struct Cmp {
     double md, mr, nrel;
     size_t nonfinite, first_bad;
 };
-static Cmp compare_part(const uint16_t *x, const uint16_t *ref, size_t rows, int C, int part) {
+static Cmp compare_part(const uint16_t *x, const uint16_t *ref, size_t rows, int C, int part,
+                        const double *ref64 = NULL) {
     Cmp r = {0, 0, 0, 0, (size_t)-1};
     double sd = 0, sr = 0;
     for (size_t t = 0; t < rows; t++)
         for (int c = 0; c < C; c++) {
             const size_t i = t * 3 * (size_t)C + (size_t)part * C + c;
-            const double a = bf16_widen(x[i]), y = bf16_widen(ref[i]);
+            const double a = bf16_widen(x[i]), y = ref64 ? ref64[i] : bf16_widen(ref[i]);
             if (!isfinite(a)) {
                 if (!r.nonfinite++) r.first_bad = t * C + c;
                 continue;
@@ -97,6 +101,86 @@ static Cmp compare_part(const uint16_t *x, const uint16_t *ref, size_t rows, int
         }
     r.nrel = r.nonfinite ? INFINITY : sqrt(sd / fmax(sr, 1e-30));
     return r;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* fp64 CPU references                                                                             */
+
+/* causal attention's backward in fp64 from bf16 qkv [B*T, 3C] and dO [B*T, C]: ref [B*T, 3C] = dq, dk,
+ * dv (scores scaled by 1/sqrt(HD)) */
+static void cpu_attn_backward(const uint16_t *h, const uint16_t *hdo, int B, int T, int NH, int HD, double *ref) {
+    const int C = NH * HD;
+    const double sc = 1.0 / sqrt((double)HD);
+    double *P = (double *)calloc((size_t)T * T, sizeof(double)), *dP = (double *)calloc((size_t)T * T, sizeof(double));
+    for (int b = 0; b < B; b++)
+        for (int hh = 0; hh < NH; hh++) {
+            const uint16_t *x = h + (size_t)b * T * 3 * C + (size_t)hh * HD, *g = hdo + (size_t)b * T * C + (size_t)hh * HD;
+            double *r = ref + (size_t)b * T * 3 * C + (size_t)hh * HD;
+#define Q_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + (d)])
+#define K_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + C + (d)])
+#define V_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + 2 * C + (d)])
+#define DO_(t, d) bf16_widen(g[(size_t)(t) * C + (d)])
+            for (int i = 0; i < T; i++) {
+                double mx = -1e300, sum = 0;
+                for (int j = 0; j <= i; j++) {
+                    double s = 0;
+                    for (int d = 0; d < HD; d++) s += Q_(i, d) * K_(j, d);
+                    P[(size_t)i * T + j] = s * sc;
+                    mx = fmax(mx, s * sc);
+                }
+                for (int j = 0; j <= i; j++) sum += exp(P[(size_t)i * T + j] - mx);
+                for (int j = 0; j <= i; j++) P[(size_t)i * T + j] = exp(P[(size_t)i * T + j] - mx) / sum;
+                double Di = 0;
+                for (int d = 0; d < HD; d++) {
+                    double o = 0;
+                    for (int j = 0; j <= i; j++) o += P[(size_t)i * T + j] * V_(j, d);
+                    Di += o * DO_(i, d);
+                }
+                for (int j = 0; j <= i; j++) {
+                    double s = 0;
+                    for (int d = 0; d < HD; d++) s += DO_(i, d) * V_(j, d);
+                    dP[(size_t)i * T + j] = P[(size_t)i * T + j] * (s - Di); /* dS */
+                }
+            }
+            for (int i = 0; i < T; i++)
+                for (int d = 0; d < HD; d++) {
+                    double q = 0, k = 0, v = 0;
+                    for (int j = 0; j <= i; j++) q += dP[(size_t)i * T + j] * K_(j, d);
+                    for (int j = i; j < T; j++) k += dP[(size_t)j * T + i] * Q_(j, d), v += P[(size_t)j * T + i] * DO_(j, d);
+                    r[(size_t)i * 3 * C + d] = q * sc, r[(size_t)i * 3 * C + C + d] = k * sc;
+                    r[(size_t)i * 3 * C + 2 * C + d] = v;
+                }
+#undef Q_
+#undef K_
+#undef V_
+#undef DO_
+        }
+    free(P), free(dP);
+}
+
+/* RoPE's tables as op_rope_tables computes them (cpu_rope_tables, base 10000): [T, HD/2] */
+static void rope_tables(float *cs, float *sn, int T, int HD) {
+    const int half = HD / 2;
+    for (int i = 0; i < half; i++) {
+        const float inv = 1.0f / powf(10000.0f, (float)(2 * i) / (float)HD);
+        for (int t = 0; t < T; t++) {
+            const float f = (float)t * inv;
+            cs[(size_t)t * half + i] = cosf(f), sn[(size_t)t * half + i] = sinf(f);
+        }
+    }
+}
+
+/* RoPE's backward (dir = -1) on the q and k parts of ref [B*T, 3C] in fp64: each interleaved pair
+ * (x, y) of position t -> (x c + y s, -x s + y c) */
+static void cpu_rope_backward(double *ref, const float *cs, const float *sn, int B, int T, int NH, int HD) {
+    const int C = NH * HD, half = HD / 2;
+    for (size_t bt = 0; bt < (size_t)B * T; bt++)
+        for (int p = 0; p < 2 * NH * half; p++) {
+            const int t = (int)(bt % T), i = p % half;
+            double *x = ref + bt * 3 * C + 2 * (size_t)p;
+            const double c = cs[(size_t)t * half + i], s = sn[(size_t)t * half + i], a = x[0], b = x[1];
+            x[0] = a * c + b * s, x[1] = -a * s + b * c;
+        }
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -156,7 +240,7 @@ static void test_shape(int B, int NH, int T, int HD) {
             /* the output: NaN (acc = 0) or the base (acc = 1); the guard past it: 0xff */
             CK(cudaMemset(dw, 0xff, (n3 + GUARD) * 2));
             if (acc) CK(cudaMemcpy(dw, hbase, n3 * 2, cudaMemcpyHostToDevice));
-            attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL);
+            attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL, NULL, NULL);
             SYNC(cn);
             CK(cudaMemcpy(hw, dw, (n3 + GUARD) * 2, cudaMemcpyDeviceToHost));
             const uint16_t *ref = acc ? ref1 : ref0;
@@ -176,7 +260,7 @@ static void test_shape(int B, int NH, int T, int HD) {
             if (det) { /* a second run from the same start: bitwise the same */
                 CK(cudaMemset(dw, 0xff, n3 * 2));
                 if (acc) CK(cudaMemcpy(dw, hbase, n3 * 2, cudaMemcpyHostToDevice));
-                attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL);
+                attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, acc, det, NULL, NULL, NULL);
                 SYNC(cn);
                 CK(cudaMemcpy(hw2, dw, n3 * 2, cudaMemcpyDeviceToHost));
                 size_t ndiff = 0, first = 0;
@@ -195,6 +279,153 @@ static void test_shape(int B, int NH, int T, int HD) {
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* RoPE's backward fused (cos_t, sin_t given; acc = 0, the only mode it takes)                     */
+
+/* Against: the fp64 CPU reference (attention's backward, then RoPE's) where `cpu`; attn_bf16_backward
+ * with the same tables; and the two passes (this kernel without RoPE, then RoPE's backward applied to
+ * its bf16 output as rope8_kernel does, rounded again), which the fused path may differ from only by
+ * that extra rounding: per interleaved pair of dq and dk, |fused - two passes| <= 2^-6 of the pair's
+ * norm (two bf16 half-ulps of the norm and the rotated first rounding, 3 x 2^-8, with a margin);
+ * dv bitwise the same as without RoPE. The output starts as NaN (every element written), guard
+ * regions past dqkv and the workspace stay untouched, and deterministic mode is bitwise
+ * reproducible. */
+static void test_rope_shape(int B, int NH, int T, int HD, int cpu) {
+    const int C = NH * HD, half = HD / 2;
+    const size_t rows = (size_t)B * T, n3 = rows * 3 * C, nout = rows * C, nlse = (size_t)B * NH * T;
+    const size_t ntab = (size_t)T * half;
+    char name[128];
+    snprintf(name, sizeof name, "attn_wgmma_bwd rope B=%d NH=%d T=%d HD=%d", B, NH, T, HD);
+
+    uint16_t *h_qkv = (uint16_t *)malloc(n3 * 2), *h_do = (uint16_t *)malloc(nout * 2);
+    for (size_t i = 0; i < n3; i++) h_qkv[i] = bf16_round((float)nrand());
+    for (size_t i = 0; i < nout; i++) h_do[i] = bf16_round((float)nrand());
+    float *h_cs = (float *)malloc(ntab * 4), *h_sn = (float *)malloc(ntab * 4);
+    rope_tables(h_cs, h_sn, T, HD);
+    void *qkv, *dout, *out, *dref, *dw, *wsr, *wsw;
+    float *lse, *cs, *sn;
+    const size_t wsr_bytes = attn_bf16_workspace_bytes(B, T, NH, HD), ws_bytes = attn_wgmma_bwd_workspace_bytes(B, T, NH, HD);
+    CK(cudaMalloc(&qkv, n3 * 2));
+    CK(cudaMalloc(&dout, nout * 2));
+    CK(cudaMalloc(&out, nout * 2));
+    CK(cudaMalloc((void **)&lse, nlse * 4));
+    CK(cudaMalloc((void **)&cs, ntab * 4));
+    CK(cudaMalloc((void **)&sn, ntab * 4));
+    CK(cudaMalloc(&dref, n3 * 2));
+    CK(cudaMalloc(&dw, (n3 + GUARD) * 2));
+    CK(cudaMalloc(&wsr, wsr_bytes));
+    CK(cudaMalloc(&wsw, ws_bytes + GUARD));
+    CK(cudaMemcpy(qkv, h_qkv, n3 * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dout, h_do, nout * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cs, h_cs, ntab * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(sn, h_sn, ntab * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemset((char *)wsw + ws_bytes, 0xff, GUARD));
+    attn_bf16_forward(out, lse, qkv, B, T, NH, HD, NULL);
+    SYNC("attn_bf16_forward");
+
+    /* references: attn_bf16_backward with the tables; this kernel without them (deterministic), and
+     * the second pass on its output on the host (rope8_kernel's operations, then bf16) */
+    uint16_t *own = (uint16_t *)malloc(n3 * 2), *plain = (uint16_t *)malloc(n3 * 2), *two = (uint16_t *)malloc(n3 * 2);
+    CK(cudaMemset(dref, 0xff, n3 * 2));
+    attn_bf16_backward(dref, dout, qkv, out, lse, wsr, B, T, NH, HD, 0, cs, sn, NULL);
+    SYNC("attn_bf16_backward rope");
+    CK(cudaMemcpy(own, dref, n3 * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemset(dref, 0xff, n3 * 2));
+    attn_wgmma_backward(dref, dout, qkv, out, lse, wsw, B, T, NH, HD, 0, 1, NULL, NULL, NULL);
+    SYNC("attn_wgmma_backward without rope");
+    CK(cudaMemcpy(plain, dref, n3 * 2, cudaMemcpyDeviceToHost));
+    memcpy(two, plain, n3 * 2);
+    for (size_t bt = 0; bt < rows; bt++)
+        for (int p = 0; p < 2 * NH * half; p++) {
+            const int t = (int)(bt % T), i = p % half;
+            uint16_t *x = two + bt * 3 * C + 2 * (size_t)p;
+            const float c = h_cs[(size_t)t * half + i], s = -h_sn[(size_t)t * half + i];
+            const float a = bf16_widen(x[0]), b = bf16_widen(x[1]);
+            const volatile float ac = a * c, bs = b * s, as = a * s, bc = b * c; /* no FMA, as the kernel */
+            x[0] = bf16_round(ac - bs), x[1] = bf16_round(as + bc);
+        }
+    double *ref64 = NULL;
+    if (cpu) {
+        ref64 = (double *)calloc(n3, sizeof(double));
+        cpu_attn_backward(h_qkv, h_do, B, T, NH, HD, ref64);
+        cpu_rope_backward(ref64, h_cs, h_sn, B, T, NH, HD);
+    }
+
+    uint16_t *hw = (uint16_t *)malloc((n3 + GUARD) * 2), *hw2 = (uint16_t *)malloc(n3 * 2);
+    unsigned char *hg = (unsigned char *)malloc(GUARD);
+    static const char *pn[3] = {"dq", "dk", "dv"};
+    for (int det = 1; det >= 0; det--) {
+        char cn[200];
+        snprintf(cn, sizeof cn, "%s det=%d", name, det);
+        CK(cudaMemset(dw, 0xff, (n3 + GUARD) * 2));
+        attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, 0, det, cs, sn, NULL);
+        SYNC(cn);
+        CK(cudaMemcpy(hw, dw, (n3 + GUARD) * 2, cudaMemcpyDeviceToHost));
+        for (int p = 0; p < 3; p++) {
+            const Cmp r = cpu ? compare_part(hw, NULL, rows, C, p, ref64) : compare_part(hw, own, rows, C, p);
+            if (r.nonfinite)
+                printf("info %s %s: %zu non-finite elements, the first at token %zu column %zu\n", cn, pn[p],
+                       r.nonfinite, r.first_bad / C, r.first_bad % C);
+            report(r.nrel < TOL_NORM, "%s %s vs %s: max abs err %.3e (max |ref| %.3e), norm-wise %.2e (tol %.0e)", cn,
+                   pn[p], cpu ? "fp64 CPU attention + rope backward" : "attn_bf16_backward rope", r.md, r.mr, r.nrel,
+                   TOL_NORM);
+            if (cpu) { /* and the mma.sync kernel's fused RoPE */
+                const Cmp o = compare_part(hw, own, rows, C, p);
+                report(o.nrel < TOL_NORM, "%s %s vs attn_bf16_backward rope: norm-wise %.2e (tol %.0e)", cn, pn[p],
+                       o.nrel, TOL_NORM);
+            }
+        }
+        /* against the two passes: dq and dk within the extra rounding, dv bitwise */
+        for (int p = 0; p < 2; p++) {
+            size_t nbad = 0, ndiff = 0, first = 0;
+            double worst = 0;
+            for (size_t bt = 0; bt < rows; bt++)
+                for (int e = 0; e < C; e += 2) {
+                    const size_t i = bt * 3 * C + (size_t)p * C + e;
+                    const double f0 = bf16_widen(hw[i]), f1 = bf16_widen(hw[i + 1]);
+                    const double a0 = bf16_widen(two[i]), a1 = bf16_widen(two[i + 1]);
+                    const double nrm = sqrt(a0 * a0 + a1 * a1), d = fmax(fabs(f0 - a0), fabs(f1 - a1));
+                    ndiff += hw[i] != two[i] || hw[i + 1] != two[i + 1];
+                    if (nrm > 0 && d / nrm > worst) worst = d / nrm;
+                    if (!(d <= nrm / 64 + 1e-30) && !nbad++) first = i;
+                }
+            if (nbad)
+                printf("info %s %s: %zu pairs off the two passes by more than 2^-6 of their norm, the first at token "
+                       "%zu column %zu\n",
+                       cn, pn[p], nbad, first / (3 * (size_t)C), first % (3 * (size_t)C));
+            report(!nbad, "%s %s vs the two passes: %zu pairs differ, at most %.2e of the pair's norm (tol 2^-6)", cn,
+                   pn[p], ndiff, worst);
+        }
+        size_t vdiff = 0;
+        for (size_t bt = 0; bt < rows; bt++)
+            for (int e = 0; e < C; e++) vdiff += hw[bt * 3 * C + 2 * (size_t)C + e] != plain[bt * 3 * C + 2 * (size_t)C + e];
+        report(!vdiff, "%s dv bitwise as without RoPE (%zu differ)", cn, vdiff);
+        int guard_ok = 1;
+        for (size_t i = 0; i < GUARD; i++) guard_ok &= hw[n3 + i] == 0xffff;
+        CK(cudaMemcpy(hg, (char *)wsw + ws_bytes, GUARD, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < GUARD; i++) guard_ok &= hg[i] == 0xff;
+        report(guard_ok, "%s: nothing written past dqkv and the workspace", cn);
+        if (det) { /* a second run: bitwise the same */
+            CK(cudaMemset(dw, 0xff, n3 * 2));
+            attn_wgmma_backward(dw, dout, qkv, out, lse, wsw, B, T, NH, HD, 0, det, cs, sn, NULL);
+            SYNC(cn);
+            CK(cudaMemcpy(hw2, dw, n3 * 2, cudaMemcpyDeviceToHost));
+            size_t ndiff = 0, first = 0;
+            for (size_t i = 0; i < n3; i++)
+                if (hw[i] != hw2[i] && !ndiff++) first = i;
+            if (ndiff)
+                printf("info %s: %zu elements differ between two runs, the first at token %zu column %zu\n", cn, ndiff,
+                       first / (3 * (size_t)C), first % (3 * (size_t)C));
+            report(!ndiff, "%s: two runs bitwise equal", cn);
+        }
+    }
+
+    free(h_qkv), free(h_do), free(h_cs), free(h_sn), free(own), free(plain), free(two), free(ref64), free(hw);
+    free(hw2), free(hg);
+    cudaFree(qkv), cudaFree(dout), cudaFree(out), cudaFree(lse), cudaFree(cs), cudaFree(sn), cudaFree(dref);
+    cudaFree(dw), cudaFree(wsr), cudaFree(wsw);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* ATTN_WGMMA_BWD_DEBUG: tiny cases against an fp64 CPU reference, mismatches printed               */
 
 /* one_hot < 0: random dO; else dO = 0 except row one_hot, column 5 (= 1) */
@@ -205,49 +436,9 @@ static void debug_case(int T, int HD, int one_hot, int det) {
     for (size_t i = 0; i < n3; i++) h[i] = bf16_round((float)nrand());
     for (size_t i = 0; i < nout; i++) hdo[i] = one_hot < 0 ? bf16_round((float)nrand()) : 0;
     if (one_hot >= 0) hdo[(size_t)one_hot * C + 5] = bf16_round(1.f);
-    const double sc = 1.0 / sqrt((double)HD);
     /* reference in fp64 from the bf16 inputs */
-    double *P = (double *)calloc((size_t)T * T, sizeof(double)), *dP = (double *)calloc((size_t)T * T, sizeof(double));
-    double *ref = (double *)calloc(n3, sizeof(double)), *Dr = (double *)calloc(T, sizeof(double));
-#define Q_(t, d) bf16_widen(h[(size_t)(t) * 3 * C + (d)])
-#define K_(t, d) bf16_widen(h[(size_t)(t) * 3 * C + C + (d)])
-#define V_(t, d) bf16_widen(h[(size_t)(t) * 3 * C + 2 * C + (d)])
-#define DO_(t, d) bf16_widen(hdo[(size_t)(t) * C + (d)])
-    for (int i = 0; i < T; i++) {
-        double mx = -1e300, sum = 0;
-        for (int j = 0; j <= i; j++) {
-            double s = 0;
-            for (int d = 0; d < HD; d++) s += Q_(i, d) * K_(j, d);
-            P[(size_t)i * T + j] = s * sc;
-            mx = fmax(mx, s * sc);
-        }
-        for (int j = 0; j <= i; j++) sum += exp(P[(size_t)i * T + j] - mx);
-        for (int j = 0; j <= i; j++) P[(size_t)i * T + j] = exp(P[(size_t)i * T + j] - mx) / sum;
-        double Di = 0;
-        for (int d = 0; d < HD; d++) {
-            double o = 0;
-            for (int j = 0; j <= i; j++) o += P[(size_t)i * T + j] * V_(j, d);
-            Di += o * DO_(i, d);
-        }
-        Dr[i] = Di;
-        for (int j = 0; j <= i; j++) {
-            double s = 0;
-            for (int d = 0; d < HD; d++) s += DO_(i, d) * V_(j, d);
-            dP[(size_t)i * T + j] = P[(size_t)i * T + j] * (s - Di); /* dS */
-        }
-    }
-    for (int i = 0; i < T; i++)
-        for (int d = 0; d < HD; d++) {
-            double q = 0, k = 0, v = 0;
-            for (int j = 0; j <= i; j++) q += dP[(size_t)i * T + j] * K_(j, d);
-            for (int j = i; j < T; j++) k += dP[(size_t)j * T + i] * Q_(j, d), v += P[(size_t)j * T + i] * DO_(j, d);
-            ref[(size_t)i * 3 * C + d] = q * sc, ref[(size_t)i * 3 * C + C + d] = k * sc;
-            ref[(size_t)i * 3 * C + 2 * C + d] = v;
-        }
-#undef Q_
-#undef K_
-#undef V_
-#undef DO_
+    double *ref = (double *)calloc(n3, sizeof(double));
+    cpu_attn_backward(h, hdo, B, T, NH, HD, ref);
     void *qkv, *dout, *out, *dw, *ws;
     float *lse;
     CK(cudaMalloc(&qkv, n3 * 2));
@@ -260,7 +451,7 @@ static void debug_case(int T, int HD, int one_hot, int det) {
     CK(cudaMemcpy(dout, hdo, nout * 2, cudaMemcpyHostToDevice));
     CK(cudaMemset(dw, 0xff, n3 * 2));
     attn_bf16_forward(out, lse, qkv, B, T, NH, HD, NULL);
-    attn_wgmma_backward(dw, dout, qkv, out, lse, ws, B, T, NH, HD, 0, det, NULL);
+    attn_wgmma_backward(dw, dout, qkv, out, lse, ws, B, T, NH, HD, 0, det, NULL, NULL, NULL);
     SYNC("debug case");
     uint16_t *hw = (uint16_t *)malloc(n3 * 2);
     CK(cudaMemcpy(hw, dw, n3 * 2, cudaMemcpyDeviceToHost));
@@ -290,7 +481,7 @@ static void debug_case(int T, int HD, int one_hot, int det) {
         report(!bad, "%s %s: %d of %d elements off, max abs err %.3e (max |ref| %.3e)", what, pn[p], bad, T * HD, md,
                mref);
     }
-    free(h), free(hdo), free(P), free(dP), free(ref), free(Dr), free(hw);
+    free(h), free(hdo), free(ref), free(hw);
     cudaFree(qkv), cudaFree(dout), cudaFree(out), cudaFree(lse), cudaFree(dw), cudaFree(ws);
 }
 
@@ -306,7 +497,8 @@ struct Bufs {
 /* which: 0 wgmma deterministic, 1 wgmma not deterministic, 2 attn_bf16_backward */
 static void run_bwd(int which, const Bufs &b) {
     if (which < 2)
-        attn_wgmma_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.ws, b.B, b.T, b.NH, b.HD, 0, which == 0, NULL);
+        attn_wgmma_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.ws, b.B, b.T, b.NH, b.HD, 0, which == 0, NULL, NULL,
+                            NULL);
     else attn_bf16_backward(b.dqkv, b.dout, b.qkv, b.out, b.lse, b.wsr, b.B, b.T, b.NH, b.HD, 0, NULL, NULL, NULL);
 }
 static float time_one(int which, const Bufs &b, cudaEvent_t e0, cudaEvent_t e1) {
@@ -432,6 +624,14 @@ int main(int argc, char **argv) {
             /* more blocks than SMs: several waves, the deterministic order across them */
             test_shape(4, 8, 2048, HDs[hi]);
             test_shape(2, 12, 1000, HDs[hi]);
+            /* RoPE's fused backward: odd T (no tile multiples: 1, one past a query / key tile, several
+             * tiles), B * NH > 1; against the fp64 CPU reference up to T = 1001, then (the reference
+             * too slow) against attn_bf16_backward's RoPE, also over several waves of blocks */
+            static const int RTs[] = {1, 7, 65, 129, 301, 1001};
+            for (size_t ti = 0; ti < sizeof RTs / sizeof RTs[0]; ti++)
+                test_rope_shape(RTs[ti] > 1000 ? 1 : 2, RTs[ti] > 1000 ? 2 : 3, RTs[ti], HDs[hi], 1);
+            test_rope_shape(1, 2, 2049, HDs[hi], 0);
+            test_rope_shape(4, 8, 1001, HDs[hi], 0);
         }
     }
     if (perf) {

@@ -1,6 +1,6 @@
 /* Causal flash-attention backward for Hopper (sm_90a) on warpgroup MMA (wgmma) and the tensor memory
  * accelerator (TMA): FlashAttention-3's backward structure, written out in C-style CUDA. Interface and
- * results as attn_bf16_backward (attn_bf16.h) without RoPE; see attn_wgmma_bwd.h.
+ * results as attn_bf16_backward (attn_bf16.h), RoPE's fused backward included; see attn_wgmma_bwd.h.
  *
  * Three kernels per call (plus a memset of the dQ accumulator and the semaphores):
  *   1. preprocess: D[bh, t] = sum_d dO * O (fp32) and lse2[bh, t] = lse * log2(e), both padded to whole
@@ -18,6 +18,10 @@
  *      the order storing instead of adding (so only the semaphores need zeroing there).
  *      dK (times the softmax scale: S = scale Q K^T) and dV are written from registers at the end.
  *   3. postprocess: dQ (fp32, times the scale) -> bf16 into dqkv's q columns (acc: added).
+ * With the RoPE tables (the ROPE instantiations of 2 and 3), dK in 2's epilogue and dQ in 3 are
+ * rotated back in fp32 just before their one rounding: a RoPE pair (2i, 2i+1) is two adjacent
+ * columns, which the wgmma fragment (dK) and the postprocess's 8 columns a thread (dQ) keep in one
+ * thread, so no data moves for it.
  *
  * Main kernel: 384 threads, one block per SM, three warpgroups.
  *   warpgroups 0 and 1 (consumers): warpgroup w owns keys 64w..64w+63 of the block's 128 (the M rows
@@ -128,6 +132,14 @@ template <int HD> struct Cfg {
     static_assert(DQW * 2 == (uint32_t)BM * HD * 4, "two staging halves hold a dQ tile");
 };
 
+/* RoPE's backward on one interleaved pair: (x0, x1) -> (x0 c + x1 sn, -x0 sn + x1 c), each product
+ * and sum rounded separately, as rope8_kernel (dir = -1), the CPU backend and attn_bf16.cu compute it */
+static __device__ __forceinline__ void rope_back(float &x0, float &x1, float c, float sn) {
+    const float s = -sn, a = x0, b = x1;
+    x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    x1 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* 1. preprocess                                                                                */
 
@@ -208,13 +220,15 @@ static __device__ __forceinline__ void issue_dv(float (&dv)[HD / 2], const uint3
 }
 #endif
 
-template <int HD>
+/* ROPE: dK is rotated back by the tables rc / rs (RoPE's backward) before its rounding; the
+ * parameters are last so that the no-RoPE instantiation reads the others where it always did */
+template <int HD, bool ROPE>
 __global__ void __launch_bounds__(NTHR, 1)
     attn_wgmma_bwd_kernel(const __grid_constant__ CUtensorMap tmq, const __grid_constant__ CUtensorMap tmkv,
                           const __grid_constant__ CUtensorMap tmdo, bf16 *__restrict__ dqkv,
                           float *__restrict__ dqacc, const float *__restrict__ lse2, const float *__restrict__ Dw,
                           int *__restrict__ sem, int T, int NH, int BH, int nkv, int nq, int swz, int det, int acc,
-                          float scale2, float scale) {
+                          float scale2, float scale, const float *__restrict__ rc, const float *__restrict__ rs) {
 #ifdef WGU_DEVICE
     using namespace wgu;
     typedef Cfg<HD> K_;
@@ -459,7 +473,7 @@ __global__ void __launch_bounds__(NTHR, 1)
         }
 
         /* epilogue: dK (times scale) and dV, rows (keys) < T, from registers: row key0 + 8hh,
-         * columns 8c + 2t, +1 */
+         * columns 8c + 2t, +1 (with ROPE: RoPE pair 4c + t of position row, rotated back) */
         const size_t ld = 3 * (size_t)C;
         bf16 *gk = dqkv + (size_t)b * T * ld + C + (size_t)h * HD, *gv = gk + C;
 #pragma unroll
@@ -471,7 +485,11 @@ __global__ void __launch_bounds__(NTHR, 1)
                 for (int c = 0; c < HD / 8; c++) {
                     float k0 = dk[4 * c + 2 * hh] * scale, k1 = dk[4 * c + 2 * hh + 1] * scale;
                     float v0 = dv[4 * c + 2 * hh], v1 = dv[4 * c + 2 * hh + 1];
-                    if (acc) {
+                    if constexpr (ROPE) {
+                        const size_t e = (size_t)row * (HD / 2) + 4 * c + t;
+                        rope_back(k0, k1, __ldg(rc + e), __ldg(rs + e));
+                    }
+                    if (!ROPE && acc) { /* (the host refuses RoPE with acc) */
                         const uint32_t ok = pk[4 * c], ov = pv[4 * c];
                         k0 += bf16_lo(ok), k1 += bf16_hi(ok), v0 += bf16_lo(ov), v1 += bf16_hi(ov);
                     }
@@ -487,7 +505,7 @@ __global__ void __launch_bounds__(NTHR, 1)
 #undef DOEMPTY
 #else
     (void)tmq, (void)tmkv, (void)tmdo, (void)dqkv, (void)dqacc, (void)lse2, (void)Dw, (void)sem, (void)T, (void)NH;
-    (void)BH, (void)nkv, (void)nq, (void)swz, (void)det, (void)acc, (void)scale2, (void)scale;
+    (void)BH, (void)nkv, (void)nq, (void)swz, (void)det, (void)acc, (void)scale2, (void)scale, (void)rc, (void)rs;
     __trap(); /* built for a target without wgmma */
 #endif
 }
@@ -497,10 +515,12 @@ __global__ void __launch_bounds__(NTHR, 1)
 
 /* One block (256 threads) per (query tile, bh): the tile's BM x HD fp32 accumulator (fragment order,
  * see the top) -> a row-major tile in shared memory (row stride HD + 8 floats: the float2 stores of a
- * half warp hit distinct banks) -> times scale, (+ old), bf16, 16-byte stores of rows < T. */
-template <int HD>
+ * half warp hit distinct banks) -> times scale, (ROPE: rotated back by rc / rs, 16-byte aligned),
+ * (+ old), bf16, 16-byte stores of rows < T. */
+template <int HD, bool ROPE>
 __global__ void __launch_bounds__(256) attn_wgmma_bwd_post(bf16 *__restrict__ dqkv, const float *__restrict__ dqacc,
-                                                           int T, int NH, int nq, float scale, int acc) {
+                                                           int T, int NH, int nq, float scale, int acc,
+                                                           const float *__restrict__ rc, const float *__restrict__ rs) {
     constexpr int BM = bm_of(HD), SS = HD + 8, HALF = BM * HD / 2;
     __shared__ __align__(16) float tile[BM * SS];
     const int i = (int)(blockIdx.x % (unsigned)nq), bh = (int)(blockIdx.x / (unsigned)nq);
@@ -524,7 +544,13 @@ __global__ void __launch_bounds__(256) attn_wgmma_bwd_post(bf16 *__restrict__ dq
         float y[8] = {x0.x * scale, x0.y * scale, x0.z * scale, x0.w * scale,
                       x1.x * scale, x1.y * scale, x1.z * scale, x1.w * scale};
         uint4 *p = (uint4 *)(dqkv + ((size_t)b * T + trow) * ld + (size_t)h * HD + 8 * c);
-        if (acc) {
+        if constexpr (ROPE) { /* pairs 4c .. 4c + 3 of position trow */
+            const size_t e = (size_t)trow * (HD / 2) + 4 * c;
+            const float4 c4 = __ldg((const float4 *)(rc + e)), s4 = __ldg((const float4 *)(rs + e));
+            rope_back(y[0], y[1], c4.x, s4.x), rope_back(y[2], y[3], c4.y, s4.y);
+            rope_back(y[4], y[5], c4.z, s4.z), rope_back(y[6], y[7], c4.w, s4.w);
+        }
+        if (!ROPE && acc) { /* (the host refuses RoPE with acc) */
             const uint4 o = *p;
             const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
 #pragma unroll
@@ -572,20 +598,23 @@ static Ws ws_layout(int B, int T, int NH, int HD) {
 
 /* once per instantiation: the dynamic shared memory opt-in, and whether a block fits an SM (NULL) or
  * why not */
-template <int HD> static const char *prepare(void) {
+template <int HD, bool ROPE> static const char *prepare(void) {
     static int done;
     static char why[160];
     if (done) return why[0] ? why : NULL;
     done = 1;
-    if (wgu::launchable((const void *)attn_wgmma_bwd_kernel<HD>, Cfg<HD>::SMEM, NTHR, KREGS, why, sizeof why) == 0 &&
+    if (wgu::launchable((const void *)attn_wgmma_bwd_kernel<HD, ROPE>, Cfg<HD>::SMEM, NTHR, KREGS, why,
+                        sizeof why) == 0 &&
         !wgu::encode_tiled())
         snprintf(why, sizeof why, "the driver has no cuTensorMapEncodeTiled");
     return why[0] ? why : NULL;
 }
 
+/* both instantiations (with and without RoPE), so that a caller told NULL may pass the tables */
 extern "C" const char *attn_wgmma_bwd_unlaunchable(int HD) {
-    if (HD == 64) return prepare<64>();
-    if (HD == 128) return prepare<128>();
+    const char *why;
+    if (HD == 64) return (why = prepare<64, false>()) ? why : prepare<64, true>();
+    if (HD == 128) return (why = prepare<128, false>()) ? why : prepare<128, true>();
     return "head_dim not 64 or 128";
 }
 
@@ -607,12 +636,15 @@ static CUtensorMap make_map(const void *p, size_t cols, int T, int B, int rows) 
     return tm;
 }
 
-template <int HD>
+template <int HD, bool ROPE>
 static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out, const float *lse,
-                   unsigned char *ws, int B, int T, int NH, int acc, int det, cudaStream_t st) {
+                   unsigned char *ws, int B, int T, int NH, int acc, int det, const float *rc, const float *rs,
+                   cudaStream_t st) {
     constexpr int BM = bm_of(HD);
-    const char *why = prepare<HD>();
-    if (why) wb_die(HD == 64 ? "attn_wgmma_bwd_hd64" : "attn_wgmma_bwd_hd128", why);
+    const char *name = HD == 64 ? (ROPE ? "attn_wgmma_bwd_hd64_rope" : "attn_wgmma_bwd_hd64")
+                                : (ROPE ? "attn_wgmma_bwd_hd128_rope" : "attn_wgmma_bwd_hd128");
+    const char *why = prepare<HD, ROPE>();
+    if (why) wb_die(name, why);
     const int BH = B * NH, nq = (T + BM - 1) / BM, nkv = (T + BN - 1) / BN, C = NH * HD;
     if ((unsigned long long)nkv * BH > 0x7fffffffull || (unsigned long long)nq * BH > 0x7fffffffull)
         wb_die("wgmma backward", "too many tiles");
@@ -637,17 +669,17 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
     int swz = 1;
     while (swz * 2 <= BH && (size_t)swz * 2 * per_head <= l2) swz *= 2;
     const float scale = 1.f / sqrtf((float)HD), scale2 = scale * LOG2E_F;
-    attn_wgmma_bwd_kernel<HD><<<(unsigned)(nkv * BH), NTHR, Cfg<HD>::SMEM, st>>>(
-        tmq, tmkv, tmdo, dqkv, dqacc, lse2, Dw, sem, T, NH, BH, nkv, nq, swz, det, acc, scale2, scale);
-    wb_check(HD == 64 ? "attn_wgmma_bwd_hd64" : "attn_wgmma_bwd_hd128");
+    attn_wgmma_bwd_kernel<HD, ROPE><<<(unsigned)(nkv * BH), NTHR, Cfg<HD>::SMEM, st>>>(
+        tmq, tmkv, tmdo, dqkv, dqacc, lse2, Dw, sem, T, NH, BH, nkv, nq, swz, det, acc, scale2, scale, rc, rs);
+    wb_check(name);
 
-    attn_wgmma_bwd_post<HD><<<(unsigned)(nq * BH), 256, 0, st>>>(dqkv, dqacc, T, NH, nq, scale, acc);
+    attn_wgmma_bwd_post<HD, ROPE><<<(unsigned)(nq * BH), 256, 0, st>>>(dqkv, dqacc, T, NH, nq, scale, acc, rc, rs);
     wb_check("attn_wgmma_bwd_post");
 }
 
 extern "C" void attn_wgmma_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                     void *workspace, int B, int T, int NH, int HD, int acc, int deterministic,
-                                    void *stream) {
+                                    const float *cos_t, const float *sin_t, void *stream) {
     if (B <= 0 || T <= 0 || NH <= 0) return;
     if (!attn_wgmma_bwd_supported(HD)) {
         fprintf(stderr, "meshtrain: cuda: attention wgmma backward does not support head_dim %d\n", HD);
@@ -656,12 +688,19 @@ extern "C" void attn_wgmma_backward(void *dqkv, const void *dout, const void *qk
     if (((uintptr_t)dqkv | (uintptr_t)dout | (uintptr_t)qkv | (uintptr_t)out | (uintptr_t)lse |
          (uintptr_t)workspace) % 16)
         wb_die("wgmma backward", "pointers not 16-byte aligned");
+    /* RoPE: both tables, 16-byte aligned (the postprocess reads float4s), written output only (as
+     * attn_bf16_backward: accumulating would need the old values rotated too) */
+    if (!cos_t != !sin_t) wb_die("wgmma backward", "one RoPE table without the other");
+    if (cos_t && ((uintptr_t)cos_t | (uintptr_t)sin_t) % 16)
+        wb_die("wgmma backward", "RoPE tables not 16-byte aligned");
+    if (cos_t && acc) wb_die("wgmma backward", "RoPE's fused backward needs acc = 0");
     cudaStream_t st = (cudaStream_t)stream;
     unsigned char *ws = (unsigned char *)workspace;
-    if (HD == 64)
-        launch<64>((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, ws, B, T, NH, acc,
-                   deterministic ? 1 : 0, st);
-    else
-        launch<128>((bf16 *)dqkv, (const bf16 *)dout, (const bf16 *)qkv, (const bf16 *)out, lse, ws, B, T, NH, acc,
-                    deterministic ? 1 : 0, st);
+    bf16 *d = (bf16 *)dqkv;
+    const bf16 *o = (const bf16 *)dout, *x = (const bf16 *)qkv, *y = (const bf16 *)out;
+    const int det = deterministic ? 1 : 0;
+    if (HD == 64 && !cos_t) launch<64, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
+    else if (HD == 64) launch<64, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
+    else if (!cos_t) launch<128, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
+    else launch<128, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
 }

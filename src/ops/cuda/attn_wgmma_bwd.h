@@ -1,7 +1,7 @@
 /* Causal flash-attention BACKWARD on Hopper's warpgroup MMA (wgmma) and TMA
  * (src/ops/cuda/attn_wgmma_bwd.cu), built for sm_90a only: it runs on compute capability 9.0 (H100,
  * H200) and nowhere else (attn_wgmma_device_ok in attn_wgmma.h says whether the device is one).
- * Same layouts and results as attn_bf16_backward (attn_bf16.h), without RoPE:
+ * Same layouts and results as attn_bf16_backward (attn_bf16.h), RoPE's fused backward included:
  *   qkv [B, T, 3C] bf16 (each token's row q | k | v, head h = columns h*HD .. h*HD+HD-1 of each part),
  *   dout, out [B, T, C] bf16, lse [B, NH, T] fp32 (natural log, scores scaled by 1/sqrt(HD)), from
  *   any of the forwards; query i attends keys j <= i. Any T >= 1. Pointers 16-byte aligned.
@@ -10,6 +10,7 @@
 #ifndef MESHTRAIN_ATTN_WGMMA_BWD_H
 #define MESHTRAIN_ATTN_WGMMA_BWD_H
 #include <stddef.h>
+#include <stdlib.h> /* getenv */
 
 #ifdef __cplusplus
 extern "C" {
@@ -18,8 +19,9 @@ extern "C" {
 /* 1 for the head dims the kernels handle (64 and 128); 0 otherwise. */
 int attn_wgmma_bwd_supported(int HD);
 
-/* NULL when this process's device can launch the backward for HD (asked once per HD, which also
- * opts the kernel into its dynamic shared memory), else why not (a static string). */
+/* NULL when this process's device can launch the backward for HD, with and without RoPE (asked once
+ * per HD, which also opts the kernels into their dynamic shared memory), else why not (a static
+ * string). */
 const char *attn_wgmma_bwd_unlaunchable(int HD);
 
 /* Bytes of device scratch attn_wgmma_backward needs: the fp32 dQ accumulator, D = rowsum(dO * O),
@@ -37,16 +39,35 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * (bench/RESULTS.md, session 17): 1 where this kernel runs, on a device that takes it
  * (attn_wgmma_device_ok). Against cuDNN's deterministic engine: 436.7 / 459.7 TFLOP/s at head_dim
  * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
- * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice. */
+ * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice.
+ * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
+ * takes this kernel at instead of ATTN_WGMMA_BWD_AUTO_T; a value that is not a whole number >= 1
+ * (digits only) leaves the default. Read at every call (cheap next to an attention backward). */
 #define ATTN_WGMMA_BWD_AUTO_T 2048
-static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= ATTN_WGMMA_BWD_AUTO_T; }
+static inline int attn_wgmma_bwd_auto_t(void) {
+    const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
+    long long v = 0;
+    if (!e || !*e) return ATTN_WGMMA_BWD_AUTO_T;
+    for (; *e; e++) {
+        if (*e < '0' || *e > '9') return ATTN_WGMMA_BWD_AUTO_T;
+        if (v <= 0x7fffffffLL) v = v * 10 + (*e - '0'); /* past INT_MAX: saturates (never) */
+    }
+    return v < 1 ? ATTN_WGMMA_BWD_AUTO_T : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
+}
+static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= attn_wgmma_bwd_auto_t(); }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).
  * deterministic = 1: dQ's fp32 sums are added in a fixed order (bitwise reproducible); 0: in the
- * order the blocks get there (faster). workspace: attn_wgmma_bwd_workspace_bytes(...) bytes. */
+ * order the blocks get there (faster). workspace: attn_wgmma_bwd_workspace_bytes(...) bytes.
+ * cos_t / sin_t: NULL, or both RoPE's [T, HD/2] fp32 tables (row t = position t; 16-byte aligned;
+ * only with acc = 0: anything else exits as a failed launch does): dq and dk are rotated back
+ * (RoPE's backward on interleaved pairs, as rope8_kernel's dir = -1) in fp32 before their one
+ * rounding, so that q and k get the gradient w.r.t. their values before the rotation; dv as
+ * without. */
 void attn_wgmma_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                         void *workspace, int B, int T, int NH, int HD, int acc, int deterministic, void *stream);
+                         void *workspace, int B, int T, int NH, int HD, int acc, int deterministic,
+                         const float *cos_t, const float *sin_t, void *stream);
 
 #ifdef __cplusplus
 }

@@ -960,12 +960,13 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     LAUNCH_CHECK(attention_forward_kernel);
 }
 
-/* att_wgmma_bwd's backward: 1 when it ran */
+/* att_wgmma_bwd's backward: 1 when it ran. cos_t, sin_t: NULL, or RoPE's tables (16-byte aligned,
+ * acc = 0), rotated back in the kernel (attn_wgmma_bwd.h) */
 static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                              int B, int T, int NH, int HD, int acc) {
+                              int B, int T, int NH, int HD, int acc, const float *cos_t, const float *sin_t) {
     if (!att_wgmma_bwd(T, HD) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse))) return 0;
     void *ws = scratch(attn_wgmma_bwd_workspace_bytes(B, T, NH, HD));
-    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, 1, (void *)g.stream);
+    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, 1, cos_t, sin_t, (void *)g.stream);
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
     return 1;
 }
@@ -1001,7 +1002,7 @@ static int att_backward_cudnn(void *dqkv, const void *dout, const void *qkv, con
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int NH, int HD, int acc) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
-    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc)) return;
+    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc, NULL, NULL)) return;
     if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, acc)) return;
     if (g.bf16 && attn_bf16_supported(HD)) {
         void *ws = scratch(attn_bf16_workspace_bytes(B, T, NH, HD));
@@ -1030,13 +1031,17 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     LAUNCH_CHECK(attention_backward_dkdv_kernel);
 }
 
-/* Our tensor-core kernels rotate dq and dk back as they store them; elsewhere (cuDNN too), two
- * passes. */
+/* Our tensor-core kernels (mma.sync and Hopper's) rotate dq and dk back as they store them, where
+ * the tables are 16-byte aligned; elsewhere (cuDNN too), two passes. */
 void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   const float *cos_t, const float *sin_t, int B, int T, int NH, int HD) {
     if (!dqkv || B <= 0 || T <= 0 || NH <= 0 || HD <= 0) return;
-    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0) ||
-        att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0)) {
+    const int fuse = al16(cos_t) && al16(sin_t);
+    if (att_backward_wgmma(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0, fuse ? cos_t : NULL, fuse ? sin_t : NULL)) {
+        if (!fuse) cuda_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
+        return;
+    }
+    if (att_backward_cudnn(dqkv, dout, qkv, out, lse, B, T, NH, HD, 0)) {
         cuda_rope_backward(dqkv, cos_t, sin_t, B, T, NH, HD);
         return;
     }
