@@ -36,14 +36,16 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
 }
 
 /* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured on an H100
- * (bench/RESULTS.md, session 17): 1 where this kernel runs, on a device that takes it
+ * (bench/RESULTS.md, sessions 17-18): 1 where this kernel runs, on a device that takes it
  * (attn_wgmma_device_ok). Against cuDNN's deterministic engine: 436.7 / 459.7 TFLOP/s at head_dim
  * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
- * 253 against 281: cuDNN's. Plain C, so that the memory estimate follows the same choice.
+ * 253 against 281 alone, but with RoPE's backward fused (cuDNN's needs a pass of its own) the
+ * post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB less; at 512
+ * cuDNN's step is 0.4% ahead. Plain C, so that the memory estimate follows the same choice.
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
  * takes this kernel at instead of ATTN_WGMMA_BWD_AUTO_T; a value that is not a whole number >= 1
  * (digits only) leaves the default. Read at every call (cheap next to an attention backward). */
-#define ATTN_WGMMA_BWD_AUTO_T 2048
+#define ATTN_WGMMA_BWD_AUTO_T 1024
 static inline int attn_wgmma_bwd_auto_t(void) {
     const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
     long long v = 0;
