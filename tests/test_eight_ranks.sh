@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Eight CPU ranks (issue 22's part the CPUs allow): DDP, FSDP, hybrid FSDP, 2 pipeline
-# stages x 4 data-parallel ranks and 4 stages x 2 (ZeRO-1, interleaved) follow the
+# stages x 4 data-parallel ranks, 4 stages x 2 (ZeRO-1, interleaved), tensor parallel over
+# all 8 (with and without sequence parallel) and tp 4 x dp 2 (DDP, FSDP) follow the
 # single-process run of the same global batch (losses within 1e-5 relative over 5 steps,
 # final parameters within 1e-5); a checkpoint of 8 ranks resumes on one process.
 TEST_NAME=eight
@@ -20,6 +21,21 @@ fsdp|batch_size=2 fsdp=true
 hybrid|batch_size=2 fsdp=true shard_strategy=hybrid shard_group_size=4
 pp2_dp4|batch_size=4 pipeline_parallel_size=2 micro_batches=2
 pp4_dp2_zero1_interleaved|batch_size=8 pipeline_parallel_size=4 micro_batches=4 pipeline_schedule=interleaved zero_opt=true
+CASES
+
+# tensor parallel over all eight (tp 8) and tp 4 x dp 2 (issue 22's long-context layouts),
+# with and without sequence parallel, and beside FSDP: 8 heads
+M8="vocab_size=50257 embed_dim=64 n_heads=8 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+"$BIN" train $M8 batch_size=8 out_dir="$TMP/ref8" >/dev/null
+while IFS='|' read -r name keys; do
+  out=$TMP/$name
+  if $MPIRUN -np 8 "$BIN" train $M8 $keys out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref8" "$out"
+  then ok "np8_$name"; else bad "np8_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+tp8|batch_size=8 tensor_parallel_size=8
+tp8_no_sp|batch_size=8 tensor_parallel_size=8 sequence_parallel=false
+tp4_dp2|batch_size=4 tensor_parallel_size=4
+tp4_dp2_fsdp|batch_size=4 tensor_parallel_size=4 fsdp=true
 CASES
 
 # the 8-rank FSDP checkpoint at step 3, resumed on one process to step 5
