@@ -10,12 +10,17 @@ use_mpirun
 prepare_data 300000
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=8 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+# cases MODEL REF: each "name|keys" line on stdin, run on 8 ranks, follows the run in REF
+cases() {
+  local model=$1 ref=$2 name keys out
+  while IFS='|' read -r name keys; do
+    out=$TMP/$name
+    if $MPIRUN -np 8 "$BIN" train $model $keys out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$ref" "$out"
+    then ok "np8_$name"; else bad "np8_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+  done
+}
 "$BIN" train $M batch_size=16 out_dir="$TMP/ref" >/dev/null
-while IFS='|' read -r name keys; do
-  out=$TMP/$name
-  if $MPIRUN -np 8 "$BIN" train $M $keys out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref" "$out"
-  then ok "np8_$name"; else bad "np8_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
+cases "$M" "$TMP/ref" <<'CASES'
 ddp|batch_size=2
 fsdp|batch_size=2 fsdp=true
 hybrid|batch_size=2 fsdp=true shard_strategy=hybrid shard_group_size=4
@@ -27,11 +32,7 @@ CASES
 # with and without sequence parallel, and beside FSDP: 8 heads
 M8="vocab_size=50257 embed_dim=64 n_heads=8 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
 "$BIN" train $M8 batch_size=8 out_dir="$TMP/ref8" >/dev/null
-while IFS='|' read -r name keys; do
-  out=$TMP/$name
-  if $MPIRUN -np 8 "$BIN" train $M8 $keys out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref8" "$out"
-  then ok "np8_$name"; else bad "np8_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
+cases "$M8" "$TMP/ref8" <<'CASES'
 tp8|batch_size=8 tensor_parallel_size=8
 tp8_no_sp|batch_size=8 tensor_parallel_size=8 sequence_parallel=false
 tp4_dp2|batch_size=4 tensor_parallel_size=4
