@@ -121,6 +121,8 @@ r_wg=$(MESHTRAIN_ATTN=wgmma lc context_len=4096 batch_size=8 | awk '$1 == "runti
 if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] && [ "$r_wg" = "162.0 MiB" ] &&
    ! MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | grep -q "Hopper kernel"
 then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg)"; fi
+expect_exit 2 "MESHTRAIN_ATTN=bogus: expected auto, cudnn, cudnn-det, own or wgmma" estimate_refuses_bad_attention -- \
+  env MESHTRAIN_ATTN=bogus "$BIN" estimate device=cuda precision=bf16
 # MESHTRAIN_WGMMA_BWD_T (a benchmark knob) moves auto's threshold for the Hopper backward, and the
 # estimate follows: at 1024 x 32 cuDNN's 546 MiB instead of our kernel's 162; a value that is not a
 # whole number >= 1 leaves the default (1024)

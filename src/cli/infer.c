@@ -6,6 +6,7 @@
 #include <string.h>
 #include "checkpoint.h"
 #include "commands.h"
+#include "attn_cudnn.h" /* attn_mode_of: MESHTRAIN_ATTN as the cuda backend reads it */
 #include "estimate.h"
 #include "ops.h"
 #include "pipeline.h"
@@ -140,6 +141,11 @@ int cmd_estimate(Config *c) {
     if (dp % group)
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
+    /* the attention path the estimate counts (MESHTRAIN_ATTN): a value the cuda backend would
+     * refuse at start-up is refused here too, not counted as something else */
+    const char *attn = getenv("MESHTRAIN_ATTN");
+    if (gpu && attn_mode_of(attn) < 0)
+        die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det, own or wgmma", attn);
     OptimConfig oc = optim_config_of(c);
     /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1 */
     int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |
