@@ -145,7 +145,7 @@ int cmd_estimate(Config *c) {
      * refuse at start-up is refused here too, not counted as something else */
     const char *attn = getenv("MESHTRAIN_ATTN");
     if (gpu && attn_mode_of(attn) < 0)
-        die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det, own or wgmma", attn);
+        die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, attn);
     OptimConfig oc = optim_config_of(c);
     /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1 */
     int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |

@@ -102,7 +102,7 @@ static struct {
     size_t scratch_bytes;
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
-    int att_mode;           /* MESHTRAIN_ATTN: ATT_AUTO, ATT_CUDNN or ATT_OWN */
+    int att_mode;           /* MESHTRAIN_ATTN: an ATTN_MODE_ (attn_cudnn.h) */
     size_t att_det_max;     /* cuda_set_attention_det_max; 0: ATTN_CUDNN_DET_MAX_BYTES */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
     size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
@@ -224,8 +224,8 @@ int cuda_init(int device, char *err, size_t errlen) {
     const char *s = getenv("MESHTRAIN_CUDA_SYNC");
     g.sync_each = s && *s && strcmp(s, "0") != 0;
     s = getenv("MESHTRAIN_ATTN");
-    if (cuda_set_attention_mode(s && *s ? s : "auto")) {
-        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected auto, cudnn, cudnn-det, own or wgmma", s);
+    if (cuda_set_attention_mode(s)) {
+        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, s);
         return -1;
     }
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
@@ -876,31 +876,26 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
  * that was faster (attn_wgmma_bwd_auto). wgmma = our Hopper kernels forward and backward wherever
  * they run (bf16, head_dim 64 or 128, compute capability 9.0), else auto's choice. */
-enum { ATT_AUTO, ATT_CUDNN, ATT_CUDNN_DET, ATT_OWN, ATT_WGMMA };
-
 int cuda_set_attention_mode(const char *mode) {
-    if (!mode || !strcmp(mode, "auto")) g.att_mode = ATT_AUTO;
-    else if (!strcmp(mode, "cudnn")) g.att_mode = ATT_CUDNN;
-    else if (!strcmp(mode, "cudnn-det")) g.att_mode = ATT_CUDNN_DET;
-    else if (!strcmp(mode, "own")) g.att_mode = ATT_OWN;
-    else if (!strcmp(mode, "wgmma")) g.att_mode = ATT_WGMMA;
-    else return -1;
+    int m = attn_mode_of(mode);
+    if (m < 0) return -1;
+    g.att_mode = m;
     return 0;
 }
 
-static int att_det(void) { return g.att_mode != ATT_CUDNN; }
+static int att_det(void) { return g.att_mode != ATTN_MODE_CUDNN; }
 
 void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
 
 /* Our Hopper forward (attn_wgmma.cu) runs where MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma(int HD) {
-    return g.att_mode == ATT_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
+    return g.att_mode == ATTN_MODE_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
 }
 
 /* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
  * (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma_bwd(int T, int HD) {
-    return g.bf16 && (g.att_mode == ATT_WGMMA || (g.att_mode == ATT_AUTO && attn_wgmma_bwd_auto(T, HD))) &&
+    return g.bf16 && (g.att_mode == ATTN_MODE_WGMMA || (g.att_mode == ATTN_MODE_AUTO && attn_wgmma_bwd_auto(T, HD))) &&
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
@@ -908,8 +903,8 @@ static int att_wgmma_bwd(int T, int HD) {
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
-    if (!g.bf16 || g.att_mode == ATT_OWN || (!backward && att_wgmma(HD))) return 0;
-    if ((g.att_mode == ATT_AUTO || g.att_mode == ATT_WGMMA) &&
+    if (!g.bf16 || g.att_mode == ATTN_MODE_OWN || (!backward && att_wgmma(HD))) return 0;
+    if ((g.att_mode == ATTN_MODE_AUTO || g.att_mode == ATTN_MODE_WGMMA) &&
         !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD)))
         return 0;
     char why[320];

@@ -100,11 +100,13 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
                              const float *lse, int B, int T, int NH, int HD, int acc);
 void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
-/* Which implementation attention takes in bf16 (cuda_init reads MESHTRAIN_ATTN): "auto" (the
+/* Which implementation attention takes in bf16 (cuda_init reads MESHTRAIN_ATTN; attn_mode_of in
+ * attn_cudnn.h parses it, NULL or "" being auto): "auto" (the
  * faster by shape among the deterministic ones), "cudnn" (cuDNN's fused flash attention wherever
  * it runs, src/ops/cuda/attn_cudnn.h, with its fastest backward, which sums dq with atomics: runs
- * that take it are NOT bitwise reproducible), "cudnn-det" (cuDNN with its deterministic backward)
- * or "own" (never cuDNN). 0, or -1 for another string (mode unchanged). */
+ * that take it are NOT bitwise reproducible), "cudnn-det" (cuDNN with its deterministic backward),
+ * "own" (never cuDNN) or "wgmma" (our Hopper kernels both ways where they run). 0, or -1 for
+ * another string (mode unchanged). */
 int cuda_set_attention_mode(const char *mode);
 /* What runs a call of that shape now: "cudnn", "own" (attn_bf16.cu's tensor-core kernels) or
  * "generic" (attention.cuh); may build cuDNN's plan for the shape. */
