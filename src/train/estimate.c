@@ -1,6 +1,7 @@
 #include "estimate.h"
 #include "attn_cudnn.h"      /* the dP buffer of cuDNN's deterministic attention backward */
-#include "attn_wgmma_bwd.h" /* our Hopper backward's, which auto takes from T = 2048 */
+#include "attn_wgmma_bwd.h" /* our Hopper backward's, which auto takes from T = 1024 */
+#include "ops_cuda.h"       /* rmsnorm's backward blocks */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,10 +29,8 @@
  * did not). */
 static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
-    /* rmsnorm's backward: blocks of 16 rows, of 8 for wide rows (cuda_rmsnorm_backward) */
-    int E = c->embed_dim;
-    size_t per = E % 8 == 0 && E > 1024 && E <= 32768 ? 8 : 16;
-    size_t nb = ((size_t)B * T + per - 1) / per < 1024 ? ((size_t)B * T + per - 1) / per : 1024;
+    /* rmsnorm's backward: its blocks' dw partials (ops_cuda.h) */
+    size_t nb = (size_t)cuda_rmsnorm_blocks((size_t)B * T, cuda_rmsnorm_wide(c->embed_dim));
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
     /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one

@@ -706,14 +706,14 @@ void cuda_add_rmsnorm_forward(void *res, void *out, float *rstd, const void *bra
 void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, const void *w,
                            const float *rstd, int N, int C) {
     if ((!dx && !dw) || N <= 0 || C <= 0) return;
-    /* blocks of about 16 rows, at most RMSNORM_DW_BLOCKS: a count fixed by N alone */
-    int nb = (N + 15) / 16 < RMSNORM_DW_BLOCKS ? (N + 15) / 16 : RMSNORM_DW_BLOCKS;
+    /* the blocks and their dw partials as ops_cuda.h says (the estimate counts the same) */
+    static_assert(256 * RMS_VEC == 1024 && 8192 * RMS_VEC == 32768, "cuda_rmsnorm_wide's bounds");
+    const int wide = cuda_rmsnorm_wide(C) && al16(dx) && al16(dout) && al16(x) && al16(w);
+    int nb = cuda_rmsnorm_blocks((size_t)N, wide);
     float *part = (float *)scratch((size_t)nb * C * sizeof(float));
-    if (C % 8 == 0 && C > 256 * RMS_VEC && C <= 8192 * RMS_VEC && al16(dx) && al16(dout) && al16(x) && al16(w)) {
+    if (wide) {
         /* wide rows: a block's threads share each row, warps enough for VEC vectors a thread;
-         * blocks of about 8 rows (a count fixed by N alone), for enough blocks on every SM */
-        nb = (N + 7) / 8 < RMSNORM_DW_BLOCKS ? (N + 7) / 8 : RMSNORM_DW_BLOCKS;
-        part = (float *)scratch((size_t)nb * C * sizeof(float));
+         * blocks of about 8 rows, for enough blocks on every SM */
         int narrow = C <= RMS_WIDE_NARROW_C, vec = narrow ? 2 : 4;
         int threads = (C / 8 + vec - 1) / vec;
         threads = (threads + 31) / 32 * 32;

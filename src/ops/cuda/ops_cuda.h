@@ -108,6 +108,18 @@ void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv,
  * "own" (never cuDNN) or "wgmma" (our Hopper kernels both ways where they run). 0, or -1 for
  * another string (mode unchanged). */
 int cuda_set_attention_mode(const char *mode);
+
+/* rmsnorm's backward (cuda_rmsnorm_backward): rows of C channels take the wide-row kernels where
+ * cuda_rmsnorm_wide(C) (and the tensors are 16-byte aligned); N rows run in
+ * cuda_rmsnorm_blocks(N, wide) blocks, of about 8 rows on the wide kernels and 16 on the others,
+ * each leaving a dw partial of C floats in scratch: a count fixed by N, so the sums' order is.
+ * Plain C, so that the memory estimate counts the same scratch. */
+#define RMSNORM_DW_BLOCKS 1024
+static inline int cuda_rmsnorm_wide(int C) { return C % 8 == 0 && C > 1024 && C <= 32768; }
+static inline int cuda_rmsnorm_blocks(size_t N, int wide) {
+    size_t per = wide ? 8 : 16, nb = (N + per - 1) / per;
+    return nb < RMSNORM_DW_BLOCKS ? (int)nb : RMSNORM_DW_BLOCKS;
+}
 /* What runs a call of that shape now: "cudnn", "own" (attn_bf16.cu's tensor-core kernels) or
  * "generic" (attention.cuh); may build cuDNN's plan for the shape. */
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD);

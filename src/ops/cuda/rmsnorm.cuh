@@ -121,7 +121,6 @@ static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, void *x, 
  * the blocks in order): deterministic, and x and dout are read once. Even C goes two
  * channels per load. */
 #define RMS_BWD_WARPS 4
-#define RMSNORM_DW_BLOCKS 1024 /* keep estimate.c's cuda_scratch_bytes in step */
 static __global__ void __launch_bounds__(RMS_BWD_WARPS * 32)
 rmsnorm_backward_kernel(void *dx, float *part, const void *dout, const void *x, const void *w, const float *rstd,
                         int N, int C, int nb, int bf) {
