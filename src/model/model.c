@@ -551,12 +551,14 @@ static void tp_join_all(const Model *m, const Tickets *ts) {
 /* N rows as c chunks of `rows` rows; under sequence parallel a rank holds `held` of each
  * (Model's sp says which), else held = rows. */
 typedef struct { int c; size_t rows, held; } Chunks;
-int model_tp_chunks(const Model *m, size_t N) {
-    int c = m->tp_size > 1 && m->tp_chunks > 1 ? m->tp_chunks : 1;
-    if (c > TP_MAX_CHUNKS) c = TP_MAX_CHUNKS;  /* (Tickets' size) */
-    size_t per = held_rows(m, N);
-    while (per % (size_t)c) c--;  /* c = 1 divides anything */
+/* The largest count up to `asked` (and TP_MAX_CHUNKS, Tickets' size) that divides n rows. */
+static int rows_count(int asked, size_t n) {
+    int c = asked < 1 ? 1 : asked > TP_MAX_CHUNKS ? TP_MAX_CHUNKS : asked;
+    while (n % (size_t)c) c--;  /* c = 1 divides anything */
     return c;
+}
+int model_tp_chunks(const Model *m, size_t N) {
+    return m->tp_size > 1 ? rows_count(m->tp_chunks, held_rows(m, N)) : 1;
 }
 static Chunks tp_chunks(const Model *m, int N) {
     int c = model_tp_chunks(m, (size_t)N);
@@ -680,10 +682,7 @@ static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const
  * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered.
  * Each collective is chunked beside its product (product_after, product_then_sum). */
 int model_tp_groups(const Model *m, size_t N) {
-    int g = m->tp_size > 1 && !m->sp && m->tp_groups > 1 ? m->tp_groups : 1;
-    if (g > TP_MAX_CHUNKS) g = TP_MAX_CHUNKS;  /* (Tickets' size) */
-    while (N % (size_t)g) g--;
-    return g;
+    return m->tp_size > 1 && !m->sp ? rows_count(m->tp_groups, N) : 1;
 }
 
 /* Tensor parallel without sequence parallel, the forward in G groups of rows (G > 1:
