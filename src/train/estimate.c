@@ -23,7 +23,8 @@
  * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
  * sumsq's 1025 doubles; in bf16, where attention's backward runs on our Hopper kernel
  * (attn_wgmma_bwd_auto, as on an H100 or H200) its workspace, or on cuDNN's deterministic engine
- * (ops_cuda.cu's auto choice, attn_cudnn_auto; our kernels take head dims 64 and 128), its
+ * (ops_cuda.cu's auto choice, attn_cudnn_auto; our mma.sync kernels take head dims 64 and 128, the
+ * Hopper backward 64, 96 and 128), its
  * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
  * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
  * did not). */
@@ -36,8 +37,9 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one
      * MESHTRAIN_ATTN forces (a benchmark knob; own and a malformed value: our kernels' terms) */
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));
-    int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0;
-    int hopper = bf && (mode == ATTN_MODE_AUTO ? attn_wgmma_bwd_auto(T, hd) : mode == ATTN_MODE_WGMMA && ours);
+    int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0; /* ours: attn_bf16's head dims */
+    int hopper = bf && (mode == ATTN_MODE_AUTO ? attn_wgmma_bwd_auto(T, hd)
+                                               : mode == ATTN_MODE_WGMMA && attn_wgmma_bwd_hd(hd));
     int dnn = bf && (mode == ATTN_MODE_CUDNN || mode == ATTN_MODE_CUDNN_DET ||
                      ((mode == ATTN_MODE_AUTO || mode == ATTN_MODE_WGMMA) && attn_cudnn_auto(1, B, T, nh, hd, ours)));
     if (hopper) hb = (attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255;

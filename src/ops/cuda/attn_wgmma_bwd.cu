@@ -7,7 +7,7 @@
  *      query tiles (rows past T: D = 0, lse2 = +inf, so that P = 0 there).
  *   2. main: one block per (key tile of BN = 128 keys, batch * head); it keeps dK and dV of its keys
  *      in registers and walks the query tiles of BM queries from its diagonal to the end (FA3's
- *      kBlockM x kBlockN: HD 128: 64 x 128; HD 64: 128 x 128). Per query tile i:
+ *      kBlockM x kBlockN: HD 128 and 96: 64 x 128; HD 64: 128 x 128). Per query tile i:
  *        S^T = K Q_i^T, P^T = exp2(S^T scale log2e - lse2) (causal mask where a key can pass a query),
  *        dP^T = V dO_i^T, dS^T = P^T (dP^T - D),
  *        dV += P^T dO_i, dK += dS^T Q_i (P^T and dS^T straight from registers: the A operand),
@@ -62,7 +62,8 @@
  * dQ wgmmas of the old one are complete.
  *
  * Shared memory (base aligned to 1024 bytes, as the 128-byte swizzle needs; all TMA tiles in the
- * 128-byte swizzle, as HD/64 panels of 64 columns = 128-byte rows; see wgmma_util.cuh):
+ * 128-byte swizzle, as HD/64 panels of 64 columns = 128-byte rows; see wgmma_util.cuh; but HD 96,
+ * below):
  *   K, V            BN x HD bf16 each: panel p (columns 64p..) = 128 rows x 128 B (16 KiB)
  *   Q[2], dO[2]     BM x HD bf16 each: panel p = BM rows x 128 B (QPANEL = BM * 128)
  *   dS[2]           dS^T: BN key rows x BM queries bf16, as BM/64 panels of 128 rows x 128 B
@@ -79,6 +80,19 @@
  *   dQ: A = dS[s] (+ w * 16 KiB for BM = 128: warpgroup w's queries) + kk * 2048 (keys 16kk.. as
  *       K), M = 64 queries = one swizzle width (LBO unused), SBO = 1024; B = K (+ w * KPANEL for
  *       BM = 64: warpgroup w's head-dim columns) + kk * 2048, N = 64 (LBO unused), SBO = 1024.
+ *
+ * HD 96 (FA3's atoms there; Cfg's KW, QW): 96 columns are no whole number of 128-byte rows, and dQ's
+ * B operand of a consumer warpgroup (K, MN-major) starts at column 48 (BM = 64: the warpgroups split
+ * dQ's head dim), which must be the start of a swizzle atom. So K and V are 6 panels of 16 columns
+ * (32-byte rows, 32-byte swizzle, TMA box 16 columns; KPANEL = 128 x 32 B), Q and dO 3 panels of 32
+ * columns (64-byte rows, 64-byte swizzle, box 32; QPANEL = 64 x 64 B); dS unchanged. Descriptors as
+ * above with the row width W (sw_desc<W>): K-major k16 step kk at panel kk / (W / 32), + (kk %
+ * (W / 32)) * 32 B, SBO = 8 W; MN-major slice kk at + kk * 16 W, SBO = 8 W, LBO = the panel. S^T,
+ * dP^T: m64n64k16 x 6; dV, dK: m64n96k16 x 4 (B = dO / Q, 3 panels of 32 via LBO); dQ: m64n48k16 x 8
+ * (B = K panels 3w .. 3w + 2 via LBO). dV is issued early as at HD 128. Shared memory 157,696 bytes
+ * (K, V 24 KiB each, Q[2], dO[2] 12 KiB each, dS[2] 16 KiB each, dQ staging 2 x 12 KiB, lse2, D).
+ * The preprocess runs 16 lanes a row (12 busy). Proven only by compiling (no spills, no serialized
+ * wgmma) until gpu_test_attn_wgmma_bwd has run on a GPU.
  *
  * Global dQ accumulator (workspace): per (bh, query tile) BM * HD fp32 in the staging's fragment
  * order (half w, then float4 r of thread ct), so each half is one contiguous bulk reduce-add; the
@@ -114,11 +128,20 @@ typedef __nv_bfloat16 bf16;
 
 static constexpr __host__ __device__ int bm_of(int HD) { return HD == 64 ? 128 : 64; }
 
+/* K and V (KW) and Q and dO (QW): bytes a row of one panel (TMA box) = their swizzle width. HD 64,
+ * 128: 128 (panels of 64 columns). HD 96: K and V 32 (panels of 16 columns: each consumer warpgroup's
+ * 48 columns of dQ's B operand, MN-major, are 3 whole panels), Q and dO 64 (32 columns: dV's and dK's
+ * B operand, MN-major, N = 96 = 3 panels); FA3's shared-memory atoms at head_dim 96. */
+static constexpr __host__ __device__ int kw_of(int HD) { return HD == 96 ? 32 : 128; }
+static constexpr __host__ __device__ int qw_of(int HD) { return HD == 96 ? 64 : 128; }
+
 template <int HD> struct Cfg {
     static constexpr int BM = bm_of(HD);                 /* queries per step */
-    static constexpr uint32_t KPANEL = BN * 128;         /* one 64-column panel of K or V */
+    static constexpr int KW = kw_of(HD), QW = qw_of(HD); /* row bytes of a K / V, Q / dO panel */
+    static constexpr int KCOLS = KW / 2, QCOLS = QW / 2; /* columns of a panel */
+    static constexpr uint32_t KPANEL = BN * KW;          /* one panel of K or V */
     static constexpr uint32_t KVT = BN * HD * 2;         /* K or V tile */
-    static constexpr uint32_t QPANEL = BM * 128;         /* one 64-column panel of Q or dO */
+    static constexpr uint32_t QPANEL = BM * QW;          /* one panel of Q or dO */
     static constexpr uint32_t QT = BM * HD * 2;          /* Q or dO tile */
     static constexpr uint32_t DSPANEL = BN * 128;        /* 64 queries of dS^T */
     static constexpr uint32_t DST = BN * BM * 2;         /* dS^T tile */
@@ -128,7 +151,10 @@ template <int HD> struct Cfg {
     static constexpr uint32_t OFF_DS = OFF_DO + 2 * QT, OFF_DQ = OFF_DS + 2 * DST;
     static constexpr uint32_t OFF_LSE = OFF_DQ + 2 * DQW, OFF_D = OFF_LSE + 2 * BM * 4;
     static constexpr size_t SMEM = OFF_D + 2 * BM * 4 + 1024; /* + alignment of the base */
-    static_assert(DQN == 64, "the dQ GEMM is m64n64 (one 64-column panel of K, one of dS)");
+    static_assert(DQN % KCOLS == 0, "a warpgroup's dQ columns are whole panels of K (MN-major B)");
+    static_assert(HD % QCOLS == 0 && HD % KCOLS == 0 && DQN % 8 == 0, "whole panels");
+    static_assert(KVT % 1024 == 0 && OFF_DS % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && QT % 1024 == 0,
+                  "swizzle patterns aligned");
     static_assert(DQW * 2 == (uint32_t)BM * HD * 4, "two staging halves hold a dQ tile");
 };
 
@@ -144,16 +170,19 @@ static __device__ __forceinline__ void rope_back(float &x0, float &x1, float c, 
 /* 1. preprocess                                                                                */
 
 /* Row r of the padded [BH, nqp] arrays: D = sum dO * O and lse2 = lse log2(e) for t < T; D = 0 and
- * lse2 = +inf past T. HD / 8 consecutive threads per row, 16 bytes of dO and O each. */
+ * lse2 = +inf past T. pre_lanes(HD) consecutive threads per row (a power of 2, for the shuffles), 16
+ * bytes of dO and O each: HD / 8, or with PAD16 (HD 96) 16, of which the last 16 - HD / 8 add 0. */
+static constexpr __host__ __device__ int pre_lanes(int HD) { return HD == 96 ? 16 : HD / 8; }
+template <bool PAD16>
 __global__ void attn_wgmma_bwd_pre(float *__restrict__ lse2, float *__restrict__ Dw, const bf16 *__restrict__ dout,
                                    const bf16 *__restrict__ out, const float *__restrict__ lse, int T, int NH,
                                    int HD, int nqp, size_t rows) {
-    const int per = HD / 8;
+    const int per = PAD16 ? 16 : HD / 8;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x, row = i / per;
     const int c = (int)(i % per);
     const size_t bh = row / (size_t)nqp;
     const int t = (int)(row % (size_t)nqp);
-    const bool ok = row < rows && t < T;
+    const bool ok = row < rows && t < T && (!PAD16 || c < HD / 8);
     float acc = 0.f;
     if (ok) {
         const size_t b = bh / NH, h = bh % NH, C = (size_t)NH * HD;
@@ -198,10 +227,11 @@ static __device__ __forceinline__ void issue_rows_cols(float (&acc)[Cfg<HD>::BM 
     wgu::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
-        const uint32_t ko = (uint32_t)(kk / 4) * K_::KPANEL + (uint32_t)(kk % 4) * 32u;
-        const uint32_t qo = (uint32_t)(kk / 4) * K_::QPANEL + (uint32_t)(kk % 4) * 32u;
-        wgu::Mma<K_::BM>::template ss<0, 0>(acc, wgu::sw128_desc(a + ko, 16, 1024), wgu::sw128_desc(b + qo, 16, 1024),
-                                            kk > 0);
+        constexpr int KS = K_::KW / 32, QS = K_::QW / 32; /* k16 steps a panel row */
+        const uint32_t ko = (uint32_t)(kk / KS) * K_::KPANEL + (uint32_t)(kk % KS) * 32u;
+        const uint32_t qo = (uint32_t)(kk / QS) * K_::QPANEL + (uint32_t)(kk % QS) * 32u;
+        wgu::Mma<K_::BM>::template ss<0, 0>(acc, wgu::sw_desc<K_::KW>(a + ko, 16, 8 * K_::KW),
+                                            wgu::sw_desc<K_::QW>(b + qo, 16, 8 * K_::QW), kk > 0);
     }
     wgu::wgmma_commit();
 }
@@ -215,7 +245,10 @@ static __device__ __forceinline__ void issue_dv(float (&dv)[HD / 2], const uint3
     wgu::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg<HD>::BM / 16; kk++)
-        wgu::Mma<HD>::template rs<1>(dv, pa[kk], wgu::sw128_desc(dos + (uint32_t)kk * 2048u, Cfg<HD>::QPANEL, 1024), 1);
+        wgu::Mma<HD>::template rs<1>(dv, pa[kk],
+                                     wgu::sw_desc<Cfg<HD>::QW>(dos + (uint32_t)kk * 16u * Cfg<HD>::QW, Cfg<HD>::QPANEL,
+                                                               8 * Cfg<HD>::QW),
+                                     1);
     wgu::wgmma_commit();
 }
 #endif
@@ -269,9 +302,9 @@ __global__ void __launch_bounds__(NTHR, 1)
             asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&tmdo) : "memory");
             mbar_expect_tx(kvfull, 2 * K_::KVT);
 #pragma unroll
-            for (int p = 0; p < HD / 64; p++) {
-                tma_load(base + K_::OFF_K + p * K_::KPANEL, &tmkv, C + h * HD + 64 * p, j * BN, b, kvfull);
-                tma_load(base + K_::OFF_V + p * K_::KPANEL, &tmkv, 2 * C + h * HD + 64 * p, j * BN, b, kvfull);
+            for (int p = 0; p < HD / K_::KCOLS; p++) {
+                tma_load(base + K_::OFF_K + p * K_::KPANEL, &tmkv, C + h * HD + K_::KCOLS * p, j * BN, b, kvfull);
+                tma_load(base + K_::OFF_V + p * K_::KPANEL, &tmkv, 2 * C + h * HD + K_::KCOLS * p, j * BN, b, kvfull);
             }
             const float *l2 = lse2 + (size_t)bh * nq * BM, *d2 = Dw + (size_t)bh * nq * BM;
             for (int n = 0; n < nsteps; n++) {
@@ -279,15 +312,15 @@ __global__ void __launch_bounds__(NTHR, 1)
                 if (n >= 2) mbar_wait(QEMPTY(s), (uint32_t)(((n >> 1) - 1) & 1));
                 mbar_expect_tx(QFULL(s), K_::QT + BM * 4);
 #pragma unroll
-                for (int p = 0; p < HD / 64; p++)
-                    tma_load(base + K_::OFF_Q + s * K_::QT + p * K_::QPANEL, &tmq, h * HD + 64 * p, i * BM, b,
+                for (int p = 0; p < HD / K_::QCOLS; p++)
+                    tma_load(base + K_::OFF_Q + s * K_::QT + p * K_::QPANEL, &tmq, h * HD + K_::QCOLS * p, i * BM, b,
                              QFULL(s));
                 bulk_load(base + K_::OFF_LSE + s * BM * 4, l2 + (size_t)i * BM, BM * 4, QFULL(s));
                 if (n >= 2) mbar_wait(DOEMPTY(s), (uint32_t)(((n >> 1) - 1) & 1));
                 mbar_expect_tx(DOFULL(s), K_::QT + BM * 4);
 #pragma unroll
-                for (int p = 0; p < HD / 64; p++)
-                    tma_load(base + K_::OFF_DO + s * K_::QT + p * K_::QPANEL, &tmdo, h * HD + 64 * p, i * BM, b,
+                for (int p = 0; p < HD / K_::QCOLS; p++)
+                    tma_load(base + K_::OFF_DO + s * K_::QT + p * K_::QPANEL, &tmdo, h * HD + K_::QCOLS * p, i * BM, b,
                              DOFULL(s));
                 bulk_load(base + K_::OFF_D + s * BM * 4, d2 + (size_t)i * BM, BM * 4, DOFULL(s));
             }
@@ -343,8 +376,8 @@ __global__ void __launch_bounds__(NTHR, 1)
         const int wt = ct & 127;                              /* thread in the warpgroup */
         const int kloc = w * 64 + warp * 16 + g;              /* this thread's key rows: kloc, kloc + 8 */
         const int key0 = j * BN + kloc;                       /* as token indices */
-        const uint32_t kA = base + K_::OFF_K + (uint32_t)w * 64u * 128u; /* warpgroup w's K rows */
-        const uint32_t vA = base + K_::OFF_V + (uint32_t)w * 64u * 128u;
+        const uint32_t kA = base + K_::OFF_K + (uint32_t)w * 64u * K_::KW; /* warpgroup w's K rows */
+        const uint32_t vA = base + K_::OFF_V + (uint32_t)w * 64u * K_::KW;
         float dk[HD / 2], dv[HD / 2];
 #pragma unroll
         for (int q = 0; q < HD / 2; q++) dk[q] = 0.f, dv[q] = 0.f;
@@ -389,7 +422,7 @@ __global__ void __launch_bounds__(NTHR, 1)
              * (M = 64 keys, N = HD, K = BM queries; B = dO MN-major) is issued at once, to run while
              * dS is computed and written; at HD 64 (BM = 128: S^T and dP^T take 128 registers) that
              * leaves too few registers (ptxas serializes the wgmmas), so it waits for the barrier. */
-            constexpr bool EARLY_DV = HD == 128;
+            constexpr bool EARLY_DV = HD != 64;
             uint32_t pa[BM / 16][4], da[BM / 16][4];
             if constexpr (EARLY_DV) {
 #pragma unroll
@@ -436,19 +469,22 @@ __global__ void __launch_bounds__(NTHR, 1)
             if constexpr (!EARLY_DV) issue_dv<HD>(dv, pa, dos); /* (see above) */
             /* dQ_i = dS K (M = 64 queries, N = 64 head-dim columns, K = 128 keys; A = dS MN-major,
              * B = K MN-major), then dK += dS^T Q (B = Q MN-major) */
-            float dq[32];
+            float dq[K_::DQN / 2];
             const uint32_t dsA = BM == 64 ? dss : dss + (uint32_t)w * K_::DSPANEL;
-            const uint32_t kB = BM == 64 ? base + K_::OFF_K + (uint32_t)w * K_::KPANEL : base + K_::OFF_K;
+            const uint32_t kB = BM == 64 ? base + K_::OFF_K + (uint32_t)w * (K_::DQN / K_::KCOLS) * K_::KPANEL
+                                         : base + K_::OFF_K;
             fence_regs(dk);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++)
-                Mma<64>::template ss<1, 1>(dq, sw128_desc(dsA + (uint32_t)kk * 2048u, K_::DSPANEL, 1024),
-                                           sw128_desc(kB + (uint32_t)kk * 2048u, K_::KPANEL, 1024), kk > 0);
+                Mma<K_::DQN>::template ss<1, 1>(dq, sw128_desc(dsA + (uint32_t)kk * 2048u, K_::DSPANEL, 1024),
+                                                sw_desc<K_::KW>(kB + (uint32_t)kk * 16u * K_::KW, K_::KPANEL, 8 * K_::KW),
+                                                kk > 0);
             wgmma_commit();
 #pragma unroll
             for (int kk = 0; kk < BM / 16; kk++)
-                Mma<HD>::template rs<1>(dk, da[kk], sw128_desc(qs + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+                Mma<HD>::template rs<1>(dk, da[kk], sw_desc<K_::QW>(qs + (uint32_t)kk * 16u * K_::QW, K_::QPANEL, 8 * K_::QW),
+                                        1);
             wgmma_commit();
             wgmma_wait<2>(); /* dV done: dO[s] is free */
             fence_regs(dv);
@@ -461,7 +497,7 @@ __global__ void __launch_bounds__(NTHR, 1)
             {
                 const uint32_t st = base + K_::OFF_DQ + (uint32_t)w * K_::DQW + (uint32_t)wt * 16u;
 #pragma unroll
-                for (int r = 0; r < 8; r++)
+                for (int r = 0; r < K_::DQN / 8; r++)
                     st_shared_v4(st + (uint32_t)r * 2048u, dq[4 * r], dq[4 * r + 1], dq[4 * r + 2], dq[4 * r + 3]);
             }
             fence_async_shared();
@@ -579,7 +615,7 @@ static void wb_check(const char *what) {
     if (e != cudaSuccess) wb_die(what, cudaGetErrorString(e));
 }
 
-extern "C" int attn_wgmma_bwd_supported(int HD) { return HD == 64 || HD == 128; }
+extern "C" int attn_wgmma_bwd_supported(int HD) { return attn_wgmma_bwd_hd(HD); }
 
 /* workspace: [dQ accumulator BH * nqp * HD fp32][semaphores BH * nq int][lse2 BH * nqp][D BH * nqp],
  * each part rounded up to 256 bytes; the first two are zeroed by one memset per call */
@@ -614,19 +650,23 @@ template <int HD, bool ROPE> static const char *prepare(void) {
 extern "C" const char *attn_wgmma_bwd_unlaunchable(int HD) {
     const char *why;
     if (HD == 64) return (why = prepare<64, false>()) ? why : prepare<64, true>();
+    if (HD == 96) return (why = prepare<96, false>()) ? why : prepare<96, true>();
     if (HD == 128) return (why = prepare<128, false>()) ? why : prepare<128, true>();
-    return "head_dim not 64 or 128";
+    return "head_dim not 64, 96 or 128";
 }
 
-/* a 3-D tensor map (innermost first: cols, T rows, B) over a bf16 [B, T, cols] array, box 64 columns
- * (128 bytes, the swizzle width) x rows x 1, 128-byte swizzle; rows past T read as zeros */
-static CUtensorMap make_map(const void *p, size_t cols, int T, int B, int rows) {
+/* a 3-D tensor map (innermost first: cols, T rows, B) over a bf16 [B, T, cols] array, box w / 2
+ * columns (w bytes = the swizzle width: 128, 64 or 32) x rows x 1, w-byte swizzle; rows past T read
+ * as zeros */
+static CUtensorMap make_map(const void *p, size_t cols, int T, int B, int rows, int w) {
     const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
     const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, (cuuint64_t)cols * 2 * (cuuint64_t)T};
-    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
+    const cuuint32_t box[3] = {(cuuint32_t)w / 2, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
+    const CUtensorMapSwizzle sw =
+        w == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : w == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_32B;
     CUtensorMap tm;
     const CUresult r = wgu::encode_tiled()(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, (void *)p, dims, strides, box,
-                                           estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                           estr, CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
                                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         char why[64];
@@ -641,8 +681,9 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
                    unsigned char *ws, int B, int T, int NH, int acc, int det, const float *rc, const float *rs,
                    cudaStream_t st) {
     constexpr int BM = bm_of(HD);
-    const char *name = HD == 64 ? (ROPE ? "attn_wgmma_bwd_hd64_rope" : "attn_wgmma_bwd_hd64")
-                                : (ROPE ? "attn_wgmma_bwd_hd128_rope" : "attn_wgmma_bwd_hd128");
+    const char *name = HD == 64   ? (ROPE ? "attn_wgmma_bwd_hd64_rope" : "attn_wgmma_bwd_hd64")
+                       : HD == 96 ? (ROPE ? "attn_wgmma_bwd_hd96_rope" : "attn_wgmma_bwd_hd96")
+                                  : (ROPE ? "attn_wgmma_bwd_hd128_rope" : "attn_wgmma_bwd_hd128");
     const char *why = prepare<HD, ROPE>();
     if (why) wb_die(name, why);
     const int BH = B * NH, nq = (T + BM - 1) / BM, nkv = (T + BN - 1) / BN, C = NH * HD;
@@ -657,13 +698,15 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
     const cudaError_t me = det ? cudaMemsetAsync(ws + L.sem, 0, L.lse2 - L.sem, st) : cudaMemsetAsync(ws, 0, L.lse2, st);
     if (me != cudaSuccess) wb_die("wgmma backward", "memset of the workspace");
 
-    const size_t rows = (size_t)BH * nq * BM, threads = rows * (HD / 8);
-    attn_wgmma_bwd_pre<<<(unsigned)((threads + 255) / 256), 256, 0, st>>>(lse2, Dw, dout, out, lse, T, NH, HD, nq * BM,
-                                                                         rows);
+    const size_t rows = (size_t)BH * nq * BM, threads = rows * pre_lanes(HD);
+    static_assert(pre_lanes(HD) == 16 || pre_lanes(HD) == HD / 8, "lanes a row");
+    attn_wgmma_bwd_pre<(pre_lanes(HD) > HD / 8)><<<(unsigned)((threads + 255) / 256), 256, 0, st>>>(
+        lse2, Dw, dout, out, lse, T, NH, HD, nq * BM, rows);
     wb_check("attn_wgmma_bwd_pre");
 
-    const CUtensorMap tmq = make_map(qkv, 3 * (size_t)C, T, B, BM), tmkv = make_map(qkv, 3 * (size_t)C, T, B, BN);
-    const CUtensorMap tmdo = make_map(dout, (size_t)C, T, B, BM);
+    const CUtensorMap tmq = make_map(qkv, 3 * (size_t)C, T, B, BM, Cfg<HD>::QW);
+    const CUtensorMap tmkv = make_map(qkv, 3 * (size_t)C, T, B, BN, Cfg<HD>::KW);
+    const CUtensorMap tmdo = make_map(dout, (size_t)C, T, B, BM, Cfg<HD>::QW);
     /* heads per L2 section: Q and dO (bf16) and the dQ accumulator (fp32) of a head, ~40 MB */
     const size_t per_head = (size_t)T * HD * 8, l2 = 40u << 20;
     int swz = 1;
@@ -701,6 +744,8 @@ extern "C" void attn_wgmma_backward(void *dqkv, const void *dout, const void *qk
     const int det = deterministic ? 1 : 0;
     if (HD == 64 && !cos_t) launch<64, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
     else if (HD == 64) launch<64, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
+    else if (HD == 96 && !cos_t) launch<96, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
+    else if (HD == 96) launch<96, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
     else if (!cos_t) launch<128, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
     else launch<128, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
 }

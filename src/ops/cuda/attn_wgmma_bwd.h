@@ -16,8 +16,10 @@
 extern "C" {
 #endif
 
-/* 1 for the head dims the kernels handle (64 and 128); 0 otherwise. */
+/* 1 for the head dims the kernels handle (64, 96 and 128); 0 otherwise. attn_wgmma_bwd_hd is the
+ * same in plain C (for the memory estimate, which links no CUDA). */
 int attn_wgmma_bwd_supported(int HD);
+static inline int attn_wgmma_bwd_hd(int HD) { return HD == 64 || HD == 96 || HD == 128; }
 
 /* NULL when this process's device can launch the backward for HD, with and without RoPE (asked once
  * per HD, which also opts the kernels into their dynamic shared memory), else why not (a static
@@ -25,10 +27,10 @@ int attn_wgmma_bwd_supported(int HD);
 const char *attn_wgmma_bwd_unlaunchable(int HD);
 
 /* Bytes of device scratch attn_wgmma_backward needs: the fp32 dQ accumulator, D = rowsum(dO * O),
- * lse in log2 units (both padded to whole query tiles of 64 queries at head_dim 128, 128 at 64) and
- * the deterministic mode's semaphores. Plain C, so that the memory estimate counts the same. */
+ * lse in log2 units (both padded to whole query tiles of 64 queries at head_dim 96 and 128, 128 at
+ * 64) and the deterministic mode's semaphores. Plain C, so that the memory estimate counts the same. */
 static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD) {
-    if (B <= 0 || T <= 0 || NH <= 0 || (HD != 64 && HD != 128)) return 0;
+    if (B <= 0 || T <= 0 || NH <= 0 || !attn_wgmma_bwd_hd(HD)) return 0;
     size_t BH = (size_t)B * NH, BM = HD == 64 ? 128 : 64, nq = ((size_t)T + BM - 1) / BM, nqp = nq * BM;
     size_t a = ((BH * nqp * HD * 4) + 255) & ~(size_t)255, s = ((BH * nq * 4) + 255) & ~(size_t)255;
     size_t l = ((BH * nqp * 4) + 255) & ~(size_t)255;
@@ -41,7 +43,10 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
  * 253 against 281 alone, but with RoPE's backward fused (cuDNN's needs a pass of its own) the
  * post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB less; at 512
- * cuDNN's step is 0.4% ahead. Plain C, so that the memory estimate follows the same choice.
+ * cuDNN's step is 0.4% ahead. Head_dim 96 (tiles as 128's, BM = 64) takes the same threshold
+ * UNMEASURED on a GPU so far (cuDNN's deterministic engine there: 297.7 TFLOP/s at B=8 H=8
+ * T=4096, 221 at B=32 H=8 T=1024; to be checked with bench/attn_hopper.sh and the threshold moved
+ * for 96 alone if need be). Plain C, so that the memory estimate follows the same choice.
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
  * takes this kernel at instead of ATTN_WGMMA_BWD_AUTO_T; a value that is not a whole number >= 1
  * (digits only) leaves the default. Read at every call (cheap next to an attention backward). */
@@ -56,7 +61,7 @@ static inline int attn_wgmma_bwd_auto_t(void) {
     }
     return v < 1 ? ATTN_WGMMA_BWD_AUTO_T : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
 }
-static inline int attn_wgmma_bwd_auto(int T, int HD) { return (HD == 64 || HD == 128) && T >= attn_wgmma_bwd_auto_t(); }
+static inline int attn_wgmma_bwd_auto(int T, int HD) { return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(); }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).

@@ -875,7 +875,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
  * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
  * that was faster (attn_wgmma_bwd_auto). wgmma = our Hopper kernels forward and backward wherever
- * they run (bf16, head_dim 64 or 128, compute capability 9.0), else auto's choice. */
+ * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96 or
+ * 128), else auto's choice. */
 int cuda_set_attention_mode(const char *mode) {
     int m = attn_mode_of(mode);
     if (m < 0) return -1;

@@ -245,6 +245,18 @@ static __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lb
     return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
            ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (1ull << 62);
 }
+/* The same for a W-byte swizzle, W = 128, 64 or 32 (layout type 1, 2, 3 in bits 62-63): rows of W
+ * bytes (W / 2 bf16), chunk c of row r at chunk position c ^ ((r / (8 / (W / 16))) % (W / 16)), the
+ * pattern repeating every 8 W bytes (the alignment a region needs); the conventions at the top with
+ * 128 -> W: K-major: + 32 B per k16 step inside a row, the next row of W bytes after W / 32 steps,
+ * SBO = 8 W; MN-major: k16 slice kk at + kk * 16 * W, SBO = 8 W, LBO = the next W / 2 elements along
+ * M / N. sw_desc<128> is sw128_desc. */
+template <int W> static __device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    static_assert(W == 128 || W == 64 || W == 32, "swizzle width 128, 64 or 32 bytes");
+    constexpr uint64_t type = W == 128 ? 1ull : W == 64 ? 2ull : 3ull;
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16) |
+           ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32) | (type << 62);
+}
 
 /* ---- wgmma (operand lists written out by a short script) ---- */
 /* d[32] (+)= A * B, m64n64k16, A and B from shared memory (descriptors); TA / TB: imm-trans-a / -b
@@ -319,6 +331,38 @@ static __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const uint3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
+/* d[24] (+)= A * B, m64n48k16, A and B from shared memory (descriptors); TA / TB: imm-trans-a / -b
+ * (1 = MN-major); scale_d = 0 ignores the old d. */
+template <int TA, int TB>
+static __device__ __forceinline__ void wgmma_ss_n48(float (&d)[24], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23}, %24, %25, p, 1, 1, %27, %28;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+/* d[48] (+)= A * B, m64n96k16, A from registers (4 x bf16x2, the m64k16 fragment), B from shared
+ * memory; TB: imm-trans-b (1 = MN-major); scale_d = 0 ignores the old d. */
+template <int TB>
+static __device__ __forceinline__ void wgmma_rs_n96(float (&d)[48], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+                 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}, {%48,%49,%50,%51}, %52, p, 1, 1, %54;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+}
+
 /* by N (the accumulator's columns): d[N / 2] */
 template <int N> struct Mma;
 template <> struct Mma<64> {
@@ -339,6 +383,18 @@ template <> struct Mma<128> {
     template <int TB>
     static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
         wgmma_rs_n128<TB>(d, a, db, scale_d);
+    }
+};
+template <> struct Mma<48> { /* head_dim 96's dQ: each consumer warpgroup's 48 head-dim columns */
+    template <int TA, int TB>
+    static __device__ __forceinline__ void ss(float (&d)[24], uint64_t da, uint64_t db, int scale_d) {
+        wgmma_ss_n48<TA, TB>(d, da, db, scale_d);
+    }
+};
+template <> struct Mma<96> { /* head_dim 96's dK and dV */
+    template <int TB>
+    static __device__ __forceinline__ void rs(float (&d)[48], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+        wgmma_rs_n96<TB>(d, a, db, scale_d);
     }
 };
 #endif /* WGU_DEVICE */
