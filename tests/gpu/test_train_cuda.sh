@@ -30,20 +30,22 @@ if ! run "$TMP/smoke" $M steps=1 device=cuda; then
   echo "device=cuda does not run here:"; tail -3 "$TMP/smoke.log"; echo "RESULT 0 1"; exit 1
 fi
 
-# -- a long context (T=2048, head_dim 64): auto's attention backward is our Hopper kernel on an
-# H100 or H200 (attn_wgmma_bwd_auto; cuDNN's deterministic engine elsewhere): the run is
+# -- a long context (T=2048, head_dim 64 and 96): auto's attention backward is our Hopper kernel
+# on an H100 or H200 (attn_wgmma_bwd_auto; cuDNN's deterministic engine elsewhere): the run is
 # deterministic, follows the run on cuDNN alone (MESHTRAIN_ATTN=cudnn-det) within 2%, and the
 # allocator's peak is the estimate within 5%
-L="vocab_size=50257 embed_dim=128 n_heads=2 n_layers=2 context_len=2048 batch_size=2 lr=1e-3 grad_clip=1 data_dir=$D"
-L="$L steps=4 device=cuda"
-run "$TMP/long_a" $L
-run "$TMP/long_b" $L
-MESHTRAIN_ATTN=cudnn-det run "$TMP/long_c" $L
-pa=$(logged gpu_peak_alloc_bytes "$TMP/long_a") ea=$(logged estimate_bytes "$TMP/long_a")
-if [ "$(strip "$TMP/long_a")" = "$(strip "$TMP/long_b")" ] && cmp -s "$TMP/long_a/ckpt.bin" "$TMP/long_b/ckpt.bin" &&
-   TOL=0.02 close "$TMP/long_c" "$TMP/long_a" && within5 "$ea" "$pa"
-then ok "long_context_attention_auto (peak $pa, estimate $ea)"
-else bad "long_context_attention_auto (peak $pa, estimate $ea; $(tail -1 "$TMP/long_a.log"))"; fi
+for hd in 64 96; do
+  L="vocab_size=50257 embed_dim=$((2 * hd)) n_heads=2 n_layers=2 context_len=2048 batch_size=2 lr=1e-3 grad_clip=1"
+  L="$L data_dir=$D steps=4 device=cuda"
+  run "$TMP/long_a$hd" $L
+  run "$TMP/long_b$hd" $L
+  MESHTRAIN_ATTN=cudnn-det run "$TMP/long_c$hd" $L
+  pa=$(logged gpu_peak_alloc_bytes "$TMP/long_a$hd") ea=$(logged estimate_bytes "$TMP/long_a$hd")
+  if [ "$(strip "$TMP/long_a$hd")" = "$(strip "$TMP/long_b$hd")" ] && cmp -s "$TMP/long_a$hd/ckpt.bin" "$TMP/long_b$hd/ckpt.bin" &&
+     TOL=0.02 close "$TMP/long_c$hd" "$TMP/long_a$hd" && within5 "$ea" "$pa"
+  then ok "long_context_attention_auto_hd$hd (peak $pa, estimate $ea)"
+  else bad "long_context_attention_auto_hd$hd (peak $pa, estimate $ea; $(tail -1 "$TMP/long_a$hd.log"))"; fi
+done
 grep -m1 "device cuda" "$TMP/smoke.log"
 
 # -- CUDA follows the CPU, per strategy (one process each)
