@@ -3,6 +3,8 @@
 # CONTEXTS, each variant in VARIANTS run in turn, ROUNDS rounds, so that binaries or knobs are
 # compared in one call on one card. A variant is NAME:BINARY[:VAR=value[,VAR=value...]].
 # Prints one row a run (tokens/s, the GPU allocator's peak, the estimate), then the medians.
+# MODEL replaces the post's shape (default "embed_dim=1024 n_heads=8 n_layers=16"), e.g.
+# "embed_dim=768 n_heads=8 n_layers=16" for head_dim 96.
 # Usage: ROUNDS=2 CONTEXTS="1024:32 4096:8" \
 #   VARIANTS="old:build-old/meshtrain new:build/meshtrain t256:build/meshtrain:MESHTRAIN_WGMMA_BWD_T=256" bench/step_ab.sh
 set -u
@@ -18,7 +20,7 @@ for ((r = 1; r <= ${ROUNDS:-2}; r++)); do
       [ "$rest" != "$BIN" ] && envs=${rest#*:} && envs=${envs//,/ }
       [ -s data/tinystories/train.bin ] || "$BIN" prepare >/dev/null
       out=$(mktemp -d)
-      d=$(mt_run "$out" 1 "$envs" embed_dim=1024 n_heads=8 n_layers=16 context_len=$T batch_size=$B device=cuda \
+      d=$(mt_run "$out" 1 "$envs" ${MODEL:-embed_dim=1024 n_heads=8 n_layers=16} context_len=$T batch_size=$B device=cuda \
             precision=${PREC:-bf16} steps=$((STEPS + 1)) log_every=$STEPS progress=false ckpt_path=none val_batches=1)
       [ -n "$d" ] || { echo "T=$T B=$B $name: failed: $(mt_failed "$out")"; continue; }
       t=$(field tokens_per_s "$d")

@@ -37,31 +37,33 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
     return a + s + 2 * l;
 }
 
-/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured on an H100
- * (bench/RESULTS.md, sessions 17-18): 1 where this kernel runs, on a device that takes it
- * (attn_wgmma_device_ok). Against cuDNN's deterministic engine: 436.7 / 459.7 TFLOP/s at head_dim
- * 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN 263); at T = 1024
- * 253 against 281 alone, but with RoPE's backward fused (cuDNN's needs a pass of its own) the
- * post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB less; at 512
- * cuDNN's step is 0.4% ahead. Head_dim 96 (tiles as 128's, BM = 64) takes the same threshold
- * UNMEASURED on a GPU so far (cuDNN's deterministic engine there: 297.7 TFLOP/s at B=8 H=8
- * T=4096, 221 at B=32 H=8 T=1024; to be checked with bench/attn_hopper.sh and the threshold moved
- * for 96 alone if need be). Plain C, so that the memory estimate follows the same choice.
+/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/RESULTS.md,
+ * sessions 17-19): 1 where this kernel runs, on a device that takes it (attn_wgmma_device_ok), from
+ * T = attn_wgmma_bwd_auto_t(HD). Against cuDNN's deterministic engine, on an H100: 436.7 / 459.7
+ * TFLOP/s at head_dim 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN
+ * 263), 395-404 at head_dim 96, T = 4096 (cuDNN 298) and 247-252 at 96, T = 1024 (cuDNN 221). At
+ * head_dim 64 and 128, T = 1024, 253 against 281 alone, but with RoPE's backward fused (cuDNN's needs
+ * a pass of its own) the post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB
+ * less, and at 512 cuDNN's step is 0.4% ahead: so from 1024 there. At head_dim 96 the step (embed_dim
+ * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8.
+ * Plain C, so that the memory estimate follows the same choice.
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
- * takes this kernel at instead of ATTN_WGMMA_BWD_AUTO_T; a value that is not a whole number >= 1
- * (digits only) leaves the default. Read at every call (cheap next to an attention backward). */
+ * takes this kernel at, at every head dim; a value that is not a whole number >= 1 (digits only)
+ * leaves the defaults. Read at every call (cheap next to an attention backward). */
 #define ATTN_WGMMA_BWD_AUTO_T 1024
-static inline int attn_wgmma_bwd_auto_t(void) {
+#define ATTN_WGMMA_BWD_AUTO_T_HD96 512
+static inline int attn_wgmma_bwd_auto_t(int HD) {
+    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96 : ATTN_WGMMA_BWD_AUTO_T;
     const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
     long long v = 0;
-    if (!e || !*e) return ATTN_WGMMA_BWD_AUTO_T;
+    if (!e || !*e) return def;
     for (; *e; e++) {
-        if (*e < '0' || *e > '9') return ATTN_WGMMA_BWD_AUTO_T;
+        if (*e < '0' || *e > '9') return def;
         if (v <= 0x7fffffffLL) v = v * 10 + (*e - '0'); /* past INT_MAX: saturates (never) */
     }
-    return v < 1 ? ATTN_WGMMA_BWD_AUTO_T : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
+    return v < 1 ? def : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
 }
-static inline int attn_wgmma_bwd_auto(int T, int HD) { return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(); }
+static inline int attn_wgmma_bwd_auto(int T, int HD) { return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD); }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).
