@@ -1,7 +1,8 @@
 /* bench_attn — causal attention in bf16 (precision=mixed) through the ops interface, on each
  * implementation the cuda backend has: our tensor-core kernels ("own", attn_bf16.cu), cuDNN's
  * fused flash attention ("cudnn", attn_cudnn.cu; "cudnn-det" its deterministic backward) and our
- * Hopper kernels ("wgmma", attn_wgmma.cu and attn_wgmma_bwd.cu, deterministic), forward (op_attention_forward) and backward
+ * Hopper kernels ("wgmma", attn_wgmma.cu and attn_wgmma_bwd.cu, deterministic; "fast": auto's
+ * backward with the Hopper kernel's atomic dQ where it runs), forward (op_attention_forward) and backward
  * (op_attention_backward_set, what a layer calls), at the shapes given as B:NH:T:HD arguments
  * (default: issue 20's). TFLOP/s count causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that
  * backward, as bench_ops_cuda does. Each figure is timed two ways after warm-up: "loop", the
@@ -98,10 +99,13 @@ static void bench_shape(int B, int NH, int T, int HD) {
     Call c = {rand_act(nqkv), rand_act(nout), op_alloc(nout * 2), op_alloc(nqkv * 2),
               op_alloc((size_t)B * NH * T * sizeof(float)), B, T, NH, HD, 0};
     const double flops = 4.0 * B * NH * (double)T * T * HD / 2;
-    static const char *impls[] = {"own", "cudnn", "cudnn-det", "wgmma"}, *runs[] = {"own", "cudnn", "cudnn", "wgmma"};
-    for (int m = 0; m < 4; m++) {
+    /* fast: auto's backward with our Hopper kernel's atomic dQ, whichever it runs on (its forward is
+     * auto's, cudnn's) */
+    static const char *impls[] = {"own", "cudnn", "cudnn-det", "wgmma", "fast"},
+                      *runs[] = {"own", "cudnn", "cudnn", "wgmma", NULL};
+    for (int m = 0; m < 5; m++) {
         cuda_set_attention_mode(impls[m]);
-        for (int bw = m == 2; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
+        for (int bw = m == 2 || m == 4; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
             double tp = now_seconds();
             const char *ran = cuda_attention_impl(bw, B, T, NH, HD); /* builds cuDNN's plan */
             tp = now_seconds() - tp;
@@ -110,7 +114,7 @@ static void bench_shape(int B, int NH, int T, int HD) {
                          : attn_cudnn_forward_plan(B, T, NH, HD, &ws, NULL, 0)) == 0)
                 printf("info %s %s B=%d NH=%d T=%d HD=%d: plan built in %.0f ms, workspace %zu bytes (dP %zu)\n",
                        impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, tp * 1e3, ws, attn_cudnn_det_dp_bytes(B, T, NH));
-            if (strcmp(ran, runs[m])) {
+            if (runs[m] && strcmp(ran, runs[m])) {
                 printf("SKIP %s %s %d %d %d %d (runs on %s)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, ran);
                 continue;
             }
@@ -129,8 +133,8 @@ static void bench_shape(int B, int NH, int T, int HD) {
                    f / s * 1e-12);
             printf("RESULT %s %s %d %d %d %d %.4f %.1f events\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD,
                    se * 1e3, f / se * 1e-12);
-            printf("info %s %s B=%d NH=%d T=%d HD=%d: first call %.1f ms; the host %.1f us a call queueing the "
-                   "loop (%.0f%% of its time)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, first * 1e3,
+            printf("info %s %s B=%d NH=%d T=%d HD=%d (on %s): first call %.1f ms; the host %.1f us a call queueing the "
+                   "loop (%.0f%% of its time)\n", impls[m], bw ? "bwd" : "fwd", B, NH, T, HD, ran, first * 1e3,
                    host_per_call * 1e6, 100 * host_per_call / s);
             fflush(stdout);
         }

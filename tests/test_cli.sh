@@ -113,15 +113,19 @@ if lc context_len=4096 batch_size=8 | grep -q "on other GPUs cuDNN's engine need
 then ok estimate_attention_backward_workspace; else bad "estimate_attention_backward_workspace ($rl)"; fi
 # MESHTRAIN_ATTN (a benchmark knob) forces a path, and the estimate counts that path's buffers:
 # cudnn-det keeps dP (B NH T^2 bf16, 2.0 GiB at 4096 x 8), cudnn the fp32 dQ accumulator
-# (128 MiB), own neither; wgmma is auto's Hopper kernel
+# (128 MiB), own neither; wgmma and fast (auto's paths, atomic dQ in ours) are auto's Hopper kernel
 r_det=$(MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
 r_at=$(MESHTRAIN_ATTN=cudnn lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
 r_own=$(MESHTRAIN_ATTN=own lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
 r_wg=$(MESHTRAIN_ATTN=wgmma lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_fast=$(MESHTRAIN_ATTN=fast lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+r_fast5=$(MESHTRAIN_ATTN=fast lc context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
+r_auto5=$(lc context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
 if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] && [ "$r_wg" = "162.0 MiB" ] &&
+   [ "$r_fast" = "162.0 MiB" ] && [ "$r_fast5" = "$r_auto5" ] &&
    ! MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | grep -q "Hopper kernel"
-then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg)"; fi
-expect_exit 2 "MESHTRAIN_ATTN=bogus: expected auto, cudnn, cudnn-det, own or wgmma" estimate_refuses_bad_attention -- \
+then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg, $r_fast, $r_fast5/$r_auto5)"; fi
+expect_exit 2 "MESHTRAIN_ATTN=bogus: expected auto, fast, cudnn, cudnn-det, own or wgmma" estimate_refuses_bad_attention -- \
   env MESHTRAIN_ATTN=bogus "$BIN" estimate device=cuda precision=bf16
 # MESHTRAIN_WGMMA_BWD_T (a benchmark knob) moves auto's threshold for the Hopper backward, and the
 # estimate follows: at 1024 x 32 cuDNN's 546 MiB instead of our kernel's 162; a value that is not a

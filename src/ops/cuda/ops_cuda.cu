@@ -874,7 +874,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * faster of our kernels and the deterministic choices by shape, as measured on an H100
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
  * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
- * that was faster (attn_wgmma_bwd_auto). wgmma = our Hopper kernels forward and backward wherever
+ * that was faster (attn_wgmma_bwd_auto). fast = auto, but that Hopper backward sums dQ with atomics
+ * (faster, not bitwise reproducible). wgmma = our Hopper kernels forward and backward wherever
  * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96 or
  * 128), else auto's choice. */
 int cuda_set_attention_mode(const char *mode) {
@@ -884,7 +885,11 @@ int cuda_set_attention_mode(const char *mode) {
     return 0;
 }
 
+/* fast: auto's choices, but our Hopper backward sums dQ with atomics (not bitwise reproducible; +7%
+ * at T = 4096, +20% at 10000 on an H100). Below its threshold auto's deterministic cuDNN engine
+ * stays: it leads cuDNN's atomic one there. */
 static int att_det(void) { return g.att_mode != ATTN_MODE_CUDNN; }
+static int att_auto(void) { return g.att_mode == ATTN_MODE_AUTO || g.att_mode == ATTN_MODE_FAST; }
 
 void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
 
@@ -896,7 +901,7 @@ static int att_wgmma(int HD) {
 /* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
  * (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma_bwd(int T, int HD) {
-    return g.bf16 && (g.att_mode == ATTN_MODE_WGMMA || (g.att_mode == ATTN_MODE_AUTO && attn_wgmma_bwd_auto(T, HD))) &&
+    return g.bf16 && (g.att_mode == ATTN_MODE_WGMMA || (att_auto() && attn_wgmma_bwd_auto(T, HD))) &&
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
@@ -905,7 +910,7 @@ static int att_wgmma_bwd(int T, int HD) {
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
     if (!g.bf16 || g.att_mode == ATTN_MODE_OWN || (!backward && att_wgmma(HD))) return 0;
-    if ((g.att_mode == ATTN_MODE_AUTO || g.att_mode == ATTN_MODE_WGMMA) &&
+    if ((att_auto() || g.att_mode == ATTN_MODE_WGMMA) &&
         !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD)))
         return 0;
     char why[320];
@@ -962,7 +967,8 @@ static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, con
                               int B, int T, int NH, int HD, int acc, const float *cos_t, const float *sin_t) {
     if (!att_wgmma_bwd(T, HD) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse))) return 0;
     void *ws = scratch(attn_wgmma_bwd_workspace_bytes(B, T, NH, HD));
-    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, 1, cos_t, sin_t, (void *)g.stream);
+    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, g.att_mode != ATTN_MODE_FAST, cos_t, sin_t,
+                        (void *)g.stream);
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
     return 1;
 }

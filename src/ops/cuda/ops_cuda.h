@@ -105,7 +105,8 @@ void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv,
  * faster by shape among the deterministic ones), "cudnn" (cuDNN's fused flash attention wherever
  * it runs, src/ops/cuda/attn_cudnn.h, with its fastest backward, which sums dq with atomics: runs
  * that take it are NOT bitwise reproducible), "cudnn-det" (cuDNN with its deterministic backward),
- * "own" (never cuDNN) or "wgmma" (our Hopper kernels both ways where they run). 0, or -1 for
+ * "own" (never cuDNN), "wgmma" (our Hopper kernels both ways where they run) or "fast" (auto's
+ * choices, but our Hopper backward sums dQ with atomics: not bitwise reproducible). 0, or -1 for
  * another string (mode unchanged). */
 int cuda_set_attention_mode(const char *mode);
 
