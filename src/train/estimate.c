@@ -24,7 +24,7 @@
  * sumsq's 1025 doubles; in bf16, where attention's backward runs on our Hopper kernel
  * (attn_wgmma_bwd_auto, as on an H100 or H200) its workspace, or on cuDNN's deterministic engine
  * (ops_cuda.cu's auto choice, attn_cudnn_auto; our mma.sync kernels take head dims 64 and 128, the
- * Hopper backward 64, 96 and 128), its
+ * Hopper backward 64, 96, 128 and 256), its
  * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
  * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
  * did not). */

@@ -5,9 +5,10 @@
  * Three kernels per call (plus a memset of the dQ accumulator and the semaphores):
  *   1. preprocess: D[bh, t] = sum_d dO * O (fp32) and lse2[bh, t] = lse * log2(e), both padded to whole
  *      query tiles (rows past T: D = 0, lse2 = +inf, so that P = 0 there).
- *   2. main: one block per (key tile of BN = 128 keys, batch * head); it keeps dK and dV of its keys
- *      in registers and walks the query tiles of BM queries from its diagonal to the end (FA3's
- *      kBlockM x kBlockN: HD 128 and 96: 64 x 128; HD 64: 128 x 128). Per query tile i:
+ *   2. main: one block per (key tile of BN = 128 keys, 64 at HD 256, batch * head); it keeps dK and dV
+ *      of its keys in registers and walks the query tiles of BM queries from its diagonal to the end
+ *      (FA3's kBlockM x kBlockN: HD 128 and 96: 64 x 128; HD 64: 128 x 128; HD 256: 64 x 64, see
+ *      below). Per query tile i:
  *        S^T = K Q_i^T, P^T = exp2(S^T scale log2e - lse2) (causal mask where a key can pass a query),
  *        dP^T = V dO_i^T, dS^T = P^T (dP^T - D),
  *        dV += P^T dO_i, dK += dS^T Q_i (P^T and dS^T straight from registers: the A operand),
@@ -94,6 +95,36 @@
  * The preprocess runs 16 lanes a row (12 busy). Proven only by compiling (no spills, no serialized
  * wgmma) until gpu_test_attn_wgmma_bwd has run on a GPU.
  *
+ * HD 256 (Cfg's SPLIT; BM = BN = 64, all panels 64 columns / 128-byte swizzle as at HD 128). dK and
+ * dV of 128 keys x 256 would be 256 fp32 registers a consumer thread, so a block has BN = 64 keys and
+ * both consumer warpgroups own all 64 (kloc = 16 warp + g, w-independent); they split
+ *   S^T, dP^T along the queries: warpgroup w has queries wq = 32w .. 32w + 31: m64n32k16 x 16 (SS:
+ *     A = K / V, all 4 panels, as above; B = Q[s] / dO[s] + 32w rows * 128 B = + 4 KiB, a whole number
+ *     of 1024-byte swizzle patterns, so the same descriptors); 16 + 16 accumulator registers;
+ *   dK, dV, dQ along the head dim: warpgroup w has columns wc = 128w .. 128w + 127 (64 registers
+ *     each: dK + dV + dQ = 192 of the 240).
+ * P^T therefore goes through shared memory too (each warpgroup has only half of it, dV needs all):
+ * P[s] is laid out as dS[s] (64 key rows x 128 B, 128-byte swizzle; warpgroup w writes query chunks
+ * 4w .. 4w + 3), then barrier BAR_P, then dV += P^T dO (m64n128k16 x 4, SS: A = P[s] K-major, + 32 B
+ * per k16 step, SBO = 1024; B = dO[s] + 2w QPANEL MN-major, + 2048 per k16 step, LBO = QPANEL, SBO =
+ * 1024, exactly HD 128's dV B), issued before dS^T is computed as HD 128's early dV. dK += dS^T Q the
+ * same (A = dS[s] K-major, B = Q[s] + 2w QPANEL), dQ as at HD 128 with N = 128 (m64n128k16 x 4: A =
+ * dS[s] MN-major, B = K + 2w KPANEL MN-major, LBO = KPANEL); FA3's hdim-256 tiles do the same (P and
+ * dS in shared memory, SS dK / dV), but with dK / dV swapped (M = head dim) for kBlockN = 80; ours
+ * keep the keys as M, so the epilogue is HD 128's at column offset wc. P[s], like dS[s], has 2 stages:
+ * a warpgroup's wgmmas of tile n are complete (wait<0>) before it reaches a barrier of tile n + 1.
+ * dQ has no shared-memory staging (no room): each consumer thread adds its 16 float4 straight to the
+ * global accumulator (red.global.add.v4.f32) in the staging's order (so the postprocess is the same);
+ * deterministic: the warpgroup's thread 0 waits (acquire) until the semaphore reaches 2 (J(i) - j)
+ * (both warpgroups of every key tile before it in the order add 1), bar.sync of the warpgroup, the
+ * adds (the first tile in the order stores), bar.sync, thread 0 adds 1 (release): CUTLASS's
+ * semaphore pattern. The producer's dQ warp idles. Shared memory 231,424 bytes of the 232,448 a
+ * block may have: K, V 32 KiB each, Q[2], dO[2] 32 KiB each (2 stages, 128 KiB), dS[2] and P[2] 8 KiB
+ * each (32 KiB), lse2[2] and D[2] 256 B each (1 KiB), + 1 KiB for aligning the base (static: 80 B of
+ * mbarriers). 168 registers (240 in the consumers), no spills, no serialized wgmma. The postprocess
+ * takes a half (64 x 128 columns) a block (64 x 264 fp32 would pass 48 KiB of static shared memory).
+ * Proven only by compiling until gpu_test_attn_wgmma_bwd has run on a GPU.
+ *
  * Global dQ accumulator (workspace): per (bh, query tile) BM * HD fp32 in the staging's fragment
  * order (half w, then float4 r of thread ct), so each half is one contiguous bulk reduce-add; the
  * postprocess maps it back: element 4 (r * 128 + ct) + k of half w is (row 16 (ct / 32) + (ct % 32)
@@ -112,7 +143,6 @@
 #include <math.h>
 #include <string.h>
 
-#define BN 128        /* keys per block */
 #define NCONS 256     /* 2 consumer warpgroups (threads 0..255) */
 #define NTHR 384      /* + the producer warpgroup (threads 256..383) */
 #define KREGS 168     /* registers per thread at launch: __launch_bounds__(384, 1) */
@@ -123,10 +153,15 @@
 #define BAR_DS 1      /* dS written by both consumer warpgroups (256 threads) */
 #define BAR_DQFULL 2  /* + w: staging half w written (warpgroup w arrives, the dQ warp syncs; 160) */
 #define BAR_DQEMPTY 4 /* + w: staging half w read by the copy engine (the dQ warp arrives; 160) */
+#define BAR_P 6       /* HD 256: P^T written by both consumer warpgroups (256) */
+#define BAR_DQWG 7    /* + w, HD 256, deterministic: warpgroup w's turn on the semaphore (128) */
 
 typedef __nv_bfloat16 bf16;
 
 static constexpr __host__ __device__ int bm_of(int HD) { return HD == 64 ? 128 : 64; }
+/* keys per block (FA3's kBlockN): 128, but 64 at HD 256 (dK and dV of 128 keys x 256 would take 256
+ * registers a consumer thread; see the top) */
+static constexpr __host__ __device__ int bn_of(int HD) { return HD == 256 ? 64 : 128; }
 
 /* K and V (KW) and Q and dO (QW): bytes a row of one panel (TMA box) = their swizzle width. HD 64,
  * 128: 128 (panels of 64 columns). HD 96: K and V 32 (panels of 16 columns: each consumer warpgroup's
@@ -137,6 +172,13 @@ static constexpr __host__ __device__ int qw_of(int HD) { return HD == 96 ? 64 : 
 
 template <int HD> struct Cfg {
     static constexpr int BM = bm_of(HD);                 /* queries per step */
+    static constexpr int BN = bn_of(HD);                 /* keys per block */
+    /* HD 256 (SPLIT): both consumer warpgroups own all BN = 64 keys; they split S^T and dP^T along the
+     * queries (SN = BM / 2 each), dK, dV and dQ along the head dim (DKN = DQN = HD / 2 each); P^T goes
+     * through shared memory (P), dQ from registers straight to the global accumulator (no staging) */
+    static constexpr bool SPLIT = HD == 256;
+    static constexpr int SN = SPLIT ? BM / 2 : BM;       /* N of a warpgroup's S^T, dP^T */
+    static constexpr int DKN = SPLIT ? HD / 2 : HD;      /* head-dim columns of a warpgroup's dK, dV */
     static constexpr int KW = kw_of(HD), QW = qw_of(HD); /* row bytes of a K / V, Q / dO panel */
     static constexpr int KCOLS = KW / 2, QCOLS = QW / 2; /* columns of a panel */
     static constexpr uint32_t KPANEL = BN * KW;          /* one panel of K or V */
@@ -145,17 +187,22 @@ template <int HD> struct Cfg {
     static constexpr uint32_t QT = BM * HD * 2;          /* Q or dO tile */
     static constexpr uint32_t DSPANEL = BN * 128;        /* 64 queries of dS^T */
     static constexpr uint32_t DST = BN * BM * 2;         /* dS^T tile */
+    static constexpr uint32_t PT = SPLIT ? DST : 0;      /* P^T tile (HD 256 only) */
     static constexpr int DQN = BM == 64 ? HD / 2 : HD;   /* N of a warpgroup's dQ GEMM (M = 64) */
-    static constexpr uint32_t DQW = 64 * DQN * 4;        /* a staging half (fp32) */
+    static constexpr uint32_t DQW = SPLIT ? 0 : 64 * DQN * 4; /* a staging half (fp32; none at HD 256) */
     static constexpr uint32_t OFF_K = 0, OFF_V = KVT, OFF_Q = 2 * KVT, OFF_DO = OFF_Q + 2 * QT;
-    static constexpr uint32_t OFF_DS = OFF_DO + 2 * QT, OFF_DQ = OFF_DS + 2 * DST;
+    static constexpr uint32_t OFF_DS = OFF_DO + 2 * QT, OFF_P = OFF_DS + 2 * DST, OFF_DQ = OFF_P + 2 * PT;
     static constexpr uint32_t OFF_LSE = OFF_DQ + 2 * DQW, OFF_D = OFF_LSE + 2 * BM * 4;
     static constexpr size_t SMEM = OFF_D + 2 * BM * 4 + 1024; /* + alignment of the base */
     static_assert(DQN % KCOLS == 0, "a warpgroup's dQ columns are whole panels of K (MN-major B)");
     static_assert(HD % QCOLS == 0 && HD % KCOLS == 0 && DQN % 8 == 0, "whole panels");
-    static_assert(KVT % 1024 == 0 && OFF_DS % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && QT % 1024 == 0,
+    static_assert(KVT % 1024 == 0 && OFF_DS % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && QT % 1024 == 0 &&
+                      OFF_P % 1024 == 0,
                   "swizzle patterns aligned");
-    static_assert(DQW * 2 == (uint32_t)BM * HD * 4, "two staging halves hold a dQ tile");
+    static_assert(SPLIT || DQW * 2 == (uint32_t)BM * HD * 4, "two staging halves hold a dQ tile");
+    static_assert(!SPLIT || (BM == 64 && BN == 64 && KW == 128 && QW == 128 && SN == 32 && DKN == DQN),
+                  "HD 256's layout (see the top)");
+    static_assert(SMEM <= 232448 - 128, "227 KiB of shared memory a block (H100), less the static barriers");
 };
 
 /* RoPE's backward on one interleaved pair: (x0, x1) -> (x0 c + x1 sn, -x0 sn + x1 c), each product
@@ -218,10 +265,10 @@ static __device__ __forceinline__ void block_coords(int x, int nkv, int BH, int 
 }
 
 #ifdef WGU_DEVICE
-/* acc = a b^T for one consumer warpgroup (M = 64 key rows of K or V at a, N = BM query rows of Q or
- * dO at b, K = HD; both K-major in 64-column panels), fenced and committed: S^T and dP^T */
+/* acc = a b^T for one consumer warpgroup (M = 64 key rows of K or V at a, N = SN query rows of Q or
+ * dO at b, K = HD; both K-major in panels), fenced and committed: S^T and dP^T */
 template <int HD>
-static __device__ __forceinline__ void issue_rows_cols(float (&acc)[Cfg<HD>::BM / 2], uint32_t a, uint32_t b) {
+static __device__ __forceinline__ void issue_rows_cols(float (&acc)[Cfg<HD>::SN / 2], uint32_t a, uint32_t b) {
     typedef Cfg<HD> K_;
     wgu::fence_regs(acc);
     wgu::wgmma_fence();
@@ -230,7 +277,7 @@ static __device__ __forceinline__ void issue_rows_cols(float (&acc)[Cfg<HD>::BM 
         constexpr int KS = K_::KW / 32, QS = K_::QW / 32; /* k16 steps a panel row */
         const uint32_t ko = (uint32_t)(kk / KS) * K_::KPANEL + (uint32_t)(kk % KS) * 32u;
         const uint32_t qo = (uint32_t)(kk / QS) * K_::QPANEL + (uint32_t)(kk % QS) * 32u;
-        wgu::Mma<K_::BM>::template ss<0, 0>(acc, wgu::sw_desc<K_::KW>(a + ko, 16, 8 * K_::KW),
+        wgu::Mma<K_::SN>::template ss<0, 0>(acc, wgu::sw_desc<K_::KW>(a + ko, 16, 8 * K_::KW),
                                             wgu::sw_desc<K_::QW>(b + qo, 16, 8 * K_::QW), kk > 0);
     }
     wgu::wgmma_commit();
@@ -251,6 +298,32 @@ static __device__ __forceinline__ void issue_dv(float (&dv)[HD / 2], const uint3
                                      1);
     wgu::wgmma_commit();
 }
+
+/* HD 256: acc += a b for one consumer warpgroup (M = 64 keys, N = 128 head-dim columns, K = BM = 64
+ * queries), fenced and committed: dV (a = P^T[s], b = dO[s] + 2w panels) and dK (dS^T[s], Q[s]).
+ * A: P^T / dS^T, 64 key rows of 128 B (64 queries), 128-byte swizzle, K-major: k16 step kk at
+ * + 32 kk, SBO = 1024 (the next 8 keys). B: MN-major (imm-trans-b), the layout dV's B has at HD 128:
+ * k16 slice kk = queries 16kk.. at + kk * 2048, SBO = 1024 (the next 8 queries), LBO = QPANEL (the
+ * next 64 head-dim columns: N = 128 spans two panels). */
+template <int HD>
+static __device__ __forceinline__ void issue_kv_ss(float (&d)[Cfg<HD>::DKN / 2], uint32_t a, uint32_t b) {
+    typedef Cfg<HD> K_;
+    static_assert(K_::SPLIT && K_::DKN == 128, "HD 256 only");
+    wgu::fence_regs(d);
+    wgu::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K_::BM / 16; kk++)
+        wgu::Mma<128>::template ss<0, 1>(d, wgu::sw128_desc(a + (uint32_t)kk * 32u, 16, 1024),
+                                         wgu::sw128_desc(b + (uint32_t)kk * 2048u, K_::QPANEL, 1024), 1);
+    wgu::wgmma_commit();
+}
+
+/* HD 256: dQ (one float4 of the fragment, see the top's accumulator order) -> the global accumulator:
+ * added (red.global.add.v4.f32), or stored by the first key tile in the deterministic order */
+static __device__ __forceinline__ void dq_out(float *g, float a, float b, float c, float d, bool store) {
+    if (store) *(float4 *)g = make_float4(a, b, c, d);
+    else atomicAdd((float4 *)g, make_float4(a, b, c, d));
+}
 #endif
 
 /* ROPE: dK is rotated back by the tables rc / rs (RoPE's backward) before its rounding; the
@@ -265,7 +338,7 @@ __global__ void __launch_bounds__(NTHR, 1)
 #ifdef WGU_DEVICE
     using namespace wgu;
     typedef Cfg<HD> K_;
-    constexpr int BM = K_::BM;
+    constexpr int BM = K_::BM, BN = K_::BN;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[9];
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -324,7 +397,7 @@ __global__ void __launch_bounds__(NTHR, 1)
                              DOFULL(s));
                 bulk_load(base + K_::OFF_D + s * BM * 4, d2 + (size_t)i * BM, BM * 4, DOFULL(s));
             }
-        } else if (warp == 1) { /* dQ: staging -> global accumulator (reduce-add by the copy engine) */
+        } else if (!K_::SPLIT && warp == 1) { /* dQ: staging -> global accumulator (reduce-add by the copy engine) */
             named_arrive<BAR_DQEMPTY + 0, 160>(); /* both staging halves start empty */
             named_arrive<BAR_DQEMPTY + 1, 160>();
             for (int n = 0; n < nsteps; n++) {
@@ -374,13 +447,16 @@ __global__ void __launch_bounds__(NTHR, 1)
         const int ct = (int)threadIdx.x, w = ct >> 7, warp = (ct >> 5) & 3, lane = ct & 31;
         const int g = lane >> 2, t = lane & 3;
         const int wt = ct & 127;                              /* thread in the warpgroup */
-        const int kloc = w * 64 + warp * 16 + g;              /* this thread's key rows: kloc, kloc + 8 */
+        /* SPLIT (HD 256): both warpgroups have all 64 keys; warpgroup w has queries wq.. wq + 31 of S^T
+         * and dP^T and head-dim columns wc.. wc + 127 of dK, dV, dQ */
+        const int wk = K_::SPLIT ? 0 : w * 64, wq = K_::SPLIT ? w * K_::SN : 0, wc = K_::SPLIT ? w * K_::DKN : 0;
+        const int kloc = wk + warp * 16 + g;                  /* this thread's key rows: kloc, kloc + 8 */
         const int key0 = j * BN + kloc;                       /* as token indices */
-        const uint32_t kA = base + K_::OFF_K + (uint32_t)w * 64u * K_::KW; /* warpgroup w's K rows */
-        const uint32_t vA = base + K_::OFF_V + (uint32_t)w * 64u * K_::KW;
-        float dk[HD / 2], dv[HD / 2];
+        const uint32_t kA = base + K_::OFF_K + (uint32_t)wk * K_::KW; /* warpgroup w's K rows */
+        const uint32_t vA = base + K_::OFF_V + (uint32_t)wk * K_::KW;
+        float dk[K_::DKN / 2], dv[K_::DKN / 2];
 #pragma unroll
-        for (int q = 0; q < HD / 2; q++) dk[q] = 0.f, dv[q] = 0.f;
+        for (int q = 0; q < K_::DKN / 2; q++) dk[q] = 0.f, dv[q] = 0.f;
         mbar_wait(kvfull, 0u);
         __syncwarp();
 
@@ -389,24 +465,26 @@ __global__ void __launch_bounds__(NTHR, 1)
             const uint32_t ph = (uint32_t)((n >> 1) & 1);
             const uint32_t qs = base + K_::OFF_Q + (uint32_t)s * K_::QT, dos = base + K_::OFF_DO + (uint32_t)s * K_::QT;
             const uint32_t dss = base + K_::OFF_DS + (uint32_t)s * K_::DST;
-            const uint32_t lses = base + K_::OFF_LSE + (uint32_t)s * BM * 4u, ds_ = base + K_::OFF_D + (uint32_t)s * BM * 4u;
-            float sa[BM / 2], dp[BM / 2];
+            const uint32_t lses = base + K_::OFF_LSE + (uint32_t)(s * BM + wq) * 4u;
+            const uint32_t ds_ = base + K_::OFF_D + (uint32_t)(s * BM + wq) * 4u;
+            float sa[K_::SN / 2], dp[K_::SN / 2];
 
-            /* S^T = K_w Q^T and dP^T = V_w dO^T (M = 64 keys, N = BM queries, K = HD) */
+            /* S^T = K_w Q^T and dP^T = V_w dO^T (M = 64 keys, N = SN queries, K = HD; SPLIT: the B rows
+             * start at query wq = 32w, + 32w rows of 128 B = 4 KiB: whole 1024-byte swizzle patterns) */
             mbar_wait(QFULL(s), ph);
             __syncwarp();
-            issue_rows_cols<HD>(sa, kA, qs);
+            issue_rows_cols<HD>(sa, kA, qs + (uint32_t)wq * K_::QW);
             mbar_wait(DOFULL(s), ph);
             __syncwarp();
-            issue_rows_cols<HD>(dp, vA, dos);
+            issue_rows_cols<HD>(dp, vA, dos + (uint32_t)wq * K_::QW);
 
             /* P^T = exp2(S^T scale2 - lse2[query]); element (key key0 + 8h, query i*BM + 8c + 2t + e) */
             wgmma_wait<1>();
             fence_regs(sa);
             const bool need_mask = i * BM < (j + 1) * BN; /* some key of the tile can pass some query */
-            const int qb = i * BM + 2 * t;
+            const int qb = i * BM + wq + 2 * t;
 #pragma unroll
-            for (int c = 0; c < BM / 8; c++) {
+            for (int c = 0; c < K_::SN / 8; c++) {
                 const float2 l2 = ld_shared_f2(lses + (uint32_t)(8 * c + 2 * t) * 4u);
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++)
@@ -423,8 +501,26 @@ __global__ void __launch_bounds__(NTHR, 1)
              * dS is computed and written; at HD 64 (BM = 128: S^T and dP^T take 128 registers) that
              * leaves too few registers (ptxas serializes the wgmmas), so it waits for the barrier. */
             constexpr bool EARLY_DV = HD != 64;
-            uint32_t pa[BM / 16][4], da[BM / 16][4];
-            if constexpr (EARLY_DV) {
+            uint32_t pa[K_::SN / 16][4], da[K_::SN / 16][4];
+            if constexpr (K_::SPLIT) {
+                /* HD 256: P^T (this warpgroup's 32 queries) -> P[s] (as dS^T -> dS[s] below), both
+                 * warpgroups' halves visible (fence, barrier), then dV += P^T dO (SS: the whole P^T, 64
+                 * keys x 64 queries, against dO's head-dim columns wc..: panels 2w, 2w + 1) */
+                const uint32_t pts = base + K_::OFF_P + (uint32_t)s * K_::PT;
+#pragma unroll
+                for (int kk = 0; kk < K_::SN / 16; kk++)
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
+                        const int c = wq / 8 + 2 * kk + (q >> 1);
+                        st_shared_u32(pts + (uint32_t)(kloc + 8 * (q & 1)) * 128u + (uint32_t)((c ^ g) << 4) + 4u * (uint32_t)t,
+                                      pa[kk][q]);
+                    }
+                fence_async_shared();
+                named_sync<BAR_P, NCONS>();
+                issue_kv_ss<HD>(dv, pts, dos + (uint32_t)w * 2u * K_::QPANEL);
+                wgmma_wait<1>(); /* dP^T done (dV may still run) */
+            } else if constexpr (EARLY_DV) {
 #pragma unroll
                 for (int kk = 0; kk < BM / 16; kk++)
 #pragma unroll
@@ -437,7 +533,7 @@ __global__ void __launch_bounds__(NTHR, 1)
             /* dS^T = P^T (dP^T - D[query]) (P^T in fp32) */
             fence_regs(dp);
 #pragma unroll
-            for (int c = 0; c < BM / 8; c++) {
+            for (int c = 0; c < K_::SN / 8; c++) {
                 const float2 dd = ld_shared_f2(ds_ + (uint32_t)(8 * c + 2 * t) * 4u);
 #pragma unroll
                 for (int hh = 0; hh < 2; hh++) {
@@ -446,19 +542,20 @@ __global__ void __launch_bounds__(NTHR, 1)
                 }
             }
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; kk++)
+            for (int kk = 0; kk < K_::SN / 16; kk++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     if constexpr (!EARLY_DV) pa[kk][q] = pack_bf16(sa[8 * kk + 2 * q], sa[8 * kk + 2 * q + 1]);
                     da[kk][q] = pack_bf16(dp[8 * kk + 2 * q], dp[8 * kk + 2 * q + 1]);
                 }
             /* dS^T -> dS[s]: da[kk][q] holds (key row kloc + 8 (q & 1), queries 16kk + 8 (q >> 1) + 2t, +1):
-             * query chunk c = 2kk + (q >> 1) of panel c / 8, at chunk position (c % 8) ^ g (kloc & 7 = g) */
+             * query chunk c = 2kk + (q >> 1) of panel c / 8, at chunk position (c % 8) ^ g (kloc & 7 = g);
+             * SPLIT: queries wq + 16kk + ..: chunk wq / 8 + 2kk + (q >> 1), one panel (BM = 64) */
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; kk++)
+            for (int kk = 0; kk < K_::SN / 16; kk++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    const int c = 2 * kk + (q >> 1);
+                    const int c = wq / 8 + 2 * kk + (q >> 1);
                     st_shared_u32(dss + (uint32_t)(c / 8) * K_::DSPANEL + (uint32_t)(kloc + 8 * (q & 1)) * 128u +
                                       (uint32_t)(((c % 8) ^ g) << 4) + 4u * (uint32_t)t,
                                   da[kk][q]);
@@ -481,28 +578,55 @@ __global__ void __launch_bounds__(NTHR, 1)
                                                 sw_desc<K_::KW>(kB + (uint32_t)kk * 16u * K_::KW, K_::KPANEL, 8 * K_::KW),
                                                 kk > 0);
             wgmma_commit();
+            if constexpr (K_::SPLIT) { /* dK += dS^T Q (SS, as dV; Q's head-dim panels 2w, 2w + 1) */
+                issue_kv_ss<HD>(dk, dss, qs + (uint32_t)w * 2u * K_::QPANEL);
+            } else {
 #pragma unroll
-            for (int kk = 0; kk < BM / 16; kk++)
-                Mma<HD>::template rs<1>(dk, da[kk], sw_desc<K_::QW>(qs + (uint32_t)kk * 16u * K_::QW, K_::QPANEL, 8 * K_::QW),
-                                        1);
-            wgmma_commit();
+                for (int kk = 0; kk < BM / 16; kk++)
+                    Mma<HD>::template rs<1>(dk, da[kk],
+                                            sw_desc<K_::QW>(qs + (uint32_t)kk * 16u * K_::QW, K_::QPANEL, 8 * K_::QW), 1);
+                wgmma_commit();
+            }
             wgmma_wait<2>(); /* dV done: dO[s] is free */
             fence_regs(dv);
             mbar_arrive(DOEMPTY(s));
             wgmma_wait<1>(); /* dQ done */
             fence_regs(dq);
-            /* dQ -> staging half w (fragment order), for the dQ warp */
-            if (w == 0) named_sync<BAR_DQEMPTY + 0, 160>();
-            else named_sync<BAR_DQEMPTY + 1, 160>();
-            {
-                const uint32_t st = base + K_::OFF_DQ + (uint32_t)w * K_::DQW + (uint32_t)wt * 16u;
+            if constexpr (K_::SPLIT) {
+                /* HD 256: dQ from registers to the global accumulator, in the staging's fragment order
+                 * (float4 r of thread wt of half w at (r * 128 + wt) * 4 floats of half w: the layout
+                 * the postprocess reads); deterministic: after the key tiles J(i) .. j + 1 (each counts
+                 * 2 on the semaphore, one per warpgroup), the first in the order storing */
+                float *gq = dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD) + (size_t)w * (64 * K_::DQN) + (size_t)wt * 4;
+                int *sm = sem + (size_t)bh * nq + i;
+                const bool first = det && j == i * BM / BN;
+                if (det) { /* my turn: leader's acquire, then the warpgroup follows */
+                    if (wt == 0) sem_wait_ge(sm, 2 * (i * BM / BN - j));
+                    if (w == 0) named_sync<BAR_DQWG + 0, 128>();
+                    else named_sync<BAR_DQWG + 1, 128>();
+                }
 #pragma unroll
                 for (int r = 0; r < K_::DQN / 8; r++)
-                    st_shared_v4(st + (uint32_t)r * 2048u, dq[4 * r], dq[4 * r + 1], dq[4 * r + 2], dq[4 * r + 3]);
+                    dq_out(gq + r * 512, dq[4 * r], dq[4 * r + 1], dq[4 * r + 2], dq[4 * r + 3], first);
+                if (det) { /* all the warpgroup's adds, then the leader's release (CUTLASS's semaphore) */
+                    if (w == 0) named_sync<BAR_DQWG + 0, 128>();
+                    else named_sync<BAR_DQWG + 1, 128>();
+                    if (wt == 0) red_release_add(sm, 1);
+                }
+            } else {
+                /* dQ -> staging half w (fragment order), for the dQ warp */
+                if (w == 0) named_sync<BAR_DQEMPTY + 0, 160>();
+                else named_sync<BAR_DQEMPTY + 1, 160>();
+                {
+                    const uint32_t st = base + K_::OFF_DQ + (uint32_t)w * K_::DQW + (uint32_t)wt * 16u;
+#pragma unroll
+                    for (int r = 0; r < K_::DQN / 8; r++)
+                        st_shared_v4(st + (uint32_t)r * 2048u, dq[4 * r], dq[4 * r + 1], dq[4 * r + 2], dq[4 * r + 3]);
+                }
+                fence_async_shared();
+                if (w == 0) named_arrive<BAR_DQFULL + 0, 160>();
+                else named_arrive<BAR_DQFULL + 1, 160>();
             }
-            fence_async_shared();
-            if (w == 0) named_arrive<BAR_DQFULL + 0, 160>();
-            else named_arrive<BAR_DQFULL + 1, 160>();
             wgmma_wait<0>(); /* dK done: Q[s] is free */
             fence_regs(dk);
             mbar_arrive(QEMPTY(s));
@@ -511,18 +635,18 @@ __global__ void __launch_bounds__(NTHR, 1)
         /* epilogue: dK (times scale) and dV, rows (keys) < T, from registers: row key0 + 8hh,
          * columns 8c + 2t, +1 (with ROPE: RoPE pair 4c + t of position row, rotated back) */
         const size_t ld = 3 * (size_t)C;
-        bf16 *gk = dqkv + (size_t)b * T * ld + C + (size_t)h * HD, *gv = gk + C;
+        bf16 *gk = dqkv + (size_t)b * T * ld + C + (size_t)h * HD + wc, *gv = gk + C; /* SPLIT: columns wc.. */
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             const int row = key0 + 8 * hh;
             if (row < T) {
                 uint32_t *pk = (uint32_t *)(gk + (size_t)row * ld + 2 * t), *pv = (uint32_t *)(gv + (size_t)row * ld + 2 * t);
 #pragma unroll
-                for (int c = 0; c < HD / 8; c++) {
+                for (int c = 0; c < K_::DKN / 8; c++) {
                     float k0 = dk[4 * c + 2 * hh] * scale, k1 = dk[4 * c + 2 * hh + 1] * scale;
                     float v0 = dv[4 * c + 2 * hh], v1 = dv[4 * c + 2 * hh + 1];
                     if constexpr (ROPE) {
-                        const size_t e = (size_t)row * (HD / 2) + 4 * c + t;
+                        const size_t e = (size_t)row * (HD / 2) + wc / 2 + 4 * c + t;
                         rope_back(k0, k1, __ldg(rc + e), __ldg(rs + e));
                     }
                     if (!ROPE && acc) { /* (the host refuses RoPE with acc) */
@@ -552,31 +676,38 @@ __global__ void __launch_bounds__(NTHR, 1)
 /* One block (256 threads) per (query tile, bh): the tile's BM x HD fp32 accumulator (fragment order,
  * see the top) -> a row-major tile in shared memory (row stride HD + 8 floats: the float2 stores of a
  * half warp hit distinct banks) -> times scale, (ROPE: rotated back by rc / rs, 16-byte aligned),
- * (+ old), bf16, 16-byte stores of rows < T. */
+ * (+ old), bf16, 16-byte stores of rows < T. HD 256: one block per half (PARTS = 2: block x = 2 (tile
+ * index) + w, head-dim columns 128w..; the half is warpgroup w's contiguous part of the accumulator),
+ * as the whole 64 x 264 fp32 tile would pass 48 KiB of static shared memory. */
 template <int HD, bool ROPE>
 __global__ void __launch_bounds__(256) attn_wgmma_bwd_post(bf16 *__restrict__ dqkv, const float *__restrict__ dqacc,
                                                            int T, int NH, int nq, float scale, int acc,
                                                            const float *__restrict__ rc, const float *__restrict__ rs) {
-    constexpr int BM = bm_of(HD), SS = HD + 8, HALF = BM * HD / 2;
+    constexpr int PARTS = HD == 256 ? 2 : 1, PW = HD / PARTS; /* columns a block */
+    constexpr int BM = bm_of(HD), SS = PW + 8, HALF = BM * HD / 2;
+    static_assert(PARTS == 1 || (BM == 64 && PW == HD / 2), "a part is a half");
     __shared__ __align__(16) float tile[BM * SS];
-    const int i = (int)(blockIdx.x % (unsigned)nq), bh = (int)(blockIdx.x / (unsigned)nq);
+    const unsigned x = PARTS == 1 ? blockIdx.x : blockIdx.x / PARTS;
+    const int part = PARTS == 1 ? 0 : (int)(blockIdx.x % PARTS);
+    const int i = (int)(x % (unsigned)nq), bh = (int)(x / (unsigned)nq);
     const int b = bh / NH, h = bh % NH, C = NH * HD;
-    const float4 *src = (const float4 *)(dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD));
-    for (int f = (int)threadIdx.x; f < BM * HD / 4; f += 256) {
+    const float4 *src = (const float4 *)(dqacc + ((size_t)bh * nq + i) * (size_t)(BM * HD) + (size_t)part * HALF);
+    for (int f = (int)threadIdx.x; f < BM * PW / 4; f += 256) {
         const float4 v = src[f];
         const int e = 4 * f, w = e / HALF, rem = e % HALF, r = rem / 512, ct = (rem / 4) % 128;
         int row = 16 * (ct >> 5) + ((ct & 31) >> 2), col = 8 * r + 2 * (ct & 3);
-        if (BM == 64) col += w * (HD / 2);
+        if (BM == 64) col += w * (HD / 2); /* (PARTS 2: w = 0, the part's own columns) */
         else row += 64 * w;
         *(float2 *)&tile[row * SS + col] = make_float2(v.x, v.y);
         *(float2 *)&tile[(row + 8) * SS + col] = make_float2(v.z, v.w);
     }
     __syncthreads();
     const size_t ld = 3 * (size_t)C;
-    for (int idx = (int)threadIdx.x; idx < BM * HD / 8; idx += 256) {
-        const int row = idx / (HD / 8), c = idx % (HD / 8), trow = i * BM + row;
+    for (int idx = (int)threadIdx.x; idx < BM * PW / 8; idx += 256) {
+        const int row = idx / (PW / 8), c = part * (PW / 8) + idx % (PW / 8), trow = i * BM + row;
         if (trow >= T) continue;
-        const float4 x0 = *(const float4 *)&tile[row * SS + 8 * c], x1 = *(const float4 *)&tile[row * SS + 8 * c + 4];
+        const int tc = 8 * (c - part * (PW / 8)); /* the column in the tile */
+        const float4 x0 = *(const float4 *)&tile[row * SS + tc], x1 = *(const float4 *)&tile[row * SS + tc + 4];
         float y[8] = {x0.x * scale, x0.y * scale, x0.z * scale, x0.w * scale,
                       x1.x * scale, x1.y * scale, x1.z * scale, x1.w * scale};
         uint4 *p = (uint4 *)(dqkv + ((size_t)b * T + trow) * ld + (size_t)h * HD + 8 * c);
@@ -652,7 +783,8 @@ extern "C" const char *attn_wgmma_bwd_unlaunchable(int HD) {
     if (HD == 64) return (why = prepare<64, false>()) ? why : prepare<64, true>();
     if (HD == 96) return (why = prepare<96, false>()) ? why : prepare<96, true>();
     if (HD == 128) return (why = prepare<128, false>()) ? why : prepare<128, true>();
-    return "head_dim not 64, 96 or 128";
+    if (HD == 256) return (why = prepare<256, false>()) ? why : prepare<256, true>();
+    return "head_dim not 64, 96, 128 or 256";
 }
 
 /* a 3-D tensor map (innermost first: cols, T rows, B) over a bf16 [B, T, cols] array, box w / 2
@@ -680,10 +812,11 @@ template <int HD, bool ROPE>
 static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *out, const float *lse,
                    unsigned char *ws, int B, int T, int NH, int acc, int det, const float *rc, const float *rs,
                    cudaStream_t st) {
-    constexpr int BM = bm_of(HD);
-    const char *name = HD == 64   ? (ROPE ? "attn_wgmma_bwd_hd64_rope" : "attn_wgmma_bwd_hd64")
-                       : HD == 96 ? (ROPE ? "attn_wgmma_bwd_hd96_rope" : "attn_wgmma_bwd_hd96")
-                                  : (ROPE ? "attn_wgmma_bwd_hd128_rope" : "attn_wgmma_bwd_hd128");
+    constexpr int BM = bm_of(HD), BN = bn_of(HD);
+    const char *name = HD == 64    ? (ROPE ? "attn_wgmma_bwd_hd64_rope" : "attn_wgmma_bwd_hd64")
+                       : HD == 96  ? (ROPE ? "attn_wgmma_bwd_hd96_rope" : "attn_wgmma_bwd_hd96")
+                       : HD == 128 ? (ROPE ? "attn_wgmma_bwd_hd128_rope" : "attn_wgmma_bwd_hd128")
+                                   : (ROPE ? "attn_wgmma_bwd_hd256_rope" : "attn_wgmma_bwd_hd256");
     const char *why = prepare<HD, ROPE>();
     if (why) wb_die(name, why);
     const int BH = B * NH, nq = (T + BM - 1) / BM, nkv = (T + BN - 1) / BN, C = NH * HD;
@@ -716,7 +849,10 @@ static void launch(bf16 *dqkv, const bf16 *dout, const bf16 *qkv, const bf16 *ou
         tmq, tmkv, tmdo, dqkv, dqacc, lse2, Dw, sem, T, NH, BH, nkv, nq, swz, det, acc, scale2, scale, rc, rs);
     wb_check(name);
 
-    attn_wgmma_bwd_post<HD, ROPE><<<(unsigned)(nq * BH), 256, 0, st>>>(dqkv, dqacc, T, NH, nq, scale, acc, rc, rs);
+    const int parts = HD == 256 ? 2 : 1; /* the postprocess's blocks a query tile (see there) */
+    if ((unsigned long long)nq * BH * parts > 0x7fffffffull) wb_die("wgmma backward", "too many tiles");
+    attn_wgmma_bwd_post<HD, ROPE><<<(unsigned)(nq * BH * parts), 256, 0, st>>>(dqkv, dqacc, T, NH, nq, scale, acc, rc,
+                                                                               rs);
     wb_check("attn_wgmma_bwd_post");
 }
 
@@ -746,6 +882,8 @@ extern "C" void attn_wgmma_backward(void *dqkv, const void *dout, const void *qk
     else if (HD == 64) launch<64, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
     else if (HD == 96 && !cos_t) launch<96, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
     else if (HD == 96) launch<96, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
-    else if (!cos_t) launch<128, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
-    else launch<128, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
+    else if (HD == 128 && !cos_t) launch<128, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
+    else if (HD == 128) launch<128, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
+    else if (!cos_t) launch<256, false>(d, o, x, y, lse, ws, B, T, NH, acc, det, NULL, NULL, st);
+    else launch<256, true>(d, o, x, y, lse, ws, B, T, NH, acc, det, cos_t, sin_t, st);
 }

@@ -16,10 +16,10 @@
 extern "C" {
 #endif
 
-/* 1 for the head dims the kernels handle (64, 96 and 128); 0 otherwise. attn_wgmma_bwd_hd is the
+/* 1 for the head dims the kernels handle (64, 96, 128 and 256); 0 otherwise. attn_wgmma_bwd_hd is the
  * same in plain C (for the memory estimate, which links no CUDA). */
 int attn_wgmma_bwd_supported(int HD);
-static inline int attn_wgmma_bwd_hd(int HD) { return HD == 64 || HD == 96 || HD == 128; }
+static inline int attn_wgmma_bwd_hd(int HD) { return HD == 64 || HD == 96 || HD == 128 || HD == 256; }
 
 /* NULL when this process's device can launch the backward for HD, with and without RoPE (asked once
  * per HD, which also opts the kernels into their dynamic shared memory), else why not (a static
@@ -27,8 +27,8 @@ static inline int attn_wgmma_bwd_hd(int HD) { return HD == 64 || HD == 96 || HD 
 const char *attn_wgmma_bwd_unlaunchable(int HD);
 
 /* Bytes of device scratch attn_wgmma_backward needs: the fp32 dQ accumulator, D = rowsum(dO * O),
- * lse in log2 units (both padded to whole query tiles of 64 queries at head_dim 96 and 128, 128 at
- * 64) and the deterministic mode's semaphores. Plain C, so that the memory estimate counts the same. */
+ * lse in log2 units (both padded to whole query tiles of 64 queries at head_dim 96, 128 and 256, 128
+ * at 64) and the deterministic mode's semaphores. Plain C, so that the memory estimate counts the same. */
 static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD) {
     if (B <= 0 || T <= 0 || NH <= 0 || !attn_wgmma_bwd_hd(HD)) return 0;
     size_t BH = (size_t)B * NH, BM = HD == 64 ? 128 : 64, nq = ((size_t)T + BM - 1) / BM, nqp = nq * BM;
@@ -46,6 +46,8 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * a pass of its own) the post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB
  * less, and at 512 cuDNN's step is 0.4% ahead: so from 1024 there. At head_dim 96 the step (embed_dim
  * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8.
+ * Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim) takes 1024 UNMEASURED (cuDNN's
+ * deterministic engine: 283.7 TFLOP/s at B=16 H=4 T=4096, its atomic 336, torch's cuDNN 310.6).
  * Plain C, so that the memory estimate follows the same choice.
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
  * takes this kernel at, at every head dim; a value that is not a whole number >= 1 (digits only)

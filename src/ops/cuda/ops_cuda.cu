@@ -876,8 +876,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
  * that was faster (attn_wgmma_bwd_auto). fast = auto, but that Hopper backward sums dQ with atomics
  * (faster, not bitwise reproducible). wgmma = our Hopper kernels forward and backward wherever
- * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96 or
- * 128), else auto's choice. */
+ * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96,
+ * 128 or 256), else auto's choice. */
 int cuda_set_attention_mode(const char *mode) {
     int m = attn_mode_of(mode);
     if (m < 0) return -1;

@@ -144,6 +144,19 @@ static __device__ __forceinline__ void sem_wait_eq(const int *p, int v) {
     }
 }
 
+/* spin until *p >= v (acquire); after WGU_WATCHDOG_NS, fault */
+static __device__ __forceinline__ void sem_wait_ge(const int *p, int v) {
+    uint32_t polls = 0;
+    uint64_t t0 = 0;
+    while (ld_acquire(p) < v) {
+        if ((++polls & 63u) == 0) {
+            const uint64_t now = globaltimer();
+            if (!t0) t0 = now;
+            else if (now - t0 > WGU_WATCHDOG_NS) watchdog_fault();
+        }
+    }
+}
+
 /* ---- TMA and bulk copies ---- */
 /* box of the 3-D tensor map at (c0, c1, c2) -> shared dst, completing `bar`'s transaction bytes;
  * elements past the tensor's ends are filled with zeros (and still count as bytes) */
@@ -363,6 +376,18 @@ static __device__ __forceinline__ void wgmma_rs_n96(float (&d)[48], const uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
 }
 
+/* d[16] (+)= A * B, m64n32k16, A and B from shared memory (descriptors); TA / TB: imm-trans-a / -b
+ * (1 = MN-major); scale_d = 0 ignores the old d. */
+template <int TA, int TB>
+static __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
 /* by N (the accumulator's columns): d[N / 2] */
 template <int N> struct Mma;
 template <> struct Mma<64> {
@@ -389,6 +414,12 @@ template <> struct Mma<48> { /* head_dim 96's dQ: each consumer warpgroup's 48 h
     template <int TA, int TB>
     static __device__ __forceinline__ void ss(float (&d)[24], uint64_t da, uint64_t db, int scale_d) {
         wgmma_ss_n48<TA, TB>(d, da, db, scale_d);
+    }
+};
+template <> struct Mma<32> { /* head_dim 256's S^T and dP^T: each consumer warpgroup's 32 queries */
+    template <int TA, int TB>
+    static __device__ __forceinline__ void ss(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+        wgmma_ss_n32<TA, TB>(d, da, db, scale_d);
     }
 };
 template <> struct Mma<96> { /* head_dim 96's dK and dV */
