@@ -5,13 +5,15 @@
  * be written) and acc = 1 (the output starts as a random base that must be added to, compared with
  * attn_bf16_backward's acc = 1 on the same base); deterministic 1 and 0; in deterministic mode two
  * runs must be bitwise equal; nothing written past the end of dqkv or of the workspace (guard
- * regions). HD 64, 96 and 128 at T = 1, 7, 64, 127, 128, 129, 300, 1000, 2048, and shapes with more
+ * regions). HD 64, 96, 128 and 256 at T = 1, 7, 64, 127, 128, 129, 300, 1000, 2048, and shapes with more
  * blocks than SMs (deterministic mode's semaphores across waves of blocks). With RoPE's tables
  * (the fused backward, acc = 0) at odd T = 1 .. 2049: against an fp64 CPU reference (attention's
  * backward, then RoPE's), attn_bf16_backward's fused RoPE and the two passes (test_rope_shape).
- * HD 96, which attn_bf16 does not take: out and lse from an fp64 CPU forward (rounded as the kernels
- * round them), and everything against the fp64 CPU reference (acc = 1: the base plus it) and, with
- * RoPE, the two passes; the shapes with more blocks than SMs smaller (the reference's time).
+ * HD 96 and 256, which attn_bf16 does not take: out and lse from an fp64 CPU forward (rounded as the
+ * kernels round them), and everything against the fp64 CPU reference (acc = 1: the base plus it) and,
+ * with RoPE, the two passes; the shapes with more blocks than SMs smaller (the reference's time).
+ * HD 256's key tiles are 64 (not 128) keys: T = 64, 127, 129, 300, 1000 are (not) whole key tiles
+ * there too, and 2 x 12 x 1000 is 16 key tiles x 24 heads = 384 blocks (several waves).
  * A hang (a lost barrier) is a FAIL, not a stuck test: the kernels' mbarrier and semaphore waits fault
  * after 4 s (device watchdog), and every synchronisation here gives up after HANG_S seconds.
  * Prints "ok   <check>" / "FAIL <check>" per check and "RESULT <passed> <failed>" last. A device other
@@ -622,7 +624,7 @@ static void time_shape(int B, int NH, int T, int HD) {
     fill_random<<<1024, 256>>>((__nv_bfloat16 *)b.dout, nout, 2);
     if (!attn_wgmma_unlaunchable(HD)) attn_wgmma_forward(b.out, b.lse, b.qkv, B, T, NH, HD, NULL);
     else if (own) attn_bf16_forward(b.out, b.lse, b.qkv, B, T, NH, HD, NULL);
-    else { /* (HD 96) no forward here: a random out, lse about the size of a real one (log T + 1) */
+    else { /* (HD 96, 256) no forward here: a random out, lse about the size of a real one (log T + 1) */
         fill_random<<<1024, 256>>>((__nv_bfloat16 *)b.out, nout, 3);
         fill_const<<<1024, 256>>>(b.lse, (size_t)B * NH * T, logf((float)T) + 1.f);
     }
@@ -682,7 +684,7 @@ int main(int argc, char **argv) {
         printf("RESULT 0 0\n");
         return 0;
     }
-    static const int HDs[] = {64, 96, 128};
+    static const int HDs[] = {64, 96, 128, 256};
     const int nhd = (int)(sizeof HDs / sizeof HDs[0]);
     int launchable[nhd];
     for (int hi = 0; hi < nhd; hi++) {
@@ -703,11 +705,12 @@ int main(int argc, char **argv) {
     }
     if (checks) {
         report(attn_wgmma_bwd_supported(64) && attn_wgmma_bwd_supported(96) && attn_wgmma_bwd_supported(128) &&
-                   !attn_wgmma_bwd_supported(32) && !attn_wgmma_bwd_supported(80) && !attn_wgmma_bwd_supported(256),
-               "attn_wgmma_bwd_supported: 64, 96 and 128 yes, 32, 80 and 256 no");
+                   attn_wgmma_bwd_supported(256) && !attn_wgmma_bwd_supported(32) && !attn_wgmma_bwd_supported(80) &&
+                   !attn_wgmma_bwd_supported(192) && !attn_wgmma_bwd_supported(512),
+               "attn_wgmma_bwd_supported: 64, 96, 128 and 256 yes, 32, 80, 192 and 512 no");
         static const int Ts[] = {1, 7, 64, 127, 128, 129, 300, 1000, 2048};
         for (int hi = 0; hi < nhd; hi++) {
-            const int cpu_only = !attn_bf16_supported(HDs[hi]); /* HD 96: the fp64 CPU reference's time */
+            const int cpu_only = !attn_bf16_supported(HDs[hi]); /* HD 96, 256: the fp64 CPU reference's time */
             if (!launchable[hi]) continue; /* its shapes would only die at the launch */
             for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
                 const int T = Ts[ti];
@@ -716,14 +719,14 @@ int main(int argc, char **argv) {
             }
             /* more blocks than SMs: several waves, the deterministic order across them */
             if (!cpu_only) test_shape(4, 8, 2048, HDs[hi]);
-            test_shape(2, 12, 1000, HDs[hi]); /* 8 key tiles x 24 heads: 192 blocks */
+            test_shape(2, 12, 1000, HDs[hi]); /* 8 key tiles x 24 heads: 192 blocks (HD 256: 16 x 24) */
             /* RoPE's fused backward: odd T (no tile multiples: 1, one past a query / key tile, several
              * tiles), B * NH > 1; against the fp64 CPU reference up to T = 1001, then (the reference
              * too slow) against attn_bf16_backward's RoPE, also over several waves of blocks */
             static const int RTs[] = {1, 7, 65, 129, 301, 1001};
             for (size_t ti = 0; ti < sizeof RTs / sizeof RTs[0]; ti++)
                 test_rope_shape(RTs[ti] > 1000 ? 1 : 2, RTs[ti] > 1000 ? 2 : 3, RTs[ti], HDs[hi], 1);
-            test_rope_shape(1, 2, 2049, HDs[hi], 0); /* (HD 96: against the CPU reference too) */
+            test_rope_shape(1, 2, 2049, HDs[hi], 0); /* (HD 96, 256: against the CPU reference too) */
             if (cpu_only) test_rope_shape(2, 12, 1001, HDs[hi], 1);
             else test_rope_shape(4, 8, 1001, HDs[hi], 0);
         }
@@ -735,9 +738,12 @@ int main(int argc, char **argv) {
         time_shape(8, 16, 4096, 64);
         time_shape(8, 8, 4096, 96);
         time_shape(32, 8, 1024, 96);
+        time_shape(16, 4, 4096, 256);
+        time_shape(8, 4, 1024, 256);
         printf("perf summary (causal backward, TFLOP/s = 2.5 x 2 B NH T^2 HD / time; cuDNN on an H100 for reference:\n"
                "perf   deterministic 385-403 at HD 128 T >= 4096, 281 at T 1024, 263 at 8x16x4096x64, 297.7 at\n"
-               "perf   8x8x4096x96, 221 at 32x8x1024x96; atomics 429-474, 329 and 230 at those HD 96 shapes):\n");
+               "perf   8x8x4096x96, 221 at 32x8x1024x96, 283.7 at 16x4x4096x256; atomics 429-474, 329 and 230 at\n"
+               "perf   those HD 96 shapes, 336 at 16x4x4096x256 (torch's cuDNN backward there: 310.6)):\n");
         printf("perf   B  NH      T   HD   wgmma det   wgmma atomic    own\n");
         for (int i = 0; i < n_perf; i++)
             printf("perf %3d %3d %6d %4d   %9.1f   %12.1f   %5.1f\n", perf_rows[i].B, perf_rows[i].NH, perf_rows[i].T,
