@@ -602,6 +602,7 @@ __global__ void __launch_bounds__(NTHR, 1)
                 const bool first = det && j == i * BM / BN;
                 if (det) { /* my turn: leader's acquire, then the warpgroup follows */
                     if (wt == 0) sem_wait_ge(sm, 2 * (i * BM / BN - j));
+                    __syncwarp(); /* (converged again for the aligned bar.sync) */
                     if (w == 0) named_sync<BAR_DQWG + 0, 128>();
                     else named_sync<BAR_DQWG + 1, 128>();
                 }
@@ -612,6 +613,7 @@ __global__ void __launch_bounds__(NTHR, 1)
                     if (w == 0) named_sync<BAR_DQWG + 0, 128>();
                     else named_sync<BAR_DQWG + 1, 128>();
                     if (wt == 0) red_release_add(sm, 1);
+                    __syncwarp(); /* (converged again for the aligned wgmma.wait_group) */
                 }
             } else {
                 /* dQ -> staging half w (fragment order), for the dQ warp */
