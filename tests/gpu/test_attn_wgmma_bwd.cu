@@ -18,7 +18,8 @@
  * after 4 s (device watchdog), and every synchronisation here gives up after HANG_S seconds.
  * Prints "ok   <check>" / "FAIL <check>" per check and "RESULT <passed> <failed>" last. A device other
  * than compute capability 9.0 skips everything (RESULT 0 0).
- * Usage: gpu_test_attn_wgmma_bwd [--perf] [--perf-only]
+ * Usage: gpu_test_attn_wgmma_bwd [--perf] [--perf-only] [--hd N]
+ *   --hd N: the checks at head_dim N only (HD 256's fp64 CPU references take minutes).
  *   --perf: afterwards, TFLOP/s (causal backward: 2.5 x 4 B NH T^2 HD / 2 FLOPs) of wgmma
  *   deterministic, wgmma not deterministic (atomic adds) and attn_bf16_backward ("own"), each call
  *   whole (memset, preprocess, main kernel, postprocess), median of several.
@@ -660,12 +661,13 @@ static void time_shape(int B, int NH, int T, int HD) {
 }
 
 int main(int argc, char **argv) {
-    int perf = 0, checks = 1;
+    int perf = 0, checks = 1, only_hd = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--perf")) perf = 1;
         else if (!strcmp(argv[i], "--perf-only")) perf = 1, checks = 0;
+        else if (!strcmp(argv[i], "--hd") && i + 1 < argc && atoi(argv[i + 1]) > 0) only_hd = atoi(argv[++i]);
         else {
-            printf("usage: %s [--perf] [--perf-only]\n", argv[0]);
+            printf("usage: %s [--perf] [--perf-only] [--hd N]\n", argv[0]);
             return 2;
         }
     }
@@ -712,6 +714,7 @@ int main(int argc, char **argv) {
         for (int hi = 0; hi < nhd; hi++) {
             const int cpu_only = !attn_bf16_supported(HDs[hi]); /* HD 96, 256: the fp64 CPU reference's time */
             if (!launchable[hi]) continue; /* its shapes would only die at the launch */
+            if (only_hd && HDs[hi] != only_hd) continue;
             for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
                 const int T = Ts[ti];
                 if (T >= 2048) test_shape(1, 2, T, HDs[hi]);
