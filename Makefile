@@ -132,8 +132,8 @@ $(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/g
                                         $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_wgmma.h \
                                         $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
                                         $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
-	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
+	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra,-fopenmp $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
+	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -lgomp -o $@
 
 # Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
 cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)

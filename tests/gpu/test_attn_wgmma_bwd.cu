@@ -114,55 +114,66 @@ static Cmp compare_part(const uint16_t *x, const uint16_t *ref, size_t rows, int
 /* fp64 CPU references                                                                             */
 
 /* causal attention's backward in fp64 from bf16 qkv [B*T, 3C] and dO [B*T, C]: ref [B*T, 3C] = dq, dk,
- * dv (scores scaled by 1/sqrt(HD)) */
+ * dv (scores scaled by 1/sqrt(HD)). One (batch, head) pair per OpenMP thread, every loop over rows
+ * (dk and dv summed query row by query row), so that head_dim 256's references take seconds. */
 static void cpu_attn_backward(const uint16_t *h, const uint16_t *hdo, int B, int T, int NH, int HD, double *ref) {
     const int C = NH * HD;
     const double sc = 1.0 / sqrt((double)HD);
-    double *P = (double *)calloc((size_t)T * T, sizeof(double)), *dP = (double *)calloc((size_t)T * T, sizeof(double));
+#pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < B; b++)
         for (int hh = 0; hh < NH; hh++) {
             const uint16_t *x = h + (size_t)b * T * 3 * C + (size_t)hh * HD, *g = hdo + (size_t)b * T * C + (size_t)hh * HD;
             double *r = ref + (size_t)b * T * 3 * C + (size_t)hh * HD;
-#define Q_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + (d)])
-#define K_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + C + (d)])
-#define V_(t, d) bf16_widen(x[(size_t)(t) * 3 * C + 2 * C + (d)])
-#define DO_(t, d) bf16_widen(g[(size_t)(t) * C + (d)])
+            /* this pair's q, k, v, dO widened, and the row of P and dS */
+            double *Q = (double *)malloc((size_t)T * HD * sizeof(double)), *K = (double *)malloc((size_t)T * HD * sizeof(double));
+            double *V = (double *)malloc((size_t)T * HD * sizeof(double)), *G = (double *)malloc((size_t)T * HD * sizeof(double));
+            double *P = (double *)malloc((size_t)T * sizeof(double)), *S = (double *)malloc((size_t)T * sizeof(double));
+            double *dk = (double *)calloc((size_t)T * HD, sizeof(double)), *dv = (double *)calloc((size_t)T * HD, sizeof(double));
+            for (int t = 0; t < T; t++)
+                for (int d = 0; d < HD; d++) {
+                    Q[(size_t)t * HD + d] = bf16_widen(x[(size_t)t * 3 * C + d]);
+                    K[(size_t)t * HD + d] = bf16_widen(x[(size_t)t * 3 * C + C + d]);
+                    V[(size_t)t * HD + d] = bf16_widen(x[(size_t)t * 3 * C + 2 * C + d]);
+                    G[(size_t)t * HD + d] = bf16_widen(g[(size_t)t * C + d]);
+                }
             for (int i = 0; i < T; i++) {
+                const double *qi = Q + (size_t)i * HD, *gi = G + (size_t)i * HD;
                 double mx = -1e300, sum = 0;
                 for (int j = 0; j <= i; j++) {
                     double s = 0;
-                    for (int d = 0; d < HD; d++) s += Q_(i, d) * K_(j, d);
-                    P[(size_t)i * T + j] = s * sc;
+                    for (int d = 0; d < HD; d++) s += qi[d] * K[(size_t)j * HD + d];
+                    P[j] = s * sc;
                     mx = fmax(mx, s * sc);
                 }
-                for (int j = 0; j <= i; j++) sum += exp(P[(size_t)i * T + j] - mx);
-                for (int j = 0; j <= i; j++) P[(size_t)i * T + j] = exp(P[(size_t)i * T + j] - mx) / sum;
+                for (int j = 0; j <= i; j++) sum += exp(P[j] - mx);
+                for (int j = 0; j <= i; j++) P[j] = exp(P[j] - mx) / sum;
                 double Di = 0;
                 for (int d = 0; d < HD; d++) {
                     double o = 0;
-                    for (int j = 0; j <= i; j++) o += P[(size_t)i * T + j] * V_(j, d);
-                    Di += o * DO_(i, d);
+                    for (int j = 0; j <= i; j++) o += P[j] * V[(size_t)j * HD + d];
+                    Di += o * gi[d];
                 }
                 for (int j = 0; j <= i; j++) {
                     double s = 0;
-                    for (int d = 0; d < HD; d++) s += DO_(i, d) * V_(j, d);
-                    dP[(size_t)i * T + j] = P[(size_t)i * T + j] * (s - Di); /* dS */
+                    for (int d = 0; d < HD; d++) s += gi[d] * V[(size_t)j * HD + d];
+                    S[j] = P[j] * (s - Di); /* dS */
                 }
-            }
-            for (int i = 0; i < T; i++)
                 for (int d = 0; d < HD; d++) {
-                    double q = 0, k = 0, v = 0;
-                    for (int j = 0; j <= i; j++) q += dP[(size_t)i * T + j] * K_(j, d);
-                    for (int j = i; j < T; j++) k += dP[(size_t)j * T + i] * Q_(j, d), v += P[(size_t)j * T + i] * DO_(j, d);
-                    r[(size_t)i * 3 * C + d] = q * sc, r[(size_t)i * 3 * C + C + d] = k * sc;
-                    r[(size_t)i * 3 * C + 2 * C + d] = v;
+                    double q = 0;
+                    for (int j = 0; j <= i; j++) q += S[j] * K[(size_t)j * HD + d];
+                    r[(size_t)i * 3 * C + d] = q * sc;
                 }
-#undef Q_
-#undef K_
-#undef V_
-#undef DO_
+                for (int j = 0; j <= i; j++)
+                    for (int d = 0; d < HD; d++)
+                        dk[(size_t)j * HD + d] += S[j] * qi[d], dv[(size_t)j * HD + d] += P[j] * gi[d];
+            }
+            for (int t = 0; t < T; t++)
+                for (int d = 0; d < HD; d++) {
+                    r[(size_t)t * 3 * C + C + d] = dk[(size_t)t * HD + d] * sc;
+                    r[(size_t)t * 3 * C + 2 * C + d] = dv[(size_t)t * HD + d];
+                }
+            free(Q), free(K), free(V), free(G), free(P), free(S), free(dk), free(dv);
         }
-    free(P), free(dP);
 }
 
 /* causal attention's forward in fp64 from bf16 qkv [B*T, 3C]: out [B*T, C] rounded to bf16, lse
@@ -170,9 +181,10 @@ static void cpu_attn_backward(const uint16_t *h, const uint16_t *hdo, int B, int
 static void cpu_attn_forward(const uint16_t *h, int B, int T, int NH, int HD, uint16_t *out, float *lse) {
     const int C = NH * HD;
     const double sc = 1.0 / sqrt((double)HD);
-    double *P = (double *)malloc((size_t)T * sizeof(double)), *o = (double *)malloc((size_t)HD * sizeof(double));
+#pragma omp parallel for collapse(2) schedule(dynamic)
     for (int b = 0; b < B; b++)
         for (int hh = 0; hh < NH; hh++) {
+            double *P = (double *)malloc((size_t)T * sizeof(double)), *o = (double *)malloc((size_t)HD * sizeof(double));
             const uint16_t *x = h + (size_t)b * T * 3 * C + (size_t)hh * HD;
             for (int i = 0; i < T; i++) {
                 double mx = -1e300, sum = 0;
@@ -190,8 +202,8 @@ static void cpu_attn_forward(const uint16_t *h, int B, int T, int NH, int HD, ui
                 for (int d = 0; d < HD; d++) out[((size_t)b * T + i) * C + (size_t)hh * HD + d] = bf16_round((float)(o[d] / sum));
                 lse[((size_t)b * NH + hh) * T + i] = (float)(mx + log(sum));
             }
+            free(P), free(o);
         }
-    free(P), free(o);
 }
 
 /* out and lse on the device for qkv (h_qkv on the host): attn_bf16_forward where it takes HD, else
