@@ -149,15 +149,19 @@ h_wg=$(MESHTRAIN_ATTN=wgmma l96 context_len=256 batch_size=128 | awk '$1 == "run
 if [ "$h_4k" = "130.0 MiB" ] && [ "$h_512" = "130.0 MiB" ] && [ "$h_256" = "162.0 MiB" ] && [ "$h_wg" = "130.0 MiB" ] &&
    l96 context_len=512 batch_size=64 | grep -q "our Hopper kernel" && ! l96 context_len=256 batch_size=128 | grep -q "Hopper kernel"
 then ok estimate_hopper_backward_hd96; else bad "estimate_hopper_backward_hd96 ($h_4k, $h_512, $h_256, $h_wg)"; fi
-# head_dim 256 (embed_dim 1024, 4 heads) too (BN = 64 tiles, the same threshold, unmeasured there): its
-# workspace at 4096 x 8 instead of cuDNN's 0.9 GiB more, cuDNN's at 512 x 64 unless MESHTRAIN_ATTN=wgmma
+# head_dim 256 (embed_dim 1024, 4 heads): our Hopper backward's deterministic mode trails cuDNN's there,
+# so auto keeps cuDNN's (its dP: 1.0 GiB at 4096 x 8); fast (atomic dQ) takes ours from T=1024, as
+# MESHTRAIN_ATTN=wgmma does everywhere
 l256() { "$BIN" estimate embed_dim=1024 n_heads=4 n_layers=16 device=cuda precision=bf16 "$@"; }
 g_4k=$(l256 context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-g_512=$(l256 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
+g_f4k=$(MESHTRAIN_ATTN=fast l256 context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
+g_f512=$(MESHTRAIN_ATTN=fast l256 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
 g_wg=$(MESHTRAIN_ATTN=wgmma l256 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
-if [ "$g_4k" = "161.0 MiB" ] && [ "$g_512" = "161.5 MiB" ] && [ "$g_wg" = "161.0 MiB" ] &&
-   l256 context_len=4096 batch_size=8 | grep -q "our Hopper kernel" && ! l256 context_len=512 batch_size=64 | grep -q "Hopper kernel"
-then ok estimate_hopper_backward_hd256; else bad "estimate_hopper_backward_hd256 ($g_4k, $g_512, $g_wg)"; fi
+if [ "$g_4k" = "1.0 GiB" ] && [ "$g_f4k" = "161.0 MiB" ] && [ "$g_f512" = "161.5 MiB" ] && [ "$g_wg" = "161.0 MiB" ] &&
+   ! l256 context_len=4096 batch_size=8 | grep -q "Hopper kernel" &&
+   MESHTRAIN_ATTN=fast l256 context_len=1024 batch_size=32 | grep -q "our Hopper kernel" &&
+   ! MESHTRAIN_ATTN=fast l256 context_len=512 batch_size=64 | grep -q "Hopper kernel"
+then ok estimate_hopper_backward_hd256; else bad "estimate_hopper_backward_hd256 ($g_4k, $g_f4k, $g_f512, $g_wg)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

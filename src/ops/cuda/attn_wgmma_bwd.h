@@ -46,16 +46,19 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * a pass of its own) the post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB
  * less, and at 512 cuDNN's step is 0.4% ahead: so from 1024 there. At head_dim 96 the step (embed_dim
  * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8.
- * Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim) takes 1024 UNMEASURED (cuDNN's
- * deterministic engine: 283.7 TFLOP/s at B=16 H=4 T=4096, its atomic 336, torch's cuDNN 310.6).
- * Plain C, so that the memory estimate follows the same choice.
+ * Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim; H200, B=16 H=4 T=4096): deterministic
+ * 269.9 TFLOP/s against cuDNN's deterministic engine's 289.2, so auto (det) never takes it there;
+ * with atomic dQ (MESHTRAIN_ATTN=fast, det = 0) 356.5 against cuDNN's atomic 339.6 and torch's cuDNN
+ * 327.2, so fast takes it from 1024 (at B=8 H=4 T=1024: 199.8 against 201.3 and 206.2 alone; the
+ * fused RoPE pass not counted). Plain C, so that the memory estimate follows the same choice.
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
  * takes this kernel at, at every head dim; a value that is not a whole number >= 1 (digits only)
  * leaves the defaults. Read at every call (cheap next to an attention backward). */
 #define ATTN_WGMMA_BWD_AUTO_T 1024
 #define ATTN_WGMMA_BWD_AUTO_T_HD96 512
-static inline int attn_wgmma_bwd_auto_t(int HD) {
-    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96 : ATTN_WGMMA_BWD_AUTO_T;
+#define ATTN_WGMMA_BWD_NEVER 0x7fffffff
+static inline int attn_wgmma_bwd_auto_t(int HD, int det) {
+    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96 : HD == 256 && det ? ATTN_WGMMA_BWD_NEVER : ATTN_WGMMA_BWD_AUTO_T;
     const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
     long long v = 0;
     if (!e || !*e) return def;
@@ -65,7 +68,10 @@ static inline int attn_wgmma_bwd_auto_t(int HD) {
     }
     return v < 1 ? def : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
 }
-static inline int attn_wgmma_bwd_auto(int T, int HD) { return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD); }
+/* det: the deterministic mode (auto) or atomic dQ (fast) */
+static inline int attn_wgmma_bwd_auto(int T, int HD, int det) {
+    return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD, det);
+}
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old
  * bf16 value, adds in fp32, rounds once); with acc = 0 writes them (every element exactly once).

@@ -875,7 +875,8 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
  * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
  * that was faster (attn_wgmma_bwd_auto). fast = auto, but that Hopper backward sums dQ with atomics
- * (faster, not bitwise reproducible). wgmma = our Hopper kernels forward and backward wherever
+ * (faster, not bitwise reproducible), and takes head_dim 256 too (where its deterministic mode trails
+ * cuDNN's and auto keeps cuDNN's). wgmma = our Hopper kernels forward and backward wherever
  * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96,
  * 128 or 256), else auto's choice. */
 int cuda_set_attention_mode(const char *mode) {
@@ -901,7 +902,8 @@ static int att_wgmma(int HD) {
 /* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
  * (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma_bwd(int T, int HD) {
-    return g.bf16 && (g.att_mode == ATTN_MODE_WGMMA || (att_auto() && attn_wgmma_bwd_auto(T, HD))) &&
+    return g.bf16 &&
+           (g.att_mode == ATTN_MODE_WGMMA || (att_auto() && attn_wgmma_bwd_auto(T, HD, g.att_mode != ATTN_MODE_FAST))) &&
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
