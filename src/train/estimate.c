@@ -39,7 +39,7 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));
     int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0; /* ours: attn_bf16's head dims */
     int aut = mode == ATTN_MODE_AUTO || mode == ATTN_MODE_FAST; /* fast: auto's paths, atomic dQ in ours */
-    int hopper = bf && (aut ? attn_wgmma_bwd_auto(T, hd, mode != ATTN_MODE_FAST)
+    int hopper = bf && (aut ? attn_wgmma_bwd_auto(T, hd, mode != ATTN_MODE_FAST, 1) /* the step fuses RoPE */
                                                : mode == ATTN_MODE_WGMMA && attn_wgmma_bwd_hd(hd));
     int dnn = bf && (mode == ATTN_MODE_CUDNN || mode == ATTN_MODE_CUDNN_DET ||
                      ((aut || mode == ATTN_MODE_WGMMA) && attn_cudnn_auto(1, B, T, nh, hd, ours)));

@@ -39,26 +39,32 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
 
 /* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/RESULTS.md,
  * sessions 17-19): 1 where this kernel runs, on a device that takes it (attn_wgmma_device_ok), from
- * T = attn_wgmma_bwd_auto_t(HD). Against cuDNN's deterministic engine, on an H100: 436.7 / 459.7
- * TFLOP/s at head_dim 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096 (cuDNN
- * 263), 395-404 at head_dim 96, T = 4096 (cuDNN 298) and 247-252 at 96, T = 1024 (cuDNN 221). At
- * head_dim 64 and 128, T = 1024, 253 against 281 alone, but with RoPE's backward fused (cuDNN's needs
- * a pass of its own) the post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB
+ * T = attn_wgmma_bwd_auto_t(HD, det, rope). Against cuDNN's deterministic engine, on an H100: 436.7 /
+ * 459.7 TFLOP/s at head_dim 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096
+ * (cuDNN 263), 395-404 at head_dim 96, T = 4096 (cuDNN 298) and 244-252 at 96, T = 1024 (cuDNN 218-
+ * 225). At head_dim 64 and 128, T = 1024, 247-258 against 273-281 alone, so the op without RoPE
+ * (rope = 0) takes it from 2048; with RoPE's backward to fuse (cuDNN's needs a pass of its own: the
+ * model's step) the post's step at 1024 x 32 ties (381,640 against 381,402 tokens/s) in 0.37 GiB
  * less, and at 512 cuDNN's step is 0.4% ahead: so from 1024 there. At head_dim 96 the step (embed_dim
- * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8.
- * Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim; H200, B=16 H=4 T=4096): deterministic
- * 269.9 TFLOP/s against cuDNN's deterministic engine's 289.2, so auto (det) never takes it there;
- * with atomic dQ (MESHTRAIN_ATTN=fast, det = 0) 356.5 against cuDNN's atomic 339.6 and torch's cuDNN
- * 327.2, so fast takes it from 1024 (at B=8 H=4 T=1024: 199.8 against 201.3 and 206.2 alone; the
- * fused RoPE pass not counted). Plain C, so that the memory estimate follows the same choice.
+ * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8,
+ * and the op alone at 1024 too. Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim; H200,
+ * B=16 H=4 T=4096): deterministic 269.9 TFLOP/s against cuDNN's deterministic engine's 289.2, so
+ * auto (det) never takes it there; with atomic dQ (MESHTRAIN_ATTN=fast, det = 0) 356.5 against
+ * cuDNN's atomic 339.6 and torch's cuDNN 327.2, so fast takes it from 1024 (at B=8 H=4 T=1024: 199.8
+ * against 201.3 and 206.2 alone; the fused RoPE pass not counted). Plain C, so that the memory
+ * estimate follows the same choice (the model's step always has RoPE).
  * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
- * takes this kernel at, at every head dim; a value that is not a whole number >= 1 (digits only)
- * leaves the defaults. Read at every call (cheap next to an attention backward). */
+ * takes this kernel at, at every head dim, with and without RoPE; a value that is not a whole
+ * number >= 1 (digits only) leaves the defaults. Read at every call (cheap next to an attention
+ * backward). */
 #define ATTN_WGMMA_BWD_AUTO_T 1024
+#define ATTN_WGMMA_BWD_AUTO_T_NOROPE 2048
 #define ATTN_WGMMA_BWD_AUTO_T_HD96 512
 #define ATTN_WGMMA_BWD_NEVER 0x7fffffff
-static inline int attn_wgmma_bwd_auto_t(int HD, int det) {
-    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96 : HD == 256 && det ? ATTN_WGMMA_BWD_NEVER : ATTN_WGMMA_BWD_AUTO_T;
+static inline int attn_wgmma_bwd_auto_t(int HD, int det, int rope) {
+    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96
+                  : HD == 256 && det ? ATTN_WGMMA_BWD_NEVER
+                  : rope ? ATTN_WGMMA_BWD_AUTO_T : ATTN_WGMMA_BWD_AUTO_T_NOROPE;
     const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
     long long v = 0;
     if (!e || !*e) return def;
@@ -68,9 +74,9 @@ static inline int attn_wgmma_bwd_auto_t(int HD, int det) {
     }
     return v < 1 ? def : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
 }
-/* det: the deterministic mode (auto) or atomic dQ (fast) */
-static inline int attn_wgmma_bwd_auto(int T, int HD, int det) {
-    return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD, det);
+/* det: the deterministic mode (auto) or atomic dQ (fast); rope: RoPE's backward fused in */
+static inline int attn_wgmma_bwd_auto(int T, int HD, int det, int rope) {
+    return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD, det, rope);
 }
 
 /* dqkv [B, T, 3C] bf16: with acc = 1 ACCUMULATES (+=) the gradients w.r.t. q, k and v (reads the old

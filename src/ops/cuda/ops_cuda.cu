@@ -900,10 +900,12 @@ static int att_wgmma(int HD) {
 }
 
 /* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
- * (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
-static int att_wgmma_bwd(int T, int HD) {
+ * and by whether RoPE's backward is fused in (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on
+ * a device that takes it. */
+static int att_wgmma_bwd(int T, int HD, int rope) {
     return g.bf16 &&
-           (g.att_mode == ATTN_MODE_WGMMA || (att_auto() && attn_wgmma_bwd_auto(T, HD, g.att_mode != ATTN_MODE_FAST))) &&
+           (g.att_mode == ATTN_MODE_WGMMA ||
+            (att_auto() && attn_wgmma_bwd_auto(T, HD, g.att_mode != ATTN_MODE_FAST, rope))) &&
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
@@ -930,7 +932,7 @@ static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
     size_t ws;
     if (!backward && att_wgmma(HD)) return "wgmma";
-    if (backward && att_wgmma_bwd(T, HD)) return "wgmma";
+    if (backward && att_wgmma_bwd(T, HD, 0)) return "wgmma";
     if (att_cudnn(backward, B, T, NH, HD, &ws)) return "cudnn";
     return g.bf16 && attn_bf16_supported(HD) ? "own" : "generic";
 }
@@ -967,7 +969,8 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
  * acc = 0), rotated back in the kernel (attn_wgmma_bwd.h) */
 static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                               int B, int T, int NH, int HD, int acc, const float *cos_t, const float *sin_t) {
-    if (!att_wgmma_bwd(T, HD) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse))) return 0;
+    if (!att_wgmma_bwd(T, HD, cos_t != NULL) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse)))
+        return 0;
     void *ws = scratch(attn_wgmma_bwd_workspace_bytes(B, T, NH, HD));
     attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, g.att_mode != ATTN_MODE_FAST, cos_t, sin_t,
                         (void *)g.stream);

@@ -121,8 +121,9 @@ static inline int cuda_rmsnorm_blocks(size_t N, int wide) {
     size_t per = wide ? 8 : 16, nb = (N + per - 1) / per;
     return nb < RMSNORM_DW_BLOCKS ? (int)nb : RMSNORM_DW_BLOCKS;
 }
-/* What runs a call of that shape now: "cudnn", "own" (attn_bf16.cu's tensor-core kernels) or
- * "generic" (attention.cuh); may build cuDNN's plan for the shape. */
+/* What runs a call of that shape now, as cuda_attention_forward / cuda_attention_backward make it
+ * (without RoPE's backward fused in): "cudnn", "wgmma" (our Hopper kernels), "own" (attn_bf16.cu's
+ * tensor-core kernels) or "generic" (attention.cuh); may build cuDNN's plan for the shape. */
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD);
 /* Test hook: the dP limit of cuDNN's deterministic backward (0: ATTN_CUDNN_DET_MAX_BYTES), so that a
  * small shape runs over its batch in pieces as a long context does. */
