@@ -134,34 +134,13 @@ static ParallelBytes fsdp_bytes(const Model *layout, int D, size_t state_size, s
     return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, compute_size ? pool * compute_size : 0, 0};
 }
 
-const ParallelStrategy par_fsdp = {
-    .name = "fsdp",
-    .setup = fsdp_setup,
-    .free = fsdp_free,
-    .gather = fsdp_gather,
-    .release = fsdp_release,
-    .grad_begin = par_slot_grad_begin,
-    .grad_ready = par_slot_grad_ready,
-    .init_weights = par_init_shard,
-    .begin_step = fsdp_begin_step,
-    .step = fsdp_step,
-    .ranges = par_shard_ranges,
-    .bytes = fsdp_bytes,
-};
+/* FSDP's functions, the same for both tables below */
+#define FSDP_FUNCS                                                                                   \
+    .setup = fsdp_setup, .free = fsdp_free, .gather = fsdp_gather, .release = fsdp_release,           \
+    .grad_begin = par_slot_grad_begin, .grad_ready = par_slot_grad_ready, .init_weights = par_init_shard, \
+    .begin_step = fsdp_begin_step, .step = fsdp_step, .ranges = par_shard_ranges, .bytes = fsdp_bytes
+
+const ParallelStrategy par_fsdp = {.name = "fsdp", FSDP_FUNCS};
 
 /* The same, sharded over mesh->shard and replicated over mesh->replicate. */
-const ParallelStrategy par_hybrid = {
-    .name = "hybrid",
-    .replicated = 1,
-    .setup = fsdp_setup,
-    .free = fsdp_free,
-    .gather = fsdp_gather,
-    .release = fsdp_release,
-    .grad_begin = par_slot_grad_begin,
-    .grad_ready = par_slot_grad_ready,
-    .init_weights = par_init_shard,
-    .begin_step = fsdp_begin_step,
-    .step = fsdp_step,
-    .ranges = par_shard_ranges,
-    .bytes = fsdp_bytes,
-};
+const ParallelStrategy par_hybrid = {.name = "hybrid", .replicated = 1, FSDP_FUNCS};
