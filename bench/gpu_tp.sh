@@ -7,6 +7,9 @@
 #   eff:  TP efficiency where TP is meant to pay (embed_dim=4096 n_heads=32 n_layers=8
 #         context_len=4096 batch_size=1): per-GPU tokens/s at tp=NP against one GPU's
 # Usage: NP=2 SECTIONS="long eff" [PEER_DDP=0] bench/gpu_tp.sh [meshtrain] [peer.py]
+# TP (default NP): the long run's tensor-parallel size, NP / TP data-parallel (meshtrain: DDP
+# over the rest; the peer's TP groups then train apart, without a gradient sum between them:
+# torch_llama_tp.py wraps no data parallel around its tp mesh), e.g. NP=8 TP=4 for issue 22.
 # STEPS timed steps (meshtrain runs one more and excludes it; the peer 2 warm-up steps).
 set -u
 BIN=${1:-build/meshtrain} PEER=${2:-../shared/peers/torch_llama_tp.py}
@@ -32,9 +35,10 @@ for s in ${SECTIONS:-long eff}; do
   case $s in
   long)
     LONG="context_len=10000 embed_dim=1024 n_heads=8 n_layers=16"
-    echo "== long context: $LONG batch_size=4"
-    mt "meshtrain tp=$NP" "$NP" $LONG batch_size=4 tensor_parallel_size=$NP
-    peer "peer tp=$NP" "$NP" $LONG batch_size=4 tp=$NP steps=$STEPS
+    TP=${TP:-$NP}
+    echo "== long context: $LONG batch_size=4, tp=$TP on $NP GPUs"
+    mt "meshtrain tp=$TP" "$NP" $LONG batch_size=4 tensor_parallel_size=$TP
+    peer "peer tp=$TP" "$NP" $LONG batch_size=4 tp=$TP steps=$STEPS
     mt "meshtrain 1 GPU" 1 $LONG batch_size=4
     [ "${PEER_DDP:-1}" = 1 ] && peer "peer tp=1 (DDP over $NP)" "$NP" $LONG batch_size=4 tp=1 steps=$STEPS
     ;;
