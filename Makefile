@@ -135,8 +135,15 @@ $(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/g
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra,-fopenmp $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
 	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -lgomp -o $@
 
+# A two-GPU probe of tensor parallel's sum without SM-based collectives (built by nvcc, linking
+# cuBLAS and NCCL directly; `make cuda` builds it where both are found).
+PROBES := $(if $(and $(NVCC),$(NCCL_INC),$(NCCL_LIB)),$(BUILD)/bench/tp_fused_probe)
+$(BUILD)/bench/tp_fused_probe: bench/tp_fused_probe.cu | $(BUILD)/bench
+	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -I$(NCCL_INC) $< -o $@ -lcublas -L$(NCCL_LIB) \
+	    -Xlinker -rpath,$(NCCL_LIB) -lnccl
+
 # Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
-cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS)
+cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS) $(PROBES)
 
 # On a GPU machine: every CUDA op against the CPU op, and whole training runs on CUDA
 # against the CPU (tests/gpu/). Ends with "N passed, N failed", like `make test`.
