@@ -152,7 +152,7 @@ int cmd_estimate(Config *c) {
              (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0);
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), ce, &oc, &e);
-    estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, &e);
+    estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, dp, &e);
     if (c->grad_accum_steps > 1 && PP == 1)  /* the same memory: one micro-batch's activations, gradients in place */
         printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
                "one micro-batch's\n", c->grad_accum_steps, c->batch_size,
@@ -161,7 +161,7 @@ int cmd_estimate(Config *c) {
         printf("gradient accumulation: %d rounds of %d micro-batches in one schedule a step, global batch %lld "
                "sequences\n", c->grad_accum_steps, c->micro_batches,
                (long long)c->batch_size * c->grad_accum_steps * dp);
-    estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, group, TP,
+    estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, dp, group, TP,
                            c->sequence_parallel, gpu,
                            precision_of(c), ce, &oc);
     if (TP > 1)

@@ -162,7 +162,7 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     model_free(&m);
 }
 
-void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e) {
+void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, int dp, const MemEstimate *e) {
     char b1[32], b2[32];
     printf("model: embed_dim=%d n_heads=%d n_layers=%d vocab=%d context_len=%d%s\n", c->embed_dim, c->n_heads,
            c->n_layers, c->vocab_size, c->context_len, c->tie_embeddings ? " (tied embeddings)" : "");
@@ -171,9 +171,11 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
            e->flops_per_token * B * T);
     static const char *pnames[] = {"fp32", "mixed: bf16 compute, fp32 master weights",
                                    "bf16: bf16 weights, gradients and optimizer"};
-    printf("memory per %s (%s, %s; %s over %d rank%s):\n", e->gpu ? "GPU" : "rank", pnames[e->prec],
-           e->gpu ? "cuda" : "cpu",
-           parallel_kind_name(kind), world, world > 1 ? "s" : "");
+    /* the strategy's group is the data-parallel one; tensor and pipeline parallel split the rest */
+    char of[64] = "";
+    if (dp != world) snprintf(of, sizeof of, " of the %d in all", world);
+    printf("memory per %s (%s, %s; %s over %d data-parallel rank%s%s):\n", e->gpu ? "GPU" : "rank", pnames[e->prec],
+           e->gpu ? "cuda" : "cpu", parallel_kind_name(kind), dp, dp > 1 ? "s" : "", of);
     char optim[64];
     snprintf(optim, sizeof optim, "optimizer (%s)", e->optim_what[0] ? e->optim_what : "AdamW m, v");
     const char *names[] = {"parameters", "gradients", optim, "bf16 weight copies",
@@ -204,13 +206,14 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
                "unit)\n");
 }
 
-void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,
+void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world, int dp,
                             int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
                             const OptimConfig *oc) {
     static const char *names[] = {"none", "optimizer", "params"};
     int last = kind == PAR_FSDP || kind == PAR_HYBRID ? OFFLOAD_PARAMS : OFFLOAD_OPTIMIZER;
     char b1[32], b2[32];
-    printf("by offload and optimizer (%s over %d rank%s):\n", parallel_kind_name(kind), world, world > 1 ? "s" : "");
+    printf("by offload and optimizer (%s over %d data-parallel rank%s):\n", parallel_kind_name(kind), dp,
+           dp > 1 ? "s" : "");
     printf("  %-19s %-10s %12s %14s\n", "offload", "optimizer", gpu ? "GPU" : "rank total", "host (offload)");
     for (int off = OFFLOAD_NONE; off <= last; off++)
         for (int k = OPTIM_ADAMW; k <= OPTIM_ADAFACTOR; k++) {

@@ -57,11 +57,12 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
 void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
                     int training, ParallelKind kind, int shard_size, int tp, int sp, OpsPrecision prec,
                     const OptimConfig *oc);
-void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, const MemEstimate *e);
+/* world: every rank; dp: the data-parallel group's size (world / (tp x pp)), which the strategy spans */
+void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, int dp, const MemEstimate *e);
 /* `meshtrain estimate`'s table: the GPU's (or rank's) total and the host's offloaded state
  * for every offload setting and optimizer, the others as given (arguments as
  * estimate_memory's). */
-void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world,
+void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world, int dp,
                             int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
                             const OptimConfig *oc);
 /* Bytes of memory available to this process (MemAvailable), 0 if unknown. */

@@ -355,7 +355,7 @@ int cmd_train(Config *c) {
         printf("data: %s (%s tokens, %zu global batches/epoch), %s (%s tokens)\n", c->train_data,
                fmt_commas(b1, (long long)train.n_tokens), loader.batches_per_epoch, c->val_data,
                fmt_commas(b2, (long long)val.n_tokens));
-        estimate_print(&mc, B, T, kind, world.size, &est);
+        estimate_print(&mc, B, T, kind, world.size, dp, &est);
     }
 
     Model m;
