@@ -23,30 +23,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CK(x)                                                                                           \
-    do {                                                                                                \
-        cudaError_t e_ = (x);                                                                           \
-        if (e_ != cudaSuccess) {                                                                        \
-            fprintf(stderr, "tp_fused_probe: %s: %s\n", #x, cudaGetErrorString(e_));                   \
-            exit(1);                                                                                    \
-        }                                                                                               \
-    } while (0)
-#define CB(x)                                                                                           \
-    do {                                                                                                \
-        cublasStatus_t s_ = (x);                                                                        \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                              \
-            fprintf(stderr, "tp_fused_probe: %s: cuBLAS status %d\n", #x, (int)s_);                     \
-            exit(1);                                                                                    \
-        }                                                                                               \
-    } while (0)
-#define CN(x)                                                                                           \
-    do {                                                                                                \
-        ncclResult_t r_ = (x);                                                                          \
-        if (r_ != ncclSuccess) {                                                                        \
-            fprintf(stderr, "tp_fused_probe: %s: %s\n", #x, ncclGetErrorString(r_));                   \
-            exit(1);                                                                                    \
-        }                                                                                               \
-    } while (0)
+/* A failed call ends the probe with one line naming it; CK, CB and CN check the CUDA runtime's,
+ * cuBLAS's and NCCL's return codes. */
+static void fail(const char *call, const char *why) {
+    fprintf(stderr, "tp_fused_probe: %s: %s\n", call, why);
+    exit(1);
+}
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) fail(#x, cudaGetErrorString(e_)); } while (0)
+#define CB(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) fail(#x, cublasGetStatusString(s_)); } while (0)
+#define CN(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) fail(#x, ncclGetErrorString(r_)); } while (0)
 
 typedef __nv_bfloat16 bf16;
 
