@@ -1,6 +1,6 @@
 #include "estimate.h"
 #include "attn_cudnn.h"      /* the dP buffer of cuDNN's deterministic attention backward */
-#include "attn_wgmma_bwd.h" /* our Hopper backward's, which auto takes from T = 1024 */
+#include "attn_wgmma_bwd.h" /* our Hopper backward's, where auto takes it (attn_wgmma_bwd_auto) */
 #include "ops_cuda.h"       /* rmsnorm's backward blocks */
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,15 +19,14 @@
  * WORKSPACE_BYTES); its scratch is added per shape below. */
 #define CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
 
-/* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials
- * (one row of E per 16 tokens, at most 1024 rows), attention backward's row terms (B T NH),
- * sumsq's 1025 doubles; in bf16, where attention's backward runs on our Hopper kernel
- * (attn_wgmma_bwd_auto, as on an H100 or H200) its workspace, or on cuDNN's deterministic engine
- * (ops_cuda.cu's auto choice, attn_cudnn_auto; our mma.sync kernels take head dims 64 and 128, the
- * Hopper backward 64, 96, 128 and 256), its
- * workspace and row terms instead. A tensor-parallel rank runs attention on its NH / tp heads
- * (the deterministic engine's workspace, B NH T^2, may then fit where the whole model's
- * did not). */
+/* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials (one row
+ * of E per 16 tokens, per 8 on the wide-row kernels, at most 1024 rows: ops_cuda.h), attention
+ * backward's row terms (B T NH), sumsq's 1025 doubles; in bf16, where attention's backward runs on
+ * our Hopper kernel (attn_wgmma_bwd_auto, as on an H100 or H200) its workspace, or on cuDNN's
+ * deterministic engine (ops_cuda.cu's auto choice, attn_cudnn_auto; our mma.sync kernels take head
+ * dims 64 and 128, the Hopper backward 64, 96, 128 and 256) its workspace and row terms instead.
+ * A tensor-parallel rank runs attention on its NH / tp heads (the deterministic engine's
+ * workspace, B NH T^2, may then fit where the whole model's did not). */
 static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
     /* rmsnorm's backward: its blocks' dw partials (ops_cuda.h) */
