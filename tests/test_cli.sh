@@ -70,6 +70,12 @@ if command -v mpirun >/dev/null; then
   else bad "cuda_multi_process_trains_or_says_why (exit $rc: $([ $rc -eq 0 ] && echo "$WHY" || echo "$err"))"; fi
 fi
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 device=cuda precision=fp32 | grep -q "memory per GPU (fp32, cuda" && ok estimate_cuda || bad estimate_cuda
+# the header names the data-parallel group the strategy spans, and the whole world beside it under
+# tensor (or pipeline) parallel
+h1=$("$BIN" estimate world_size=2 | grep "^memory per")
+h2=$("$BIN" estimate world_size=4 tensor_parallel_size=2 n_heads=4 fsdp=true | grep "^memory per")
+if [[ $h1 == *"ddp over 2 data-parallel ranks):" ]] && [[ $h2 == *"fsdp over 2 data-parallel ranks of the 4 in all):" ]]
+then ok estimate_names_data_parallel_group; else bad "estimate_names_data_parallel_group ($h1 / $h2)"; fi
 # cuda defaults to mixed precision: bf16 activations (half of fp32's) and bf16 weight copies
 # the estimate takes train's grad_accum_steps: the same memory (one micro-batch's), the global batch printed
 a1=$("$BIN" estimate embed_dim=256 n_heads=4 n_layers=4 batch_size=8 | grep '^  total')
