@@ -237,6 +237,13 @@ void comm_p2p_init(const Comm *c) {
 #endif
 }
 
+void comm_p2p_wait_device(CommP2P *r) {
+#ifdef MESHTRAIN_NCCL
+    if (r->ev) { nccl_p2p_stream_wait(r); return; }
+#endif
+    comm_p2p_wait(r);
+}
+
 void comm_p2p_wait(CommP2P *r) {
 #ifdef MESHTRAIN_NCCL
     if (r->ev) { comm_wait_until(nccl_p2p_done, r, r->c, r->what); return; }

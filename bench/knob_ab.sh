@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# MESHTRAIN_GEMM_SMS A/B (issues 18 and 19): cuBLASLt's products planned for fewer SMs than the
-# card has, so that NCCL's kernels beside them (pipeline send/receive, tensor parallel's
-# collectives) do not leave a grid-sized product one more wave. In one call, rounds
-# alternating the values in SMS (0 = all SMs, today's):
+# A knob's values A/B under pipeline and tensor parallel (issues 18 and 19), e.g.
+# MESHTRAIN_GEMM_SMS (cuBLASLt's products planned for fewer SMs, beside NCCL's kernels) or
+# MESHTRAIN_PP_RECV (host or device). In one call, rounds alternating KNOB's VALUES:
 #   pp:  the post's model in pure bf16 (batch 128, context 256), pp=NP, m=M, each schedule in
 #        SCHEDS, beside the bubble's prediction from one GPU at batch 128/M (all SMs)
 #   tp:  TP efficiency's model (embed_dim=4096 n_heads=32 n_layers=8 context_len=4096
 #        batch_size=1) at tp=2 (GPUs 0,1) and tp=NP, per-GPU tokens/s of one GPU's
-# Usage: NP=4 SMS="0 128 124" SCHEDS="1f1b interleaved" ROUNDS=2 SECTIONS="pp tp" bench/gemm_sms.sh
+# Usage: KNOB=MESHTRAIN_GEMM_SMS VALUES="0 128 116" NP=4 SCHEDS="1f1b interleaved" ROUNDS=2 \
+#        SECTIONS="pp tp" bench/knob_ab.sh
 set -u
-NP=${NP:-4} M=${M:-8} SMS=${SMS:-0 128 124} SCHEDS=${SCHEDS:-1f1b interleaved} ROUNDS=${ROUNDS:-2}
+NP=${NP:-4} M=${M:-8} KNOB=${KNOB:-MESHTRAIN_GEMM_SMS} VALUES=${VALUES:-0 128 116} SCHEDS=${SCHEDS:-1f1b interleaved} ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-20}
 . "$(dirname "$0")/lib.sh"
 BIN=${BIN:-build/meshtrain}
@@ -39,8 +39,8 @@ for s in ${SECTIONS:-pp tp}; do
     for r in $(seq "$ROUNDS"); do
       for sched in $SCHEDS; do
         keys=""; [ "$sched" = interleaved ] && keys="virtual_stages=2"
-        for v in $SMS; do
-          one "r$r $sched sms=$v" "$NP" "MESHTRAIN_GEMM_SMS=$v" $POST pipeline_parallel_size=$NP micro_batches=$M \
+        for v in $VALUES; do
+          one "r$r $sched $KNOB=$v" "$NP" "$KNOB=$v" $POST pipeline_parallel_size=$NP micro_batches=$M \
             pipeline_schedule=$sched $keys
         done
       done
@@ -52,8 +52,8 @@ for s in ${SECTIONS:-pp tp}; do
     for r in $(seq "$ROUNDS"); do
       for t in 2 $NP; do
         [ "$t" -le "$NP" ] || continue
-        for v in $SMS; do
-          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((t - 1))) one "r$r tp=$t sms=$v" "$t" "MESHTRAIN_GEMM_SMS=$v" $EFF \
+        for v in $VALUES; do
+          CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((t - 1))) one "r$r tp=$t $KNOB=$v" "$t" "$KNOB=$v" $EFF \
             tensor_parallel_size=$t
         done
       done
