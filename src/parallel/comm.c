@@ -111,6 +111,7 @@ void comm_split(const Comm *parent, int color, int key, const char *name, Comm *
 void comm_free(Comm *c) {
     if (c->impl) {
 #ifdef MESHTRAIN_NCCL
+        p2p_ce_release(c);
         nccl_free(c->impl);
 #endif
         MPI_Comm_free(&((CommImpl *)c->impl)->mc);
