@@ -35,6 +35,8 @@ static inline size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(
 
 /* comm.c. An MPI call's failure ends the job with one line naming the group. */
 void comm_check(int rc, const Comm *c, const char *what);
+/* Whether every rank of c is on this machine (collective over c; MPI_COMM_TYPE_SHARED). */
+int comm_one_machine(const Comm *c);
 /* The one waiting loop: polls `done` until it returns nonzero, aborting the job after the
  * world's timeout. */
 void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what);

@@ -48,8 +48,16 @@ static size_t slot_bytes(size_t msg) { return (msg + 255) & ~(size_t)255; }
 
 size_t comm_p2p_ce_bytes(size_t msg) { return R * slot_bytes(msg) + 2 * CTR_BYTES; }
 
+int comm_p2p_on_copy_engines(const Comm *c) {
+    if (!c->impl || !((CommImpl *)c->impl)->p2p_bytes) return -1;
+#ifdef MESHTRAIN_NCCL
+    return p2p_ce_on(c);
+#else
+    return 0;
+#endif
+}
+
 #ifndef MESHTRAIN_NCCL
-int comm_p2p_on_copy_engines(const Comm *c) { return c->impl ? 0 : -1; }
 void comm_p2p_drain(const Comm *c) { (void)c; }
 #else
 #include <cuda.h>
@@ -112,14 +120,9 @@ static int agreed(const Comm *c, int ok, const char *what) {
 /* Whether the link's two GPUs can take the path: one machine, this rank's driver with the
  * memory operations, and the peer's GPU visible here with peer access to it (or the same GPU). */
 static int link_possible(const Comm *c, const char *what) {
-    int dev, local, peer = -1, can = 0;
+    int dev, peer = -1, can = 0;
     cchk(cudaGetDevice(&dev), c, what, "cudaGetDevice");
-    int ok = memops_ok(dev);
-    MPI_Comm shm;
-    comm_check(MPI_Comm_split_type(mpi(c), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shm), c, "comm split (node)");
-    MPI_Comm_size(shm, &local);
-    MPI_Comm_free(&shm);
-    ok = ok && local == c->size;
+    int ok = comm_one_machine(c) && memops_ok(dev);
     char bus[2][32];
     memset(bus, 0, sizeof bus);
     cchk(cudaDeviceGetPCIBusId(bus[c->rank], (int)sizeof bus[0], dev), c, what, "cudaDeviceGetPCIBusId");
@@ -234,11 +237,6 @@ int p2p_ce_wait_device(CommP2P *r) {
 void comm_p2p_drain(const Comm *c) {
     P2pCe *p = c->impl ? ((CommImpl *)c->impl)->p2p_ce : NULL;
     if (p && p->recv && p->n) host_wait(c, p->done[(p->n - 1) % R], "pipeline receive");
-}
-
-int comm_p2p_on_copy_engines(const Comm *c) {
-    if (!c->impl || !((CommImpl *)c->impl)->p2p_bytes) return -1;
-    return p2p_ce_on(c);
 }
 
 void p2p_ce_release(const Comm *c) {
