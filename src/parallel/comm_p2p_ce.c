@@ -21,9 +21,9 @@
  *
  * Never hang: the compute stream waits for a receive on the device (comm_p2p_wait returns at
  * once), but the host still notices a peer that never sends, within comm_timeout: before it
- * queues receive n it waits for receive n - R (so it is never more than R receives ahead of
- * the device), and comm_p2p_drain, at the optimizer step (step.c's free_all_slots) and before
- * an evaluation's loss is read, waits for all of them. A send completes, as NCCL's does, by
+ * queues receive n it waits for receive n - LAG (so it runs at most LAG receives ahead of
+ * them), and comm_p2p_drain, at the optimizer step (step.c's free_all_slots) and before an
+ * evaluation's loss is read, waits for all of them. A send completes, as NCCL's does, by
  * an event the host polls (comm_p2p_wait, step.c's slot_free).
  *
  * A stream blocked in a memory-op wait holds one of the device's hardware queues: train.c
@@ -43,7 +43,11 @@ int comm_p2p_ce_asked(void) {
     return 1;
 }
 
-enum { R = COMM_P2P_CE_SLOTS, CTR_BYTES = 256 };  /* a block's counter, after its slots */
+/* LAG: the host queues receive n once receive n - LAG is complete (below R, whose events
+ * record the last R receives): far enough ahead that the device never waits for the host's
+ * queueing, near enough that it meets a timeout (comm_wait_until) before a wait with none
+ * (the cuda backend's ring of 16 upload buffers, reused as its uploads complete) */
+enum { R = COMM_P2P_CE_SLOTS, LAG = 2, CTR_BYTES = 256 };  /* CTR_BYTES: a block's counter, after its slots */
 static size_t slot_bytes(size_t msg) { return (msg + 255) & ~(size_t)255; }
 
 size_t comm_p2p_ce_bytes(size_t msg) { return R * slot_bytes(msg) + 2 * CTR_BYTES; }
@@ -215,8 +219,8 @@ void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char 
     P2pCe *p = ce_of(c, 1, bytes, what);
     cudaStream_t s = p2p_stream(c, what);
     uint64_t n = p->n++;
+    if (n >= LAG) host_wait(c, p->done[(n - LAG) % R], what);  /* a lost peer ends the job here */
     cudaEvent_t ev = p->done[n % R];
-    host_wait(c, ev, what);  /* receive n - R: the host stays within R receives of the device */
     p2p_after_compute(c, s, ev, what);  /* after the compute stream's last use of buf */
     int span = trace_span_begin(s, "pipeline receive", bytes);
     mchk(g_wait64(s, counter(p, p->mine, 1), n + 1, CU_STREAM_WAIT_VALUE_GEQ), c, what, "cuStreamWaitValue64");
