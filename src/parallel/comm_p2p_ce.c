@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "comm_impl.h"
 #include "util.h"
 
@@ -48,9 +49,14 @@ int comm_p2p_ce_asked(void) {
  * queueing, near enough that it meets a timeout (comm_wait_until) before a wait with none
  * (the cuda backend's ring of 16 upload buffers, reused as its uploads complete) */
 enum { R = COMM_P2P_CE_SLOTS, LAG = 2, CTR_BYTES = 256 };  /* CTR_BYTES: a block's counter, after its slots */
+/* Each end's block is whole 2 MiB pages: cudaMalloc may place a smaller allocation inside a
+ * larger block, and IPC then maps that block, the pointer the peer opens being its start
+ * (the CUDA programming guide's interprocess communication); p2p_ce_init checks the mapping. */
+#define BLOCK_ALIGN ((size_t)2 << 20)
 static size_t slot_bytes(size_t msg) { return (msg + 255) & ~(size_t)255; }
+static size_t block_bytes(size_t slots) { return (slots + CTR_BYTES + BLOCK_ALIGN - 1) / BLOCK_ALIGN * BLOCK_ALIGN; }
 
-size_t comm_p2p_ce_bytes(size_t msg) { return R * slot_bytes(msg) + 2 * CTR_BYTES; }
+size_t comm_p2p_ce_bytes(size_t msg) { return block_bytes(R * slot_bytes(msg)) + block_bytes(0); }
 
 int comm_p2p_on_copy_engines(const Comm *c) {
     if (!c->impl || !((CommImpl *)c->impl)->p2p_bytes) return -1;
@@ -110,7 +116,8 @@ static void mchk(CUresult rc, const Comm *c, const char *what, const char *call)
     nccl_die(c, what, call, err);
 }
 
-/* The counter in a block: after a receiver's slots, at a sender's start. */
+/* The counter in a block: after a receiver's slots, at a sender's start; a token beside it
+ * (the 8 bytes after) says whose block a mapping shows. */
 static CUdeviceptr counter(const P2pCe *p, const char *block, int receiver) {
     return (CUdeviceptr)(uintptr_t)(block + (receiver ? R * p->slot : 0));
 }
@@ -149,19 +156,25 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     P2pCe *p = xcalloc(1, sizeof *p);
     p->recv = c->rank == 1;
     p->slot = slot_bytes((size_t)most);
-    p->mine = cuda_malloc((p->recv ? R * p->slot : 0) + CTR_BYTES);
-    cudaStream_t s = p2p_stream(c, what);
-    cchk(cudaMemsetAsync((void *)(uintptr_t)counter(p, p->mine, p->recv), 0, CTR_BYTES, s), c, what, "cudaMemsetAsync");
-    cchk(cudaStreamSynchronize(s), c, what, "cudaStreamSynchronize");  /* zero before the peer can write it */
-    cudaIpcMemHandle_t h[2];
-    memset(h, 0, sizeof h);
-    cchk(cudaIpcGetMemHandle(&h[c->rank], p->mine), c, what, "cudaIpcGetMemHandle");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, h, (int)sizeof h[0], MPI_BYTE, mpi(c)), c, what);
+    p->mine = cuda_malloc(block_bytes(p->recv ? R * p->slot : 0));
+    /* the counter zeroed (before the peer can write it), and this block's token beside it */
+    struct { cudaIpcMemHandle_t h; uint64_t ctr[2]; } x[2];
+    memset(x, 0, sizeof x);
+    x[c->rank].ctr[1] = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)p->mine ^ 0x9e3779b97f4a7c15u;
+    char *ctr = (char *)(uintptr_t)counter(p, p->mine, p->recv);
+    cchk(cudaMemcpy(ctr, x[c->rank].ctr, sizeof x[0].ctr, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
+    cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (from pageable memory: landed) */
+    cchk(cudaIpcGetMemHandle(&x[c->rank].h, p->mine), c, what, "cudaIpcGetMemHandle");
+    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
     void *peer = NULL;
-    int opened = cudaIpcOpenMemHandle(&peer, h[1 - c->rank], cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
-    if (!opened) cudaGetLastError();
+    uint64_t seen[2] = {0, 0};
+    int opened = cudaIpcOpenMemHandle(&peer, x[1 - c->rank].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
+    /* the mapping shows the peer's block where its counter is: its token is there */
+    opened = opened && cudaMemcpy(seen, (void *)(uintptr_t)counter(p, peer, !p->recv), sizeof seen,
+                                  cudaMemcpyDeviceToHost) == cudaSuccess && seen[1] == x[1 - c->rank].ctr[1];
+    cudaGetLastError();
     if (!agreed(c, opened, what)) {
-        if (opened) cudaIpcCloseMemHandle(peer);
+        if (peer) cudaIpcCloseMemHandle(peer);
         cuda_free(p->mine);
         free(p);
         return 0;

@@ -45,8 +45,8 @@ typedef struct {
 #define EST_CE_DDP 1
 #define EST_CE_TP 2
 /* EST_CE_PP (or'd): a pipeline stage's send/receive take the copy engines (MESHTRAIN_PP_CE=1,
- * comm.h): estimate_stage counts a receive ring (comm_p2p_ce_bytes of a micro-batch's
- * residual stream) for each direction the stage receives in. A run counts it wherever it is
+ * comm.h): estimate_stage counts a receive ring and its counters (comm_p2p_ce_bytes of a
+ * micro-batch's residual stream) for each direction the stage receives in. A run counts it wherever it is
  * asked on GPUs; where a link falls back to NCCL the estimate is high by its ring. */
 #define EST_CE_PP 4
 /* tp: tensor-parallel ranks; each holds its slices of every layer and its vocabulary rows
