@@ -155,25 +155,27 @@ close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interlea
 # -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
 # memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
 # kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
-# interleaved round the ring); its estimate grows by the rings, as its peak does (within 5%)
-while IFS='|' read -r name ref tied keys; do
+# interleaved round the ring); its estimate grows by the rings, as its peak does (within 5% of
+# the rings: nothing else the allocator counts differs)
+# (NAME|THE RUN IT FOLLOWS|ITS NCCL RUN|TIED|KEYS)
+while IFS='|' read -r name like ref tied keys; do
   out=$TMP/pp_ce_$name
   if (export MESHTRAIN_PP_CE=1; runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP) &&
-     grep -q "^pipeline send/receive: copy engines (" "$out.log" && close "$TMP/one_$tied" "$out"
-  then ok "multi_gpu_pipeline_ce_follows_one_gpu_$name"
-  else bad "multi_gpu_pipeline_ce_follows_one_gpu_$name ($(grep -m1 '^pipeline send/receive' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+     grep -q "^pipeline send/receive: copy engines (" "$out.log" && close "$TMP/$like" "$out"
+  then ok "multi_gpu_pipeline_ce_follows_${like}_$name"
+  else bad "multi_gpu_pipeline_ce_follows_${like}_$name ($(grep -m1 '^pipeline send/receive' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
   d=$("$DIFF" "$TMP/$ref/ckpt.bin" "$out/ckpt.bin" 2>&1)
   [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_pipeline_ce_bitwise_nccl_$name" || bad "multi_gpu_pipeline_ce_bitwise_nccl_$name ($d)"
 done <<CASES
-1f1b|pp_1f1b|false|$M micro_batches=2
-zb1_tied|pp_zb1_tied|true|$M micro_batches=8 pipeline_schedule=zb1
-interleaved|pp4l_interleaved|true|${M/n_layers=2/n_layers=4} micro_batches=4 pipeline_schedule=interleaved
+1f1b|one_false|pp_1f1b|false|$M micro_batches=2
+zb1_tied|one_true|pp_zb1_tied|true|$M micro_batches=8 pipeline_schedule=zb1
+interleaved|pp4l_1f1b|pp4l_interleaved|true|${M/n_layers=2/n_layers=4} micro_batches=4 pipeline_schedule=interleaved
 CASES
 ec=$(logged estimate_bytes "$TMP/pp_ce_1f1b") pc=$(logged gpu_peak_alloc_bytes "$TMP/pp_ce_1f1b")
 en=$(logged estimate_bytes "$TMP/pp_1f1b") pn=$(logged gpu_peak_alloc_bytes "$TMP/pp_1f1b")
 echo "  pipeline copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $en, peak $pn"
 if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
-   awk -v a=$((ec - en)) -v b=$((pc - pn)) -v p="$pc" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
+   awk -v a=$((ec - en)) -v b=$((pc - pn)) 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d <= 0.05 * a)}'
 then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline_ce_estimate_counts_rings; fi
 ! grep -q "^pipeline send/receive" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_off_by_default ||
   bad multi_gpu_pipeline_ce_off_by_default
