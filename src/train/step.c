@@ -64,6 +64,12 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         if (stage_has_head(m, &s[c])) st->head_chunk = c;
     }
     if (pipe) st->pipe = *pipe;
+    const char *rv = getenv("MESHTRAIN_PP_RECV");  /* a benchmark knob: host (default) or device */
+    if (rv && *rv && strcmp(rv, "host") && strcmp(rv, "device")) {
+        snprintf(err, errlen, "MESHTRAIN_PP_RECV=%s: expected host or device", rv);
+        return -1;
+    }
+    st->recv_device = rv && !strcmp(rv, "device");
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
                        pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute), piped(st) ? st->pipe.cost : NULL,
@@ -92,6 +98,8 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         }
         st->sent_out[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
         st->sent_grad[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
+        st->recv_in[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
+        st->recv_grad[c] = xcalloc((size_t)st->n_acts[c], sizeof(CommP2P));
     }
     if (st->sched.split_backward) {  /* a ring: the W passes run in their B passes' order */
         size_t wb = 0;
@@ -183,11 +191,29 @@ static void slot_free(Step *st, int c, int i) {
     comm_p2p_wait(&st->sent_grad[c][i]);
 }
 
-/* ... and every receive is complete (on the copy engines the host did not wait for them:
- * here a peer that never sends ends the job, before a wait with no bound, comm.h) */
+/* A receive into slot i of chunk c (the input, or the output's gradient): its earlier one
+ * into the slot completed on the host first (long since consumed; this is where a dead peer
+ * is noticed), then, with recv_device, the compute stream waits for the new one on the
+ * device and the host goes on queueing the next actions (at small micro-batches the host
+ * otherwise waits for each message and then runs a chunk's launches with the GPU idle
+ * behind it); else the host waits for it (on the copy engines a receive always completes
+ * on the device: comm.h). */
+static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
+    comm_p2p_wait(&slots[i]);
+    comm_irecv(link, buf, bytes, 1 - link->rank, tag, &slots[i], "pipeline receive");
+    if (st->recv_device) comm_p2p_wait_device(&slots[i]);
+    else comm_p2p_wait(&slots[i]);
+}
+
+/* ... and every receive is complete (where the host did not wait for them: here a peer
+ * that never sends ends the job, before a wait with no bound, comm.h) */
 static void free_all_slots(Step *st) {
     for (int c = 0; c < st->n_chunks; c++)
-        for (int k = 0; k < st->n_acts[c]; k++) slot_free(st, c, k);
+        for (int k = 0; k < st->n_acts[c]; k++) {
+            slot_free(st, c, k);
+            comm_p2p_wait(&st->recv_in[c][k]);
+            comm_p2p_wait(&st->recv_grad[c][k]);
+        }
     for (int i = 0; i < st->n_links; i++) comm_p2p_drain(st->link_order[i]);
 }
 
@@ -233,13 +259,10 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             snprintf(label, sizeof label, "%s%d.%d", action_name(act->kind), act->micro, c);
             trace_mark(NULL, label);
         }
-        CommP2P r;
         switch (act->kind) {
         case ACT_RECV_INPUT:
             slot_free(st, c, slot);
-            comm_irecv(&st->act_in, model_stage_input(m, a), act_bytes, peer(&st->act_in), tag(st, act), &r,
-                       "pipeline receive");
-            comm_p2p_wait(&r);
+            recv_slot(st, st->recv_in[c], slot, &st->act_in, model_stage_input(m, a), act_bytes, tag(st, act));
             break;
         case ACT_FORWARD:
             slot_free(st, c, slot);
@@ -253,9 +276,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
                        &st->sent_out[c][slot], "pipeline send");
             break;
         case ACT_RECV_GRAD:
-            comm_irecv(&st->grad_in, model_stage_grad(a), act_bytes, peer(&st->grad_in), tag(st, act), &r,
-                       "pipeline receive");
-            comm_p2p_wait(&r);
+            recv_slot(st, st->recv_grad[c], slot, &st->grad_in, model_stage_grad(a), act_bytes, tag(st, act));
             break;
         case ACT_BACKWARD:
             if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[n_b++ % st->n_wbuf], hooks);
@@ -343,6 +364,8 @@ void step_free(Step *st) {
         free(st->acts[c]);
         free(st->sent_out[c]);
         free(st->sent_grad[c]);
+        free(st->recv_in[c]);
+        free(st->recv_grad[c]);
     }
     for (int i = 0; i < st->n_wbuf; i++) model_tp_free(st->m, st->wbuf[i]);
     free(st->wbuf);

@@ -106,6 +106,7 @@ static struct {
     size_t att_det_max;     /* cuda_set_attention_det_max; 0: ATTN_CUDNN_DET_MAX_BYTES */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
     size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
+    int gemm_sms;           /* MESHTRAIN_GEMM_SMS: the SMs cuBLASLt plans for (0: all) */
     char name[256];
 } g;
 
@@ -223,6 +224,21 @@ int cuda_init(int device, char *err, size_t errlen) {
     g.device = device;
     const char *s = getenv("MESHTRAIN_CUDA_SYNC");
     g.sync_each = s && *s && strcmp(s, "0") != 0;
+    /* A benchmark knob: plan the products for fewer SMs than the card has, so that NCCL's
+     * kernels beside them (pipeline send/receive, tensor parallel's collectives) do not leave
+     * a grid-sized product a tail of one more wave. */
+    s = getenv("MESHTRAIN_GEMM_SMS");
+    g.gemm_sms = 0;
+    if (s && *s) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (*end || v < 0 || v > prop.multiProcessorCount) {
+            snprintf(err, errlen, "MESHTRAIN_GEMM_SMS=%s: expected 0 (all) to %d, the card's SMs", s,
+                     prop.multiProcessorCount);
+            return -1;
+        }
+        g.gemm_sms = (int)v;
+    }
     s = getenv("MESHTRAIN_ATTN");
     if (cuda_set_attention_mode(s)) {
         snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, s);
@@ -572,6 +588,10 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
     CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (g.gemm_sms) {
+        int32_t sms = g.gemm_sms;
+        CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+    }
     /* layouts describe the matrices as stored (before op) */
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&la, tab, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
