@@ -10,11 +10,11 @@
 # peer (torch.distributed.pipelining, PEER_SCHEDS at m in PEER_MS, PEER_COMPILE=1 compiles
 # each block) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
 # kernels (0) and on the copy engines (1: MESHTRAIN_PP_CE=1 on every rank; the row says which
-# path the header reports); default "0".
+# path the header reports); default "1" (the default path).
 # Usage: NP=4 MS="8 32" SCHEDS="gpipe 1f1b interleaved zb1" PP_CE="0 1" PEER_SCHEDS="1f1b interleaved zbv" \
 #        PEER_MS=8 bench/gpu_pipeline.sh [PEER_DIR]   (PEER_DIR holds torch_llama_pp.py)
 set -u
-NP=${NP:-2} MS=${MS:-8} STEPS=${STEPS:-20} VS=${VS:-2} PP_CE=${PP_CE:-0}
+NP=${NP:-2} MS=${MS:-8} STEPS=${STEPS:-20} VS=${VS:-2} PP_CE=${PP_CE:-1}
 SCHEDS=${SCHEDS:-gpipe 1f1b interleaved zb1}
 PEER_SCHEDS=${PEER_SCHEDS:-1f1b} PEER_MS=${PEER_MS:-8} PEER_COMPILE=${PEER_COMPILE:-1}
 PEERS=${1:-../shared/peers}

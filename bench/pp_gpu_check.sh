@@ -5,7 +5,7 @@
 # (MS="8": only m = 8.) A short check before the pipeline benchmarks; tests/gpu/test_multi_gpu.sh covers pp = 2.
 # PP_CE="0 1": each case with send/receive on NCCL's kernels and on the copy engines
 # (MESHTRAIN_PP_CE=1 on every rank; its header must say the copy engines run them), and the
-# two runs bitwise alike (the same bytes move); default "0".
+# two runs bitwise alike (the same bytes move); default "1" (the default path).
 # Usage: NP=4 PP_CE="0 1" bench/pp_gpu_check.sh   (MESHTRAIN_BIN, default build/meshtrain; DEV=cpu: CPU ranks)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
 NP=${NP:-4}
@@ -17,7 +17,7 @@ for s in ${SCHEDS:-1f1b gpipe zb1 interleaved interleaved:split}; do
   sched=${s%:*} lists=; [[ $s == *:* ]] && lists=${s#*:}
   for m in ${MS:-$NP $((2 * NP))}; do
     for tied in false true; do
-      for ce in ${PP_CE:-0}; do
+      for ce in ${PP_CE:-1}; do
         out=$TMP/pp_${sched}${lists:+_$lists}_${m}_${tied}_ce$ce
         extra=""; [ $sched = interleaved ] && extra="virtual_stages=2"
         if MESHTRAIN_PP_CE=$ce MESHTRAIN_INTERLEAVED_LISTS=$lists timeout 120 mpirun -x MESHTRAIN_INTERLEAVED_LISTS -x MESHTRAIN_PP_CE \

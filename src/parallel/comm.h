@@ -146,7 +146,7 @@ void comm_p2p_wait_device(CommP2P *r);
  * traffic: a stage's sends wait in its stream for the peer's receive). max_bytes: the largest
  * message this rank will send or receive on c (0: none), for the copy-engine path below.
  *
- * MESHTRAIN_PP_CE=1 (a benchmark knob, default 0; comm_p2p_ce.c): a two-rank group that
+ * MESHTRAIN_PP_CE=1 (the default; 0 keeps NCCL's kernels; comm_p2p_ce.c): a two-rank group that
  * carries messages one way, from its rank 0 to its rank 1 (step.c's links), with both GPUs
  * on one machine and peer access between them, moves them with no SM at all instead of
  * NCCL's kernels: the copy engines through CUDA IPC into a ring of COMM_P2P_CE_SLOTS slots
@@ -155,8 +155,8 @@ void comm_p2p_wait_device(CommP2P *r);
  * stream waits for it, the host does not (see comm_p2p_drain). */
 void comm_p2p_init(const Comm *c, size_t max_bytes);
 #define COMM_P2P_CE_SLOTS 4
-/* MESHTRAIN_PP_CE: 1 asks for the copy-engine path; 0 or unset not; anything else ends the
- * run (exit 2). */
+/* MESHTRAIN_PP_CE: 1 or unset asks for the copy-engine path (the default); 0 keeps NCCL's
+ * kernels; anything else ends the run (exit 2). */
 int comm_p2p_ce_asked(void);
 /* Whether c's messages take the copy engines: 1, 0 (NCCL or MPI), or -1 where comm_p2p_init
  * was given no messages. */

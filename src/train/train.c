@@ -186,7 +186,7 @@ static void json_num(FILE *f, const char *key, const char *fmt, double v) {
 int cmd_train(Config *c) {
     char err[1024], b1[32], b2[32];
     Comm world;
-    /* MESHTRAIN_PP_CE=1: pipeline send/receive on the copy engines, whose streams wait in
+    /* MESHTRAIN_PP_CE=1 (the default): pipeline send/receive on the copy engines, whose streams wait in
      * memory operations, each holding one of the device's hardware queues; with the default 8
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
@@ -453,7 +453,7 @@ int cmd_train(Config *c) {
     StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost};
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
-    if (pp_ce && PP > 1) {  /* the path the links that carry messages took, over every rank */
+    if (PP > 1) {  /* the path the links that carry messages took, over every rank */
         int took[2] = {0, 0};  /* some link on NCCL (or MPI); some on the copy engines */
         for (int i = 0; i < st.n_links; i++) {
             int k = comm_p2p_on_copy_engines(st.link_order[i]);
@@ -462,12 +462,13 @@ int cmd_train(Config *c) {
         comm_allreduce_max_int(&world, took, 2);
         if (lead)
             printf("pipeline send/receive: %s\n",
-                   !gpu ? "MPI (MESHTRAIN_PP_CE=1 takes GPUs)"
-                   : !took[0] ? "copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream memory operations; no SM)"
-                   : took[1] ? "copy engines on some links, NCCL kernels on the others (MESHTRAIN_PP_CE=1; a link's two "
-                               "GPUs must be on one machine, with peer access)"
-                             : "NCCL kernels (MESHTRAIN_PP_CE=1, but the copy engines cannot take them here: a link's two "
-                               "GPUs must be on one machine, with peer access and 64-bit stream memory operations)");
+                   !gpu ? "MPI (host memory)"
+                   : !pp_ce ? "NCCL kernels (MESHTRAIN_PP_CE=0)"
+                   : !took[0] ? "copy engines (CUDA IPC rings, stream memory operations; no SM)"
+                   : took[1] ? "copy engines on some links, NCCL kernels on the others (a link's two GPUs must be on "
+                               "one machine, with peer access)"
+                             : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
+                               "machine, with peer access and 64-bit stream memory operations)");
     }
     int stopped = 0, done = start;
     /* The losses are summed over every rank that must agree on stopping at a non-finite one:

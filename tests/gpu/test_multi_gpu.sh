@@ -10,7 +10,7 @@
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32, also with its
 # collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2). Pipeline
-# send/receive on the copy engines (MESHTRAIN_PP_CE=1) is bitwise NCCL's. A rank that is killed, or hangs, ends the job within seconds with a message
+# send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
 # offload=params (the FSDP shards in host memory too) as well.
@@ -129,8 +129,10 @@ for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full" "
   else bad "multi_gpu_adafactor_follows_one_gpu $name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
-# too, under every schedule; activations and their gradients go by NCCL send/receive on
-# two-rank groups, one per neighbour and direction (interleaved goes round the ring)
+# too, under every schedule; activations and their gradients go by NCCL send/receive
+# (MESHTRAIN_PP_CE=0; the copy engines' runs below must be bitwise these) on two-rank groups,
+# one per neighbour and direction (interleaved goes round the ring)
+export MESHTRAIN_PP_CE=0
 while IFS='|' read -r name tied keys; do
   out=$TMP/pp_$name
   if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys &&
@@ -152,6 +154,7 @@ for sched in 1f1b interleaved; do
 done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
+unset MESHTRAIN_PP_CE
 # -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
 # memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
 # kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
@@ -160,7 +163,7 @@ close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interlea
 # (NAME|THE RUN IT FOLLOWS|ITS NCCL RUN|TIED|KEYS)
 while IFS='|' read -r name like ref tied keys; do
   out=$TMP/pp_ce_$name
-  if (export MESHTRAIN_PP_CE=1; runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP) &&
+  if runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP) &&
      grep -q "^pipeline send/receive: copy engines (" "$out.log" && close "$TMP/$like" "$out"
   then ok "multi_gpu_pipeline_ce_follows_${like}_$name"
   else bad "multi_gpu_pipeline_ce_follows_${like}_$name ($(grep -m1 '^pipeline send/receive' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
@@ -177,8 +180,8 @@ echo "  pipeline copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $e
 if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
    awk -v a=$((ec - en)) -v b=$((pc - pn)) 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d <= 0.05 * a)}'
 then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline_ce_estimate_counts_rings; fi
-! grep -q "^pipeline send/receive" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_off_by_default ||
-  bad multi_gpu_pipeline_ce_off_by_default
+grep -q "^pipeline send/receive: NCCL kernels (MESHTRAIN_PP_CE=0)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
+  bad multi_gpu_pipeline_ce_0_takes_nccl
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
