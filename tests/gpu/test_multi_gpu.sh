@@ -163,7 +163,7 @@ unset MESHTRAIN_PP_CE
 # (NAME|THE RUN IT FOLLOWS|ITS NCCL RUN|TIED|KEYS)
 while IFS='|' read -r name like ref tied keys; do
   out=$TMP/pp_ce_$name
-  if runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP) &&
+  if runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP &&
      grep -q "^pipeline send/receive: copy engines (" "$out.log" && close "$TMP/$like" "$out"
   then ok "multi_gpu_pipeline_ce_follows_${like}_$name"
   else bad "multi_gpu_pipeline_ce_follows_${like}_$name ($(grep -m1 '^pipeline send/receive' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
