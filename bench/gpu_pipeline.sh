@@ -8,11 +8,13 @@
 #   zb1:          NP x one x 3m / (3m + NP - 1)          (ZB-H1 with F = B = W)
 # and the measured bubble (1 - tokens/s / (NP x one)) beside the predicted one; then the
 # peer (torch.distributed.pipelining, PEER_SCHEDS at m in PEER_MS, PEER_COMPILE=1 compiles
-# each block) at the same layout.
-# Usage: NP=4 MS="8 32" SCHEDS="gpipe 1f1b interleaved zb1" PEER_SCHEDS="1f1b interleaved zbv" \
+# each block) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
+# kernels (0) and on the copy engines (1: MESHTRAIN_PP_CE=1 on every rank; the row says which
+# path the header reports); default "1" (the default path).
+# Usage: NP=4 MS="8 32" SCHEDS="gpipe 1f1b interleaved zb1" PP_CE="0 1" PEER_SCHEDS="1f1b interleaved zbv" \
 #        PEER_MS=8 bench/gpu_pipeline.sh [PEER_DIR]   (PEER_DIR holds torch_llama_pp.py)
 set -u
-NP=${NP:-2} MS=${MS:-8} STEPS=${STEPS:-20} VS=${VS:-2}
+NP=${NP:-2} MS=${MS:-8} STEPS=${STEPS:-20} VS=${VS:-2} PP_CE=${PP_CE:-1}
 SCHEDS=${SCHEDS:-gpipe 1f1b interleaved zb1}
 PEER_SCHEDS=${PEER_SCHEDS:-1f1b} PEER_MS=${PEER_MS:-8} PEER_COMPILE=${PEER_COMPILE:-1}
 PEERS=${1:-../shared/peers}
@@ -38,15 +40,20 @@ for M in $MS; do
       *) keys=""; frac=$(awk -v m="$M" -v p="$NP" 'BEGIN{print m / (m + p - 1)}') ;;
     esac
     pred=$(awk -v o="$one" -v p="$NP" -v f="$frac" 'BEGIN{printf "%.0f", p * o * f}')
-    out=$(mktemp -d)
-    d=$(mt_run "$out" "$NP" "" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
-        pipeline_schedule=$sched $keys $RUN)
-    t=$(field tokens_per_s "$d"); [ -n "$t" ] || { echo "pp $sched m=$M failed: $(mt_failed "$out" 4)"; continue; }
-    row "meshtrain pp=$NP $sched${keys:+ ($keys)} m=$M" "$t" \
-      "$(awk -v t="$t" -v p="$pred" 'BEGIN{printf "%.3f (%s)", t / p, p}')" \
-      "$(awk -v t="$t" -v o="$one" -v p="$NP" -v f="$frac" 'BEGIN{printf "%.1f%% / %.1f%%", 100 * (1 - t / (p * o)), 100 * (1 - f)}')" \
-      "$(gb gpu_peak_alloc_bytes "$out/log.jsonl")"
-    grep "^pipeline stage" "$out/stdout" | sed 's/^/    /'
+    for ce in $PP_CE; do
+      out=$(mktemp -d)
+      d=$(mt_run "$out" "$NP" "MESHTRAIN_PP_CE=$ce" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
+          pipeline_schedule=$sched $keys $RUN)
+      t=$(field tokens_per_s "$d")
+      [ -n "$t" ] || { echo "pp $sched m=$M PP_CE=$ce failed: $(mt_failed "$out" 4)"; continue; }
+      path=NCCL  # with PP_CE=1, the path the header reports ("copy engines", or NCCL's where it cannot)
+      [ "$ce" = 0 ] || path=$(sed -n 's/^pipeline send\/receive: \([^(]*[^ (]\) *(.*/\1/p' "$out/stdout" | head -1)
+      row "meshtrain pp=$NP $sched${keys:+ ($keys)} m=$M PP_CE=$ce ($path)" "$t" \
+        "$(awk -v t="$t" -v p="$pred" 'BEGIN{printf "%.3f (%s)", t / p, p}')" \
+        "$(awk -v t="$t" -v o="$one" -v p="$NP" -v f="$frac" 'BEGIN{printf "%.1f%% / %.1f%%", 100 * (1 - t / (p * o)), 100 * (1 - f)}')" \
+        "$(gb gpu_peak_alloc_bytes "$out/log.jsonl")"
+      grep "^pipeline stage" "$out/stdout" | sed 's/^/    /'
+    done
   done
 done
 if [ -f "$PEERS/torch_llama_pp.py" ]; then

@@ -108,6 +108,21 @@ t1=$(ce world_size=4 | awk '$1 == "total" {print $2}'); t0=$(ce world_size=4 cop
 if [ "$a" = "64.0 MiB" ] && ! ce world_size=4 copy_engines=false | grep -q "all-to-all" && ! ce | grep -q "all-to-all" \
    && ! ce world_size=4 zero_opt=true | grep -q "all-to-all" && [ "$t1" != "$t0" ]; then
   ok estimate_copy_engine_buffer; else bad "estimate_copy_engine_buffer ($a; $t1 vs $t0)"; fi
+# pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default): a stage counts a ring of 4 slots of
+# a micro-batch's residual stream (8 x 256 x 1024 bf16 = 4 MiB) and the counters, each end's block
+# in whole 2 MiB pages (16 MiB + 2 + 2), for each direction it receives in:
+# 1F1B's first stage its gradients, its last its activations; interleaved's both; none with
+# MESHTRAIN_PP_CE=0 or on device=cpu; unset counts as 1
+rings() { env "$@" "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 batch_size=32 world_size=2 \
+            pipeline_parallel_size=2 micro_batches=4 ${DEV:-device=cuda} ${SCHED:-} | grep "^  stage" |
+          grep -o "receive rings [0-9.]* [KMG]iB" | cut -d' ' -f3- | tr '\n' ' '; }
+r1=$(rings MESHTRAIN_PP_CE=1) ri=$(SCHED=pipeline_schedule=interleaved rings MESHTRAIN_PP_CE=1)
+r0=$(rings MESHTRAIN_PP_CE=0) rc=$(DEV=device=cpu rings MESHTRAIN_PP_CE=1) rd=$(rings -u MESHTRAIN_PP_CE)
+if [ "$r1" = "20.0 MiB 20.0 MiB " ] && [ "$ri" = "40.0 MiB 40.0 MiB " ] && [ -z "$r0" ] && [ -z "$rc" ] && [ "$rd" = "$r1" ]
+then ok estimate_pipeline_receive_rings
+else bad "estimate_pipeline_receive_rings (1f1b: $r1; interleaved: $ri; off: $r0; cpu: $rc; default: $rd)"; fi
+expect_exit 2 "MESHTRAIN_PP_CE=yes: not 0 or 1" estimate_refuses_bad_pp_ce -- \
+  env MESHTRAIN_PP_CE=yes "$BIN" estimate device=cuda pipeline_parallel_size=2 world_size=2 micro_batches=2
 # from T=1024 (head_dim 64, 96, 128 or 256, bf16 or mixed) attention's backward is counted on our Hopper
 # kernel, whose workspace is far smaller than cuDNN's B NH T^2 dP: the estimate says so, and how
 # much more cuDNN needs elsewhere (about 1.9 GiB for the post's model at 4096 x 8); not below

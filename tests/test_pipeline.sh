@@ -8,7 +8,7 @@
 # (pipeline_split=...,0) under every schedule (cases marked ~ run only outside the sanitizer build); a checkpoint resumes across pipeline layouts
 # (from and to a head-only stage too); grad_accum_steps beside the pipeline follows one
 # process at the k times larger batch (every schedule, and with FSDP); bad layouts are one
-# line and exit 2; a killed stage ends the job.
+# line and exit 2; a killed stage ends the job. MESHTRAIN_PP_CE=1 on CPU ranks changes nothing.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -128,6 +128,22 @@ d3=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved:split/ckpt.bin" 2>
 [ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && [ "$d3" = "max_rel_diff 0" ] &&
   grep -q "backward split" "$TMP/same_interleaved:split.log" && ok schedules_agree_bitwise ||
   bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2; interleaved split: $d3)"
+
+# MESHTRAIN_PP_CE (1, the default: send/receive on the GPUs' copy engines) takes GPUs: on CPU
+# ranks the links stay on MPI either way, the header says so, and the runs are bitwise the
+# same; a malformed value is one line and exit 2
+for v in 0 1; do
+  MESHTRAIN_PP_CE=$v $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
+    micro_batches=4 out_dir="$TMP/pp_ce$v" </dev/null >"$TMP/pp_ce$v.log" 2>&1
+done
+d=$("$DIFF" "$TMP/pp_ce0/ckpt.bin" "$TMP/pp_ce1/ckpt.bin" 2>&1)
+[ "$d" = "max_rel_diff 0" ] && grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce1.log" &&
+  grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce0.log" && ok pp_ce_on_cpu_ranks_stays_on_mpi ||
+  bad "pp_ce_on_cpu_ranks_stays_on_mpi ($d; $(grep '^pipeline send' "$TMP/pp_ce1.log"; tail -2 "$TMP/pp_ce1.log" | tr '\n' ' '))"
+err=$(MESHTRAIN_PP_CE=yes $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
+      micro_batches=2 out_dir="$TMP/pp_ce_bad" 2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_CE=yes: not 0 or 1" <<<"$err" &&
+  ok bad_pp_ce_refused || bad "bad_pp_ce_refused (exit $rc: $err)"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "checkpoint.h"
+#include "comm.h"
 #include "commands.h"
 #include "attn_cudnn.h" /* attn_mode_of: MESHTRAIN_ATTN as the cuda backend reads it */
 #include "estimate.h"
@@ -147,9 +148,11 @@ int cmd_estimate(Config *c) {
     if (gpu && attn_mode_of(attn) < 0)
         die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, attn);
     OptimConfig oc = optim_config_of(c);
-    /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1 */
+    /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1;
+     * the pipeline's receive rings with MESHTRAIN_PP_CE=1 */
     int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |
-             (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0);
+             (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0) |
+             (PP > 1 && comm_p2p_ce_asked() ? EST_CE_PP : 0);
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), ce, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, dp, &e);
@@ -197,9 +200,10 @@ int cmd_estimate(Config *c) {
                            c->sequence_parallel, precision_of(c), &oc);
             pipeline_describe(&mc, mine, V, desc, sizeof desc);
             printf("  stage %d (%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
-                   "in flight), total %s\n", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),
-                   fmt_bytes(b2, (double)(es.acts + es.logits)), sc.max_in_flight, sc.max_in_flight > 1 ? "es" : "",
-                   fmt_bytes(b3, (double)es.total));
+                   "in flight), ", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),
+                   fmt_bytes(b2, (double)(es.acts + es.logits)), sc.max_in_flight, sc.max_in_flight > 1 ? "es" : "");
+            if (es.p2p) printf("receive rings %s, ", fmt_bytes(b1, (double)es.p2p));
+            printf("total %s\n", fmt_bytes(b3, (double)es.total));
             if (es.total > most) most = es.total;
             schedule_free(&sc);
         }

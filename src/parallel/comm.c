@@ -90,6 +90,15 @@ int comm_local_size(void) {
     return n;
 }
 
+int comm_one_machine(const Comm *c) {
+    MPI_Comm shm;
+    int local;
+    comm_check(MPI_Comm_split_type(mpi(c), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shm), c, "comm split (node)");
+    MPI_Comm_size(shm, &local);
+    MPI_Comm_free(&shm);
+    return local == c->size;
+}
+
 void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out) {
     memset(out, 0, sizeof *out);
     snprintf(out->name, sizeof out->name, "%s", name);
@@ -111,6 +120,7 @@ void comm_split(const Comm *parent, int color, int key, const char *name, Comm *
 void comm_free(Comm *c) {
     if (c->impl) {
 #ifdef MESHTRAIN_NCCL
+        p2p_ce_release(c);
         nccl_free(c->impl);
 #endif
         MPI_Comm_free(&((CommImpl *)c->impl)->mc);

@@ -24,8 +24,8 @@
  * Where each part lives: comm.c, these functions' dispatch (a group of one, the MPI rings
  * or NCCL), the world and its groups, the bounded wait; comm_mpi.c, the MPI rings and the
  * blocking host collectives; comm_nccl.c, the NCCL communicators, comm stream, events and
- * abort; comm_ce.c, comm_alloc and the copy-engine collectives; comm_impl.h, what they
- * share. */
+ * abort; comm_ce.c, comm_alloc and the copy-engine collectives; comm_p2p_ce.c, the pipeline's
+ * send/receive on the copy engines; comm_impl.h, what they share. */
 #ifndef MESHTRAIN_COMM_H
 #define MESHTRAIN_COMM_H
 #include <stddef.h>
@@ -143,8 +143,32 @@ void comm_p2p_wait(CommP2P *r);
 void comm_p2p_wait_device(CommP2P *r);
 /* Collective over c, before its first send or receive: on a device=cuda run makes c's NCCL
  * communicator now, while every rank is here (a group is best used for one direction of
- * traffic: a stage's sends wait in its stream for the peer's receive). */
-void comm_p2p_init(const Comm *c);
+ * traffic: a stage's sends wait in its stream for the peer's receive). max_bytes: the largest
+ * message this rank will send or receive on c (0: none), for the copy-engine path below.
+ *
+ * MESHTRAIN_PP_CE=1 (the default; 0 keeps NCCL's kernels; comm_p2p_ce.c): a two-rank group that
+ * carries messages one way, from its rank 0 to its rank 1 (step.c's links), with both GPUs
+ * on one machine and peer access between them, moves them with no SM at all instead of
+ * NCCL's kernels: the copy engines through CUDA IPC into a ring of COMM_P2P_CE_SLOTS slots
+ * of max_bytes on the receiver, synchronised by stream memory operations. Both ranks agree
+ * on the path (else both take NCCL). A receive there completes on the device: the compute
+ * stream waits for it, the host does not (see comm_p2p_drain). */
+void comm_p2p_init(const Comm *c, size_t max_bytes);
+#define COMM_P2P_CE_SLOTS 4
+/* MESHTRAIN_PP_CE: 1 or unset asks for the copy-engine path (the default); 0 keeps NCCL's
+ * kernels; anything else ends the run (exit 2). */
+int comm_p2p_ce_asked(void);
+/* Whether c's messages take the copy engines: 1, 0 (NCCL or MPI), or -1 where comm_p2p_init
+ * was given no messages. */
+int comm_p2p_on_copy_engines(const Comm *c);
+/* Device memory the copy-engine path takes for a link direction of messages of up to msg
+ * bytes: the receiving end's ring and the counters of both ends (for the memory estimate). */
+size_t comm_p2p_ce_bytes(size_t msg);
+/* Waits on the host, within comm_timeout, until every message received on c so far is
+ * complete (a peer that never sends ends the job). Only copy-engine receives need it: theirs
+ * completes on the device, and a later host wait without a bound (a download) must not wait
+ * for it; elsewhere comm_p2p_wait has done it. */
+void comm_p2p_drain(const Comm *c);
 /* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a
  * failure, the lowest such rank prints its message once, naming itself, and every rank
  * exits with that rank's code; else nothing happens. */

@@ -61,13 +61,9 @@ static void win_free(const Comm *c, ncclComm_t nc, void *p, void *win, const cha
 static int ce_possible(const Comm *c) {
     CommImpl *ci = c->impl;
     if (ci->ce_ok) return ci->ce_ok > 0;
-    int v = 0, ok, local;
+    int v = 0, ok;
     ok = ncclGetVersion(&v) == ncclSuccess && v >= NCCL_VERSION(2, 28, 0);
-    MPI_Comm shm;
-    comm_check(MPI_Comm_split_type(mpi(c), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shm), c, "comm split (node)");
-    MPI_Comm_size(shm, &local);
-    MPI_Comm_free(&shm);
-    ok = ok && local == c->size;
+    ok = comm_one_machine(c) && ok;
     comm_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, "copy-engine check");
     ci->ce_ok = ok ? 1 : -1;
     return ok;

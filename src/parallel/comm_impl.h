@@ -1,7 +1,7 @@
 /* Internals shared by the comm files (see comm.h for what each holds): CommImpl, the rank
  * for messages, the MPI error check and bounded wait (comm.c), the ring requests
  * (comm_mpi.c), and in NCCL builds the communicators and comm stream (comm_nccl.c) and the
- * copy-engine all-reduce and reduce-scatter (comm_ce.c). */
+ * copy-engine all-reduce and reduce-scatter (comm_ce.c) and send/receive (comm_p2p_ce.c). */
 #ifndef MESHTRAIN_COMM_IMPL_H
 #define MESHTRAIN_COMM_IMPL_H
 #include <mpi.h>
@@ -22,7 +22,9 @@ typedef struct {
     size_t a2a_bytes;
     void *a2a_win;  /* its ncclWindow_t */
     int ce_ok;      /* ce_possible's answer, kept: 0 not asked yet, 1 yes, -1 no */
-    void *p2p_stream;  /* NCCL send/receive on this group: their own stream (cudaStream_t) */
+    void *p2p_stream;  /* send/receive on this group: their own stream (cudaStream_t) */
+    size_t p2p_bytes;  /* comm_p2p_init's largest message */
+    void *p2p_ce;      /* the copy-engine path's state (comm_p2p_ce.c), or NULL */
 } CommImpl;
 static inline MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
@@ -33,6 +35,8 @@ static inline size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(
 
 /* comm.c. An MPI call's failure ends the job with one line naming the group. */
 void comm_check(int rc, const Comm *c, const char *what);
+/* Whether every rank of c is on this machine (collective over c; MPI_COMM_TYPE_SHARED). */
+int comm_one_machine(const Comm *c);
 /* The one waiting loop: polls `done` until it returns nonzero, aborting the job after the
  * world's timeout. */
 void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what);
@@ -59,6 +63,7 @@ void nccl_free(CommImpl *ci);
 /* Aborts every communicator, before MPI_Abort on an error or a lost peer. */
 void nccl_abort_all(void);
 /* An NCCL or CUDA call's failure aborts the communicators and ends the job with one line. */
+_Noreturn void nccl_die(const Comm *c, const char *what, const char *call, const char *err);
 void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call);
 void cchk(cudaError_t e, const Comm *c, const char *what, const char *call);
 /* comm_test of a request that holds an event. */
@@ -72,6 +77,23 @@ int nccl_p2p_done(void *r);
 /* The compute stream waits (on the device) for r's event; r stays pending. */
 void nccl_p2p_stream_wait(CommP2P *r);
 void nccl_p2p_init(const Comm *c);
+/* The group's send/receive stream (made at its first use), and its wait for the compute
+ * stream's work so far (which wrote the buffer sent, or last read the one received into),
+ * through ev, which the caller records again after the message. */
+cudaStream_t p2p_stream(const Comm *c, const char *what);
+void p2p_after_compute(const Comm *c, cudaStream_t s, cudaEvent_t ev, const char *what);
+
+/* comm_p2p_ce.c: send/receive on the copy engines (MESHTRAIN_PP_CE=1, comm_p2p_init). */
+static inline int p2p_ce_on(const Comm *c) { return ((CommImpl *)c->impl)->p2p_ce != NULL; }
+/* Sets c up for it (collective over c); 0 where both ranks take NCCL instead. */
+int p2p_ce_init(const Comm *c, size_t max_bytes);
+void p2p_ce_send(const Comm *c, const void *buf, size_t bytes, CommP2P *r, const char *what);
+void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char *what);
+/* comm_p2p_wait of a copy-engine receive: the compute stream waits for it on the device; 0
+ * if r is not one. */
+int p2p_ce_wait_device(CommP2P *r);
+/* Releases c's copy-engine state, if any (collective over c, from comm_free). */
+void p2p_ce_release(const Comm *c);
 /* The collectives on a group that use_nccl takes. */
 void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
 void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
@@ -84,7 +106,9 @@ void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
 #else
 #define HAVE_CE 0
 #endif
-extern int g_ce_any;  /* some communicator reduces on the copy engines (comm_alloc) */
+/* some communicator reduces on the copy engines (comm_alloc), or a pipeline link sends on
+ * them: streams wait in memory operations for a peer's writes */
+extern int g_ce_any;
 /* Frees the group's copy-engine buffers, before its communicator goes. */
 void ce_release(CommImpl *ci, const char *what);
 #if HAVE_CE

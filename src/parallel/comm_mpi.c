@@ -210,7 +210,11 @@ void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag,
     r->ev = NULL;
     if (!c->impl) return;
 #ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) { nccl_p2p(c, (void *)buf, bytes, peer, 1, r, what); return; }
+    if (use_nccl(c)) {
+        if (p2p_ce_on(c)) p2p_ce_send(c, buf, bytes, r, what);
+        else nccl_p2p(c, (void *)buf, bytes, peer, 1, r, what);
+        return;
+    }
 #endif
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Isend(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
@@ -222,23 +226,28 @@ void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP
     r->ev = NULL;
     if (!c->impl) return;
 #ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) { nccl_p2p(c, buf, bytes, peer, 0, r, what); return; }
+    if (use_nccl(c)) {
+        if (p2p_ce_on(c)) p2p_ce_recv(c, buf, bytes, r, what);
+        else nccl_p2p(c, buf, bytes, peer, 0, r, what);
+        return;
+    }
 #endif
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Irecv(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
     *r = (CommP2P){q, c, what, NULL};
 }
 
-void comm_p2p_init(const Comm *c) {
+void comm_p2p_init(const Comm *c, size_t max_bytes) {
+    if (!c->impl) return;
+    ((CommImpl *)c->impl)->p2p_bytes = max_bytes;
 #ifdef MESHTRAIN_NCCL
-    if (c->impl && use_nccl(c)) nccl_p2p_init(c);
-#else
-    (void)c;
+    if (use_nccl(c) && !(comm_p2p_ce_asked() && p2p_ce_init(c, max_bytes))) nccl_p2p_init(c);
 #endif
 }
 
 void comm_p2p_wait_device(CommP2P *r) {
 #ifdef MESHTRAIN_NCCL
+    if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: comm_p2p_wait's */
     if (r->ev) { nccl_p2p_stream_wait(r); return; }
 #endif
     comm_p2p_wait(r);
@@ -246,6 +255,7 @@ void comm_p2p_wait_device(CommP2P *r) {
 
 void comm_p2p_wait(CommP2P *r) {
 #ifdef MESHTRAIN_NCCL
+    if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: on the device */
     if (r->ev) { comm_wait_until(nccl_p2p_done, r, r->c, r->what); return; }
 #endif
     if (!r->q) return;

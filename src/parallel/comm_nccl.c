@@ -15,17 +15,17 @@ static ncclComm_t g_nccl[MAX_NCCL];  /* every NCCL communicator made, to abort t
 static int g_n_nccl;
 cudaStream_t g_cstream;              /* the communication stream */
 
-/* Before MPI_Abort on an error or a lost peer. Not with copy-engine collectives: they wait
- * in the stream (memory-op waits) for flags that a lost peer never writes, nothing aborts
- * those waits, and ncclCommAbort would wait behind them; MPI_Abort ends the process, and
- * the driver frees the GPU with it. */
+/* Before MPI_Abort on an error or a lost peer. Not with copy-engine collectives or pipeline
+ * send/receive: they wait in the stream (memory-op waits) for flags that a lost peer never
+ * writes, nothing aborts those waits, and ncclCommAbort would wait behind them; MPI_Abort
+ * ends the process, and the driver frees the GPU with it. */
 void nccl_abort_all(void) {
     if (g_ce_any) return;
     for (int i = 0; i < g_n_nccl; i++) ncclCommAbort(g_nccl[i]);
     g_n_nccl = 0;
 }
 
-static _Noreturn void nccl_die(const Comm *c, const char *what, const char *call, const char *err) {
+_Noreturn void nccl_die(const Comm *c, const char *what, const char *call, const char *err) {
     char msg[512];
     snprintf(msg, sizeof msg, "rank %d: %s on group %s: %s failed: %s", g_comm_world_rank, what, c ? c->name : "world",
              call, err);
@@ -144,19 +144,27 @@ void nccl_stream_wait(CommReq *r) {
 
 void nccl_p2p_init(const Comm *c) { nccl_of(c, "pipeline send/receive"); }
 
-void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {
+cudaStream_t p2p_stream(const Comm *c, const char *what) {
     CommImpl *ci = c->impl;
-    ncclComm_t nc = nccl_of(c, what);
     if (!ci->p2p_stream) {
         cudaStream_t s;
         cchk(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), c, what, "cudaStreamCreate");
         ci->p2p_stream = s;
     }
-    cudaStream_t s = (cudaStream_t)ci->p2p_stream;
+    return (cudaStream_t)ci->p2p_stream;
+}
+
+void p2p_after_compute(const Comm *c, cudaStream_t s, cudaEvent_t ev, const char *what) {
+    cchk(cudaEventRecord(ev, (cudaStream_t)cuda_stream()), c, what, "cudaEventRecord");
+    cchk(cudaStreamWaitEvent(s, ev, 0), c, what, "cudaStreamWaitEvent");
+}
+
+void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {
+    ncclComm_t nc = nccl_of(c, what);
+    cudaStream_t s = p2p_stream(c, what);
     cudaEvent_t ev;
     cchk(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c, what, "cudaEventCreate");
-    cchk(cudaEventRecord(ev, (cudaStream_t)cuda_stream()), c, what, "cudaEventRecord");  /* after what wrote buf */
-    cchk(cudaStreamWaitEvent(s, ev, 0), c, what, "cudaStreamWaitEvent");
+    p2p_after_compute(c, s, ev, what);  /* after what wrote buf */
     int span = trace_span_begin(s, send ? "pipeline send" : "pipeline receive", bytes);
     if (send) nchk(ncclSend(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclSend");
     else nchk(ncclRecv(buf, bytes, ncclUint8, peer, nc, s), c, what, "ncclRecv");

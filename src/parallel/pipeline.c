@@ -71,6 +71,14 @@ void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out
     for (int c = 0; c < v; c++) out[c] = split[c * p + rank];
 }
 
+void pipeline_rank_messages(const ModelConfig *c, const Stage *s, int n, int *fwd, int *bwd) {
+    *fwd = *bwd = 0;
+    for (int i = 0; i < n; i++) {
+        *fwd |= s[i].last != head_unit(c);
+        *bwd |= !stage_has_embedding(&s[i]);
+    }
+}
+
 void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len) {
     size_t k = 0;
     buf[0] = 0;

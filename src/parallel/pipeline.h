@@ -32,6 +32,10 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
 /* The stages pipeline rank `rank` of p computes when the split has p x v stages: stages
  * c x p + rank for c = 0..v-1 (interleaved; v = 1: stage `rank`), into out[0..v). */
 void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);
+/* The messages of a rank computing stages s[0..n): *fwd, it sends activations to the next
+ * rank and receives their gradients (one of its stages lacks the head); *bwd, it receives
+ * activations from the rank before and sends their gradients (one lacks the embedding). */
+void pipeline_rank_messages(const ModelConfig *c, const Stage *s, int n, int *fwd, int *bwd);
 /* "embedding, layers 0-3" / "layers 4-7, head"; chunks joined by " + ". */
 void pipeline_describe(const ModelConfig *c, const Stage *s, int n, char *buf, size_t len);
 /* Each of stages s[0..n)'s estimated forward, backward (input gradient) and weight-pass

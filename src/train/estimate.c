@@ -98,6 +98,7 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
      * first of the activation buffers that go in windows */
     e->ce_tp = gpu && training && tp > 1 && (copy_engines & EST_CE_TP);
     if (e->ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
+    e->ce_pp = gpu && training && (copy_engines & EST_CE_PP);  /* (a pipeline stage's: estimate_stage) */
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                (gpu ? 0 : e->host);
     model_free(&m);
@@ -156,8 +157,15 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     if (e->ce_tp && training)
         e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));
+    e->p2p = 0;  /* step.c's links: a ring per direction this stage receives in, of its residual stream */
+    if (e->ce_pp && training) {
+        int fwd, bwd;
+        pipeline_rank_messages(c, s, sched->chunks, &fwd, &bwd);
+        size_t rows = (size_t)B_micro * T / (size_t)(sp && tp > 1 ? tp : 1);
+        e->p2p = (size_t)(fwd + bwd) * comm_p2p_ce_bytes(rows * c->embed_dim * act_size);
+    }
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
-               (e->gpu ? 0 : e->host);
+               e->p2p + (e->gpu ? 0 : e->host);
     model_free(&m);
 }
 
@@ -180,10 +188,10 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     const char *names[] = {"parameters", "gradients", optim, "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
-                           "all-to-all buffer"};
-    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm};
-    for (int i = 0; i < 9; i++)
-        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm))
+                           "all-to-all buffer", "pipeline receive rings"};
+    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm, e->p2p};
+    for (int i = 0; i < 10; i++)
+        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm) && !(i == 9 && !e->p2p))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     /* lean (DDP, AdamW): the master is the only fp32 copy, the gradients' copy in the compute type */
     const char *what = !e->lean ? "fp32 master weights, gradients' copy, optimizer state"

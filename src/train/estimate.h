@@ -24,6 +24,8 @@ typedef struct {
     int offload;
     int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
     int ce_tp; /* EST_CE_TP was asked: estimate_stage counts the stage's all-to-all buffer */
+    int ce_pp; /* EST_CE_PP was asked: estimate_stage counts the stage's receive rings */
+    size_t p2p; /* pipeline send/receive on the copy engines: the rings and counters (in total) */
     size_t attn_elsewhere; /* runtime assumes attention's backward on our Hopper kernel (an H100 or
                             * H200): what cuDNN's engine needs more on other GPUs (0: the same) */
 } MemEstimate;
@@ -42,6 +44,11 @@ typedef struct {
  * training run asks comm_copy_engines_possible (tensor_parallel_ce_possible). */
 #define EST_CE_DDP 1
 #define EST_CE_TP 2
+/* EST_CE_PP (or'd): a pipeline stage's send/receive take the copy engines (MESHTRAIN_PP_CE=1,
+ * comm.h): estimate_stage counts a receive ring and its counters (comm_p2p_ce_bytes of a
+ * micro-batch's residual stream) for each direction the stage receives in. A run counts it wherever it is
+ * asked on GPUs; where a link falls back to NCCL the estimate is high by its ring. */
+#define EST_CE_PP 4
 /* tp: tensor-parallel ranks; each holds its slices of every layer and its vocabulary rows
  * of the embedding and lm_head (model_init_layout_tp), its heads' and FFN units'
  * activations and its columns of the logits; sp: sequence parallel, where it also holds

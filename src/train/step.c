@@ -32,7 +32,7 @@ static void next_rows(Step *st) {
  * together: step_free goes in the same order). */
 static int link_color(int j, int p) { return p % 2 && j == p - 1 ? 2 : j % 2; }
 
-static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in) {
+static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in, size_t out_bytes, size_t in_bytes) {
     const Comm *pipe = st->pipe.pipe;
     int p = pipe->size, r = pipe->rank, from = ((r - dir) % p + p) % p;  /* the rank whose link reaches r */
     for (int k = 0; k < 3; k++) {
@@ -44,7 +44,7 @@ static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in)
         comm_split(pipe, color, key, name, &tmp);
         if (dst) {
             *dst = tmp;
-            comm_p2p_init(dst);
+            comm_p2p_init(dst, dst == out ? out_bytes : in_bytes);
             st->link_order[st->n_links++] = dst;
         } else {
             comm_free(&tmp);
@@ -76,8 +76,12 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
                        err, errlen))
         return -1;
     if (piped(st)) {
-        make_links(st, +1, "pp-act", &st->act_out, &st->act_in);
-        make_links(st, -1, "pp-grad", &st->grad_out, &st->grad_in);
+        /* each link's messages: one micro-batch's residual stream or its gradient, or none */
+        size_t bytes = model_stage_rows(m, a) * (size_t)m->E * ops_act_size();
+        int fwd, bwd;
+        pipeline_rank_messages(&m->c, s, n_stages, &fwd, &bwd);
+        make_links(st, +1, "pp-act", &st->act_out, &st->act_in, fwd ? bytes : 0, bwd ? bytes : 0);
+        make_links(st, -1, "pp-grad", &st->grad_out, &st->grad_in, bwd ? bytes : 0, fwd ? bytes : 0);
     }
     size_t N = a->N;
     for (int c = 0; c < n_stages; c++) {
@@ -192,7 +196,8 @@ static void slot_free(Step *st, int c, int i) {
  * is noticed), then, with recv_device, the compute stream waits for the new one on the
  * device and the host goes on queueing the next actions (at small micro-batches the host
  * otherwise waits for each message and then runs a chunk's launches with the GPU idle
- * behind it); else the host waits for it. */
+ * behind it); else the host waits for it (on the copy engines a receive always completes
+ * on the device: comm.h). */
 static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
     comm_p2p_wait(&slots[i]);
     comm_irecv(link, buf, bytes, 1 - link->rank, tag, &slots[i], "pipeline receive");
@@ -200,6 +205,8 @@ static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *b
     else comm_p2p_wait(&slots[i]);
 }
 
+/* ... and every receive is complete (where the host did not wait for them: here a peer
+ * that never sends ends the job, before a wait with no bound, comm.h) */
 static void free_all_slots(Step *st) {
     for (int c = 0; c < st->n_chunks; c++)
         for (int k = 0; k < st->n_acts[c]; k++) {
@@ -207,6 +214,7 @@ static void free_all_slots(Step *st) {
             comm_p2p_wait(&st->recv_in[c][k]);
             comm_p2p_wait(&st->recv_grad[c][k]);
         }
+    for (int i = 0; i < st->n_links; i++) comm_p2p_drain(st->link_order[i]);
 }
 
 /* The peer on a link: the other of its two ranks. A message's tag names the stage it goes
@@ -332,6 +340,7 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
             if (!stage_has_embedding(s)) {
                 comm_irecv(&st->act_in, model_stage_input(m, &v), bytes, peer(&st->act_in), msg_tag(g, i, n), &r, "pipeline receive");
                 comm_p2p_wait(&r);
+                comm_p2p_drain(&st->act_in);  /* (the loss's download below waits with no bound) */
             }
             model_forward(m, s, &v, 0, 0.0f, st->hooks);
             if (c != st->head_chunk) {

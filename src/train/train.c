@@ -186,6 +186,14 @@ static void json_num(FILE *f, const char *key, const char *fmt, double v) {
 int cmd_train(Config *c) {
     char err[1024], b1[32], b2[32];
     Comm world;
+    /* MESHTRAIN_PP_CE=1 (the default): pipeline send/receive on the copy engines, whose streams wait in
+     * memory operations, each holding one of the device's hardware queues; with the default 8
+     * other streams would share a queue with (and wait behind) one of them. The variable is
+     * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
+     * too (a CUDA-aware MPI may start CUDA), unless the user set it. */
+    int pp_ce = comm_p2p_ce_asked();
+    if (pp_ce && !strcmp(c->device, "cuda") && c->pipeline_parallel_size > 1)
+        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int gpu = !strcmp(c->device, "cuda");
@@ -277,6 +285,7 @@ int cmd_train(Config *c) {
     int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp) ? EST_CE_DDP : 0;
     int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
     if (tp_ce) ce |= EST_CE_TP;
+    if (pp_ce && PP > 1) ce |= EST_CE_PP;  /* (counted where asked: the links decide at step_init) */
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -444,6 +453,23 @@ int cmd_train(Config *c) {
     StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost};
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
+    if (PP > 1) {  /* the path the links that carry messages took, over every rank */
+        int took[2] = {0, 0};  /* some link on NCCL (or MPI); some on the copy engines */
+        for (int i = 0; i < st.n_links; i++) {
+            int k = comm_p2p_on_copy_engines(st.link_order[i]);
+            if (k >= 0) took[k] = 1;
+        }
+        comm_allreduce_max_int(&world, took, 2);
+        if (lead)
+            printf("pipeline send/receive: %s\n",
+                   !gpu ? "MPI (host memory)"
+                   : !pp_ce ? "NCCL kernels (MESHTRAIN_PP_CE=0)"
+                   : !took[0] ? "copy engines (CUDA IPC rings, stream memory operations; no SM)"
+                   : took[1] ? "copy engines on some links, NCCL kernels on the others (a link's two GPUs must be on "
+                               "one machine, with peer access)"
+                             : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
+                               "machine, with peer access and 64-bit stream memory operations)");
+    }
     int stopped = 0, done = start;
     /* The losses are summed over every rank that must agree on stopping at a non-finite one:
      * the data-parallel group, or the world where pipeline stages (which give 0 but the

@@ -9,8 +9,9 @@
 # FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32, also with its
-# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2). A rank that is killed, or hangs, ends the job within seconds with a message
-# (DDP and FSDP), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
+# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2). Pipeline
+# send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
+# (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
 # offload=params (the FSDP shards in host memory too) as well.
 #
@@ -128,8 +129,10 @@ for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full" "
   else bad "multi_gpu_adafactor_follows_one_gpu $name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
-# too, under every schedule; activations and their gradients go by NCCL send/receive on
-# two-rank groups, one per neighbour and direction (interleaved goes round the ring)
+# too, under every schedule; activations and their gradients go by NCCL send/receive
+# (MESHTRAIN_PP_CE=0; the copy engines' runs below must be bitwise these) on two-rank groups,
+# one per neighbour and direction (interleaved goes round the ring)
+export MESHTRAIN_PP_CE=0
 while IFS='|' read -r name tied keys; do
   out=$TMP/pp_$name
   if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys &&
@@ -151,6 +154,34 @@ for sched in 1f1b interleaved; do
 done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
+unset MESHTRAIN_PP_CE
+# -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
+# memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
+# kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
+# interleaved round the ring); its estimate grows by the rings, as its peak does (within 5% of
+# the rings: nothing else the allocator counts differs)
+# (NAME|THE RUN IT FOLLOWS|ITS NCCL RUN|TIED|KEYS)
+while IFS='|' read -r name like ref tied keys; do
+  out=$TMP/pp_ce_$name
+  if runn "$out" $keys tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP &&
+     grep -q "^pipeline send/receive: copy engines (" "$out.log" && close "$TMP/$like" "$out"
+  then ok "multi_gpu_pipeline_ce_follows_${like}_$name"
+  else bad "multi_gpu_pipeline_ce_follows_${like}_$name ($(grep -m1 '^pipeline send/receive' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+  d=$("$DIFF" "$TMP/$ref/ckpt.bin" "$out/ckpt.bin" 2>&1)
+  [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_pipeline_ce_bitwise_nccl_$name" || bad "multi_gpu_pipeline_ce_bitwise_nccl_$name ($d)"
+done <<CASES
+1f1b|one_false|pp_1f1b|false|$M micro_batches=2
+zb1_tied|one_true|pp_zb1_tied|true|$M micro_batches=8 pipeline_schedule=zb1
+interleaved|pp4l_1f1b|pp4l_interleaved|true|${M/n_layers=2/n_layers=4} micro_batches=4 pipeline_schedule=interleaved
+CASES
+ec=$(logged estimate_bytes "$TMP/pp_ce_1f1b") pc=$(logged gpu_peak_alloc_bytes "$TMP/pp_ce_1f1b")
+en=$(logged estimate_bytes "$TMP/pp_1f1b") pn=$(logged gpu_peak_alloc_bytes "$TMP/pp_1f1b")
+echo "  pipeline copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $en, peak $pn"
+if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
+   awk -v a=$((ec - en)) -v b=$((pc - pn)) 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d <= 0.05 * a)}'
+then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline_ce_estimate_counts_rings; fi
+grep -q "^pipeline send/receive: NCCL kernels (MESHTRAIN_PP_CE=0)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
+  bad multi_gpu_pipeline_ce_0_takes_nccl
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
@@ -241,6 +272,13 @@ for keys in "" "fsdp=true"; do
   fault "gpu_killed_rank_ends_job_$name" MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" $keys
   fault "gpu_hung_rank_times_out_$name" MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" $keys
 done
+# ... and pipeline stages whose receives wait on the device (MESHTRAIN_PP_CE=1): the host
+# still notices, at the receive R later or at the optimizer step
+export MESHTRAIN_PP_CE=1
+fault gpu_killed_stage_ends_job_pp_ce MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" pipeline_parallel_size=$NP micro_batches=2
+fault gpu_hung_stage_times_out_pp_ce MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" pipeline_parallel_size=$NP \
+  micro_batches=2
+unset MESHTRAIN_PP_CE
 
 # -- offload=optimizer on NP GPUs: each rank's shard of the master weights and the
 # optimizer's state in its pinned host memory, its update on the CPU cores: ZeRO-2 and FSDP

@@ -1,0 +1,277 @@
+/* comm_p2p_ce — pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default;
+ * comm.h's comm_p2p_init): no SM is held while a stage's activations and their gradients
+ * move, or while a stage waits for them. On four H100s every stage's kernels ran 8-12% slower
+ * beside NCCL's send/receive kernels (which hold SMs and spin), and NCCL_P2P_USE_CUDA_MEMCPY=1
+ * did not take them off; on the copy engines interleaved reached 0.99 of the bubble's
+ * prediction (four H200s, session 20).
+ *
+ * A link carries messages one way, from its rank 0 to its rank 1. The receiver holds a ring
+ * of R slots of the link's largest message and a counter the sender writes ("full": messages
+ * delivered); the sender holds a counter the receiver writes ("consumed": messages copied
+ * out). Each end maps the other's block (CUDA IPC) and only ever waits on its own counter.
+ * Message n, on each end's own stream, after the compute stream's work so far:
+ *   send:    wait consumed >= n - R + 1 (slot n % R is free); copy buf into the peer's slot
+ *            n % R; write the peer's full := n + 1
+ *   receive: wait full >= n + 1; copy slot n % R into buf; write the peer's consumed := n + 1
+ * cudaMemcpyAsync between device buffers runs on a copy engine; the waits and writes are
+ * stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64, the driver's, taken
+ * by entry point as wgmma_util.cuh takes cuTensorMapEncodeTiled's: libcuda is not linked).
+ * A write with the default flags is preceded by a memory fence (the v2 API has no other), so
+ * the copy before it in the stream is visible to the peer first. Counters only grow, for the
+ * life of the run, so the ring goes on across steps.
+ *
+ * Never hang: the compute stream waits for a receive on the device (comm_p2p_wait returns at
+ * once), but the host still notices a peer that never sends, within comm_timeout: before it
+ * queues receive n it waits for receive n - LAG (so it runs at most LAG receives ahead of
+ * them), and comm_p2p_drain, at the optimizer step (step.c's free_all_slots) and before an
+ * evaluation's loss is read, waits for all of them. A send completes, as NCCL's does, by
+ * an event the host polls (comm_p2p_wait, step.c's slot_free).
+ *
+ * A stream blocked in a memory-op wait holds one of the device's hardware queues: train.c
+ * sets CUDA_DEVICE_MAX_CONNECTIONS=32 (unless set) before the CUDA context is made, so the
+ * waiting streams do not share a queue with (and block) other streams' work. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "comm_impl.h"
+#include "util.h"
+
+int comm_p2p_ce_asked(void) {
+    const char *e = getenv("MESHTRAIN_PP_CE");
+    if (!e || !*e || !strcmp(e, "1")) return 1;  /* the default: faster at every schedule measured */
+    if (strcmp(e, "0")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_PP_CE=%s: not 0 or 1", e);
+    return 0;
+}
+
+/* LAG: the host queues receive n once receive n - LAG is complete (below R, whose events
+ * record the last R receives): far enough ahead that the device never waits for the host's
+ * queueing, near enough that it meets a timeout (comm_wait_until) before a wait with none
+ * (the cuda backend's ring of 16 upload buffers, reused as its uploads complete) */
+enum { R = COMM_P2P_CE_SLOTS, LAG = 2, CTR_BYTES = 256 };  /* CTR_BYTES: a block's counter, after its slots */
+/* Each end's block is whole 2 MiB pages: cudaMalloc may place a smaller allocation inside a
+ * larger block, and IPC then maps that block, the pointer the peer opens being its start
+ * (the CUDA programming guide's interprocess communication); p2p_ce_init checks the mapping. */
+#define BLOCK_ALIGN ((size_t)2 << 20)
+static size_t slot_bytes(size_t msg) { return (msg + 255) & ~(size_t)255; }
+static size_t block_bytes(size_t slots) { return (slots + CTR_BYTES + BLOCK_ALIGN - 1) / BLOCK_ALIGN * BLOCK_ALIGN; }
+
+size_t comm_p2p_ce_bytes(size_t msg) { return block_bytes(R * slot_bytes(msg)) + block_bytes(0); }
+
+int comm_p2p_on_copy_engines(const Comm *c) {
+    if (!c->impl || !((CommImpl *)c->impl)->p2p_bytes) return -1;
+#ifdef MESHTRAIN_NCCL
+    return p2p_ce_on(c);
+#else
+    return 0;
+#endif
+}
+
+#ifndef MESHTRAIN_NCCL
+void comm_p2p_drain(const Comm *c) { (void)c; }
+#else
+#include <cuda.h>
+#include "ops_cuda.h"
+#include "trace.h"
+
+typedef struct {
+    int recv;             /* this end receives (the link's rank 1) */
+    size_t slot;          /* bytes a slot */
+    char *mine, *peer;    /* this end's block (cuda_malloc) and the other end's (IPC) */
+    uint64_t n;           /* messages so far on this end */
+    cudaEvent_t done[R];  /* receives: message k complete, in done[k % R] */
+} P2pCe;
+
+typedef CUresult (*MemOp64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+static MemOp64 g_wait64, g_write64;
+
+static void *driver_fn(const char *name) {
+    void *p = NULL;
+    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+/* The driver's stream memory operations, where device dev runs 64-bit ones. */
+static int memops_ok(int dev) {
+    CUresult (*get)(CUdevice *, int) = (CUresult (*)(CUdevice *, int))driver_fn("cuDeviceGet");
+    CUresult (*attr)(int *, CUdevice_attribute, CUdevice) =
+        (CUresult (*)(int *, CUdevice_attribute, CUdevice))driver_fn("cuDeviceGetAttribute");
+    g_wait64 = (MemOp64)driver_fn("cuStreamWaitValue64");
+    g_write64 = (MemOp64)driver_fn("cuStreamWriteValue64");
+    CUdevice d;
+    int on = 0;
+    return get && attr && g_wait64 && g_write64 && get(&d, dev) == CUDA_SUCCESS &&
+           attr(&on, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, d) == CUDA_SUCCESS && on;
+}
+
+static void mchk(CUresult rc, const Comm *c, const char *what, const char *call) {
+    if (rc == CUDA_SUCCESS) return;
+    char err[32];
+    snprintf(err, sizeof err, "CUresult %d", (int)rc);
+    nccl_die(c, what, call, err);
+}
+
+/* The counter in a block: after a receiver's slots, at a sender's start; a token beside it
+ * (the 8 bytes after) says whose block a mapping shows. */
+static CUdeviceptr counter(const P2pCe *p, const char *block, int receiver) {
+    return (CUdeviceptr)(uintptr_t)(block + (receiver ? R * p->slot : 0));
+}
+
+/* Both ranks: every check of their own passed (the MIN over the link). */
+static int agreed(const Comm *c, int ok, const char *what) {
+    comm_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, what);
+    return ok;
+}
+
+/* Whether the link's two GPUs can take the path: one machine, this rank's driver with the
+ * memory operations, and the peer's GPU visible here with peer access to it (or the same GPU). */
+static int link_possible(const Comm *c, const char *what) {
+    int dev, peer = -1, can = 0;
+    cchk(cudaGetDevice(&dev), c, what, "cudaGetDevice");
+    int ok = comm_one_machine(c) && memops_ok(dev);
+    char bus[2][32];
+    memset(bus, 0, sizeof bus);
+    cchk(cudaDeviceGetPCIBusId(bus[c->rank], (int)sizeof bus[0], dev), c, what, "cudaDeviceGetPCIBusId");
+    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, bus, (int)sizeof bus[0], MPI_CHAR, mpi(c)), c, what);
+    if (ok && cudaDeviceGetByPCIBusId(&peer, bus[1 - c->rank]) != cudaSuccess) {
+        cudaGetLastError();
+        ok = 0;
+    }
+    if (ok && peer != dev) ok = cudaDeviceCanAccessPeer(&can, dev, peer) == cudaSuccess && can;
+    cudaGetLastError();
+    return agreed(c, ok, what);
+}
+
+int p2p_ce_init(const Comm *c, size_t max_bytes) {
+    const char *what = "pipeline send/receive set-up (MESHTRAIN_PP_CE=1)";
+    CommImpl *ci = c->impl;
+    unsigned long long most = max_bytes;  /* both ends size the ring alike */
+    comm_check(MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi(c)), c, what);
+    if (!most || c->size != 2 || !link_possible(c, what)) return 0;
+    P2pCe *p = xcalloc(1, sizeof *p);
+    p->recv = c->rank == 1;
+    p->slot = slot_bytes((size_t)most);
+    p->mine = cuda_malloc(block_bytes(p->recv ? R * p->slot : 0));
+    /* the counter zeroed (before the peer can write it), and this block's token beside it */
+    struct { cudaIpcMemHandle_t h; uint64_t ctr[2]; } x[2];
+    memset(x, 0, sizeof x);
+    x[c->rank].ctr[1] = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)p->mine ^ 0x9e3779b97f4a7c15u;
+    char *ctr = (char *)(uintptr_t)counter(p, p->mine, p->recv);
+    cchk(cudaMemcpy(ctr, x[c->rank].ctr, sizeof x[0].ctr, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
+    cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (from pageable memory: landed) */
+    cchk(cudaIpcGetMemHandle(&x[c->rank].h, p->mine), c, what, "cudaIpcGetMemHandle");
+    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
+    void *peer = NULL;
+    uint64_t seen[2] = {0, 0};
+    int opened = cudaIpcOpenMemHandle(&peer, x[1 - c->rank].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
+    /* the mapping shows the peer's block where its counter is: its token is there */
+    opened = opened && cudaMemcpy(seen, (void *)(uintptr_t)counter(p, peer, !p->recv), sizeof seen,
+                                  cudaMemcpyDeviceToHost) == cudaSuccess && seen[1] == x[1 - c->rank].ctr[1];
+    cudaGetLastError();
+    if (!agreed(c, opened, what)) {
+        if (peer) cudaIpcCloseMemHandle(peer);
+        cuda_free(p->mine);
+        free(p);
+        return 0;
+    }
+    p->peer = peer;
+    for (int i = 0; i < R; i++)
+        cchk(cudaEventCreateWithFlags(&p->done[i], cudaEventDisableTiming), c, what, "cudaEventCreate");
+    ci->p2p_ce = p;
+    g_ce_any = 1;  /* nccl_abort_all must not wait behind our streams' memory-op waits */
+    return 1;
+}
+
+typedef struct { cudaEvent_t ev; const Comm *c; const char *what; } EvWait;
+static int event_complete(void *arg) {
+    EvWait *w = arg;
+    cudaError_t e = cudaEventQuery(w->ev);
+    if (e == cudaErrorNotReady) return 0;
+    cchk(e, w->c, w->what, "cudaEventQuery");
+    return 1;
+}
+/* The host waits for ev within comm_timeout (comm_wait_until ends the job after it). */
+static void host_wait(const Comm *c, cudaEvent_t ev, const char *what) {
+    EvWait w = {ev, c, what};
+    comm_wait_until(event_complete, &w, c, what);
+}
+
+static P2pCe *ce_of(const Comm *c, int recv, size_t bytes, const char *what) {
+    P2pCe *p = ((CommImpl *)c->impl)->p2p_ce;
+    if (p->recv != recv || bytes > p->slot) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "internal: rank %d: %s of %zu bytes on group %s, set up to %s up to %zu", g_comm_world_rank,
+                 what, bytes, c->name, p->recv ? "receive" : "send", p->slot);
+        comm_abort(EXIT_RUN_FAILURE, msg);
+    }
+    return p;
+}
+
+void p2p_ce_send(const Comm *c, const void *buf, size_t bytes, CommP2P *r, const char *what) {
+    P2pCe *p = ce_of(c, 0, bytes, what);
+    cudaStream_t s = p2p_stream(c, what);
+    cudaEvent_t ev;
+    cchk(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), c, what, "cudaEventCreate");
+    p2p_after_compute(c, s, ev, what);  /* after what wrote buf */
+    uint64_t n = p->n++;
+    int span = trace_span_begin(s, "pipeline send", bytes);
+    if (n >= R) mchk(g_wait64(s, counter(p, p->mine, 0), n - R + 1, CU_STREAM_WAIT_VALUE_GEQ), c, what, "cuStreamWaitValue64");
+    cchk(cudaMemcpyAsync(p->peer + (n % R) * p->slot, buf, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
+    mchk(g_write64(s, counter(p, p->peer, 1), n + 1, CU_STREAM_WRITE_VALUE_DEFAULT), c, what, "cuStreamWriteValue64");
+    trace_span_end(s, span);
+    cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
+    *r = (CommP2P){NULL, c, what, (void *)ev};  /* comm_p2p_wait polls it, as NCCL's */
+}
+
+void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char *what) {
+    P2pCe *p = ce_of(c, 1, bytes, what);
+    cudaStream_t s = p2p_stream(c, what);
+    uint64_t n = p->n++;
+    if (n >= LAG) host_wait(c, p->done[(n - LAG) % R], what);  /* a lost peer ends the job here */
+    cudaEvent_t ev = p->done[n % R];
+    p2p_after_compute(c, s, ev, what);  /* after the compute stream's last use of buf */
+    int span = trace_span_begin(s, "pipeline receive", bytes);
+    mchk(g_wait64(s, counter(p, p->mine, 1), n + 1, CU_STREAM_WAIT_VALUE_GEQ), c, what, "cuStreamWaitValue64");
+    cchk(cudaMemcpyAsync(buf, p->mine + (n % R) * p->slot, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
+    mchk(g_write64(s, counter(p, p->peer, 0), n + 1, CU_STREAM_WRITE_VALUE_DEFAULT), c, what, "cuStreamWriteValue64");
+    trace_span_end(s, span);
+    cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
+    *r = (CommP2P){NULL, c, what, (void *)ev};
+}
+
+int p2p_ce_wait_device(CommP2P *r) {
+    if (!r->c->impl || !p2p_ce_on(r->c) || !((P2pCe *)((CommImpl *)r->c->impl)->p2p_ce)->recv) return 0;
+    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), (cudaEvent_t)r->ev, 0), r->c, r->what, "cudaStreamWaitEvent");
+    r->ev = NULL;  /* the link's own event, not the request's */
+    return 1;
+}
+
+void comm_p2p_drain(const Comm *c) {
+    P2pCe *p = c->impl ? ((CommImpl *)c->impl)->p2p_ce : NULL;
+    if (p && p->recv && p->n) host_wait(c, p->done[(p->n - 1) % R], "pipeline receive");
+}
+
+void p2p_ce_release(const Comm *c) {
+    CommImpl *ci = c->impl;
+    P2pCe *p = ci->p2p_ce;
+    if (!p) return;
+    const char *what = "pipeline send/receive release";
+    comm_p2p_drain(c);
+    cchk(cudaStreamSynchronize((cudaStream_t)ci->p2p_stream), c, what, "cudaStreamSynchronize");
+    comm_barrier(c);  /* neither end writes into the other's block any more */
+    cchk(cudaIpcCloseMemHandle(p->peer), c, what, "cudaIpcCloseMemHandle");
+    comm_barrier(c);  /* nor has it mapped */
+    cuda_free(p->mine);
+    for (int i = 0; i < R; i++) cudaEventDestroy(p->done[i]);
+    cudaStreamDestroy((cudaStream_t)ci->p2p_stream);
+    ci->p2p_stream = NULL;
+    free(p);
+    ci->p2p_ce = NULL;
+}
+#endif
