@@ -39,10 +39,16 @@ follows() {
   paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
   params_close "$1/ckpt.bin" "$2/ckpt.bin"
 }
-# params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below 1e-5
+# params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below
+# PARAM_TOL (else it says what it saw). 1e-5; 5e-5 in the sanitizer build, whose -O1 rounds
+# otherwise than -O3 (the plain build's vectorised libm calls): there, on some CPUs, a
+# pipeline of one-sequence micro-batches drifted 1.27e-5 from one process after 5 AdamW
+# steps, as far as the -O1 and -O3 single-process runs drift from each other (1.29e-5).
+PARAM_TOL=${PARAM_TOL:-$([ "${MESHTRAIN_SANITIZED:-}" = 1 ] && echo 5e-5 || echo 1e-5)}
 params_close() {
-  local d; d=$("$DIFF" "$1" "$2" 2>&1) || return 1
-  awk '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < 1e-5 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d"
+  local d; d=$("$DIFF" "$1" "$2" 2>&1) || { echo "  ckpt_diff: $d"; return 1; }
+  awk -v t="$PARAM_TOL" '$1 == "max_rel_diff" && $2 ~ /^[0-9.e+-]+$/ && $2 + 0 < t + 0 {ok = 1} END {exit !(ok && NR == 1)}' <<<"$d" ||
+    { echo "  parameters: $d (tolerance $PARAM_TOL)"; return 1; }
 }
 
 # Under the sanitizer build (make test-asan: 5-10x slower) the case lists run a lighter half.
