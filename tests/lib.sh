@@ -40,8 +40,8 @@ follows() {
   params_close "$1/ckpt.bin" "$2/ckpt.bin"
 }
 # params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below
-# PARAM_TOL (else it says what it saw). 1e-5; 5e-5 in the sanitizer build, whose -O1 rounds
-# otherwise than -O3 (the plain build's vectorised libm calls): there, on some CPUs, a
+# PARAM_TOL (else it says what it saw). 1e-5; 5e-5 in the sanitizer build (-O1), whose code
+# rounds otherwise than the plain build's -O3 (where, not located): there, on some CPUs, a
 # pipeline of one-sequence micro-batches drifted 1.27e-5 from one process after 5 AdamW
 # steps, as far as the -O1 and -O3 single-process runs drift from each other (1.29e-5).
 PARAM_TOL=${PARAM_TOL:-$([ "${MESHTRAIN_SANITIZED:-}" = 1 ] && echo 5e-5 || echo 1e-5)}
