@@ -32,6 +32,10 @@ static void next_rows(Step *st) {
  * together: step_free goes in the same order). */
 static int link_color(int j, int p) { return p % 2 && j == p - 1 ? 2 : j % 2; }
 
+/* Bytes of a message on a link: one micro-batch's residual stream (a's rows this rank holds),
+ * or its gradient. */
+static size_t msg_bytes(const Model *m, const Acts *a) { return model_stage_rows(m, a) * (size_t)m->E * ops_act_size(); }
+
 static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in, size_t out_bytes, size_t in_bytes) {
     const Comm *pipe = st->pipe.pipe;
     int p = pipe->size, r = pipe->rank, from = ((r - dir) % p + p) % p;  /* the rank whose link reaches r */
@@ -77,7 +81,7 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         return -1;
     if (piped(st)) {
         /* each link's messages: one micro-batch's residual stream or its gradient, or none */
-        size_t bytes = model_stage_rows(m, a) * (size_t)m->E * ops_act_size();
+        size_t bytes = msg_bytes(m, a);
         int fwd, bwd;
         pipeline_rank_messages(&m->c, s, n_stages, &fwd, &bwd);
         make_links(st, +1, "pp-act", &st->act_out, &st->act_in, fwd ? bytes : 0, bwd ? bytes : 0);
@@ -191,20 +195,6 @@ static void slot_free(Step *st, int c, int i) {
     comm_p2p_wait(&st->sent_grad[c][i]);
 }
 
-/* A receive into slot i of chunk c (the input, or the output's gradient): its earlier one
- * into the slot completed on the host first (long since consumed; this is where a dead peer
- * is noticed), then, with recv_device, the compute stream waits for the new one on the
- * device and the host goes on queueing the next actions (at small micro-batches the host
- * otherwise waits for each message and then runs a chunk's launches with the GPU idle
- * behind it); else the host waits for it (on the copy engines a receive always completes
- * on the device: comm.h). */
-static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
-    comm_p2p_wait(&slots[i]);
-    comm_irecv(link, buf, bytes, 1 - link->rank, tag, &slots[i], "pipeline receive");
-    if (st->recv_device) comm_p2p_wait_device(&slots[i]);
-    else comm_p2p_wait(&slots[i]);
-}
-
 /* ... and every receive is complete (where the host did not wait for them: here a peer
  * that never sends ends the job, before a wait with no bound, comm.h) */
 static void free_all_slots(Step *st) {
@@ -229,12 +219,26 @@ static int tag(const Step *st, const Action *a) {
     return msg_tag(to, a->micro, st->micro);
 }
 
+/* A receive into slot i of chunk c (the input, or the output's gradient): its earlier one
+ * into the slot completed on the host first (long since consumed; this is where a dead peer
+ * is noticed), then, with recv_device, the compute stream waits for the new one on the
+ * device and the host goes on queueing the next actions (at small micro-batches the host
+ * otherwise waits for each message and then runs a chunk's launches with the GPU idle
+ * behind it); else the host waits for it (on the copy engines a receive always completes
+ * on the device: comm.h). */
+static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
+    comm_p2p_wait(&slots[i]);
+    comm_irecv(link, buf, bytes, peer(link), tag, &slots[i], "pipeline receive");
+    if (st->recv_device) comm_p2p_wait_device(&slots[i]);
+    else comm_p2p_wait(&slots[i]);
+}
+
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     Model *m = st->m;
     /* each micro-batch's gradient is that of its mean loss / micro: the step's gradient is
      * that of the mean over all its tokens (every micro-batch has as many) */
     float scale = 1.0f / (float)st->micro;
-    size_t N = st->acts[0][0].N, act_bytes = model_stage_rows(m, &st->acts[0][0]) * (size_t)m->E * ops_act_size();
+    size_t N = st->acts[0][0].N, act_bytes = msg_bytes(m, &st->acts[0][0]);
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;
     if (st->pipe.tie) {
@@ -320,7 +324,7 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
     char err[256];
     if (loader_init(&l, val, va->B, va->T, dp_rank, dp, 0, 0, err, sizeof err)) return 0;
     int n = (int)(l.batches_per_epoch < (size_t)max_batches ? l.batches_per_epoch : (size_t)max_batches);
-    size_t bytes = model_stage_rows(m, va) * (size_t)m->E * ops_act_size();
+    size_t bytes = msg_bytes(m, va);
     double sum = 0;
     for (int i = 0; i < n; i++) {
         int *inputs = NULL, *targets = NULL;

@@ -191,12 +191,10 @@ int cmd_train(Config *c) {
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. */
-    int pp_ce = comm_p2p_ce_asked();
-    if (pp_ce && !strcmp(c->device, "cuda") && c->pipeline_parallel_size > 1)
-        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
+    if (pp_ce && gpu && c->pipeline_parallel_size > 1) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
-    int gpu = !strcmp(c->device, "cuda");
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
