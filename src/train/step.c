@@ -69,10 +69,8 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     }
     if (pipe) st->pipe = *pipe;
     const char *rv = getenv("MESHTRAIN_PP_RECV");  /* a benchmark knob: host (default) or device */
-    if (rv && *rv && strcmp(rv, "host") && strcmp(rv, "device")) {
-        snprintf(err, errlen, "MESHTRAIN_PP_RECV=%s: expected host or device", rv);
-        return -1;
-    }
+    if (rv && *rv && strcmp(rv, "host") && strcmp(rv, "device"))  /* (every rank has it: one line) */
+        die_once(EXIT_BAD_INPUT, "MESHTRAIN_PP_RECV=%s: expected host or device", rv);
     st->recv_device = rv && !strcmp(rv, "device");
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
