@@ -3,7 +3,9 @@
 # minutes): tp over NP GPUs in fp32 on a tiny model, with the collectives on NCCL's kernels
 # and on the copy engines (MESHTRAIN_TP_CE=1; 1 and 4 chunks, with and without sequence
 # parallel), each against one GPU (tests/gpu/lib.sh's close, 1e-4), the header naming the
-# path, and at NP = 2 the copy engines' one-chunk runs bitwise the kernels'.
+# path, and at NP = 2 the copy engines' one-chunk runs bitwise the kernels'. Then the sums fused
+# into the products (MESHTRAIN_TP_FUSED=1, CUDA IPC), with and without sequence parallel and
+# beside the copy-engine all-gathers, each against one GPU, the header saying fused.
 # Usage: NP=2 bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
 NP=${NP:-2} B=4
@@ -11,15 +13,17 @@ M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 gra
 run() {  # run OUT NPROC ENVS KEYS...
   local out=$1 np=$2 envs=$3; shift 3
   if [ "$np" = 1 ]; then env $envs "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
-  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS \
+  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS -x MESHTRAIN_TP_FUSED \
          "$BIN" train "$@" comm_timeout=60 out_dir="$out" progress=false >"$out.log" 2>&1; fi
 }
 run "$TMP/one" 1 "" $M batch_size=$((NP * B))
 while IFS='|' read -r name envs keys path; do
   out=$TMP/$name
-  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 $envs" $M batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
-     grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out"
-  then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 $envs" $M batch_size=$((NP * B)) \
+       tensor_parallel_size=$NP $keys &&
+     grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
+     { [[ $envs != *FUSED=1* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; }
+  then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 nccl_sp||sequence_parallel=true|NCCL kernels
 nccl_no_sp||sequence_parallel=false|NCCL kernels
@@ -27,6 +31,10 @@ ce_sp_c1|MESHTRAIN_TP_CE=1|sequence_parallel=true|copy engines
 ce_no_sp_c1|MESHTRAIN_TP_CE=1|sequence_parallel=false|copy engines
 ce_sp_c4|MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=4|sequence_parallel=true|copy engines
 ce_no_sp_c4|MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=4|sequence_parallel=false|copy engines
+fused_sp|MESHTRAIN_TP_FUSED=1|sequence_parallel=true|NCCL kernels
+fused_no_sp|MESHTRAIN_TP_FUSED=1|sequence_parallel=false|NCCL kernels
+fused_ce_sp|MESHTRAIN_TP_FUSED=1 MESHTRAIN_TP_CE=1|sequence_parallel=true|copy engines
+fused_ac|MESHTRAIN_TP_FUSED=1|activation_checkpointing=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ]; then
   for sp in sp no_sp; do

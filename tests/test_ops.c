@@ -444,6 +444,18 @@ static void test_matmul_forward_add(void) {
     CHECK(same(got, want, (size_t)N * OC), "matmul_forward_add differs from matmul then add");
     free(inp), free(w), free(res), free(want), free(got);
 }
+/* op_matmul_backward_add is the input gradient plus res (cpu: the product, then op_add) */
+static void test_matmul_backward_add(void) {
+    int N = 33, C = 20, OC = 70;
+    float *dout = randf((size_t)N * OC, 1.0f), *w = randf((size_t)OC * C, 0.3f), *res = randf((size_t)N * C, 1.0f);
+    float *want = xmalloc((size_t)N * C * sizeof(float)), *got = xmalloc((size_t)N * C * sizeof(float));
+    for (size_t i = 0; i < (size_t)N * C; i++) got[i] = want[i] = NAN;
+    op_matmul_backward_set(want, NULL, dout, NULL, w, N, C, OC);
+    op_add(want, res, (size_t)N * C);
+    op_matmul_backward_add(got, dout, w, res, N, C, OC);
+    CHECK(same(got, want, (size_t)N * C), "matmul_backward_add differs from matmul_backward_set then add");
+    free(dout), free(w), free(res), free(want), free(got);
+}
 static void test_matmul(void) {
     matmul_case(37, 29, 53);
     matmul_case(1, 5, 3);
@@ -1195,6 +1207,7 @@ int main(void) {
     RUN(test_rmsnorm);
     RUN(test_matmul);
     RUN(test_matmul_forward_add);
+    RUN(test_matmul_backward_add);
     RUN(test_rope_tables);
     RUN(test_rope);
     RUN(test_attention);

@@ -151,6 +151,36 @@ err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_para
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CE=yes: not 0 or 1" <<<"$err" \
   && ok bad_tp_ce_refused || bad "bad_tp_ce_refused (exit $rc: $err)"
 
+# -- MESHTRAIN_TP_FUSED=1: the row-parallel products' sums fused into the products (on GPUs
+# each rank writes the others' rows into their memory; on CPU ranks the same blocks and parts
+# as MPI messages): with and without sequence parallel, at tp 2 and 4, beside data parallel,
+# pipeline stages and activation checkpointing, the run follows the one-process run, says so
+# in its header and counts the sums it fused; a malformed value is refused
+# name|ranks|batch_size per data-parallel rank|keys
+while IFS='|' read -r name np b keys; do
+  skip_sanitized "$name" && continue; name=${name#\~}
+  out=$TMP/fused_$name
+  if MESHTRAIN_TP_FUSED=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=$b $keys out_dir="$out" \
+       </dev/null >"$out.log" 2>&1 &&
+     grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
+     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && follows "$TMP/ref_false" "$out"
+  then ok "fused_$name"
+  else bad "fused_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+tp2|2|8|tensor_parallel_size=2
+tp2_no_sp|2|8|tensor_parallel_size=2 sequence_parallel=false
+~tp4|4|8|tensor_parallel_size=4
+tp4_no_sp|4|8|tensor_parallel_size=4 sequence_parallel=false
+~tp2_dp2_fsdp|4|4|tensor_parallel_size=2 fsdp=true
+tp2_pp2_zb1|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+~tp2_activation_checkpointing|2|8|tensor_parallel_size=2 activation_checkpointing=true
+CASES
+! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
+err=$(MESHTRAIN_TP_FUSED=2 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
+      out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=2: not 0 or 1" <<<"$err" \
+  && ok bad_tp_fused_refused || bad "bad_tp_fused_refused (exit $rc: $err)"
+
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS
 B="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=8 context_len=16 batch_size=2 steps=2 tie_embeddings=true progress=false threads=1 data_dir=$D"

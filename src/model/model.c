@@ -645,11 +645,36 @@ static void product_after(const Model *m, const Product *p, const Tickets *ts, i
  * the ranks into dst (branch_sum) chunk by chunk, each chunk's sum begun as soon as its
  * product is queued, so that it travels while the next chunk's product runs; ts: the
  * tickets to join before dst is read. At tp_size = 1 the product alone. */
+/* TpRowsFn over a Product: rows [r0, r0 + rows) of it into out (rows contiguous), plus add
+ * (the others' parts of the sum) or with res the residual */
+static void fused_rows(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res) {
+    const Product *p = arg;
+    const void *inp = act_at(p->inp, r0 * (size_t)(p->bwd ? p->OC : p->C));
+    if (p->bwd) {
+        if (add) op_matmul_backward_add(out, inp, p->w, add, (int)rows, p->C, p->OC);
+        else op_matmul_backward_set(out, NULL, inp, NULL, p->w, (int)rows, p->C, p->OC);
+        return;
+    }
+    const void *plus = add ? add : res && p->res ? act_at(p->res, r0 * (size_t)p->OC) : NULL;
+    if (plus) op_matmul_forward_add(out, inp, p->w, plus, (int)rows, p->C, p->OC);
+    else op_matmul_forward(out, inp, p->w, (int)rows, p->C, p->OC);
+}
+/* p->res, the residual, is added once: by tensor-parallel rank 0 into its part (the fused sum
+ * puts it into one rank's part of each block). */
 static void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts) {
     ts->n = 0;
     Chunks k = tp_chunks(m, N);
+    if (m->tp_size > 1 && k.c == 1 && m->tp.fused_sum_begin) {
+        long t = m->tp.fused_sum_begin(m->tp.ctx, fused_rows, p, sizeof *p, dst, (size_t)N, (size_t)m->E, m->sp);
+        if (t != -1) {
+            ts->t[ts->n++] = t;
+            return;
+        }
+    }
+    Product mine = *p;
+    if (m->tp_rank != 0) mine.res = NULL;
     for (int j = 0; j < k.c; j++) {
-        product_rows(p, (size_t)j * k.rows, k.rows);
+        product_rows(&mine, (size_t)j * k.rows, k.rows);
         if (m->tp_size > 1) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, p->out, j);
     }
 }
@@ -772,7 +797,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
      * tensor parallel, adds it into the sum), or into the rows each rank holds after the
      * reduce-scatter */
     y = m->sp ? a->full : la->out;
-    const void *res = !m->sp && m->tp_rank == 0 ? la->mid : NULL;
+    const void *res = !m->sp ? la->mid : NULL;
     product_then_sum(m, &(Product){0, y, la->hsw, act_at(w, ly->down), res, H, E}, la->out, N, &ts);
     tp_join_all(m, &ts);
     if (m->sp) op_add(la->out, la->mid, (size_t)NS * E);

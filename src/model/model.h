@@ -45,8 +45,20 @@ typedef struct {
  * xf and dxf), zeroed, called with the same sizes in the same order on every rank of the
  * group; free frees it (and op_alloc memory). tensor.c gives them with MESHTRAIN_TP_CE=1,
  * where they put the buffers in NCCL windows and the collectives run on the copy engines. */
+/* fused_sum_begin (NULL: none; tensor.c gives it with MESHTRAIN_TP_FUSED=1): a row-parallel
+ * product's output summed over the group with no collective. N rows of E are cut into
+ * tp_size blocks of N / tp_size; the rank computes each other rank's block of its part
+ * straight into that rank's memory (rows(arg, r0, rows, out, NULL, res)), and at the join its
+ * own block with the others' parts added in the product (rows(arg, r0, rows, out, add, 0),
+ * add: rows of the sum so far), into dst: dst's rows with scatter (sequence parallel), else
+ * block tp_rank of dst [N, E], then gathered whole. res asks for the product's residual too:
+ * given in exactly one rank's part of each block. arg (arg_bytes) is copied. Returns the
+ * ticket to join, or -1 where it cannot (the caller then sums by the collectives). */
+typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res);
 typedef struct {
     void *ctx;
+    long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                            size_t E, int scatter);
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);

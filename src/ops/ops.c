@@ -247,6 +247,14 @@ void op_matmul_backward_set(void *dinp, void *dw, const void *dout, const void *
                             int OC) {
     PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 0));
 }
+void op_matmul_backward_add(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC) {
+    if (g_ops->matmul_backward_add) {
+        PROF("matmul_backward (+ sum)", g_ops->matmul_backward_add(dinp, dout, w, res, N, C, OC));
+        return;
+    }
+    op_matmul_backward_set(dinp, NULL, dout, NULL, w, N, C, OC);
+    op_add(dinp, res, (size_t)N * C);
+}
 void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w, int N,
                            int C, int OC) {
     PROF("matmul_backward (lm_head)", g_ops->matmul_backward(dinp, dw, dout, ldo, inp, w, N, C, OC, 1));

@@ -198,6 +198,10 @@ void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp,
 /* dinp[N, C] = dout @ w (written, not added);  dw[OC, C] += dout^T @ inp. */
 void op_matmul_backward_set(void *dinp, void *dw, const void *dout, const void *inp, const void *w,
                             int N, int C, int OC);
+/* dinp[N, C] = dout @ w + res (res [N, C], distinct from dinp): the input gradient alone,
+ * with res added in the product's epilogue where the backend can (one rounding of the sum,
+ * as op_matmul_forward_add's); else the product, then op_add. */
+void op_matmul_backward_add(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC);
 /* ... with dout's rows ldo elements apart. */
 void op_matmul_backward_ld(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                            int N, int C, int OC);
@@ -372,6 +376,8 @@ typedef struct OpsBackend {
     /* acc: dinp += (1) or dinp = (0); dw always accumulates */
     void (*matmul_backward)(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                             int N, int C, int OC, int acc);
+    /* NULL: op_matmul_backward_add is matmul_backward (set) then add */
+    void (*matmul_backward_add)(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC);
     void (*rope_tables)(float *cos_t, float *sin_t, int T, int HD, float base);
     void (*rope_forward)(void *qkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
     void (*rope_backward)(void *dqkv, const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);

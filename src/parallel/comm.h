@@ -29,6 +29,7 @@
 #ifndef MESHTRAIN_COMM_H
 #define MESHTRAIN_COMM_H
 #include <stddef.h>
+#include <stdint.h>
 #include "util.h"
 
 typedef enum { COMM_SUM, COMM_AVG } CommOp;
@@ -169,6 +170,26 @@ size_t comm_p2p_ce_bytes(size_t msg);
  * completes on the device, and a later host wait without a bound (a download) must not wait
  * for it; elsewhere comm_p2p_wait has done it. */
 void comm_p2p_drain(const Comm *c);
+/* comm_ipc.c: a block of device memory on every rank of c that every other rank maps (CUDA
+ * IPC), with n_ctr 64-bit counters after `bytes` of data, zeroed, that other ranks write and
+ * the owner's compute stream waits on (stream memory operations: no SM held). Collective
+ * over c; NULL on every rank where any rank cannot (CPU ranks, another machine, no peer
+ * access or 64-bit memory operations). Tensor parallel's fused sums (tensor.c). */
+typedef struct CommIpc CommIpc;
+CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what);
+/* Device memory one rank's block takes (whole 2 MiB pages), for the memory estimate. */
+size_t comm_ipc_bytes(size_t bytes, int n_ctr);
+/* rank's block as this rank addresses it (its own, or the mapping of another's). */
+char *comm_ipc_block(const CommIpc *w, int rank);
+/* On the compute stream, after its work so far (a memory fence first): rank's counter i := v. */
+void comm_ipc_set(const CommIpc *w, int rank, int i, uint64_t v);
+/* The compute stream waits until this rank's counter i >= v. */
+void comm_ipc_wait(const CommIpc *w, int i, uint64_t v);
+/* r: a request complete once the compute stream's work so far is (comm_wait waits for it
+ * within comm_timeout: a peer that never writes ends the job there). */
+void comm_ipc_mark(const CommIpc *w, CommReq *r, const char *what);
+/* Collective over the group (NULL: nothing). */
+void comm_ipc_close(CommIpc *w);
 /* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a
  * failure, the lowest such rank prints its message once, naming itself, and every rank
  * exits with that rank's code; else nothing happens. */

@@ -83,6 +83,16 @@ void nccl_p2p_init(const Comm *c);
 cudaStream_t p2p_stream(const Comm *c, const char *what);
 void p2p_after_compute(const Comm *c, cudaStream_t s, cudaEvent_t ev, const char *what);
 
+/* comm_ipc.c: the stream memory operations on a 64-bit counter (ctr: device-accessible,
+ * here or a peer's mapping); a failure ends the job naming c and what. Before them,
+ * ipc_group_possible (collective over c) says whether every rank can take the IPC path (one
+ * machine, the driver's 64-bit memory operations, peer access to every other rank's GPU),
+ * and ipc_agreed whether every rank's ok is nonzero (the MIN over c). */
+int ipc_group_possible(const Comm *c, const char *what);
+int ipc_agreed(const Comm *c, int ok, const char *what);
+void ipc_wait64(void *stream, const void *ctr, uint64_t v, const Comm *c, const char *what);
+void ipc_write64(void *stream, void *ctr, uint64_t v, const Comm *c, const char *what);
+
 /* comm_p2p_ce.c: send/receive on the copy engines (MESHTRAIN_PP_CE=1, comm_p2p_init). */
 static inline int p2p_ce_on(const Comm *c) { return ((CommImpl *)c->impl)->p2p_ce != NULL; }
 /* Sets c up for it (collective over c); 0 where both ranks take NCCL instead. */

@@ -14,8 +14,7 @@
  *            n % R; write the peer's full := n + 1
  *   receive: wait full >= n + 1; copy slot n % R into buf; write the peer's consumed := n + 1
  * cudaMemcpyAsync between device buffers runs on a copy engine; the waits and writes are
- * stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64, the driver's, taken
- * by entry point as wgmma_util.cuh takes cuTensorMapEncodeTiled's: libcuda is not linked).
+ * stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64: comm_ipc.c's).
  * A write with the default flags is preceded by a memory fence (the v2 API has no other), so
  * the copy before it in the stream is visible to the peer first. Counters only grow, for the
  * life of the run, so the ring goes on across steps.
@@ -83,69 +82,10 @@ typedef struct {
     cudaEvent_t done[R];  /* receives: message k complete, in done[k % R] */
 } P2pCe;
 
-typedef CUresult (*MemOp64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-static MemOp64 g_wait64, g_write64;
-
-static void *driver_fn(const char *name) {
-    void *p = NULL;
-    enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    return p;
-}
-
-/* The driver's stream memory operations, where device dev runs 64-bit ones. */
-static int memops_ok(int dev) {
-    CUresult (*get)(CUdevice *, int) = (CUresult (*)(CUdevice *, int))driver_fn("cuDeviceGet");
-    CUresult (*attr)(int *, CUdevice_attribute, CUdevice) =
-        (CUresult (*)(int *, CUdevice_attribute, CUdevice))driver_fn("cuDeviceGetAttribute");
-    g_wait64 = (MemOp64)driver_fn("cuStreamWaitValue64");
-    g_write64 = (MemOp64)driver_fn("cuStreamWriteValue64");
-    CUdevice d;
-    int on = 0;
-    return get && attr && g_wait64 && g_write64 && get(&d, dev) == CUDA_SUCCESS &&
-           attr(&on, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, d) == CUDA_SUCCESS && on;
-}
-
-static void mchk(CUresult rc, const Comm *c, const char *what, const char *call) {
-    if (rc == CUDA_SUCCESS) return;
-    char err[32];
-    snprintf(err, sizeof err, "CUresult %d", (int)rc);
-    nccl_die(c, what, call, err);
-}
-
 /* The counter in a block: after a receiver's slots, at a sender's start; a token beside it
  * (the 8 bytes after) says whose block a mapping shows. */
-static CUdeviceptr counter(const P2pCe *p, const char *block, int receiver) {
-    return (CUdeviceptr)(uintptr_t)(block + (receiver ? R * p->slot : 0));
-}
-
-/* Both ranks: every check of their own passed (the MIN over the link). */
-static int agreed(const Comm *c, int ok, const char *what) {
-    comm_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, what);
-    return ok;
-}
-
-/* Whether the link's two GPUs can take the path: one machine, this rank's driver with the
- * memory operations, and the peer's GPU visible here with peer access to it (or the same GPU). */
-static int link_possible(const Comm *c, const char *what) {
-    int dev, peer = -1, can = 0;
-    cchk(cudaGetDevice(&dev), c, what, "cudaGetDevice");
-    int ok = comm_one_machine(c) && memops_ok(dev);
-    char bus[2][32];
-    memset(bus, 0, sizeof bus);
-    cchk(cudaDeviceGetPCIBusId(bus[c->rank], (int)sizeof bus[0], dev), c, what, "cudaDeviceGetPCIBusId");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, bus, (int)sizeof bus[0], MPI_CHAR, mpi(c)), c, what);
-    if (ok && cudaDeviceGetByPCIBusId(&peer, bus[1 - c->rank]) != cudaSuccess) {
-        cudaGetLastError();
-        ok = 0;
-    }
-    if (ok && peer != dev) ok = cudaDeviceCanAccessPeer(&can, dev, peer) == cudaSuccess && can;
-    cudaGetLastError();
-    return agreed(c, ok, what);
+static uintptr_t counter(const P2pCe *p, const char *block, int receiver) {
+    return (uintptr_t)(block + (receiver ? R * p->slot : 0));
 }
 
 int p2p_ce_init(const Comm *c, size_t max_bytes) {
@@ -153,7 +93,7 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     CommImpl *ci = c->impl;
     unsigned long long most = max_bytes;  /* both ends size the ring alike */
     comm_check(MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi(c)), c, what);
-    if (!most || c->size != 2 || !link_possible(c, what)) return 0;
+    if (!most || c->size != 2 || !ipc_group_possible(c, what)) return 0;
     P2pCe *p = xcalloc(1, sizeof *p);
     p->recv = c->rank == 1;
     p->slot = slot_bytes((size_t)most);
@@ -174,7 +114,7 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     opened = opened && cudaMemcpy(seen, (void *)(uintptr_t)counter(p, peer, !p->recv), sizeof seen,
                                   cudaMemcpyDeviceToHost) == cudaSuccess && seen[1] == x[1 - c->rank].ctr[1];
     cudaGetLastError();
-    if (!agreed(c, opened, what)) {
+    if (!ipc_agreed(c, opened, what)) {
         if (peer) cudaIpcCloseMemHandle(peer);
         cuda_free(p->mine);
         free(p);
@@ -221,9 +161,9 @@ void p2p_ce_send(const Comm *c, const void *buf, size_t bytes, CommP2P *r, const
     p2p_after_compute(c, s, ev, what);  /* after what wrote buf */
     uint64_t n = p->n++;
     int span = trace_span_begin(s, "pipeline send", bytes);
-    if (n >= R) mchk(g_wait64(s, counter(p, p->mine, 0), n - R + 1, CU_STREAM_WAIT_VALUE_GEQ), c, what, "cuStreamWaitValue64");
+    if (n >= R) ipc_wait64(s, (void *)counter(p, p->mine, 0), n - R + 1, c, what);
     cchk(cudaMemcpyAsync(p->peer + (n % R) * p->slot, buf, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
-    mchk(g_write64(s, counter(p, p->peer, 1), n + 1, CU_STREAM_WRITE_VALUE_DEFAULT), c, what, "cuStreamWriteValue64");
+    ipc_write64(s, (void *)counter(p, p->peer, 1), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
     *r = (CommP2P){NULL, c, what, (void *)ev};  /* comm_p2p_wait polls it, as NCCL's */
@@ -237,9 +177,9 @@ void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char 
     cudaEvent_t ev = p->done[n % R];
     p2p_after_compute(c, s, ev, what);  /* after the compute stream's last use of buf */
     int span = trace_span_begin(s, "pipeline receive", bytes);
-    mchk(g_wait64(s, counter(p, p->mine, 1), n + 1, CU_STREAM_WAIT_VALUE_GEQ), c, what, "cuStreamWaitValue64");
+    ipc_wait64(s, (void *)counter(p, p->mine, 1), n + 1, c, what);
     cchk(cudaMemcpyAsync(buf, p->mine + (n % R) * p->slot, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
-    mchk(g_write64(s, counter(p, p->peer, 0), n + 1, CU_STREAM_WRITE_VALUE_DEFAULT), c, what, "cuStreamWriteValue64");
+    ipc_write64(s, (void *)counter(p, p->peer, 0), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
     *r = (CommP2P){NULL, c, what, (void *)ev};

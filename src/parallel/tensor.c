@@ -27,8 +27,10 @@ static long g_next, g_done;  /* tickets [g_done, g_next) are in flight */
 
 static void retire_oldest(void) { comm_wait(&g_req[g_done++ % TP_LAG]); }
 
+static void fused_join(void);
 static void tp_flush(void *ctx) {
     (void)ctx;
+    fused_join();
     while (g_done < g_next) retire_oldest();
 }
 
@@ -46,9 +48,12 @@ static long begun(CommReq *r) {
     return g_next++;
 }
 
+static long g_fused_ticket = -1;  /* the fused sum begun and not yet joined (fused_sum_begin) */
+
 static void tp_join(void *ctx, long t) {
     (void)ctx;
-    if (t >= g_done && t < g_next) comm_wait_device(&g_req[t % TP_LAG]);
+    if (t == g_fused_ticket) fused_join();
+    else if (t >= g_done && t < g_next) comm_wait_device(&g_req[t % TP_LAG]);
 }
 
 static CommType act_type(void) { return ops_act_size() == 2 ? COMM_BF16 : COMM_F32; }
@@ -67,6 +72,151 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     CommReq *r = next_slot();
     comm_ireduce_scatter(ctx, send, recv, n, act_type(), COMM_SUM, r, "tensor-parallel reduce-scatter");
     return begun(r);
+}
+
+/* ---- Fused sums (MESHTRAIN_TP_FUSED=1): see ModelTp's fused_sum_begin. ----
+ * On GPUs each rank's IPC block (comm_ipc.c) holds two sets (by the sum's parity) of t - 1
+ * slots, one for each other rank's part of this rank's block, then 2 t counters: full[s]
+ * (rank s's part of sum n has landed: n + 1) and consumed[d] (rank d has read this rank's part
+ * of sum n: n + 1). Sum n on rank r, all on the compute stream:
+ *   begin: for each other rank j, from r + 1 on: wait consumed[j] >= n - 1 (j has read the
+ *          part r sent it two sums ago, from the slot this one overwrites); rows of block j
+ *          into j's slot for r; set j's full[r] := n + 1
+ *   join:  wait full[j] >= n + 1 for every j; r's own rows with rank r + 1's part added in the
+ *          product's epilogue (beta = 1), the others' after it (op_add); set every j's
+ *          consumed[r] := n + 1; without sequence parallel, an all-gather of the blocks.
+ * The products' stores go over NVLink into the peer's memory, and nothing but the products
+ * runs on the SMs: tp_fused_probe measured such a reduce-scatter at 0.042 ms over the
+ * product at tp = 2 on H200s, NCCL's at 0.096-0.111. Between begin and join the model queues
+ * what needs no sum (a weight gradient), which hides a slower peer. A peer that never writes
+ * blocks the compute stream: the join's ticket is an event the host waits for within
+ * comm_timeout (tp_flush), which ends the job.
+ * CPU ranks run the same blocks and parts with MPI messages for the slots, so that the
+ * data flow is tested without GPUs. */
+enum { FUSED_TAG = 31000 };  /* above the rings' tags (1..30000, comm_mpi.c) */
+typedef struct {
+    int asked, off;  /* MESHTRAIN_TP_FUSED=1; off: the GPUs cannot (every rank then sums by collectives) */
+    const Comm *c;
+    CommIpc *w;       /* GPUs */
+    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
+    size_t cap;       /* bytes a slot */
+    uint64_t n;       /* sums begun */
+    /* the sum begun and not yet joined */
+    TpRowsFn rows;
+    _Alignas(16) char arg[128];
+    void *dst;
+    size_t R, E;  /* rows a block, and their width */
+    int scatter;
+} Fused;
+static Fused g_fused;
+
+int tensor_parallel_fused_asked(void) {
+    const char *e = getenv("MESHTRAIN_TP_FUSED");
+    if (!e || !*e || !strcmp(e, "0")) return 0;
+    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0 or 1", e);
+    return 1;
+}
+/* Slot of source s's part on receiver d, in set b, from the start of d's block. */
+static size_t fused_slot(int t, int d, int s, uint64_t b) {
+    size_t rel = (size_t)((s - d - 1 + 2 * t) % t);
+    return ((size_t)b * (size_t)(t - 1) + rel) * g_fused.cap;
+}
+static size_t fused_bytes(int t, size_t cap) { return 2 * (size_t)(t - 1) * cap; }
+
+static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                            size_t E, int scatter) {
+    Fused *f = &g_fused;
+    const Comm *c = ctx;
+    int t = c->size, r = c->rank;
+    size_t R = N / (size_t)t, bytes = R * E * ops_act_size();
+    /* (every rank has the same N: all of them decline together) */
+    if (f->off || N % (size_t)t || bytes > f->cap || arg_bytes > sizeof f->arg) return -1;
+    fused_join();  /* (one at a time: the model joins each before the next) */
+    uint64_t n = f->n++, b = n & 1;
+    f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter;
+    memcpy(f->arg, arg, arg_bytes);
+    if (f->w) {
+        for (int i = 1; i < t; i++) {
+            int j = (r + i) % t;
+            if (n >= 2) comm_ipc_wait(f->w, t + j, n - 1);
+            rows(f->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
+            comm_ipc_set(f->w, j, r, n + 1);
+        }
+    } else {
+        CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
+        for (int i = 1; i < t; i++) {
+            int j = (r + i) % t;
+            char *out = f->host + (size_t)(i - 1) * f->cap, *in = f->host + (size_t)(t - 2 + i) * f->cap;
+            comm_irecv(c, in, bytes, (r - i + t) % t, FUSED_TAG, &q[t - 2 + i], "tensor-parallel fused sum");
+            rows(f->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
+            comm_isend(c, out, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
+        }
+        for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
+        free(q);
+    }
+    CommReq *q = next_slot();  /* (inactive: the join's ticket carries the wait) */
+    g_fused_ticket = begun(q);
+    return g_fused_ticket;
+}
+
+/* The join of the sum begun (nothing if none is): this rank's own block. */
+static void fused_join(void) {
+    Fused *f = &g_fused;
+    if (g_fused_ticket < 0) return;
+    g_fused_ticket = -1;
+    const Comm *c = f->c;
+    int t = c->size, r = c->rank;
+    uint64_t n = f->n - 1, b = n & 1;
+    size_t R = f->R, E = f->E, own_row = (size_t)r * R;
+    void *own = f->scatter ? f->dst : (char *)f->dst + own_row * E * ops_act_size();
+    /* part of source s (i = s - r mod t: 1 .. t - 1), as received */
+    #define PART(i) (f->w ? comm_ipc_block(f->w, r) + fused_slot(t, r, (r + (i)) % t, b) \
+                          : f->host + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
+    if (f->w)
+        for (int j = 0; j < t; j++)
+            if (j != r) comm_ipc_wait(f->w, j, n + 1);
+    f->rows(f->arg, own_row, R, own, PART(1), 0);
+    for (int i = 2; i < t; i++) op_add(own, PART(i), R * E);
+    #undef PART
+    if (f->w) {
+        for (int j = 0; j < t; j++)
+            if (j != r) comm_ipc_set(f->w, j, t + r, n + 1);
+        CommReq *q = next_slot();
+        comm_ipc_mark(f->w, q, "tensor-parallel fused sum");
+        begun(q);
+    }
+    if (!f->scatter) tp_join(f->c ? (void *)f->c : NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
+}
+
+int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
+    Fused *f = &g_fused;
+    if (mesh->tp_size == 1 || !f->asked) return 0;
+    int t = mesh->tp_size;
+    f->c = &mesh->tp;
+    f->cap = (N / (size_t)t * (size_t)m->E * ops_act_size() + 255) & ~(size_t)255;
+    if (ops_host_memory()) {
+        f->host = xmalloc(fused_bytes(t, f->cap));
+        return 1;
+    }
+    f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), 2 * t, "tensor-parallel fused sums");
+    f->off = !f->w;
+    return f->w != NULL;
+}
+
+size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) {
+    if (tp == 1) return 0;
+    size_t cap = (N / (size_t)tp * E * act_size + 255) & ~(size_t)255;
+    return comm_ipc_bytes(fused_bytes(tp, cap), 2 * tp);
+}
+
+unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
+
+void tensor_parallel_fused_close(void) {
+    Fused *f = &g_fused;
+    fused_join();
+    comm_ipc_close(f->w);
+    free(f->host);
+    *f = (Fused){0};
 }
 
 /* A count knob: the environment variable `name` (1 to TP_MAX_CHUNKS), else dflt; a malformed
@@ -120,6 +270,8 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     m->tp_chunks = count_asked("MESHTRAIN_TP_CHUNKS", TP_CHUNKS);
     m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
+    g_fused.asked = tensor_parallel_fused_asked();
+    if (g_fused.asked) m->tp.fused_sum_begin = fused_sum_begin;
     if (copy_engines) {
         m->tp.alloc = tp_alloc;
         m->tp.free = comm_buffer_free;

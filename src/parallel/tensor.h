@@ -25,6 +25,22 @@ int tensor_parallel_ce_possible(const Mesh *mesh);
 /* Whether the tp group's collectives run on the copy engines (after the model's activations
  * are allocated: comm_alloc made the group's all-to-all buffer). */
 int tensor_parallel_on_copy_engines(const Mesh *mesh);
+/* MESHTRAIN_TP_FUSED=1 (0 or unset: 0; anything else ends the run, exit 2; an A/B knob like
+ * MESHTRAIN_TP_CE): the row-parallel products' sums fused into the products (ModelTp's
+ * fused_sum_begin): on GPUs of one machine with peer access, each rank's product writes the
+ * other ranks' rows straight into their memory (CUDA IPC) and adds theirs to its own in the
+ * epilogue, with no collective on the SMs; on CPU ranks the same data flow over MPI. Set up
+ * here for sums of up to N rows (collective over the tp group, after tensor_parallel_attach):
+ * whether the fused path is taken (on GPUs where it cannot be, every rank keeps the
+ * collectives). */
+int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N);
+int tensor_parallel_fused_asked(void);
+/* The device memory it takes on a GPU for sums of up to N rows of E (for the estimate). */
+size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size);
+/* The sums fused so far (on this rank; every rank of the group alike). */
+unsigned long long tensor_parallel_fused_count(void);
+/* Frees it (collective over the tp group). */
+void tensor_parallel_fused_close(void);
 /* The sum of squares of unit u's gradient elements [lo, hi) (local, from the unit's start)
  * that every tensor-parallel rank holds alike (replicated runs), read from g (element lo at
  * g): what a tp rank other than 0 leaves out of the gradient norm so that the sum over the

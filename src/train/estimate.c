@@ -1,4 +1,5 @@
 #include "estimate.h"
+#include "tensor.h"
 #include "attn_cudnn.h"      /* the dP buffer of cuDNN's deterministic attention backward */
 #include "attn_wgmma_bwd.h" /* our Hopper backward's, where auto takes it (attn_wgmma_bwd_auto) */
 #include "ops_cuda.h"       /* rmsnorm's backward blocks */
@@ -99,8 +100,10 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->ce_tp = gpu && training && tp > 1 && (copy_engines & EST_CE_TP);
     if (e->ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
     e->ce_pp = gpu && training && (copy_engines & EST_CE_PP);  /* (a pipeline stage's: estimate_stage) */
+    e->tp_fused_asked = gpu && tp > 1 && (copy_engines & EST_TP_FUSED);
+    e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
-               (gpu ? 0 : e->host);
+               e->tp_fused + (gpu ? 0 : e->host);
     model_free(&m);
     /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
@@ -164,8 +167,10 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         size_t rows = (size_t)B_micro * T / (size_t)(sp && tp > 1 ? tp : 1);
         e->p2p = (size_t)(fwd + bwd) * comm_p2p_ce_bytes(rows * c->embed_dim * act_size);
     }
+    e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size)
+                                    : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
-               e->p2p + (e->gpu ? 0 : e->host);
+               e->p2p + e->tp_fused + (e->gpu ? 0 : e->host);
     model_free(&m);
 }
 
@@ -188,10 +193,12 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
     const char *names[] = {"parameters", "gradients", optim, "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
-                           "all-to-all buffer", "pipeline receive rings"};
-    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm, e->p2p};
-    for (int i = 0; i < 10; i++)
-        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm) && !(i == 9 && !e->p2p))
+                           "all-to-all buffer", "pipeline receive rings", "fused-sum slots"};
+    size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm, e->p2p,
+                     e->tp_fused};
+    for (int i = 0; i < 11; i++)
+        if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm) && !(i == 9 && !e->p2p) &&
+            !(i == 10 && !e->tp_fused))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     /* lean (DDP, AdamW): the master is the only fp32 copy, the gradients' copy in the compute type */
     const char *what = !e->lean ? "fp32 master weights, gradients' copy, optimizer state"

@@ -26,6 +26,8 @@ typedef struct {
     int ce_tp; /* EST_CE_TP was asked: estimate_stage counts the stage's all-to-all buffer */
     int ce_pp; /* EST_CE_PP was asked: estimate_stage counts the stage's receive rings */
     size_t p2p; /* pipeline send/receive on the copy engines: the rings and counters (in total) */
+    int tp_fused_asked; /* EST_TP_FUSED was asked: estimate_stage counts the stage's slots */
+    size_t tp_fused; /* tensor parallel's fused sums: each rank's slots for the others' parts (in total) */
     size_t attn_elsewhere; /* runtime assumes attention's backward on our Hopper kernel (an H100 or
                             * H200): what cuDNN's engine needs more on other GPUs (0: the same) */
 } MemEstimate;
@@ -49,6 +51,9 @@ typedef struct {
  * micro-batch's residual stream) for each direction the stage receives in. A run counts it wherever it is
  * asked on GPUs; where a link falls back to NCCL the estimate is high by its ring. */
 #define EST_CE_PP 4
+/* EST_TP_FUSED (or'd): tensor parallel's sums fused into the products (MESHTRAIN_TP_FUSED=1 on
+ * GPUs, tensor.h): the IPC block of slots for the other ranks' parts counts as tp_fused. */
+#define EST_TP_FUSED 8
 /* tp: tensor-parallel ranks; each holds its slices of every layer and its vocabulary rows
  * of the embedding and lm_head (model_init_layout_tp), its heads' and FFN units'
  * activations and its columns of the logits; sp: sequence parallel, where it also holds

@@ -190,9 +190,12 @@ int cmd_train(Config *c) {
      * memory operations, each holding one of the device's hardware queues; with the default 8
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
-     * too (a CUDA-aware MPI may start CUDA), unless the user set it. */
+     * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
+     * sums (MESHTRAIN_TP_FUSED=1) wait so on the compute stream: the comm stream, whose NCCL
+     * kernels a peer may be waiting for, must not wait behind it. */
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
-    if (pp_ce && gpu && c->pipeline_parallel_size > 1) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || (c->tensor_parallel_size > 1 && tensor_parallel_fused_asked())))
+        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
@@ -284,6 +287,7 @@ int cmd_train(Config *c) {
     int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
     if (tp_ce) ce |= EST_CE_TP;
     if (pp_ce && PP > 1) ce |= EST_CE_PP;  /* (counted where asked: the links decide at step_init) */
+    if (gpu && mesh.tp_size > 1 && tensor_parallel_fused_asked()) ce |= EST_TP_FUSED;  /* (likewise) */
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -386,6 +390,13 @@ int cmd_train(Config *c) {
                    mesh.pp_rank, "tie", &tie);
     Acts a;
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
+    int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (MESHTRAIN_TP_FUSED=1) */
+    if (lead && mesh.tp_size > 1 && tensor_parallel_fused_asked())
+        printf("tensor parallel sums: %s\n",
+               !tp_fused ? "collectives (MESHTRAIN_TP_FUSED=1, but the GPUs cannot map each other's memory here)"
+               : gpu ? "fused into the products (MESHTRAIN_TP_FUSED=1: each product writes the other ranks' rows into "
+                       "their memory, CUDA IPC)"
+                     : "fused into the products (MESHTRAIN_TP_FUSED=1: the other ranks' rows as MPI messages)");
     if (lead && mesh.tp_size > 1) {
         int chunks = model_tp_chunks(&m, a.N);
         int groups = model_tp_groups(&m, a.N);
@@ -633,6 +644,8 @@ int cmd_train(Config *c) {
         if (world.size > 1 || comm_timed > 0)
             printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
+        if (tp_fused)
+            printf("tensor parallel: %llu sums fused into the products\n", tensor_parallel_fused_count());
         for (int s = 0; s < PP && stage_mem; s++) {
             double peak = 0, e = 0;
             for (int r = 0; r < world.size; r++)  /* world rank r is on stage r / (tp x dp) */
@@ -644,6 +657,7 @@ int cmd_train(Config *c) {
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
     }
     step_free(&st);
+    tensor_parallel_fused_close();
     parallel_free(par);  /* first: it waits for collectives still in flight into the buffers */
     acts_free(&a);
     model_free(&m);

@@ -52,6 +52,15 @@ static void test_matmul(void) {
             expect_act("matmul forward + residual", sh, dS, want, no, TOL);
             op_free(dR); op_free(dS); free(res); free(want); free(nan);
         }
+        {   /* the input gradient with res in the epilogue, over NaN: (dx - dx0) + res */
+            size_t ni = (size_t)N * C;
+            float *res = randb(ni, 1.0f), *want = xmalloc(ni * sizeof(float)), *nan = xmalloc(ni * sizeof(float));
+            for (size_t i = 0; i < ni; i++) want[i] = dx[i] - dx0[i] + res[i], nan[i] = NAN;
+            void *dR = up_act(res, ni), *dS = up_act(nan, ni);
+            op_matmul_backward_add(dS, dG, dW, dR, N, C, OC);
+            expect_act("matmul dinp + res", sh, dS, want, ni, TOL);
+            op_free(dR); op_free(dS); free(res); free(want); free(nan);
+        }
         expect_act("matmul dinp (+=)", sh, dDX, dx, (size_t)N * C, TOL);
         expect_f32("matmul dw (fp32, +=)", sh, dDW, dw, (size_t)OC * C, TOL);
         op_free(dX); op_free(dW); op_free(dG); op_free(dY); op_free(dDX); op_free(dDW);

@@ -130,6 +130,14 @@ static void matmul_case(int N, int C, int OC, int off) {
         expect_close("matmul forward + residual", shape, d_sum, want, no, TOL_FWD);
         free(res); free(want);
     }
+    {   /* the input gradient with res in the epilogue (written over NaN): dout @ w + res */
+        float *res = randf(ni, 1.0f), *want = xmalloc(ni * sizeof(float));
+        for (size_t i = 0; i < ni; i++) want[i] = dinp[i] - dinp0[i] + res[i];
+        float *d_res = dcopy(res, ni, off), *d_sum = dnan(ni, off);
+        cuda_matmul_backward_add(d_sum, d_dout, d_w, d_res, N, C, OC);
+        expect_close("matmul backward dinp + res", shape, d_sum, want, ni, TOL_BWD);
+        free(res); free(want);
+    }
     expect_close("matmul backward dinp", shape, d_dinp, dinp, ni, TOL_BWD);
     expect_close("matmul backward dw", shape, d_dw, dw, nw, TOL_BWD);
 

@@ -840,6 +840,20 @@ void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const
     }
 }
 
+/* dinp = dout @ w + res: cuda_matmul_backward's input gradient with res as the epilogue's C */
+void cuda_matmul_backward_add(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC) {
+    if (N <= 0 || C <= 0) return;
+    if (OC <= 0) {
+        cuda_memcpy_d2d(dinp, res, (size_t)N * C * act_size());
+        return;
+    }
+    int OCa = oc_main(OC), OCt = OC - OCa;
+    lt_matmul_c(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCa, w, C, dout, OC, 1.0f, res, dinp, C, 0);
+    if (OCt)
+        lt_matmul(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OCt, act_off(w, (size_t)OCa * C), C, act_off(dout, OCa), OC, 1.0f,
+                  dinp, C, 0);
+}
+
 void cuda_rope_tables(float *cos_t, float *sin_t, int T, int HD, float base) {
     int half = HD / 2;
     if (T <= 0 || half <= 0) return;
@@ -1391,6 +1405,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .matmul_forward = cuda_matmul_forward,
     .matmul_forward_add = cuda_matmul_forward_add,
     .matmul_backward = cuda_matmul_backward,
+    .matmul_backward_add = cuda_matmul_backward_add,
     .rope_tables = cuda_rope_tables,
     .rope_forward = cuda_rope_forward,
     .rope_backward = cuda_rope_backward,

@@ -84,6 +84,7 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
 /* out's (dout's) rows are ldo >= OC elements apart */
 void cuda_matmul_forward(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC);
 void cuda_matmul_forward_add(void *out, const void *inp, const void *w, const void *res, int N, int C, int OC);
+void cuda_matmul_backward_add(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC);
 void cuda_matmul_backward(void *dinp, void *dw, const void *dout, int ldo, const void *inp, const void *w,
                           int N, int C, int OC, int acc);
 
