@@ -542,8 +542,9 @@ static void tp_flush(const Model *m) {
 static void tp_join(const Model *m, long t) {
     if (t >= 0) m->tp.join(m->tp.ctx, t);
 }
-/* The tickets of one collective's chunks (n = 0: nothing was begun). */
-typedef struct { long t[TP_MAX_CHUNKS]; int n; } Tickets;
+/* The tickets of one collective's chunks (n = 0: nothing was begun); rot: a fused gather's,
+ * ticket i for the block of rows (tp_rank + i) % tp_size (ModelTp's fused_gather_begin). */
+typedef struct { long t[TP_MAX_CHUNKS]; int n, rot; } Tickets;
 static void tp_join_all(const Model *m, const Tickets *ts) {
     for (int j = 0; j < ts->n; j++) tp_join(m, ts->t[j]);
 }
@@ -580,7 +581,7 @@ static long branch_sum_chunk(const Model *m, const Chunks *k, void *dst, void *s
     return m->tp.allreduce_begin(m->tp.ctx, act_at(dst, (size_t)j * k->rows * E), k->rows * E);
 }
 static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Tickets *ts) {
-    ts->n = 0;
+    ts->n = ts->rot = 0;
     if (m->tp_size == 1) return;
     Chunks k = tp_chunks(m, N);
     for (int j = 0; j < k.c; j++) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, src, j);
@@ -595,13 +596,19 @@ static void branch_sum(const Model *m, void *dst, void *src, int N) {
  * returns where the whole is: buf, or without sequence parallel `part`, already whole
  * (nothing begun). */
 static const void *seq_gather_begin(const Model *m, void *buf, const void *part, int N, Tickets *ts) {
-    ts->n = 0;
+    ts->n = ts->rot = 0;
     if (!m->sp) return part;
     Chunks k = tp_chunks(m, N);
     size_t n = k.held * m->E;
     for (int j = 0; j < k.c; j++) {
         void *mine = act_at(buf, mine_row(m, &k, j) * m->E);
         if (part != buf) op_copy(mine, act_at(part, (size_t)j * n), n * ops_act_size());
+    }
+    /* fused (one chunk): the product starts on this rank's rows while the others' travel */
+    if (k.c == 1 && m->tp.fused_gather_begin && m->tp_size <= TP_MAX_CHUNKS &&
+        (ts->n = m->tp.fused_gather_begin(m->tp.ctx, buf, (size_t)N, (size_t)m->E, ts->t))) {
+        ts->rot = 1;
+        return buf;
     }
     /* begun after every copy: the first chunk's product then waits for no later copy */
     for (int j = 0; j < k.c; j++)
@@ -636,9 +643,10 @@ static void product_after(const Model *m, const Product *p, const Tickets *ts, i
         return;
     }
     Chunks k = tp_chunks(m, N);
+    if (ts->rot) k.rows = (size_t)N / (size_t)m->tp_size;
     for (int j = 0; j < ts->n; j++) {
         tp_join(m, ts->t[j]);
-        product_rows(p, (size_t)j * k.rows, k.rows);
+        product_rows(p, (size_t)(ts->rot ? (m->tp_rank + j) % m->tp_size : j) * k.rows, k.rows);
     }
 }
 /* Product, then collective: p's output ([N, E], this rank's part of a branch) summed over
@@ -662,7 +670,7 @@ static void fused_rows(const void *arg, size_t r0, size_t rows, void *out, const
 /* p->res, the residual, is added once: by tensor-parallel rank 0 into its part (the fused sum
  * puts it into one rank's part of each block). */
 static void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts) {
-    ts->n = 0;
+    ts->n = ts->rot = 0;
     Chunks k = tp_chunks(m, N);
     if (m->tp_size > 1 && k.c == 1 && m->tp.fused_sum_begin) {
         long t = m->tp.fused_sum_begin(m->tp.ctx, fused_rows, p, sizeof *p, dst, (size_t)N, (size_t)m->E, m->sp);
@@ -821,7 +829,7 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
     void *dx = m->sp ? a->full : a->dxn;  /* the input gradients of gate_up and qkv, before the sum */
     /* under sequence parallel the norms' outputs, which the weight gradients need whole, are
      * gathered while the products before them run (begun after d's gathers, needed first) */
-    Tickets td, gx = {.n = 0};
+    Tickets td, gx = {.n = 0, .rot = 0};
     const void *d = seq_gather_begin(m, a->full, a->dres, N, &td);
     if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
     product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);

@@ -55,10 +55,17 @@ typedef struct {
  * given in exactly one rank's part of each block. arg (arg_bytes) is copied. Returns the
  * ticket to join, or -1 where it cannot (the caller then sums by the collectives). */
 typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res);
+/* fused_gather_begin (NULL: none; with fused_sum_begin): buf [N, E] gathered in place, as
+ * allgather_begin, in tp_size blocks of N / tp_size rows, this rank's (block tp_rank) in place
+ * already; tickets[i] (i < tp_size) to join before block (tp_rank + i) % tp_size is read
+ * (-1: nothing to wait for; tickets[0], this rank's own, always), so that a product can run
+ * on this rank's rows while the others' travel (on GPUs by the copy engines, no SM). Returns
+ * tp_size, or 0 where it cannot (the caller then gathers by the collective). */
 typedef struct {
     void *ctx;
     long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter);
+    int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);

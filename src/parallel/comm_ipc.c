@@ -31,9 +31,11 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
     return NULL;
 }
 char *comm_ipc_block(const CommIpc *w, int rank) { (void)w, (void)rank; return NULL; }
-void comm_ipc_set(const CommIpc *w, int rank, int i, uint64_t v) { (void)w, (void)rank, (void)i, (void)v; }
-void comm_ipc_wait(const CommIpc *w, int i, uint64_t v) { (void)w, (void)i, (void)v; }
-void comm_ipc_mark(const CommIpc *w, CommReq *r, const char *what) { (void)w, (void)r, (void)what; }
+void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) { (void)w, (void)side, (void)rank, (void)i, (void)v; }
+void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v) { (void)w, (void)side, (void)i, (void)v; }
+void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) { (void)w, (void)side, (void)r, (void)what; }
+void comm_ipc_side_after_compute(const CommIpc *w) { (void)w; }
+void comm_ipc_side_copy(const CommIpc *w, void *dst, const void *src, size_t bytes) { (void)w, (void)dst, (void)src, (void)bytes; }
 void comm_ipc_close(CommIpc *w) { (void)w; }
 #else
 #include <cuda.h>
@@ -113,6 +115,8 @@ struct CommIpc {
     size_t ctr_at;  /* where the counters start in a block */
     int n_ctr;
     char **block;   /* per rank: its block as this rank addresses it (own: cuda_malloc; others: IPC) */
+    cudaStream_t side;  /* copies beside the compute stream, made at the first use */
+    cudaEvent_t ev;     /* the compute stream's work so far, for the side stream */
 };
 
 static uint64_t *ctr_of(const CommIpc *w, int rank, int i) {
@@ -166,25 +170,50 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
 
 char *comm_ipc_block(const CommIpc *w, int rank) { return w->block[rank]; }
 
-void comm_ipc_set(const CommIpc *w, int rank, int i, uint64_t v) {
-    ipc_write64(cuda_stream(), ctr_of(w, rank, i), v, w->c, w->what);
+static cudaStream_t stream_of(const CommIpc *w, int side) {
+    if (!side) return (cudaStream_t)cuda_stream();
+    CommIpc *m = (CommIpc *)w;
+    if (!m->side) {
+        cchk(cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking), w->c, w->what, "cudaStreamCreate");
+        cchk(cudaEventCreateWithFlags(&m->ev, cudaEventDisableTiming), w->c, w->what, "cudaEventCreate");
+    }
+    return m->side;
 }
 
-void comm_ipc_wait(const CommIpc *w, int i, uint64_t v) {
-    ipc_wait64(cuda_stream(), ctr_of(w, w->c->rank, i), v, w->c, w->what);
+void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) {
+    ipc_write64(stream_of(w, side), ctr_of(w, rank, i), v, w->c, w->what);
 }
 
-void comm_ipc_mark(const CommIpc *w, CommReq *r, const char *what) {
+void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v) {
+    ipc_wait64(stream_of(w, side), ctr_of(w, w->c->rank, i), v, w->c, w->what);
+}
+
+void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) {
     cudaEvent_t ev;
     cchk(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), w->c, what, "cudaEventCreate");
-    cchk(cudaEventRecord(ev, (cudaStream_t)cuda_stream()), w->c, what, "cudaEventRecord");
+    cchk(cudaEventRecord(ev, stream_of(w, side)), w->c, what, "cudaEventRecord");
     *r = (CommReq){.c = w->c, .active = 1, .what = what, .ev = (void *)ev};
+}
+
+void comm_ipc_side_after_compute(const CommIpc *w) {
+    cudaStream_t s = stream_of(w, 1);
+    cchk(cudaEventRecord(w->ev, (cudaStream_t)cuda_stream()), w->c, w->what, "cudaEventRecord");
+    cchk(cudaStreamWaitEvent(s, w->ev, 0), w->c, w->what, "cudaStreamWaitEvent");
+}
+
+void comm_ipc_side_copy(const CommIpc *w, void *dst, const void *src, size_t bytes) {
+    cchk(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(w, 1)), w->c, w->what, "cudaMemcpyAsync");
 }
 
 void comm_ipc_close(CommIpc *w) {
     if (!w) return;
     const Comm *c = w->c;
     ops_synchronize();
+    if (w->side) {
+        cchk(cudaStreamSynchronize(w->side), c, w->what, "cudaStreamSynchronize");
+        cudaStreamDestroy(w->side);
+        cudaEventDestroy(w->ev);
+    }
     comm_barrier(c);  /* no rank writes into another's block any more */
     for (int i = 0; i < c->size; i++)
         if (i != c->rank) cchk(cudaIpcCloseMemHandle(w->block[i]), c, w->what, "cudaIpcCloseMemHandle");

@@ -100,7 +100,7 @@ typedef struct {
     CommIpc *w;       /* GPUs */
     char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
     size_t cap;       /* bytes a slot */
-    uint64_t n;       /* sums begun */
+    uint64_t n, ng;   /* sums and gathers begun */
     /* the sum begun and not yet joined */
     TpRowsFn rows;
     _Alignas(16) char arg[128];
@@ -121,7 +121,9 @@ static size_t fused_slot(int t, int d, int s, uint64_t b) {
     size_t rel = (size_t)((s - d - 1 + 2 * t) % t);
     return ((size_t)b * (size_t)(t - 1) + rel) * g_fused.cap;
 }
-static size_t fused_bytes(int t, size_t cap) { return 2 * (size_t)(t - 1) * cap; }
+/* the sums' slots, then the gathers' (as many) */
+static size_t fused_bytes(int t, size_t cap) { return 4 * (size_t)(t - 1) * cap; }
+enum { CTR_SETS = 4 };  /* counters: the sums' full and consumed, the gathers' full and consumed, t each */
 
 static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter) {
@@ -138,9 +140,9 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     if (f->w) {
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
-            if (n >= 2) comm_ipc_wait(f->w, t + j, n - 1);
+            if (n >= 2) comm_ipc_wait(f->w, 0, t + j, n - 1);
             rows(f->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
-            comm_ipc_set(f->w, j, r, n + 1);
+            comm_ipc_set(f->w, 0, j, r, n + 1);
         }
     } else {
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
@@ -174,18 +176,60 @@ static void fused_join(void) {
                           : f->host + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
     if (f->w)
         for (int j = 0; j < t; j++)
-            if (j != r) comm_ipc_wait(f->w, j, n + 1);
+            if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
     f->rows(f->arg, own_row, R, own, PART(1), 0);
     for (int i = 2; i < t; i++) op_add(own, PART(i), R * E);
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)
-            if (j != r) comm_ipc_set(f->w, j, t + r, n + 1);
+            if (j != r) comm_ipc_set(f->w, 0, j, t + r, n + 1);
         CommReq *q = next_slot();
-        comm_ipc_mark(f->w, q, "tensor-parallel fused sum");
+        comm_ipc_mark(f->w, 0, q, "tensor-parallel fused sum");
         begun(q);
     }
     if (!f->scatter) tp_join(f->c ? (void *)f->c : NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
+}
+
+/* The fused gathers (ModelTp's fused_gather_begin). On GPUs, gather n on rank r, on the IPC
+ * block's side stream after the compute stream's work so far: for each other rank j, wait
+ * gconsumed[j] >= n - 1, copy r's rows (copy engine) into j's gather slot for r, set j's
+ * gfull[r] := n + 1; then for each j, wait gfull[j] >= n + 1, copy j's rows from the slot
+ * into their place in buf, set j's gconsumed[r] := n + 1, and mark a ticket. The compute
+ * stream runs the product on r's own rows meanwhile. CPU ranks: the all-gather over MPI,
+ * complete at once (every ticket -1), the blocks in the same order. */
+static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk) {
+    Fused *f = &g_fused;
+    const Comm *c = ctx;
+    int t = c->size, r = c->rank;
+    size_t R = N / (size_t)t, bytes = R * E * ops_act_size(), rows_at = R * E * ops_act_size();
+    if (f->off || N % (size_t)t || bytes > f->cap) return 0;
+    for (int i = 0; i < t; i++) tk[i] = -1;
+    if (!f->w) {
+        tp_join(NULL, tp_allgather_begin((void *)c, buf, R * E, 0));
+        return t;
+    }
+    uint64_t n = f->ng++, b = n & 1;
+    size_t base = fused_bytes(t, f->cap) / 2;  /* (the gathers' slots after the sums') */
+    const int GF = 2 * t, GC = 3 * t;
+    char *mine = (char *)buf + (size_t)r * rows_at;
+    comm_ipc_side_after_compute(f->w);
+    for (int i = 1; i < t; i++) {
+        int j = (r + i) % t;
+        if (n >= 2) comm_ipc_wait(f->w, 1, GC + j, n - 1);
+        comm_ipc_side_copy(f->w, comm_ipc_block(f->w, j) + base + fused_slot(t, j, r, b), mine, bytes);
+        comm_ipc_set(f->w, 1, j, GF + r, n + 1);
+    }
+    for (int i = 1; i < t; i++) {
+        int j = (r + i) % t;
+        comm_ipc_wait(f->w, 1, GF + j, n + 1);
+        comm_ipc_side_copy(f->w, (char *)buf + (size_t)j * rows_at, comm_ipc_block(f->w, r) + base + fused_slot(t, r, j, b),
+                           bytes);
+        comm_ipc_set(f->w, 1, j, GC + r, n + 1);
+        CommReq *q = next_slot();
+        comm_ipc_mark(f->w, 1, q, "tensor-parallel fused gather");
+        tk[i] = begun(q);
+    }
+    return t;
 }
 
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
@@ -198,7 +242,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
         f->host = xmalloc(fused_bytes(t, f->cap));
         return 1;
     }
-    f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), 2 * t, "tensor-parallel fused sums");
+    f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), CTR_SETS * t, "tensor-parallel fused sums");
     f->off = !f->w;
     return f->w != NULL;
 }
@@ -206,7 +250,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) {
     if (tp == 1) return 0;
     size_t cap = (N / (size_t)tp * E * act_size + 255) & ~(size_t)255;
-    return comm_ipc_bytes(fused_bytes(tp, cap), 2 * tp);
+    return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp);
 }
 
 unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
@@ -271,7 +315,10 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
     g_fused.asked = tensor_parallel_fused_asked();
-    if (g_fused.asked) m->tp.fused_sum_begin = fused_sum_begin;
+    if (g_fused.asked) {
+        m->tp.fused_sum_begin = fused_sum_begin;
+        m->tp.fused_gather_begin = fused_gather_begin;
+    }
     if (copy_engines) {
         m->tp.alloc = tp_alloc;
         m->tp.free = comm_buffer_free;
