@@ -11,6 +11,9 @@
 # over the rest; the peer's TP groups then train apart, without a gradient sum between them:
 # torch_llama_tp.py wraps no data parallel around its tp mesh), e.g. NP=8 TP=4 for issue 22.
 # STEPS timed steps (meshtrain runs one more and excludes it; the peer 2 warm-up steps).
+# VARIANTS: meshtrain's tensor-parallel runs again under each of these environment settings
+# (';' between variants, spaces between the variables of one; the first, default empty, is
+# the plain run), e.g. VARIANTS=";MESHTRAIN_TP_FUSED=1".
 set -u
 BIN=${1:-build/meshtrain} PEER=${2:-../shared/peers/torch_llama_tp.py}
 NP=${NP:-2} STEPS=${STEPS:-10}
@@ -31,13 +34,14 @@ peer() {
   printf '%-34s %9.0f tokens/s  peak %5.1f GB\n' "$name" "$t" "$(field peak_mem_gb "$j")"
 }
 
+IFS=';' read -r -a variants <<<"${VARIANTS:-}"; [ ${#variants[@]} -gt 0 ] || variants=("")
 for s in ${SECTIONS:-long eff}; do
   case $s in
   long)
     LONG="context_len=10000 embed_dim=1024 n_heads=8 n_layers=16"
     TP=${TP:-$NP}
     echo "== long context: $LONG batch_size=4, tp=$TP on $NP GPUs"
-    mt "meshtrain tp=$TP" "$NP" $LONG batch_size=4 tensor_parallel_size=$TP
+    for v in "${variants[@]}"; do MT_ENV=$v mt "meshtrain tp=$TP${v:+ ($v)}" "$NP" $LONG batch_size=4 tensor_parallel_size=$TP; done
     peer "peer tp=$TP" "$NP" $LONG batch_size=4 tp=$TP steps=$STEPS
     mt "meshtrain 1 GPU" 1 $LONG batch_size=4
     [ "${PEER_DDP:-1}" = 1 ] && peer "peer tp=1 (DDP over $NP)" "$NP" $LONG batch_size=4 tp=1 steps=$STEPS
@@ -46,7 +50,7 @@ for s in ${SECTIONS:-long eff}; do
     EFF="embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1"
     echo "== TP efficiency: $EFF (per-GPU tokens/s = tokens/s / GPUs)"
     mt "meshtrain 1 GPU" 1 $EFF
-    mt "meshtrain tp=$NP" "$NP" $EFF tensor_parallel_size=$NP
+    for v in "${variants[@]}"; do MT_ENV=$v mt "meshtrain tp=$NP${v:+ ($v)}" "$NP" $EFF tensor_parallel_size=$NP; done
     peer "peer tp=$NP" "$NP" $EFF tp=$NP steps=$STEPS
     ;;
   esac

@@ -21,12 +21,12 @@ mt_run() {
 }
 # mt_failed OUT [LINES]: the last lines of a run's output, on one line
 mt_failed() { tail -"${2:-2}" "$1/stdout" | tr '\n' ' '; }
-# mt_row NAME NPROC KEYS...: one meshtrain run (mt_run), printed as one row
+# mt_row NAME NPROC KEYS...: one meshtrain run (mt_run; MT_ENV: its environment settings), printed as one row
 # "NAME tokens/s peak GB estimate GB" (the GPU allocator's peak), or why it failed
 mt_row() {
   local name=$1 np=$2; shift 2
   local out d; out=$(mktemp -d)
-  d=$(mt_run "$out" "$np" "" "$@")
+  d=$(mt_run "$out" "$np" "${MT_ENV:-}" "$@")
   [ -n "$d" ] || { echo "$name: failed: $(mt_failed "$out" 3)"; return; }
   printf '%-44s %9.0f tokens/s  peak %5.1f GB  estimate %5.1f GB\n' "$name" "$(field tokens_per_s "$d")" \
     "$(awk -v m="$(field gpu_peak_alloc_bytes "$d")" 'BEGIN{print m/1e9}')" \
