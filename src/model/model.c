@@ -580,10 +580,28 @@ static long branch_sum_chunk(const Model *m, const Chunks *k, void *dst, void *s
                                           act_at(dst, (size_t)j * k->held * E), k->held * E);
     return m->tp.allreduce_begin(m->tp.ctx, act_at(dst, (size_t)j * k->rows * E), k->rows * E);
 }
+/* TpRowsFn over a whole [N, E] buffer (branch_sum's, of no product): its rows copied, plus add */
+typedef struct { const void *src; size_t E; } RowsOf;
+static void copy_rows(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res) {
+    (void)res;
+    const RowsOf *c = arg;
+    const void *from = act_at(c->src, r0 * c->E);
+    size_t n = rows * c->E;
+    if (out != from) op_copy(out, from, n * ops_act_size());
+    if (add) op_add(out, add, n);
+}
 static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Tickets *ts) {
     ts->n = ts->rot = 0;
     if (m->tp_size == 1) return;
     Chunks k = tp_chunks(m, N);
+    if (k.c == 1 && m->tp.fused_sum_begin) {  /* the rows moved by copy engine, summed by op_add */
+        RowsOf c = {src, (size_t)m->E};
+        long t = m->tp.fused_sum_begin(m->tp.ctx, copy_rows, &c, sizeof c, dst, (size_t)N, (size_t)m->E, m->sp);
+        if (t != -1) {
+            ts->t[ts->n++] = t;
+            return;
+        }
+    }
     for (int j = 0; j < k.c; j++) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, src, j);
 }
 static void branch_sum(const Model *m, void *dst, void *src, int N) {

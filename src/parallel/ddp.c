@@ -214,8 +214,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
     par_tp_sum_partial(p, 0);
-    if (split < n && m->sp) sumsq = op_sumsq(st_at(p->grads, split), n - split);
-    sumsq += op_sumsq(p->grads, split);
+    sumsq = m->sp ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
     if (side) {

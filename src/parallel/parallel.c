@@ -526,19 +526,28 @@ void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, cons
  * norms) are counted by tp rank 0 alone, the slices by each; the sum over the tp group is
  * then the whole model's. sharded: this rank's gradient is its shard of each unit (gshard),
  * else the whole units (grads). */
+static size_t pack_replicated(Parallel *p, int sharded, int how);
+/* p->tp_pack, large enough for the replicated runs (sharded or not); their count */
+static size_t tp_pack_ready(Parallel *p, int sharded) {
+    size_t n = pack_replicated(p, sharded, 0);
+    if (n > p->tp_pack_n) {
+        op_free(p->tp_pack);
+        p->tp_pack = op_alloc(n * ops_state_size());
+        p->tp_pack_n = n;
+    }
+    return n;
+}
+
+/* A tp rank other than 0 leaves the replicated runs out of its part of the norm, so that the
+ * sum over tp counts them once: packed and summed in one op_sumsq (one wait for the device;
+ * one a run was 2L + 1 of them, the step's tail waiting for each). */
 static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     const Mesh *mesh = p->mesh;
-    if (!mesh || mesh->tp_size < 2) return sumsq;
-    if (mesh->tp_rank != 0)
-        for (int u = 0; u < p->m->n_units; u++) {
-            const Unit *un = &p->m->units[u];
-            size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
-            if (hi > un->n) hi = un->n;
-            if (lo >= hi) continue;
-            const void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);
-            sumsq -= tensor_replicated_sumsq(p->m, u, lo, hi, g);
-        }
-    return sumsq;
+    if (!mesh || mesh->tp_size < 2 || mesh->tp_rank == 0) return sumsq;
+    size_t n = tp_pack_ready(p, sharded);
+    if (!n) return sumsq;
+    pack_replicated(p, sharded, 1);
+    return sumsq - op_sumsq(p->tp_pack, n);
 }
 
 /* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
@@ -572,9 +581,8 @@ static size_t pack_replicated(Parallel *p, int sharded, int how) {
 void par_tp_sum_partial(Parallel *p, int sharded) {
     const Mesh *mesh = p->mesh;
     if (!mesh || mesh->tp_size < 2 || !p->m->sp) return;
-    size_t n = pack_replicated(p, sharded, 0);
+    size_t n = tp_pack_ready(p, sharded);
     if (!n) return;
-    if (!p->tp_pack) p->tp_pack = op_alloc(n * ops_state_size());
     pack_replicated(p, sharded, 1);
     CommReq q = {0};
     comm_iallreduce(&mesh->tp, p->tp_pack, n, par_ctype(), COMM_SUM, &q, "tensor-parallel all-reduce (norms' gradients)");

@@ -72,7 +72,8 @@ struct Parallel {
      * for slots[i], FSDP); cstale[u]: unit u of cparams is behind params. */
     void *cparams, *cslots[N_SLOTS];
     unsigned char *cstale;
-    void *tp_pack;            /* sequence parallel: the norms' gradient parts, packed for one all-reduce */
+    void *tp_pack;            /* the norms' gradients packed: sequence parallel's all-reduce of their */
+    size_t tp_pack_n;         /* parts, and the norm's replicated part (tp_sumsq); its elements */
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;

@@ -161,6 +161,7 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     return g_fused_ticket;
 }
 
+static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk);
 /* The join of the sum begun (nothing if none is): this rank's own block. */
 static void fused_join(void) {
     Fused *f = &g_fused;
@@ -187,7 +188,13 @@ static void fused_join(void) {
         comm_ipc_mark(f->w, 0, q, "tensor-parallel fused sum");
         begun(q);
     }
-    if (!f->scatter) tp_join(f->c ? (void *)f->c : NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
+    if (f->scatter) return;
+    /* without sequence parallel every rank needs every block: gathered by copy engine */
+    long tk[TP_MAX_CHUNKS];
+    if (t <= TP_MAX_CHUNKS && fused_gather_begin((void *)c, f->dst, R * t, E, tk)) {
+        for (int i = 0; i < t; i++)
+            if (tk[i] >= 0) tp_join(NULL, tk[i]);
+    } else tp_join(NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
 }
 
 /* The fused gathers (ModelTp's fused_gather_begin). On GPUs, gather n on rank r, on the IPC
@@ -336,17 +343,4 @@ int tensor_parallel_ce_possible(const Mesh *mesh) {
 
 int tensor_parallel_on_copy_engines(const Mesh *mesh) {
     return mesh->tp_size > 1 && comm_copy_engines_active(&mesh->tp);
-}
-
-double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g) {
-    int max = model_tp_max_runs(m);
-    TpRun *r = xmalloc((size_t)max * sizeof *r);
-    int n = model_tp_runs(m, u, r, max);
-    double s = 0;
-    for (int i = 0; i < n; i++) {
-        size_t a, b;
-        if (r[i].replicated && tp_run_clip(&r[i], lo, hi, &a, &b)) s += op_sumsq(st_at(g, a - lo), b - a);
-    }
-    free(r);
-    return s;
 }

@@ -1,7 +1,7 @@
 /* tensor — Megatron-LM tensor parallel, applied from outside the model: the model lays out
  * a tensor-parallel rank's slices (model_init_layout_tp) and sums its branch outputs and
- * input gradients through m->tp; this file gives it the mesh's tp group for that, and says
- * which parts of a unit every tp rank holds alike (for the gradient norm and checkpoints). */
+ * input gradients through m->tp; this file gives it the mesh's tp group for that: the
+ * collectives, or the sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1). */
 #ifndef MESHTRAIN_TENSOR_H
 #define MESHTRAIN_TENSOR_H
 #include "mesh.h"
@@ -41,9 +41,4 @@ size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size);
 unsigned long long tensor_parallel_fused_count(void);
 /* Frees it (collective over the tp group). */
 void tensor_parallel_fused_close(void);
-/* The sum of squares of unit u's gradient elements [lo, hi) (local, from the unit's start)
- * that every tensor-parallel rank holds alike (replicated runs), read from g (element lo at
- * g): what a tp rank other than 0 leaves out of the gradient norm so that the sum over the
- * tp group counts them once. */
-double tensor_replicated_sumsq(const Model *m, int u, size_t lo, size_t hi, const void *g);
 #endif

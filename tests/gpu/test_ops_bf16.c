@@ -222,6 +222,64 @@ static void test_rows(void) {
     free(f);
 }
 
+/* Vocabulary parallel in bf16 (crossentropy8_shard_*: 16-byte rows): each shard's
+ * statistics, then its loss and gradient, against the CPU's on the same bf16 values; the
+ * padding past a shard's columns (NaN here) is neither used nor written. */
+static void crossentropy_shard_bf16_case(int N, int V, int t) {
+    char sh[64];
+    snprintf(sh, sizeof sh, "N=%d V=%d t=%d", N, V, t);
+    int Vt = (V + t - 1) / t, ld = ops_logit_stride(Vt);
+    size_t nl = (size_t)N * ld, ns = (size_t)t * N * 3;
+    int *tok = xmalloc((size_t)N * sizeof(int));
+    for (int i = 0; i < N; i++) tok[i] = (int)(rng_u64(&rng) % (uint64_t)V);
+    int *dT = op_alloc((size_t)N * sizeof(int));
+    op_upload(dT, tok, (size_t)N * sizeof(int));
+    float *stats = xmalloc(ns * sizeof(float)), **lg = xmalloc((size_t)t * sizeof *lg);
+    float *dS = op_alloc(ns * sizeof(float));
+    for (int k = 0; k < t; k++) {
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        lg[k] = randb(nl, 3.0f);
+        for (int n = 0; n < N; n++)
+            for (int j = w; j < ld; j++) lg[k][(size_t)n * ld + j] = NAN;
+        cpu->crossentropy_shard_stats(stats + (size_t)k * N * 3, lg[k], ld, tok, N, w, v0);
+        void *dL = up_act(lg[k], nl);
+        op_crossentropy_shard_stats(dS + (size_t)k * N * 3, dL, ld, dT, N, w, v0);
+        op_free(dL);
+    }
+    expect_f32("crossentropy shard stats", sh, dS, stats, ns, 1e-5);
+    op_upload(dS, stats, ns * sizeof(float));  /* the same statistics on both sides from here */
+    float *loss = xmalloc((size_t)N * sizeof(float)), *after = xmalloc(nl * sizeof(float));
+    float *dLS = op_alloc((size_t)N * sizeof(float));
+    for (int k = 0; k < t; k++) {
+        int v0 = k * Vt, w = V - v0 < Vt ? V - v0 : Vt;
+        float *grad = copyf(lg[k], nl);
+        cpu->crossentropy_shard_backward(loss, grad, ld, tok, N, w, v0, stats, t, 1.0f / (float)N);
+        void *dL = up_act(lg[k], nl);
+        op_crossentropy_shard_backward(dLS, dL, ld, dT, N, w, v0, dS, t, 1.0f / (float)N);
+        expect_f32("crossentropy shard loss", sh, dLS, loss, (size_t)N, 1e-5);
+        op_download_act(after, dL, nl);
+        int pad_ok = 1;
+        for (int n = 0; n < N; n++)
+            for (int j = w; j < ld; j++) pad_ok &= isnan(after[(size_t)n * ld + j]) != 0;
+        CHECK(pad_ok, "%s shard %d: the padding past its columns was written", sh, k);
+        for (int n = 0; n < N; n++)  /* (the padding's NaN out of the comparison) */
+            for (int j = w; j < ld; j++) grad[(size_t)n * ld + j] = after[(size_t)n * ld + j] = 0.0f;
+        double e = norm_rel_err(after, grad, nl);
+        printf("    %-22s %-30s err %.2e\n", "crossentropy shard dlogits", sh, e);
+        CHECK(e < TOL, "crossentropy shard dlogits %s: norm-wise relative error %.3g", sh, e);
+        op_free(dL);
+        free(grad);
+    }
+    for (int k = 0; k < t; k++) free(lg[k]);
+    free(lg); free(stats); free(loss); free(after); free(tok);
+    op_free(dS); op_free(dLS); op_free(dT);
+}
+static void test_crossentropy_shard(void) {
+    crossentropy_shard_bf16_case(3, 11, 2);
+    crossentropy_shard_bf16_case(16, 50257, 2);
+    crossentropy_shard_bf16_case(16, 50257, 4);
+}
+
 /* Cross-entropy in bf16 on padded rows (the lm_head's form): rows with NaN, +inf, all -inf
  * (NaN loss and gradient, as on the CPU), some -inf (fine), a target out of range (NaN);
  * the padding past V is NaN, which must be neither used nor written; and losses alone
@@ -628,6 +686,7 @@ static int run_mode(OpsPrecision p) {
     RUN(test_lm_head_padded);
     RUN(test_rows);
     RUN(test_crossentropy_special);
+    RUN(test_crossentropy_shard);
     RUN(test_attention);
     RUN(test_mixed_adamw_cast);
     return 0;

@@ -197,3 +197,92 @@ crossentropy_shard_kernel(float *losses, void *logits, int ldl, const int *targe
         st(row, j, (unsigned)j == t ? (float)((double)scale * ((double)e / sum - 1.0)) : e * f, bf);
     }
 }
+
+/* The shard kernels for bf16 rows with ld % 8 == 0 (16-byte aligned rows, as crossentropy8's):
+ * 16-byte loads and the SFU's exps (ce_exp), each chunk's 8 exps summed in fp32 and the
+ * chunks in double. The row is read twice (the max, then the exps: the second pass mostly
+ * from L2); the generic kernels' scalar loads and expf made the vocabulary-parallel head's
+ * two passes cost 4x half of the one-GPU kernel (TP-efficiency model, two H200s). Padding
+ * past V in the last chunk is read but never used or written. */
+static __device__ __forceinline__ int ce8_chunk(const bf16 *row, int k, int V, float v[8]) {
+    unpack8_bf16(v, *(const uint4 *)(row + 8 * (size_t)k));
+    return 8 * k + 8 <= V ? 8 : V - 8 * k;
+}
+static __global__ void __launch_bounds__(CE8_BLOCK)
+crossentropy8_shard_stats_kernel(float *stats, const bf16 *logits, int ldl, const int *targets, int V, int v0) {
+    int n = blockIdx.x, nch = (V + 7) / 8;
+    const bf16 *row = logits + (size_t)n * ldl;
+    unsigned t = (unsigned)(targets[n] - v0);
+    float mx = -INFINITY;
+    int bad = 0;
+    for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+        float v[8];
+        int m = ce8_chunk(row, k, V, v);
+        for (int e = 0; e < m; e++) mx = fmaxf(mx, v[e]), bad |= v[e] != v[e];
+    }
+    mx = block_max(mx);
+    bad = __syncthreads_or(bad);
+    if (bad || mx == INFINITY) mx = NAN;
+    double sum = 0.0;
+    if (mx == mx && mx != -INFINITY) {
+        const float mxl = mx * CE_LOG2E;
+        for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+            float v[8], cs = 0.0f;
+            int m = ce8_chunk(row, k, V, v);
+            if (m == 8) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) cs += ce_exp(v[e], mxl);
+            } else
+                for (int e = 0; e < m; e++) cs += ce_exp(v[e], mxl);
+            sum += (double)cs;
+        }
+    }
+    sum = block_sum_double(sum);
+    if (threadIdx.x == 0) {
+        stats[3 * (size_t)n] = mx;
+        stats[3 * (size_t)n + 1] = (float)sum;
+        stats[3 * (size_t)n + 2] = t < (unsigned)V ? __bfloat162float(row[t]) : 0.0f;
+    }
+}
+
+static __global__ void __launch_bounds__(CE8_BLOCK)
+crossentropy8_shard_kernel(float *losses, bf16 *logits, int ldl, const int *targets, int V, int v0, const float *stats,
+                           int N, int nt, float scale) {
+    int n = blockIdx.x, nch = (V + 7) / 8;
+    bf16 *row = logits + (size_t)n * ldl;
+    float M = -INFINITY, lt = 0.0f;
+    int bad = 0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        bad |= s[0] != s[0];
+        M = fmaxf(M, s[0]);
+        lt += s[2];
+    }
+    if (bad || M == -INFINITY) {
+        if (threadIdx.x == 0) losses[n] = NAN;
+        if (scale != 0.0f)
+            for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = __float2bfloat16(NAN);
+        return;
+    }
+    double sum = 0.0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        if (s[0] != -INFINITY) sum += (double)s[1] * exp((double)s[0] - (double)M);
+    }
+    if (threadIdx.x == 0) losses[n] = (float)((double)M + log(sum) - (double)lt);
+    if (scale == 0.0f) return;
+    unsigned t = (unsigned)(targets[n] - v0);
+    float f = (float)((double)scale / sum);
+    const float Ml = M * CE_LOG2E;
+    for (int k = threadIdx.x; k < nch; k += blockDim.x) {
+        float v[8];
+        int m = ce8_chunk(row, k, V, v), j0 = 8 * k;
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            v[e] = (unsigned)(j0 + e) == t ? (float)((double)scale * ((double)expf(v[e] - M) / sum - 1.0))
+                                           : ce_exp(v[e], Ml) * f;
+        if (m == 8) *(uint4 *)(row + j0) = pack8_bf16(v);
+        else
+            for (int e = 0; e < m; e++) row[j0 + e] = __float2bfloat16(v[e]);
+    }
+}

@@ -1151,6 +1151,11 @@ void cuda_crossentropy_forward_backward(float *losses, void *logits, int ld, con
 
 void cuda_crossentropy_shard_stats(float *stats, const void *logits, int ld, const int *targets, int N, int V, int v0) {
     if (N <= 0 || V <= 0) return;
+    if (g.bf16 && ld % 8 == 0 && ptr_alignment(logits) >= 16) {
+        crossentropy8_shard_stats_kernel<<<N, CE8_BLOCK, 0, g.stream>>>(stats, (const bf16 *)logits, ld, targets, V, v0);
+        LAUNCH_CHECK(crossentropy8_shard_stats_kernel);
+        return;
+    }
     crossentropy_shard_stats_kernel<<<N, CE_BLOCK, 0, g.stream>>>(stats, logits, ld, targets, V, v0, g.bf16);
     LAUNCH_CHECK(crossentropy_shard_stats_kernel);
 }
@@ -1158,6 +1163,12 @@ void cuda_crossentropy_shard_stats(float *stats, const void *logits, int ld, con
 void cuda_crossentropy_shard_backward(float *losses, void *logits, int ld, const int *targets, int N, int V, int v0,
                                       const float *stats, int t, float dlogits_scale) {
     if (N <= 0 || V <= 0) return;
+    if (g.bf16 && ld % 8 == 0 && ptr_alignment(logits) >= 16) {
+        crossentropy8_shard_kernel<<<N, CE8_BLOCK, 0, g.stream>>>(losses, (bf16 *)logits, ld, targets, V, v0, stats, N, t,
+                                                                  dlogits_scale);
+        LAUNCH_CHECK(crossentropy8_shard_kernel);
+        return;
+    }
     crossentropy_shard_kernel<<<N, CE_BLOCK, 0, g.stream>>>(losses, logits, ld, targets, V, v0, stats, N, t,
                                                             dlogits_scale, g.bf16);
     LAUNCH_CHECK(crossentropy_shard_kernel);
