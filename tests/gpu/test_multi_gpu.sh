@@ -9,7 +9,8 @@
 # FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32, also with its
-# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2). Pipeline
+# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2), and
+# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1). Pipeline
 # send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
@@ -116,6 +117,33 @@ if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "
    awk -v a=$((ec - en)) -v b=$((pc - pn)) -v p="$pc" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
 then ok multi_gpu_tp_ce_estimate_counts_all_to_all_buffer
 else bad multi_gpu_tp_ce_estimate_counts_all_to_all_buffer; fi
+# -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1: each
+# product writes the other ranks' rows into their memory through CUDA IPC, the gathers move
+# by copy engine): with and without sequence parallel, tied, with activation checkpointing and
+# beside the copy-engine collectives, NP GPUs follow one; the header says fused and the
+# summary counts the sums; the estimate counts the slots (it grows by what the peak grows by)
+while IFS='|' read -r name tied envs keys; do
+  out=$TMP/tp_fused_$name
+  if (export MESHTRAIN_TP_FUSED=1 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
+        tensor_parallel_size=$NP $keys) &&
+     grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
+     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out"
+  then ok "multi_gpu_tp_fused_follows_one_gpu_$name"
+  else bad "multi_gpu_tp_fused_follows_one_gpu_$name ($(grep -m1 'sums' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+sp|false||
+sp_tied|true||
+no_sp|false||sequence_parallel=false
+sp_ckpt|false||activation_checkpointing=true
+sp_ce|false|MESHTRAIN_TP_CE=1|
+CASES
+ef=$(logged estimate_bytes "$TMP/tp_fused_sp") pf=$(logged gpu_peak_alloc_bytes "$TMP/tp_fused_sp")
+en=$(logged estimate_bytes "$TMP/tp_sp") pn=$(logged gpu_peak_alloc_bytes "$TMP/tp_sp")
+echo "  tp fused: estimate $ef, peak $pf; collectives: estimate $en, peak $pn"
+if [ -n "$ef" ] && [ -n "$pf" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ef" -gt "$en" ] &&
+   awk -v a=$((ef - en)) -v b=$((pf - pn)) -v p="$pf" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
+then ok multi_gpu_tp_fused_estimate_counts_slots
+else bad multi_gpu_tp_fused_estimate_counts_slots; fi
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one. So does tensor
 # parallel over the NP GPUs (dp = 1), whose slices' sums are all-reduced over the tp group
@@ -155,6 +183,12 @@ done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
 unset MESHTRAIN_PP_CE
+# ... and tensor parallel's fused sums, whose waits for a peer's rows are on the device: the
+# host's tickets (within comm_timeout) still end the job
+export MESHTRAIN_TP_FUSED=1
+fault gpu_killed_rank_ends_job_tp_fused MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" tensor_parallel_size=$NP
+fault gpu_hung_rank_times_out_tp_fused MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" tensor_parallel_size=$NP
+unset MESHTRAIN_TP_FUSED
 # -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
 # memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
 # kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
