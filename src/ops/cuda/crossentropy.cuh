@@ -163,30 +163,40 @@ crossentropy_shard_stats_kernel(float *stats, const void *logits, int ldl, const
     }
 }
 
-/* Every thread combines the t shards' statistics itself, in shard order (t is small). */
+/* Row n's statistics over the nt shards, in shard order (nt is small; every thread combines
+ * them itself): the max M, the target's logit lt and the sum of exp(l - M); 0 where the row's
+ * loss is NaN (a NaN in some shard, or every logit -inf). */
+static __device__ __forceinline__ int shard_combine(const float *stats, int N, int n, int nt, float *M, float *lt,
+                                                    double *sum) {
+    int bad = 0;
+    *M = -INFINITY, *lt = 0.0f, *sum = 0.0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        bad |= s[0] != s[0];
+        *M = fmaxf(*M, s[0]);
+        *lt += s[2];
+    }
+    if (bad || *M == -INFINITY) return 0;
+    for (int k = 0; k < nt; k++) {
+        const float *s = stats + 3 * ((size_t)k * N + n);
+        if (s[0] != -INFINITY) *sum += (double)s[1] * exp((double)s[0] - (double)*M);
+    }
+    return 1;
+}
+
+/* The backward of one shard's rows from every shard's statistics. */
 static __global__ void __launch_bounds__(CE_BLOCK)
 crossentropy_shard_kernel(float *losses, void *logits, int ldl, const int *targets, int V, int v0, const float *stats,
                           int N, int nt, float scale, int bf) {
     int n = blockIdx.x;
     void *row = bf ? (void *)((bf16 *)logits + (size_t)n * ldl) : (void *)((float *)logits + (size_t)n * ldl);
-    float M = -INFINITY, lt = 0.0f;
-    int bad = 0;
-    for (int k = 0; k < nt; k++) {
-        const float *s = stats + 3 * ((size_t)k * N + n);
-        bad |= s[0] != s[0];
-        M = fmaxf(M, s[0]);
-        lt += s[2];
-    }
-    if (bad || M == -INFINITY) {
+    float M, lt;
+    double sum;
+    if (!shard_combine(stats, N, n, nt, &M, &lt, &sum)) {
         if (threadIdx.x == 0) losses[n] = NAN;
         if (scale != 0.0f)
             for (int j = threadIdx.x; j < V; j += blockDim.x) st(row, j, NAN, bf);
         return;
-    }
-    double sum = 0.0;
-    for (int k = 0; k < nt; k++) {
-        const float *s = stats + 3 * ((size_t)k * N + n);
-        if (s[0] != -INFINITY) sum += (double)s[1] * exp((double)s[0] - (double)M);
     }
     if (threadIdx.x == 0) losses[n] = (float)((double)M + log(sum) - (double)lt);
     if (scale == 0.0f) return;
@@ -250,24 +260,13 @@ crossentropy8_shard_kernel(float *losses, bf16 *logits, int ldl, const int *targ
                            int N, int nt, float scale) {
     int n = blockIdx.x, nch = (V + 7) / 8;
     bf16 *row = logits + (size_t)n * ldl;
-    float M = -INFINITY, lt = 0.0f;
-    int bad = 0;
-    for (int k = 0; k < nt; k++) {
-        const float *s = stats + 3 * ((size_t)k * N + n);
-        bad |= s[0] != s[0];
-        M = fmaxf(M, s[0]);
-        lt += s[2];
-    }
-    if (bad || M == -INFINITY) {
+    float M, lt;
+    double sum;
+    if (!shard_combine(stats, N, n, nt, &M, &lt, &sum)) {
         if (threadIdx.x == 0) losses[n] = NAN;
         if (scale != 0.0f)
             for (int j = threadIdx.x; j < V; j += blockDim.x) row[j] = __float2bfloat16(NAN);
         return;
-    }
-    double sum = 0.0;
-    for (int k = 0; k < nt; k++) {
-        const float *s = stats + 3 * ((size_t)k * N + n);
-        if (s[0] != -INFINITY) sum += (double)s[1] * exp((double)s[0] - (double)M);
     }
     if (threadIdx.x == 0) losses[n] = (float)((double)M + log(sum) - (double)lt);
     if (scale == 0.0f) return;
