@@ -70,14 +70,15 @@ done
 NOCK="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 steps=3 progress=false threads=1 data_dir=$D"
 if $MPIRUN -np 4 "$BIN" train $NOCK batch_size=2 fsdp=true ckpt_path=none out_dir="$TMP/nock" </dev/null >"$TMP/nock.log" 2>&1
 then ok fsdp_exits_cleanly_without_checkpoint; else bad "fsdp_exits_cleanly_without_checkpoint ($(grep -m1 -i 'signal\|error' "$TMP/nock.log"))"; fi
-# -- MESHTRAIN_TIMELINE=2: each rank prints step 2's timeline: every layer's backward and
-# every unit's gradient collective (4 layers: 4 + embedding + head = 6), in time order
+# -- MESHTRAIN_TIMELINE=2: each rank prints step 2's timeline: every layer's forward and
+# backward and every unit's gradient collective (4 layers: 4 + embedding + head = 6), in time order
 MESHTRAIN_TIMELINE=2 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE "$BIN" train $NOCK batch_size=2 ckpt_path=none bucket_mb=0 \
   out_dir="$TMP/tl" </dev/null >"$TMP/tl.log" 2>&1
 tl_ok=1
 for r in 0 1; do
   lines=$(grep "^timeline rank $r:" "$TMP/tl.log")
-  [ "$(grep -c 'layer [0-9] backward' <<<"$lines")" = 4 ] && [ "$(grep -c 'gradient all-reduce' <<<"$lines")" = 6 ] &&
+  [ "$(grep -c 'layer [0-9] backward' <<<"$lines")" = 4 ] && [ "$(grep -c 'layer [0-9] forward' <<<"$lines")" = 4 ] &&
+    [ "$(grep -c 'gradient all-reduce' <<<"$lines")" = 6 ] &&
     grep -q 'step starts' <<<"$lines" && grep -q 'optimizer step' <<<"$lines" || tl_ok=0
   # in time order
   sort -c -g -k4,4 <(grep -o 'rank [0-9]*: *[0-9.]*' <<<"$lines" | awk '{print $1, $2, $3, $3}') 2>/dev/null || tl_ok=0

@@ -903,6 +903,11 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
         LayerActs la = layer_acts(m, a, slot, r);
         if (!training && i > 0) op_copy(la.x, la.out, held_rows(m, (size_t)N) * m->E * ops_act_size());
         HOOK(h, gather, unit_of_layer(l), i + 1 < nl ? unit_of_layer(l + 1) : after);
+        if (trace_active()) {  /* (the timeline's: where a layer's forward starts) */
+            char label[48];
+            snprintf(label, sizeof label, "layer %d forward", l);
+            trace_mark(NULL, label);
+        }
         layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
         HOOK(h, release, unit_of_layer(l));
     }
