@@ -181,8 +181,9 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
 size_t comm_ipc_bytes(size_t bytes, int n_ctr);
 /* rank's block as this rank addresses it (its own, or the mapping of another's). */
 char *comm_ipc_block(const CommIpc *w, int rank);
-/* On the compute stream (side = 0) or the block's side stream (1: copies beside the compute
- * stream), after that stream's work so far (a memory fence first): rank's counter i := v. */
+/* On the compute stream (side = 0) or one of the block's side streams (1 .. size - 1: copies
+ * beside the compute stream, one stream a peer), after that stream's work so far (a memory
+ * fence first): rank's counter i := v. */
 void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v);
 /* That stream waits until this rank's counter i >= v. */
 void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v);
@@ -190,10 +191,10 @@ void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v);
  * comm_timeout: a peer that never writes ends the job there; comm_wait_device makes the
  * compute stream wait for it). */
 void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what);
-/* The side stream waits for the compute stream's work so far. */
+/* Every side stream waits for the compute stream's work so far. */
 void comm_ipc_side_after_compute(const CommIpc *w);
-/* On the side stream: bytes from src to dst (device memory here, or a mapped block: a copy engine). */
-void comm_ipc_side_copy(const CommIpc *w, void *dst, const void *src, size_t bytes);
+/* On side stream `side`: bytes from src to dst (device memory here, or a mapped block: a copy engine). */
+void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes);
 /* Collective over the group (NULL: nothing). */
 void comm_ipc_close(CommIpc *w);
 /* Set-up checks agreed on by every rank of w (collective): when any rank's f holds a

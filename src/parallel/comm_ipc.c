@@ -35,7 +35,9 @@ void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) { (vo
 void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v) { (void)w, (void)side, (void)i, (void)v; }
 void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) { (void)w, (void)side, (void)r, (void)what; }
 void comm_ipc_side_after_compute(const CommIpc *w) { (void)w; }
-void comm_ipc_side_copy(const CommIpc *w, void *dst, const void *src, size_t bytes) { (void)w, (void)dst, (void)src, (void)bytes; }
+void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes) {
+    (void)w, (void)side, (void)dst, (void)src, (void)bytes;
+}
 void comm_ipc_close(CommIpc *w) { (void)w; }
 #else
 #include <cuda.h>
@@ -115,8 +117,8 @@ struct CommIpc {
     size_t ctr_at;  /* where the counters start in a block */
     int n_ctr;
     char **block;   /* per rank: its block as this rank addresses it (own: cuda_malloc; others: IPC) */
-    cudaStream_t side;  /* copies beside the compute stream, made at the first use */
-    cudaEvent_t ev;     /* the compute stream's work so far, for the side stream */
+    cudaStream_t *side; /* side streams 1 .. size - 1 (side[s - 1]), copies beside the compute stream */
+    cudaEvent_t ev;     /* the compute stream's work so far, for the side streams */
 };
 
 static uint64_t *ctr_of(const CommIpc *w, int rank, int i) {
@@ -170,14 +172,24 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
 
 char *comm_ipc_block(const CommIpc *w, int rank) { return w->block[rank]; }
 
+/* Stream `side`: the compute stream (0), or side stream side (1 .. size - 1, made with the
+ * others at the first use: one a peer, so that copies to and from different peers run on
+ * different copy engines at once). */
 static cudaStream_t stream_of(const CommIpc *w, int side) {
     if (!side) return (cudaStream_t)cuda_stream();
     CommIpc *m = (CommIpc *)w;
+    if (side < 0 || side >= w->c->size) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "internal: %s: side stream %d of %d", w->what, side, w->c->size - 1);
+        comm_abort(EXIT_RUN_FAILURE, msg);
+    }
     if (!m->side) {
-        cchk(cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking), w->c, w->what, "cudaStreamCreate");
+        m->side = xcalloc((size_t)w->c->size - 1, sizeof *m->side);
+        for (int i = 0; i + 1 < w->c->size; i++)
+            cchk(cudaStreamCreateWithFlags(&m->side[i], cudaStreamNonBlocking), w->c, w->what, "cudaStreamCreate");
         cchk(cudaEventCreateWithFlags(&m->ev, cudaEventDisableTiming), w->c, w->what, "cudaEventCreate");
     }
-    return m->side;
+    return m->side[side - 1];
 }
 
 void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) {
@@ -196,13 +208,14 @@ void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) {
 }
 
 void comm_ipc_side_after_compute(const CommIpc *w) {
-    cudaStream_t s = stream_of(w, 1);
+    stream_of(w, 1);  /* (made) */
     cchk(cudaEventRecord(w->ev, (cudaStream_t)cuda_stream()), w->c, w->what, "cudaEventRecord");
-    cchk(cudaStreamWaitEvent(s, w->ev, 0), w->c, w->what, "cudaStreamWaitEvent");
+    for (int i = 0; i + 1 < w->c->size; i++)
+        cchk(cudaStreamWaitEvent(w->side[i], w->ev, 0), w->c, w->what, "cudaStreamWaitEvent");
 }
 
-void comm_ipc_side_copy(const CommIpc *w, void *dst, const void *src, size_t bytes) {
-    cchk(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(w, 1)), w->c, w->what, "cudaMemcpyAsync");
+void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes) {
+    cchk(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(w, side)), w->c, w->what, "cudaMemcpyAsync");
 }
 
 void comm_ipc_close(CommIpc *w) {
@@ -210,8 +223,11 @@ void comm_ipc_close(CommIpc *w) {
     const Comm *c = w->c;
     ops_synchronize();
     if (w->side) {
-        cchk(cudaStreamSynchronize(w->side), c, w->what, "cudaStreamSynchronize");
-        cudaStreamDestroy(w->side);
+        for (int i = 0; i + 1 < c->size; i++) {
+            cchk(cudaStreamSynchronize(w->side[i]), c, w->what, "cudaStreamSynchronize");
+            cudaStreamDestroy(w->side[i]);
+        }
+        free(w->side);
         cudaEventDestroy(w->ev);
     }
     comm_barrier(c);  /* no rank writes into another's block any more */

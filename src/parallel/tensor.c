@@ -198,10 +198,11 @@ static void fused_join(void) {
 }
 
 /* The fused gathers (ModelTp's fused_gather_begin). On GPUs, gather n on rank r, on the IPC
- * block's side stream after the compute stream's work so far: for each other rank j, wait
- * gconsumed[j] >= n - 1, copy r's rows (copy engine) into j's gather slot for r, set j's
- * gfull[r] := n + 1; then for each j, wait gfull[j] >= n + 1, copy j's rows from the slot
- * into their place in buf, set j's gconsumed[r] := n + 1, and mark a ticket. The compute
+ * block's side streams after the compute stream's work so far (peer r + i's on stream i, so
+ * that copies to and from different peers run on different copy engines at once): for each
+ * other rank j, wait gconsumed[j] >= n - 1, copy r's rows (copy engine) into j's gather slot
+ * for r, set j's gfull[r] := n + 1; then for each j, wait gfull[j] >= n + 1, copy j's rows
+ * from the slot into their place in buf, set j's gconsumed[r] := n + 1, and mark a ticket. The compute
  * stream runs the product on r's own rows meanwhile. CPU ranks: the all-gather over MPI,
  * complete at once (every ticket -1), the blocks in the same order. */
 static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk) {
@@ -220,20 +221,20 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     const int GF = 2 * t, GC = 3 * t;
     char *mine = (char *)buf + (size_t)r * rows_at;
     comm_ipc_side_after_compute(f->w);
-    for (int i = 1; i < t; i++) {
+    for (int i = 1; i < t; i++) {  /* (peer r + i on side stream i) */
         int j = (r + i) % t;
-        if (n >= 2) comm_ipc_wait(f->w, 1, GC + j, n - 1);
-        comm_ipc_side_copy(f->w, comm_ipc_block(f->w, j) + base + fused_slot(t, j, r, b), mine, bytes);
-        comm_ipc_set(f->w, 1, j, GF + r, n + 1);
+        if (n >= 2) comm_ipc_wait(f->w, i, GC + j, n - 1);
+        comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + base + fused_slot(t, j, r, b), mine, bytes);
+        comm_ipc_set(f->w, i, j, GF + r, n + 1);
     }
     for (int i = 1; i < t; i++) {
         int j = (r + i) % t;
-        comm_ipc_wait(f->w, 1, GF + j, n + 1);
-        comm_ipc_side_copy(f->w, (char *)buf + (size_t)j * rows_at, comm_ipc_block(f->w, r) + base + fused_slot(t, r, j, b),
-                           bytes);
-        comm_ipc_set(f->w, 1, j, GC + r, n + 1);
+        comm_ipc_wait(f->w, i, GF + j, n + 1);
+        comm_ipc_side_copy(f->w, i, (char *)buf + (size_t)j * rows_at,
+                           comm_ipc_block(f->w, r) + base + fused_slot(t, r, j, b), bytes);
+        comm_ipc_set(f->w, i, j, GC + r, n + 1);
         CommReq *q = next_slot();
-        comm_ipc_mark(f->w, 1, q, "tensor-parallel fused gather");
+        comm_ipc_mark(f->w, i, q, "tensor-parallel fused gather");
         tk[i] = begun(q);
     }
     return t;
