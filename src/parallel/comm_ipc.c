@@ -42,6 +42,7 @@ void comm_ipc_close(CommIpc *w) { (void)w; }
 #else
 #include <cuda.h>
 #include "ops_cuda.h"
+#include "trace.h"
 
 typedef CUresult (*MemOp64)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 static MemOp64 g_wait64, g_write64;
@@ -197,7 +198,11 @@ void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) {
 }
 
 void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v) {
-    ipc_wait64(stream_of(w, side), ctr_of(w, w->c->rank, i), v, w->c, w->what);
+    cudaStream_t s = stream_of(w, side);
+    /* on the timeline (MESHTRAIN_TIMELINE), the compute stream's waits: what stays exposed */
+    int span = side ? -1 : trace_span_begin(s, "tensor-parallel wait", 0);
+    ipc_wait64(s, ctr_of(w, w->c->rank, i), v, w->c, w->what);
+    trace_span_end(s, span);
 }
 
 void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) {
