@@ -156,24 +156,26 @@ err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_para
 # as MPI messages): with and without sequence parallel, at tp 2 and 4, beside data parallel,
 # pipeline stages and activation checkpointing, the run follows the one-process run, says so
 # in its header and counts the sums it fused; a malformed value is refused
-# name|ranks|batch_size per data-parallel rank|keys
-while IFS='|' read -r name np b keys; do
+# name|ranks|batch_size per data-parallel rank|tied|keys
+while IFS='|' read -r name np b tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
   out=$TMP/fused_$name
-  if MESHTRAIN_TP_FUSED=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=$b $keys out_dir="$out" \
-       </dev/null >"$out.log" 2>&1 &&
+  if MESHTRAIN_TP_FUSED=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys \
+       out_dir="$out" </dev/null >"$out.log" 2>&1 &&
      grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
-     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && follows "$TMP/ref_false" "$out"
+     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && follows "$TMP/ref_$tied" "$out"
   then ok "fused_$name"
   else bad "fused_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
-tp2|2|8|tensor_parallel_size=2
-tp2_no_sp|2|8|tensor_parallel_size=2 sequence_parallel=false
-~tp4|4|8|tensor_parallel_size=4
-tp4_no_sp|4|8|tensor_parallel_size=4 sequence_parallel=false
-~tp2_dp2_fsdp|4|4|tensor_parallel_size=2 fsdp=true
-tp2_pp2_zb1|4|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-~tp2_activation_checkpointing|2|8|tensor_parallel_size=2 activation_checkpointing=true
+tp2|2|8|false|tensor_parallel_size=2
+tp2_tied|2|8|true|tensor_parallel_size=2
+tp2_no_sp|2|8|false|tensor_parallel_size=2 sequence_parallel=false
+~tp4|4|8|false|tensor_parallel_size=4
+tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
+~tp2_dp2_fsdp|4|4|false|tensor_parallel_size=2 fsdp=true
+tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+~tp2_pp2_zb1_tied|4|8|true|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
 err=$(MESHTRAIN_TP_FUSED=2 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \

@@ -76,9 +76,10 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
 
 /* ---- Fused sums (MESHTRAIN_TP_FUSED=1): see ModelTp's fused_sum_begin. ----
  * On GPUs each rank's IPC block (comm_ipc.c) holds two sets (by the sum's parity) of t - 1
- * slots, one for each other rank's part of this rank's block, then 2 t counters: full[s]
- * (rank s's part of sum n has landed: n + 1) and consumed[d] (rank d has read this rank's part
- * of sum n: n + 1). Sum n on rank r, all on the compute stream:
+ * slots, one for each other rank's part of this rank's block, then as many for the gathers
+ * (fused_gather_begin), then 4 t counters: the sums' full[s] (rank s's part of sum n has
+ * landed: n + 1) and consumed[d] (rank d has read this rank's part of sum n: n + 1), and the
+ * gathers' gfull and gconsumed, alike. Sum n on rank r, all on the compute stream:
  *   begin: for each other rank j, from r + 1 on: wait consumed[j] >= n - 1 (j has read the
  *          part r sent it two sums ago, from the slot this one overwrites); rows of block j
  *          into j's slot for r; set j's full[r] := n + 1
@@ -202,9 +203,9 @@ static void fused_join(void) {
  * that copies to and from different peers run on different copy engines at once): for each
  * other rank j, wait gconsumed[j] >= n - 1, copy r's rows (copy engine) into j's gather slot
  * for r, set j's gfull[r] := n + 1; then for each j, wait gfull[j] >= n + 1, copy j's rows
- * from the slot into their place in buf, set j's gconsumed[r] := n + 1, and mark a ticket. The compute
- * stream runs the product on r's own rows meanwhile. CPU ranks: the all-gather over MPI,
- * complete at once (every ticket -1), the blocks in the same order. */
+ * from the slot into their place in buf, set j's gconsumed[r] := n + 1, and mark a ticket.
+ * The compute stream runs the product on r's own rows meanwhile. CPU ranks: the all-gather
+ * over MPI, complete at once (every ticket -1), the blocks in the same order. */
 static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk) {
     Fused *f = &g_fused;
     const Comm *c = ctx;
