@@ -22,7 +22,7 @@ while IFS='|' read -r name envs keys path; do
   if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
      grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
-     { [[ $envs != *FUSED=1* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; }
+     { [[ $envs != *FUSED=[12]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; }
   then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 nccl_sp||sequence_parallel=true|NCCL kernels
@@ -35,6 +35,9 @@ fused_sp|MESHTRAIN_TP_FUSED=1|sequence_parallel=true|NCCL kernels
 fused_no_sp|MESHTRAIN_TP_FUSED=1|sequence_parallel=false|NCCL kernels
 fused_ce_sp|MESHTRAIN_TP_FUSED=1 MESHTRAIN_TP_CE=1|sequence_parallel=true|copy engines
 fused_ac|MESHTRAIN_TP_FUSED=1|activation_checkpointing=true|NCCL kernels
+fused2_sp|MESHTRAIN_TP_FUSED=2|sequence_parallel=true|NCCL kernels
+fused2_no_sp|MESHTRAIN_TP_FUSED=2|sequence_parallel=false|NCCL kernels
+fused2_ac|MESHTRAIN_TP_FUSED=2|activation_checkpointing=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ]; then
   for sp in sp no_sp; do

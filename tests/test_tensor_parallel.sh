@@ -178,9 +178,9 @@ tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batc
 ~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
-err=$(MESHTRAIN_TP_FUSED=2 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
+err=$(MESHTRAIN_TP_FUSED=3 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
       out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=2: not 0 or 1" <<<"$err" \
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=3: not 0, 1 or 2" <<<"$err" \
   && ok bad_tp_fused_refused || bad "bad_tp_fused_refused (exit $rc: $err)"
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on

@@ -596,7 +596,7 @@ static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Ticket
     Chunks k = tp_chunks(m, N);
     if (k.c == 1 && m->tp.fused_sum_begin) {  /* the rows moved by copy engine, summed by op_add */
         RowsOf c = {src, (size_t)m->E};
-        long t = m->tp.fused_sum_begin(m->tp.ctx, copy_rows, &c, sizeof c, dst, (size_t)N, (size_t)m->E, m->sp);
+        long t = m->tp.fused_sum_begin(m->tp.ctx, copy_rows, &c, sizeof c, dst, (size_t)N, (size_t)m->E, m->sp, 0);
         if (t != -1) {
             ts->t[ts->n++] = t;
             return;
@@ -687,11 +687,11 @@ static void fused_rows(const void *arg, size_t r0, size_t rows, void *out, const
 }
 /* p->res, the residual, is added once: by tensor-parallel rank 0 into its part (the fused sum
  * puts it into one rank's part of each block). */
-static void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts) {
+static void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts, int fill) {
     ts->n = ts->rot = 0;
     Chunks k = tp_chunks(m, N);
     if (m->tp_size > 1 && k.c == 1 && m->tp.fused_sum_begin) {
-        long t = m->tp.fused_sum_begin(m->tp.ctx, fused_rows, p, sizeof *p, dst, (size_t)N, (size_t)m->E, m->sp);
+        long t = m->tp.fused_sum_begin(m->tp.ctx, fused_rows, p, sizeof *p, dst, (size_t)N, (size_t)m->E, m->sp, fill);
         if (t != -1) {
             ts->t[ts->n++] = t;
             return;
@@ -717,7 +717,7 @@ static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const
         return;
     }
     Tickets ts;
-    product_then_sum(m, &(Product){1, dx, dout, w, NULL, C, OC}, a->dxn, N, &ts);
+    product_then_sum(m, &(Product){1, dx, dout, w, NULL, C, OC}, a->dxn, N, &ts, dw != NULL);
     if (dw) {
         tp_join_all(m, gx);
         op_matmul_backward(NULL, dw, dout, inp, NULL, N, C, OC);
@@ -812,7 +812,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
     void *y = m->sp ? a->full : la->mid;
-    product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts);
+    product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts, 0);
     tp_join_all(m, &ts);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
     xn = seq_gather_begin(m, a->gath, la->xn2, N, &ts);
@@ -824,7 +824,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
      * reduce-scatter */
     y = m->sp ? a->full : la->out;
     const void *res = !m->sp ? la->mid : NULL;
-    product_then_sum(m, &(Product){0, y, la->hsw, act_at(w, ly->down), res, H, E}, la->out, N, &ts);
+    product_then_sum(m, &(Product){0, y, la->hsw, act_at(w, ly->down), res, H, E}, la->out, N, &ts, 0);
     tp_join_all(m, &ts);
     if (m->sp) op_add(la->out, la->mid, (size_t)NS * E);
 }
@@ -1160,7 +1160,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         seq_gather_begin(m, wg.dout, a->dres, N, &ts);
         product_after(m, &(Product){1, a->dh, wg.dout, act_at(w, ly->down), NULL, H, E}, &ts, N);
         op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
-        product_then_sum(m, &(Product){1, dx2, wg.dgu, act_at(w, ly->gate_up), NULL, E, 2 * H}, wg.dxn2, N, &ts);
+        product_then_sum(m, &(Product){1, dx2, wg.dgu, act_at(w, ly->gate_up), NULL, E, 2 * H}, wg.dxn2, N, &ts, 0);
         tp_join_all(m, &ts);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, NS, E);
         if (!m->sp) op_copy(wg.dmid, a->dres, bytes);
@@ -1168,7 +1168,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         product_after(m, &(Product){1, a->datt, wg.dmid, act_at(w, ly->att_out), NULL, Et, E}, &ts, N);
         op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                        m->HD);
-        product_then_sum(m, &(Product){1, dx1, wg.dqkv, act_at(w, ly->qkv), NULL, E, 3 * Et}, wg.dxn1, N, &ts);
+        product_then_sum(m, &(Product){1, dx1, wg.dqkv, act_at(w, ly->qkv), NULL, E, 3 * Et}, wg.dxn1, N, &ts, 0);
         tp_join_all(m, &ts);
         op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, NS, E);
         HOOK(h, release, unit_of_layer(l));

@@ -53,7 +53,9 @@ typedef struct {
  * add: rows of the sum so far), into dst: dst's rows with scatter (sequence parallel), else
  * block tp_rank of dst [N, E], then gathered whole. res asks for the product's residual too:
  * given in exactly one rank's part of each block. arg (arg_bytes) is copied. Returns the
- * ticket to join, or -1 where it cannot (the caller then sums by the collectives). */
+ * ticket to join, or -1 where it cannot (the caller then sums by the collectives). fill: the
+ * caller queues other work before the join (a weight gradient), under which the others'
+ * parts travel; else the rank's own rows are made at once and the parts added after them. */
 typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res);
 /* fused_gather_begin (NULL: none; with fused_sum_begin): buf [N, E] gathered in place, as
  * allgather_begin, in tp_size blocks of N / tp_size rows, this rank's (block tp_rank) in place
@@ -64,7 +66,7 @@ typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, con
 typedef struct {
     void *ctx;
     long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                            size_t E, int scatter);
+                            size_t E, int scatter, int fill);
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);

@@ -193,6 +193,12 @@ void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v);
 void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what);
 /* Every side stream waits for the compute stream's work so far. */
 void comm_ipc_side_after_compute(const CommIpc *w);
+/* Fence k (0 .. COMM_IPC_FENCES - 1): record marks stream `from`'s work so far (0: the compute
+ * stream, 1 .. size - 1 the side streams); await makes stream `to`'s later work wait for the
+ * last record (none yet: nothing to wait for). */
+#define COMM_IPC_FENCES 64
+void comm_ipc_record(const CommIpc *w, int from, int k);
+void comm_ipc_await(const CommIpc *w, int to, int k);
 /* On side stream `side`: bytes from src to dst (device memory here, or a mapped block: a copy engine). */
 void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes);
 /* Collective over the group (NULL: nothing). */

@@ -35,6 +35,8 @@ void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v) { (vo
 void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v) { (void)w, (void)side, (void)i, (void)v; }
 void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) { (void)w, (void)side, (void)r, (void)what; }
 void comm_ipc_side_after_compute(const CommIpc *w) { (void)w; }
+void comm_ipc_record(const CommIpc *w, int from, int k) { (void)w, (void)from, (void)k; }
+void comm_ipc_await(const CommIpc *w, int to, int k) { (void)w, (void)to, (void)k; }
 void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes) {
     (void)w, (void)side, (void)dst, (void)src, (void)bytes;
 }
@@ -120,6 +122,7 @@ struct CommIpc {
     char **block;   /* per rank: its block as this rank addresses it (own: cuda_malloc; others: IPC) */
     cudaStream_t *side; /* side streams 1 .. size - 1 (side[s - 1]), copies beside the compute stream */
     cudaEvent_t ev;     /* the compute stream's work so far, for the side streams */
+    cudaEvent_t fence[COMM_IPC_FENCES];  /* comm_ipc_record and _await's, made at the first use */
 };
 
 static uint64_t *ctr_of(const CommIpc *w, int rank, int i) {
@@ -219,6 +222,25 @@ void comm_ipc_side_after_compute(const CommIpc *w) {
         cchk(cudaStreamWaitEvent(w->side[i], w->ev, 0), w->c, w->what, "cudaStreamWaitEvent");
 }
 
+static cudaEvent_t fence_of(const CommIpc *w, int k) {
+    CommIpc *m = (CommIpc *)w;
+    if (k < 0 || k >= COMM_IPC_FENCES) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "internal: %s: fence %d of %d", w->what, k, COMM_IPC_FENCES);
+        comm_abort(EXIT_RUN_FAILURE, msg);
+    }
+    if (!m->fence[k]) cchk(cudaEventCreateWithFlags(&m->fence[k], cudaEventDisableTiming), w->c, w->what, "cudaEventCreate");
+    return m->fence[k];
+}
+
+void comm_ipc_record(const CommIpc *w, int from, int k) {
+    cchk(cudaEventRecord(fence_of(w, k), stream_of(w, from)), w->c, w->what, "cudaEventRecord");
+}
+
+void comm_ipc_await(const CommIpc *w, int to, int k) {
+    cchk(cudaStreamWaitEvent(stream_of(w, to), fence_of(w, k), 0), w->c, w->what, "cudaStreamWaitEvent");
+}
+
 void comm_ipc_side_copy(const CommIpc *w, int side, void *dst, const void *src, size_t bytes) {
     cchk(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_of(w, side)), w->c, w->what, "cudaMemcpyAsync");
 }
@@ -235,6 +257,8 @@ void comm_ipc_close(CommIpc *w) {
         free(w->side);
         cudaEventDestroy(w->ev);
     }
+    for (int k = 0; k < COMM_IPC_FENCES; k++)
+        if (w->fence[k]) cudaEventDestroy(w->fence[k]);
     comm_barrier(c);  /* no rank writes into another's block any more */
     for (int i = 0; i < c->size; i++)
         if (i != c->rank) cchk(cudaIpcCloseMemHandle(w->block[i]), c, w->what, "cudaIpcCloseMemHandle");

@@ -100,6 +100,7 @@ typedef struct {
     const Comm *c;
     CommIpc *w;       /* GPUs */
     char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
+    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out */
     size_t cap;       /* bytes a slot */
     uint64_t n, ng;   /* sums and gathers begun */
     /* the sum begun and not yet joined */
@@ -107,15 +108,17 @@ typedef struct {
     _Alignas(16) char arg[128];
     void *dst;
     size_t R, E;  /* rows a block, and their width */
-    int scatter;
+    int scatter, fill;
 } Fused;
 static Fused g_fused;
 
+/* 0, or the way the parts move: 1, the products' stores straight into the peer's slots;
+ * 2, into local staging, then by copy engine on a side stream, the own rows meanwhile */
 int tensor_parallel_fused_asked(void) {
     const char *e = getenv("MESHTRAIN_TP_FUSED");
     if (!e || !*e || !strcmp(e, "0")) return 0;
-    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0 or 1", e);
-    return 1;
+    if (strcmp(e, "1") && strcmp(e, "2")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", e);
+    return e[0] - '0';
 }
 /* Slot of source s's part on receiver d, in set b, from the start of d's block. */
 static size_t fused_slot(int t, int d, int s, uint64_t b) {
@@ -125,9 +128,16 @@ static size_t fused_slot(int t, int d, int s, uint64_t b) {
 /* the sums' slots, then the gathers' (as many) */
 static size_t fused_bytes(int t, size_t cap) { return 4 * (size_t)(t - 1) * cap; }
 enum { CTR_SETS = 4 };  /* counters: the sums' full and consumed, the gathers' full and consumed, t each */
+/* fences (comm_ipc_record): one a staging slot, 2 (t - 1), then one for "the part is made" */
+enum { FENCE_MADE = COMM_IPC_FENCES - 1 };
+
+/* Where this rank's own rows of the sum go: dst's rows with scatter, else block r of dst. */
+static void *fused_own(const Fused *f, int r) {
+    return f->scatter ? f->dst : (char *)f->dst + (size_t)r * f->R * f->E * ops_act_size();
+}
 
 static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                            size_t E, int scatter) {
+                            size_t E, int scatter, int fill) {
     Fused *f = &g_fused;
     const Comm *c = ctx;
     int t = c->size, r = c->rank;
@@ -136,15 +146,31 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     if (f->off || N % (size_t)t || bytes > f->cap || arg_bytes > sizeof f->arg) return -1;
     fused_join();  /* (one at a time: the model joins each before the next) */
     uint64_t n = f->n++, b = n & 1;
-    f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter;
+    f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
     memcpy(f->arg, arg, arg_bytes);
-    if (f->w) {
+    if (f->w && f->asked == 1) {
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
             if (n >= 2) comm_ipc_wait(f->w, 0, t + j, n - 1);
             rows(f->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
             comm_ipc_set(f->w, 0, j, r, n + 1);
         }
+    } else if (f->w) {
+        for (int i = 1; i < t; i++) {  /* (peer r + i's copy on side stream i) */
+            int j = (r + i) % t;
+            int k = (int)b * (t - 1) + i - 1;  /* (this staging slot's fence) */
+            char *st = f->stage + (size_t)k * f->cap;
+            comm_ipc_await(f->w, 0, k);  /* its copy two sums ago is out */
+            rows(f->arg, (size_t)j * R, R, st, NULL, r == (j + 1) % t);
+            comm_ipc_record(f->w, 0, FENCE_MADE);
+            comm_ipc_await(f->w, i, FENCE_MADE);
+            if (n >= 2) comm_ipc_wait(f->w, i, t + j, n - 1);
+            comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), st, bytes);
+            comm_ipc_record(f->w, i, k);
+            comm_ipc_set(f->w, i, j, r, n + 1);
+        }
+        /* with nothing queued before the join, this rank's own rows now, while the parts travel */
+        if (!fill) rows(f->arg, (size_t)r * R, R, fused_own(f, r), NULL, 0);
     } else {
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
         for (int i = 1; i < t; i++) {
@@ -172,15 +198,16 @@ static void fused_join(void) {
     int t = c->size, r = c->rank;
     uint64_t n = f->n - 1, b = n & 1;
     size_t R = f->R, E = f->E, own_row = (size_t)r * R;
-    void *own = f->scatter ? f->dst : (char *)f->dst + own_row * E * ops_act_size();
+    void *own = fused_own(f, r);
     /* part of source s (i = s - r mod t: 1 .. t - 1), as received */
     #define PART(i) (f->w ? comm_ipc_block(f->w, r) + fused_slot(t, r, (r + (i)) % t, b) \
                           : f->host + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    f->rows(f->arg, own_row, R, own, PART(1), 0);
-    for (int i = 2; i < t; i++) op_add(own, PART(i), R * E);
+    int done = f->w && f->asked == 2 && !f->fill;  /* (the own rows made at the begin) */
+    if (!done) f->rows(f->arg, own_row, R, own, PART(1), 0);
+    for (int i = done ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)
@@ -253,13 +280,15 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     }
     f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), CTR_SETS * t, "tensor-parallel fused sums");
     f->off = !f->w;
+    if (f->w && f->asked == 2) f->stage = op_alloc(2 * (size_t)(t - 1) * f->cap);
     return f->w != NULL;
 }
 
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) {
     if (tp == 1) return 0;
     size_t cap = (N / (size_t)tp * E * act_size + 255) & ~(size_t)255;
-    return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp);
+    return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) +
+           (tensor_parallel_fused_asked() == 2 ? 2 * (size_t)(tp - 1) * cap : 0);  /* (and the staging) */
 }
 
 unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
@@ -267,7 +296,8 @@ unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
 void tensor_parallel_fused_close(void) {
     Fused *f = &g_fused;
     fused_join();
-    comm_ipc_close(f->w);
+    comm_ipc_close(f->w);  /* (first: it waits for the side streams' copies out of the staging) */
+    op_free(f->stage);
     free(f->host);
     *f = (Fused){0};
 }
