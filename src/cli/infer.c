@@ -152,7 +152,7 @@ int cmd_estimate(Config *c) {
      * the pipeline's receive rings with MESHTRAIN_PP_CE=1 */
     int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |
              (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0) |
-             (PP > 1 && comm_p2p_ce_asked() ? EST_CE_PP : 0) | (TP > 1 && tensor_parallel_fused_asked() ? EST_TP_FUSED : 0);
+             (PP > 1 && comm_p2p_ce_asked() ? EST_CE_PP : 0) | (tensor_parallel_fused_mode(TP, gpu) ? EST_TP_FUSED : 0);
     estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
                     c->sequence_parallel, gpu, precision_of(c), ce, &oc, &e);
     estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, dp, &e);

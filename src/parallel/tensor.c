@@ -96,7 +96,7 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
  * data flow is tested without GPUs. */
 enum { FUSED_TAG = 31000 };  /* above the rings' tags (1..30000, comm_mpi.c) */
 typedef struct {
-    int asked, off;  /* MESHTRAIN_TP_FUSED=1; off: the GPUs cannot (every rank then sums by collectives) */
+    int asked, off;  /* tensor_parallel_fused_mode's; off: the GPUs cannot (every rank then sums by collectives) */
     const Comm *c;
     CommIpc *w;       /* GPUs */
     char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
@@ -112,13 +112,17 @@ typedef struct {
 } Fused;
 static Fused g_fused;
 
-/* 0, or the way the parts move: 1, the products' stores straight into the peer's slots;
- * 2, into local staging, then by copy engine on a side stream, the own rows meanwhile */
-int tensor_parallel_fused_asked(void) {
+/* The default: on GPUs at tp = 2, where it was measured (90.4-90.9% of one GPU's per-GPU
+ * speed against 81.6% on NCCL's kernels, two H200s, bench/RESULTS.md session 21); elsewhere
+ * the collectives until it is measured there (CPU ranks gain nothing by it). */
+#define FUSED_DEFAULT(tp, gpu) ((gpu) && (tp) == 2 ? 2 : 0)
+
+int tensor_parallel_fused_mode(int tp_size, int gpu) {
     const char *e = getenv("MESHTRAIN_TP_FUSED");
-    if (!e || !*e || !strcmp(e, "0")) return 0;
-    if (strcmp(e, "1") && strcmp(e, "2")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", e);
-    return e[0] - '0';
+    if (!e || !*e) return tp_size > 1 ? FUSED_DEFAULT(tp_size, gpu) : 0;
+    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2"))
+        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", e);
+    return tp_size > 1 ? e[0] - '0' : 0;
 }
 /* Slot of source s's part on receiver d, in set b, from the start of d's block. */
 static size_t fused_slot(int t, int d, int s, uint64_t b) {
@@ -288,7 +292,7 @@ size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) 
     if (tp == 1) return 0;
     size_t cap = (N / (size_t)tp * E * act_size + 255) & ~(size_t)255;
     return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) +
-           (tensor_parallel_fused_asked() == 2 ? 2 * (size_t)(tp - 1) * cap : 0);  /* (and the staging) */
+           (tensor_parallel_fused_mode(tp, 1) == 2 ? 2 * (size_t)(tp - 1) * cap : 0);  /* (and the staging) */
 }
 
 unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
@@ -353,7 +357,7 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     m->tp_chunks = count_asked("MESHTRAIN_TP_CHUNKS", TP_CHUNKS);
     m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
-    g_fused.asked = tensor_parallel_fused_asked();
+    g_fused.asked = tensor_parallel_fused_mode(mesh->tp_size, !ops_host_memory());
     if (g_fused.asked) {
         m->tp.fused_sum_begin = fused_sum_begin;
         m->tp.fused_gather_begin = fused_gather_begin;

@@ -25,16 +25,18 @@ int tensor_parallel_ce_possible(const Mesh *mesh);
 /* Whether the tp group's collectives run on the copy engines (after the model's activations
  * are allocated: comm_alloc made the group's all-to-all buffer). */
 int tensor_parallel_on_copy_engines(const Mesh *mesh);
-/* MESHTRAIN_TP_FUSED=1 (0 or unset: 0; anything else ends the run, exit 2; an A/B knob like
- * MESHTRAIN_TP_CE): the row-parallel products' sums fused into the products (ModelTp's
- * fused_sum_begin): on GPUs of one machine with peer access, each rank's product writes the
- * other ranks' rows straight into their memory (CUDA IPC) and adds theirs to its own in the
- * epilogue, with no collective on the SMs; on CPU ranks the same data flow over MPI. Set up
- * here for sums of up to N rows (collective over the tp group, after tensor_parallel_attach):
- * whether the fused path is taken (on GPUs where it cannot be, every rank keeps the
- * collectives). */
+/* The row-parallel products' sums, and sequence parallel's gathers, fused into the products
+ * (ModelTp's fused_sum_begin and fused_gather_begin): on GPUs of one machine with peer
+ * access, each rank sends the other ranks' rows of its product into their memory (CUDA IPC)
+ * with no collective on the SMs; on CPU ranks the same data flow over MPI. Its mode
+ * (MESHTRAIN_TP_FUSED, a benchmark knob; a malformed value ends the run, exit 2): 0, the
+ * collectives; 1, the products' stores go straight into the other ranks' slots; 2, the parts
+ * are made in local staging and copied by copy engine while the rank's own rows are made.
+ * Unset: 2 on GPUs at tp = 2, else 0. tensor_parallel_fused_open sets it up for sums of up
+ * to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
+ * is taken (on GPUs where it cannot be, every rank keeps the collectives). */
+int tensor_parallel_fused_mode(int tp_size, int gpu);
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N);
-int tensor_parallel_fused_asked(void);
 /* The device memory it takes on a GPU for sums of up to N rows of E (for the estimate). */
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size);
 /* The sums fused so far (on this rank; every rank of the group alike). */

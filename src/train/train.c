@@ -194,7 +194,7 @@ int cmd_train(Config *c) {
      * sums (MESHTRAIN_TP_FUSED=1) wait so on the compute stream: the comm stream, whose NCCL
      * kernels a peer may be waiting for, must not wait behind it. */
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
-    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || (c->tensor_parallel_size > 1 && tensor_parallel_fused_asked())))
+    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_mode(c->tensor_parallel_size, gpu)))
         setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
@@ -287,7 +287,7 @@ int cmd_train(Config *c) {
     int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
     if (tp_ce) ce |= EST_CE_TP;
     if (pp_ce && PP > 1) ce |= EST_CE_PP;  /* (counted where asked: the links decide at step_init) */
-    if (gpu && mesh.tp_size > 1 && tensor_parallel_fused_asked()) ce |= EST_TP_FUSED;  /* (likewise) */
+    if (gpu && tensor_parallel_fused_mode(mesh.tp_size, gpu)) ce |= EST_TP_FUSED;  /* (likewise) */
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -391,12 +391,16 @@ int cmd_train(Config *c) {
     Acts a;
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
     int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (MESHTRAIN_TP_FUSED=1) */
-    if (lead && mesh.tp_size > 1 && tensor_parallel_fused_asked())
-        printf("tensor parallel sums: %s\n",
-               !tp_fused ? "collectives (MESHTRAIN_TP_FUSED=1, but the GPUs cannot map each other's memory here)"
-               : gpu ? "fused into the products (MESHTRAIN_TP_FUSED=1: each product writes the other ranks' rows into "
-                       "their memory, CUDA IPC)"
-                     : "fused into the products (MESHTRAIN_TP_FUSED=1: the other ranks' rows as MPI messages)");
+    int fused_mode = tensor_parallel_fused_mode(mesh.tp_size, gpu);
+    if (lead && mesh.tp_size > 1 && (gpu || fused_mode))
+        printf("tensor parallel sums: %s (MESHTRAIN_TP_FUSED=%d)\n",
+               !fused_mode ? "collectives"
+               : !tp_fused ? "collectives (fused asked, but the GPUs cannot map each other's memory here)"
+               : !gpu ? "fused into the products (the other ranks' rows as MPI messages)"
+               : fused_mode == 1 ? "fused into the products (each product writes the other ranks' rows into their memory, "
+                                   "CUDA IPC)"
+                                 : "fused into the products (the other ranks' rows by copy engine into their memory, "
+                                   "CUDA IPC)", fused_mode);
     if (lead && mesh.tp_size > 1) {
         int chunks = model_tp_chunks(&m, a.N);
         int groups = model_tp_groups(&m, a.N);

@@ -10,7 +10,7 @@
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32, also with its
 # collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2), and
-# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1). Pipeline
+# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED, 2 by default at tp 2). Pipeline
 # send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
@@ -61,10 +61,11 @@ CASES
 # -- tensor parallel over the NP GPUs (dp = 1, so batch_size is the whole batch): heads, FFN
 # units and the vocabulary split (the cross-entropy's statistics all-gathered over NCCL),
 # with sequence parallel (all-gathers and reduce-scatters of bf16 or fp32 activations) and
-# without, and with activation checkpointing: NP GPUs follow one
+# without, and with activation checkpointing: NP GPUs follow one (on the collectives:
+# MESHTRAIN_TP_FUSED=0; the fused sums, the default at tp 2, below)
 while IFS='|' read -r name tied keys; do
   out=$TMP/tp_$name
-  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
+  if MESHTRAIN_TP_FUSED=0 runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
      close "$TMP/one_$tied" "$out"
   then ok "multi_gpu_tp_follows_one_gpu_$name"
   else bad "multi_gpu_tp_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
@@ -84,7 +85,7 @@ CASES
 # follow one, and the header says the copy engines run them
 while IFS='|' read -r name tied envs keys; do
   out=$TMP/tp_ce_$name
-  if (export MESHTRAIN_TP_CE=1 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
+  if (export MESHTRAIN_TP_CE=1 MESHTRAIN_TP_FUSED=0 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
         tensor_parallel_size=$NP $keys) &&
      grep -q "^tensor parallel collectives: copy engines" "$out.log" && close "$TMP/one_$tied" "$out"
   then ok "multi_gpu_tp_ce_follows_one_gpu_$name"
@@ -117,14 +118,15 @@ if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "
    awk -v a=$((ec - en)) -v b=$((pc - pn)) -v p="$pc" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
 then ok multi_gpu_tp_ce_estimate_counts_all_to_all_buffer
 else bad multi_gpu_tp_ce_estimate_counts_all_to_all_buffer; fi
-# -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1: each
-# product writes the other ranks' rows into their memory through CUDA IPC, the gathers move
-# by copy engine): with and without sequence parallel, tied, with activation checkpointing and
-# beside the copy-engine collectives, NP GPUs follow one; the header says fused and the
-# summary counts the sums; the estimate counts the slots (it grows by what the peak grows by)
+# -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
+# default at tp 2: the other ranks' rows by copy engine into their memory through CUDA IPC;
+# 1: the products' stores straight there): with and without sequence parallel, tied, with
+# activation checkpointing and beside the copy-engine collectives, NP GPUs follow one; the
+# header says fused and the summary counts the sums; the estimate counts the slots (it grows
+# by what the peak grows by)
 while IFS='|' read -r name tied envs keys; do
   out=$TMP/tp_fused_$name
-  if (export MESHTRAIN_TP_FUSED=1 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
+  if (export MESHTRAIN_TP_FUSED=2 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
         tensor_parallel_size=$NP $keys) &&
      grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
      grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out"
@@ -136,7 +138,18 @@ sp_tied|true||
 no_sp|false||sequence_parallel=false
 sp_ckpt|false||activation_checkpointing=true
 sp_ce|false|MESHTRAIN_TP_CE=1|
+sp_stores|false|MESHTRAIN_TP_FUSED=1|
+no_sp_stores|false|MESHTRAIN_TP_FUSED=1|sequence_parallel=false
 CASES
+# ... which at tp 2 is the default (elsewhere the collectives, until measured)
+if [ "$NP" = 2 ]; then
+  out=$TMP/tp_default
+  if (unset MESHTRAIN_TP_FUSED; runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP) &&
+     grep -q "^tensor parallel sums: fused into the products (the other ranks' rows by copy engine" "$out.log" &&
+     close "$TMP/one_false" "$out"
+  then ok multi_gpu_tp_fused_by_default_at_tp2
+  else bad "multi_gpu_tp_fused_by_default_at_tp2 ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+fi
 ef=$(logged estimate_bytes "$TMP/tp_fused_sp") pf=$(logged gpu_peak_alloc_bytes "$TMP/tp_fused_sp")
 en=$(logged estimate_bytes "$TMP/tp_sp") pn=$(logged gpu_peak_alloc_bytes "$TMP/tp_sp")
 echo "  tp fused: estimate $ef, peak $pf; collectives: estimate $en, peak $pn"
@@ -185,7 +198,7 @@ close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interlea
 unset MESHTRAIN_PP_CE
 # ... and tensor parallel's fused sums, whose waits for a peer's rows are on the device: the
 # host's tickets (within comm_timeout) still end the job
-export MESHTRAIN_TP_FUSED=1
+export MESHTRAIN_TP_FUSED=2
 fault gpu_killed_rank_ends_job_tp_fused MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" tensor_parallel_size=$NP
 fault gpu_hung_rank_times_out_tp_fused MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" tensor_parallel_size=$NP
 unset MESHTRAIN_TP_FUSED
