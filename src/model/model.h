@@ -45,13 +45,13 @@ typedef struct {
  * xf and dxf), zeroed, called with the same sizes in the same order on every rank of the
  * group; free frees it (and op_alloc memory). tensor.c gives them with MESHTRAIN_TP_CE=1,
  * where they put the buffers in NCCL windows and the collectives run on the copy engines. */
-/* fused_sum_begin (NULL: none; tensor.c gives it with MESHTRAIN_TP_FUSED=1): a row-parallel
- * product's output summed over the group with no collective. N rows of E are cut into
- * tp_size blocks of N / tp_size; the rank computes each other rank's block of its part
- * straight into that rank's memory (rows(arg, r0, rows, out, NULL, res)), and at the join its
- * own block with the others' parts added in the product (rows(arg, r0, rows, out, add, 0),
- * add: rows of the sum so far), into dst: dst's rows with scatter (sequence parallel), else
- * block tp_rank of dst [N, E], then gathered whole. res asks for the product's residual too:
+/* fused_sum_begin (NULL: none; tensor.c gives it where MESHTRAIN_TP_FUSED's mode is not 0): a
+ * row-parallel product's output summed over the group with no collective. N rows of E are
+ * cut into tp_size blocks of N / tp_size; the rank computes each other rank's block of its
+ * part (rows(arg, r0, rows, out, NULL, res)), which goes into that rank's memory, and its own
+ * block, to which the others' parts are added (in the product, rows(arg, r0, rows, out, add,
+ * 0) with add: rows of the sum so far, or after it), into dst: dst's rows with scatter
+ * (sequence parallel), else block tp_rank of dst [N, E], then gathered whole. res asks for the product's residual too:
  * given in exactly one rank's part of each block. arg (arg_bytes) is copied. Returns the
  * ticket to join, or -1 where it cannot (the caller then sums by the collectives). fill: the
  * caller queues other work before the join (a weight gradient), under which the others'
