@@ -178,6 +178,16 @@ tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batc
 ~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
+# the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2)
+# and where asked, not where the collectives run
+E="device=cuda embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=4 precision=bf16"
+e2=$("$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
+e2off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
+e4=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e4on=$(MESHTRAIN_TP_FUSED=2 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" && ! grep -q "fused-sum slots" <<<"$e4" &&
+  grep -q "fused-sum slots" <<<"$e4on" && ok fused_slots_in_gpu_estimate ||
+  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4on") lines)"
 err=$(MESHTRAIN_TP_FUSED=3 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
       out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=3: not 0, 1 or 2" <<<"$err" \
