@@ -109,15 +109,20 @@ if [ "$NP" = 2 ]; then
     [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_tp_ce_bitwise_nccl_$sp" || bad "multi_gpu_tp_ce_bitwise_nccl_$sp ($d)"
   done
 fi
-# the estimate counts the tp group's all-to-all buffer: it grows by what the peak grows by
-# (the windows replace activation buffers of the same size), within 5% of the peak
-ec=$(logged estimate_bytes "$TMP/tp_ce_no_sp_c1") pc=$(logged gpu_peak_alloc_bytes "$TMP/tp_ce_no_sp_c1")
-en=$(logged estimate_bytes "$TMP/tp_no_sp") pn=$(logged gpu_peak_alloc_bytes "$TMP/tp_no_sp")
-echo "  tp copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $en, peak $pn"
-if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
-   awk -v a=$((ec - en)) -v b=$((pc - pn)) -v p="$pc" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
-then ok multi_gpu_tp_ce_estimate_counts_all_to_all_buffer
-else bad multi_gpu_tp_ce_estimate_counts_all_to_all_buffer; fi
+# grows_alike NAME WITH WITHOUT: run WITH's estimate is above run WITHOUT's, and grows by
+# what its peak grows by, within 5% of WITH's peak
+grows_alike() {
+  local name=$1 ew pw eo po
+  ew=$(logged estimate_bytes "$2") pw=$(logged gpu_peak_alloc_bytes "$2")
+  eo=$(logged estimate_bytes "$3") po=$(logged gpu_peak_alloc_bytes "$3")
+  echo "  $name: estimate $ew, peak $pw; without: estimate $eo, peak $po"
+  if [ -n "$ew" ] && [ -n "$pw" ] && [ -n "$eo" ] && [ -n "$po" ] && [ "$ew" -gt "$eo" ] &&
+     awk -v a=$((ew - eo)) -v b=$((pw - po)) -v p="$pw" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
+  then ok "$name"; else bad "$name"; fi
+}
+# the estimate counts the tp group's all-to-all buffer (the windows replace activation
+# buffers of the same size)
+grows_alike multi_gpu_tp_ce_estimate_counts_all_to_all_buffer "$TMP/tp_ce_no_sp_c1" "$TMP/tp_no_sp"
 # -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
 # default at tp 2: the other ranks' rows by copy engine into their memory through CUDA IPC;
 # 1: the products' stores straight there): with and without sequence parallel, tied, with
@@ -150,13 +155,7 @@ if [ "$NP" = 2 ]; then
   then ok multi_gpu_tp_fused_by_default_at_tp2
   else bad "multi_gpu_tp_fused_by_default_at_tp2 ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 fi
-ef=$(logged estimate_bytes "$TMP/tp_fused_sp") pf=$(logged gpu_peak_alloc_bytes "$TMP/tp_fused_sp")
-en=$(logged estimate_bytes "$TMP/tp_sp") pn=$(logged gpu_peak_alloc_bytes "$TMP/tp_sp")
-echo "  tp fused: estimate $ef, peak $pf; collectives: estimate $en, peak $pn"
-if [ -n "$ef" ] && [ -n "$pf" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ef" -gt "$en" ] &&
-   awk -v a=$((ef - en)) -v b=$((pf - pn)) -v p="$pf" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
-then ok multi_gpu_tp_fused_estimate_counts_slots
-else bad multi_gpu_tp_fused_estimate_counts_slots; fi
+grows_alike multi_gpu_tp_fused_estimate_counts_slots "$TMP/tp_fused_sp" "$TMP/tp_sp"
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one. So does tensor
 # parallel over the NP GPUs (dp = 1), whose slices' sums are all-reduced over the tp group
