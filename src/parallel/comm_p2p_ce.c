@@ -84,9 +84,7 @@ typedef struct {
 
 /* The counter in a block: after a receiver's slots, at a sender's start; a token beside it
  * (the 8 bytes after) says whose block a mapping shows. */
-static uintptr_t counter(const P2pCe *p, const char *block, int receiver) {
-    return (uintptr_t)(block + (receiver ? R * p->slot : 0));
-}
+static char *counter(const P2pCe *p, char *block, int receiver) { return block + (receiver ? R * p->slot : 0); }
 
 int p2p_ce_init(const Comm *c, size_t max_bytes) {
     const char *what = "pipeline send/receive set-up (MESHTRAIN_PP_CE=1)";
@@ -102,7 +100,7 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     struct { cudaIpcMemHandle_t h; uint64_t ctr[2]; } x[2];
     memset(x, 0, sizeof x);
     x[c->rank].ctr[1] = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)p->mine ^ 0x9e3779b97f4a7c15u;
-    char *ctr = (char *)(uintptr_t)counter(p, p->mine, p->recv);
+    char *ctr = counter(p, p->mine, p->recv);
     cchk(cudaMemcpy(ctr, x[c->rank].ctr, sizeof x[0].ctr, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
     cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (from pageable memory: landed) */
     cchk(cudaIpcGetMemHandle(&x[c->rank].h, p->mine), c, what, "cudaIpcGetMemHandle");
@@ -111,7 +109,7 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     uint64_t seen[2] = {0, 0};
     int opened = cudaIpcOpenMemHandle(&peer, x[1 - c->rank].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
     /* the mapping shows the peer's block where its counter is: its token is there */
-    opened = opened && cudaMemcpy(seen, (void *)(uintptr_t)counter(p, peer, !p->recv), sizeof seen,
+    opened = opened && cudaMemcpy(seen, counter(p, peer, !p->recv), sizeof seen,
                                   cudaMemcpyDeviceToHost) == cudaSuccess && seen[1] == x[1 - c->rank].ctr[1];
     cudaGetLastError();
     if (!ipc_agreed(c, opened, what)) {
@@ -161,9 +159,9 @@ void p2p_ce_send(const Comm *c, const void *buf, size_t bytes, CommP2P *r, const
     p2p_after_compute(c, s, ev, what);  /* after what wrote buf */
     uint64_t n = p->n++;
     int span = trace_span_begin(s, "pipeline send", bytes);
-    if (n >= R) ipc_wait64(s, (void *)counter(p, p->mine, 0), n - R + 1, c, what);
+    if (n >= R) ipc_wait64(s, counter(p, p->mine, 0), n - R + 1, c, what);
     cchk(cudaMemcpyAsync(p->peer + (n % R) * p->slot, buf, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
-    ipc_write64(s, (void *)counter(p, p->peer, 1), n + 1, c, what);
+    ipc_write64(s, counter(p, p->peer, 1), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
     *r = (CommP2P){NULL, c, what, (void *)ev};  /* comm_p2p_wait polls it, as NCCL's */
@@ -177,9 +175,9 @@ void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char 
     cudaEvent_t ev = p->done[n % R];
     p2p_after_compute(c, s, ev, what);  /* after the compute stream's last use of buf */
     int span = trace_span_begin(s, "pipeline receive", bytes);
-    ipc_wait64(s, (void *)counter(p, p->mine, 1), n + 1, c, what);
+    ipc_wait64(s, counter(p, p->mine, 1), n + 1, c, what);
     cchk(cudaMemcpyAsync(buf, p->mine + (n % R) * p->slot, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
-    ipc_write64(s, (void *)counter(p, p->peer, 0), n + 1, c, what);
+    ipc_write64(s, counter(p, p->peer, 0), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
     *r = (CommP2P){NULL, c, what, (void *)ev};
