@@ -74,7 +74,7 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     return begun(r);
 }
 
-/* ---- Fused sums (MESHTRAIN_TP_FUSED=1): see ModelTp's fused_sum_begin. ----
+/* ---- Fused sums (MESHTRAIN_TP_FUSED, tensor_parallel_fused_mode): see ModelTp's fused_sum_begin. ----
  * On GPUs each rank's IPC block (comm_ipc.c) holds two sets (by the sum's parity) of t - 1
  * slots, one for each other rank's part of this rank's block, then as many for the gathers
  * (fused_gather_begin), then 4 t counters: the sums' full[s] (rank s's part of sum n has
@@ -121,13 +121,21 @@ static Fused g_fused;
  * the collectives until it is measured there (CPU ranks gain nothing by it). */
 #define FUSED_DEFAULT(tp, gpu) ((gpu) && (tp) == 2 ? 2 : 0)
 
-int tensor_parallel_fused_mode(int tp_size, int gpu) {
+/* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
+static int fused_env(int tp_size, int gpu) {
     const char *e = getenv("MESHTRAIN_TP_FUSED");
-    if (!e || !*e) return tp_size > 1 ? FUSED_DEFAULT(tp_size, gpu) : 0;
-    if (strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2"))
-        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", e);
-    return tp_size > 1 ? e[0] - '0' : 0;
+    if (e && *e && strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) return -1;
+    if (tp_size < 2) return 0;
+    return e && *e ? e[0] - '0' : FUSED_DEFAULT(tp_size, gpu);
 }
+
+int tensor_parallel_fused_mode(int tp_size, int gpu) {
+    int mode = fused_env(tp_size, gpu);
+    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", getenv("MESHTRAIN_TP_FUSED"));
+    return mode;
+}
+
+int tensor_parallel_fused_early(int tp_size, int gpu) { return fused_env(tp_size, gpu) != 0; }
 /* Slot of source s's part on receiver d, in set b, from the start of d's block. */
 static size_t fused_slot(int t, int d, int s, uint64_t b) {
     size_t rel = (size_t)((s - d - 1 + 2 * t) % t);
@@ -138,6 +146,16 @@ static size_t fused_bytes(int t, size_t cap) { return 4 * (size_t)(t - 1) * cap;
 enum { CTR_SETS = 4 };  /* counters: the sums' full and consumed, the gathers' full and consumed, t each */
 /* fences (comm_ipc_record): one a staging slot, 2 (t - 1), then one for "the part is made" */
 enum { FENCE_MADE = COMM_IPC_FENCES - 1 };
+
+/* Bytes a slot: a block of N / t rows of E activations, 256-byte aligned. */
+static size_t fused_cap(int t, size_t N, size_t E, size_t act_size) {
+    return (N / (size_t)t * E * act_size + 255) & ~(size_t)255;
+}
+/* Whether a sum or gather of N rows of E can take the fused path (every rank has the same
+ * N: all of them decline together, and then use the collectives). */
+static int fused_fits(const Fused *f, int t, size_t N, size_t E) {
+    return !f->off && N % (size_t)t == 0 && N / (size_t)t * E * ops_act_size() <= f->cap;
+}
 
 /* Where this rank's own rows of the sum go: dst's rows with scatter, else block r of dst. */
 static void *fused_own(const Fused *f, int r) {
@@ -150,8 +168,7 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     const Comm *c = ctx;
     int t = c->size, r = c->rank;
     size_t R = N / (size_t)t, bytes = R * E * ops_act_size();
-    /* (every rank has the same N: all of them decline together) */
-    if (f->off || N % (size_t)t || bytes > f->cap || arg_bytes > sizeof f->arg) return -1;
+    if (!fused_fits(f, t, N, E) || arg_bytes > sizeof f->arg) return -1;
     fused_join();  /* (one at a time: the model joins each before the next) */
     uint64_t n = f->n++, b = n & 1;
     f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
@@ -245,8 +262,8 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     Fused *f = &g_fused;
     const Comm *c = ctx;
     int t = c->size, r = c->rank;
-    size_t R = N / (size_t)t, bytes = R * E * ops_act_size(), rows_at = R * E * ops_act_size();
-    if (f->off || N % (size_t)t || bytes > f->cap) return 0;
+    size_t R = N / (size_t)t, bytes = R * E * ops_act_size();  /* (a block's, and where block j starts: j bytes) */
+    if (!fused_fits(f, t, N, E)) return 0;
     for (int i = 0; i < t; i++) tk[i] = -1;
     if (!f->w) {
         tp_join(NULL, tp_allgather_begin((void *)c, buf, R * E, 0));
@@ -255,7 +272,7 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     uint64_t n = f->ng++, b = n & 1;
     size_t base = fused_bytes(t, f->cap) / 2;  /* (the gathers' slots after the sums') */
     const int GF = 2 * t, GC = 3 * t;
-    char *mine = (char *)buf + (size_t)r * rows_at;
+    char *mine = (char *)buf + (size_t)r * bytes;
     comm_ipc_side_after_compute(f->w);
     for (int i = 1; i < t; i++) {  /* (peer r + i on side stream i) */
         int j = (r + i) % t;
@@ -266,7 +283,7 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     for (int i = 1; i < t; i++) {
         int j = (r + i) % t;
         comm_ipc_wait(f->w, i, GF + j, n + 1);
-        comm_ipc_side_copy(f->w, i, (char *)buf + (size_t)j * rows_at,
+        comm_ipc_side_copy(f->w, i, (char *)buf + (size_t)j * bytes,
                            comm_ipc_block(f->w, r) + base + fused_slot(t, r, j, b), bytes);
         comm_ipc_set(f->w, i, j, GC + r, n + 1);
         CommReq *q = next_slot();
@@ -281,7 +298,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     if (mesh->tp_size == 1 || !f->asked) return 0;
     int t = mesh->tp_size;
     f->c = &mesh->tp;
-    f->cap = (N / (size_t)t * (size_t)m->E * ops_act_size() + 255) & ~(size_t)255;
+    f->cap = fused_cap(t, N, (size_t)m->E, ops_act_size());
     if (ops_host_memory()) {
         f->host = xmalloc(fused_bytes(t, f->cap));
         return 1;
@@ -294,7 +311,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
 
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) {
     if (tp == 1) return 0;
-    size_t cap = (N / (size_t)tp * E * act_size + 255) & ~(size_t)255;
+    size_t cap = fused_cap(tp, N, E, act_size);
     return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) +
            (tensor_parallel_fused_mode(tp, 1) == 2 ? 2 * (size_t)(tp - 1) * cap : 0);  /* (and the staging) */
 }

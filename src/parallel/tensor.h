@@ -36,6 +36,9 @@ int tensor_parallel_on_copy_engines(const Mesh *mesh);
  * to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
  * is taken (on GPUs where it cannot be, every rank keeps the collectives). */
 int tensor_parallel_fused_mode(int tp_size, int gpu);
+/* The same before the ranks are known (die_once needs them): whether the mode may be other
+ * than 0, a malformed value counting as such (the run then ends at tensor_parallel_fused_mode). */
+int tensor_parallel_fused_early(int tp_size, int gpu);
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N);
 /* The device memory it takes on a GPU for sums of up to N rows of E (for the estimate). */
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size);

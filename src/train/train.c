@@ -191,13 +191,14 @@ int cmd_train(Config *c) {
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
-     * sums (MESHTRAIN_TP_FUSED=1) wait so on the compute stream: the comm stream, whose NCCL
-     * kernels a peer may be waiting for, must not wait behind it. */
+     * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
+     * NCCL kernels a peer may be waiting for, must not wait behind it. */
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
-    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_mode(c->tensor_parallel_size, gpu)))
+    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, gpu)))
         setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
+    int fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, gpu);  /* (a bad value: one line) */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -287,7 +288,7 @@ int cmd_train(Config *c) {
     int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
     if (tp_ce) ce |= EST_CE_TP;
     if (pp_ce && PP > 1) ce |= EST_CE_PP;  /* (counted where asked: the links decide at step_init) */
-    if (gpu && tensor_parallel_fused_mode(mesh.tp_size, gpu)) ce |= EST_TP_FUSED;  /* (likewise) */
+    if (gpu && fused_mode) ce |= EST_TP_FUSED;  /* (likewise) */
     estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
                     c->sequence_parallel, gpu, prec, ce, &oc, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
@@ -390,8 +391,7 @@ int cmd_train(Config *c) {
                    mesh.pp_rank, "tie", &tie);
     Acts a;
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
-    int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (MESHTRAIN_TP_FUSED=1) */
-    int fused_mode = tensor_parallel_fused_mode(mesh.tp_size, gpu);
+    int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (where fused_mode is not 0) */
     if (lead && mesh.tp_size > 1 && (gpu || fused_mode))
         printf("tensor parallel sums: %s (MESHTRAIN_TP_FUSED=%d)\n",
                !fused_mode ? "collectives"
