@@ -84,8 +84,20 @@ int main(int argc, char **argv) {
     const char *only = getenv("BENCH_OPS");
     int mem_only = only && !strcmp(only, "mem");
     /* matmuls of a layer, and one lm_head chunk */
-    int shapes[][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}};
-    for (size_t i = 0; i < (mem_only ? 0 : sizeof shapes / sizeof shapes[0]); i++) {
+    int shapes[32][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}}, n_shapes = 5;
+    /* BENCH_SHAPES="n,c,oc;...": those matmuls alone (e.g. a tensor-parallel rank's, whole and in row blocks) */
+    const char *want = getenv("BENCH_SHAPES");
+    if (want) {
+        n_shapes = 0;
+        for (const char *q = want; *q && n_shapes < 32;) {
+            int *sh = shapes[n_shapes], used = 0;
+            if (sscanf(q, "%d,%d,%d%n", &sh[0], &sh[1], &sh[2], &used) != 3 || sh[0] < 1 || sh[1] < 1 || sh[2] < 1)
+                die(EXIT_BAD_INPUT, "BENCH_SHAPES=%s: not n,c,oc;n,c,oc...", want);
+            n_shapes++, q += used;
+            if (*q == ';') q++;
+        }
+    }
+    for (int i = 0; i < (mem_only ? 0 : n_shapes); i++) {
         int n = shapes[i][0], c = shapes[i][1], oc = shapes[i][2];
         int ld = oc == V ? ops_logit_stride(V) : oc; /* the lm_head writes padded logit rows */
         void *x = rand_act((size_t)n * c, 1), *w = rand_act((size_t)oc * c, 0.02f), *y = rand_act((size_t)n * ld, 1);
@@ -103,6 +115,7 @@ int main(int argc, char **argv) {
         report_flops(what, s, f);
         op_free(x); op_free(w); op_free(y); op_free(dx); op_free(dw);
     }
+    if (want) return 0;
     /* attention */
     {
         size_t nq = (size_t)N * 3 * E, no = (size_t)N * E;

@@ -5,7 +5,8 @@
 # parallel), each against one GPU (tests/gpu/lib.sh's close, 1e-4), the header naming the
 # path, and at NP = 2 the copy engines' one-chunk runs bitwise the kernels'. Then the sums fused
 # into the products (MESHTRAIN_TP_FUSED=1, CUDA IPC), with and without sequence parallel and
-# beside the copy-engine all-gathers, each against one GPU, the header saying fused.
+# beside the copy-engine all-gathers, each against one GPU, the header saying fused; modes 2
+# (staging and copy engines) and 3 (whole products, then copy engines) alike.
 # Usage: NP=2 bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
 NP=${NP:-2} B=4
@@ -22,7 +23,7 @@ while IFS='|' read -r name envs keys path; do
   if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
      grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
-     { [[ $envs != *FUSED=[12]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; }
+     { [[ $envs != *FUSED=[123]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; }
   then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 nccl_sp||sequence_parallel=true|NCCL kernels
@@ -38,6 +39,9 @@ fused_ac|MESHTRAIN_TP_FUSED=1|activation_checkpointing=true|NCCL kernels
 fused2_sp|MESHTRAIN_TP_FUSED=2|sequence_parallel=true|NCCL kernels
 fused2_no_sp|MESHTRAIN_TP_FUSED=2|sequence_parallel=false|NCCL kernels
 fused2_ac|MESHTRAIN_TP_FUSED=2|activation_checkpointing=true|NCCL kernels
+fused3_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=true|NCCL kernels
+fused3_no_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=false|NCCL kernels
+fused3_ac|MESHTRAIN_TP_FUSED=3|activation_checkpointing=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ]; then
   for sp in sp no_sp; do

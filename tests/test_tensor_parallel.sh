@@ -155,27 +155,34 @@ err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_para
 # each rank writes the others' rows into their memory; on CPU ranks the same blocks and parts
 # as MPI messages): with and without sequence parallel, at tp 2 and 4, beside data parallel,
 # pipeline stages and activation checkpointing, the run follows the one-process run, says so
-# in its header and counts the sums it fused; a malformed value is refused
-# name|ranks|batch_size per data-parallel rank|tied|keys
-while IFS='|' read -r name np b tied keys; do
+# in its header and counts the sums it fused; so does mode 3 (each product whole, then the
+# blocks out; the residual given by one rank); a malformed value is refused
+# mode|name|ranks|batch_size per data-parallel rank|tied|keys
+while IFS='|' read -r mode name np b tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
-  out=$TMP/fused_$name
-  if MESHTRAIN_TP_FUSED=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys \
+  out=$TMP/fused${mode}_$name
+  if MESHTRAIN_TP_FUSED=$mode $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys \
        out_dir="$out" </dev/null >"$out.log" 2>&1 &&
      grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
      grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && follows "$TMP/ref_$tied" "$out"
-  then ok "fused_$name"
-  else bad "fused_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+  then ok "fused${mode}_$name"
+  else bad "fused${mode}_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
-tp2|2|8|false|tensor_parallel_size=2
-tp2_tied|2|8|true|tensor_parallel_size=2
-tp2_no_sp|2|8|false|tensor_parallel_size=2 sequence_parallel=false
-~tp4|4|8|false|tensor_parallel_size=4
-tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
-~tp2_dp2_fsdp|4|4|false|tensor_parallel_size=2 fsdp=true
-tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-~tp2_pp2_zb1_tied|4|8|true|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
+1|tp2|2|8|false|tensor_parallel_size=2
+1|tp2_tied|2|8|true|tensor_parallel_size=2
+1|tp2_no_sp|2|8|false|tensor_parallel_size=2 sequence_parallel=false
+1|~tp4|4|8|false|tensor_parallel_size=4
+1|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
+1|~tp2_dp2_fsdp|4|4|false|tensor_parallel_size=2 fsdp=true
+1|tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+1|~tp2_pp2_zb1_tied|4|8|true|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+1|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
+3|tp2|2|8|false|tensor_parallel_size=2
+3|~tp2_tied|2|8|true|tensor_parallel_size=2
+3|~tp4|4|8|false|tensor_parallel_size=4
+3|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
+3|~tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+3|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
 # the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2)
@@ -185,12 +192,15 @@ e2=$("$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
 e2off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
 e4=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
 e4on=$(MESHTRAIN_TP_FUSED=2 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e4whole=$(MESHTRAIN_TP_FUSED=3 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+slots() { grep -o 'fused-sum slots *[0-9.]* [KMG]iB' <<<"$1" | awk '{print $3 * ($4 == "GiB" ? 1024 : $4 == "KiB" ? 1 / 1024 : 1)}'; }
 grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" && ! grep -q "fused-sum slots" <<<"$e4" &&
-  grep -q "fused-sum slots" <<<"$e4on" && ok fused_slots_in_gpu_estimate ||
-  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4on") lines)"
-err=$(MESHTRAIN_TP_FUSED=3 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
+  grep -q "fused-sum slots" <<<"$e4on" && awk -v a="$(slots "$e4on")" -v b="$(slots "$e4whole")" 'BEGIN {exit !(a > 0 && b > a)}' &&
+  ok "fused_slots_in_gpu_estimate (tp 4: mode 2 $(slots "$e4on") MiB, mode 3's whole staging $(slots "$e4whole") MiB)" ||
+  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4on$e4whole") lines; $(slots "$e4on") / $(slots "$e4whole") MiB)"
+err=$(MESHTRAIN_TP_FUSED=4 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
       out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=3: not 0, 1 or 2" <<<"$err" \
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=4: not 0, 1, 2 or 3" <<<"$err" \
   && ok bad_tp_fused_refused || bad "bad_tp_fused_refused (exit $rc: $err)"
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on

@@ -660,6 +660,11 @@ static void product_after(const Model *m, const Product *p, const Tickets *ts, i
         product_rows(p, 0, (size_t)N);
         return;
     }
+    if (ts->rot && m->tp.gather_whole) {
+        tp_join_all(m, ts);
+        product_rows(p, 0, (size_t)N);
+        return;
+    }
     Chunks k = tp_chunks(m, N);
     if (ts->rot) k.rows = (size_t)N / (size_t)m->tp_size;
     for (int j = 0; j < ts->n; j++) {

@@ -214,8 +214,10 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
     par_tp_sum_partial(p, 0);
+    trace_mark(NULL, "norms' gradients summed");
     sumsq = m->sp ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
     double norm = sqrt(par_stages_sumsq(p, sumsq));
+    trace_mark(NULL, "gradient norm on the host");
     update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
     if (side) {
         op_side_begin();

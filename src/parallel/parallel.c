@@ -74,6 +74,7 @@ void parallel_free(Parallel *p) {
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
     op_free(p->tp_pack);
+    free(p->tp_repl[0]); free(p->tp_repl[1]);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard);
     if (p->offload) {  /* host memory (par_alloc_optim) */
@@ -546,7 +547,8 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     if (!mesh || mesh->tp_size < 2 || mesh->tp_rank == 0) return sumsq;
     size_t n = tp_pack_ready(p, sharded);
     if (!n) return sumsq;
-    pack_replicated(p, sharded, 1);
+    if (p->tp_pack_summed != sharded + 1) pack_replicated(p, sharded, 1);  /* (else there already, summed) */
+    p->tp_pack_summed = 0;
     return sumsq - op_sumsq(p->tp_pack, n);
 }
 
@@ -554,25 +556,38 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
  * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
  * has offload copy those units out again). */
 static size_t pack_replicated(Parallel *p, int sharded, int how) {
-    int max = model_tp_max_runs(p->m);
-    TpRun *r = xmalloc((size_t)max * sizeof *r);
-    size_t off = 0, es = ops_state_size();
-    for (int u = 0; u < p->m->n_units; u++) {
-        const Unit *un = &p->m->units[u];
-        size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
-        void *g = sharded ? st_at(p->gshard, shard_off(p, u)) : st_at(p->grads, un->offset);  /* element lo */
-        int n = model_tp_runs(p->m, u, r, max), touched = 0;
-        for (int i = 0; i < n; i++) {
-            size_t a, b;
-            if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
-            if (how == 1) op_copy(st_at(p->tp_pack, off), st_at(g, a - lo), (b - a) * es);
-            if (how == 2) op_copy(st_at(g, a - lo), st_at(p->tp_pack, off), (b - a) * es);
-            off += b - a, touched = 1;
+    if (!p->tp_repl_ready[sharded]) {  /* (once: the layout and the shards are fixed) */
+        int max = model_tp_max_runs(p->m), cap = 0, k = 0;
+        TpRun *r = xmalloc((size_t)max * sizeof *r);
+        size_t elems = 0;
+        for (int u = 0; u < p->m->n_units; u++) {
+            const Unit *un = &p->m->units[u];
+            size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
+            int n = model_tp_runs(p->m, u, r, max);
+            for (int i = 0; i < n; i++) {
+                size_t a, b;
+                if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
+                if (k == cap) p->tp_repl[sharded] = xrealloc(p->tp_repl[sharded], (size_t)(cap = 2 * cap + 8) * sizeof(ReplRun));
+                p->tp_repl[sharded][k++] = (ReplRun){u, a - lo, b - a};
+                elems += b - a;
+            }
         }
-        if (how == 2 && touched) par_offload_grad_changed(p, u);
+        free(r);
+        p->tp_nrepl[sharded] = k, p->tp_repl_elems[sharded] = elems, p->tp_repl_ready[sharded] = 1;
     }
-    free(r);
-    return off;
+    size_t off = 0, es = ops_state_size();
+    for (int i = 0; how && i < p->tp_nrepl[sharded]; i++) {
+        int u = p->tp_repl[sharded][i].unit;
+        size_t at = p->tp_repl[sharded][i].at, n = p->tp_repl[sharded][i].n;
+        void *g = sharded ? st_at(p->gshard, shard_off(p, u) + at) : st_at(p->grads, p->m->units[u].offset + at);
+        if (how == 1) op_copy(st_at(p->tp_pack, off), g, n * es);
+        if (how == 2) {
+            op_copy(g, st_at(p->tp_pack, off), n * es);
+            if (i + 1 == p->tp_nrepl[sharded] || p->tp_repl[sharded][i + 1].unit != u) par_offload_grad_changed(p, u);
+        }
+        off += n;
+    }
+    return p->tp_repl_elems[sharded];
 }
 
 /* The norms' weight gradients under sequence parallel are each tp rank's rows' part: summed
@@ -588,6 +603,7 @@ void par_tp_sum_partial(Parallel *p, int sharded) {
     comm_iallreduce(&mesh->tp, p->tp_pack, n, par_ctype(), COMM_SUM, &q, "tensor-parallel all-reduce (norms' gradients)");
     par_wait(p, &q);
     pack_replicated(p, sharded, 2);
+    p->tp_pack_summed = sharded + 1;
 }
 
 double par_stages_sumsq(Parallel *p, double sumsq) {

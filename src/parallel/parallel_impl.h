@@ -38,6 +38,7 @@ typedef struct {
 
 typedef struct ParallelStrategy ParallelStrategy;
 typedef struct Offload Offload;  /* offload.c */
+typedef struct { int unit; size_t at, n; } ReplRun;  /* a replicated run of a unit's gradient (pack_replicated) */
 
 /* What every strategy has; the strategy's own fields are behind `st`. A strategy's setup
  * allocates the buffers it keeps (the others stay NULL), and the shared code below works
@@ -74,6 +75,13 @@ struct Parallel {
     unsigned char *cstale;
     void *tp_pack;            /* the norms' gradients packed: sequence parallel's all-reduce of their */
     size_t tp_pack_n;         /* parts, and the norm's replicated part (tp_sumsq); its elements */
+    /* the replicated runs of the gradient (whole units [0], shards [1]), found once:
+     * model_tp_runs lists 2E + 8 runs a layer, and each pass over them took 0.3-0.7 ms of the
+     * host at embed_dim 4096 with the device idle (bench/RESULTS.md, session 22) */
+    ReplRun *tp_repl[2];
+    int tp_nrepl[2], tp_repl_ready[2];
+    size_t tp_repl_elems[2];
+    int tp_pack_summed;       /* sharded + 1: tp_pack holds the runs, summed (par_tp_sum_partial) */
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
     int adam_steps;

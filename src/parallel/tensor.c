@@ -3,6 +3,7 @@
 #include <string.h>
 #include "comm.h"
 #include "ops.h"
+#include "trace.h"
 #include "util.h"
 
 /* Every tensor-parallel collective runs on the comm stream (NCCL); the compute stream waits
@@ -48,12 +49,19 @@ static long begun(CommReq *r) {
     return g_next++;
 }
 
+static const char FUSED_GATHER[] = "tensor-parallel fused gather";  /* its tickets' name (tp_join) */
 static long g_fused_ticket = -1;  /* the fused sum begun and not yet joined (fused_sum_begin) */
 
 static void tp_join(void *ctx, long t) {
     (void)ctx;
     if (t == g_fused_ticket) fused_join();
-    else if (t >= g_done && t < g_next) comm_wait_device(&g_req[t % TP_LAG]);
+    else if (t >= g_done && t < g_next) {
+        CommReq *q = &g_req[t % TP_LAG];
+        /* on the timeline, the compute stream's waits for a fused gather's rows (as comm_ipc's for the sums) */
+        int span = q->active && q->what == FUSED_GATHER ? trace_span_begin(NULL, "tensor-parallel gather-wait", 0) : -1;
+        comm_wait_device(q);
+        trace_span_end(NULL, span);
+    }
 }
 
 static CommType act_type(void) { return ops_act_size() == 2 ? COMM_BF16 : COMM_F32; }
@@ -86,7 +94,9 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
  *          product's stores go there over NVLink, all on the compute stream. Mode 2: the
  *          product writes local staging, and side stream i (peer r + i's) copies it there by
  *          copy engine; the compute stream goes on with r's own rows unless fill (a weight
- *          gradient is queued before the join, under which the parts travel).
+ *          gradient is queued before the join, under which the parts travel). Mode 3: one
+ *          product of all N rows into staging (whole_begin), then the blocks out as mode 2's;
+ *          the join adds the parts to a copy of r's block.
  *   join:  wait full[j] >= n + 1 for every j; r's own rows with rank r + 1's part added in the
  *          product's epilogue (beta = 1), or after them if already made, the others' after
  *          it (op_add); set every j's consumed[r] := n + 1; without sequence parallel, a
@@ -104,7 +114,8 @@ typedef struct {
     const Comm *c;
     CommIpc *w;       /* GPUs */
     char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
-    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out */
+    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (mode 3: of t blocks, whole) */
+    char *whole;      /* mode 3: the product of every row, in the set of the sum begun */
     size_t cap;       /* bytes a slot */
     uint64_t n, ng;   /* sums and gathers begun */
     /* the sum begun and not yet joined */
@@ -124,14 +135,14 @@ static Fused g_fused;
 /* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
 static int fused_env(int tp_size, int gpu) {
     const char *e = getenv("MESHTRAIN_TP_FUSED");
-    if (e && *e && strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2")) return -1;
+    if (e && *e && strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3")) return -1;
     if (tp_size < 2) return 0;
     return e && *e ? e[0] - '0' : FUSED_DEFAULT(tp_size, gpu);
 }
 
 int tensor_parallel_fused_mode(int tp_size, int gpu) {
     int mode = fused_env(tp_size, gpu);
-    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1 or 2", getenv("MESHTRAIN_TP_FUSED"));
+    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1, 2 or 3", getenv("MESHTRAIN_TP_FUSED"));
     return mode;
 }
 
@@ -162,6 +173,41 @@ static void *fused_own(const Fused *f, int r) {
     return f->scatter ? f->dst : (char *)f->dst + (size_t)r * f->R * f->E * ops_act_size();
 }
 
+/* Mode 3's begin: the product of all N rows into f->whole (set b of the staging; on CPU ranks
+ * the host buffer's first t slots), the residual given by rank 0 alone; then each other
+ * rank's block to it (by copy engine on peer r + i's side stream, or MPI), its parts received
+ * into the slots (CPU ranks: t - 1 slots after the whole, source s's at (s - r - 1) mod t). */
+static void whole_begin(Fused *f, const Comm *c, uint64_t n, uint64_t b, size_t N, size_t R, size_t bytes) {
+    int t = c->size, r = c->rank;
+    f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host;
+    if (f->w)
+        for (int i = 1; i < t; i++) comm_ipc_await(f->w, 0, (int)b * (t - 1) + i - 1);  /* its copies two sums ago are out */
+    f->rows(f->arg, 0, N, f->whole, NULL, r == 0);
+    if (f->w) {
+        comm_ipc_record(f->w, 0, FENCE_MADE);
+        for (int i = 1; i < t; i++) {
+            int j = (r + i) % t, k = (int)b * (t - 1) + i - 1;
+            comm_ipc_await(f->w, i, FENCE_MADE);
+            if (n >= 2) comm_ipc_wait(f->w, i, t + j, n - 1);
+            comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), f->whole + (size_t)j * bytes,
+                               bytes);
+            comm_ipc_record(f->w, i, k);
+            comm_ipc_set(f->w, i, j, r, n + 1);
+        }
+        return;
+    }
+    (void)R;
+    CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
+    for (int i = 1; i < t; i++) {
+        int j = (r + i) % t, s = (r - i + t) % t;
+        comm_irecv(c, f->host + ((size_t)t + (size_t)((s - r - 1 + 2 * t) % t)) * f->cap, bytes, s, FUSED_TAG,
+                   &q[t - 2 + i], "tensor-parallel fused sum");
+        comm_isend(c, f->whole + (size_t)j * bytes, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
+    }
+    for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
+    free(q);
+}
+
 static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter, int fill) {
     Fused *f = &g_fused;
@@ -173,7 +219,9 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     uint64_t n = f->n++, b = n & 1;
     f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
     memcpy(f->arg, arg, arg_bytes);
-    if (f->w && f->asked == 1) {
+    if (f->asked == 3) {
+        whole_begin(f, c, n, b, N, R, bytes);
+    } else if (f->w && f->asked == 1) {
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
             if (n >= 2) comm_ipc_wait(f->w, 0, t + j, n - 1);
@@ -230,9 +278,15 @@ static void fused_join(void) {
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    int done = f->w && f->asked == 2 && !f->fill;  /* (the own rows made at the begin) */
-    if (!done) f->rows(f->arg, own_row, R, own, PART(1), 0);
-    for (int i = done ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
+    if (f->asked == 3) {  /* (the whole product's own block, then the parts: source r + i's) */
+        op_copy(own, f->whole + own_row * E * ops_act_size(), R * E * ops_act_size());
+        for (int i = 1; i < t; i++)
+            op_add(own, f->w ? PART(i) : f->host + ((size_t)t + (size_t)(i - 1)) * f->cap, R * E);
+    } else {
+        int done = f->w && f->asked == 2 && !f->fill;  /* (the own rows made at the begin) */
+        if (!done) f->rows(f->arg, own_row, R, own, PART(1), 0);
+        for (int i = done ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
+    }
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)
@@ -287,10 +341,15 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
                            comm_ipc_block(f->w, r) + base + fused_slot(t, r, j, b), bytes);
         comm_ipc_set(f->w, i, j, GC + r, n + 1);
         CommReq *q = next_slot();
-        comm_ipc_mark(f->w, i, q, "tensor-parallel fused gather");
+        comm_ipc_mark(f->w, i, q, FUSED_GATHER);
         tk[i] = begun(q);
     }
     return t;
+}
+
+/* the staging on GPUs: mode 2 two sets of t - 1 parts, mode 3 two sets of t blocks */
+static size_t stage_bytes(int mode, int t, size_t cap) {
+    return mode == 3 ? 2 * (size_t)t * cap : mode == 2 ? 2 * (size_t)(t - 1) * cap : 0;
 }
 
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
@@ -305,7 +364,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     }
     f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), CTR_SETS * t, "tensor-parallel fused sums");
     f->off = !f->w;
-    if (f->w && f->asked == 2) f->stage = op_alloc(2 * (size_t)(t - 1) * f->cap);
+    if (f->w && f->asked >= 2) f->stage = op_alloc(stage_bytes(f->asked, t, f->cap));
     return f->w != NULL;
 }
 
@@ -313,7 +372,7 @@ size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) 
     if (tp == 1) return 0;
     size_t cap = fused_cap(tp, N, E, act_size);
     return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) +
-           (tensor_parallel_fused_mode(tp, 1) == 2 ? 2 * (size_t)(tp - 1) * cap : 0);  /* (and the staging) */
+           stage_bytes(tensor_parallel_fused_mode(tp, 1), tp, cap);  /* (and the staging) */
 }
 
 unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
@@ -382,6 +441,7 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     if (g_fused.asked) {
         m->tp.fused_sum_begin = fused_sum_begin;
         m->tp.fused_gather_begin = fused_gather_begin;
+        m->tp.gather_whole = g_fused.asked == 3;
     }
     if (copy_engines) {
         m->tp.alloc = tp_alloc;

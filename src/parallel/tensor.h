@@ -1,7 +1,7 @@
 /* tensor — Megatron-LM tensor parallel, applied from outside the model: the model lays out
  * a tensor-parallel rank's slices (model_init_layout_tp) and sums its branch outputs and
  * input gradients through m->tp; this file gives it the mesh's tp group for that: the
- * collectives, or the sums and gathers fused into the products (MESHTRAIN_TP_FUSED=1). */
+ * collectives, or the sums and gathers fused into the products (MESHTRAIN_TP_FUSED). */
 #ifndef MESHTRAIN_TENSOR_H
 #define MESHTRAIN_TENSOR_H
 #include "mesh.h"
@@ -31,8 +31,9 @@ int tensor_parallel_on_copy_engines(const Mesh *mesh);
  * with no collective on the SMs; on CPU ranks the same data flow over MPI. Its mode
  * (MESHTRAIN_TP_FUSED, a benchmark knob; a malformed value ends the run, exit 2): 0, the
  * collectives; 1, the products' stores go straight into the other ranks' slots; 2, the parts
- * are made in local staging and copied by copy engine while the rank's own rows are made.
- * Unset: 2 on GPUs at tp = 2, else 0. tensor_parallel_fused_open sets it up for sums of up
+ * are made in local staging and copied by copy engine while the rank's own rows are made;
+ * 3, each product runs once on all its rows, then the other ranks' blocks are copied out
+ * (and a gather's product waits for every block). Unset: 2 on GPUs at tp = 2, else 0. tensor_parallel_fused_open sets it up for sums of up
  * to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
  * is taken (on GPUs where it cannot be, every rank keeps the collectives). */
 int tensor_parallel_fused_mode(int tp_size, int gpu);

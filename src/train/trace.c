@@ -73,7 +73,7 @@ void trace_span_end(void *stream, int span) {
     Mark *m = &g_marks[span];
     cudaEvent_t end;
     if (!m->ev || cudaEventCreate(&end) != cudaSuccess) return;
-    cudaEventRecord(end, (cudaStream_t)stream);
+    cudaEventRecord(end, stream ? (cudaStream_t)stream : (cudaStream_t)cuda_stream());
     m->end = (void *)end;
 #else
     (void)stream;
@@ -125,6 +125,26 @@ void trace_dump(int rank) {
                     m->label);
     }
 #ifdef MESHTRAIN_CUDA
+    /* whether the host kept ahead: a compute mark the GPU reached within 0.05 ms of its
+     * enqueue found the queue empty, so the GPU waited on the host's calls there */
+    if (!ops_host_memory()) {
+        int n = 0, near = 0;
+        double lag_min = 1e30, host_end = 0;
+        const char *at = "";
+        for (int i = 1; i < g_n; i++) {
+            const Mark *m = &g_marks[i];
+            if (m->span || m->comm || !m->ev || !strncmp(m->label, "host:", 5)) continue;
+            double h = 1e3 * (m->t - g_marks[0].t), lag = at_ms(m) - h;
+            if (getenv("MESHTRAIN_TIMELINE_LEADS"))
+                fprintf(stderr, "timeline rank %d: lead %7.3f ms (host %9.3f)  %s\n", rank, lag, h, m->label);
+            n++, near += lag < 0.05, host_end = h;
+            if (lag < lag_min) lag_min = lag, at = m->label;
+        }
+        if (n)
+            fprintf(stderr, "timeline rank %d: host enqueued up to the last mark in %.3f ms; the GPU was within 0.05 ms "
+                    "of the host at %d of %d compute marks (least lead %.3f ms, at '%s')\n", rank, host_end, near, n,
+                    lag_min, at);
+    }
     for (int i = 0; i < g_n; i++) {
         if (g_marks[i].ev) cudaEventDestroy((cudaEvent_t)g_marks[i].ev);
         if (g_marks[i].end) cudaEventDestroy((cudaEvent_t)g_marks[i].end);

@@ -399,8 +399,10 @@ int cmd_train(Config *c) {
                : !gpu ? "fused into the products (the other ranks' rows as MPI messages)"
                : fused_mode == 1 ? "fused into the products (each product writes the other ranks' rows into their memory, "
                                    "CUDA IPC)"
-                                 : "fused into the products (the other ranks' rows by copy engine into their memory, "
-                                   "CUDA IPC)", fused_mode);
+               : fused_mode == 2 ? "fused into the products (the other ranks' rows by copy engine into their memory, "
+                                   "CUDA IPC)"
+                                 : "fused into the products (whole products, then the other ranks' rows by copy engine "
+                                   "into their memory, CUDA IPC)", fused_mode);
     if (lead && mesh.tp_size > 1) {
         int chunks = model_tp_chunks(&m, a.N);
         int groups = model_tp_groups(&m, a.N);

@@ -125,10 +125,10 @@ grows_alike() {
 grows_alike multi_gpu_tp_ce_estimate_counts_all_to_all_buffer "$TMP/tp_ce_no_sp_c1" "$TMP/tp_no_sp"
 # -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
 # default at tp 2: the other ranks' rows by copy engine into their memory through CUDA IPC;
-# 1: the products' stores straight there): with and without sequence parallel, tied, with
-# activation checkpointing and beside the copy-engine collectives, NP GPUs follow one; the
-# header says fused and the summary counts the sums; the estimate counts the slots (it grows
-# by what the peak grows by)
+# 1: the products' stores straight there; 3: whole products, then the copies): with and
+# without sequence parallel, tied, with activation checkpointing and beside the copy-engine
+# collectives, NP GPUs follow one; the header says fused and the summary counts the sums; the
+# estimate counts the slots (it grows by what the peak grows by)
 while IFS='|' read -r name tied envs keys; do
   out=$TMP/tp_fused_$name
   if (export MESHTRAIN_TP_FUSED=2 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
@@ -145,6 +145,8 @@ sp_ckpt|false||activation_checkpointing=true
 sp_ce|false|MESHTRAIN_TP_CE=1|
 sp_stores|false|MESHTRAIN_TP_FUSED=1|
 no_sp_stores|false|MESHTRAIN_TP_FUSED=1|sequence_parallel=false
+sp_whole|false|MESHTRAIN_TP_FUSED=3|
+no_sp_whole|true|MESHTRAIN_TP_FUSED=3|sequence_parallel=false
 CASES
 # ... which at tp 2 is the default (elsewhere the collectives, until measured)
 if [ "$NP" = 2 ]; then

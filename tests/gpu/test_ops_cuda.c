@@ -606,6 +606,8 @@ static void test_flat(void) {
         printf("    %-22s %-34s err %.2e\n", "sumsq", shape, fabs(g1 - c) / c);
         CHECK(fabs(g1 - c) <= 1e-10 * c, "sumsq %s: %.17g vs CPU %.17g", shape, g1, c);
         CHECK(g1 == g2, "sumsq %s: two runs differ", shape);
+        double cy = op_sumsq(y, n), gy = cuda_sumsq(d_y, n); /* d_y unaligned: the scalar kernel */
+        CHECK(fabs(gy - cy) <= 1e-10 * cy, "sumsq unaligned %s: %.17g vs CPU %.17g", shape, gy, cy);
         op_scale(x, n, 0.37f);
         cuda_scale(d_x, n, 0.37f);
         expect_bitwise("scale", shape, d_x, x, n);

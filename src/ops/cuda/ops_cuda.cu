@@ -1215,8 +1215,13 @@ double cuda_sumsq(const void *x, size_t n) {
     size_t nb64 = (n + per - 1) / per;
     int nb = (int)(nb64 < SUMSQ_MAX_BLOCKS ? nb64 : SUMSQ_MAX_BLOCKS);
     double *part = (double *)scratch((size_t)(nb + 1) * sizeof(double));
-    sumsq_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n, g.sbf16);
-    LAUNCH_CHECK(sumsq_partial_kernel);
+    if (al16(x)) {
+        sumsq8_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n, g.sbf16);
+        LAUNCH_CHECK(sumsq8_partial_kernel);
+    } else {
+        sumsq_partial_kernel<<<nb, SUMSQ_BLOCK, 0, g.stream>>>(part, x, n, g.sbf16);
+        LAUNCH_CHECK(sumsq_partial_kernel);
+    }
     sumsq_final_kernel<<<1, 1024, 0, g.stream>>>(part + nb, part, nb);
     LAUNCH_CHECK(sumsq_final_kernel);
     double s = 0.0;
