@@ -127,9 +127,10 @@ typedef struct {
 } Fused;
 static Fused g_fused;
 
-/* The default: on GPUs at tp = 2, where it was measured (90.4-90.9% of one GPU's per-GPU
- * speed against 81.6% on NCCL's kernels, two H200s, bench/RESULTS.md session 21); elsewhere
- * the collectives until it is measured there (CPU ranks gain nothing by it). */
+/* The default: on GPUs at tp = 2, where it pays (91.4-91.9% of one GPU's per-GPU speed
+ * against 82.4-82.7% on NCCL's kernels, two H200s, bench/RESULTS.md session 22); elsewhere the
+ * collectives: at tp = 4 modes 2 and 3 were no faster (62.5% and 58.6% against 62.7%, four
+ * H200s, session 22), and CPU ranks gain nothing by it. */
 #define FUSED_DEFAULT(tp, gpu) ((gpu) && (tp) == 2 ? 2 : 0)
 
 /* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
