@@ -8,6 +8,10 @@
  *           the sender (S streams a peer: more copy engines at once?)
  *   sm C    one kernel a peer on the sender, C CTAs storing 16-byte vectors into the peer's
  *           memory (the SMs drive the copy, as NCCL's kernels do)
+ *   local   then, on each GPU, the G - 1 blocks received copied within the GPU (as the fused
+ *           gathers copy each slot into place), one a stream at once: by cudaMemcpyAsync
+ *           (D2D: a copy engine's local copy was reported at a twentieth of an SM copy's
+ *           speed, NVIDIA/nccl issue 2177), and by a kernel of C CTAs
  * Prints microseconds a round and GB/s out of each GPU ((G - 1) B / time).
  * Usage: ce_p2p_probe [BYTES ...]   (default 8388608 16777216: a tp = 4 and a tp = 2 block of
  * the TP-efficiency model). Needs two or more GPUs with peer access. */
@@ -42,7 +46,7 @@ static __global__ void copy16_kernel(uint4 *dst, const uint4 *src, size_t n) {
 }
 
 static int G;
-static char *src[MAXG], *dst[MAXG];  /* GPU g: its G - 1 blocks to send; the G - 1 it receives */
+static char *src[MAXG], *dst[MAXG], *loc[MAXG];  /* GPU g: its G - 1 blocks to send; the G - 1 it receives; their place */
 static cudaStream_t st[MAXG][MAXG][MAXS];
 
 /* slot of sender s on receiver d (0 .. G - 2) */
@@ -56,8 +60,27 @@ static void sync_all(void) {
 }
 
 /* one round: every GPU sends its blocks; mode 0 copy engines in `parts` pieces, 1 a kernel of
- * `parts` CTAs a peer */
+ * `parts` CTAs a peer; 2 and 3 the local copies (received slots into loc) by cudaMemcpyAsync
+ * or a kernel of `parts` CTAs */
 static void round_once(size_t B, int mode, int parts) {
+    if (mode >= 2) {
+        for (int g = 0; g < G; g++) {
+            ck(cudaSetDevice(g), "cudaSetDevice");
+            for (int k = 0; k < G - 1; k++) {
+                cudaStream_t s1 = st[g][(g + 1 + k) % G][0];
+                if (mode == 2)
+                    ck(cudaMemcpyAsync(loc[g] + (size_t)k * B, dst[g] + (size_t)k * B, B, cudaMemcpyDeviceToDevice, s1),
+                       "cudaMemcpyAsync");
+                else {
+                    copy16_kernel<<<parts, 512, 0, s1>>>((uint4 *)(loc[g] + (size_t)k * B), (const uint4 *)(dst[g] + (size_t)k * B),
+                                                         B / 16);
+                    ck(cudaGetLastError(), "copy16_kernel");
+                }
+            }
+        }
+        sync_all();
+        return;
+    }
     for (int s = 0; s < G; s++) {
         ck(cudaSetDevice(s), "cudaSetDevice");
         for (int d = 0; d < G; d++) {
@@ -88,8 +111,9 @@ static void measure(size_t B, int mode, int parts) {
     }
     qsort(t, REPS, sizeof t[0], cmp_double);
     double us = t[REPS / 2];
-    printf("  %-6s %3d   %8.1f us   %6.1f GB/s out of each GPU\n", mode ? "sm" : "ce", parts, us,
-           (double)(G - 1) * (double)B / us / 1e3);
+    const char *name[] = {"ce", "sm", "local memcpy", "local kernel"};
+    printf("  %-12s %3d   %8.1f us   %6.1f GB/s %s each GPU\n", name[mode], mode == 2 ? 1 : parts, us,
+           (double)(G - 1) * (double)B / us / 1e3, mode >= 2 ? "copied within" : "out of");
 }
 
 int main(int argc, char **argv) {
@@ -121,6 +145,7 @@ int main(int argc, char **argv) {
         }
         ck(cudaMalloc((void **)&src[g], (size_t)(G - 1) * most), "cudaMalloc");
         ck(cudaMalloc((void **)&dst[g], (size_t)(G - 1) * most), "cudaMalloc");
+        ck(cudaMalloc((void **)&loc[g], (size_t)(G - 1) * most), "cudaMalloc");
         ck(cudaMemset(src[g], g + 1, (size_t)(G - 1) * most), "cudaMemset");
     }
     cudaDeviceProp prop;
@@ -131,8 +156,11 @@ int main(int argc, char **argv) {
         int ce[] = {1, 2, 4, 8}, sm[] = {8, 16, 32, 66};
         for (int k = 0; k < 4; k++) measure(sizes[i], 0, ce[k]);
         for (int k = 0; k < 4; k++) measure(sizes[i], 1, sm[k]);
+        measure(sizes[i], 2, 1);
+        measure(sizes[i], 3, 66);
+        measure(sizes[i], 3, 132);
     }
-    /* the bytes arrived (the last round's, from the sm variant): sender s's value in s's slot */
+    /* the bytes arrived (the last round's; the local copies leave the slots as they are): sender s's value in s's slot */
     for (int d = 0; d < G; d++) {
         ck(cudaSetDevice(d), "cudaSetDevice");
         for (int s = 0; s < G; s++) {
@@ -140,8 +168,11 @@ int main(int argc, char **argv) {
             if (s == d) continue;
             ck(cudaMemcpy(&v, dst[d] + slot(d, s) * sizes[n_sizes - 1] + sizes[n_sizes - 1] - 1, 1, cudaMemcpyDeviceToHost),
                "cudaMemcpy");
-            if (v != (unsigned char)(s + 1)) {
-                fprintf(stderr, "ce_p2p_probe: GPU %d's block from GPU %d holds %d, not %d\n", d, s, v, s + 1);
+            unsigned char u = 0;
+            ck(cudaMemcpy(&u, loc[d] + slot(d, s) * sizes[n_sizes - 1], 1, cudaMemcpyDeviceToHost), "cudaMemcpy");
+            if (v != (unsigned char)(s + 1) || u != v) {
+                fprintf(stderr, "ce_p2p_probe: GPU %d's block from GPU %d holds %d (its local copy %d), not %d\n", d, s, v,
+                        u, s + 1);
                 return 1;
             }
         }
