@@ -4,7 +4,7 @@
 # the collectives and fused modes 2 and 3 (bench/tp_eff_rows.sh).
 # Usage: bash bench/tp4_whole.sh [meshtrain]   (4 GPUs)
 BIN=${1:-build/meshtrain} NP=${NP:-4}
-D=$(mktemp -d)
+D=$(mktemp -d); trap 'rm -rf "$D"' EXIT
 "$BIN" prepare input=data/tinystories/TinyStories-train.head-2MiB.txt data_dir="$D" >/dev/null
 M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D precision=fp32 progress=false batch_size=$((NP * 4))"
 "$BIN" train $M out_dir="$D/one" >"$D/one.log" 2>&1
