@@ -22,17 +22,20 @@ echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $(n
 EFF="embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1 device=cuda precision=bf16"
 RUN="progress=false ckpt_path=none val_batches=1 log_every=1"
 
-# summary FILE: one line a rank: the step (first to last mark) and the TP collectives' sums
+# summary FILE: one line a rank: the step (first to last mark), the TP collectives' and waits' sums,
+# and how far the host kept ahead of the GPU
 summary() {
   awk '$1 == "timeline" && $2 == "rank" { r = $3; sub(":", "", r); t = $4 + 0; if (t > last[r]) last[r] = t
          if ($6 == "comm" && $7 == "tensor-parallel" && $10 == "ms") { k = $8; ms[r, k] += $9; n[r, k]++; tot[r] += $9 } }
        $1 == "timeline" && $2 == "rank" && $6 == "compute" { l = $0; sub(/.* compute +/, "", l)
          if (l == "trunk forward done, head") fwd[r] = t; if (l == "head done, layers'"'"' backward") head[r] = t
          if (l == "backward done") bwd[r] = t }
+       $1 == "timeline" && $4 == "host" { host[r] = $0; sub(/.*ms; /, "", host[r]) }
        END { for (r in last) { printf "  rank %s: step %.2f ms on the GPU (forward %.2f, head %.2f, backward %.2f, the rest %.2f); TP collectives %.2f ms (%.0f%%):",
                                  r, last[r], fwd[r], head[r] - fwd[r], bwd[r] - head[r], last[r] - bwd[r], tot[r],
                                  last[r] ? 100 * tot[r] / last[r] : 0
                                for (key in ms) { split(key, p, SUBSEP); if (p[1] == r) printf " %s %d x %.2f ms", p[2], n[key], ms[key] / n[key] }
+                               if (r in host) printf "; host: %s", host[r]
                                printf "\n" } }' "$1" | sort
 }
 
