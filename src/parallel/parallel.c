@@ -552,29 +552,32 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     return sumsq - op_sumsq(p->tp_pack, n);
 }
 
+/* p->tp_repl[sharded]: the replicated runs, found once (the layout and the shards are fixed) */
+static void find_replicated(Parallel *p, int sharded) {
+    int max = model_tp_max_runs(p->m), cap = 0, k = 0;
+    TpRun *r = xmalloc((size_t)max * sizeof *r);
+    size_t elems = 0;
+    for (int u = 0; u < p->m->n_units; u++) {
+        const Unit *un = &p->m->units[u];
+        size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
+        int n = model_tp_runs(p->m, u, r, max);
+        for (int i = 0; i < n; i++) {
+            size_t a, b;
+            if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
+            if (k == cap) p->tp_repl[sharded] = xrealloc(p->tp_repl[sharded], (size_t)(cap = 2 * cap + 8) * sizeof(ReplRun));
+            p->tp_repl[sharded][k++] = (ReplRun){u, a - lo, b - a};
+            elems += b - a;
+        }
+    }
+    free(r);
+    p->tp_nrepl[sharded] = k, p->tp_repl_elems[sharded] = elems, p->tp_repl_ready[sharded] = 1;
+}
+
 /* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
  * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
  * has offload copy those units out again). */
 static size_t pack_replicated(Parallel *p, int sharded, int how) {
-    if (!p->tp_repl_ready[sharded]) {  /* (once: the layout and the shards are fixed) */
-        int max = model_tp_max_runs(p->m), cap = 0, k = 0;
-        TpRun *r = xmalloc((size_t)max * sizeof *r);
-        size_t elems = 0;
-        for (int u = 0; u < p->m->n_units; u++) {
-            const Unit *un = &p->m->units[u];
-            size_t lo = sharded ? (size_t)p->r * shard_len(p, u) : 0, hi = sharded ? lo + shard_len(p, u) : un->n;
-            int n = model_tp_runs(p->m, u, r, max);
-            for (int i = 0; i < n; i++) {
-                size_t a, b;
-                if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
-                if (k == cap) p->tp_repl[sharded] = xrealloc(p->tp_repl[sharded], (size_t)(cap = 2 * cap + 8) * sizeof(ReplRun));
-                p->tp_repl[sharded][k++] = (ReplRun){u, a - lo, b - a};
-                elems += b - a;
-            }
-        }
-        free(r);
-        p->tp_nrepl[sharded] = k, p->tp_repl_elems[sharded] = elems, p->tp_repl_ready[sharded] = 1;
-    }
+    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
     size_t off = 0, es = ops_state_size();
     for (int i = 0; how && i < p->tp_nrepl[sharded]; i++) {
         int u = p->tp_repl[sharded][i].unit;

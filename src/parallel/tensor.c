@@ -113,7 +113,7 @@ typedef struct {
     int asked, off;  /* tensor_parallel_fused_mode's; off: the GPUs cannot (every rank then sums by collectives) */
     const Comm *c;
     CommIpc *w;       /* GPUs */
-    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
+    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received (mode 3: then the whole product) */
     char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (mode 3: of t blocks, whole) */
     char *whole;      /* mode 3: the product of every row, in the set of the sum begun */
     size_t cap;       /* bytes a slot */
@@ -174,39 +174,34 @@ static void *fused_own(const Fused *f, int r) {
     return f->scatter ? f->dst : (char *)f->dst + (size_t)r * f->R * f->E * ops_act_size();
 }
 
-/* Mode 3's begin: the product of all N rows into f->whole (set b of the staging; on CPU ranks
- * the host buffer's first t slots), the residual given by rank 0 alone; then each other
- * rank's block to it (by copy engine on peer r + i's side stream, or MPI), its parts received
- * into the slots (CPU ranks: t - 1 slots after the whole, source s's at (s - r - 1) mod t). */
-static void whole_begin(Fused *f, const Comm *c, uint64_t n, uint64_t b, size_t N, size_t R, size_t bytes) {
-    int t = c->size, r = c->rank;
-    f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host;
+/* Peer r + i's part of sum n (block j's rows, at src) into its slot for r, on side stream i:
+ * after the compute stream's FENCE_MADE and once j has read the part r sent it two sums ago;
+ * then staging fence k and j's full[r]. */
+static void part_out(const Fused *f, int i, int j, int k, uint64_t n, uint64_t b, const char *src, size_t bytes) {
+    int t = f->c->size, r = f->c->rank;
+    comm_ipc_await(f->w, i, FENCE_MADE);
+    if (n >= 2) comm_ipc_wait(f->w, i, t + j, n - 1);
+    comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), src, bytes);
+    comm_ipc_record(f->w, i, k);
+    comm_ipc_set(f->w, i, j, r, n + 1);
+}
+
+/* Mode 3's begin: the product of all N rows into f->whole, the residual given by rank 0
+ * alone; on GPUs (staging set b) each other rank's block to it by copy engine (part_out); on
+ * CPU ranks the whole lies after the host buffer's 2 (t - 1) parts (3 t - 2 of fused_bytes'
+ * 4 (t - 1) slots) and fused_sum_begin's exchange sends its blocks. */
+static void whole_begin(Fused *f, uint64_t n, uint64_t b, size_t N, size_t bytes) {
+    int t = f->c->size, r = f->c->rank;
+    f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host + 2 * (size_t)(t - 1) * f->cap;
     if (f->w)
         for (int i = 1; i < t; i++) comm_ipc_await(f->w, 0, (int)b * (t - 1) + i - 1);  /* its copies two sums ago are out */
     f->rows(f->arg, 0, N, f->whole, NULL, r == 0);
-    if (f->w) {
-        comm_ipc_record(f->w, 0, FENCE_MADE);
-        for (int i = 1; i < t; i++) {
-            int j = (r + i) % t, k = (int)b * (t - 1) + i - 1;
-            comm_ipc_await(f->w, i, FENCE_MADE);
-            if (n >= 2) comm_ipc_wait(f->w, i, t + j, n - 1);
-            comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), f->whole + (size_t)j * bytes,
-                               bytes);
-            comm_ipc_record(f->w, i, k);
-            comm_ipc_set(f->w, i, j, r, n + 1);
-        }
-        return;
-    }
-    (void)R;
-    CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
+    if (!f->w) return;
+    comm_ipc_record(f->w, 0, FENCE_MADE);
     for (int i = 1; i < t; i++) {
-        int j = (r + i) % t, s = (r - i + t) % t;
-        comm_irecv(c, f->host + ((size_t)t + (size_t)((s - r - 1 + 2 * t) % t)) * f->cap, bytes, s, FUSED_TAG,
-                   &q[t - 2 + i], "tensor-parallel fused sum");
-        comm_isend(c, f->whole + (size_t)j * bytes, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
+        int j = (r + i) % t;
+        part_out(f, i, j, (int)b * (t - 1) + i - 1, n, b, f->whole + (size_t)j * bytes, bytes);
     }
-    for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
-    free(q);
 }
 
 static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
@@ -221,7 +216,7 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
     memcpy(f->arg, arg, arg_bytes);
     if (f->asked == 3) {
-        whole_begin(f, c, n, b, N, R, bytes);
+        whole_begin(f, n, b, N, bytes);
     } else if (f->w && f->asked == 1) {
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
@@ -237,21 +232,19 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
             comm_ipc_await(f->w, 0, k);  /* its copy two sums ago is out */
             rows(f->arg, (size_t)j * R, R, st, NULL, r == (j + 1) % t);
             comm_ipc_record(f->w, 0, FENCE_MADE);
-            comm_ipc_await(f->w, i, FENCE_MADE);
-            if (n >= 2) comm_ipc_wait(f->w, i, t + j, n - 1);
-            comm_ipc_side_copy(f->w, i, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), st, bytes);
-            comm_ipc_record(f->w, i, k);
-            comm_ipc_set(f->w, i, j, r, n + 1);
+            part_out(f, i, j, k, n, b, st, bytes);
         }
         /* with nothing queued before the join, this rank's own rows now, while the parts travel */
         if (!fill) rows(f->arg, (size_t)r * R, R, fused_own(f, r), NULL, 0);
-    } else {
+    }
+    if (!f->w) {  /* CPU ranks: each part as a message (mode 3: a block of the whole product) */
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
             char *out = f->host + (size_t)(i - 1) * f->cap, *in = f->host + (size_t)(t - 2 + i) * f->cap;
             comm_irecv(c, in, bytes, (r - i + t) % t, FUSED_TAG, &q[t - 2 + i], "tensor-parallel fused sum");
-            rows(f->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
+            if (f->asked == 3) out = f->whole + (size_t)j * bytes;
+            else rows(f->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
             comm_isend(c, out, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
         }
         for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
@@ -279,15 +272,10 @@ static void fused_join(void) {
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    if (f->asked == 3) {  /* (the whole product's own block, then the parts: source r + i's) */
-        op_copy(own, f->whole + own_row * E * ops_act_size(), R * E * ops_act_size());
-        for (int i = 1; i < t; i++)
-            op_add(own, f->w ? PART(i) : f->host + ((size_t)t + (size_t)(i - 1)) * f->cap, R * E);
-    } else {
-        int done = f->w && f->asked == 2 && !f->fill;  /* (the own rows made at the begin) */
-        if (!done) f->rows(f->arg, own_row, R, own, PART(1), 0);
-        for (int i = done ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
-    }
+    int made = f->asked == 3 || (f->w && f->asked == 2 && !f->fill);  /* (the own rows made at the begin) */
+    if (f->asked == 3) op_copy(own, f->whole + own_row * E * ops_act_size(), R * E * ops_act_size());
+    else if (!made) f->rows(f->arg, own_row, R, own, PART(1), 0);
+    for (int i = made ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)

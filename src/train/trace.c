@@ -128,14 +128,14 @@ void trace_dump(int rank) {
     /* whether the host kept ahead: a compute mark the GPU reached within 0.05 ms of its
      * enqueue found the queue empty, so the GPU waited on the host's calls there */
     if (!ops_host_memory()) {
-        int n = 0, near = 0;
+        int n = 0, near = 0, each = getenv("MESHTRAIN_TIMELINE_LEADS") != NULL;
         double lag_min = 1e30, host_end = 0;
         const char *at = "";
         for (int i = 1; i < g_n; i++) {
             const Mark *m = &g_marks[i];
             if (m->span || m->comm || !m->ev || !strncmp(m->label, "host:", 5)) continue;
             double h = 1e3 * (m->t - g_marks[0].t), lag = at_ms(m) - h;
-            if (getenv("MESHTRAIN_TIMELINE_LEADS"))
+            if (each)
                 fprintf(stderr, "timeline rank %d: lead %7.3f ms (host %9.3f)  %s\n", rank, lag, h, m->label);
             n++, near += lag < 0.05, host_end = h;
             if (lag < lag_min) lag_min = lag, at = m->label;
