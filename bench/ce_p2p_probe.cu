@@ -12,6 +12,12 @@
  *           gathers copy each slot into place), one a stream at once: by cudaMemcpyAsync
  *           (D2D: a copy engine's local copy was reported at a twentieth of an SM copy's
  *           speed, NVIDIA/nccl issue 2177), and by a kernel of C CTAs
+ *   ring    timed on the GPU (events on each sender, no host wait): the G - 1 blocks one after
+ *           another on one stream, to r - 1 first, then r - 2, ... (each step a shift: every
+ *           GPU receives one block at a time, block r + i on receiver r arriving at step i,
+ *           the order tensor parallel's gathers read them in), against all at once (one stream
+ *           a peer, as above); the time each block (by step) is complete, the slowest sender's;
+ *           "ring halves": each step's block in two halves on two streams (two copy engines)
  * Prints microseconds a round and GB/s out of each GPU ((G - 1) B / time).
  * Usage: ce_p2p_probe [BYTES ...]   (default 8388608 16777216: a tp = 4 and a tp = 2 block of
  * the TP-efficiency model). Needs two or more GPUs with peer access. */
@@ -116,6 +122,67 @@ static void measure(size_t B, int mode, int parts) {
            (double)(G - 1) * (double)B / us / 1e3, mode >= 2 ? "copied within" : "out of");
 }
 
+/* ring (see the head): per step k (1 .. G - 1), the median over REPS of the slowest sender's
+ * time from its start to its k-th block complete; ring != 0 one stream in shift order, else
+ * one stream a peer, all at once (then "step" k is peer r - k's copy). */
+static void measure_events(size_t B, int ring) {
+    static cudaEvent_t e0[MAXG], ek[MAXG][MAXG], half[MAXG][2];
+    static int made;
+    if (!made) {
+        for (int g = 0; g < G; g++) {
+            ck(cudaSetDevice(g), "cudaSetDevice");
+            ck(cudaEventCreate(&e0[g]), "cudaEventCreate");
+            for (int k = 0; k < G; k++) ck(cudaEventCreate(&ek[g][k]), "cudaEventCreate");
+            for (int k = 0; k < 2; k++) ck(cudaEventCreateWithFlags(&half[g][k], cudaEventDisableTiming), "cudaEventCreate");
+        }
+        made = 1;
+    }
+    double t[MAXG][REPS];
+    for (int rep = -1; rep < REPS; rep++) {
+        for (int s = 0; s < G; s++) {
+            ck(cudaSetDevice(s), "cudaSetDevice");
+            cudaStream_t s0 = st[s][(s + 1) % G][0];
+            ck(cudaEventRecord(e0[s], s0), "cudaEventRecord");
+            for (int k = 1; k < G; k++) {
+                int d = (s - k + G) % G;
+                cudaStream_t sk = ring ? s0 : st[s][d][0];
+                if (!ring) ck(cudaStreamWaitEvent(sk, e0[s], 0), "cudaStreamWaitEvent");
+                if (ring == 2) {  /* each step in two halves on two streams (two copy engines), then joined */
+                    cudaStream_t s1 = st[s][(s + 1) % G][1];
+                    size_t h = (B / 2 + 255) & ~(size_t)255;
+                    if (k == 1) ck(cudaStreamWaitEvent(s1, e0[s], 0), "cudaStreamWaitEvent");
+                    ck(cudaMemcpyPeerAsync(dst[d] + slot(d, s) * B, d, src[s] + slot(s, d) * B, s, h, s0), "cudaMemcpyPeerAsync");
+                    ck(cudaMemcpyPeerAsync(dst[d] + slot(d, s) * B + h, d, src[s] + slot(s, d) * B + h, s, B - h, s1),
+                       "cudaMemcpyPeerAsync");
+                    ck(cudaEventRecord(half[s][1], s1), "cudaEventRecord");
+                    ck(cudaStreamWaitEvent(s0, half[s][1], 0), "cudaStreamWaitEvent");
+                    ck(cudaEventRecord(half[s][0], s0), "cudaEventRecord");
+                    ck(cudaStreamWaitEvent(s1, half[s][0], 0), "cudaStreamWaitEvent");
+                } else
+                    ck(cudaMemcpyPeerAsync(dst[d] + slot(d, s) * B, d, src[s] + slot(s, d) * B, s, B, sk), "cudaMemcpyPeerAsync");
+                ck(cudaEventRecord(ek[s][k], sk), "cudaEventRecord");
+            }
+        }
+        sync_all();
+        if (rep < 0) continue;
+        for (int k = 1; k < G; k++) {
+            double most = 0;
+            for (int s = 0; s < G; s++) {
+                float ms = 0;
+                ck(cudaEventElapsedTime(&ms, e0[s], ek[s][k]), "cudaEventElapsedTime");
+                most = ms * 1e3 > most ? ms * 1e3 : most;
+            }
+            t[k][rep] = most;
+        }
+    }
+    printf("  %-12s", ring == 2 ? "ring halves" : ring ? "ring" : "at once");
+    for (int k = 1; k < G; k++) {
+        qsort(t[k], REPS, sizeof t[k][0], cmp_double);
+        printf("  step %d %7.1f us", k, t[k][REPS / 2]);
+    }
+    printf("   (events)\n");
+}
+
 int main(int argc, char **argv) {
     ck(cudaGetDeviceCount(&G), "cudaGetDeviceCount");
     if (G < 2) {
@@ -159,6 +226,9 @@ int main(int argc, char **argv) {
         measure(sizes[i], 2, 1);
         measure(sizes[i], 3, 66);
         measure(sizes[i], 3, 132);
+        measure_events(sizes[i], 0);
+        measure_events(sizes[i], 1);
+        measure_events(sizes[i], 2);
     }
     /* the bytes arrived (the last round's; the local copies leave the slots as they are): sender s's value in s's slot */
     for (int d = 0; d < G; d++) {

@@ -185,19 +185,22 @@ done <<'CASES'
 3|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
-# the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2)
-# and where asked, not where the collectives run
+# the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2
+# and 4) and where asked, not where the collectives run (tp 8 by default, or asked)
 E="device=cuda embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=4 precision=bf16"
 e2=$("$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
 e2off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
 e4=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
 e4on=$(MESHTRAIN_TP_FUSED=2 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e4off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e8=$("$BIN" estimate $E tensor_parallel_size=8 world_size=8 2>&1)
 e4whole=$(MESHTRAIN_TP_FUSED=3 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
 slots() { grep -o 'fused-sum slots *[0-9.]* [KMG]iB' <<<"$1" | awk '{print $3 * ($4 == "GiB" ? 1024 : $4 == "KiB" ? 1 / 1024 : 1)}'; }
-grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" && ! grep -q "fused-sum slots" <<<"$e4" &&
+grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" && grep -q "fused-sum slots" <<<"$e4" &&
+  ! grep -q "fused-sum slots" <<<"$e4off" && ! grep -q "fused-sum slots" <<<"$e8" && [ "$e4" = "$e4on" ] &&
   grep -q "fused-sum slots" <<<"$e4on" && awk -v a="$(slots "$e4on")" -v b="$(slots "$e4whole")" 'BEGIN {exit !(a > 0 && b > a)}' &&
   ok "fused_slots_in_gpu_estimate (tp 4: mode 2 $(slots "$e4on") MiB, mode 3's whole staging $(slots "$e4whole") MiB)" ||
-  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4on$e4whole") lines; $(slots "$e4on") / $(slots "$e4whole") MiB)"
+  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4off$e8$e4on$e4whole") lines; $(slots "$e4on") / $(slots "$e4whole") MiB)"
 err=$(MESHTRAIN_TP_FUSED=4 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
       out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=4: not 0, 1, 2 or 3" <<<"$err" \

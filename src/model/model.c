@@ -433,6 +433,18 @@ size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *st, int B, 
     return 0;
 }
 
+size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size, int tp,
+                          int sp, size_t (*extra)(size_t bytes)) {
+    Acts a;
+    Slot s[32];
+    size_t logit_n, sum = 0;
+    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
+                      tp, sp);
+    for (int i = 0; i < n; i++)
+        if (s[i].coll) sum += extra(slot_bytes(&s[i], act_size));
+    return sum;
+}
+
 void *model_tp_alloc(const Model *m, size_t bytes) {
     return m->tp_size > 1 && m->tp.alloc ? m->tp.alloc(m->tp.ctx, bytes) : op_alloc(bytes);
 }

@@ -306,6 +306,10 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int
  * copy-engine all-to-all buffer (comm_ce_buffer_bytes), for the estimate. */
 size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                                   int tp, int sp);
+/* What the buffers ModelTp's alloc gives take beyond the plan's bytes (acts_bytes_tp), summed,
+ * where a buffer of b bytes takes extra(b) more (tensor.c's mapped buffers: whole pages). */
+size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size, int tp,
+                          int sp, size_t (*extra)(size_t bytes));
 /* Memory the tensor-parallel collectives may run over (ModelTp's alloc, else op_alloc; the
  * zero-bubble weight pass's buffer), and its free. */
 void *model_tp_alloc(const Model *m, size_t bytes);

@@ -181,9 +181,9 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
 size_t comm_ipc_bytes(size_t bytes, int n_ctr);
 /* rank's block as this rank addresses it (its own, or the mapping of another's). */
 char *comm_ipc_block(const CommIpc *w, int rank);
-/* On the compute stream (side = 0) or one of the block's side streams (1 .. size - 1: copies
- * beside the compute stream, one stream a peer), after that stream's work so far (a memory
- * fence first): rank's counter i := v. */
+/* On the compute stream (side = 0) or one of the block's side streams (copies beside the
+ * compute stream: 1 .. size - 1 one stream a peer, size one more for copies in an order of
+ * their own), after that stream's work so far (a memory fence first): rank's counter i := v. */
 void comm_ipc_set(const CommIpc *w, int side, int rank, int i, uint64_t v);
 /* That stream waits until this rank's counter i >= v. */
 void comm_ipc_wait(const CommIpc *w, int side, int i, uint64_t v);
@@ -194,7 +194,7 @@ void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what);
 /* Every side stream waits for the compute stream's work so far. */
 void comm_ipc_side_after_compute(const CommIpc *w);
 /* Fence k (0 .. COMM_IPC_FENCES - 1): record marks stream `from`'s work so far (0: the compute
- * stream, 1 .. size - 1 the side streams); await makes stream `to`'s later work wait for the
+ * stream, 1 .. size the side streams); await makes stream `to`'s later work wait for the
  * last record (none yet: nothing to wait for). */
 #define COMM_IPC_FENCES 64
 void comm_ipc_record(const CommIpc *w, int from, int k);

@@ -176,20 +176,20 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
 
 char *comm_ipc_block(const CommIpc *w, int rank) { return w->block[rank]; }
 
-/* Stream `side`: the compute stream (0), or side stream side (1 .. size - 1, made with the
- * others at the first use: one a peer, so that copies to and from different peers run on
- * different copy engines at once). */
+/* Stream `side`: the compute stream (0), or side stream side (1 .. size, made with the
+ * others at the first use: 1 .. size - 1 one a peer, so that copies to and from different
+ * peers run on different copy engines at once; size for copies in an order of their own). */
 static cudaStream_t stream_of(const CommIpc *w, int side) {
     if (!side) return (cudaStream_t)cuda_stream();
     CommIpc *m = (CommIpc *)w;
-    if (side < 0 || side >= w->c->size) {
+    if (side < 0 || side > w->c->size) {
         char msg[160];
-        snprintf(msg, sizeof msg, "internal: %s: side stream %d of %d", w->what, side, w->c->size - 1);
+        snprintf(msg, sizeof msg, "internal: %s: side stream %d of %d", w->what, side, w->c->size);
         comm_abort(EXIT_RUN_FAILURE, msg);
     }
     if (!m->side) {
-        m->side = xcalloc((size_t)w->c->size - 1, sizeof *m->side);
-        for (int i = 0; i + 1 < w->c->size; i++)
+        m->side = xcalloc((size_t)w->c->size, sizeof *m->side);
+        for (int i = 0; i < w->c->size; i++)
             cchk(cudaStreamCreateWithFlags(&m->side[i], cudaStreamNonBlocking), w->c, w->what, "cudaStreamCreate");
         cchk(cudaEventCreateWithFlags(&m->ev, cudaEventDisableTiming), w->c, w->what, "cudaEventCreate");
     }
@@ -218,7 +218,7 @@ void comm_ipc_mark(const CommIpc *w, int side, CommReq *r, const char *what) {
 void comm_ipc_side_after_compute(const CommIpc *w) {
     stream_of(w, 1);  /* (made) */
     cchk(cudaEventRecord(w->ev, (cudaStream_t)cuda_stream()), w->c, w->what, "cudaEventRecord");
-    for (int i = 0; i + 1 < w->c->size; i++)
+    for (int i = 0; i < w->c->size; i++)
         cchk(cudaStreamWaitEvent(w->side[i], w->ev, 0), w->c, w->what, "cudaStreamWaitEvent");
 }
 
@@ -250,7 +250,7 @@ void comm_ipc_close(CommIpc *w) {
     const Comm *c = w->c;
     ops_synchronize();
     if (w->side) {
-        for (int i = 0; i + 1 < c->size; i++) {
+        for (int i = 0; i < c->size; i++) {
             cchk(cudaStreamSynchronize(w->side[i]), c, w->what, "cudaStreamSynchronize");
             cudaStreamDestroy(w->side[i]);
         }

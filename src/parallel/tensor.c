@@ -127,11 +127,12 @@ typedef struct {
 } Fused;
 static Fused g_fused;
 
-/* The default: on GPUs at tp = 2, where it pays (91.4-91.9% of one GPU's per-GPU speed
- * against 82.4-82.7% on NCCL's kernels, two H200s, bench/RESULTS.md session 22); elsewhere the
- * collectives: at tp = 4 modes 2 and 3 were no faster (62.5% and 58.6% against 62.7%, four
- * H200s, session 22), and CPU ranks gain nothing by it. */
-#define FUSED_DEFAULT(tp, gpu) ((gpu) && (tp) == 2 ? 2 : 0)
+/* The default: on GPUs at tp = 2 and 4, where it pays (91.4-91.9% of one GPU's per-GPU speed
+ * against 82.4-82.7% on NCCL's kernels at tp 2, two H200s, bench/RESULTS.md session 22; at
+ * tp 4, with the gathers straight into the others' buffers one peer after another, 72.1%
+ * against 64.0%, four H200s, session 23); elsewhere the collectives: tp 8 is unmeasured,
+ * and CPU ranks gain nothing by it. */
+#define FUSED_DEFAULT(tp, gpu) ((gpu) && ((tp) == 2 || (tp) == 4) ? 2 : 0)
 
 /* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
 static int fused_env(int tp_size, int gpu) {
@@ -155,9 +156,12 @@ static size_t fused_slot(int t, int d, int s, uint64_t b) {
 }
 /* the sums' slots, then the gathers' (as many) */
 static size_t fused_bytes(int t, size_t cap) { return 4 * (size_t)(t - 1) * cap; }
-enum { CTR_SETS = 4 };  /* counters: the sums' full and consumed, the gathers' full and consumed, t each */
-/* fences (comm_ipc_record): one a staging slot, 2 (t - 1), then one for "the part is made" */
-enum { FENCE_MADE = COMM_IPC_FENCES - 1 };
+/* counters, t each: the sums' full and consumed, the gathers' full and consumed (by slot),
+ * and the direct gathers' ready (fused_gather_begin) */
+enum { CTR_SETS = 5 };
+/* fences (comm_ipc_record): one a staging slot, 2 (t - 1), then one for "the part is made"
+ * and one for "a direct gather's blocks are out" */
+enum { FENCE_MADE = COMM_IPC_FENCES - 1, FENCE_PUSHED = COMM_IPC_FENCES - 2 };
 
 /* Bytes a slot: a block of N / t rows of E activations, 256-byte aligned. */
 static size_t fused_cap(int t, size_t N, size_t E, size_t act_size) {
@@ -293,7 +297,61 @@ static void fused_join(void) {
     } else tp_join(NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
 }
 
-/* The fused gathers (ModelTp's fused_gather_begin). On GPUs, gather n on rank r, on the IPC
+/* ---- Buffers every rank of the group maps: ModelTp's alloc under the fused modes on GPUs
+ * (without MESHTRAIN_TP_CE, whose buffers are NCCL's windows). Each is an IPC block of its
+ * own (comm_ipc_open: whole pages, every other rank's mapping checked), allocated and freed
+ * by every rank of the group in the same order (the Acts plan is the same on each), so
+ * that a fused gather can write each rank's rows straight into their place in the others'
+ * buffer. Where the group cannot map, plain memory (and the gathers take the slots). ---- */
+typedef struct { CommIpc *w; char *base; size_t bytes; } Mapped;
+static Mapped *g_mapped;
+static int g_n_mapped;
+
+static void *mapped_alloc(void *ctx, size_t bytes) {
+    CommIpc *w = comm_ipc_open(ctx, bytes, 0, "tensor-parallel gather buffer");
+    if (!w) return op_alloc(bytes);
+    g_mapped = xrealloc(g_mapped, ((size_t)g_n_mapped + 1) * sizeof *g_mapped);
+    char *base = comm_ipc_block(w, ((const Comm *)ctx)->rank);
+    g_mapped[g_n_mapped++] = (Mapped){w, base, bytes};
+    return base;
+}
+
+static void mapped_free(void *p) {
+    for (int i = 0; p && i < g_n_mapped; i++)
+        if (g_mapped[i].base == p) {
+            comm_ipc_close(g_mapped[i].w);  /* (collective, as the alloc was) */
+            g_mapped[i] = g_mapped[--g_n_mapped];
+            return;
+        }
+    op_free(p);  /* (Acts free every buffer through ModelTp's free) */
+}
+
+/* The mapped buffer holding [p, p + bytes), or NULL. */
+static const Mapped *mapped_of(const void *p, size_t bytes) {
+    for (int i = 0; i < g_n_mapped; i++) {
+        const Mapped *b = &g_mapped[i];
+        if ((const char *)p >= b->base && (const char *)p + bytes <= b->base + b->bytes) return b;
+    }
+    return NULL;
+}
+
+int tensor_parallel_gathers_direct(void) { return g_n_mapped > 0; }
+
+size_t tensor_parallel_buffer_extra(size_t bytes) {
+    return comm_ipc_bytes(bytes, 0) - (bytes + 63) / 64 * 64;
+}
+
+/* The fused gathers (ModelTp's fused_gather_begin). Into a mapped buffer (direct), gather n
+ * on rank r: r's compute stream tells every other rank j that its buffer is free for gather
+ * n (j's gready[r] := n + 1, after the work that reads it), then on the ordered side stream
+ * (after the compute stream's work so far) r's rows go straight into their place in each
+ * other rank's buffer, one copy after another, to r - 1 first, r - 2 next...: each is a
+ * shift, every rank receiving one block at a time, and rank r + i's block reaches r at step
+ * i, the order product_after reads them in (at once, the copies shared the links and every
+ * block landed near the end: bench/ce_p2p_probe); each once that rank's gready[r] >= n + 1,
+ * then its gfull[r] := n + 1. Ticket i (block r + i) marks side stream i once gfull[r + i]
+ * >= n + 1; the last one also once r's own copies are out (fence FENCE_PUSHED: the compute
+ * stream may then write r's rows again). Into any other buffer (slots), on GPUs, gather n on rank r, on the IPC
  * block's side streams after the compute stream's work so far (peer r + i's on stream i, so
  * that copies to and from different peers run on different copy engines at once): for each
  * other rank j, wait gconsumed[j] >= n - 1, copy r's rows (copy engine) into j's gather slot
@@ -316,6 +374,29 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     size_t base = fused_bytes(t, f->cap) / 2;  /* (the gathers' slots after the sums') */
     const int GF = 2 * t, GC = 3 * t;
     char *mine = (char *)buf + (size_t)r * bytes;
+    const Mapped *mp = mapped_of(buf, (size_t)t * bytes);
+    if (mp) {
+        const int GR = 4 * t, ORDERED = t;
+        size_t at = (size_t)((char *)mine - mp->base);  /* (r's rows, in every rank's buffer) */
+        for (int j = 0; j < t; j++)
+            if (j != r) comm_ipc_set(f->w, 0, j, GR + r, n + 1);
+        comm_ipc_side_after_compute(f->w);
+        for (int i = 1; i < t; i++) {
+            int d = (r - i + t) % t;
+            comm_ipc_wait(f->w, ORDERED, GR + d, n + 1);
+            comm_ipc_side_copy(f->w, ORDERED, comm_ipc_block(mp->w, d) + at, mine, bytes);
+            comm_ipc_set(f->w, ORDERED, d, GF + r, n + 1);
+        }
+        comm_ipc_record(f->w, ORDERED, FENCE_PUSHED);
+        for (int i = 1; i < t; i++) {
+            comm_ipc_wait(f->w, i, GF + (r + i) % t, n + 1);
+            if (i == t - 1) comm_ipc_await(f->w, i, FENCE_PUSHED);
+            CommReq *q = next_slot();
+            comm_ipc_mark(f->w, i, q, FUSED_GATHER);
+            tk[i] = begun(q);
+        }
+        return t;
+    }
     comm_ipc_side_after_compute(f->w);
     for (int i = 1; i < t; i++) {  /* (peer r + i on side stream i) */
         int j = (r + i) % t;
@@ -435,6 +516,9 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     if (copy_engines) {
         m->tp.alloc = tp_alloc;
         m->tp.free = comm_buffer_free;
+    } else if (g_fused.asked && !ops_host_memory()) {  /* (the direct gathers' buffers) */
+        m->tp.alloc = mapped_alloc;
+        m->tp.free = mapped_free;
     }
 }
 

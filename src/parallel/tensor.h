@@ -33,7 +33,8 @@ int tensor_parallel_on_copy_engines(const Mesh *mesh);
  * collectives; 1, the products' stores go straight into the other ranks' slots; 2, the parts
  * are made in local staging and copied by copy engine while the rank's own rows are made;
  * 3, each product runs once on all its rows, then the other ranks' blocks are copied out
- * (and a gather's product waits for every block). Unset: 2 on GPUs at tp = 2, else 0. tensor_parallel_fused_open sets it up for sums of up
+ * (and a gather's product waits for every block). Unset: 2 on GPUs at tp = 2 and 4, else 0.
+ * tensor_parallel_fused_open sets it up for sums of up
  * to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
  * is taken (on GPUs where it cannot be, every rank keeps the collectives). */
 int tensor_parallel_fused_mode(int tp_size, int gpu);
@@ -45,6 +46,13 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N);
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size);
 /* The sums fused so far (on this rank; every rank of the group alike). */
 unsigned long long tensor_parallel_fused_count(void);
+/* Under the fused modes on GPUs (without MESHTRAIN_TP_CE) the buffers the collectives run
+ * over (ModelTp's alloc) are mapped by every rank of the group, so that a gather writes each
+ * rank's rows straight into the others' buffers: what such a buffer of `bytes` takes more
+ * than its bytes rounded to 64 (whole pages; for the memory estimate). */
+size_t tensor_parallel_buffer_extra(size_t bytes);
+/* Whether such buffers were mapped (the fused gathers then write straight into them). */
+int tensor_parallel_gathers_direct(void);
 /* Frees it (collective over the tp group). */
 void tensor_parallel_fused_close(void);
 #endif

@@ -102,6 +102,8 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->ce_pp = gpu && training && (copy_engines & EST_CE_PP);  /* (a pipeline stage's: estimate_stage) */
     e->tp_fused_asked = gpu && tp > 1 && (copy_engines & EST_TP_FUSED);
     e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
+    if (e->tp_fused_asked && !e->ce_tp && training)  /* the mapped buffers' pages (tensor.h) */
+        e->tp_fused += acts_tp_coll_extra(c, &whole, B, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->tp_fused + (gpu ? 0 : e->host);
     model_free(&m);
@@ -169,6 +171,19 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     }
     e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size)
                                     : 0;
+    if (e->tp_fused_asked && !e->ce_tp && training) {  /* the mapped buffers' pages (tensor.h) */
+        for (int k = 0; k < sched->chunks; k++)
+            e->tp_fused += (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1) *
+                           acts_tp_coll_extra(c, &s[k], B_micro, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
+        if (sched->split_backward) {
+            size_t wb = 0;
+            for (int k = 0; k < sched->chunks; k++) {
+                size_t b = model_wgrad_bytes(c, &s[k], B_micro, T, act_size);
+                if (b > wb) wb = b;
+            }
+            e->tp_fused += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) * tensor_parallel_buffer_extra(wb);
+        }
+    }
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->p2p + e->tp_fused + (e->gpu ? 0 : e->host);
     model_free(&m);

@@ -403,6 +403,10 @@ int cmd_train(Config *c) {
                                    "CUDA IPC)"
                                  : "fused into the products (whole products, then the other ranks' rows by copy engine "
                                    "into their memory, CUDA IPC)", fused_mode);
+    if (lead && tp_fused && gpu)
+        printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
+                   ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"
+                   : "by copy engine into slots, then into place");
     if (lead && mesh.tp_size > 1) {
         int chunks = model_tp_chunks(&m, a.N);
         int groups = model_tp_groups(&m, a.N);

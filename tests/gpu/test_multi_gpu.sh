@@ -10,7 +10,7 @@
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
 # without sequence parallel, tied and untied) follows one GPU in fp32, also with its
 # collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2), and
-# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED, 2 by default at tp 2). Pipeline
+# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED, 2 by default at tp 2 and 4). Pipeline
 # send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
@@ -62,7 +62,7 @@ CASES
 # units and the vocabulary split (the cross-entropy's statistics all-gathered over NCCL),
 # with sequence parallel (all-gathers and reduce-scatters of bf16 or fp32 activations) and
 # without, and with activation checkpointing: NP GPUs follow one (on the collectives:
-# MESHTRAIN_TP_FUSED=0; the fused sums, the default at tp 2, below)
+# MESHTRAIN_TP_FUSED=0; the fused sums, the default at tp 2 and 4, below)
 while IFS='|' read -r name tied keys; do
   out=$TMP/tp_$name
   if MESHTRAIN_TP_FUSED=0 runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
@@ -124,17 +124,20 @@ grows_alike() {
 # buffers of the same size)
 grows_alike multi_gpu_tp_ce_estimate_counts_all_to_all_buffer "$TMP/tp_ce_no_sp_c1" "$TMP/tp_no_sp"
 # -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
-# default at tp 2: the other ranks' rows by copy engine into their memory through CUDA IPC;
+# default at tp 2 and 4: the other ranks' rows by copy engine into their memory through CUDA IPC;
 # 1: the products' stores straight there; 3: whole products, then the copies): with and
 # without sequence parallel, tied, with activation checkpointing and beside the copy-engine
-# collectives, NP GPUs follow one; the header says fused and the summary counts the sums; the
-# estimate counts the slots (it grows by what the peak grows by)
+# collectives, NP GPUs follow one; the header says fused (and, but beside MESHTRAIN_TP_CE's
+# windows, that the gathers write straight into the other ranks' buffers) and the summary
+# counts the sums; the estimate counts the slots and the mapped buffers' pages (it grows by
+# what the peak grows by)
 while IFS='|' read -r name tied envs keys; do
   out=$TMP/tp_fused_$name
   if (export MESHTRAIN_TP_FUSED=2 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
         tensor_parallel_size=$NP $keys) &&
      grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
-     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out"
+     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out" &&
+     { [[ $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; }
   then ok "multi_gpu_tp_fused_follows_one_gpu_$name"
   else bad "multi_gpu_tp_fused_follows_one_gpu_$name ($(grep -m1 'sums' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
@@ -148,14 +151,14 @@ no_sp_stores|false|MESHTRAIN_TP_FUSED=1|sequence_parallel=false
 sp_whole|false|MESHTRAIN_TP_FUSED=3|
 no_sp_whole|true|MESHTRAIN_TP_FUSED=3|sequence_parallel=false
 CASES
-# ... which at tp 2 is the default (elsewhere the collectives, until measured)
-if [ "$NP" = 2 ]; then
+# ... which at tp 2 and 4 is the default (elsewhere the collectives, until measured)
+if [ "$NP" = 2 ] || [ "$NP" = 4 ]; then
   out=$TMP/tp_default
   if (unset MESHTRAIN_TP_FUSED; runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP) &&
      grep -q "^tensor parallel sums: fused into the products (the other ranks' rows by copy engine" "$out.log" &&
      close "$TMP/one_false" "$out"
-  then ok multi_gpu_tp_fused_by_default_at_tp2
-  else bad "multi_gpu_tp_fused_by_default_at_tp2 ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+  then ok multi_gpu_tp_fused_by_default_at_tp$NP
+  else bad "multi_gpu_tp_fused_by_default_at_tp$NP ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 fi
 grows_alike multi_gpu_tp_fused_estimate_counts_slots "$TMP/tp_fused_sp" "$TMP/tp_sp"
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
