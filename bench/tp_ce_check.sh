@@ -8,7 +8,7 @@
 # beside the copy-engine all-gathers, each against one GPU, the header saying fused; modes 2
 # (staging and copy engines) and 3 (whole products, then copy engines) alike, the gathers
 # (without MESHTRAIN_TP_CE) straight into the other ranks' buffers, as the header says.
-# Usage: NP=2 bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
+# Usage: NP=2 [ONLY=regex of case names] bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
 NP=${NP:-2} B=4
 M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 grad_clip=1 steps=5 device=cuda data_dir=$D precision=fp32"
@@ -20,6 +20,7 @@ run() {  # run OUT NPROC ENVS KEYS...
 }
 run "$TMP/one" 1 "" $M batch_size=$((NP * B))
 while IFS='|' read -r name envs keys path; do
+  [[ $name =~ ${ONLY:-.} ]] || continue
   out=$TMP/$name
   if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
@@ -45,7 +46,7 @@ fused3_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=true|NCCL kernels
 fused3_no_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=false|NCCL kernels
 fused3_ac|MESHTRAIN_TP_FUSED=3|activation_checkpointing=true|NCCL kernels
 CASES
-if [ "$NP" = 2 ]; then
+if [ "$NP" = 2 ] && [ -z "${ONLY:-}" ]; then
   for sp in sp no_sp; do
     d=$("$DIFF" "$TMP/nccl_$sp/ckpt.bin" "$TMP/ce_${sp}_c1/ckpt.bin" 2>&1)
     [ "$d" = "max_rel_diff 0" ] && ok "tp_ce_bitwise_nccl_$sp" || bad "tp_ce_bitwise_nccl_$sp ($d)"
