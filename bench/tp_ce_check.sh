@@ -6,7 +6,8 @@
 # path, and at NP = 2 the copy engines' one-chunk runs bitwise the kernels'. Then the sums fused
 # into the products (MESHTRAIN_TP_FUSED=1, CUDA IPC), with and without sequence parallel and
 # beside the copy-engine all-gathers, each against one GPU, the header saying fused; modes 2
-# (staging and copy engines) and 3 (whole products, then copy engines) alike, the gathers
+# (staging and copy engines), 3 (whole products, then copy engines) and 4 (the sums' products
+# in groups of two blocks) alike, the gathers
 # (without MESHTRAIN_TP_CE) straight into the other ranks' buffers, as the header says.
 # Usage: NP=2 [ONLY=regex of case names] bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
@@ -25,8 +26,8 @@ while IFS='|' read -r name envs keys path; do
   if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
      grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
-     { [[ $envs != *FUSED=[123]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; } &&
-     { [[ $envs != *FUSED=[123]* || $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; }
+     { [[ $envs != *FUSED=[1234]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; } &&
+     { [[ $envs != *FUSED=[1234]* || $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; }
   then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 nccl_sp||sequence_parallel=true|NCCL kernels
@@ -45,6 +46,9 @@ fused2_ac|MESHTRAIN_TP_FUSED=2|activation_checkpointing=true|NCCL kernels
 fused3_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=true|NCCL kernels
 fused3_no_sp|MESHTRAIN_TP_FUSED=3|sequence_parallel=false|NCCL kernels
 fused3_ac|MESHTRAIN_TP_FUSED=3|activation_checkpointing=true|NCCL kernels
+fused4_sp|MESHTRAIN_TP_FUSED=4|sequence_parallel=true|NCCL kernels
+fused4_no_sp|MESHTRAIN_TP_FUSED=4|sequence_parallel=false|NCCL kernels
+fused4_ac|MESHTRAIN_TP_FUSED=4|activation_checkpointing=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ] && [ -z "${ONLY:-}" ]; then
   for sp in sp no_sp; do

@@ -910,6 +910,16 @@ static void test_sumsq_scale_add(void) {
     double worst = 0.0;
     for (size_t i = 0; i < n; i++) worst = fmax(worst, fabs(ya[i] - ((double)y[i] + x[i])) / (fabs(y[i]) + fabs(x[i])));
     CHECK(worst < 1e-7, "add err %g", worst);
+    /* op_sum_parts: bitwise op_add one part after another, into another buffer and in place */
+    float *p1 = randf(n, 1.0f), *p2 = randf(n, 1.0f), *seq = copyf(y, n), *into = zerosf(n), *inpl = copyf(y, n);
+    op_add(seq, x, n), op_add(seq, p1, n), op_add(seq, p2, n);
+    const void *parts[4] = {y, x, p1, p2}, *mine[4] = {inpl, x, p1, p2};
+    op_sum_parts(into, parts, 4, n);
+    op_sum_parts(inpl, mine, 4, n);
+    CHECK(!memcmp(into, seq, n * sizeof(float)) && !memcmp(inpl, seq, n * sizeof(float)), "sum_parts differs from the adds");
+    op_sum_parts(into, parts, 1, n);
+    CHECK(!memcmp(into, y, n * sizeof(float)), "sum_parts of one part is not a copy");
+    free(p1), free(p2), free(seq), free(into), free(inpl);
     free(x), free(y), free(xs), free(ya);
 }
 

@@ -155,8 +155,9 @@ err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_para
 # each rank writes the others' rows into their memory; on CPU ranks the same blocks and parts
 # as MPI messages): with and without sequence parallel, at tp 2 and 4, beside data parallel,
 # pipeline stages and activation checkpointing, the run follows the one-process run, says so
-# in its header and counts the sums it fused; so does mode 3 (each product whole, then the
-# blocks out; the residual given by one rank); a malformed value is refused
+# in its header and counts the sums it fused; so do mode 3 (each product whole, then the
+# blocks out; the residual given by one rank) and mode 4 (the sums' products in groups of two
+# blocks, at tp 2 one group: mode 3's); a malformed value is refused
 # mode|name|ranks|batch_size per data-parallel rank|tied|keys
 while IFS='|' read -r mode name np b tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
@@ -183,6 +184,11 @@ done <<'CASES'
 3|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
 3|~tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 3|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
+4|tp4|4|8|false|tensor_parallel_size=4
+4|~tp4_tied|4|8|true|tensor_parallel_size=4
+4|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
+4|~tp4_activation_checkpointing|4|8|false|tensor_parallel_size=4 activation_checkpointing=true
+4|~tp2|2|8|false|tensor_parallel_size=2
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
 # the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2
@@ -201,9 +207,9 @@ grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" &&
   grep -q "fused-sum slots" <<<"$e4on" && awk -v a="$(slots "$e4on")" -v b="$(slots "$e4whole")" 'BEGIN {exit !(a > 0 && b > a)}' &&
   ok "fused_slots_in_gpu_estimate (tp 4: mode 2 $(slots "$e4on") MiB, mode 3's whole staging $(slots "$e4whole") MiB)" ||
   bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4off$e8$e4on$e4whole") lines; $(slots "$e4on") / $(slots "$e4whole") MiB)"
-err=$(MESHTRAIN_TP_FUSED=4 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
+err=$(MESHTRAIN_TP_FUSED=5 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
       out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=4: not 0, 1, 2 or 3" <<<"$err" \
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=5: not 0, 1, 2, 3 or 4" <<<"$err" \
   && ok bad_tp_fused_refused || bad "bad_tp_fused_refused (exit $rc: $err)"
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on

@@ -357,6 +357,10 @@ void op_scale(void *x, size_t n, float s) {
 void op_add(void *y, const void *x, size_t n) {
     PROF("add", g_ops->add(y, x, n));
 }
+void op_sum_parts(void *y, const void *const *x, int k, size_t n) {
+    if (k < 1 || k > OPS_SUM_PARTS) die(EXIT_RUN_FAILURE, "internal: op_sum_parts of %d parts (1 to %d)", k, OPS_SUM_PARTS);
+    PROF("sum_parts", g_ops->sum_parts(y, x, k, n));
+}
 void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes) {
     if (n && row_bytes) PROF("copy_rows", g_ops->copy_rows(dst, src, rows, n, row_bytes, 0));
 }

@@ -319,6 +319,12 @@ double op_sumsq(const void *x, size_t n);
 void op_scale(void *x, size_t n, float s);
 /* y += x (activations) */
 void op_add(void *y, const void *x, size_t n);
+/* y = x[0] + x[1] + ... + x[k - 1] (activations; 1 <= k <= OPS_SUM_PARTS), added in that
+ * order in fp32 and rounded once; y may be x[0] (y += the rest). Tensor parallel's fused
+ * sums: one pass over the parts, where op_add one at a time read and wrote y k - 1 times
+ * (in fp32 the two are bitwise the same). */
+#define OPS_SUM_PARTS 16
+void op_sum_parts(void *y, const void *const *x, int k, size_t n);
 /* Rows of row_bytes bytes picked by rows[0..n) (op_alloc memory, ints): gather copies src
  * row rows[i] to dst row i; scatter copies src row i to dst row rows[i] (rows distinct). */
 void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes);
@@ -416,6 +422,7 @@ typedef struct OpsBackend {
     double (*sumsq)(const void *x, size_t n);
     void (*scale)(void *x, size_t n, float s);
     void (*add)(void *y, const void *x, size_t n);
+    void (*sum_parts)(void *y, const void *const *x, int k, size_t n);
     void (*copy_rows)(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
 } OpsBackend;
 

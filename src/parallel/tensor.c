@@ -85,9 +85,9 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
 /* ---- Fused sums (MESHTRAIN_TP_FUSED, tensor_parallel_fused_mode): see ModelTp's fused_sum_begin. ----
  * On GPUs each rank's IPC block (comm_ipc.c) holds two sets (by the sum's parity) of t - 1
  * slots, one for each other rank's part of this rank's block, then as many for the gathers
- * (fused_gather_begin), then 4 t counters: the sums' full[s] (rank s's part of sum n has
- * landed: n + 1) and consumed[d] (rank d has read this rank's part of sum n: n + 1), and the
- * gathers' gfull and gconsumed, alike. Sum n on rank r:
+ * (fused_gather_begin), then 5 t counters: the sums' full[s] (rank s's part of sum n has
+ * landed: n + 1) and consumed[d] (rank d has read this rank's part of sum n: n + 1), the
+ * gathers' gfull and gconsumed, alike, and the direct gathers' gready. Sum n on rank r:
  *   begin: for each other rank j, from r + 1 on: the rows of block j (r's part) into j's slot
  *          for r, once consumed[j] >= n - 1 (j has read the part r sent it two sums ago, from
  *          the slot this one overwrites); then set j's full[r] := n + 1. Mode 1: the
@@ -96,11 +96,12 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
  *          copy engine; the compute stream goes on with r's own rows unless fill (a weight
  *          gradient is queued before the join, under which the parts travel). Mode 3: one
  *          product of all N rows into staging (whole_begin), then the blocks out as mode 2's;
- *          the join adds the parts to a copy of r's block.
+ *          mode 4 the same in groups of two blocks; the join adds the parts to r's block of
+ *          it, into place.
  *   join:  wait full[j] >= n + 1 for every j; r's own rows with rank r + 1's part added in the
  *          product's epilogue (beta = 1), or after them if already made, the others' after
- *          it (op_add); set every j's consumed[r] := n + 1; without sequence parallel, a
- *          gather of the blocks (fused_gather_begin).
+ *          it (op_sum_parts, one pass); set every j's consumed[r] := n + 1; without sequence
+ *          parallel, a gather of the blocks (fused_gather_begin).
  * Nothing but the products and the adds runs on the SMs: tp_fused_probe measured mode 1's
  * reduce-scatter at 0.042 ms over the product at tp = 2 on H200s, NCCL's at 0.096-0.111, and
  * mode 2 took the step from 88.2-88.9% to 90.4-90.9% of one GPU's per-GPU speed (session 21).
@@ -113,9 +114,9 @@ typedef struct {
     int asked, off;  /* tensor_parallel_fused_mode's; off: the GPUs cannot (every rank then sums by collectives) */
     const Comm *c;
     CommIpc *w;       /* GPUs */
-    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received (mode 3: then the whole product) */
-    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (mode 3: of t blocks, whole) */
-    char *whole;      /* mode 3: the product of every row, in the set of the sum begun */
+    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received (modes 3, 4: then the whole product) */
+    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (modes 3, 4: of t blocks, whole) */
+    char *whole;      /* modes 3, 4: the product of every row, in the set of the sum begun */
     size_t cap;       /* bytes a slot */
     uint64_t n, ng;   /* sums and gathers begun */
     /* the sum begun and not yet joined */
@@ -137,14 +138,14 @@ static Fused g_fused;
 /* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
 static int fused_env(int tp_size, int gpu) {
     const char *e = getenv("MESHTRAIN_TP_FUSED");
-    if (e && *e && strcmp(e, "0") && strcmp(e, "1") && strcmp(e, "2") && strcmp(e, "3")) return -1;
+    if (e && *e && (strlen(e) != 1 || e[0] < '0' || e[0] > '4')) return -1;
     if (tp_size < 2) return 0;
     return e && *e ? e[0] - '0' : FUSED_DEFAULT(tp_size, gpu);
 }
 
 int tensor_parallel_fused_mode(int tp_size, int gpu) {
     int mode = fused_env(tp_size, gpu);
-    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1, 2 or 3", getenv("MESHTRAIN_TP_FUSED"));
+    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1, 2, 3 or 4", getenv("MESHTRAIN_TP_FUSED"));
     return mode;
 }
 
@@ -168,9 +169,10 @@ static size_t fused_cap(int t, size_t N, size_t E, size_t act_size) {
     return (N / (size_t)t * E * act_size + 255) & ~(size_t)255;
 }
 /* Whether a sum or gather of N rows of E can take the fused path (every rank has the same
- * N: all of them decline together, and then use the collectives). */
+ * N: all of them decline together, and then use the collectives; the join adds at most
+ * OPS_SUM_PARTS parts). */
 static int fused_fits(const Fused *f, int t, size_t N, size_t E) {
-    return !f->off && N % (size_t)t == 0 && N / (size_t)t * E * ops_act_size() <= f->cap;
+    return !f->off && t <= OPS_SUM_PARTS && N % (size_t)t == 0 && N / (size_t)t * E * ops_act_size() <= f->cap;
 }
 
 /* Where this rank's own rows of the sum go: dst's rows with scatter, else block r of dst. */
@@ -190,21 +192,32 @@ static void part_out(const Fused *f, int i, int j, int k, uint64_t n, uint64_t b
     comm_ipc_set(f->w, i, j, r, n + 1);
 }
 
-/* Mode 3's begin: the product of all N rows into f->whole, the residual given by rank 0
- * alone; on GPUs (staging set b) each other rank's block to it by copy engine (part_out); on
+/* Modes 3 and 4's begin: the product of all N rows into f->whole, the residual given by rank
+ * 0 alone; on GPUs (staging set b) each other rank's block to it by copy engine (part_out); on
  * CPU ranks the whole lies after the host buffer's 2 (t - 1) parts (3 t - 2 of fused_bytes'
- * 4 (t - 1) slots) and fused_sum_begin's exchange sends its blocks. */
+ * 4 (t - 1) slots) and fused_sum_begin's exchange sends its blocks. Mode 3 runs the product
+ * at once; mode 4 (t even, from 4) in groups of two blocks of rows, {0, 1}, {2, 3}, ..., the
+ * group after r's first and r's own last, each group's blocks sent as soon as it is made:
+ * products of 2 N / t rows, not mode 2's N / t (at tp 4 those ran 1.3-1.8 times slower than
+ * the whole, bench/RESULTS.md session 22), and all but the partner's block on their way while
+ * the rest is made. */
 static void whole_begin(Fused *f, uint64_t n, uint64_t b, size_t N, size_t bytes) {
     int t = f->c->size, r = f->c->rank;
+    int per = f->asked == 4 && t >= 4 && t % 2 == 0 ? 2 : t, G = t / per;  /* blocks a group, groups */
+    size_t R = N / (size_t)t;
     f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host + 2 * (size_t)(t - 1) * f->cap;
-    if (f->w)
-        for (int i = 1; i < t; i++) comm_ipc_await(f->w, 0, (int)b * (t - 1) + i - 1);  /* its copies two sums ago are out */
-    f->rows(f->arg, 0, N, f->whole, NULL, r == 0);
-    if (!f->w) return;
-    comm_ipc_record(f->w, 0, FENCE_MADE);
-    for (int i = 1; i < t; i++) {
-        int j = (r + i) % t;
-        part_out(f, i, j, (int)b * (t - 1) + i - 1, n, b, f->whole + (size_t)j * bytes, bytes);
+    for (int gi = 1; gi <= G; gi++) {
+        int a = (r / per + gi) % G * per;  /* the group's first block */
+        if (f->w)  /* (its blocks' copies two sums ago are out) */
+            for (int j = a; j < a + per; j++)
+                if (j != r) comm_ipc_await(f->w, 0, (int)b * (t - 1) + (j - r + t) % t - 1);
+        f->rows(f->arg, (size_t)a * R, (size_t)per * R, f->whole + (size_t)a * bytes, NULL, r == 0);
+        if (!f->w) continue;
+        comm_ipc_record(f->w, 0, FENCE_MADE);
+        for (int j = a; j < a + per; j++) {
+            int i = (j - r + t) % t;  /* (peer j = r + i) */
+            if (j != r) part_out(f, i, j, (int)b * (t - 1) + i - 1, n, b, f->whole + (size_t)j * bytes, bytes);
+        }
     }
 }
 
@@ -219,7 +232,7 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     uint64_t n = f->n++, b = n & 1;
     f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
     memcpy(f->arg, arg, arg_bytes);
-    if (f->asked == 3) {
+    if (f->asked >= 3) {
         whole_begin(f, n, b, N, bytes);
     } else if (f->w && f->asked == 1) {
         for (int i = 1; i < t; i++) {
@@ -241,13 +254,13 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
         /* with nothing queued before the join, this rank's own rows now, while the parts travel */
         if (!fill) rows(f->arg, (size_t)r * R, R, fused_own(f, r), NULL, 0);
     }
-    if (!f->w) {  /* CPU ranks: each part as a message (mode 3: a block of the whole product) */
+    if (!f->w) {  /* CPU ranks: each part as a message (modes 3, 4: a block of the whole product) */
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
             char *out = f->host + (size_t)(i - 1) * f->cap, *in = f->host + (size_t)(t - 2 + i) * f->cap;
             comm_irecv(c, in, bytes, (r - i + t) % t, FUSED_TAG, &q[t - 2 + i], "tensor-parallel fused sum");
-            if (f->asked == 3) out = f->whole + (size_t)j * bytes;
+            if (f->asked >= 3) out = f->whole + (size_t)j * bytes;
             else rows(f->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
             comm_isend(c, out, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
         }
@@ -276,10 +289,14 @@ static void fused_join(void) {
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    int made = f->asked == 3 || (f->w && f->asked == 2 && !f->fill);  /* (the own rows made at the begin) */
-    if (f->asked == 3) op_copy(own, f->whole + own_row * E * ops_act_size(), R * E * ops_act_size());
-    else if (!made) f->rows(f->arg, own_row, R, own, PART(1), 0);
-    for (int i = made ? 1 : 2; i < t; i++) op_add(own, PART(i), R * E);
+    int made = f->asked >= 3 || (f->w && f->asked == 2 && !f->fill);  /* (the own rows made at the begin) */
+    /* the own rows (modes 3, 4: in the whole product) and the parts not yet added, in one pass */
+    const void *parts[OPS_SUM_PARTS];
+    int k = 0;
+    parts[k++] = f->asked >= 3 ? f->whole + own_row * E * ops_act_size() : own;
+    if (!made) f->rows(f->arg, own_row, R, own, PART(1), 0);
+    for (int i = made ? 1 : 2; i < t; i++) parts[k++] = PART(i);
+    if (k > 1 || parts[0] != own) op_sum_parts(own, parts, k, R * E);
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)
@@ -417,9 +434,9 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     return t;
 }
 
-/* the staging on GPUs: mode 2 two sets of t - 1 parts, mode 3 two sets of t blocks */
+/* the staging on GPUs: mode 2 two sets of t - 1 parts, modes 3 and 4 two sets of t blocks */
 static size_t stage_bytes(int mode, int t, size_t cap) {
-    return mode == 3 ? 2 * (size_t)t * cap : mode == 2 ? 2 * (size_t)(t - 1) * cap : 0;
+    return mode >= 3 ? 2 * (size_t)t * cap : mode == 2 ? 2 * (size_t)(t - 1) * cap : 0;
 }
 
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {

@@ -33,9 +33,10 @@ int tensor_parallel_on_copy_engines(const Mesh *mesh);
  * collectives; 1, the products' stores go straight into the other ranks' slots; 2, the parts
  * are made in local staging and copied by copy engine while the rank's own rows are made;
  * 3, each product runs once on all its rows, then the other ranks' blocks are copied out
- * (and a gather's product waits for every block). Unset: 2 on GPUs at tp = 2 and 4, else 0.
- * tensor_parallel_fused_open sets it up for sums of up
- * to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
+ * (and a gather's product waits for every block); 4, mode 2's gathers, and the sums' products
+ * in groups of two blocks of rows (t even, from 4), each group's blocks out as it is made.
+ * Unset: 2 on GPUs at tp = 2 and 4, else 0. tensor_parallel_fused_open sets it up for sums
+ * of up to N rows (collective over the tp group, after tensor_parallel_attach) and says whether it
  * is taken (on GPUs where it cannot be, every rank keeps the collectives). */
 int tensor_parallel_fused_mode(int tp_size, int gpu);
 /* The same before the ranks are known (die_once needs them): whether the mode may be other

@@ -401,8 +401,10 @@ int cmd_train(Config *c) {
                                    "CUDA IPC)"
                : fused_mode == 2 ? "fused into the products (the other ranks' rows by copy engine into their memory, "
                                    "CUDA IPC)"
-                                 : "fused into the products (whole products, then the other ranks' rows by copy engine "
-                                   "into their memory, CUDA IPC)", fused_mode);
+               : fused_mode == 3 ? "fused into the products (whole products, then the other ranks' rows by copy engine "
+                                   "into their memory, CUDA IPC)"
+                                 : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
+                                   "by copy engine into their memory, CUDA IPC)", fused_mode);
     if (lead && tp_fused && gpu)
         printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
                    ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"

@@ -125,7 +125,8 @@ grows_alike() {
 grows_alike multi_gpu_tp_ce_estimate_counts_all_to_all_buffer "$TMP/tp_ce_no_sp_c1" "$TMP/tp_no_sp"
 # -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
 # default at tp 2 and 4: the other ranks' rows by copy engine into their memory through CUDA IPC;
-# 1: the products' stores straight there; 3: whole products, then the copies): with and
+# 1: the products' stores straight there; 3: whole products, then the copies; 4: the sums'
+# products in groups of two blocks of rows): with and
 # without sequence parallel, tied, with activation checkpointing and beside the copy-engine
 # collectives, NP GPUs follow one; the header says fused (and, but beside MESHTRAIN_TP_CE's
 # windows, that the gathers write straight into the other ranks' buffers) and the summary
@@ -150,6 +151,7 @@ sp_stores|false|MESHTRAIN_TP_FUSED=1|
 no_sp_stores|false|MESHTRAIN_TP_FUSED=1|sequence_parallel=false
 sp_whole|false|MESHTRAIN_TP_FUSED=3|
 no_sp_whole|true|MESHTRAIN_TP_FUSED=3|sequence_parallel=false
+sp_groups|false|MESHTRAIN_TP_FUSED=4|
 CASES
 # ... which at tp 2 and 4 is the default (elsewhere the collectives, until measured)
 if [ "$NP" = 2 ] || [ "$NP" = 4 ]; then

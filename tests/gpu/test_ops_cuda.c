@@ -618,6 +618,25 @@ static void test_flat(void) {
         op_add(y, x, n);
         cuda_add(d_z, d_x, n);
         expect_bitwise("add (aligned)", shape, d_z, y, n);
+        /* op_sum_parts: 3 parts into a fourth buffer, then y += 3 parts in place, aligned (the
+         * vector kernel where n % 8 == 0) and with y unaligned (the scalar kernel) */
+        {
+            float *p[3] = {randf(n, 1.0f), randf(n, 1.0f), randf(n, 1.0f)}, *want = xcalloc(n, sizeof(float));
+            const void *dp[3] = {dcopy(p[0], n, 0), dcopy(p[1], n, 0), dcopy(p[2], n, 0)};
+            const void *hp[4] = {p[0], p[1], p[2], NULL};
+            float *d_s = dcopy(want, n, 0), *y0 = copyf(y, n);
+            op_sum_parts(want, hp, 3, n);
+            cuda_sum_parts(d_s, dp, 3, n);
+            expect_bitwise("sum_parts (3)", shape, d_s, want, n);
+            const void *hq[4] = {y, p[0], p[1], p[2]}, *dq[4] = {d_z, dp[0], dp[1], dp[2]}, *dr[4] = {d_y, dp[0], dp[1], dp[2]};
+            op_sum_parts(y, hq, 4, n);
+            cuda_sum_parts(d_z, dq, 4, n);
+            expect_bitwise("sum_parts (in place)", shape, d_z, y, n);
+            dset(d_y, y0, n);
+            cuda_sum_parts(d_y, dr, 4, n);
+            expect_bitwise("sum_parts (in place, unaligned)", shape, d_y, y, n);
+            free(p[0]); free(p[1]); free(p[2]); free(want); free(y0);
+        }
         cuda_memset_zero(d_y, n * sizeof(float));
         memset(y, 0, n * sizeof(float));
         expect_bitwise("memset_zero", shape, d_y, y, n);
@@ -770,6 +789,7 @@ static void test_backend_table(void) {
         (void (*)(void))b->swiglu_backward, (void (*)(void))b->crossentropy_forward_backward,
         (void (*)(void))b->adamw, (void (*)(void))b->adafactor_sums, (void (*)(void))b->adafactor_stats,
         (void (*)(void))b->adafactor_rms, (void (*)(void))b->adafactor_update, (void (*)(void))b->sumsq, (void (*)(void))b->scale, (void (*)(void))b->add,
+        (void (*)(void))b->sum_parts,
         (void (*)(void))b->copy_rows, (void (*)(void))b->host_alloc, (void (*)(void))b->host_free,
         (void (*)(void))b->copy_reserve, (void (*)(void))b->copy_out, (void (*)(void))b->copy_in,
         (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait, (void (*)(void))b->copy_in_main};

@@ -915,6 +915,15 @@ static void cpu_add(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
 }
 
+static void cpu_sum_parts(float *y, const float *const *x, int k, size_t n) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float a = x[0][i];
+        for (int j = 1; j < k; j++) a += x[j][i];
+        y[i] = a;
+    }
+}
+
 static void cpu_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter) {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) {
@@ -1010,6 +1019,9 @@ static void t_crossentropy_shard_backward(float *losses, void *logits, int ld, c
     cpu_crossentropy_shard_backward(losses, logits, ld, targets, N, V, v0, stats, t, scale);
 }
 static void t_add(void *y, const void *x, size_t n) { cpu_add(y, x, n); }
+static void t_sum_parts(void *y, const void *const *x, int k, size_t n) {
+    cpu_sum_parts(y, (const float *const *)x, k, n);
+}
 static void t_adamw(void *param, const void *grad, void *m, void *v, size_t n, float lr, float beta1, float beta2,
                     float eps, float wd, int step, float grad_scale) {
     cpu_adamw(param, grad, m, v, n, lr, beta1, beta2, eps, wd, step, grad_scale);
@@ -1064,5 +1076,6 @@ const OpsBackend ops_backend_cpu = {
     .sumsq = t_sumsq,
     .scale = t_scale,
     .add = t_add,
+    .sum_parts = t_sum_parts,
     .copy_rows = cpu_copy_rows,
 };

@@ -104,6 +104,28 @@ static __global__ void copy_rows_kernel(unsigned char *dst, const unsigned char 
     }
 }
 
+/* op_sum_parts: y = the k parts added in order in fp32, rounded once (y may be part 0) */
+struct SumParts { const void *p[OPS_SUM_PARTS]; };
+static __global__ void sum_parts_kernel(void *y, SumParts x, int k, size_t n, int bf) {
+    GRID_STRIDE(i, n) {
+        float a = ld(x.p[0], i, bf);
+        for (int j = 1; j < k; j++) a = __fadd_rn(a, ld(x.p[j], i, bf));
+        st(y, i, a, bf);
+    }
+}
+static __global__ void sum_parts8_kernel(void *y, SumParts x, int k, size_t n8, int bf) {
+    GRID_STRIDE(i, n8) {
+        float a[8], b[8];
+        ld8(a, x.p[0], 8 * i, bf);
+        for (int j = 1; j < k; j++) {
+            ld8(b, x.p[j], 8 * i, bf);
+#pragma unroll
+            for (int e = 0; e < 8; e++) a[e] = __fadd_rn(a[e], b[e]);
+        }
+        st8(y, 8 * i, a, bf);
+    }
+}
+
 /* The reduction half of the copy-engine all-reduce: D blocks of c elements summed in rank
  * order in fp32, scaled, into dst (cuda_sum_blocks). */
 static __global__ void sum_blocks_kernel(void *dst, const void *src, size_t c, int D, float s, int bf) {

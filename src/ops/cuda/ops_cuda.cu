@@ -1302,6 +1302,20 @@ void cuda_scale(void *x, size_t n, float s) {
     LAUNCH_CHECK(scale_kernel);
 }
 
+void cuda_sum_parts(void *y, const void *const *x, int k, size_t n) {
+    if (n == 0) return;
+    SumParts p;
+    int al = al16(y) && n % 8 == 0;
+    for (int j = 0; j < k; j++) p.p[j] = x[j], al = al && al16(x[j]);
+    if (al) {
+        sum_parts8_kernel<<<ew_grid(n / 8), EW_BLOCK, 0, g.stream>>>(y, p, k, n / 8, g.bf16);
+        LAUNCH_CHECK(sum_parts8_kernel);
+        return;
+    }
+    sum_parts_kernel<<<ew_grid(n), EW_BLOCK, 0, g.stream>>>(y, p, k, n, g.bf16);
+    LAUNCH_CHECK(sum_parts_kernel);
+}
+
 void cuda_add(void *y, const void *x, size_t n) {
     if (n == 0) return;
     if (al16(y) && al16(x)) {
@@ -1443,5 +1457,6 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .sumsq = cuda_sumsq,
     .scale = cuda_scale,
     .add = cuda_add,
+    .sum_parts = cuda_sum_parts,
     .copy_rows = cuda_copy_rows,
 };

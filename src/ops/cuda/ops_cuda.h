@@ -157,6 +157,7 @@ void cuda_adafactor_update(void *param, const void *grad, void *m, const float *
 double cuda_sumsq(const void *x, size_t n); /* waits for the stream; returns on the host */
 void cuda_scale(void *x, size_t n, float s);
 void cuda_add(void *y, const void *x, size_t n);
+void cuda_sum_parts(void *y, const void *const *x, int k, size_t n);
 void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
 
 #ifdef __cplusplus
