@@ -163,6 +163,21 @@ if [ "$NP" = 2 ] || [ "$NP" = 4 ]; then
   else bad "multi_gpu_tp_fused_by_default_at_tp$NP ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 fi
 grows_alike multi_gpu_tp_fused_estimate_counts_slots "$TMP/tp_fused_sp" "$TMP/tp_sp"
+# -- the timeline on the fused path (MESHTRAIN_TIMELINE=3, MESHTRAIN_TIMELINE_LEADS=1): on every
+# rank the compute stream's waits for a gather's rows as spans, and how far the host kept
+# ahead of the GPU, at every compute mark and in one line
+out=$TMP/tp_timeline
+if (export MESHTRAIN_TP_FUSED=2 MESHTRAIN_TIMELINE=3 MESHTRAIN_TIMELINE_LEADS=1
+    runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP sequence_parallel=true); then
+  tl_ok=1
+  for ((r = 0; r < NP; r++)); do
+    lines=$(grep "^timeline rank $r:" "$out.log")
+    grep -q "comm     tensor-parallel gather-wait " <<<"$lines" && grep -q "host enqueued up to the last mark in" <<<"$lines" &&
+      grep -Eq "lead +-?[0-9.]+ ms \(host" <<<"$lines" || tl_ok=0
+  done
+  [ "$tl_ok" = 1 ] && ok multi_gpu_tp_timeline_gather_waits_and_host_lead ||
+    bad "multi_gpu_tp_timeline_gather_waits_and_host_lead ($(grep -c 'gather-wait' "$out.log") gather-waits, $(grep -c 'host enqueued' "$out.log") host lines)"
+else bad "multi_gpu_tp_timeline_gather_waits_and_host_lead ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 # -- optimizer=adafactor: ZeRO-2 and FSDP shard the matrices mid-row over the GPUs; the row
 # and column sums of g^2 go through an NCCL all-reduce: NP GPUs follow one. So does tensor
 # parallel over the NP GPUs (dp = 1), whose slices' sums are all-reduced over the tp group
