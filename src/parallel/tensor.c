@@ -180,6 +180,9 @@ static void *fused_own(const Fused *f, int r) {
     return f->scatter ? f->dst : (char *)f->dst + (size_t)r * f->R * f->E * ops_act_size();
 }
 
+/* Staging slot i of set b (peer r + i's part, 1 <= i < t): its index, which is its fence's too. */
+static int stage_fence(int t, uint64_t b, int i) { return (int)b * (t - 1) + i - 1; }
+
 /* Peer r + i's part of sum n (block j's rows, at src) into its slot for r, on side stream i:
  * after the compute stream's FENCE_MADE and once j has read the part r sent it two sums ago;
  * then staging fence k and j's full[r]. */
@@ -207,17 +210,18 @@ static void whole_begin(Fused *f, uint64_t n, uint64_t b, size_t N, size_t bytes
     size_t R = N / (size_t)t;
     f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host + 2 * (size_t)(t - 1) * f->cap;
     for (int gi = 1; gi <= G; gi++) {
-        int a = (r / per + gi) % G * per;  /* the group's first block */
+        int a = (r / per + gi) % G * per;  /* the group's first block; peer j is r + (j - r + t) % t */
         if (f->w)  /* (its blocks' copies two sums ago are out) */
             for (int j = a; j < a + per; j++)
-                if (j != r) comm_ipc_await(f->w, 0, (int)b * (t - 1) + (j - r + t) % t - 1);
+                if (j != r) comm_ipc_await(f->w, 0, stage_fence(t, b, (j - r + t) % t));
         f->rows(f->arg, (size_t)a * R, (size_t)per * R, f->whole + (size_t)a * bytes, NULL, r == 0);
         if (!f->w) continue;
         comm_ipc_record(f->w, 0, FENCE_MADE);
-        for (int j = a; j < a + per; j++) {
-            int i = (j - r + t) % t;  /* (peer j = r + i) */
-            if (j != r) part_out(f, i, j, (int)b * (t - 1) + i - 1, n, b, f->whole + (size_t)j * bytes, bytes);
-        }
+        for (int j = a; j < a + per; j++)
+            if (j != r) {
+                int i = (j - r + t) % t;
+                part_out(f, i, j, stage_fence(t, b, i), n, b, f->whole + (size_t)j * bytes, bytes);
+            }
     }
 }
 
@@ -244,7 +248,7 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     } else if (f->w) {
         for (int i = 1; i < t; i++) {  /* (peer r + i's copy on side stream i) */
             int j = (r + i) % t;
-            int k = (int)b * (t - 1) + i - 1;  /* (this staging slot's fence) */
+            int k = stage_fence(t, b, i);  /* (the staging slot, and its fence) */
             char *st = f->stage + (size_t)k * f->cap;
             comm_ipc_await(f->w, 0, k);  /* its copy two sums ago is out */
             rows(f->arg, (size_t)j * R, R, st, NULL, r == (j + 1) % t);

@@ -145,19 +145,25 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
      * (all its logits' gradient where the head's backward waits for B: ACTS_HEAD_SPLIT) */
     e->logits = e->acts = 0;
     if (sched->head_split && training) training |= ACTS_HEAD_SPLIT;
+    /* under the fused modes on GPUs the collectives' buffers are mapped, in whole pages (tensor.h) */
+    int mapped = e->tp_fused_asked && !e->ce_tp && training;
+    size_t pages = 0;
     for (int k = 0; k < sched->chunks; k++) {
         size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp);
         size_t n = (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1);
         e->logits += logit_bytes * n;
         e->acts += (acts - logit_bytes) * n;
+        if (mapped)
+            pages += n * acts_tp_coll_extra(c, &s[k], B_micro, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
     }
     if (sched->split_backward) {  /* step.c's ring: max_pending_w of the largest chunk's */
-        size_t wb = 0;
+        size_t wb = 0, n = (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1);
         for (int k = 0; k < sched->chunks; k++) {
             size_t b = model_wgrad_bytes(c, &s[k], B_micro, T, act_size);
             if (b > wb) wb = b;
         }
-        e->acts += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) * wb;
+        e->acts += n * wb;
+        if (mapped) pages += n * tensor_parallel_buffer_extra(wb);
     }
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     if (e->ce_tp && training)
@@ -169,21 +175,8 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         size_t rows = (size_t)B_micro * T / (size_t)(sp && tp > 1 ? tp : 1);
         e->p2p = (size_t)(fwd + bwd) * comm_p2p_ce_bytes(rows * c->embed_dim * act_size);
     }
-    e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size)
-                                    : 0;
-    if (e->tp_fused_asked && !e->ce_tp && training) {  /* the mapped buffers' pages (tensor.h) */
-        for (int k = 0; k < sched->chunks; k++)
-            e->tp_fused += (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1) *
-                           acts_tp_coll_extra(c, &s[k], B_micro, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
-        if (sched->split_backward) {
-            size_t wb = 0;
-            for (int k = 0; k < sched->chunks; k++) {
-                size_t b = model_wgrad_bytes(c, &s[k], B_micro, T, act_size);
-                if (b > wb) wb = b;
-            }
-            e->tp_fused += (size_t)(sched->max_pending_w > 0 ? sched->max_pending_w : 1) * tensor_parallel_buffer_extra(wb);
-        }
-    }
+    e->tp_fused = (e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim,
+                                                                   act_size) : 0) + pages;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->p2p + e->tp_fused + (e->gpu ? 0 : e->host);
     model_free(&m);
