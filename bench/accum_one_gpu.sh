@@ -2,9 +2,10 @@
 # Gradient accumulation on one GPU (issue 18): k micro-batches of b against one batch of
 # k x b, and one GPU at batch b alone (how much of the gap is the smaller batch's own cost).
 # Runs alternate, REPS rounds; medians of tokens/s and peak GB.
-# Usage: REPS=2 STEPS=30 bench/accum_one_gpu.sh build/meshtrain
+# B: the micro-batch (default 32: k=4 against one batch of 128, the post's); PREC: precision.
+# Usage: [B=128] [PREC=bf16] REPS=2 STEPS=30 bench/accum_one_gpu.sh build/meshtrain
 set -u
-STEPS=${STEPS:-30}
+STEPS=${STEPS:-30} B=${B:-32}
 . "$(dirname "$0")/lib.sh"
 BIN=$1
 POST="embed_dim=1024 n_heads=8 n_layers=16 context_len=256 device=cuda precision=${PREC:-mixed}"
@@ -12,8 +13,8 @@ POST="embed_dim=1024 n_heads=8 n_layers=16 context_len=256 device=cuda precision
 echo "card: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 res=$(mktemp)
 for ((r = 1; r <= ${REPS:-2}; r++)); do
-  for cfg in "batch_size=128 grad_accum_steps=1" "batch_size=32 grad_accum_steps=4" "batch_size=32 grad_accum_steps=1" \
-             "batch_size=64 grad_accum_steps=2"; do
+  for cfg in "batch_size=$((4 * B)) grad_accum_steps=1" "batch_size=$B grad_accum_steps=4" "batch_size=$B grad_accum_steps=1" \
+             "batch_size=$((2 * B)) grad_accum_steps=2"; do
     out=$(mktemp -d)
     d=$(mt_run "$out" 1 "" $POST $cfg steps=$((STEPS + 1)) log_every=$STEPS progress=false ckpt_path=none val_batches=1)
     t=$(field tokens_per_s "$d") m=$(field gpu_peak_alloc_bytes "$d")

@@ -2,7 +2,8 @@
  * configuration (E=1024, 8 heads, B*T = 128*256 tokens), in bf16 (precision=mixed), fp32, or
  * pure bf16 (precision=bf16: AdamW's state in bf16 too).
  * Usage: bench_ops_cuda [mixed|fp32|bf16] [E] [NH] [B] [T]
- * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention).
+ * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention);
+ * BENCH_OPS=rms, rmsnorm's backward alone, calls queued back to back (no sync between).
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
  * visible. Needs a GPU. */
@@ -83,6 +84,23 @@ int main(int argc, char **argv) {
     char what[96];
     const char *only = getenv("BENCH_OPS");
     int mem_only = only && !strcmp(only, "mem");
+    /* BENCH_OPS=rms: rmsnorm's backward alone, 200 calls queued back to back and one sync (as a
+     * step queues them: no host round trip a call) */
+    if (only && !strcmp(only, "rms")) {
+        size_t ne = (size_t)N * E;
+        void *x = rand_act(ne, 1), *y = rand_act(ne, 1), *w = rand_act(E, 1), *dx = rand_act(ne, 1);
+        float *rstd = op_alloc((size_t)N * sizeof(float)), *dw = op_alloc((size_t)E * sizeof(float));
+        op_rmsnorm_forward(y, rstd, x, w, N, E, 1e-5f);
+        for (int pass = 0; pass < 2; pass++) {
+            ops_synchronize();
+            double t0 = now_seconds();
+            for (int i = 0; i < 200; i++) op_rmsnorm_backward(dx, dw, y, x, w, rstd, N, E);
+            ops_synchronize();
+            s = (now_seconds() - t0) / 200;
+        }
+        report_bytes("rmsnorm backward (dx += , dw), queued", s, 4.0 * ne * a);
+        return 0;
+    }
     /* matmuls of a layer, and one lm_head chunk */
     int shapes[32][3] = {{N, E, 3 * E}, {N, E, E}, {N, E, 2 * H}, {N, H, E}, {4096, E, V}}, n_shapes = 5;
     /* BENCH_SHAPES="n,c,oc;...": those matmuls alone (e.g. a tensor-parallel rank's, whole and in row blocks) */

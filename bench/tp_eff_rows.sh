@@ -3,7 +3,8 @@
 # VARIANTS (';' between, spaces between one's variables; the first, default empty, the plain
 # run), STEPS timed steps, REPS rounds alternating. A quick A/B for knobs such as
 # MESHTRAIN_TP_FUSED and MESHTRAIN_GEMM_TUNE; bench/gpu_tp.sh runs the table with the peer.
-# Usage: NP=2 VARIANTS=";MESHTRAIN_TP_FUSED=1" [ONE_VARIANTS=...] bench/tp_eff_rows.sh [meshtrain]
+# TP_KEYS: more keys for the tp runs (e.g. sequence_parallel=false).
+# Usage: NP=2 VARIANTS=";MESHTRAIN_TP_FUSED=1" [ONE_VARIANTS=...] [TP_KEYS=...] bench/tp_eff_rows.sh [meshtrain]
 set -u
 BIN=${1:-build/meshtrain} NP=${NP:-2} STEPS=${STEPS:-20}
 export MT_TIMEOUT=${MT_TIMEOUT:-240}
@@ -15,5 +16,5 @@ IFS=';' read -r -a variants <<<"${VARIANTS:-}"; [ ${#variants[@]} -gt 0 ] || var
 IFS=';' read -r -a ones <<<"${ONE_VARIANTS:-}"; [ ${#ones[@]} -gt 0 ] || ones=("")
 for ((r = 1; r <= ${REPS:-1}; r++)); do
   for v in "${ones[@]}"; do MT_ENV=$v mt_row "1 GPU${v:+ ($v)}" 1 $EFF; done
-  for v in "${variants[@]}"; do MT_ENV=$v mt_row "tp=$NP${v:+ ($v)}" "$NP" $EFF tensor_parallel_size=$NP; done
+  for v in "${variants[@]}"; do MT_ENV=$v mt_row "tp=$NP${v:+ ($v)}${TP_KEYS:+ $TP_KEYS}" "$NP" $EFF tensor_parallel_size=$NP ${TP_KEYS:-}; done
 done
