@@ -4,6 +4,7 @@
  * Usage: bench_ops_cuda [mixed|fp32|bf16] [E] [NH] [B] [T]
  * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention);
  * BENCH_OPS=rms, rmsnorm's backward alone, calls queued back to back (no sync between).
+ * BENCH_QUEUED=1: every op timed with its calls queued back to back (see TIME).
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
  * visible. Needs a GPU. */
@@ -49,14 +50,22 @@ static void *rand_state(size_t n, float s, int positive) {
     return d;
 }
 
-/* seconds per call: one warm-up, then repeats for at least 0.2 s */
+/* seconds per call: one warm-up, then repeats for at least 0.2 s, each call synchronised
+ * (a call then carries its launch and the host's round trip, several us), or with
+ * BENCH_QUEUED=1 set, 20 calls queued back to back between synchronisations (as a step
+ * queues them) */
+static int queued;
 #define TIME(secs, body)                                                                     \
     do {                                                                                     \
         body;                                                                                \
         ops_synchronize();                                                                   \
         int n_ = 0;                                                                          \
         double t0_ = now_seconds(), t_;                                                      \
-        do { body; n_++; ops_synchronize(); t_ = now_seconds() - t0_; } while (n_ < 5 || t_ < 0.2); \
+        do {                                                                                 \
+            for (int q_ = 0; q_ < (queued ? 20 : 1); q_++, n_++) { body; }                   \
+            ops_synchronize();                                                               \
+            t_ = now_seconds() - t0_;                                                        \
+        } while (n_ < 5 || t_ < 0.2);                                                        \
         secs = t_ / n_;                                                                      \
     } while (0)
 
@@ -77,9 +86,11 @@ int main(int argc, char **argv) {
         return 1;
     }
     rng_seed(&rng, 7);
+    queued = getenv("BENCH_QUEUED") && atoi(getenv("BENCH_QUEUED")) > 0;
     int N = B * T, H = (int)(1.5 * E), HD = E / NH, V = 50257;
     size_t a = ops_act_size();
-    printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)\n", ops_device_name(), fp32 ? "fp32" : pure ? "bf16 (state too)" : "bf16", E, NH, H, N, B, T);
+    printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)%s\n", ops_device_name(), fp32 ? "fp32" : pure ? "bf16 (state too)" : "bf16", E, NH, H, N, B, T,
+           queued ? ", calls queued" : "");
     double s;
     char what[96];
     const char *only = getenv("BENCH_OPS");

@@ -17,7 +17,10 @@
  *           GPU receives one block at a time, block r + i on receiver r arriving at step i,
  *           the order tensor parallel's gathers read them in), against all at once (one stream
  *           a peer, as above); the time each block (by step) is complete, the slowest sender's;
- *           "ring halves": each step's block in two halves on two streams (two copy engines)
+ *           "ring halves": each step's block in two halves on two streams (two copy engines);
+ *           "pull ring" / "pull at once": the same blocks copied by the receiver's copy engines
+ *           (its streams read each sender's memory: from r + 1 first, then r + 2, ...; or one
+ *           stream a peer), the time each step's block is in, the slowest receiver's
  * Prints microseconds a round and GB/s out of each GPU ((G - 1) B / time).
  * Usage: ce_p2p_probe [BYTES ...]   (default 8388608 16777216: a tp = 4 and a tp = 2 block of
  * the TP-efficiency model). Needs two or more GPUs with peer access. */
@@ -145,6 +148,14 @@ static void measure_events(size_t B, int ring) {
             ck(cudaEventRecord(e0[s], s0), "cudaEventRecord");
             for (int k = 1; k < G; k++) {
                 int d = (s - k + G) % G;
+                if (ring >= 3) {  /* s receives: from s + k, on its own streams (its copy engines read the peer) */
+                    int p = (s + k) % G;
+                    cudaStream_t sk = ring == 3 ? s0 : st[s][p][0];
+                    if (ring == 4) ck(cudaStreamWaitEvent(sk, e0[s], 0), "cudaStreamWaitEvent");
+                    ck(cudaMemcpyPeerAsync(dst[s] + slot(s, p) * B, s, src[p] + slot(p, s) * B, p, B, sk), "cudaMemcpyPeerAsync");
+                    ck(cudaEventRecord(ek[s][k], sk), "cudaEventRecord");
+                    continue;
+                }
                 cudaStream_t sk = ring ? s0 : st[s][d][0];
                 if (!ring) ck(cudaStreamWaitEvent(sk, e0[s], 0), "cudaStreamWaitEvent");
                 if (ring == 2) {  /* each step in two halves on two streams (two copy engines), then joined */
@@ -175,7 +186,8 @@ static void measure_events(size_t B, int ring) {
             t[k][rep] = most;
         }
     }
-    printf("  %-12s", ring == 2 ? "ring halves" : ring ? "ring" : "at once");
+    const char *names[] = {"at once", "ring", "ring halves", "pull ring", "pull at once"};
+    printf("  %-12s", names[ring]);
     for (int k = 1; k < G; k++) {
         qsort(t[k], REPS, sizeof t[k][0], cmp_double);
         printf("  step %d %7.1f us", k, t[k][REPS / 2]);
@@ -229,6 +241,8 @@ int main(int argc, char **argv) {
         measure_events(sizes[i], 0);
         measure_events(sizes[i], 1);
         measure_events(sizes[i], 2);
+        measure_events(sizes[i], 3);
+        measure_events(sizes[i], 4);
     }
     /* the bytes arrived (the last round's; the local copies leave the slots as they are): sender s's value in s's slot */
     for (int d = 0; d < G; d++) {

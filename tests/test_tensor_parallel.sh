@@ -191,6 +191,23 @@ done <<'CASES'
 4|~tp2|2|8|false|tensor_parallel_size=2
 CASES
 ! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
+# -- MESHTRAIN_TP_WHOLE_COLS=c under mode 2: the products after a gather with at most c output
+# columns (12: att_out's and down's input gradients here at tp 4, 8 and 12 columns; 24, qkv's
+# and gate_up's forward, stay in blocks; 1000000: all of them) wait for every block and run
+# once on all rows; the run follows the one-process run and says so; a malformed c is refused
+for c in 12 '~1000000'; do
+  skip_sanitized "$c" && continue; c=${c#\~}
+  out=$TMP/whole_cols_$c
+  if MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=$c $MPIRUN -np 4 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS "$BIN" train $M \
+       tie_embeddings=false batch_size=8 tensor_parallel_size=4 out_dir="$out" </dev/null >"$out.log" 2>&1 &&
+     grep -q "^tensor parallel: the products after a gather with at most $c output columns run once" "$out.log" &&
+     follows "$TMP/ref_false" "$out"
+  then ok "whole_cols_$c"; else bad "whole_cols_$c ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done
+err=$(MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=wide $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS "$BIN" train $M \
+      batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_whole" 2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_WHOLE_COLS=wide: not a whole number" <<<"$err" \
+  && ok bad_tp_whole_cols_refused || bad "bad_tp_whole_cols_refused (exit $rc: $err)"
 # the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2
 # and 4) and where asked, not where the collectives run (tp 8 by default, or asked)
 E="device=cuda embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=4 precision=bf16"

@@ -672,7 +672,7 @@ static void product_after(const Model *m, const Product *p, const Tickets *ts, i
         product_rows(p, 0, (size_t)N);
         return;
     }
-    if (ts->rot && m->tp.gather_whole) {
+    if (ts->rot && (p->bwd ? p->C : p->OC) <= m->tp.gather_whole_cols) {
         tp_join_all(m, ts);
         product_rows(p, 0, (size_t)N);
         return;

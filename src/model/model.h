@@ -62,15 +62,17 @@ typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, con
  * already; tickets[i] (i < tp_size) to join before block (tp_rank + i) % tp_size is read
  * (-1: nothing to wait for; tickets[0], this rank's own, always), so that a product can run
  * on this rank's rows while the others' travel (on GPUs by the copy engines, no SM). Returns
- * tp_size, or 0 where it cannot (the caller then gathers by the collective). gather_whole:
- * the product after a fused gather runs once on all N rows after every block (the blocks'
- * products of N / tp_size rows lost more than the overlap won: MESHTRAIN_TP_FUSED=3). */
+ * tp_size, or 0 where it cannot (the caller then gathers by the collective).
+ * gather_whole_cols: a product after a fused gather whose output has at most this many
+ * columns runs once on all N rows after every block (0: none; every one under
+ * MESHTRAIN_TP_FUSED=3; MESHTRAIN_TP_WHOLE_COLS): for outputs so narrow that a block of
+ * N / tp_size rows leaves SMs idle. */
 typedef struct {
     void *ctx;
     long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter, int fill);
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
-    int gather_whole;
+    int gather_whole_cols;
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);

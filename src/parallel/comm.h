@@ -159,6 +159,12 @@ void comm_p2p_init(const Comm *c, size_t max_bytes);
 /* MESHTRAIN_PP_CE: 1 or unset asks for the copy-engine path (the default); 0 keeps NCCL's
  * kernels; anything else ends the run (exit 2). */
 int comm_p2p_ce_asked(void);
+/* MESHTRAIN_PP_SKIP_COPIES=1 (a timing experiment for the benchmarks, never for training): on
+ * the copy engines' path the messages' copies are left out, the counters kept, so the
+ * schedule runs as before without moving a byte, and the step's time against a normal run's
+ * is what the transfers cost it (not hidden by compute). The results are wrong. Another value
+ * than 0 or 1 ends the run (exit 2). */
+int comm_p2p_skip_copies(void);
 /* Whether c's messages take the copy engines: 1, 0 (NCCL or MPI), or -1 where comm_p2p_init
  * was given no messages. */
 int comm_p2p_on_copy_engines(const Comm *c);

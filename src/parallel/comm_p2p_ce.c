@@ -44,6 +44,17 @@ int comm_p2p_ce_asked(void) {
     return 0;
 }
 
+int comm_p2p_skip_copies(void) {
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("MESHTRAIN_PP_SKIP_COPIES");
+        if (e && *e && strcmp(e, "0") && strcmp(e, "1"))
+            die_once(EXIT_BAD_INPUT, "MESHTRAIN_PP_SKIP_COPIES=%s: not 0 or 1", e);
+        v = e && !strcmp(e, "1");
+    }
+    return v;
+}
+
 /* LAG: the host queues receive n once receive n - LAG is complete (below R, whose events
  * record the last R receives): far enough ahead that the device never waits for the host's
  * queueing, near enough that it meets a timeout (comm_wait_until) before a wait with none
@@ -160,7 +171,8 @@ void p2p_ce_send(const Comm *c, const void *buf, size_t bytes, CommP2P *r, const
     uint64_t n = p->n++;
     int span = trace_span_begin(s, "pipeline send", bytes);
     if (n >= R) ipc_wait64(s, counter(p, p->mine, 0), n - R + 1, c, what);
-    cchk(cudaMemcpyAsync(p->peer + (n % R) * p->slot, buf, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
+    if (!comm_p2p_skip_copies())
+        cchk(cudaMemcpyAsync(p->peer + (n % R) * p->slot, buf, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
     ipc_write64(s, counter(p, p->peer, 1), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");
@@ -176,7 +188,8 @@ void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char 
     p2p_after_compute(c, s, ev, what);  /* after the compute stream's last use of buf */
     int span = trace_span_begin(s, "pipeline receive", bytes);
     ipc_wait64(s, counter(p, p->mine, 1), n + 1, c, what);
-    cchk(cudaMemcpyAsync(buf, p->mine + (n % R) * p->slot, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
+    if (!comm_p2p_skip_copies())
+        cchk(cudaMemcpyAsync(buf, p->mine + (n % R) * p->slot, bytes, cudaMemcpyDefault, s), c, what, "cudaMemcpyAsync");
     ipc_write64(s, counter(p, p->peer, 0), n + 1, c, what);
     trace_span_end(s, span);
     cchk(cudaEventRecord(ev, s), c, what, "cudaEventRecord");

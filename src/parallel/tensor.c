@@ -1,4 +1,5 @@
 #include "tensor.h"
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include "comm.h"
@@ -519,6 +520,21 @@ int tensor_parallel_ce_asked(void) {
 }
 static void *tp_alloc(void *ctx, size_t bytes) { return comm_alloc(ctx, bytes); }
 
+/* MESHTRAIN_TP_WHOLE_COLS=c (an A/B knob for the GPU benchmarks, like MESHTRAIN_TP_CHUNKS;
+ * default 0): under the fused modes, a product after a gather whose output has at most c
+ * columns waits for every block and runs once on all rows (ModelTp's gather_whole_cols). At
+ * tp 4 the backward's products after a gather (att_out's and down's input gradients, E/4 and
+ * H/4 columns) give blocks of few tiles. A malformed value ends the run (exit 2). */
+int tensor_parallel_whole_cols(void) {
+    const char *e = getenv("MESHTRAIN_TP_WHOLE_COLS");
+    if (!e) return 0;
+    char *end;
+    long c = strtol(e, &end, 10);
+    if (end == e || *end || c < 0 || c > (1L << 24))
+        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_WHOLE_COLS=%s: not a whole number from 0 to %ld", e, 1L << 24);
+    return (int)c;
+}
+
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, int copy_engines) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
@@ -528,11 +544,12 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     m->tp_chunks = count_asked("MESHTRAIN_TP_CHUNKS", TP_CHUNKS);
     m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
+    (void)tensor_parallel_whole_cols();
     g_fused.asked = tensor_parallel_fused_mode(mesh->tp_size, !ops_host_memory());
     if (g_fused.asked) {
         m->tp.fused_sum_begin = fused_sum_begin;
         m->tp.fused_gather_begin = fused_gather_begin;
-        m->tp.gather_whole = g_fused.asked == 3;
+        m->tp.gather_whole_cols = g_fused.asked == 3 ? INT_MAX : tensor_parallel_whole_cols();
     }
     if (copy_engines) {
         m->tp.alloc = tp_alloc;

@@ -54,6 +54,10 @@ unsigned long long tensor_parallel_fused_count(void);
 size_t tensor_parallel_buffer_extra(size_t bytes);
 /* Whether such buffers were mapped (the fused gathers then write straight into them). */
 int tensor_parallel_gathers_direct(void);
+/* MESHTRAIN_TP_WHOLE_COLS (default 0): under the fused modes the products after a gather with
+ * at most that many output columns run once on all rows (ModelTp's gather_whole_cols); a
+ * malformed value ends the run (exit 2). */
+int tensor_parallel_whole_cols(void);
 /* Frees it (collective over the tp group). */
 void tensor_parallel_fused_close(void);
 #endif

@@ -165,6 +165,8 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         e->acts += n * wb;
         if (mapped) pages += n * tensor_parallel_buffer_extra(wb);
     }
+    /* the ops' scratch is a micro-batch's (rmsnorm's partials and attention's terms grow with B) */
+    if (e->gpu) e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, &e->attn_elsewhere);
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     if (e->ce_tp && training)
         e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));

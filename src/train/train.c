@@ -194,6 +194,7 @@ int cmd_train(Config *c) {
      * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
      * NCCL kernels a peer may be waiting for, must not wait behind it. */
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
+    (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
     if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, gpu)))
         setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     comm_world_init(&world, c->comm_timeout);
@@ -405,6 +406,9 @@ int cmd_train(Config *c) {
                                    "into their memory, CUDA IPC)"
                                  : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
                                    "by copy engine into their memory, CUDA IPC)", fused_mode);
+    if (lead && tp_fused && tensor_parallel_whole_cols() && fused_mode != 3)
+        printf("tensor parallel: the products after a gather with at most %d output columns run once on all rows "
+               "(MESHTRAIN_TP_WHOLE_COLS)\n", tensor_parallel_whole_cols());
     if (lead && tp_fused && gpu)
         printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
                    ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"
@@ -490,6 +494,9 @@ int cmd_train(Config *c) {
                                "one machine, with peer access)"
                              : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
                                "machine, with peer access and 64-bit stream memory operations)");
+        if (lead && gpu && pp_ce && took[1] && comm_p2p_skip_copies())
+            printf("pipeline send/receive: MESHTRAIN_PP_SKIP_COPIES=1: the messages are NOT copied (a timing "
+                   "experiment: this run's results are wrong)\n");
     }
     int stopped = 0, done = start;
     /* The losses are summed over every rank that must agree on stopping at a non-finite one:
