@@ -8,7 +8,8 @@
 # beside the copy-engine all-gathers, each against one GPU, the header saying fused; modes 2
 # (staging and copy engines), 3 (whole products, then copy engines) and 4 (the sums' products
 # in groups of two blocks) alike, and mode 2 with MESHTRAIN_TP_WHOLE_COLS=48 (the backward's
-# narrow products after a gather run whole), the gathers
+# narrow products after a gather run whole) and with MESHTRAIN_TP_KEEP_GATHERED=1 (the forward's
+# gathered norm outputs kept for the backward: at NP=2 bitwise mode 2's run), the gathers
 # (without MESHTRAIN_TP_CE) straight into the other ranks' buffers, as the header says.
 # Usage: NP=2 [ONLY=regex of case names] bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
@@ -17,14 +18,14 @@ M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 gra
 run() {  # run OUT NPROC ENVS KEYS...
   local out=$1 np=$2 envs=$3; shift 3
   if [ "$np" = 1 ]; then env $envs "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
-  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS \
+  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS -x MESHTRAIN_TP_KEEP_GATHERED \
          "$BIN" train "$@" comm_timeout=60 out_dir="$out" progress=false >"$out.log" 2>&1; fi
 }
 run "$TMP/one" 1 "" $M batch_size=$((NP * B))
 while IFS='|' read -r name envs keys path; do
   [[ $name =~ ${ONLY:-.} ]] || continue
   out=$TMP/$name
-  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 MESHTRAIN_TP_WHOLE_COLS=0 $envs" $M batch_size=$((NP * B)) \
+  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 MESHTRAIN_TP_WHOLE_COLS=0 MESHTRAIN_TP_KEEP_GATHERED=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
      grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
      { [[ $envs != *FUSED=[1234]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; } &&
@@ -51,11 +52,17 @@ fused4_sp|MESHTRAIN_TP_FUSED=4|sequence_parallel=true|NCCL kernels
 fused4_no_sp|MESHTRAIN_TP_FUSED=4|sequence_parallel=false|NCCL kernels
 fused4_ac|MESHTRAIN_TP_FUSED=4|activation_checkpointing=true|NCCL kernels
 fused2_whole48|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=48|sequence_parallel=true|NCCL kernels
+fused2_keep|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|sequence_parallel=true|NCCL kernels
+fused2_keep_ac|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|activation_checkpointing=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ] && [ -z "${ONLY:-}" ]; then
   for sp in sp no_sp; do
     d=$("$DIFF" "$TMP/nccl_$sp/ckpt.bin" "$TMP/ce_${sp}_c1/ckpt.bin" 2>&1)
     [ "$d" = "max_rel_diff 0" ] && ok "tp_ce_bitwise_nccl_$sp" || bad "tp_ce_bitwise_nccl_$sp ($d)"
   done
+fi
+if [ -s "$TMP/fused2_sp/ckpt.bin" ] && [ -s "$TMP/fused2_keep/ckpt.bin" ]; then
+  d=$("$DIFF" "$TMP/fused2_sp/ckpt.bin" "$TMP/fused2_keep/ckpt.bin" 2>&1)
+  [ "$d" = "max_rel_diff 0" ] && ok "tp_keep_gathered_bitwise_fused2" || bad "tp_keep_gathered_bitwise_fused2 ($d)"
 fi
 echo "RESULT $pass $fail"

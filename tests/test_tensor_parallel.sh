@@ -204,6 +204,40 @@ for c in 12 '~1000000'; do
      follows "$TMP/ref_false" "$out"
   then ok "whole_cols_$c"; else bad "whole_cols_$c ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 done
+# -- MESHTRAIN_TP_KEEP_GATHERED=1: each layer's gathered norm outputs kept from the forward for
+# the backward's weight gradients (no gather again there): the same values into the same
+# products, so bitwise the run without it (tp 2 and 4, fused mode 2 at tp 4, activation
+# checkpointing, pp 2 zb1's separate weight pass); the header says so; the estimate grows by
+# the kept buffers ((2 L - 1) N E: they replace the one shared gather buffer); a malformed
+# value is refused
+# name|ranks|MESHTRAIN_TP_FUSED|keys
+while IFS='|' read -r name np mode keys; do
+  skip_sanitized "$name" && continue; name=${name#\~}
+  ok_kg=1
+  for kg in 0 1; do
+    out=$TMP/kg${kg}_$name
+    MESHTRAIN_TP_FUSED=$mode MESHTRAIN_TP_KEEP_GATHERED=$kg $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_KEEP_GATHERED \
+      "$BIN" train $M tie_embeddings=false batch_size=8 $keys out_dir="$out" </dev/null >"$out.log" 2>&1 || ok_kg=0
+  done
+  d=$("$DIFF" "$TMP/kg0_$name/ckpt.bin" "$TMP/kg1_$name/ckpt.bin" 2>&1)
+  if [ $ok_kg = 1 ] && [ "$d" = "max_rel_diff 0" ] && [ "$(losses "$TMP/kg0_$name")" = "$(losses "$TMP/kg1_$name")" ] &&
+     grep -q "^tensor parallel: each layer's gathered norm outputs kept" "$TMP/kg1_$name.log" &&
+     ! grep -q "kept for the backward" "$TMP/kg0_$name.log" && follows "$TMP/ref_false" "$TMP/kg1_$name"
+  then ok "keep_gathered_$name"; else bad "keep_gathered_$name ($d; $(tail -2 "$TMP/kg1_$name.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+tp2|2|0|tensor_parallel_size=2
+~tp4_fused2|4|2|tensor_parallel_size=4
+tp2_activation_checkpointing|2|0|tensor_parallel_size=2 activation_checkpointing=true
+~tp2_pp2_zb1|4|0|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+CASES
+EK="embed_dim=1024 n_heads=8 n_layers=4 context_len=1024 batch_size=4 tensor_parallel_size=2 world_size=2"
+act_mib() { awk '$1 == "activations" {print $2 * ($3 == "GiB" ? 1024 : 1)}'; }
+k0=$(MESHTRAIN_TP_KEEP_GATHERED=0 "$BIN" estimate $EK | act_mib) k1=$(MESHTRAIN_TP_KEEP_GATHERED=1 "$BIN" estimate $EK | act_mib)
+# (2 x 4 - 1) x 4096 rows x 1024 x 4 bytes (fp32 on CPU ranks) = 112 MiB
+awk -v a="$k0" -v b="$k1" 'BEGIN {d = b - a - 112; exit !(a > 0 && d < 0.2 && d > -0.2)}' &&
+  ok "keep_gathered_in_estimate ($k0 -> $k1 MiB)" || bad "keep_gathered_in_estimate ($k0 -> $k1 MiB, expected +112)"
+expect_exit 2 "MESHTRAIN_TP_KEEP_GATHERED=yes: not 0 or 1" bad_tp_keep_gathered_refused -- \
+  env MESHTRAIN_TP_KEEP_GATHERED=yes "$BIN" estimate $EK
 err=$(MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=wide $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS "$BIN" train $M \
       batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_whole" 2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_WHOLE_COLS=wide: not a whole number" <<<"$err" \

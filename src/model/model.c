@@ -370,7 +370,11 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
         F(lse, Ls * B * NH * T); C(mid, Ls * NS * E, nsp); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
         P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
     }
-    if (sp && layers) { C(gath, N * E, 1); C(full, N * E, 1); }
+    if (sp && layers) {
+        if (training && model_tp_keep_gathered()) C(xg, Ls * 2 * N * E, 1);
+        else C(gath, N * E, 1);
+        C(full, N * E, 1);
+    }
     if (head) { C(xf, N * E, sp); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     if (layers) { F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2); }
@@ -499,7 +503,7 @@ void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
-                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full};
+                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full, a->xg};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         if (a->buf_free) a->buf_free(all[i]);
         else op_free(all[i]);
@@ -519,7 +523,7 @@ void acts_free(Acts *a) {
 
 /* Per-layer activation pointers: the layer's input and output in residual slots r and r+1,
  * everything else in layer slot `slot`. */
-typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
+typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; void *xg1, *xg2; } LayerActs;
 
 /* Rows of the residual stream a rank holds for N tokens: all of them, or under sequence
  * parallel its N / tp_size (the rows tp_rank * N / tp_size onwards). */
@@ -534,8 +538,16 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
         .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NS * E),
         .xn2 = act_at(a->xn2, s * NS * E), .rstd2 = a->rstd2 + s * NS, .gu = act_at(a->gu, s * NA * 2 * H),
         .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NS * E),
+        .xg1 = a->xg ? act_at(a->xg, 2 * s * NA * E) : NULL, .xg2 = a->xg ? act_at(a->xg, (2 * s + 1) * NA * E) : NULL,
     };
     return la;
+}
+
+int model_tp_keep_gathered(void) {
+    const char *e = getenv("MESHTRAIN_TP_KEEP_GATHERED");
+    if (!e || !*e || !strcmp(e, "0")) return 0;
+    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_KEEP_GATHERED=%s: not 0 or 1", e);
+    return 1;
 }
 
 /* Tensor parallel's collectives. branch_sum: the sum over the tensor-parallel ranks of what
@@ -650,6 +662,12 @@ static const void *seq_gather(const Model *m, void *buf, const void *part, int N
     const void *whole = seq_gather_begin(m, buf, part, N, &ts);
     tp_join_all(m, &ts);
     return whole;
+}
+/* Where a layer's norm output is gathered: kept for the backward (xg), or the shared scratch */
+static void *gath_of(const Acts *a, void *kept) { return kept ? kept : a->gath; }
+/* The gathered norm output a weight gradient needs: the kept one, or gathered again */
+static const void *gathered(const Model *m, const Acts *a, void *kept, const void *part, int N) {
+    return kept ? kept : seq_gather(m, a->gath, part, N);
 }
 
 /* One matrix product of a layer, to be run a chunk of rows at a time: the forward's
@@ -824,7 +842,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     Tickets ts;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), NS, E, RMS_EPS);
-    const void *xn = seq_gather_begin(m, a->gath, la->xn1, N, &ts);
+    const void *xn = seq_gather_begin(m, gath_of(a, la->xg1), la->xn1, N, &ts);
     product_after(m, &(Product){0, la->qkv, xn, act_at(w, ly->qkv), NULL, E, 3 * Et}, &ts, N);
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
@@ -832,7 +850,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
     product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts, 0);
     tp_join_all(m, &ts);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
-    xn = seq_gather_begin(m, a->gath, la->xn2, N, &ts);
+    xn = seq_gather_begin(m, gath_of(a, la->xg2), la->xn2, N, &ts);
     product_after(m, &(Product){0, la->gu, xn, act_at(w, ly->gate_up), NULL, E, 2 * H}, &ts, N);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
@@ -866,20 +884,20 @@ static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int de
      * gathered while the products before them run (begun after d's gathers, needed first) */
     Tickets td, gx = {.n = 0, .rot = 0};
     const void *d = seq_gather_begin(m, a->full, a->dres, N, &td);
-    if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
+    if (!defer && !la->xg2) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
     product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);
     op_matmul_backward(NULL, st_at(g, ly->down), d, la->hsw, NULL, N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, &gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? gath_of(a, la->xg2) : la->xn2, &gx,
                       act_at(w, ly->gate_up), N, E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
     d = seq_gather_begin(m, a->full, a->dres, N, &td);
-    if (!defer) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
+    if (!defer && !la->xg1) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
     product_after(m, &(Product){1, a->datt, d, act_at(w, ly->att_out), NULL, Et, E}, &td, N);
     op_matmul_backward(NULL, st_at(g, ly->att_out), d, la->att, NULL, N, Et, E);
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? a->gath : la->xn1, &gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? gath_of(a, la->xg1) : la->xn1, &gx,
                       act_at(w, ly->qkv), N, E, 3 * Et);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
@@ -889,8 +907,8 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
-    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
-    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, seq_gather(m, a->gath, la->xn1, N), NULL, N, E, 3 * Et);
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, gathered(m, a, la->xg2, la->xn2, N), NULL, N, E, 2 * H);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, gathered(m, a, la->xg1, la->xn1, N), NULL, N, E, 3 * Et);
 }
 
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
@@ -1207,10 +1225,10 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
         HOOK(h, grad_begin, u);
         void *g = unit_grads(m, u);
         op_matmul_backward(NULL, st_at(g, ly->down), wg.dout, la.hsw, NULL, N, H, E);
-        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, seq_gather(m, a->gath, la.xn2, N), NULL, N, E, 2 * H);
+        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, gathered(m, a, la.xg2, la.xn2, N), NULL, N, E, 2 * H);
         op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, NS, E);
         op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, Et, E);
-        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, seq_gather(m, a->gath, la.xn1, N), NULL, N, E, 3 * Et);
+        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, gathered(m, a, la.xg1, la.xn1, N), NULL, N, E, 3 * Et);
         op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, NS, E);
         HOOK(h, grad_ready, u);
     }

@@ -270,8 +270,10 @@ typedef struct {
     float *losses;          /* [N] */
     void *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
     /* sequence parallel: [N, E] scratch for a gathered norm output (gath) and for a
-     * product's partial sum or a gathered gradient (full) */
-    void *gath, *full;
+     * product's partial sum or a gathered gradient (full); with model_tp_keep_gathered, each
+     * layer's two gathered norm outputs kept for the backward's weight gradients (xg, [2 N, E]
+     * a layer slot) in place of gath */
+    void *gath, *full, *xg;
     float *rope_cos, *rope_sin;
     size_t bytes;
     void (*buf_free)(void *p);  /* frees the buffers where ModelTp's alloc made some (NULL: op_free) */
@@ -359,6 +361,12 @@ int model_tp_chunks(const Model *m, size_t N);
  * the largest count up to it that divides N); 1 at tp_size 1, under sequence parallel, or
  * where 1 was asked. */
 int model_tp_groups(const Model *m, size_t N);
+/* MESHTRAIN_TP_KEEP_GATHERED=1 (an A/B knob for the GPU benchmarks; default 0): under
+ * sequence parallel, training keeps each layer's gathered norm outputs (2 N x E a layer slot,
+ * Acts' xg) from the forward for the weight gradients of qkv and gate_up, which then gather
+ * nothing again in the backward (two of a layer's six collectives there), for that memory.
+ * The memory estimate counts it (acts_plan). Another value than 0 or 1 ends the run (exit 2). */
+int model_tp_keep_gathered(void);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is

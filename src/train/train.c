@@ -406,6 +406,9 @@ int cmd_train(Config *c) {
                                    "into their memory, CUDA IPC)"
                                  : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
                                    "by copy engine into their memory, CUDA IPC)", fused_mode);
+    if (lead && mesh.tp_size > 1 && m.sp && model_tp_keep_gathered())
+        printf("tensor parallel: each layer's gathered norm outputs kept for the backward's weight gradients "
+               "(MESHTRAIN_TP_KEEP_GATHERED=1)\n");
     if (lead && tp_fused && tensor_parallel_whole_cols() && fused_mode != 3)
         printf("tensor parallel: the products after a gather with at most %d output columns run once on all rows "
                "(MESHTRAIN_TP_WHOLE_COLS)\n", tensor_parallel_whole_cols());
