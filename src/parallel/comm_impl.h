@@ -90,6 +90,13 @@ void p2p_after_compute(const Comm *c, cudaStream_t s, cudaEvent_t ev, const char
  * and ipc_agreed whether every rank's ok is nonzero (the MIN over c). */
 int ipc_group_possible(const Comm *c, const char *what);
 int ipc_agreed(const Comm *c, int ok, const char *what);
+/* Every rank's block `mine` (cuda_malloc, whole pages) mapped by every other rank of c
+ * (collective): each writes a token of its own at mine + token_at (8 bytes the caller keeps
+ * for it, after its counters, which it has zeroed), publishes its handle, the token and
+ * token_at, and opens the others', checking each mapping shows the token where its owner put
+ * it. Returns 1 where every rank did (blocks[i]: rank i's block as this rank addresses it,
+ * blocks[c->rank] = mine); else closes what it opened and returns 0 (mine stays the caller's). */
+int ipc_map_blocks(const Comm *c, char *mine, size_t token_at, char **blocks, const char *what);
 void ipc_wait64(void *stream, const void *ctr, uint64_t v, const Comm *c, const char *what);
 void ipc_write64(void *stream, void *ctr, uint64_t v, const Comm *c, const char *what);
 

@@ -114,6 +114,36 @@ int ipc_group_possible(const Comm *c, const char *what) {
     return ipc_agreed(c, ok, what);
 }
 
+int ipc_map_blocks(const Comm *c, char *mine, size_t token_at, char **blocks, const char *what) {
+    typedef struct { cudaIpcMemHandle_t h; uint64_t token, at; } Ex;
+    Ex *x = xcalloc((size_t)c->size, sizeof *x);
+    x[c->rank].token = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)mine ^ 0x9e3779b97f4a7c15u;
+    x[c->rank].at = token_at;
+    cchk(cudaMemcpy(mine + token_at, &x[c->rank].token, 8, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
+    cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (the counters zeroed before too) */
+    cchk(cudaIpcGetMemHandle(&x[c->rank].h, mine), c, what, "cudaIpcGetMemHandle");
+    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
+    int ok = 1;
+    for (int i = 0; i < c->size; i++) {
+        blocks[i] = i == c->rank ? mine : NULL;
+        if (i == c->rank || !ok) continue;
+        void *p = NULL;
+        uint64_t seen = 0;
+        if (cudaIpcOpenMemHandle(&p, x[i].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess) {
+            blocks[i] = p;
+            /* the mapping shows the peer's block where its token is */
+            ok = cudaMemcpy(&seen, (char *)p + x[i].at, 8, cudaMemcpyDeviceToHost) == cudaSuccess && seen == x[i].token;
+        } else ok = 0;
+    }
+    cudaGetLastError();
+    free(x);
+    if (ipc_agreed(c, ok, what)) return 1;
+    for (int i = 0; i < c->size; i++)
+        if (i != c->rank && blocks[i]) cudaIpcCloseMemHandle(blocks[i]);
+    cudaGetLastError();
+    return 0;
+}
+
 struct CommIpc {
     const Comm *c;
     const char *what;
@@ -135,36 +165,9 @@ CommIpc *comm_ipc_open(const Comm *c, size_t bytes, int n_ctr, const char *what)
     w->c = c, w->what = what, w->n_ctr = n_ctr, w->ctr_at = data_bytes(bytes);
     w->block = xcalloc((size_t)c->size, sizeof *w->block);
     char *mine = cuda_malloc(comm_ipc_bytes(bytes, n_ctr));
-    w->block[c->rank] = mine;
     /* the counters zeroed (before any peer can write them), the token after them */
-    typedef struct { cudaIpcMemHandle_t h; uint64_t token; } Ex;
-    Ex *x = xcalloc((size_t)c->size, sizeof *x);
-    x[c->rank].token = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)mine ^ 0x9e3779b97f4a7c15u;
-    uint64_t *init = xcalloc((size_t)n_ctr + 1, 8);
-    init[n_ctr] = x[c->rank].token;
-    cchk(cudaMemcpy(mine + w->ctr_at, init, ((size_t)n_ctr + 1) * 8, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
-    free(init);
-    cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");
-    cchk(cudaIpcGetMemHandle(&x[c->rank].h, mine), c, what, "cudaIpcGetMemHandle");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
-    int ok = 1;
-    for (int i = 0; i < c->size; i++) {
-        if (i == c->rank) continue;
-        void *p = NULL;
-        uint64_t seen = 0;
-        if (ok && cudaIpcOpenMemHandle(&p, x[i].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess) {
-            w->block[i] = p;
-            /* the mapping shows the peer's block where its counters are: its token is there */
-            ok = cudaMemcpy(&seen, (char *)p + w->ctr_at + (size_t)n_ctr * 8, 8, cudaMemcpyDeviceToHost) == cudaSuccess &&
-                 seen == x[i].token;
-        } else ok = 0;
-    }
-    cudaGetLastError();
-    free(x);
-    if (!ipc_agreed(c, ok, what)) {
-        for (int i = 0; i < c->size; i++)
-            if (i != c->rank && w->block[i]) cudaIpcCloseMemHandle(w->block[i]);
-        cudaGetLastError();
+    cchk(cudaMemset(mine + w->ctr_at, 0, (size_t)n_ctr * 8), c, what, "cudaMemset");
+    if (!ipc_map_blocks(c, mine, w->ctr_at + (size_t)n_ctr * 8, w->block, what)) {
         cuda_free(mine);
         free(w->block);
         free(w);

@@ -33,7 +33,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include "comm_impl.h"
 #include "util.h"
 
@@ -108,28 +107,14 @@ int p2p_ce_init(const Comm *c, size_t max_bytes) {
     p->slot = slot_bytes((size_t)most);
     p->mine = cuda_malloc(block_bytes(p->recv ? R * p->slot : 0));
     /* the counter zeroed (before the peer can write it), and this block's token beside it */
-    struct { cudaIpcMemHandle_t h; uint64_t ctr[2]; } x[2];
-    memset(x, 0, sizeof x);
-    x[c->rank].ctr[1] = ((uint64_t)getpid() << 20) ^ (uint64_t)(uintptr_t)p->mine ^ 0x9e3779b97f4a7c15u;
-    char *ctr = counter(p, p->mine, p->recv);
-    cchk(cudaMemcpy(ctr, x[c->rank].ctr, sizeof x[0].ctr, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
-    cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (from pageable memory: landed) */
-    cchk(cudaIpcGetMemHandle(&x[c->rank].h, p->mine), c, what, "cudaIpcGetMemHandle");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
-    void *peer = NULL;
-    uint64_t seen[2] = {0, 0};
-    int opened = cudaIpcOpenMemHandle(&peer, x[1 - c->rank].h, cudaIpcMemLazyEnablePeerAccess) == cudaSuccess;
-    /* the mapping shows the peer's block where its counter is: its token is there */
-    opened = opened && cudaMemcpy(seen, counter(p, peer, !p->recv), sizeof seen,
-                                  cudaMemcpyDeviceToHost) == cudaSuccess && seen[1] == x[1 - c->rank].ctr[1];
-    cudaGetLastError();
-    if (!ipc_agreed(c, opened, what)) {
-        if (peer) cudaIpcCloseMemHandle(peer);
+    char *ctr = counter(p, p->mine, p->recv), *blocks[2];
+    cchk(cudaMemset(ctr, 0, 8), c, what, "cudaMemset");
+    if (!ipc_map_blocks(c, p->mine, (size_t)(ctr + 8 - p->mine), blocks, what)) {
         cuda_free(p->mine);
         free(p);
         return 0;
     }
-    p->peer = peer;
+    p->peer = blocks[1 - c->rank];
     for (int i = 0; i < R; i++)
         cchk(cudaEventCreateWithFlags(&p->done[i], cudaEventDisableTiming), c, what, "cudaEventCreate");
     ci->p2p_ce = p;
