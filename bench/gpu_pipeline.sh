@@ -8,7 +8,7 @@
 #   zb1:          NP x one x 3m / (3m + NP - 1)          (ZB-H1 with F = B = W)
 # and the measured bubble (1 - tokens/s / (NP x one)) beside the predicted one; then the
 # peer (torch.distributed.pipelining, PEER_SCHEDS at m in PEER_MS, PEER_COMPILE=1 compiles
-# each block) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
+# each block; the zbv schedule always eager: compiled it gives no result) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
 # kernels (0) and on the copy engines (1: MESHTRAIN_PP_CE=1 on every rank; the row says which
 # path the header reports); default "1" (the default path).
 # Usage: NP=4 MS="8 32" SCHEDS="gpipe 1f1b interleaved zb1" PP_CE="0 1" PEER_SCHEDS="1f1b interleaved zbv" \
@@ -59,10 +59,11 @@ done
 if [ -f "$PEERS/torch_llama_pp.py" ]; then
   for M in $PEER_MS; do
     for sched in $PEER_SCHEDS; do
+      pc=$PEER_COMPILE; [ "$sched" = zbv ] && pc=0  # (the peer's zbv gives no result compiled: session 24)
       p=$(cd "$PEERS" && timeout 150 torchrun --standalone --nproc_per_node="$NP" torch_llama_pp.py embed_dim=1024 \
-          n_heads=8 n_layers=16 batch_size=128 context_len=256 micro_batches=$M schedule=$sched compile=$PEER_COMPILE \
+          n_heads=8 n_layers=16 batch_size=128 context_len=256 micro_batches=$M schedule=$sched compile=$pc \
           steps=$STEPS 2>&1 | grep '^{' | tail -1)
-      row "peer pp=$NP $sched m=$M (compile=$PEER_COMPILE)" "$(field tokens_per_s "$p")" "-" "-" \
+      row "peer pp=$NP $sched m=$M (compile=$pc)" "$(field tokens_per_s "$p")" "-" "-" \
         "$(grep -o '"peak[a-z_]*": *[0-9.]*' <<<"$p" | head -1)"
     done
   done
