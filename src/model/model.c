@@ -543,12 +543,7 @@ static LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
     return la;
 }
 
-int model_tp_keep_gathered(void) {
-    const char *e = getenv("MESHTRAIN_TP_KEEP_GATHERED");
-    if (!e || !*e || !strcmp(e, "0")) return 0;
-    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_KEEP_GATHERED=%s: not 0 or 1", e);
-    return 1;
-}
+int model_tp_keep_gathered(void) { return env_flag("MESHTRAIN_TP_KEEP_GATHERED", 0); }
 
 /* Tensor parallel's collectives. branch_sum: the sum over the tensor-parallel ranks of what
  * each computed from its own heads or FFN units (Megatron-LM's g in the forward, after

@@ -478,17 +478,18 @@ void tensor_parallel_fused_close(void) {
     *f = (Fused){0};
 }
 
-/* A count knob: the environment variable `name` (1 to TP_MAX_CHUNKS), else dflt; a malformed
- * value ends the run (exit 2). */
-static int count_asked(const char *name, int dflt) {
+/* A count knob: the environment variable `name` (lo to hi), else dflt; a malformed value ends
+ * the run (exit 2). */
+static int number_asked(const char *name, int dflt, int lo, int hi) {
     const char *e = getenv(name);
     if (!e) return dflt;
     char *end;
     long c = strtol(e, &end, 10);
-    if (end == e || *end || c < 1 || c > TP_MAX_CHUNKS)
-        die_once(EXIT_BAD_INPUT, "%s=%s: not a whole number from 1 to %d", name, e, TP_MAX_CHUNKS);
+    if (end == e || *end || c < lo || c > hi)
+        die_once(EXIT_BAD_INPUT, "%s=%s: not a whole number from %d to %d", name, e, lo, hi);
     return (int)c;
 }
+static int count_asked(const char *name, int dflt) { return number_asked(name, dflt, 1, TP_MAX_CHUNKS); }
 
 /* The chunks asked for: MESHTRAIN_TP_CHUNKS (an A/B knob for the GPU benchmarks, not a run
  * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. 1, as
@@ -525,15 +526,7 @@ static void *tp_alloc(void *ctx, size_t bytes) { return comm_alloc(ctx, bytes); 
  * columns waits for every block and runs once on all rows (ModelTp's gather_whole_cols). At
  * tp 4 the backward's products after a gather (att_out's and down's input gradients, E/4 and
  * H/4 columns) give blocks of few tiles. A malformed value ends the run (exit 2). */
-int tensor_parallel_whole_cols(void) {
-    const char *e = getenv("MESHTRAIN_TP_WHOLE_COLS");
-    if (!e) return 0;
-    char *end;
-    long c = strtol(e, &end, 10);
-    if (end == e || *end || c < 0 || c > (1L << 24))
-        die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_WHOLE_COLS=%s: not a whole number from 0 to %ld", e, 1L << 24);
-    return (int)c;
-}
+int tensor_parallel_whole_cols(void) { return number_asked("MESHTRAIN_TP_WHOLE_COLS", 0, 0, 1 << 24); }
 
 void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, int copy_engines) {
     if (mesh->tp_size == 1) return;
