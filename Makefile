@@ -137,13 +137,16 @@ $(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/g
 
 # A two-GPU probe of tensor parallel's sum without SM-based collectives (built by nvcc, linking
 # cuBLAS and NCCL directly; `make cuda` builds it where both are found).
-PROBES := $(if $(and $(NVCC),$(NCCL_INC),$(NCCL_LIB)),$(BUILD)/bench/tp_fused_probe) $(if $(NVCC),$(BUILD)/bench/ce_p2p_probe)
+PROBES := $(if $(and $(NVCC),$(NCCL_INC),$(NCCL_LIB)),$(BUILD)/bench/tp_fused_probe) $(if $(NVCC),$(BUILD)/bench/ce_p2p_probe $(BUILD)/bench/lt_algos_probe)
 $(BUILD)/bench/tp_fused_probe: bench/tp_fused_probe.cu | $(BUILD)/bench
 	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -I$(NCCL_INC) $< -o $@ -lcublas -L$(NCCL_LIB) \
 	    -Xlinker -rpath,$(NCCL_LIB) -lnccl
 # ... and of how fast each GPU's blocks reach all the others (copy engines against SM stores)
 $(BUILD)/bench/ce_p2p_probe: bench/ce_p2p_probe.cu | $(BUILD)/bench
 	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@
+# ... and of the speed cuBLASLt's first heuristic choice leaves at the step's products
+$(BUILD)/bench/lt_algos_probe: bench/lt_algos_probe.cu | $(BUILD)/bench
+	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
 
 # Everything `make test-gpu` runs, without running it (a build to carry to a GPU machine).
 cuda: $(BUILD)/meshtrain $(TOOLS) $(GPU_TESTS) $(PROBES)

@@ -30,6 +30,9 @@ static void prof_report(void) {
 void ops_profile_reset(void) {
     for (int i = 0; i < g_n_prof; i++) g_prof[i].s = 0, g_prof[i].n = 0;
 }
+int op_tune_matmuls(char *report, size_t len) {
+    return g_ops->tune_matmuls ? g_ops->tune_matmuls(report, len) : -1;
+}
 static void prof_begin(void) {
     if (!g_prof_on) return;
     g_ops->synchronize();

@@ -46,6 +46,11 @@ int ops_host_memory(void);
 void ops_synchronize(void);
 /* MESHTRAIN_PROFILE=1's per-op totals back to zero (the train loop: after the first step) */
 void ops_profile_reset(void);
+/* Between steps, with nothing in flight (the train loop: after the first step): each matmul
+ * shape used so far may take a faster algorithm of the backend's library that gives bitwise
+ * the same results (cuda: src/ops/cuda/matmul_tune.cuh). Writes a one-line report; returns
+ * the shapes changed, or -1 where there is nothing to tune (the cpu, MESHTRAIN_MATMUL_TUNE=0). */
+int op_tune_matmuls(char *report, size_t len);
 /* 1 when the device has run all the work queued so far on the main queue (always on the
  * cpu, whose ops run as they are called). */
 int ops_idle(void);
@@ -424,6 +429,7 @@ typedef struct OpsBackend {
     void (*add)(void *y, const void *x, size_t n);
     void (*sum_parts)(void *y, const void *const *x, int k, size_t n);
     void (*copy_rows)(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
+    int (*tune_matmuls)(char *report, size_t len);  /* NULL: nothing to tune (op_tune_matmuls) */
 } OpsBackend;
 
 extern const OpsBackend ops_backend_cpu;   /* ops_cpu.c */

@@ -39,6 +39,7 @@
 /* util.h cannot be included in C++ (it uses C11's _Noreturn); die() is its error exit,
  * which prefixes "meshtrain: " (and the rank when there are several). */
 extern "C" void die(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+extern "C" int env_flag(const char *name, int dflt); /* util.h: a 0/1 knob, its default when unset */
 
 /* ------------------------------------------------------------------------------------ */
 /* cuBLASLt, opened at cuda_init                                                         */
@@ -118,9 +119,10 @@ static struct {
     cudaEvent_t *ev[2], main_ev;
     int n;
 } g_copy;
-/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment */
+/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment; ct, beta_nz
+ * (the first call's beta was not 0), calls and tuned are for matmul_tune.cuh */
 typedef struct {
-    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td;
+    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td, ct, beta_nz, calls, tuned;
     uint32_t al_a, al_b, al_c, al_d;
     cublasLtMatmulAlgo_t algo;
 } AlgoEntry;
@@ -562,13 +564,56 @@ int cuda_idle(void) {
  * [K, R] with leading dimension K. So every row-major product Y = X W^T is computed as the
  * column-major Y^T = W X^T (see the callers). Each pointer's real alignment is passed to the
  * heuristic (its default assumes 256 bytes), so slices at any float offset work. The chosen
- * algorithm is cached per shape; the heuristic is deterministic, so is the choice. */
+ * algorithm is cached per shape; the heuristic is deterministic, so is the choice. After a
+ * run's first step matmul_tune.cuh may swap it for a faster one of the heuristic's list that
+ * gives bitwise the same results. */
 
 static uint32_t ptr_alignment(const void *p) {
     uintptr_t a = (uintptr_t)p;
     uint32_t al = 256;
     while (al > 2 && a % al) al >>= 1;
     return al;
+}
+
+/* A product's descriptor and its three layouts (the matrices as stored, before op). */
+typedef struct {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+} LtPlan;
+static void lt_plan(LtPlan *p, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, int lda, int ldb,
+                    int ldd, cudaDataType_t tab, cudaDataType_t td, cublasComputeType_t ct) {
+    CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (g.gemm_sms) {
+        int32_t sms = g.gemm_sms;
+        CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+    }
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->la, tab, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->ld, td, m, n, ldd));
+}
+static void lt_plan_free(LtPlan *p) {
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(p->la));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(p->lb));
+    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(p->ld));
+    CUBLAS_CHECK(lt.cublasLtMatmulDescDestroy(p->op));
+}
+/* up to max of the heuristic's algorithms for the plan and the pointers' alignments, best first */
+static int lt_heuristic(const LtPlan *p, const uint32_t al[4], int max, cublasLtMatmulHeuristicResult_t *res) {
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(lt.cublasLtMatmulPreferenceCreate(&pref));
+    uint64_t ws = WORKSPACE_BYTES;
+    CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    const cublasLtMatmulPreferenceAttributes_t which[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; i++)
+        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, which[i], &al[i], sizeof al[i]));
+    int nres = 0;
+    CUBLAS_CHECK(lt.cublasLtMatmulAlgoGetHeuristic(g.lt, p->op, p->la, p->lb, p->ld, p->ld, pref, max, res, &nres));
+    CUBLAS_CHECK(lt.cublasLtMatmulPreferenceDestroy(pref));
+    return nres;
 }
 
 /* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * C, where C is D unless given
@@ -583,19 +628,8 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
     cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
     cudaDataType_t td = d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
     cublasComputeType_t ct = g.tf32 && !g.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t la, lb, ld;
-    CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&op, ct, CUDA_R_32F));
-    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-    CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    if (g.gemm_sms) {
-        int32_t sms = g.gemm_sms;
-        CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
-    }
-    /* layouts describe the matrices as stored (before op) */
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&la, tab, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&ld, td, m, n, ldd));
+    LtPlan p;
+    lt_plan(&p, ta, tb, m, n, k, lda, ldb, ldd, tab, td, ct);
 
     uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_c = ptr_alignment(C), al_d = ptr_alignment(D);
     AlgoEntry *hit = NULL;
@@ -608,45 +642,37 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
             hit = e;
     }
     if (!hit) {
-        cublasLtMatmulPreference_t pref;
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceCreate(&pref));
-        uint64_t ws = WORKSPACE_BYTES;
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
+        const uint32_t al[4] = {al_a, al_b, al_c, al_d};
         cublasLtMatmulHeuristicResult_t res;
-        int nres = 0;
-        CUBLAS_CHECK(lt.cublasLtMatmulAlgoGetHeuristic(g.lt, op, la, lb, ld, ld, pref, 1, &res, &nres));
-        CUBLAS_CHECK(lt.cublasLtMatmulPreferenceDestroy(pref));
-        if (nres < 1)
+        if (lt_heuristic(&p, al, 1, &res) < 1)
             die(1, "cuda: cuBLASLt has no algorithm for the matmul m=%d n=%d k=%d (transa %d transb %d)", m, n, k,
                 (int)ta, (int)tb);
         hit = &g_algos[g_algo_next];
         g_algo_next = (g_algo_next + 1) % ALGO_CACHE;
+        memset(hit, 0, sizeof *hit);
         hit->used = 1;
         hit->ta = (int)ta; hit->tb = (int)tb;
         hit->m = m; hit->n = n; hit->k = k;
         hit->lda = lda; hit->ldb = ldb; hit->ldd = ldd;
         hit->tf32 = g.tf32;
-        hit->tab = (int)tab; hit->td = (int)td;
+        hit->tab = (int)tab; hit->td = (int)td; hit->ct = (int)ct;
+        hit->beta_nz = beta != 0.0f;
         hit->al_a = al_a; hit->al_b = al_b; hit->al_c = al_c; hit->al_d = al_d;
         hit->algo = res.algo;
     }
+    hit->calls++;
     const float alpha = 1.0f;
-    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, op, &alpha, A, la, B, lb, &beta, C, ld, D, ld, &hit->algo, g.workspace,
-                                WORKSPACE_BYTES, g.stream));
+    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, p.op, &alpha, A, p.la, B, p.lb, &beta, C, p.ld, D, p.ld, &hit->algo,
+                                   g.workspace, WORKSPACE_BYTES, g.stream));
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(la));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(lb));
-    CUBLAS_CHECK(lt.cublasLtMatrixLayoutDestroy(ld));
-    CUBLAS_CHECK(lt.cublasLtMatmulDescDestroy(op));
+    lt_plan_free(&p);
 }
 static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
                       const void *B, int ldb, float beta, void *D, int ldd, int d_state) {
     lt_matmul_c(ta, tb, m, n, k, A, lda, B, ldb, beta, NULL, D, ldd, d_state);
 }
+
+#include "cuda/matmul_tune.cuh"
 
 /* ------------------------------------------------------------------------------------ */
 /* the ops (C entry points)                                                              */
@@ -1459,4 +1485,5 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .add = cuda_add,
     .sum_parts = cuda_sum_parts,
     .copy_rows = cuda_copy_rows,
+    .tune_matmuls = cuda_tune_matmuls,
 };
