@@ -10,7 +10,9 @@
 # in groups of two blocks) alike, and mode 2 with MESHTRAIN_TP_WHOLE_COLS=48 (the backward's
 # narrow products after a gather run whole) and with MESHTRAIN_TP_KEEP_GATHERED=1 (the forward's
 # gathered norm outputs kept for the backward: at NP=2 bitwise mode 2's run), the gathers
-# (without MESHTRAIN_TP_CE) straight into the other ranks' buffers, as the header says.
+# (without MESHTRAIN_TP_CE) straight into the other ranks' buffers, as the header says; and
+# MESHTRAIN_TP_HALVES=1 (two halves of rows, interleaved, two fused sums in flight) under modes
+# 1, 2 and 3, with checkpointing and with the kept gathers, the header naming the halves.
 # Usage: NP=2 [ONLY=regex of case names] bash bench/tp_ce_check.sh   (MESHTRAIN_BIN, default build/meshtrain)
 source "$(dirname "$0")/../tests/gpu/lib.sh"
 NP=${NP:-2} B=4
@@ -18,18 +20,19 @@ M="vocab_size=50257 embed_dim=64 n_heads=4 n_layers=2 context_len=64 lr=1e-3 gra
 run() {  # run OUT NPROC ENVS KEYS...
   local out=$1 np=$2 envs=$3; shift 3
   if [ "$np" = 1 ]; then env $envs "$BIN" train "$@" out_dir="$out" progress=false >"$out.log" 2>&1
-  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS -x MESHTRAIN_TP_KEEP_GATHERED \
+  else env $envs mpirun --allow-run-as-root --bind-to none --stdin none -np "$np" -x MESHTRAIN_TP_CE -x MESHTRAIN_TP_CHUNKS -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS -x MESHTRAIN_TP_KEEP_GATHERED -x MESHTRAIN_TP_HALVES \
          "$BIN" train "$@" comm_timeout=60 out_dir="$out" progress=false >"$out.log" 2>&1; fi
 }
 run "$TMP/one" 1 "" $M batch_size=$((NP * B))
 while IFS='|' read -r name envs keys path; do
   [[ $name =~ ${ONLY:-.} ]] || continue
   out=$TMP/$name
-  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 MESHTRAIN_TP_WHOLE_COLS=0 MESHTRAIN_TP_KEEP_GATHERED=0 $envs" $M batch_size=$((NP * B)) \
+  if run "$out" "$NP" "MESHTRAIN_TP_CE=0 MESHTRAIN_TP_CHUNKS=1 MESHTRAIN_TP_FUSED=0 MESHTRAIN_TP_WHOLE_COLS=0 MESHTRAIN_TP_KEEP_GATHERED=0 MESHTRAIN_TP_HALVES=0 $envs" $M batch_size=$((NP * B)) \
        tensor_parallel_size=$NP $keys &&
      grep -q "^tensor parallel collectives: $path" "$out.log" && close "$TMP/one" "$out" &&
      { [[ $envs != *FUSED=[1234]* ]] || grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log"; } &&
-     { [[ $envs != *FUSED=[1234]* || $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; }
+     { [[ $envs != *FUSED=[1234]* || $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; } &&
+     { [[ $envs != *HALVES=1* ]] || grep -q "^tensor parallel: each layer in two halves of rows" "$out.log"; }
   then ok "tp_$name"; else bad "tp_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 nccl_sp||sequence_parallel=true|NCCL kernels
@@ -54,6 +57,11 @@ fused4_ac|MESHTRAIN_TP_FUSED=4|activation_checkpointing=true|NCCL kernels
 fused2_whole48|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=48|sequence_parallel=true|NCCL kernels
 fused2_keep|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|sequence_parallel=true|NCCL kernels
 fused2_keep_ac|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|activation_checkpointing=true|NCCL kernels
+halves2|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_CHUNKS=2|sequence_parallel=true|NCCL kernels
+halves3|MESHTRAIN_TP_FUSED=3 MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_CHUNKS=2|sequence_parallel=true|NCCL kernels
+halves1|MESHTRAIN_TP_FUSED=1 MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_CHUNKS=2|sequence_parallel=true|NCCL kernels
+halves2_ac|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_CHUNKS=2|activation_checkpointing=true|NCCL kernels
+halves2_keep|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_CHUNKS=2 MESHTRAIN_TP_KEEP_GATHERED=1|sequence_parallel=true|NCCL kernels
 CASES
 if [ "$NP" = 2 ] && [ -z "${ONLY:-}" ]; then
   for sp in sp no_sp; do

@@ -230,6 +230,45 @@ tp2|2|0|tensor_parallel_size=2
 tp2_activation_checkpointing|2|0|tensor_parallel_size=2 activation_checkpointing=true
 ~tp2_pp2_zb1|4|0|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 CASES
+# -- MESHTRAIN_TP_HALVES=1: under sequence parallel with the fused sums, the rows as two halves
+# whose sections interleave (each half's sums and gathers fused, two sums in flight): the run
+# follows the one-process run (tp 2 and 4, modes 1 to 4, tied, activation checkpointing, the
+# kept gathers, FSDP over dp, pp 2 zb1) and its header says so; it is refused without sequence
+# parallel or without the fused sums, or with another chunk count
+# name|ranks|environment|batch_size per data-parallel rank|keys
+while IFS='|' read -r name np envs b keys; do
+  skip_sanitized "$name" && continue; name=${name#\~}
+  out=$TMP/halves_$name tied=false
+  [[ $name == *_tied ]] && tied=true
+  if env $envs MESHTRAIN_TP_HALVES=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_HALVES -x MESHTRAIN_TP_KEEP_GATHERED \
+       "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
+     grep -q "^tensor parallel: each layer in two halves of rows" "$out.log" &&
+     grep -q "^tensor parallel: each collective in 2 chunks" "$out.log" && follows "$TMP/ref_$tied" "$out"
+  then ok "halves_$name"; else bad "halves_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done <<'CASES'
+tp2_fused2|2|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2
+tp4_fused2|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=4
+~tp4_fused2_tied|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=4
+~tp4_fused3|4|MESHTRAIN_TP_FUSED=3|8|tensor_parallel_size=4
+~tp2_fused1|2|MESHTRAIN_TP_FUSED=1|8|tensor_parallel_size=2
+~tp4_fused4|4|MESHTRAIN_TP_FUSED=4|8|tensor_parallel_size=4
+tp2_activation_checkpointing|2|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 activation_checkpointing=true
+~tp2_keep_gathered|2|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|8|tensor_parallel_size=2
+~tp2_dp2_fsdp|4|MESHTRAIN_TP_FUSED=2|4|tensor_parallel_size=2 fsdp=true
+tp2_pp2_zb1|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+CASES
+# name|environment|keys|message
+while IFS='|' read -r name envs keys msg; do
+  err=$(env $envs $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_HALVES -x MESHTRAIN_TP_CHUNKS "$BIN" train $M batch_size=8 \
+        tensor_parallel_size=2 $keys out_dir="$TMP/bad_halves" 2>&1 >/dev/null </dev/null); rc=$?
+  [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "$msg" <<<"$err" \
+    && ok "halves_refused_$name" || bad "halves_refused_$name (exit $rc: $err)"
+done <<'CASES'
+not_fused|MESHTRAIN_TP_HALVES=1||MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true and the fused sums
+no_sp|MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_FUSED=2|sequence_parallel=false|MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true
+chunks|MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_CHUNKS=4||MESHTRAIN_TP_CHUNKS=4 asks for another count
+malformed|MESHTRAIN_TP_HALVES=yes MESHTRAIN_TP_FUSED=2||MESHTRAIN_TP_HALVES=yes: not 0 or 1
+CASES
 EK="embed_dim=1024 n_heads=8 n_layers=4 context_len=1024 batch_size=4 tensor_parallel_size=2 world_size=2"
 act_mib() { awk '$1 == "activations" {print $2 * ($3 == "GiB" ? 1024 : 1)}'; }
 k0=$(MESHTRAIN_TP_KEEP_GATHERED=0 "$BIN" estimate $EK | act_mib) k1=$(MESHTRAIN_TP_KEEP_GATHERED=1 "$BIN" estimate $EK | act_mib)

@@ -623,7 +623,14 @@ static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Ticket
     }
     for (int j = 0; j < k.c; j++) ts->t[ts->n++] = branch_sum_chunk(m, &k, dst, src, j);
 }
+static void halves_sum(const Model *m, void *dst, void *src, size_t N);
+static void halves_gather(const Model *m, void *buf, const void *part, size_t N);
+int model_tp_halves(const Model *m, size_t N);
 static void branch_sum(const Model *m, void *dst, void *src, int N) {
+    if (model_tp_halves(m, (size_t)N)) {
+        halves_sum(m, dst, src, (size_t)N);
+        return;
+    }
     Tickets ts;
     branch_sum_begin(m, dst, src, N, &ts);
     tp_join_all(m, &ts);
@@ -653,6 +660,10 @@ static const void *seq_gather_begin(const Model *m, void *buf, const void *part,
     return buf;
 }
 static const void *seq_gather(const Model *m, void *buf, const void *part, int N) {
+    if (model_tp_halves(m, (size_t)N)) {
+        halves_gather(m, buf, part, (size_t)N);
+        return buf;
+    }
     Tickets ts;
     const void *whole = seq_gather_begin(m, buf, part, N, &ts);
     tp_join_all(m, &ts);
@@ -755,6 +766,178 @@ static void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const
     tp_join_all(m, &ts);
 }
 
+/* ---- Two interleaved halves (Model's tp_halves, MESHTRAIN_TP_HALVES=1) ----
+ * Under sequence parallel the N rows are two chunks (tp_chunks 2): half h is rows
+ * [h N/2, (h+1) N/2) of the gathered buffers, and this rank's NS/2 of them lie at h NS/2 of its
+ * own (mine_row). Each collective of a half is one fused sum or gather of its N/2 rows, and
+ * the layer runs each section for half 0, then for half 1 (gather both, then each one's
+ * product; each one's product and sum, then each one's join and norm), so that one half's
+ * transfers travel while the other half's products run, at the sections' seams too, where
+ * today's layer waits (everything after a sum needs it). Products after a gather run on the
+ * half's rows whole. The same ops on the same rows; weight gradients summed over the two
+ * halves. */
+int model_tp_halves(const Model *m, size_t N) {
+    return m->tp_halves && m->sp && m->tp_size > 1 && m->tp.fused_sum_next && m->tp.fused_gather_begin &&
+           model_tp_chunks(m, N) == 2;
+}
+/* Half h of the whole [N, E] of which this rank holds rows `part`, gathered into buf. */
+static void half_gather_begin(const Model *m, void *buf, const void *part, size_t N, int h, Tickets *ts) {
+    size_t E = m->E, n = N / 2, held = n / (size_t)m->tp_size;
+    void *hb = act_at(buf, (size_t)h * n * E);
+    if (part != buf)  /* (part == buf: this rank's rows are in their places already) */
+        op_copy(act_at(hb, (size_t)m->tp_rank * held * E), act_at(part, (size_t)h * held * E), held * E * ops_act_size());
+    ts->n = m->tp.fused_gather_begin(m->tp.ctx, hb, n, E, ts->t);
+    ts->rot = 1;
+    if (!ts->n) {
+        ts->t[ts->n++] = m->tp.allgather_begin(m->tp.ctx, hb, held * E, 0);
+        ts->rot = 0;
+    }
+}
+/* Product p on half h's rows, once its input (gathered under ts) is whole. */
+static void half_product(const Model *m, const Product *p, const Tickets *ts, size_t N, int h) {
+    tp_join_all(m, ts);
+    product_rows(p, (size_t)h * (N / 2), N / 2);
+}
+/* Half h of product p ([N, E] summed into this rank's rows of dst), begun: a fused sum that
+ * may stay pending beside the other half's (fused_sum_next), or the product and a
+ * reduce-scatter where the fused sum declines. */
+static void half_sum_begin(const Model *m, const Product *p, void *dst, size_t N, int h, Tickets *ts, int fill) {
+    size_t E = m->E, n = N / 2, held = n / (size_t)m->tp_size, r0 = (size_t)h * n;
+    size_t ci = (size_t)(p->bwd ? p->OC : p->C), co = (size_t)(p->bwd ? p->C : p->OC);
+    Product q = *p;
+    q.inp = act_at(p->inp, r0 * ci), q.out = act_at(p->out, r0 * co), q.res = p->res ? act_at(p->res, r0 * co) : NULL;
+    void *d = act_at(dst, (size_t)h * held * E);
+    ts->n = ts->rot = 0;
+    long t = m->tp.fused_sum_next(m->tp.ctx, fused_rows, &q, sizeof q, d, n, E, 1, fill);
+    if (t == -1) {
+        if (m->tp_rank != 0) q.res = NULL;
+        product_rows(&q, 0, n);
+        t = m->tp.reduce_scatter_begin(m->tp.ctx, q.out, d, held * E);
+    }
+    ts->t[ts->n++] = t;
+}
+
+/* branch_sum's and seq_gather's under tp_halves (the embedding, the head): each half fused */
+static void halves_sum(const Model *m, void *dst, void *src, size_t N) {
+    size_t E = m->E, n = N / 2, held = n / (size_t)m->tp_size;
+    Tickets s[2];
+    for (int h = 0; h < 2; h++) {
+        RowsOf c = {act_at(src, (size_t)h * n * E), E};
+        void *d = act_at(dst, (size_t)h * held * E);
+        s[h].n = 1, s[h].rot = 0;
+        s[h].t[0] = m->tp.fused_sum_next(m->tp.ctx, copy_rows, &c, sizeof c, d, n, E, 1, 0);
+        if (s[h].t[0] == -1) s[h].t[0] = m->tp.reduce_scatter_begin(m->tp.ctx, (void *)c.src, d, held * E);
+    }
+    for (int h = 0; h < 2; h++) tp_join_all(m, &s[h]);
+}
+static void halves_gather(const Model *m, void *buf, const void *part, size_t N) {
+    Tickets g[2];
+    for (int h = 0; h < 2; h++) half_gather_begin(m, buf, part, N, h, &g[h]);
+    for (int h = 0; h < 2; h++) tp_join_all(m, &g[h]);
+}
+
+/* layer_forward's (and its recompute's) under tp_halves */
+static void layer_forward_halves(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T,
+                                 int recompute) {
+    const void *w = unit_weights(m, unit_of_layer(l));
+    const LayerLayout *ly = &m->layer;
+    size_t N = (size_t)B * T, n = N / 2, hs = held_rows(m, N) / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
+    Tickets g[2], s[2];
+    void *gath1 = gath_of(a, la->xg1), *gath2 = gath_of(a, la->xg2);
+    for (int h = 0; h < 2; h++) {
+        op_rmsnorm_forward(act_at(la->xn1, h * hs * E), la->rstd1 + h * hs, act_at(la->x, h * hs * E),
+                           act_at(w, ly->att_norm), (int)hs, (int)E, RMS_EPS);
+        half_gather_begin(m, gath1, la->xn1, N, h, &g[h]);
+    }
+    for (int h = 0; h < 2; h++)
+        half_product(m, &(Product){0, la->qkv, gath1, act_at(w, ly->qkv), NULL, (int)E, (int)(3 * Et)}, &g[h], N, h);
+    op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
+    op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
+    for (int h = 0; h < 2; h++)
+        half_sum_begin(m, &(Product){0, a->full, la->att, act_at(w, ly->att_out), NULL, (int)Et, (int)E}, la->mid, N,
+                       h, &s[h], 0);
+    for (int h = 0; h < 2; h++) {
+        tp_join_all(m, &s[h]);
+        op_add_rmsnorm_forward(act_at(la->mid, h * hs * E), act_at(la->xn2, h * hs * E), la->rstd2 + h * hs,
+                               act_at(la->x, h * hs * E), act_at(w, ly->ffn_norm), (int)hs, (int)E, RMS_EPS);
+        half_gather_begin(m, gath2, la->xn2, N, h, &g[h]);
+    }
+    for (int h = 0; h < 2; h++) {
+        half_product(m, &(Product){0, la->gu, gath2, act_at(w, ly->gate_up), NULL, (int)E, (int)(2 * H)}, &g[h], N, h);
+        op_swiglu_forward(act_at(la->hsw, h * n * H), act_at(la->gu, h * n * 2 * H), (int)n, (int)H);
+        if (!recompute)
+            half_sum_begin(m, &(Product){0, a->full, la->hsw, act_at(w, ly->down), NULL, (int)H, (int)E}, la->out, N,
+                           h, &s[h], 0);
+    }
+    if (recompute) return;
+    for (int h = 0; h < 2; h++) {
+        tp_join_all(m, &s[h]);
+        op_add(act_at(la->out, h * hs * E), act_at(la->mid, h * hs * E), hs * E);
+    }
+}
+
+/* layer_backward's under tp_halves */
+static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
+    const void *w = unit_weights(m, unit_of_layer(l));
+    void *g = unit_grads(m, unit_of_layer(l));
+    const LayerLayout *ly = &m->layer;
+    int B = a->B, T = a->T;
+    size_t N = (size_t)B * T, n = N / 2, hs = held_rows(m, N) / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
+    Tickets td[2], gx[2], s[2];
+    const void *xg2 = gath_of(a, la->xg2), *xg1 = gath_of(a, la->xg1);
+    for (int h = 0; h < 2; h++) {
+        half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
+        gx[h].n = 0;
+        if (!defer && !la->xg2) half_gather_begin(m, a->gath, la->xn2, N, h, &gx[h]);
+    }
+    for (int h = 0; h < 2; h++) {
+        size_t r0 = (size_t)h * n;
+        half_product(m, &(Product){1, a->dh, a->full, act_at(w, ly->down), NULL, (int)H, (int)E}, &td[h], N, h);
+        op_matmul_backward(NULL, st_at(g, ly->down), act_at(a->full, r0 * E), act_at(la->hsw, r0 * H), NULL, (int)n,
+                           (int)H, (int)E);
+        op_swiglu_backward_set(act_at(a->dgu, r0 * 2 * H), act_at(a->dh, r0 * H), act_at(la->gu, r0 * 2 * H), (int)n,
+                               (int)H);
+        half_sum_begin(m, &(Product){1, a->full, a->dgu, act_at(w, ly->gate_up), NULL, (int)E, (int)(2 * H)}, a->dxn,
+                       N, h, &s[h], !defer);
+        if (defer) continue;
+        tp_join_all(m, &gx[h]);
+        op_matmul_backward(NULL, st_at(g, ly->gate_up), act_at(a->dgu, r0 * 2 * H), act_at(xg2, r0 * E), NULL, (int)n,
+                           (int)E, (int)(2 * H));
+    }
+    for (int h = 0; h < 2; h++) {
+        tp_join_all(m, &s[h]);
+        op_rmsnorm_backward(act_at(a->dres, h * hs * E), st_at(g, ly->ffn_norm), act_at(a->dxn, h * hs * E),
+                            act_at(la->mid, h * hs * E), act_at(w, ly->ffn_norm), la->rstd2 + h * hs, (int)hs, (int)E);
+        half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
+    }
+    for (int h = 0; h < 2; h++) {
+        gx[h].n = 0;
+        if (!defer && !la->xg1) half_gather_begin(m, a->gath, la->xn1, N, h, &gx[h]);
+    }
+    for (int h = 0; h < 2; h++) {
+        size_t r0 = (size_t)h * n;
+        half_product(m, &(Product){1, a->datt, a->full, act_at(w, ly->att_out), NULL, (int)Et, (int)E}, &td[h], N, h);
+        op_matmul_backward(NULL, st_at(g, ly->att_out), act_at(a->full, r0 * E), act_at(la->att, r0 * Et), NULL,
+                           (int)n, (int)Et, (int)E);
+    }
+    op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
+                                   m->HD);
+    for (int h = 0; h < 2; h++) {
+        size_t r0 = (size_t)h * n;
+        half_sum_begin(m, &(Product){1, a->full, a->dqkv, act_at(w, ly->qkv), NULL, (int)E, (int)(3 * Et)}, a->dxn, N,
+                       h, &s[h], !defer);
+        if (defer) continue;
+        tp_join_all(m, &gx[h]);
+        op_matmul_backward(NULL, st_at(g, ly->qkv), act_at(a->dqkv, r0 * 3 * Et), act_at(xg1, r0 * E), NULL, (int)n,
+                           (int)E, (int)(3 * Et));
+    }
+    for (int h = 0; h < 2; h++) {
+        tp_join_all(m, &s[h]);
+        op_rmsnorm_backward(act_at(a->dres, h * hs * E), st_at(g, ly->att_norm), act_at(a->dxn, h * hs * E),
+                            act_at(la->x, h * hs * E), act_at(w, ly->att_norm), la->rstd1 + h * hs, (int)hs, (int)E);
+    }
+}
+
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
  * reads, but not the layer's output, which is already in the residual stream. On a
  * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
@@ -832,6 +1015,10 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
         tp_join_all(m, pend);
         pend->n = 0;
     }
+    if (model_tp_halves(m, (size_t)B * T)) {
+        layer_forward_halves(m, a, l, la, B, T, recompute);
+        return;
+    }
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
@@ -865,6 +1052,10 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
  * leaves out the weight gradients of gate_up and qkv, for layer_backward_deferred (their
  * inputs, dgu and dqkv, stay in the scratch until the next layer_backward). */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
+    if (model_tp_halves(m, (size_t)a->B * a->T)) {
+        layer_backward_halves(m, a, l, la, defer);
+        return;
+    }
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;

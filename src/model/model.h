@@ -71,6 +71,11 @@ typedef struct {
     void *ctx;
     long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter, int fill);
+    /* fused_sum_next: fused_sum_begin without joining the sum pending first (at most two
+     * pending, the older then joined first; joining a ticket joins the older ones too): two
+     * halves of the rows, one's sum travelling while the other's product runs (tp_halves) */
+    long (*fused_sum_next)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                           size_t E, int scatter, int fill);
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     int gather_whole_cols;
     void *(*alloc)(void *ctx, size_t bytes);
@@ -130,6 +135,12 @@ typedef struct {
      * with m->tp; 0 or 1: whole), each group's all-reduces travelling beside the next group's
      * products and the group before's FFN (model_tp_groups: the count used for N rows). */
     int tp_groups;
+    /* Under sequence parallel with the fused sums and gathers (MESHTRAIN_TP_HALVES=1, set with
+     * m->tp): the rows as two chunks (tp_chunks 2), and each layer's sections interleaved, so
+     * that one half's sums and gathers travel while the other half's products run (the
+     * products of a half whole, as under MESHTRAIN_TP_FUSED=3). model_tp_halves: whether N rows
+     * run so. */
+    int tp_halves;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -357,6 +368,8 @@ size_t model_stage_rows(const Model *m, const Acts *a);
 /* The chunks tensor parallel's collectives are split into for N rows (Model's tp_chunks,
  * or the largest count below it that divides the rows; 1 at tp_size = 1). */
 int model_tp_chunks(const Model *m, size_t N);
+/* Whether a layer's forward and backward of N rows run in two interleaved halves (tp_halves). */
+int model_tp_halves(const Model *m, size_t N);
 /* The groups of rows the forward runs in for N rows (Model's tp_groups, up to TP_MAX_CHUNKS,
  * the largest count up to it that divides N); 1 at tp_size 1, under sequence parallel, or
  * where 1 was asked. */

@@ -51,11 +51,12 @@ static long begun(CommReq *r) {
 }
 
 static const char FUSED_GATHER[] = "tensor-parallel fused gather";  /* its tickets' name (tp_join) */
-static long g_fused_ticket = -1;  /* the fused sum begun and not yet joined (fused_sum_begin) */
+static int fused_pending(long t);
+static void fused_join_through(long t);
 
 static void tp_join(void *ctx, long t) {
     (void)ctx;
-    if (t == g_fused_ticket) fused_join();
+    if (fused_pending(t)) fused_join_through(t);
     else if (t >= g_done && t < g_next) {
         CommReq *q = &g_req[t % TP_LAG];
         /* on the timeline, the compute stream's waits for a fused gather's rows (as comm_ipc's for the sums) */
@@ -111,21 +112,31 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
  * CPU ranks run the same blocks and parts with MPI messages for the slots, so that the
  * data flow is tested without GPUs. */
 enum { FUSED_TAG = 31000 };  /* above the rings' tags (1..30000, comm_mpi.c) */
+/* A sum begun and not yet joined: at most FUSED_PENDING, joined oldest first (ModelTp's
+ * fused_sum_next lets a second begin before the first is joined: two halves of the rows,
+ * MESHTRAIN_TP_HALVES; the sums' slots, staging and host parts are in two sets, by parity). */
+enum { FUSED_PENDING = 2 };
+typedef struct {
+    TpRowsFn rows;
+    _Alignas(16) char arg[128];
+    void *dst;
+    char *whole;  /* modes 3, 4: the product of every row, in the set of this sum */
+    size_t R, E;  /* rows a block, and their width */
+    int scatter, fill;
+    uint64_t n;   /* its number */
+    long ticket;
+} FusedSum;
 typedef struct {
     int asked, off;  /* tensor_parallel_fused_mode's; off: the GPUs cannot (every rank then sums by collectives) */
     const Comm *c;
     CommIpc *w;       /* GPUs */
-    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received (modes 3, 4: then the whole product) */
+    char *host;       /* CPU ranks, two sets (by the sum's parity) of fused_bytes: t - 1 parts to send, then t - 1
+                       * received (modes 3, 4: then the whole product) */
     char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (modes 3, 4: of t blocks, whole) */
-    char *whole;      /* modes 3, 4: the product of every row, in the set of the sum begun */
     size_t cap;       /* bytes a slot */
     uint64_t n, ng;   /* sums and gathers begun */
-    /* the sum begun and not yet joined */
-    TpRowsFn rows;
-    _Alignas(16) char arg[128];
-    void *dst;
-    size_t R, E;  /* rows a block, and their width */
-    int scatter, fill;
+    FusedSum pend[FUSED_PENDING];  /* the sums begun and not yet joined, oldest first */
+    int npend;
 } Fused;
 static Fused g_fused;
 
@@ -176,10 +187,12 @@ static int fused_fits(const Fused *f, int t, size_t N, size_t E) {
     return !f->off && t <= OPS_SUM_PARTS && N % (size_t)t == 0 && N / (size_t)t * E * ops_act_size() <= f->cap;
 }
 
-/* Where this rank's own rows of the sum go: dst's rows with scatter, else block r of dst. */
-static void *fused_own(const Fused *f, int r) {
-    return f->scatter ? f->dst : (char *)f->dst + (size_t)r * f->R * f->E * ops_act_size();
+/* Where this rank's own rows of sum s go: dst's rows with scatter, else block r of dst. */
+static void *fused_own(const FusedSum *s, int r) {
+    return s->scatter ? s->dst : (char *)s->dst + (size_t)r * s->R * s->E * ops_act_size();
 }
+/* CPU ranks: set b of the host buffer */
+static char *host_set(const Fused *f, uint64_t b) { return f->host + (size_t)b * fused_bytes(f->c->size, f->cap); }
 
 /* Staging slot i of set b (peer r + i's part, 1 <= i < t): its index, which is its fence's too. */
 static int stage_fence(int t, uint64_t b, int i) { return (int)b * (t - 1) + i - 1; }
@@ -205,45 +218,48 @@ static void part_out(const Fused *f, int i, int j, int k, uint64_t n, uint64_t b
  * products of 2 N / t rows, not mode 2's N / t (at tp 4 those ran 1.3-1.8 times slower than
  * the whole, bench/RESULTS.md session 22), and all but the partner's block on their way while
  * the rest is made. */
-static void whole_begin(Fused *f, uint64_t n, uint64_t b, size_t N, size_t bytes) {
+static void whole_begin(Fused *f, FusedSum *s, uint64_t n, uint64_t b, size_t N, size_t bytes) {
     int t = f->c->size, r = f->c->rank;
     int per = f->asked == 4 && t >= 4 && t % 2 == 0 ? 2 : t, G = t / per;  /* blocks a group, groups */
     size_t R = N / (size_t)t;
-    f->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : f->host + 2 * (size_t)(t - 1) * f->cap;
+    s->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : host_set(f, b) + 2 * (size_t)(t - 1) * f->cap;
     for (int gi = 1; gi <= G; gi++) {
         int a = (r / per + gi) % G * per;  /* the group's first block; peer j is r + (j - r + t) % t */
         if (f->w)  /* (its blocks' copies two sums ago are out) */
             for (int j = a; j < a + per; j++)
                 if (j != r) comm_ipc_await(f->w, 0, stage_fence(t, b, (j - r + t) % t));
-        f->rows(f->arg, (size_t)a * R, (size_t)per * R, f->whole + (size_t)a * bytes, NULL, r == 0);
+        s->rows(s->arg, (size_t)a * R, (size_t)per * R, s->whole + (size_t)a * bytes, NULL, r == 0);
         if (!f->w) continue;
         comm_ipc_record(f->w, 0, FENCE_MADE);
         for (int j = a; j < a + per; j++)
             if (j != r) {
                 int i = (j - r + t) % t;
-                part_out(f, i, j, stage_fence(t, b, i), n, b, f->whole + (size_t)j * bytes, bytes);
+                part_out(f, i, j, stage_fence(t, b, i), n, b, s->whole + (size_t)j * bytes, bytes);
             }
     }
 }
 
-static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                            size_t E, int scatter, int fill) {
+static void fused_join_oldest(void);
+/* overlap: leave a sum pending, if any (fused_sum_next); else join it first (fused_sum_begin) */
+static long fused_sum_start(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                            size_t E, int scatter, int fill, int overlap) {
     Fused *f = &g_fused;
     const Comm *c = ctx;
     int t = c->size, r = c->rank;
     size_t R = N / (size_t)t, bytes = R * E * ops_act_size();
-    if (!fused_fits(f, t, N, E) || arg_bytes > sizeof f->arg) return -1;
-    fused_join();  /* (one at a time: the model joins each before the next) */
+    if (!fused_fits(f, t, N, E) || arg_bytes > sizeof f->pend[0].arg) return -1;
+    while (f->npend >= (overlap ? FUSED_PENDING : 1)) fused_join_oldest();
     uint64_t n = f->n++, b = n & 1;
-    f->rows = rows, f->dst = dst, f->R = R, f->E = E, f->scatter = scatter, f->fill = fill;
-    memcpy(f->arg, arg, arg_bytes);
+    FusedSum *s = &f->pend[f->npend];
+    *s = (FusedSum){.rows = rows, .dst = dst, .R = R, .E = E, .scatter = scatter, .fill = fill, .n = n};
+    memcpy(s->arg, arg, arg_bytes);
     if (f->asked >= 3) {
-        whole_begin(f, n, b, N, bytes);
+        whole_begin(f, s, n, b, N, bytes);
     } else if (f->w && f->asked == 1) {
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
             if (n >= 2) comm_ipc_wait(f->w, 0, t + j, n - 1);
-            rows(f->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
+            rows(s->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
             comm_ipc_set(f->w, 0, j, r, n + 1);
         }
     } else if (f->w) {
@@ -252,54 +268,66 @@ static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t ar
             int k = stage_fence(t, b, i);  /* (the staging slot, and its fence) */
             char *st = f->stage + (size_t)k * f->cap;
             comm_ipc_await(f->w, 0, k);  /* its copy two sums ago is out */
-            rows(f->arg, (size_t)j * R, R, st, NULL, r == (j + 1) % t);
+            rows(s->arg, (size_t)j * R, R, st, NULL, r == (j + 1) % t);
             comm_ipc_record(f->w, 0, FENCE_MADE);
             part_out(f, i, j, k, n, b, st, bytes);
         }
         /* with nothing queued before the join, this rank's own rows now, while the parts travel */
-        if (!fill) rows(f->arg, (size_t)r * R, R, fused_own(f, r), NULL, 0);
+        if (!fill) rows(s->arg, (size_t)r * R, R, fused_own(s, r), NULL, 0);
     }
     if (!f->w) {  /* CPU ranks: each part as a message (modes 3, 4: a block of the whole product) */
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
+        char *h = host_set(f, b);
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
-            char *out = f->host + (size_t)(i - 1) * f->cap, *in = f->host + (size_t)(t - 2 + i) * f->cap;
+            char *out = h + (size_t)(i - 1) * f->cap, *in = h + (size_t)(t - 2 + i) * f->cap;
             comm_irecv(c, in, bytes, (r - i + t) % t, FUSED_TAG, &q[t - 2 + i], "tensor-parallel fused sum");
-            if (f->asked >= 3) out = f->whole + (size_t)j * bytes;
-            else rows(f->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
+            if (f->asked >= 3) out = s->whole + (size_t)j * bytes;
+            else rows(s->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
             comm_isend(c, out, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
         }
         for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
         free(q);
     }
     CommReq *q = next_slot();  /* (inactive: the join's ticket carries the wait) */
-    g_fused_ticket = begun(q);
-    return g_fused_ticket;
+    s->ticket = begun(q);
+    f->npend++;
+    return s->ticket;
+}
+static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                            size_t E, int scatter, int fill) {
+    return fused_sum_start(ctx, rows, arg, arg_bytes, dst, N, E, scatter, fill, 0);
+}
+static long fused_sum_next(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                           size_t E, int scatter, int fill) {
+    return fused_sum_start(ctx, rows, arg, arg_bytes, dst, N, E, scatter, fill, 1);
 }
 
 static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk);
-/* The join of the sum begun (nothing if none is): this rank's own block. */
-static void fused_join(void) {
+/* The join of the oldest sum pending: this rank's own block. */
+static void fused_join_oldest(void) {
     Fused *f = &g_fused;
-    if (g_fused_ticket < 0) return;
-    g_fused_ticket = -1;
+    if (!f->npend) return;
+    FusedSum sum = f->pend[0], *s = &sum;
+    for (int i = 1; i < f->npend; i++) f->pend[i - 1] = f->pend[i];
+    f->npend--;
     const Comm *c = f->c;
     int t = c->size, r = c->rank;
-    uint64_t n = f->n - 1, b = n & 1;
-    size_t R = f->R, E = f->E, own_row = (size_t)r * R;
-    void *own = fused_own(f, r);
+    uint64_t n = s->n, b = n & 1;
+    size_t R = s->R, E = s->E, own_row = (size_t)r * R;
+    void *own = fused_own(s, r);
     /* part of source s (i = s - r mod t: 1 .. t - 1), as received */
     #define PART(i) (f->w ? comm_ipc_block(f->w, r) + fused_slot(t, r, (r + (i)) % t, b) \
-                          : f->host + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
+                          : host_set(f, b) + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    int made = f->asked >= 3 || (f->w && f->asked == 2 && !f->fill);  /* (the own rows made at the begin) */
+    int made = f->asked >= 3 || (f->w && f->asked == 2 && !s->fill);  /* (the own rows made at the begin) */
     /* the own rows (modes 3, 4: in the whole product) and the parts not yet added, in one pass */
     const void *parts[OPS_SUM_PARTS];
     int k = 0;
-    parts[k++] = f->asked >= 3 ? f->whole + own_row * E * ops_act_size() : own;
-    if (!made) f->rows(f->arg, own_row, R, own, PART(1), 0);
+    parts[k++] = f->asked >= 3 ? s->whole + own_row * E * ops_act_size() : own;
+    if (!made) s->rows(s->arg, own_row, R, own, PART(1), 0);
     for (int i = made ? 1 : 2; i < t; i++) parts[k++] = PART(i);
     if (k > 1 || parts[0] != own) op_sum_parts(own, parts, k, R * E);
     #undef PART
@@ -310,13 +338,26 @@ static void fused_join(void) {
         comm_ipc_mark(f->w, 0, q, "tensor-parallel fused sum");
         begun(q);
     }
-    if (f->scatter) return;
+    if (s->scatter) return;
     /* without sequence parallel every rank needs every block: gathered by copy engine */
     long tk[TP_MAX_CHUNKS];
-    if (t <= TP_MAX_CHUNKS && fused_gather_begin((void *)c, f->dst, R * t, E, tk)) {
+    if (t <= TP_MAX_CHUNKS && fused_gather_begin((void *)c, s->dst, R * t, E, tk)) {
         for (int i = 0; i < t; i++)
             if (tk[i] >= 0) tp_join(NULL, tk[i]);
-    } else tp_join(NULL, tp_allgather_begin((void *)c, f->dst, R * E, 0));
+    } else tp_join(NULL, tp_allgather_begin((void *)c, s->dst, R * E, 0));
+}
+/* every sum pending */
+static void fused_join(void) {
+    while (g_fused.npend) fused_join_oldest();
+}
+static int fused_pending(long t) {
+    for (int i = 0; i < g_fused.npend; i++)
+        if (g_fused.pend[i].ticket == t) return 1;
+    return 0;
+}
+/* the pending sums up to and including ticket t's, oldest first */
+static void fused_join_through(long t) {
+    while (fused_pending(t)) fused_join_oldest();
 }
 
 /* ---- Buffers every rank of the group maps: ModelTp's alloc under the fused modes on GPUs
@@ -451,7 +492,7 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     f->c = &mesh->tp;
     f->cap = fused_cap(t, N, (size_t)m->E, ops_act_size());
     if (ops_host_memory()) {
-        f->host = xmalloc(fused_bytes(t, f->cap));
+        f->host = xmalloc(2 * fused_bytes(t, f->cap));  /* (two sets: host_set) */
         return 1;
     }
     f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), CTR_SETS * t, "tensor-parallel fused sums");
@@ -539,8 +580,21 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
     (void)tensor_parallel_whole_cols();
     g_fused.asked = tensor_parallel_fused_mode(mesh->tp_size, !ops_host_memory());
+    /* MESHTRAIN_TP_HALVES=1 (an A/B knob, like MESHTRAIN_TP_CHUNKS; default 0): Model's
+     * tp_halves, the rows as two chunks; it needs sequence parallel and the fused sums */
+    if (env_flag("MESHTRAIN_TP_HALVES", 0)) {
+        if (!m->sp || !g_fused.asked)
+            die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true and the fused sums "
+                                     "(MESHTRAIN_TP_FUSED=1 to 4; on CPU ranks they are off unless asked for)");
+        if (getenv("MESHTRAIN_TP_CHUNKS") && m->tp_chunks != 2)
+            die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_HALVES=1 runs the rows as 2 chunks: MESHTRAIN_TP_CHUNKS=%s asks "
+                                     "for another count", getenv("MESHTRAIN_TP_CHUNKS"));
+        m->tp_halves = 1;
+        m->tp_chunks = 2;
+    }
     if (g_fused.asked) {
         m->tp.fused_sum_begin = fused_sum_begin;
+        m->tp.fused_sum_next = fused_sum_next;
         m->tp.fused_gather_begin = fused_gather_begin;
         m->tp.gather_whole_cols = g_fused.asked == 3 ? INT_MAX : tensor_parallel_whole_cols();
     }

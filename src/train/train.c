@@ -424,6 +424,9 @@ int cmd_train(Config *c) {
         if (groups > 1)
             printf("tensor parallel: the forward in %d groups of %zu rows, each group's all-reduces beside the next "
                    "group's products (MESHTRAIN_TP_OVERLAP=%d)\n", groups, a.N / (size_t)groups, m.tp_groups);
+        if (model_tp_halves(&m, a.N))
+            printf("tensor parallel: each layer in two halves of rows, interleaved: one half's sums and gathers "
+                   "travel while the other half's products run (MESHTRAIN_TP_HALVES=1)\n");
     }
     /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
     if (lead && mesh.tp_size > 1 && (gpu || tensor_parallel_ce_asked()))
