@@ -876,15 +876,33 @@ static void layer_forward_halves(const Model *m, const Acts *a, int l, const Lay
     }
 }
 
+/* input_then_weight's for half h: the sum of dout @ w into the rank's rows of a->dxn begun
+ * (s), then dw += dout^T @ inp on the half (inp gathered under gx; dw NULL: deferred). */
+static void half_input_then_weight(const Model *m, Acts *a, void *dw, const void *dout, const void *inp,
+                                   const Tickets *gx, const void *w, size_t N, int h, int C, int OC, Tickets *s) {
+    size_t n = N / 2, r0 = (size_t)h * n;
+    half_sum_begin(m, &(Product){1, a->full, dout, w, NULL, C, OC}, a->dxn, N, h, s, dw != NULL);
+    if (!dw) return;
+    tp_join_all(m, gx);
+    op_matmul_backward(NULL, dw, act_at(dout, r0 * (size_t)OC), act_at(inp, r0 * (size_t)C), NULL, (int)n, C, OC);
+}
+/* Half h of a norm's backward once its output gradient's sum (s) is in a->dxn: into dres. */
+static void half_norm_backward(const Model *m, Acts *a, const Tickets *s, void *dw, const void *x, const void *w,
+                               const float *rstd, size_t N, int h) {
+    size_t E = m->E, hs = held_rows(m, N) / 2, o = (size_t)h * hs * E;
+    tp_join_all(m, s);
+    op_rmsnorm_backward(act_at(a->dres, o), dw, act_at(a->dxn, o), act_at(x, o), w, rstd + (size_t)h * hs, (int)hs,
+                        (int)E);
+}
+
 /* layer_backward's under tp_halves */
 static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int B = a->B, T = a->T;
-    size_t N = (size_t)B * T, n = N / 2, hs = held_rows(m, N) / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
+    size_t N = (size_t)B * T, n = N / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
     Tickets td[2], gx[2], s[2];
-    const void *xg2 = gath_of(a, la->xg2), *xg1 = gath_of(a, la->xg1);
     for (int h = 0; h < 2; h++) {
         half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
         gx[h].n = 0;
@@ -897,17 +915,11 @@ static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la,
                            (int)H, (int)E);
         op_swiglu_backward_set(act_at(a->dgu, r0 * 2 * H), act_at(a->dh, r0 * H), act_at(la->gu, r0 * 2 * H), (int)n,
                                (int)H);
-        half_sum_begin(m, &(Product){1, a->full, a->dgu, act_at(w, ly->gate_up), NULL, (int)E, (int)(2 * H)}, a->dxn,
-                       N, h, &s[h], !defer);
-        if (defer) continue;
-        tp_join_all(m, &gx[h]);
-        op_matmul_backward(NULL, st_at(g, ly->gate_up), act_at(a->dgu, r0 * 2 * H), act_at(xg2, r0 * E), NULL, (int)n,
-                           (int)E, (int)(2 * H));
+        half_input_then_weight(m, a, defer ? NULL : st_at(g, ly->gate_up), a->dgu, gath_of(a, la->xg2), &gx[h],
+                               act_at(w, ly->gate_up), N, h, (int)E, (int)(2 * H), &s[h]);
     }
     for (int h = 0; h < 2; h++) {
-        tp_join_all(m, &s[h]);
-        op_rmsnorm_backward(act_at(a->dres, h * hs * E), st_at(g, ly->ffn_norm), act_at(a->dxn, h * hs * E),
-                            act_at(la->mid, h * hs * E), act_at(w, ly->ffn_norm), la->rstd2 + h * hs, (int)hs, (int)E);
+        half_norm_backward(m, a, &s[h], st_at(g, ly->ffn_norm), la->mid, act_at(w, ly->ffn_norm), la->rstd2, N, h);
         half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
     }
     for (int h = 0; h < 2; h++) {
@@ -922,20 +934,11 @@ static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la,
     }
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    for (int h = 0; h < 2; h++) {
-        size_t r0 = (size_t)h * n;
-        half_sum_begin(m, &(Product){1, a->full, a->dqkv, act_at(w, ly->qkv), NULL, (int)E, (int)(3 * Et)}, a->dxn, N,
-                       h, &s[h], !defer);
-        if (defer) continue;
-        tp_join_all(m, &gx[h]);
-        op_matmul_backward(NULL, st_at(g, ly->qkv), act_at(a->dqkv, r0 * 3 * Et), act_at(xg1, r0 * E), NULL, (int)n,
-                           (int)E, (int)(3 * Et));
-    }
-    for (int h = 0; h < 2; h++) {
-        tp_join_all(m, &s[h]);
-        op_rmsnorm_backward(act_at(a->dres, h * hs * E), st_at(g, ly->att_norm), act_at(a->dxn, h * hs * E),
-                            act_at(la->x, h * hs * E), act_at(w, ly->att_norm), la->rstd1 + h * hs, (int)hs, (int)E);
-    }
+    for (int h = 0; h < 2; h++)
+        half_input_then_weight(m, a, defer ? NULL : st_at(g, ly->qkv), a->dqkv, gath_of(a, la->xg1), &gx[h],
+                               act_at(w, ly->qkv), N, h, (int)E, (int)(3 * Et), &s[h]);
+    for (int h = 0; h < 2; h++)
+        half_norm_backward(m, a, &s[h], st_at(g, ly->att_norm), la->x, act_at(w, ly->att_norm), la->rstd1, N, h);
 }
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
