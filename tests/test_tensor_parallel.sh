@@ -231,7 +231,8 @@ tp2_activation_checkpointing|2|0|tensor_parallel_size=2 activation_checkpointing
 ~tp2_pp2_zb1|4|0|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 CASES
 # -- MESHTRAIN_TP_HALVES=1: under sequence parallel with the fused sums, the rows as two halves
-# whose sections interleave (each half's sums and gathers fused, two sums in flight): the run
+# whose sections interleave (each half's sums and gathers fused, two sums in flight; under modes
+# 3 and 4 each layer's down sums travel on into the next layer, FSDP's hooks beside): the run
 # follows the one-process run (tp 2 and 4, modes 1 to 4, tied, activation checkpointing, the
 # kept gathers, FSDP over dp, pp 2 zb1) and its header says so; it is refused without sequence
 # parallel or without the fused sums, or with another chunk count
@@ -255,6 +256,8 @@ tp4_fused2|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=4
 tp2_activation_checkpointing|2|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 activation_checkpointing=true
 ~tp2_keep_gathered|2|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|8|tensor_parallel_size=2
 ~tp2_dp2_fsdp|4|MESHTRAIN_TP_FUSED=2|4|tensor_parallel_size=2 fsdp=true
+tp2_fused3_dp2_fsdp|4|MESHTRAIN_TP_FUSED=3|4|tensor_parallel_size=2 fsdp=true
+~tp2_fused3_activation_checkpointing|2|MESHTRAIN_TP_FUSED=3|8|tensor_parallel_size=2 activation_checkpointing=true
 tp2_pp2_zb1|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 CASES
 # name|environment|keys|message

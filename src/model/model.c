@@ -836,15 +836,32 @@ static void halves_gather(const Model *m, void *buf, const void *part, size_t N)
     for (int h = 0; h < 2; h++) tp_join_all(m, &g[h]);
 }
 
-/* layer_forward's (and its recompute's) under tp_halves */
+/* A layer's down-projection sums left travelling into the next layer (layer_forward_halves
+ * with hp), and where their rows' residual add goes once they are in. */
+typedef struct { Tickets s[2]; void *out, *mid; int on; } HalvesPend;
+/* Half h of hp's sums joined and its residual added (the layer's output rows, the next one's input). */
+static void halves_pend_join(const Model *m, HalvesPend *hp, size_t N, int h) {
+    if (!hp || !hp->on) return;
+    size_t E = m->E, hs = held_rows(m, N) / 2;
+    tp_join_all(m, &hp->s[h]);
+    op_add(act_at(hp->out, (size_t)h * hs * E), act_at(hp->mid, (size_t)h * hs * E), hs * E);
+    if (h == 1) hp->on = 0;
+}
+
+/* layer_forward's (and its recompute's) under tp_halves. hp (training, where every fused sum
+ * makes its parts at its begin, ModelTp's fused_made: the join then reads neither the weights
+ * nor the input, which the hooks may release): the layer before's down sums are joined half by
+ * half here, each just before its half's norm, and this layer's are left in hp, so that one
+ * half's last transfers travel while the other half starts the next layer; NULL: joined here. */
 static void layer_forward_halves(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T,
-                                 int recompute) {
+                                 int recompute, HalvesPend *hp) {
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     size_t N = (size_t)B * T, n = N / 2, hs = held_rows(m, N) / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
     Tickets g[2], s[2];
     void *gath1 = gath_of(a, la->xg1), *gath2 = gath_of(a, la->xg2);
     for (int h = 0; h < 2; h++) {
+        halves_pend_join(m, hp, N, h);
         op_rmsnorm_forward(act_at(la->xn1, h * hs * E), la->rstd1 + h * hs, act_at(la->x, h * hs * E),
                            act_at(w, ly->att_norm), (int)hs, (int)E, RMS_EPS);
         half_gather_begin(m, gath1, la->xn1, N, h, &g[h]);
@@ -862,18 +879,17 @@ static void layer_forward_halves(const Model *m, const Acts *a, int l, const Lay
                                act_at(la->x, h * hs * E), act_at(w, ly->ffn_norm), (int)hs, (int)E, RMS_EPS);
         half_gather_begin(m, gath2, la->xn2, N, h, &g[h]);
     }
+    HalvesPend mine = {.on = !recompute, .out = la->out, .mid = la->mid};
     for (int h = 0; h < 2; h++) {
         half_product(m, &(Product){0, la->gu, gath2, act_at(w, ly->gate_up), NULL, (int)E, (int)(2 * H)}, &g[h], N, h);
         op_swiglu_forward(act_at(la->hsw, h * n * H), act_at(la->gu, h * n * 2 * H), (int)n, (int)H);
         if (!recompute)
             half_sum_begin(m, &(Product){0, a->full, la->hsw, act_at(w, ly->down), NULL, (int)H, (int)E}, la->out, N,
-                           h, &s[h], 0);
+                           h, &mine.s[h], 0);
     }
-    if (recompute) return;
-    for (int h = 0; h < 2; h++) {
-        tp_join_all(m, &s[h]);
-        op_add(act_at(la->out, h * hs * E), act_at(la->mid, h * hs * E), hs * E);
-    }
+    if (hp) *hp = mine;
+    else
+        for (int h = 0; h < 2; h++) halves_pend_join(m, &mine, N, h);
 }
 
 /* input_then_weight's for half h: the sum of dout @ w into the rank's rows of a->dxn begun
@@ -1019,7 +1035,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
         pend->n = 0;
     }
     if (model_tp_halves(m, (size_t)B * T)) {
-        layer_forward_halves(m, a, l, la, B, T, recompute);
+        layer_forward_halves(m, a, l, la, B, T, recompute, NULL);
         return;
     }
     const void *w = unit_weights(m, unit_of_layer(l));
@@ -1122,6 +1138,9 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
     /* down's sums of the layer before, still travelling (layer_forward_groups); out of
      * training each layer's output is copied to the next one's input slot, so joined first */
     Tickets pend = {.n = 0};
+    /* tp_halves: each layer's down sums left travelling into the next one, where that is safe */
+    HalvesPend hp = {.on = 0};
+    int carry = training && model_tp_halves(m, (size_t)N) && m->tp.fused_made;
     for (int i = 0; i < nl; i++) {
         int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
         LayerActs la = layer_acts(m, a, slot, r);
@@ -1132,10 +1151,12 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
             snprintf(label, sizeof label, "layer %d forward", l);
             trace_mark(NULL, label);
         }
-        layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
+        if (carry) layer_forward_halves(m, a, l, &la, B, T, 0, &hp);
+        else layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
         HOOK(h, release, unit_of_layer(l));
     }
     tp_join_all(m, &pend);
+    for (int hh = 0; hh < 2; hh++) halves_pend_join(m, &hp, (size_t)N, hh);
 }
 
 static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {

@@ -76,6 +76,10 @@ typedef struct {
      * halves of the rows, one's sum travelling while the other's product runs (tp_halves) */
     long (*fused_sum_next)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                            size_t E, int scatter, int fill);
+    /* fused_made: every fused sum begun with fill 0 makes all of its parts at its begin (its
+     * join reads neither the product's weights nor its input; else the join may make this
+     * rank's own rows) */
+    int fused_made;
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     int gather_whole_cols;
     void *(*alloc)(void *ctx, size_t bytes);

@@ -595,6 +595,9 @@ void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, i
     if (g_fused.asked) {
         m->tp.fused_sum_begin = fused_sum_begin;
         m->tp.fused_sum_next = fused_sum_next;
+        /* (modes 3, 4: the whole product at the begin; mode 2 on GPUs: the own rows too; a sum
+         * that declines runs the product at once, then the collective) */
+        m->tp.fused_made = g_fused.asked >= 3 || (g_fused.asked == 2 && !ops_host_memory());
         m->tp.fused_gather_begin = fused_gather_begin;
         m->tp.gather_whole_cols = g_fused.asked == 3 ? INT_MAX : tensor_parallel_whole_cols();
     }
