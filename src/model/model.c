@@ -911,8 +911,13 @@ static void half_norm_backward(const Model *m, Acts *a, const Tickets *s, void *
                         (int)E);
 }
 
-/* layer_backward's under tp_halves */
-static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
+/* layer_backward's under tp_halves. carry (in training without recompute, where a layer comes
+ * next in the stage): d(output)'s gathers were begun by the layer after (carry->on), and the
+ * gathers of d(input) for the layer before are begun here, each half just after its norm's
+ * backward, so that half 0's travels while half 1's sum is joined. */
+typedef struct { Tickets td[2]; int on; } HalvesCarry;
+static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la, int defer, HalvesCarry *carry,
+                                  int more) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
@@ -920,7 +925,8 @@ static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la,
     size_t N = (size_t)B * T, n = N / 2, E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;
     Tickets td[2], gx[2], s[2];
     for (int h = 0; h < 2; h++) {
-        half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
+        if (carry && carry->on) td[h] = carry->td[h];
+        else half_gather_begin(m, a->full, a->dres, N, h, &td[h]);
         gx[h].n = 0;
         if (!defer && !la->xg2) half_gather_begin(m, a->gath, la->xn2, N, h, &gx[h]);
     }
@@ -953,8 +959,11 @@ static void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la,
     for (int h = 0; h < 2; h++)
         half_input_then_weight(m, a, defer ? NULL : st_at(g, ly->qkv), a->dqkv, gath_of(a, la->xg1), &gx[h],
                                act_at(w, ly->qkv), N, h, (int)E, (int)(3 * Et), &s[h]);
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
         half_norm_backward(m, a, &s[h], st_at(g, ly->att_norm), la->x, act_at(w, ly->att_norm), la->rstd1, N, h);
+        if (carry && more) half_gather_begin(m, a->full, a->dres, N, h, &carry->td[h]);
+    }
+    if (carry) carry->on = more;
 }
 
 /* recompute != 0 (activation checkpointing, in the backward): everything the backward
@@ -1072,7 +1081,7 @@ static void layer_forward(const Model *m, const Acts *a, int l, const LayerActs 
  * inputs, dgu and dqkv, stay in the scratch until the next layer_backward). */
 static void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     if (model_tp_halves(m, (size_t)a->B * a->T)) {
-        layer_backward_halves(m, a, l, la, defer);
+        layer_backward_halves(m, a, l, la, defer, NULL, 0);
         return;
     }
     const void *w = unit_weights(m, unit_of_layer(l));
@@ -1330,6 +1339,10 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
     LayerActs la0 = {0};  /* layer 0's, set below where it is the stage's (defer) */
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 1, h);
     trace_mark(NULL, "head done, layers' backward");
+    /* tp_halves without recompute (whose sums may write a->full, where the carried gathers land):
+     * each layer begins the next one's first gathers (layer_backward_halves) */
+    HalvesCarry hc = {.on = 0};
+    int carry = !a->recompute && model_tp_halves(m, (size_t)N);
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
@@ -1341,7 +1354,8 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
             snprintf(label, sizeof label, "layer %d backward", l);
             trace_mark(NULL, label);
         }
-        layer_backward(m, a, l, &la, i == 0 && defer);
+        if (carry) layer_backward_halves(m, a, l, &la, i == 0 && defer, &hc, i > 0);
+        else layer_backward(m, a, l, &la, i == 0 && defer);
         if (i > 0 || !defer) HOOK(h, grad_ready, unit_of_layer(l));
         HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */
         if (i == 0) la0 = la;
