@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 25, call 6 (four GPUs, if lent): MESHTRAIN_TP_HALVES=1 on GPUs - its correctness cases of
+# For a four-GPU call (written in session 25, not yet run): MESHTRAIN_TP_HALVES=1 on GPUs - its correctness cases of
 # bench/tp_ce_check.sh against one GPU, then the TP-efficiency step with and without it.
-# Usage: bench/s25_call6.sh BUILD OUTDIR
+# Usage: bench/tp_halves_call.sh BUILD OUTDIR
 set -u
 B=$1 O=$2
 NP=4 ONLY="^(fused2_sp|fused3_sp|halves)" MESHTRAIN_BIN=$B/meshtrain timeout 200 bash bench/tp_ce_check.sh > $O/check.log 2>&1
