@@ -625,7 +625,6 @@ static void branch_sum_begin(const Model *m, void *dst, void *src, int N, Ticket
 }
 static void halves_sum(const Model *m, void *dst, void *src, size_t N);
 static void halves_gather(const Model *m, void *buf, const void *part, size_t N);
-int model_tp_halves(const Model *m, size_t N);
 static void branch_sum(const Model *m, void *dst, void *src, int N) {
     if (model_tp_halves(m, (size_t)N)) {
         halves_sum(m, dst, src, (size_t)N);
