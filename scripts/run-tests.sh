@@ -17,8 +17,10 @@ for t in "${tests[@]}"; do
     if [ "$n_gpus" -lt 2 ]; then echo "== $t skipped ($n_gpus GPU(s) visible, needs 2)"; continue; fi
   fi
   echo "== $t"
+  t0=$SECONDS
   out=$( { if [[ $t == *.sh ]]; then bash "$t"; else "$t"; fi; } 2>&1); rc=$?
   echo "$out" | grep -v '^RESULT'
+  echo "   ($t: $((SECONDS - t0)) s)"  # CI's budget is 30 minutes for make test and test-asan together
   res=$(echo "$out" | grep '^RESULT' | tail -1)
   if [ -z "$res" ]; then
     echo "FAIL $t exited with status $rc before reporting"; failed=$((failed + 1)); continue

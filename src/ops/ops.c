@@ -14,20 +14,36 @@ static OpsPrecision g_prec = OPS_FP32;
 /* MESHTRAIN_PROFILE=1: every op waits for the device before and after, and its time is
  * added to its name's total; the table goes to stderr at exit. It slows the run (no
  * overlap of launches with work) but says where a step's time goes. The train loop resets it
- * after the first step, whose plans, autotuning and first touches are no step's cost. */
-#define PROF_MAX 32
+ * after the first step, whose plans, autotuning and first touches are no step's cost.
+ * MESHTRAIN_PROFILE=events (backends with device events): the same table from events the
+ * device records around each op, with nothing waited for, so the ops run as in a real
+ * step; an op's time then runs from where the one before ended, so it also holds any time
+ * the device sat idle waiting for its launch (a launch-bound op shows as slow). */
+#define PROF_MAX 40
+#define PROF_PENDING 16384 /* events mode: ops timed before their spans are read */
 static struct { const char *name; double s; long n; } g_prof[PROF_MAX];
-static int g_prof_on, g_n_prof;
+static int g_prof_on, g_n_prof, g_prof_events, g_n_pend, g_pend[PROF_PENDING];
 static double g_prof_t0;
+static void prof_add(int i, double dt) {
+    g_prof[i].s += dt;
+    g_prof[i].n++;
+}
+static void prof_flush(void) {
+    for (int k = 0; k < g_n_pend; k++) prof_add(g_pend[k], g_ops->prof_span(2 * k, 2 * k + 1));
+    g_n_pend = 0;
+}
 static void prof_report(void) {
+    if (g_prof_events) prof_flush();
     double total = 0;
     for (int i = 0; i < g_n_prof; i++) total += g_prof[i].s;
-    fprintf(stderr, "ops profile (MESHTRAIN_PROFILE=1, %s): %.3f s in ops\n", g_ops->name, total);
+    fprintf(stderr, "ops profile (MESHTRAIN_PROFILE=%s, %s): %.3f s in ops\n", g_prof_events ? "events" : "1",
+            g_ops->name, total);
     for (int i = 0; i < g_n_prof; i++)
         fprintf(stderr, "  %-34s %9.4f s %5.1f%% %8ld calls\n", g_prof[i].name, g_prof[i].s,
                 total > 0 ? 100 * g_prof[i].s / total : 0.0, g_prof[i].n);
 }
 void ops_profile_reset(void) {
+    if (g_prof_events) prof_flush();
     for (int i = 0; i < g_n_prof; i++) g_prof[i].s = 0, g_prof[i].n = 0;
 }
 int op_tune_matmuls(char *report, size_t len) {
@@ -35,21 +51,33 @@ int op_tune_matmuls(char *report, size_t len) {
 }
 static void prof_begin(void) {
     if (!g_prof_on) return;
+    if (g_prof_events) {
+        if (g_n_pend == PROF_PENDING) prof_flush();
+        g_ops->prof_mark(2 * g_n_pend);
+        return;
+    }
     g_ops->synchronize();
     g_prof_t0 = now_seconds();
 }
 static void prof_end(const char *name) {
     if (!g_prof_on) return;
-    g_ops->synchronize();
-    double dt = now_seconds() - g_prof_t0;
+    double dt = 0;
+    if (!g_prof_events) {
+        g_ops->synchronize();
+        dt = now_seconds() - g_prof_t0;
+    }
     int i = 0;
     while (i < g_n_prof && strcmp(g_prof[i].name, name)) i++;
     if (i == g_n_prof) {
-        if (g_n_prof == PROF_MAX) return;
+        if (g_n_prof == PROF_MAX) return;  /* (events mode: its begin mark is recorded again) */
         g_prof[g_n_prof++].name = name;
     }
-    g_prof[i].s += dt;
-    g_prof[i].n++;
+    if (g_prof_events) {
+        g_ops->prof_mark(2 * g_n_pend + 1);
+        g_pend[g_n_pend++] = i;
+    } else {
+        prof_add(i, dt);
+    }
 }
 #define PROF(name, call) do { prof_begin(); call; prof_end(name); } while (0)
 
@@ -70,6 +98,7 @@ int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     const char *prof = getenv("MESHTRAIN_PROFILE");
     if (prof && *prof && strcmp(prof, "0") && !g_prof_on) {
         g_prof_on = 1;
+        g_prof_events = !strcmp(prof, "events") && b->prof_mark && b->prof_span;
         atexit(prof_report);
     }
     return 0;
@@ -241,14 +270,18 @@ void op_matmul_forward_add(void *out, const void *inp, const void *w, const void
 void op_matmul_forward_ld(void *out, int ldo, const void *inp, const void *w, int N, int C, int OC) {
     PROF("matmul_forward (lm_head)", g_ops->matmul_forward(out, ldo, inp, w, N, C, OC));
 }
+/* the profile's names: which of the two products a call makes */
+static const char *mm_bwd_name(const void *dinp, const void *dw) {
+    return dinp && dw ? "matmul_backward (dinp, dw)" : dw ? "matmul_backward (dw)" : "matmul_backward (dinp)";
+}
 int ops_logit_stride(int V) { return (V + 63) / 64 * 64; }
 void op_matmul_backward(void *dinp, void *dw, const void *dout, const void *inp, const void *w, int N, int C,
                         int OC) {
-    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 1));
+    PROF(mm_bwd_name(dinp, dw), g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 1));
 }
 void op_matmul_backward_set(void *dinp, void *dw, const void *dout, const void *inp, const void *w, int N, int C,
                             int OC) {
-    PROF("matmul_backward", g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 0));
+    PROF(mm_bwd_name(dinp, dw), g_ops->matmul_backward(dinp, dw, dout, OC, inp, w, N, C, OC, 0));
 }
 void op_matmul_backward_add(void *dinp, const void *dout, const void *w, const void *res, int N, int C, int OC) {
     if (g_ops->matmul_backward_add) {

@@ -346,6 +346,10 @@ typedef struct OpsBackend {
     const char *(*device_name)(void);
     void (*synchronize)(void);
     int (*idle)(void);  /* NULL: ops run synchronously, always idle */
+    /* MESHTRAIN_PROFILE=events (ops.c): mark i records event i of a pool in the device's
+     * queue; span(a, b) waits for b and gives the seconds from a to b. NULL: not offered */
+    void (*prof_mark)(int i);
+    double (*prof_span)(int a, int b);
     /* the side queue (ops.h); NULL: one queue, ops_synchronize_main = synchronize */
     void (*side_begin)(void);
     void (*side_end)(void);

@@ -433,6 +433,22 @@ void cuda_synchronize(void) {
 }
 void cuda_synchronize_main(void) { CUDA_CHECK(cudaStreamSynchronize(g.main)); }
 
+/* MESHTRAIN_PROFILE=events' pool (ops.h): events made on first use, recorded on the stream
+ * the op runs on */
+#define PROF_EVENTS 32768
+static cudaEvent_t g_prof_ev[PROF_EVENTS];
+static void cuda_prof_mark(int i) {
+    if (i < 0 || i >= PROF_EVENTS) die(1, "cuda: profile event %d outside the pool", i);
+    if (!g_prof_ev[i]) CUDA_CHECK(cudaEventCreate(&g_prof_ev[i]));
+    CUDA_CHECK(cudaEventRecord(g_prof_ev[i], g.stream));
+}
+static double cuda_prof_span(int a, int b) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventSynchronize(g_prof_ev[b]));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, g_prof_ev[a], g_prof_ev[b]));
+    return ms / 1e3;
+}
+
 /* The side queue (ops.h): a second stream, entered after the main one's work so far. Its
  * ops must not use scratch(), which belongs to the main stream (AdamW does not). */
 void cuda_side_begin(void) {
@@ -1428,6 +1444,8 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .device_name = cuda_device_name,
     .synchronize = cuda_synchronize,
     .idle = cuda_idle,
+    .prof_mark = cuda_prof_mark,
+    .prof_span = cuda_prof_span,
     .side_begin = cuda_side_begin,
     .side_end = cuda_side_end,
     .side_mark = cuda_side_mark,
