@@ -4,7 +4,8 @@
  * Usage: bench_ops_cuda [mixed|fp32|bf16] [E] [NH] [B] [T]
  * With BENCH_OPS=mem in the environment, only the memory-bound ops (no matmuls, no attention);
  * BENCH_OPS=rms, rmsnorm's backward alone, calls queued back to back (no sync between).
- * BENCH_QUEUED=1: every op timed with its calls queued back to back (see TIME).
+ * BENCH_QUEUED=1: every op timed with its calls queued back to back (see TIME); BENCH_GRAPH=1:
+ * the same calls replayed from a CUDA graph.
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
  * visible. Needs a GPU. */
@@ -53,27 +54,42 @@ static void *rand_state(size_t n, float s, int positive) {
 /* seconds per call: one warm-up, then repeats for at least 0.2 s, each call synchronised
  * (a call then carries its launch and the host's round trip, several us), or with
  * BENCH_QUEUED=1 set, 20 calls queued back to back between synchronisations (as a step
- * queues them) */
-static int queued;
+ * queues them), or with BENCH_GRAPH=1, those 20 calls recorded once as a CUDA graph
+ * (op_graph_*) and the graph replayed: against BENCH_QUEUED, what the launches cost (an op
+ * that waits for the device, or a capture that fails, falls back to queued calls: "queued"
+ * is printed after its time) */
+static int queued, graphed, graph_fell;
 #define TIME(secs, body)                                                                     \
     do {                                                                                     \
         body;                                                                                \
         ops_synchronize();                                                                   \
+        OpsGraph *gr_ = NULL;                                                                \
+        graph_fell = 0;                                                                      \
+        if (graphed && !op_graph_begin()) {                                                  \
+            for (int q_ = 0; q_ < 20; q_++) { body; }                                        \
+            gr_ = op_graph_end();                                                            \
+            graph_fell = !gr_;                                                               \
+            if (gr_) op_graph_run(gr_);                                                      \
+            ops_synchronize();                                                               \
+        }                                                                                    \
         int n_ = 0;                                                                          \
         double t0_ = now_seconds(), t_;                                                      \
         do {                                                                                 \
-            for (int q_ = 0; q_ < (queued ? 20 : 1); q_++, n_++) { body; }                   \
+            if (gr_) op_graph_run(gr_), n_ += 20;                                            \
+            else                                                                             \
+                for (int q_ = 0; q_ < (queued || graphed ? 20 : 1); q_++, n_++) { body; }    \
             ops_synchronize();                                                               \
             t_ = now_seconds() - t0_;                                                        \
         } while (n_ < 5 || t_ < 0.2);                                                        \
+        op_graph_free(gr_);                                                                  \
         secs = t_ / n_;                                                                      \
     } while (0)
 
 static void report_flops(const char *what, double s, double flops) {
-    printf("  %-44s %8.3f ms  %7.1f TFLOP/s\n", what, s * 1e3, flops / s / 1e12);
+    printf("  %-44s %8.3f ms  %7.1f TFLOP/s%s\n", what, s * 1e3, flops / s / 1e12, graph_fell ? " queued" : "");
 }
 static void report_bytes(const char *what, double s, double bytes) {
-    printf("  %-44s %8.3f ms  %7.1f GB/s\n", what, s * 1e3, bytes / s / 1e9);
+    printf("  %-44s %8.3f ms  %7.1f GB/s%s\n", what, s * 1e3, bytes / s / 1e9, graph_fell ? " queued" : "");
 }
 
 int main(int argc, char **argv) {
@@ -87,10 +103,11 @@ int main(int argc, char **argv) {
     }
     rng_seed(&rng, 7);
     queued = getenv("BENCH_QUEUED") && atoi(getenv("BENCH_QUEUED")) > 0;
+    graphed = getenv("BENCH_GRAPH") && atoi(getenv("BENCH_GRAPH")) > 0;
     int N = B * T, H = (int)(1.5 * E), HD = E / NH, V = 50257;
     size_t a = ops_act_size();
     printf("%s, %s: E=%d NH=%d H=%d N=%d (B=%d T=%d)%s\n", ops_device_name(), fp32 ? "fp32" : pure ? "bf16 (state too)" : "bf16", E, NH, H, N, B, T,
-           queued ? ", calls queued" : "");
+           graphed ? ", calls in a CUDA graph" : queued ? ", calls queued" : "");
     double s;
     char what[96];
     const char *only = getenv("BENCH_OPS");
@@ -210,7 +227,10 @@ int main(int argc, char **argv) {
         report_bytes(st == 2 ? "adamw 64M (bf16 state)" : "adamw 64M (fp32 state)", s, 7.0 * n * st);
         TIME(s, op_scale(g, n, 0.999f));
         report_bytes("scale 64M (state)", s, 2.0 * n * st);
+        int was = graphed;
+        graphed = 0;  /* it waits for its result */
         TIME(s, (void)op_sumsq(g, n));
+        graphed = was;
         report_bytes("sumsq 64M (state, returns to host)", s, 1.0 * n * st);
         op_free(p); op_free(g); op_free(m); op_free(v);
     }

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "layer_graphs.h"
 #include "ops.h"
 #include "trace.h"
 #include "util.h"
@@ -123,6 +124,7 @@ void model_point_units(Model *m, void *params, void *grads) {
 }
 
 void model_free(Model *m) {
+    layer_graphs_free(m->graphs);
     free(m->params);
     free(m->grads);
     free(m->units);
@@ -1124,6 +1126,53 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
     op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, gathered(m, a, la->xg1, la->xn1, N), NULL, N, E, 3 * Et);
 }
 
+/* ---- layers as recorded graphs (model_use_graphs, layer_graphs.h) ----
+ * Only on one tensor-parallel rank, where a layer's ops are the device's alone (no
+ * collective, no host wait inside). The key: every pointer the layer's ops read or write
+ * and every shape and flag they depend on. */
+enum { LG_FORWARD, LG_RECOMPUTE, LG_BACKWARD };
+typedef struct {
+    int kind, l, B, T, defer;
+    LayerActs la;
+    const void *w, *g, *cos, *sin, *full, *gath, *dres, *dxn, *dh, *dgu, *datt, *dqkv;
+} LayerKey;
+typedef struct { Model *m; Acts *a; int l, B, T, defer; const LayerActs *la; } LayerCall;
+
+static void lg_forward(void *ctx) {
+    LayerCall *c = ctx;
+    layer_forward(c->m, c->a, c->l, c->la, c->B, c->T, 0, NULL);
+}
+static void lg_recompute(void *ctx) {
+    LayerCall *c = ctx;
+    layer_forward(c->m, c->a, c->l, c->la, c->B, c->T, 1, NULL);
+}
+static void lg_backward(void *ctx) {
+    LayerCall *c = ctx;
+    layer_backward(c->m, c->a, c->l, c->la, c->defer);
+}
+static int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1; }
+static void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, int kind, int defer) {
+    LayerKey k;
+    memset(&k, 0, sizeof k);  /* (padding too: the key is compared as bytes) */
+    k.kind = kind, k.l = l, k.B = a->B, k.T = a->T, k.defer = defer, k.la = *la;
+    k.w = unit_weights(m, unit_of_layer(l));
+    k.g = kind == LG_BACKWARD ? unit_grads(m, unit_of_layer(l)) : NULL;
+    k.cos = a->rope_cos, k.sin = a->rope_sin, k.full = a->full, k.gath = a->gath, k.dres = a->dres;
+    k.dxn = a->dxn, k.dh = a->dh, k.dgu = a->dgu, k.datt = a->datt, k.dqkv = a->dqkv;
+    LayerCall c = {m, a, l, a->B, a->T, defer, la};
+    layer_graphs_run(m->graphs, &k, sizeof k, kind == LG_FORWARD ? lg_forward : kind == LG_RECOMPUTE ? lg_recompute
+                                                                                                      : lg_backward,
+                     &c);
+}
+
+void model_use_graphs(Model *m, int on) {
+    if (on && !m->graphs) m->graphs = layer_graphs_new();
+    if (!on) {
+        layer_graphs_free(m->graphs);
+        m->graphs = NULL;
+    }
+}
+
 #define HOOK(h, fn, ...) do { if ((h) && (h)->fn) (h)->fn((h)->ctx, __VA_ARGS__); } while (0)
 
 /* The embedding (on the stage that holds it) and the stage's layers for B x T tokens,
@@ -1160,6 +1209,7 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
             trace_mark(NULL, label);
         }
         if (carry) layer_forward_halves(m, a, l, &la, B, T, 0, &hp);
+        else if (training && layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_FORWARD, 0);
         else layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
         HOOK(h, release, unit_of_layer(l));
     }
@@ -1346,7 +1396,8 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
-        if (a->recompute) layer_forward(m, a, l, &la, B, T, 1, NULL);
+        if (a->recompute && layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_RECOMPUTE, 0);
+        else if (a->recompute) layer_forward(m, a, l, &la, B, T, 1, NULL);
         HOOK(h, grad_begin, unit_of_layer(l));
         if (trace_active()) {
             char label[48];
@@ -1354,6 +1405,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
             trace_mark(NULL, label);
         }
         if (carry) layer_backward_halves(m, a, l, &la, i == 0 && defer, &hc, i > 0);
+        else if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_BACKWARD, i == 0 && defer);
         else layer_backward(m, a, l, &la, i == 0 && defer);
         if (i > 0 || !defer) HOOK(h, grad_ready, unit_of_layer(l));
         HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */

@@ -162,6 +162,9 @@ typedef struct {
      * read instead of uparams; the strategy that owns the parameters keeps it current. NULL
      * entries (fp32, and bf16 whose parameters are the compute weights): the ops read uparams. */
     void **ucompute;
+    /* Each layer's forward and backward as recorded graphs of ops (model_use_graphs; NULL:
+     * op by op) */
+    struct LayerGraphs *graphs;
 } Model;
 
 /* Units by name: the embedding, layer l, the head (output_norm and lm_head). */
@@ -239,6 +242,11 @@ static inline int model_vocab_padded(int V) { return (V + 63) / 64 * 64; }
  * vocabulary, and every rank gets vocabulary rows); else -1 with a one-line message. */
 int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen);
 int model_tp_max_runs(const Model *m);
+/* on != 0: from here each layer's training forward and backward on one tensor-parallel rank
+ * (tp_size 1) are recorded once per buffer set as a graph of ops and replayed (layer_graphs.h):
+ * bitwise the same work, launched at once. Call between steps, once the first steps have
+ * set the ops' plans (and tuned the matmuls). 0: op by op again. */
+void model_use_graphs(Model *m, int on);
 void model_free(Model *m);
 /* GPT-2 init: normal(0, 0.02); att_out_proj and down_proj scaled by 1/sqrt(2L); norms 1. */
 void model_init_weights(Model *m, uint64_t seed);

@@ -49,6 +49,10 @@ void ops_profile_reset(void) {
 int op_tune_matmuls(char *report, size_t len) {
     return g_ops->tune_matmuls ? g_ops->tune_matmuls(report, len) : -1;
 }
+int op_graph_begin(void) { return g_ops->graph_begin && !g_prof_on ? g_ops->graph_begin() : -1; }
+OpsGraph *op_graph_end(void) { return g_ops->graph_end ? g_ops->graph_end() : NULL; }
+int op_graph_run(OpsGraph *gr) { return gr ? g_ops->graph_run(gr) : -1; }
+void op_graph_free(OpsGraph *gr) { if (gr) g_ops->graph_free(gr); }
 static void prof_begin(void) {
     if (!g_prof_on) return;
     if (g_prof_events) {

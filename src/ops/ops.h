@@ -51,6 +51,20 @@ void ops_profile_reset(void);
  * the same results (cuda: src/ops/cuda/matmul_tune.cuh). Writes a one-line report; returns
  * the shapes changed, or -1 where there is nothing to tune (the cpu, MESHTRAIN_MATMUL_TUNE=0). */
 int op_tune_matmuls(char *report, size_t len);
+/* Recording a run of ops once and replaying it (cuda: a CUDA graph captured from the main
+ * queue; the model's layer graphs, bench_ops_cuda's BENCH_GRAPH). Between op_graph_begin and
+ * op_graph_end the ops are recorded, not run (no op in between may wait for the device or
+ * upload, nor go to the side queue); op_graph_end returns the recording, or NULL where the
+ * backend has none or the recording failed (the reason to stderr, once) or went stale while
+ * it was made; op_graph_run queues it again as recorded (the same buffers and arguments),
+ * or returns -1 without running it where it has gone stale since (the backend's scratch
+ * moved, its matmuls were tuned: record again); op_graph_free drops it. Not while
+ * MESHTRAIN_PROFILE times the ops (-1 from op_graph_begin). */
+typedef struct OpsGraph OpsGraph;
+int op_graph_begin(void);  /* 0, or -1 where the backend cannot record */
+OpsGraph *op_graph_end(void);
+int op_graph_run(OpsGraph *gr);
+void op_graph_free(OpsGraph *gr);
 /* 1 when the device has run all the work queued so far on the main queue (always on the
  * cpu, whose ops run as they are called). */
 int ops_idle(void);
@@ -434,6 +448,11 @@ typedef struct OpsBackend {
     void (*sum_parts)(void *y, const void *const *x, int k, size_t n);
     void (*copy_rows)(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
     int (*tune_matmuls)(char *report, size_t len);  /* NULL: nothing to tune (op_tune_matmuls) */
+    /* op_graph_*; NULL: no recording */
+    int (*graph_begin)(void);
+    OpsGraph *(*graph_end)(void);
+    int (*graph_run)(OpsGraph *gr);
+    void (*graph_free)(OpsGraph *gr);
 } OpsBackend;
 
 extern const OpsBackend ops_backend_cpu;   /* ops_cpu.c */

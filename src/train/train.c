@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "comm.h"
 #include "estimate.h"
+#include "layer_graphs.h"
 #include "mesh.h"
 #include "ops.h"
 #include "trace.h"
@@ -23,6 +24,13 @@
 #include "util.h"
 
 /* Model keys and the seed given on the command line must agree with a checkpoint's. */
+/* MESHTRAIN_GRAPHS: 1 records each layer's forward and backward as graphs of ops and replays
+ * them (model_use_graphs) in any run, 0 never; unset: in one-process runs on a GPU (checked
+ * bitwise against op by op on one GPU; on several GPUs only where asked, until measured
+ * there). A layer split over tensor-parallel ranks always runs op by op; on the cpu, which
+ * records nothing, every layer does (through the recordings' cache, which 1 exercises). */
+static int graphs_wanted(int world_size, int gpu) { return env_flag("MESHTRAIN_GRAPHS", gpu && world_size == 1); }
+
 static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
     struct { const char *key; int want, have; } k[] = {
         {"vocab_size", c->vocab_size, h->vocab_size}, {"embed_dim", c->embed_dim, h->embed_dim},
@@ -200,6 +208,7 @@ int cmd_train(Config *c) {
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, gpu);  /* (a bad value: one line) */
+    int graphs = graphs_wanted(world.size, gpu);  /* (likewise) */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -518,6 +527,8 @@ int cmd_train(Config *c) {
                 progress_clear(&pr);
                 printf("%s\n", rep);
             }
+            /* the plans are made and the matmuls tuned: the layers may be recorded */
+            if (graphs) model_use_graphs(&m, 1);
         }
         double t0 = now_seconds();
         inject_fault(world.rank, step + 1);
@@ -678,6 +689,12 @@ int cmd_train(Config *c) {
                    "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
         if (tp_fused)
             printf("tensor parallel: %llu sums fused into the products\n", tensor_parallel_fused_count());
+        if (m.graphs) {
+            long rep, rec, eager;
+            layer_graphs_counts(m.graphs, &rep, &rec, &eager);
+            printf("layer graphs: %ld recorded, %ld replayed, %ld layer calls op by op (MESHTRAIN_GRAPHS=0: every "
+                   "layer op by op)\n", rec, rep, eager);
+        }
         for (int s = 0; s < PP && stage_mem; s++) {
             double peak = 0, e = 0;
             for (int r = 0; r < world.size; r++)  /* world rank r is on stage r / (tp x dp) */

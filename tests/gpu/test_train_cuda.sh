@@ -71,6 +71,33 @@ for prec in mixed bf16; do
   else bad "matmul_tuning_bitwise_$prec (${rep:-no tuning line}; $(tail -1 "$TMP/tune_on_$prec.log"))"; fi
 done
 
+# -- layer graphs (src/model/layer_graphs.c): from the second step each layer's forward and
+# backward are recorded once and replayed, which must be bitwise the work op by op: a run with
+# them (the default on one GPU) and one without (MESHTRAIN_GRAPHS=0) log the same losses and
+# save the same checkpoint, byte for byte, in each precision, with accumulation, activation
+# checkpointing, tied embeddings, FSDP and offload; the graphed run says it replayed them
+G="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=3 context_len=128 lr=1e-3 grad_clip=1"
+G="$G data_dir=$D steps=5 device=cuda"
+while IFS='|' read -r name keys; do
+  run "$TMP/graph_on_$name" $G $keys
+  MESHTRAIN_GRAPHS=0 run "$TMP/graph_off_$name" $G $keys
+  rep=$(grep -m1 "^layer graphs:" "$TMP/graph_on_$name.log")
+  if [[ $rep =~ recorded,\ [1-9][0-9]*\ replayed ]] && ! grep -q "^layer graphs:" "$TMP/graph_off_$name.log" &&
+     [ -n "$(strip "$TMP/graph_on_$name")" ] && [ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] &&
+     cmp -s "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin"
+  then ok "layer_graphs_bitwise_$name (${rep%% (*})"
+  else bad "layer_graphs_bitwise_$name (${rep:-no graphs line}; $(tail -1 "$TMP/graph_on_$name.log"))"; fi
+done <<'CASES'
+mixed|precision=mixed batch_size=4
+bf16|precision=bf16 batch_size=4
+fp32|precision=fp32 batch_size=4
+accum3|precision=mixed grad_accum_steps=3 batch_size=2
+recompute|precision=mixed activation_checkpointing=true batch_size=4
+tied|precision=mixed tie_embeddings=true batch_size=4
+fsdp|precision=mixed fsdp=true batch_size=4
+offload|precision=mixed offload=optimizer batch_size=4
+CASES
+
 # -- CUDA follows the CPU, per strategy (one process each)
 for tied in false true; do run "$TMP/cpu_$tied" $M steps=5 tie_embeddings=$tied device=cpu; done
 while IFS='|' read -r name tied keys; do

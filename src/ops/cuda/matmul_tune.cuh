@@ -89,6 +89,7 @@ static unsigned long long tune_hash(const LtPlan *p, const cublasLtMatmulAlgo_t 
 static int cuda_tune_matmuls(char *rep, size_t len) {
     if (!g.ready || g.stream != g.main || !env_flag("MESHTRAIN_MATMUL_TUNE", 1)) return -1;
     cuda_synchronize();  /* a step is complete: nothing in flight to time beside */
+    g.graph_epoch++;     /* graphs recorded before hold the algorithms chosen before */
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));

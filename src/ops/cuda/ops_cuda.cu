@@ -101,6 +101,7 @@ static struct {
     void *workspace;
     void *scratch; /* grows on demand; ops use it only within one call, on the one stream */
     size_t scratch_bytes;
+    unsigned graph_epoch; /* bumped where a recorded graph may no longer hold (op_graph_*) */
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
     int att_mode;           /* MESHTRAIN_ATTN: an ATTN_MODE_ (attn_cudnn.h) */
@@ -166,6 +167,7 @@ static void *scratch(size_t bytes) {
         g.scratch_bytes = 0;
         g.scratch = cuda_malloc(bytes);
         g.scratch_bytes = bytes;
+        g.graph_epoch++;  /* graphs recorded with the old scratch are stale */
     }
     return g.scratch;
 }
@@ -432,6 +434,53 @@ void cuda_synchronize(void) {
     g.side_used = 0;
 }
 void cuda_synchronize_main(void) { CUDA_CHECK(cudaStreamSynchronize(g.main)); }
+
+/* op_graph_* (ops.h): the main stream captured into a CUDA graph (relaxed mode: the ops'
+ * own non-stream calls, attribute settings and plan lookups, stay allowed), replayed on it.
+ * A graph holds the pointers it was recorded with: one recorded before the scratch grew
+ * (its old buffer freed) or the matmuls were tuned (other algorithms) is stale, and
+ * op_graph_run refuses it; one whose recording saw either happen is not kept. */
+struct OpsGraph { cudaGraphExec_t exec; unsigned epoch; };
+static unsigned g_graph_begun;
+static int cuda_graph_begin(void) {
+    if (g.stream != g.main || g.sync_each) return -1;  /* not inside the side queue; not when each op waits */
+    if (cudaStreamBeginCapture(g.main, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1;
+    }
+    g_graph_begun = g.graph_epoch;
+    return 0;
+}
+static OpsGraph *cuda_graph_end(void) {
+    static int said;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaError_t e = cudaStreamEndCapture(g.main, &graph);
+    if (e == cudaSuccess && g.graph_epoch != g_graph_begun) e = cudaErrorInvalidValue;  /* (not said: expected) */
+    else if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
+    if (graph) cudaGraphDestroy(graph);
+    if (e != cudaSuccess || !exec) {
+        if (g.graph_epoch == g_graph_begun && !said++)
+            fprintf(stderr, "meshtrain: cuda: a graph of ops could not be recorded (the ops run one by one): %s\n",
+                    cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    OpsGraph *gr = (OpsGraph *)malloc(sizeof *gr);
+    if (!gr) die(1, "cuda: out of host memory for a graph");
+    gr->exec = exec;
+    gr->epoch = g.graph_epoch;
+    return gr;
+}
+static int cuda_graph_run(OpsGraph *gr) {
+    if (gr->epoch != g.graph_epoch || g.stream != g.main) return -1;
+    CUDA_CHECK(cudaGraphLaunch(gr->exec, g.main));
+    return 0;
+}
+static void cuda_graph_free(OpsGraph *gr) {
+    CUDA_CHECK(cudaGraphExecDestroy(gr->exec));
+    free(gr);
+}
 
 /* MESHTRAIN_PROFILE=events' pool (ops.h): events made on first use, recorded on the stream
  * the op runs on */
@@ -1504,4 +1553,8 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .sum_parts = cuda_sum_parts,
     .copy_rows = cuda_copy_rows,
     .tune_matmuls = cuda_tune_matmuls,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .graph_run = cuda_graph_run,
+    .graph_free = cuda_graph_free,
 };
