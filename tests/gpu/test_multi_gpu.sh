@@ -14,7 +14,8 @@
 # send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
-# offload=params (the FSDP shards in host memory too) as well.
+# offload=params (the FSDP shards in host memory too) as well. Layer graphs
+# (MESHTRAIN_GRAPHS=1) under DDP, FSDP and pipeline schedules are bitwise the runs op by op.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -251,6 +252,24 @@ then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline
 grep -q "^pipeline send/receive: NCCL kernels (MESHTRAIN_PP_CE=0)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
   bad multi_gpu_pipeline_ce_0_takes_nccl
 grep -m1 "^done:" "$TMP/np_ddp.log"
+# -- layer graphs on several processes (MESHTRAIN_GRAPHS=1; off by default there): each
+# layer's recorded forward and backward replayed between the hooks (DDP's reductions, FSDP's
+# gathers) and a pipeline's sends and receives must be bitwise the run op by op above
+# (NAME|ITS RUN ABOVE|NP x KEYS)
+while IFS='|' read -r name ref keys; do
+  out=$TMP/graphs_$name
+  MESHTRAIN_GRAPHS=1 runn "$out" $keys
+  d=$("$DIFF" "$TMP/$ref/ckpt.bin" "$out/ckpt.bin" 2>&1) rep=$(grep -m1 "^layer graphs:" "$out.log")
+  if [ "$d" = "max_rel_diff 0" ] && [[ $rep =~ recorded,\ [1-9][0-9]*\ replayed ]]
+  then ok "multi_gpu_layer_graphs_bitwise_$name (${rep%% (*})"
+  else bad "multi_gpu_layer_graphs_bitwise_$name ($d; ${rep:-no graphs line}; $(tail -1 "$out.log"))"; fi
+done <<CASES
+ddp|np_ddp|$M tie_embeddings=false batch_size=$B
+fsdp_tied|np_fsdp_tied|$M tie_embeddings=true batch_size=$B fsdp=true shard_strategy=full
+pp_1f1b|pp_ce_1f1b|$M micro_batches=2 tie_embeddings=false batch_size=$((NP * B)) pipeline_parallel_size=$NP
+pp_zb1_tied|pp_ce_zb1_tied|$M micro_batches=8 pipeline_schedule=zb1 tie_embeddings=true batch_size=$((NP * B)) pipeline_parallel_size=$NP
+pp_interleaved|pp_ce_interleaved|${M/n_layers=2/n_layers=4} micro_batches=4 pipeline_schedule=interleaved tie_embeddings=true batch_size=$((NP * B)) pipeline_parallel_size=$NP
+CASES
 # -- DDP's all-reduce runs on the copy engines by default (one machine, NCCL 2.28+), also
 # in pieces of a small all-to-all buffer (the test hook MESHTRAIN_CE_BUFFER_BYTES); with
 # copy_engines=false (above) on NCCL's all-reduce kernels
