@@ -792,7 +792,9 @@ static void test_backend_table(void) {
         (void (*)(void))b->sum_parts,
         (void (*)(void))b->copy_rows, (void (*)(void))b->host_alloc, (void (*)(void))b->host_free,
         (void (*)(void))b->copy_reserve, (void (*)(void))b->copy_out, (void (*)(void))b->copy_in,
-        (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait, (void (*)(void))b->copy_in_main};
+        (void (*)(void))b->copy_sync, (void (*)(void))b->copy_wait, (void (*)(void))b->copy_in_main,
+        (void (*)(void))b->graph_begin, (void (*)(void))b->graph_end, (void (*)(void))b->graph_run,
+        (void (*)(void))b->graph_free};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++) CHECK(fns[i] != NULL, "entry %zu is NULL", i);
 
     size_t n = 1000003, peak0 = 0, peak1 = 0, used = 0, fr = 0, tot = 0;
@@ -865,6 +867,62 @@ static void test_copy_queues(void) {
     free(x);
 }
 
+/* ------------------------------------------------------------------------------------ */
+/* graphs (op_graph_*, the layers' recordings)                                           */
+
+/* ops recorded as a graph run nothing until replayed, and a replay does bitwise what they
+ * do one by one, reading the buffers' values anew each time; a recording during which the
+ * scratch grows is dropped (NULL, the process goes on), and one made before the scratch
+ * moved is refused at replay (-1), not run on a freed buffer */
+static void test_graphs(void) {
+    const OpsBackend *b = &ops_backend_cuda;
+    int sync = cuda_set_sync_each(0);  /* (a recording cannot wait for the device) */
+    int N = 64, C = 1024, N2 = 16384;  /* rmsnorm's backward: dw partials of 4 and 1024 blocks in scratch */
+    float *x = randf((size_t)N2 * C, 1), *w = randf(C, 1), *dout = randf((size_t)N2 * C, 1);
+    float *dx0 = randf((size_t)N2 * C, 1), *dw0 = randf(C, 1);
+    float *d_x = dcopy(x, (size_t)N2 * C, 0), *d_w = dcopy(w, C, 0), *d_dout = dcopy(dout, (size_t)N2 * C, 0);
+    float *d_out = dnan((size_t)N2 * C, 0), *d_rstd = dnan(N2, 0);
+    float *d_dx = dcopy(dx0, (size_t)N * C, 0), *d_dw = dcopy(dw0, C, 0);
+    cuda_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N2, C, 1e-5f);
+    /* one by one */
+    cuda_rmsnorm_backward(d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    float *ref_dx = hcopy(d_dx, (size_t)N * C), *ref_dw = hcopy(d_dw, C);
+    /* recorded: nothing runs until the replay, which matches; a second replay from the same
+     * starting values matches again */
+    dset(d_dx, dx0, (size_t)N * C);
+    dset(d_dw, dw0, C);
+    CHECK(b->graph_begin() == 0, "graph_begin refused");
+    cuda_rmsnorm_backward(d_dx, d_dw, d_dout, d_x, d_w, d_rstd, N, C);
+    OpsGraph *gr = b->graph_end();
+    CHECK(gr != NULL, "no graph");
+    float *h = hcopy(d_dx, (size_t)N * C);
+    CHECK(same(h, dx0, (size_t)N * C), "the recording ran the op");
+    free(h);
+    for (int rep = 0; rep < 2 && gr; rep++) {
+        dset(d_dx, dx0, (size_t)N * C);
+        dset(d_dw, dw0, C);
+        CHECK(b->graph_run(gr) == 0, "replay %d refused", rep);
+        float *gdx = hcopy(d_dx, (size_t)N * C), *gdw = hcopy(d_dw, C);
+        CHECK(same(gdx, ref_dx, (size_t)N * C) && same(gdw, ref_dw, C), "replay %d differs from the op", rep);
+        free(gdx); free(gdw);
+    }
+    /* the scratch outgrown inside a recording: dropped; then the op runs one by one */
+    float *d_dx2 = dcopy(dx0, (size_t)N2 * C, 0);  /* (before: an upload waits) */
+    CHECK(b->graph_begin() == 0, "graph_begin refused");
+    cuda_rmsnorm_backward(d_dx2, d_dw, d_dout, d_x, d_w, d_rstd, N2, C);
+    OpsGraph *gr2 = b->graph_end();
+    CHECK(gr2 == NULL, "a recording that moved the scratch was kept");
+    if (gr2) b->graph_free(gr2);
+    cuda_rmsnorm_backward(d_dx2, d_dw, d_dout, d_x, d_w, d_rstd, N2, C);
+    cuda_synchronize();
+    /* the first recording's scratch is gone: refused */
+    if (gr) CHECK(b->graph_run(gr) == -1, "a stale graph was replayed");
+    if (gr) b->graph_free(gr);
+    cuda_set_sync_each(sync);
+    free(x); free(w); free(dout); free(dx0); free(dw0); free(ref_dx); free(ref_dw);
+    dfree_all();
+}
+
 int main(int argc, char **argv) {
     int device = argc > 1 ? atoi(argv[1]) : 0;
     setenv("MESHTRAIN_CUDA_SYNC", "1", 0); /* a fault is reported at the kernel that made it */
@@ -877,6 +935,7 @@ int main(int argc, char **argv) {
     ops_init("cpu", 0, NULL, 0);
     rng_seed(&rng, 20240601);
     printf("device %d: %s\n", device, cuda_device_name());
+    RUN(test_graphs);  /* first: the scratch must grow in it */
     RUN(test_flat);
     RUN(test_copy_rows);
     RUN(test_sum_blocks);

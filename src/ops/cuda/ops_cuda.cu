@@ -158,9 +158,19 @@ static void launch_check(const char *what, const char *file, int line) {
     if (e != cudaSuccess) cuda_fail(what, cudaGetErrorString(e), file, line);
 }
 
+#define SCRATCH_RETIRED 8
+static void *g_scratch_retired[SCRATCH_RETIRED]; /* the scratch ops outgrew while a graph was recorded */
+static int g_n_retired;
 static void *scratch(size_t bytes) {
     if (bytes > g.scratch_bytes) {
-        if (g.scratch) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        CUDA_CHECK(cudaStreamIsCapturing(g.main, &cs));
+        if (g.scratch && cs != cudaStreamCaptureStatusNone && g_n_retired < SCRATCH_RETIRED) {
+            /* recording (op_graph_*): a free would wait for the device, which a recording may
+             * not; the old buffer goes after it (cuda_graph_end), and the recording, stale, is
+             * dropped */
+            g_scratch_retired[g_n_retired++] = g.scratch;
+        } else if (g.scratch) {
             cuda_free(g.scratch); /* waits: earlier kernels may still use it */
         }
         g.scratch = NULL;
@@ -456,6 +466,7 @@ static OpsGraph *cuda_graph_end(void) {
     cudaGraph_t graph = NULL;
     cudaGraphExec_t exec = NULL;
     cudaError_t e = cudaStreamEndCapture(g.main, &graph);
+    while (g_n_retired > 0) cuda_free(g_scratch_retired[--g_n_retired]);
     if (e == cudaSuccess && g.graph_epoch != g_graph_begun) e = cudaErrorInvalidValue;  /* (not said: expected) */
     else if (e == cudaSuccess) e = cudaGraphInstantiate(&exec, graph, 0);
     if (graph) cudaGraphDestroy(graph);
@@ -1018,6 +1029,11 @@ static int att_det(void) { return g.att_mode != ATTN_MODE_CUDNN; }
 static int att_auto(void) { return g.att_mode == ATTN_MODE_AUTO || g.att_mode == ATTN_MODE_FAST; }
 
 void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
+int cuda_set_sync_each(int on) {
+    int was = g.sync_each;
+    g.sync_each = on;
+    return was;
+}
 
 /* Our Hopper forward (attn_wgmma.cu) runs where MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
 static int att_wgmma(int HD) {

@@ -129,6 +129,9 @@ const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD);
 /* Test hook: the dP limit of cuDNN's deterministic backward (0: ATTN_CUDNN_DET_MAX_BYTES), so that a
  * small shape runs over its batch in pieces as a long context does. */
 void cuda_set_attention_det_max(size_t bytes);
+/* Test hook: whether every op waits for the device (MESHTRAIN_CUDA_SYNC, read at init);
+ * returns the setting before. A graph (op_graph_*) is recorded only without it. */
+int cuda_set_sync_each(int on);
 
 void cuda_swiglu_forward(void *out, const void *gu, int N, int H);
 void cuda_swiglu_backward(void *dgu, const void *dout, const void *gu, int N, int H, int acc);
