@@ -8,7 +8,7 @@
  * buffers, so a run needs (layers) x (forward, backward, recompute) x (slots) recordings:
  * hundreds at most. Past the cap, calls run one op at a time. */
 #define LG_MAX 4096
-#define LG_KEY 256
+#define LG_KEY 384 /* bytes: model.c's keys are 232 (a layer) and 280 (a split pass) on 64-bit */
 
 typedef struct {
     unsigned char key[LG_KEY];
@@ -62,7 +62,12 @@ static int record(LayerGraphs *lg, LgEntry *e, void (*fn)(void *), void *ctx) {
 }
 
 void layer_graphs_run(LayerGraphs *lg, const void *key, size_t n, void (*fn)(void *), void *ctx) {
-    if (!lg || n > LG_KEY) {
+    if (!lg) {
+        fn(ctx);
+        return;
+    }
+    if (n > LG_KEY) {
+        lg->eager++;
         fn(ctx);
         return;
     }

@@ -1130,7 +1130,7 @@ static void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *l
  * Only on one tensor-parallel rank, where a layer's ops are the device's alone (no
  * collective, no host wait inside). The key: every pointer the layer's ops read or write
  * and every shape and flag they depend on. */
-enum { LG_FORWARD, LG_RECOMPUTE, LG_BACKWARD };
+enum { LG_FORWARD, LG_RECOMPUTE, LG_BACKWARD, LG_INPUT, LG_WEIGHT };  /* (the last two: the split passes) */
 typedef struct {
     int kind, l, B, T, defer;
     LayerActs la;
@@ -1151,14 +1151,18 @@ static void lg_backward(void *ctx) {
     layer_backward(c->m, c->a, c->l, c->la, c->defer);
 }
 static int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1; }
+/* k zeroed by the caller (padding too: the key is compared as bytes) */
+static void layer_key(LayerKey *k, const Model *m, const Acts *a, int l, const LayerActs *la, int kind, int defer) {
+    k->kind = kind, k->l = l, k->B = a->B, k->T = a->T, k->defer = defer, k->la = *la;
+    k->w = kind == LG_WEIGHT ? NULL : unit_weights(m, unit_of_layer(l));
+    k->g = kind == LG_BACKWARD || kind == LG_WEIGHT ? unit_grads(m, unit_of_layer(l)) : NULL;
+    k->cos = a->rope_cos, k->sin = a->rope_sin, k->full = a->full, k->gath = a->gath, k->dres = a->dres;
+    k->dxn = a->dxn, k->dh = a->dh, k->dgu = a->dgu, k->datt = a->datt, k->dqkv = a->dqkv;
+}
 static void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, int kind, int defer) {
     LayerKey k;
-    memset(&k, 0, sizeof k);  /* (padding too: the key is compared as bytes) */
-    k.kind = kind, k.l = l, k.B = a->B, k.T = a->T, k.defer = defer, k.la = *la;
-    k.w = unit_weights(m, unit_of_layer(l));
-    k.g = kind == LG_BACKWARD ? unit_grads(m, unit_of_layer(l)) : NULL;
-    k.cos = a->rope_cos, k.sin = a->rope_sin, k.full = a->full, k.gath = a->gath, k.dres = a->dres;
-    k.dxn = a->dxn, k.dh = a->dh, k.dgu = a->dgu, k.datt = a->datt, k.dqkv = a->dqkv;
+    memset(&k, 0, sizeof k);
+    layer_key(&k, m, a, l, la, kind, defer);
     LayerCall c = {m, a, l, a->B, a->T, defer, la};
     layer_graphs_run(m->graphs, &k, sizeof k, kind == LG_FORWARD ? lg_forward : kind == LG_RECOMPUTE ? lg_recompute
                                                                                                       : lg_backward,
@@ -1449,38 +1453,79 @@ static WGrad wgrad_at(const Model *m, void *buf, int i, size_t N) {
     return w;
 }
 
-void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int B = a->B, T = a->T, N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD,
-        l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
+/* A layer's input-gradient pass (model_backward_input): d(its input) into dres, and the
+ * gradients its weight pass needs into wg. */
+static void layer_backward_input(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg) {
+    int B = a->B, T = a->T, N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     size_t bytes = (size_t)N * E * ops_act_size();
     const LayerLayout *ly = &m->layer;
+    const void *w = unit_weights(m, unit_of_layer(l));
+    /* (sequence parallel: dout and dmid kept whole, dxn2 and dxn1 the rank's rows) */
+    void *dx2 = m->sp ? a->full : wg->dxn2, *dx1 = m->sp ? a->full : wg->dxn1;
+    /* d(output) gathered straight into dout (copied without sequence parallel), each
+     * chunk's input gradient computed as it arrives; the sums chunked beside theirs */
+    Tickets ts;
+    if (!m->sp) op_copy(wg->dout, a->dres, bytes);
+    seq_gather_begin(m, wg->dout, a->dres, N, &ts);
+    product_after(m, &(Product){1, a->dh, wg->dout, act_at(w, ly->down), NULL, H, E}, &ts, N);
+    op_swiglu_backward_set(wg->dgu, a->dh, la->gu, N, H);
+    product_then_sum(m, &(Product){1, dx2, wg->dgu, act_at(w, ly->gate_up), NULL, E, 2 * H}, wg->dxn2, N, &ts, 0);
+    tp_join_all(m, &ts);
+    op_rmsnorm_backward(a->dres, NULL, wg->dxn2, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
+    if (!m->sp) op_copy(wg->dmid, a->dres, bytes);
+    seq_gather_begin(m, wg->dmid, a->dres, N, &ts);
+    product_after(m, &(Product){1, a->datt, wg->dmid, act_at(w, ly->att_out), NULL, Et, E}, &ts, N);
+    op_attention_rope_backward_set(wg->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
+                                   m->HD);
+    product_then_sum(m, &(Product){1, dx1, wg->dqkv, act_at(w, ly->qkv), NULL, E, 3 * Et}, wg->dxn1, N, &ts, 0);
+    tp_join_all(m, &ts);
+    op_rmsnorm_backward(a->dres, NULL, wg->dxn1, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
+}
+
+/* A layer's weight pass (model_backward_weight): its weight gradients from wg and its
+ * activations; no weights needed. */
+static void layer_backward_weight(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg) {
+    int N = a->B * a->T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
+    const LayerLayout *ly = &m->layer;
+    void *g = unit_grads(m, unit_of_layer(l));
+    op_matmul_backward(NULL, st_at(g, ly->down), wg->dout, la->hsw, NULL, N, H, E);
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), wg->dgu, gathered(m, a, la->xg2, la->xn2, N), NULL, N, E, 2 * H);
+    op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg->dxn2, la->mid, NULL, la->rstd2, NS, E);
+    op_matmul_backward(NULL, st_at(g, ly->att_out), wg->dmid, la->att, NULL, N, Et, E);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), wg->dqkv, gathered(m, a, la->xg1, la->xn1, N), NULL, N, E, 3 * Et);
+    op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg->dxn1, la->x, NULL, la->rstd1, NS, E);
+}
+
+/* The split passes as recorded graphs (layer_graphs.h), keyed as layer_run_graphed's with
+ * the WGrad set besides. */
+typedef struct { Model *m; Acts *a; int l; const LayerActs *la; const WGrad *wg; } SplitCall;
+static void lg_input(void *ctx) {
+    SplitCall *c = ctx;
+    layer_backward_input(c->m, c->a, c->l, c->la, c->wg);
+}
+static void lg_weight(void *ctx) {
+    SplitCall *c = ctx;
+    layer_backward_weight(c->m, c->a, c->l, c->la, c->wg);
+}
+static void layer_run_split(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg, int kind) {
+    struct { LayerKey k; WGrad wg; } key;
+    memset(&key, 0, sizeof key);
+    layer_key(&key.k, m, a, l, la, kind, 0);
+    key.wg = *wg;
+    SplitCall c = {m, a, l, la, wg};
+    layer_graphs_run(m->graphs, &key, sizeof key, kind == LG_INPUT ? lg_input : lg_weight, &c);
+}
+
+void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
+    int l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 0, h);
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
-        const void *w = unit_weights(m, unit_of_layer(l));
-        /* (sequence parallel: dout and dmid kept whole, dxn2 and dxn1 the rank's rows) */
-        void *dx2 = m->sp ? a->full : wg.dxn2, *dx1 = m->sp ? a->full : wg.dxn1;
-        /* d(output) gathered straight into dout (copied without sequence parallel), each
-         * chunk's input gradient computed as it arrives; the sums chunked beside theirs */
-        Tickets ts;
-        if (!m->sp) op_copy(wg.dout, a->dres, bytes);
-        seq_gather_begin(m, wg.dout, a->dres, N, &ts);
-        product_after(m, &(Product){1, a->dh, wg.dout, act_at(w, ly->down), NULL, H, E}, &ts, N);
-        op_swiglu_backward_set(wg.dgu, a->dh, la.gu, N, H);
-        product_then_sum(m, &(Product){1, dx2, wg.dgu, act_at(w, ly->gate_up), NULL, E, 2 * H}, wg.dxn2, N, &ts, 0);
-        tp_join_all(m, &ts);
-        op_rmsnorm_backward(a->dres, NULL, wg.dxn2, la.mid, act_at(w, ly->ffn_norm), la.rstd2, NS, E);
-        if (!m->sp) op_copy(wg.dmid, a->dres, bytes);
-        seq_gather_begin(m, wg.dmid, a->dres, N, &ts);
-        product_after(m, &(Product){1, a->datt, wg.dmid, act_at(w, ly->att_out), NULL, Et, E}, &ts, N);
-        op_attention_rope_backward_set(wg.dqkv, a->datt, la.qkv, la.att, la.lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
-                                       m->HD);
-        product_then_sum(m, &(Product){1, dx1, wg.dqkv, act_at(w, ly->qkv), NULL, E, 3 * Et}, wg.dxn1, N, &ts, 0);
-        tp_join_all(m, &ts);
-        op_rmsnorm_backward(a->dres, NULL, wg.dxn1, la.x, act_at(w, ly->att_norm), la.rstd1, NS, E);
+        if (layer_graphed(m)) layer_run_split(m, a, l, &la, &wg, LG_INPUT);
+        else layer_backward_input(m, a, l, &la, &wg);
         HOOK(h, release, unit_of_layer(l));
     }
     tp_flush(m);
@@ -1489,22 +1534,15 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
 }
 
 void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
-    int N = a->B * a->T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD,
-        l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
-    const LayerLayout *ly = &m->layer;
+    int N = a->B * a->T, l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 0, 1, h);
     for (int i = nl - 1; i >= 0; i--) {
         int u = unit_of_layer(l0 + i);
         LayerActs la = layer_acts(m, a, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, grad_begin, u);
-        void *g = unit_grads(m, u);
-        op_matmul_backward(NULL, st_at(g, ly->down), wg.dout, la.hsw, NULL, N, H, E);
-        op_matmul_backward(NULL, st_at(g, ly->gate_up), wg.dgu, gathered(m, a, la.xg2, la.xn2, N), NULL, N, E, 2 * H);
-        op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg.dxn2, la.mid, NULL, la.rstd2, NS, E);
-        op_matmul_backward(NULL, st_at(g, ly->att_out), wg.dmid, la.att, NULL, N, Et, E);
-        op_matmul_backward(NULL, st_at(g, ly->qkv), wg.dqkv, gathered(m, a, la.xg1, la.xn1, N), NULL, N, E, 3 * Et);
-        op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg.dxn1, la.x, NULL, la.rstd1, NS, E);
+        if (layer_graphed(m)) layer_run_split(m, a, l0 + i, &la, &wg, LG_WEIGHT);
+        else layer_backward_weight(m, a, l0 + i, &la, &wg);
         HOOK(h, grad_ready, u);
     }
     if (!stage_has_embedding(s)) return;
