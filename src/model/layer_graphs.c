@@ -8,7 +8,7 @@
  * buffers, so a run needs (layers) x (forward, backward, recompute) x (slots) recordings:
  * hundreds at most. Past the cap, calls run one op at a time. */
 #define LG_MAX 4096
-#define LG_KEY 384 /* bytes: model.c's keys are 232 (a layer) and 280 (a split pass) on 64-bit */
+#define LG_KEY 384 /* bytes: model.c's keys are 280 on 64-bit */
 
 typedef struct {
     unsigned char key[LG_KEY];
@@ -61,32 +61,16 @@ static int record(LayerGraphs *lg, LgEntry *e, void (*fn)(void *), void *ctx) {
     return 0;
 }
 
-void layer_graphs_run(LayerGraphs *lg, const void *key, size_t n, void (*fn)(void *), void *ctx) {
-    if (!lg) {
-        fn(ctx);
-        return;
-    }
-    if (n > LG_KEY) {
-        lg->eager++;
-        fn(ctx);
-        return;
-    }
+/* key's entry: the one made before, else a new one (NULL where the key is too long or the
+ * cache is full) */
+static LgEntry *entry(LayerGraphs *lg, const void *key, size_t n) {
+    if (n > LG_KEY) return NULL;
     unsigned long h = fnv(key, n);
     for (int i = 0; i < lg->n; i++) {
         LgEntry *e = &lg->e[i];
-        if (e->hash != h || e->n != n || memcmp(e->key, key, n)) continue;
-        if (e->gr && !op_graph_run(e->gr)) {
-            lg->replayed++;
-            return;
-        }
-        if (record(lg, e, fn, ctx)) lg->eager++, fn(ctx);  /* stale: recorded again */
-        return;
+        if (e->hash == h && e->n == n && !memcmp(e->key, key, n)) return e;
     }
-    if (lg->n == LG_MAX) {
-        lg->eager++;
-        fn(ctx);
-        return;
-    }
+    if (lg->n == LG_MAX) return NULL;
     if (lg->n == lg->cap) {
         lg->cap = lg->cap ? 2 * lg->cap : 64;
         lg->e = xrealloc(lg->e, (size_t)lg->cap * sizeof *lg->e);
@@ -96,5 +80,20 @@ void layer_graphs_run(LayerGraphs *lg, const void *key, size_t n, void (*fn)(voi
     memcpy(e->key, key, n);
     e->n = n;
     e->hash = h;
-    if (record(lg, e, fn, ctx)) lg->eager++, fn(ctx);
+    return e;
+}
+
+void layer_graphs_run(LayerGraphs *lg, const void *key, size_t n, void (*fn)(void *), void *ctx) {
+    if (!lg) {
+        fn(ctx);
+        return;
+    }
+    LgEntry *e = entry(lg, key, n);
+    if (e && e->gr && !op_graph_run(e->gr)) {
+        lg->replayed++;
+        return;
+    }
+    if (e && !record(lg, e, fn, ctx)) return;  /* new, or stale: recorded (again) */
+    lg->eager++;
+    fn(ctx);
 }

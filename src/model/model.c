@@ -526,6 +526,9 @@ void acts_free(Acts *a) {
 /* Per-layer activation pointers: the layer's input and output in residual slots r and r+1,
  * everything else in layer slot `slot`. */
 typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; void *xg1, *xg2; } LayerActs;
+/* A layer's gradients that the split backward's weight pass needs, kept by its input pass
+ * (model_backward_input; wgrad_at) */
+typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
 
 /* Rows of the residual stream a rank holds for N tokens: all of them, or under sequence
  * parallel its N / tp_size (the rows tp_rank * N / tp_size onwards). */
@@ -1134,39 +1137,47 @@ enum { LG_FORWARD, LG_RECOMPUTE, LG_BACKWARD, LG_INPUT, LG_WEIGHT };  /* (the la
 typedef struct {
     int kind, l, B, T, defer;
     LayerActs la;
+    WGrad wg;  /* the split passes' (zero for the others) */
     const void *w, *g, *cos, *sin, *full, *gath, *dres, *dxn, *dh, *dgu, *datt, *dqkv;
 } LayerKey;
-typedef struct { Model *m; Acts *a; int l, B, T, defer; const LayerActs *la; } LayerCall;
+typedef struct { Model *m; Acts *a; int l, defer; const LayerActs *la; const WGrad *wg; } LayerCall;
 
+static void layer_backward_input(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg);
+static void layer_backward_weight(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg);
 static void lg_forward(void *ctx) {
     LayerCall *c = ctx;
-    layer_forward(c->m, c->a, c->l, c->la, c->B, c->T, 0, NULL);
+    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 0, NULL);
 }
 static void lg_recompute(void *ctx) {
     LayerCall *c = ctx;
-    layer_forward(c->m, c->a, c->l, c->la, c->B, c->T, 1, NULL);
+    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 1, NULL);
 }
 static void lg_backward(void *ctx) {
     LayerCall *c = ctx;
     layer_backward(c->m, c->a, c->l, c->la, c->defer);
 }
-static int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1; }
-/* k zeroed by the caller (padding too: the key is compared as bytes) */
-static void layer_key(LayerKey *k, const Model *m, const Acts *a, int l, const LayerActs *la, int kind, int defer) {
-    k->kind = kind, k->l = l, k->B = a->B, k->T = a->T, k->defer = defer, k->la = *la;
-    k->w = kind == LG_WEIGHT ? NULL : unit_weights(m, unit_of_layer(l));
-    k->g = kind == LG_BACKWARD || kind == LG_WEIGHT ? unit_grads(m, unit_of_layer(l)) : NULL;
-    k->cos = a->rope_cos, k->sin = a->rope_sin, k->full = a->full, k->gath = a->gath, k->dres = a->dres;
-    k->dxn = a->dxn, k->dh = a->dh, k->dgu = a->dgu, k->datt = a->datt, k->dqkv = a->dqkv;
+static void lg_input(void *ctx) {
+    LayerCall *c = ctx;
+    layer_backward_input(c->m, c->a, c->l, c->la, c->wg);
 }
-static void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, int kind, int defer) {
+static void lg_weight(void *ctx) {
+    LayerCall *c = ctx;
+    layer_backward_weight(c->m, c->a, c->l, c->la, c->wg);
+}
+static int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1; }
+/* layer l's pass `kind` through its recording; wg: the split passes' set (NULL for the others) */
+static void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg, int kind, int defer) {
+    static void (*const fn[])(void *) = {lg_forward, lg_recompute, lg_backward, lg_input, lg_weight};
     LayerKey k;
-    memset(&k, 0, sizeof k);
-    layer_key(&k, m, a, l, la, kind, defer);
-    LayerCall c = {m, a, l, a->B, a->T, defer, la};
-    layer_graphs_run(m->graphs, &k, sizeof k, kind == LG_FORWARD ? lg_forward : kind == LG_RECOMPUTE ? lg_recompute
-                                                                                                      : lg_backward,
-                     &c);
+    memset(&k, 0, sizeof k);  /* (padding too: the key is compared as bytes) */
+    k.kind = kind, k.l = l, k.B = a->B, k.T = a->T, k.defer = defer, k.la = *la;
+    if (wg) k.wg = *wg;
+    k.w = kind == LG_WEIGHT ? NULL : unit_weights(m, unit_of_layer(l));
+    k.g = kind == LG_BACKWARD || kind == LG_WEIGHT ? unit_grads(m, unit_of_layer(l)) : NULL;
+    k.cos = a->rope_cos, k.sin = a->rope_sin, k.full = a->full, k.gath = a->gath, k.dres = a->dres;
+    k.dxn = a->dxn, k.dh = a->dh, k.dgu = a->dgu, k.datt = a->datt, k.dqkv = a->dqkv;
+    LayerCall c = {m, a, l, defer, la, wg};
+    layer_graphs_run(m->graphs, &k, sizeof k, fn[kind], &c);
 }
 
 void model_use_graphs(Model *m, int on) {
@@ -1213,7 +1224,7 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
             trace_mark(NULL, label);
         }
         if (carry) layer_forward_halves(m, a, l, &la, B, T, 0, &hp);
-        else if (training && layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_FORWARD, 0);
+        else if (training && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_FORWARD, 0);
         else layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
         HOOK(h, release, unit_of_layer(l));
     }
@@ -1400,7 +1411,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
-        if (a->recompute && layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_RECOMPUTE, 0);
+        if (a->recompute && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_RECOMPUTE, 0);
         else if (a->recompute) layer_forward(m, a, l, &la, B, T, 1, NULL);
         HOOK(h, grad_begin, unit_of_layer(l));
         if (trace_active()) {
@@ -1409,7 +1420,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
             trace_mark(NULL, label);
         }
         if (carry) layer_backward_halves(m, a, l, &la, i == 0 && defer, &hc, i > 0);
-        else if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, LG_BACKWARD, i == 0 && defer);
+        else if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_BACKWARD, i == 0 && defer);
         else layer_backward(m, a, l, &la, i == 0 && defer);
         if (i > 0 || !defer) HOOK(h, grad_ready, unit_of_layer(l));
         HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */
@@ -1436,7 +1447,6 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
  * keeps what the weight gradients need beside the layer's activations: the gradients at
  * the outputs of its four matrix products and at its two norms' outputs (WGrad), one set per
  * layer of the stage. The weight pass then needs neither the weights nor the next layer. */
-typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
 
 size_t model_wgrad_bytes(const ModelConfig *c, const Stage *s, int B, int T, size_t act_size) {
     size_t E = c->embed_dim, H = (size_t)(int)(1.5 * c->embed_dim);
@@ -1496,26 +1506,6 @@ static void layer_backward_weight(Model *m, Acts *a, int l, const LayerActs *la,
     op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg->dxn1, la->x, NULL, la->rstd1, NS, E);
 }
 
-/* The split passes as recorded graphs (layer_graphs.h), keyed as layer_run_graphed's with
- * the WGrad set besides. */
-typedef struct { Model *m; Acts *a; int l; const LayerActs *la; const WGrad *wg; } SplitCall;
-static void lg_input(void *ctx) {
-    SplitCall *c = ctx;
-    layer_backward_input(c->m, c->a, c->l, c->la, c->wg);
-}
-static void lg_weight(void *ctx) {
-    SplitCall *c = ctx;
-    layer_backward_weight(c->m, c->a, c->l, c->la, c->wg);
-}
-static void layer_run_split(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg, int kind) {
-    struct { LayerKey k; WGrad wg; } key;
-    memset(&key, 0, sizeof key);
-    layer_key(&key.k, m, a, l, la, kind, 0);
-    key.wg = *wg;
-    SplitCall c = {m, a, l, la, wg};
-    layer_graphs_run(m->graphs, &key, sizeof key, kind == LG_INPUT ? lg_input : lg_weight, &c);
-}
-
 void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const UnitHooks *h) {
     int l0 = stage_first_layer(s), nl = stage_n_layers(&m->c, s);
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 0, h);
@@ -1524,7 +1514,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
         LayerActs la = layer_acts(m, a, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
-        if (layer_graphed(m)) layer_run_split(m, a, l, &la, &wg, LG_INPUT);
+        if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, &wg, LG_INPUT, 0);
         else layer_backward_input(m, a, l, &la, &wg);
         HOOK(h, release, unit_of_layer(l));
     }
@@ -1541,7 +1531,7 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
         LayerActs la = layer_acts(m, a, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, grad_begin, u);
-        if (layer_graphed(m)) layer_run_split(m, a, l0 + i, &la, &wg, LG_WEIGHT);
+        if (layer_graphed(m)) layer_run_graphed(m, a, l0 + i, &la, &wg, LG_WEIGHT, 0);
         else layer_backward_weight(m, a, l0 + i, &la, &wg);
         HOOK(h, grad_ready, u);
     }
