@@ -23,7 +23,6 @@
 #include "train_state.h"
 #include "util.h"
 
-/* Model keys and the seed given on the command line must agree with a checkpoint's. */
 /* MESHTRAIN_GRAPHS: 1 records each layer's forward and backward as graphs of ops and replays
  * them (model_use_graphs) in any run, 0 never; unset: in one-process runs on a GPU (checked
  * bitwise against op by op on one GPU; on several GPUs only where asked, until measured
@@ -31,6 +30,7 @@
  * records nothing, every layer does (through the recordings' cache, which 1 exercises). */
 static int graphs_wanted(int world_size, int gpu) { return env_flag("MESHTRAIN_GRAPHS", gpu && world_size == 1); }
 
+/* Model keys and the seed given on the command line must agree with a checkpoint's. */
 static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
     struct { const char *key; int want, have; } k[] = {
         {"vocab_size", c->vocab_size, h->vocab_size}, {"embed_dim", c->embed_dim, h->embed_dim},
