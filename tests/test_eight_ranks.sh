@@ -9,7 +9,7 @@ source "$(dirname "$0")/lib.sh"
 use_mpirun
 prepare_data 300000
 
-M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=8 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=8 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 # cases MODEL REF: each "name|keys" line on stdin, run on 8 ranks, follows the run in REF
 cases() {
   local model=$1 ref=$2 name keys out
@@ -30,7 +30,7 @@ CASES
 
 # tensor parallel over all eight (tp 8) and tp 4 x dp 2 (issue 22's long-context layouts),
 # with and without sequence parallel, and beside FSDP: 8 heads
-M8="vocab_size=50257 embed_dim=64 n_heads=8 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M8="vocab_size=50257 embed_dim=64 n_heads=8 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $M8 batch_size=8 out_dir="$TMP/ref8" >/dev/null
 cases "$M8" "$TMP/ref8" <<'CASES'
 tp8|batch_size=8 tensor_parallel_size=8

@@ -19,7 +19,7 @@ source "$(dirname "$0")/lib.sh"
 use_mpirun
 prepare_data 400000
 
-M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 progress=false threads=1 data_dir=$D"
+M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 progress=false threads=1 val_batches=1 data_dir=$D"
 strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
 # same A B: the same losses and norms (every step), and the same checkpoint files
 same() {

@@ -8,7 +8,7 @@ source "$(dirname "$0")/lib.sh"
 use_mpirun
 prepare_data 400000
 
-M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 for tied in false true; do
   "$BIN" train $M tie_embeddings=$tied batch_size=8 out_dir="$TMP/ref_$tied" >/dev/null
 done
@@ -67,7 +67,7 @@ for np in 1 2; do
 done
 # -- a run that saves no checkpoint ends cleanly: nothing is left in flight at exit (FSDP's
 # evaluation leaves a prefetched gather behind)
-NOCK="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 steps=3 progress=false threads=1 data_dir=$D"
+NOCK="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 steps=3 progress=false threads=1 val_batches=1 data_dir=$D"
 if $MPIRUN -np 4 "$BIN" train $NOCK batch_size=2 fsdp=true ckpt_path=none out_dir="$TMP/nock" </dev/null >"$TMP/nock.log" 2>&1
 then ok fsdp_exits_cleanly_without_checkpoint; else bad "fsdp_exits_cleanly_without_checkpoint ($(grep -m1 -i 'signal\|error' "$TMP/nock.log"))"; fi
 # -- MESHTRAIN_TIMELINE=2: each rank prints step 2's timeline: every layer's forward and
@@ -120,7 +120,7 @@ a1=$(est_acts); a2=$(est_acts activation_checkpointing=true)
 
 # -- memory per rank falls as each strategy predicts, and the estimate stays within 10%
 # of every rank's max RSS (a model whose state, not the runtime, dominates).
-B="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 batch_size=2 steps=2 progress=false threads=1 data_dir=$D"
+B="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=16 batch_size=2 steps=2 progress=false threads=1 val_batches=1 data_dir=$D"
 prev=""
 for s in "ddp|" "zero1|zero_opt=true" "zero2|fsdp=true shard_strategy=grad_op" "fsdp|fsdp=true"; do
   name=${s%%|*}; keys=${s#*|}
@@ -142,7 +142,7 @@ done
 # -- resume across world sizes and strategies: 2 ranks of FSDP die after the step-3
 # checkpoint; 4 ranks of DDP (batch 1 each: the same global batch) and one process of
 # ZeRO-free training each finish the run; both follow the uninterrupted run.
-R="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 data_dir=$D"
+R="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $R batch_size=4 out_dir="$TMP/straight" >/dev/null
 MESHTRAIN_FAULT_NAN_STEP=4 $MPIRUN -np 2 "$BIN" train $R batch_size=2 fsdp=true ckpt_every=3 out_dir="$TMP/cut" >/dev/null 2>&1
 for target in "4|batch_size=1" "1|batch_size=4" "2|batch_size=2 zero_opt=true"; do

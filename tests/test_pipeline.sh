@@ -16,7 +16,7 @@ use_mpirun
 command -v mpirun >/dev/null || { echo "no mpirun: skipped"; echo "RESULT 0 0"; exit 0; }
 prepare_data 300000
 
-M0="vocab_size=50257 embed_dim=32 n_heads=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M0="vocab_size=50257 embed_dim=32 n_heads=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 M="$M0 n_layers=4"
 ref() {  # ref BATCH TIED [N_LAYERS]: the single-process run, made once
   local r=$TMP/ref_$1_$2_${3:-4}
@@ -225,7 +225,7 @@ CASES
 # prints the same per-stage totals (within 2%: the run's also counts its mapped data)
 if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
   EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64"
-  E="$EM steps=2 progress=false threads=1 data_dir=$D"
+  E="$EM steps=2 progress=false threads=1 val_batches=1 data_dir=$D"
   # (and a last stage holding the head alone: its activations hold no layer's)
   # (interleaved/split: its lists with the backward split, which auto takes from larger micro-batches)
   for sched in 1f1b gpipe interleaved interleaved/split zb1 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do

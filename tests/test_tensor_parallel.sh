@@ -14,7 +14,7 @@ source "$(dirname "$0")/lib.sh"
 use_mpirun
 prepare_data 400000
 
-M="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+M="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 for tied in false true; do
   "$BIN" train $M tie_embeddings=$tied batch_size=8 out_dir="$TMP/ref_$tied" >/dev/null
 done
@@ -62,7 +62,7 @@ grep -q "tp=2 pp=1, ddp, sequence parallel)" "$TMP/tp2_false.log" && ! grep -q "
 # the early-reduced units before the sum, on their rank's part of a norm's gradient, was
 # 2e-3 off.
 NC="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=32 steps=5 lr=1e-3 grad_clip=0 bucket_mb=1"
-NC="$NC progress=false threads=1 data_dir=$D"
+NC="$NC progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $NC batch_size=8 out_dir="$TMP/ref_noclip" >/dev/null
 for side in 1 0; do
   MESHTRAIN_SIDE_UPDATE=$side $MPIRUN -np 4 -x MESHTRAIN_SIDE_UPDATE "$BIN" train $NC batch_size=4 tensor_parallel_size=2 \
@@ -79,7 +79,7 @@ else bad "sp_side_update_after_norm_sums ($("$DIFF" "$TMP/noclip_1/ckpt.bin" "$T
 # beside its matrix product (under sequence parallel the ranks then hold chunk-interleaved
 # rows) follows the one-process run; a count the rows do not divide falls back to the
 # largest that does (the header says which: here N = 20 rows, 10 or 5 a rank under sp)
-Q="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=20 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 data_dir=$D"
+Q="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=20 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $Q batch_size=1 out_dir="$TMP/ref_q" >/dev/null
 # name|MESHTRAIN_TP_CHUNKS|ranks|reference|chunks it must report|keys
 while IFS='|' read -r name c np ref want keys; do
@@ -307,7 +307,7 @@ err=$(MESHTRAIN_TP_FUSED=5 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M b
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS
-B="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=8 context_len=16 batch_size=2 steps=2 tie_embeddings=true progress=false threads=1 data_dir=$D"
+B="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=8 context_len=16 batch_size=2 steps=2 tie_embeddings=true progress=false threads=1 val_batches=1 data_dir=$D"
 prev=""
 for tp in $([ -z "${MESHTRAIN_SANITIZED:-}" ] && echo 1 2); do  # ASan's shadow memory: RSS is no measure of the plan
   if [ "$tp" = 1 ]; then run=("$BIN"); else run=($MPIRUN -np "$tp" "$BIN"); fi
@@ -367,7 +367,7 @@ awk -v p1="$p1" -v p2="$p2" -v l1="$l1" -v l2="$l2" -v a1="$a1" -v a2="$a2" -v s
 
 # -- resume across tp layouts: a run dies after its step-3 checkpoint; another layout
 # finishes it and follows the uninterrupted one-process run
-R="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 data_dir=$D"
+R="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=32 steps=6 lr=1e-3 progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $R batch_size=4 out_dir="$TMP/straight" >/dev/null
 # (a non-finite loss on rank 0 stops every tp rank at once, not after comm_timeout)
 t0=$(date +%s)
