@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Async tensor parallel (issue 19): each tensor-parallel collective split into
-# MESHTRAIN_TP_CHUNKS chunks of rows beside its matrix product (src/model/model.c). On the
+# MESHTRAIN_TP_CHUNKS chunks of rows beside its matrix product (src/model/layer_tp.c). On the
 # TP-efficiency config (embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1,
 # pure bf16): one GPU, then tp=NP with sequence parallel on and off for each count in
 # CHUNKS; one row each with per-GPU tokens/s (tokens/s / NP) as a share of one GPU's, and

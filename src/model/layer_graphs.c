@@ -8,7 +8,7 @@
  * buffers, so a run needs (layers) x (forward, backward, recompute) x (slots) recordings:
  * hundreds at most. Past the cap, calls run one op at a time. */
 #define LG_MAX 4096
-#define LG_KEY 384 /* bytes: model.c's keys are 280 on 64-bit */
+#define LG_KEY 384 /* bytes: layer.c's keys are 280 on 64-bit */
 
 typedef struct {
     unsigned char key[LG_KEY];
