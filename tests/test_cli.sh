@@ -25,6 +25,10 @@ expect_exit 2 "ckpt_every=5 saves nothing with ckpt_path=none" ckpt_every_withou
 prof=$(MESHTRAIN_PROFILE=1 "$BIN" train $TINY steps=3 data_dir="$D" out_dir="$TMP/prof" progress=false 2>&1 >/dev/null)
 if grep -q "^ops profile (MESHTRAIN_PROFILE=1, cpu)" <<<"$prof" && grep -q "matmul_backward (lm_head) .* 2 calls" <<<"$prof" &&
    grep -q "attention_backward .* 2 calls" <<<"$prof"; then ok profile_table; else bad "profile_table ($prof)"; fi
+# MESHTRAIN_PROFILE=events on a backend without device events: the synchronised table, said so
+prof=$(MESHTRAIN_PROFILE=events "$BIN" train $TINY steps=3 data_dir="$D" out_dir="$TMP/prof_ev" progress=false 2>&1 >/dev/null)
+if grep -q "^ops profile (MESHTRAIN_PROFILE=1, cpu)" <<<"$prof" && grep -q "matmul_backward (lm_head) .* 2 calls" <<<"$prof"
+then ok profile_events_on_cpu; else bad "profile_events_on_cpu ($prof)"; fi
 
 # -- bad keys and values
 expect_exit 2 "unknown key 'embed_dimm'" unknown_key -- "$BIN" train embed_dimm=3

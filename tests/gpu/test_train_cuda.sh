@@ -98,6 +98,17 @@ fsdp|precision=mixed fsdp=true batch_size=4
 offload|precision=mixed offload=optimizer batch_size=4
 CASES
 
+# -- MESHTRAIN_PROFILE=events: the per-op table from CUDA events, nothing waited for; it names
+# the ops of every step but the first with their counts (4 of the 5 steps), and the run's
+# losses and checkpoint are bitwise the plain run's (graph_off_mixed: profiling runs op by op)
+prof=$(MESHTRAIN_PROFILE=events "$BIN" train $G precision=mixed batch_size=4 out_dir="$TMP/prof_events" progress=false 2>&1 >/dev/null)
+if grep -q "^ops profile (MESHTRAIN_PROFILE=events, cuda)" <<<"$prof" && grep -q "matmul_backward (lm_head) .* 4 calls" <<<"$prof" &&
+   grep -q "attention_backward .* 12 calls" <<<"$prof" && [ -n "$(strip "$TMP/prof_events")" ] &&
+   [ "$(strip "$TMP/prof_events")" = "$(strip "$TMP/graph_off_mixed")" ] &&
+   cmp -s "$TMP/prof_events/ckpt.bin" "$TMP/graph_off_mixed/ckpt.bin"
+then ok profile_events_table_bitwise
+else bad "profile_events_table_bitwise ($(head -3 <<<"$prof" | tr '\n' ' '))"; fi
+
 # -- CUDA follows the CPU, per strategy (one process each)
 for tied in false true; do run "$TMP/cpu_$tied" $M steps=5 tie_embeddings=$tied device=cpu; done
 while IFS='|' read -r name tied keys; do
