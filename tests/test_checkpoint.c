@@ -344,6 +344,12 @@ static void test_corruption_detected(void) {
     memcpy(buf, &bad, sizeof bad);
     CHECK(write_file_atomic(path, buf, len, err, sizeof err) == 0, "%s", err);
     CHECK(ckpt_read_header(path, &hb, err, sizeof err) != 0 && strstr(err, "version 1"), "%s", err);
+    /* the right version with a header of another size: corrupt, not "version 2 ... reads version 2" */
+    bad.version = CKPT_VERSION; bad.header_bytes += 1u << 16;
+    memcpy(buf, &bad, sizeof bad);
+    CHECK(write_file_atomic(path, buf, len, err, sizeof err) == 0, "%s", err);
+    CHECK(ckpt_read_header(path, &hb, err, sizeof err) != 0 && strstr(err, "invalid header") && !strstr(err, "version"),
+          "%s", err);
     /* saving where the directory does not exist fails cleanly */
     char nodir[300];
     snprintf(nodir, sizeof nodir, "%s/missing/c.bin", dir);

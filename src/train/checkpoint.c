@@ -99,9 +99,12 @@ static int parse_manifest(int fd, const char *path, CkptHeader *h, CkptShardEntr
     if (got < 8 || memcmp(h->magic, CKPT_MAGIC, 8))
         return set_err(err, errlen, "%s is not a meshtrain checkpoint", path);
     if (got != sizeof *h) return set_err(err, errlen, "checkpoint %s is truncated (no complete header)", path);
-    if (h->version != CKPT_VERSION || h->header_bytes != sizeof *h)
+    if (h->version != CKPT_VERSION)
         return set_err(err, errlen, "checkpoint %s has version %u; this meshtrain reads version %d", path, h->version,
                        CKPT_VERSION);
+    if (h->header_bytes != sizeof *h)  /* (the version's own header has one size: corrupt) */
+        return set_err(err, errlen, "checkpoint %s has an invalid header (%u header bytes, expected %zu)", path,
+                       h->header_bytes, sizeof *h);
     if (header_invalid(h) || h->world < 1 || h->world > MAX_SHARDS || h->name_len < 1 || h->name_len > NAME_MAX_LEN)
         return set_err(err, errlen, "checkpoint %s has an invalid header", path);
     ModelConfig c;
