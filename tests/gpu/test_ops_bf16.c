@@ -470,7 +470,7 @@ static void test_bf16_embedding_backward(void) {
 }
 
 static void test_bf16_rmsnorm_backward(void) {
-    int shapes[][2] = {{300, 192}, {1000, 77}, {70, 4096}};  /* (4096: the wide-row kernel) */
+    int shapes[][2] = {{300, 192}, {1000, 77}, {70, 4096}, {5, 12296}};  /* (4096, 12296: the wide-row kernels) */
     for (size_t k = 0; k < sizeof shapes / sizeof shapes[0]; k++) {
         int N = shapes[k][0], C = shapes[k][1];
         char sh[64];
@@ -486,6 +486,8 @@ static void test_bf16_rmsnorm_backward(void) {
         float *dR = op_alloc(N * sizeof(float));
         op_rmsnorm_forward(dY, dR, dX, dW, N, C, 1e-5f);
         op_rmsnorm_backward(dDX, dDW, dG, dX, dW, dR, N, C);
+        expect_act("rmsnorm forward", sh, dY, y, NC, TOL);
+        expect_f32("rmsnorm rstd", sh, dR, rstd, N, 1e-5);
         expect_act("rmsnorm dx (+=)", sh, dDX, dx, NC, TOL);
         expect_state("rmsnorm dw (bf16, +=)", sh, dDW, dw, C, TOL);
         op_free(dX); op_free(dW); op_free(dG); op_free(dY); op_free(dDX); op_free(dDW); op_free(dR);

@@ -57,7 +57,7 @@ extern "C" int env_flag(const char *name, int dflt); /* util.h: a 0/1 knob, its 
     X(cublasLtMatmulDescDestroy) X(cublasLtMatmulDescSetAttribute)                         \
     X(cublasLtMatmulPreferenceCreate) X(cublasLtMatmulPreferenceDestroy)                   \
     X(cublasLtMatmulPreferenceSetAttribute) X(cublasLtMatrixLayoutCreate)                  \
-    X(cublasLtMatrixLayoutDestroy)
+    X(cublasLtMatrixLayoutDestroy) X(cublasLtMatmulAlgoConfigGetAttribute)
 static struct {
 #define LT_FIELD(f) decltype(&::f) f;
     LT_FUNCS(LT_FIELD)
@@ -807,7 +807,16 @@ static void rmsnorm_forward(void *out, float *rstd, void *x, const void *branch,
                             float eps) {
     if (N <= 0 || C <= 0) return;
     unsigned blocks = (N + ROW_WARPS - 1) / ROW_WARPS;
-    if (C % 8 == 0 && al16(out) && al16(x) && al16(w) && (!branch || al16(branch))) {
+    int aligned = al16(out) && al16(x) && al16(w) && (!branch || al16(branch));
+    if (cuda_rmsnorm_wide(C) && aligned) {  /* one row a block: its threads as the wide backward's */
+        int narrow = C <= RMS_WIDE_NARROW_C, vec = narrow ? 2 : 4, threads = ((C / 8 + vec - 1) / vec + 31) / 32 * 32;
+        if (narrow)
+            rmsnorm_wide_forward_kernel<2, 512><<<N, threads, 0, g.stream>>>(out, rstd, x, branch, w, C, eps, g.bf16);
+        else rmsnorm_wide_forward_kernel<4, 1024><<<N, threads, 0, g.stream>>>(out, rstd, x, branch, w, C, eps, g.bf16);
+        LAUNCH_CHECK(rmsnorm_wide_forward_kernel);
+        return;
+    }
+    if (C % 8 == 0 && aligned) {
         rmsnorm8_forward_kernel<<<blocks, ROW_WARPS * 32, 0, g.stream>>>(out, rstd, x, branch, w, N, C, eps, g.bf16);
         LAUNCH_CHECK(rmsnorm8_forward_kernel);
         return;
