@@ -64,6 +64,15 @@ static __device__ __forceinline__ void add8_round(float *v, void *x, const void 
     for (int e = 0; e < 8; e++) v[e] = round_to(__fadd_rn(v[e], b[e]), bf);
     st8(x, i, v, bf);
 }
+/* out[i, +8) = v * r * w[c, +8): a normed row's 8 channels, written */
+static __device__ __forceinline__ void rms_out8(void *out, size_t i, const float *v, const void *w, int c, float r,
+                                                int bf) {
+    float wv[8], o[8];
+    ld8(wv, w, c, bf);
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = (v[e] * r) * wv[e];
+    st8(out, i, o, bf);
+}
 static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, void *x, const void *branch, const void *w,
                                                int N, int C, float eps, int bf) {
     int row = blockIdx.x * ROW_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -96,21 +105,12 @@ static __global__ void rmsnorm8_forward_kernel(void *out, float *rstd, void *x, 
 #pragma unroll
     for (int k = 0; k < RMS_VEC; k++) {
         int c = (32 * k + lane) * 8;
-        if (c < C) {
-            float wv[8], o[8];
-            ld8(wv, w, c, bf);
-#pragma unroll
-            for (int e = 0; e < 8; e++) o[e] = (xv[k][e] * r) * wv[e];
-            st8(out, r0 + c, o, bf);
-        }
+        if (c < C) rms_out8(out, r0 + c, xv[k], w, c, r, bf);
     }
     for (int c = (32 * RMS_VEC + lane) * 8; c < C; c += 256) {
-        float t[8], wv[8];
+        float t[8];
         ld8(t, x, r0 + c, bf);
-        ld8(wv, w, c, bf);
-#pragma unroll
-        for (int e = 0; e < 8; e++) t[e] = (t[e] * r) * wv[e];
-        st8(out, r0 + c, t, bf);
+        rms_out8(out, r0 + c, t, w, c, r, bf);
     }
 }
 
@@ -151,13 +151,7 @@ rmsnorm_wide_forward_kernel(void *out, float *rstd, void *x, const void *branch,
 #pragma unroll
     for (int k = 0; k < VEC; k++) {
         int c = (k * T + t) * 8;
-        if (c < C) {
-            float wv[8], o[8];
-            ld8(wv, w, c, bf);
-#pragma unroll
-            for (int e = 0; e < 8; e++) o[e] = (xv[k][e] * r) * wv[e];
-            st8(out, r0 + c, o, bf);
-        }
+        if (c < C) rms_out8(out, r0 + c, xv[k], w, c, r, bf);
     }
 }
 
