@@ -38,6 +38,8 @@ expect_exit 2 "expected key=value" not_key_value -- "$BIN" train embed_dim
 expect_exit 2 "tie_embeddings=maybe: expected true or false" bad_bool -- "$BIN" train tie_embeddings=maybe
 expect_exit 2 "n_heads=3 does not divide embed_dim=32" heads_divide -- "$BIN" train embed_dim=32 n_heads=3
 expect_exit 2 "head_dim .* is odd" odd_head_dim -- "$BIN" train embed_dim=36 n_heads=4
+expect_exit 2 "head_dim = embed_dim/n_heads = 512: device=cuda's attention takes heads of up to 256" cuda_head_dim \
+  -- "$BIN" train embed_dim=2048 n_heads=4 device=cuda
 expect_exit 2 "unknown command" unknown_command -- "$BIN" trian
 expect_exit 2 "precision=mixed needs a GPU" cpu_precision -- "$BIN" train precision=mixed
 expect_exit 2 "given twice" key_twice -- "$BIN" train lr=1 lr=2

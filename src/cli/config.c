@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "model.h"
+#include "ops.h"
 #include "util.h"
 
 typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM } KeyType;
@@ -239,6 +240,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d is odd; RoPE needs an even head_dim",
                            c->embed_dim / c->n_heads);
         if (c->vocab_size > 65536) return set_err(err, errlen, "vocab_size=%d: shards hold uint16 tokens", c->vocab_size);
+        if (!strcmp(c->device, "cuda") && c->embed_dim / c->n_heads > OPS_CUDA_MAX_HEAD_DIM)
+            return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d: device=cuda's attention takes heads of up "
+                           "to %d (more n_heads)", c->embed_dim / c->n_heads, OPS_CUDA_MAX_HEAD_DIM);
         int tp = c->tensor_parallel_size;
         ModelConfig mc = {c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
         if (model_tp_check(&mc, tp, err, errlen)) return -1;

@@ -19,7 +19,7 @@
 #define ATT_WARPS 8
 #define ATT_TILE 32                       /* = lanes per warp: lane l <-> row l of a tile */
 #define ATT_RPW (ATT_TILE / ATT_WARPS)    /* rows per warp */
-#define ATT_MAX_HD 256
+#define ATT_MAX_HD OPS_CUDA_MAX_HEAD_DIM /* (ops.h: the config refuses wider heads on cuda at start-up) */
 #define ATT_DPL (ATT_MAX_HD / 32)         /* accumulator registers per lane and row */
 
 static size_t att_forward_smem(int HD) { return (size_t)ATT_TILE * (3 * HD + 1) * sizeof(float); }
