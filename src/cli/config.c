@@ -34,7 +34,7 @@ typedef struct {
 static const Key KEYS[] = {
     I(vocab_size, "50257", 2, 65536, MODEL_CMDS, "vocabulary size (50257 = GPT-2; smaller only for tests)"),
     I(embed_dim, "1024", 2, 65536, MODEL_CMDS, "model width E"),
-    I(n_heads, "8", 1, 4096, MODEL_CMDS, "attention heads (must divide embed_dim; head_dim must be even)"),
+    I(n_heads, "8", 1, 4096, MODEL_CMDS, "attention heads (must divide embed_dim; head_dim must be even, and at most 256 with device=cuda)"),
     I(n_layers, "16", 1, 4096, MODEL_CMDS, "transformer layers"),
     I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL,
       "sequence length T of a training window (eval: the checkpoint's unless given)"),
