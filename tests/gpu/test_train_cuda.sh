@@ -86,7 +86,7 @@ while IFS='|' read -r name keys; do
      [ -n "$(strip "$TMP/graph_on_$name")" ] && [ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] &&
      cmp -s "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin"
   then ok "layer_graphs_bitwise_$name (${rep%% (*})"
-  else  # which side differs, for the next look (session 27 saw accum3 unequal once, not again in 40 pairs)
+  else  # which side differs, for the next look (session 27 saw accum3 unequal once, not again in 30 pairs)
     what="losses $([ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] && echo alike || echo differ)"
     what="$what, checkpoints: $("$DIFF" "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin" 2>&1 | tail -1)"
     bad "layer_graphs_bitwise_$name (${rep:-no graphs line}; $what; $(tail -1 "$TMP/graph_on_$name.log"))"

@@ -18,9 +18,10 @@
  * tile's whole K, no reduction scheme) are candidates, and a candidate's D is hashed twice:
  * an algorithm whose partial sums meet in an order set at run time could match the first
  * choice once and not always. (A precaution: in session 27 one pair of runs that should be
- * bitwise alike differed once in four test runs, not again in 36 pairs, while each run's
- * tuning picked 5 to 10 of 15 shapes' algorithms by timing.) A shape whose scratch does not fit in the free
- * memory (less a margin) keeps its algorithm. MESHTRAIN_MATMUL_TUNE=0 turns it off. */
+ * bitwise alike differed once in four test runs, not again in 30 pairs of 40 runs, while each
+ * run's tuning picked 5 to 10 of 15 shapes' algorithms by timing.) A shape whose scratch does
+ * not fit in the free memory (less a margin) keeps its algorithm. MESHTRAIN_MATMUL_TUNE=0 turns
+ * it off. */
 
 enum { TUNE_ALGOS = 8, TUNE_QUEUE = 5, TUNE_REPS = 3 };
 #define TUNE_GAIN 0.97f                    /* at least 3% faster: noise does not flip a choice */
