@@ -8,8 +8,8 @@
 #                      fused_sum_start / fused_join_oldest, the two fused sums in flight)
 #   3  (4 GPUs)        issue 19's bar, tp 4 at 80% per GPU: the efficiency rows under the knobs not
 #                      yet measured (halves, kept gathers, narrow products whole)
-#   4  (4 GPUs)        issue 18: the send/receive time not hidden by compute, every schedule at pp 4
-#                      (pp_exposed: the same runs with and without the copies)
+#   4  (4 GPUs, or 2)  issue 18: the send/receive time not hidden by compute, every schedule at pp 4
+#                      (pp 2 on two GPUs; pp_exposed: the same runs with and without the copies)
 #   5  (2 GPUs, or 4)  issue 18: pp 2, m 32, interleaved and zb1 beside the peer's interleaved and zbv
 #                      (the pairs session 24 ran out of time for), then layer graphs on pp 2
 #   6  (4 GPUs)        layer graphs on pp 4 at m 8 and 32: if they win, graphs_wanted's default for
@@ -30,8 +30,7 @@ case $call in
 3) np4
    NP=4 REPS=1 STEPS=15 VARIANTS=";MESHTRAIN_TP_HALVES=1;MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_FUSED=3;MESHTRAIN_TP_KEEP_GATHERED=1;MESHTRAIN_TP_WHOLE_COLS=1536" \
      timeout 580 bash "$here/tp_eff_rows.sh" "$B/meshtrain" 2>&1 | tail -14 ;;
-4) np4
-   NP=4 M=8 REPS=2 timeout 580 bash "$here/pp_exposed.sh" "$B/meshtrain" 2>&1 | tail -20 ;;
+4) NP=$((n >= 4 ? 4 : 2)) M=8 REPS=2 timeout 580 bash "$here/pp_exposed.sh" "$B/meshtrain" 2>&1 | tail -20 ;;
 5) NP=2 MS=32 STEPS=10 SCHEDS="interleaved zb1" PEER_SCHEDS="interleaved zbv" PEER_MS=32 BIN=$B/meshtrain \
      timeout 400 bash "$here/gpu_pipeline.sh" "$P" 2>&1 | tail -16
    NP=2 MS=8 SCHEDS="1f1b zb1" BIN=$B/meshtrain timeout 170 bash "$here/pp_graphs_ab.sh" 2>&1 | tail -14 ;;

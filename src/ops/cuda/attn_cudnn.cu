@@ -497,7 +497,8 @@ static cudnnBackendDescriptor_t build_plan(Graph *g, char *why, size_t whylen) {
     cudnnStatus_t s = dnn.cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
                                                    n, &got, cfg);
     if (s != CUDNN_STATUS_SUCCESS || got <= 0) {
-        snprintf(why, whylen, "cuDNN's heuristics results: %s", dnn.cudnnGetErrorString(s));
+        if (s == CUDNN_STATUS_SUCCESS) snprintf(why, whylen, "cuDNN's heuristics offer no engine for this shape");
+        else snprintf(why, whylen, "cuDNN's heuristics results: %s", dnn.cudnnGetErrorString(s));
         return NULL;
     }
     char last[256] = "";
