@@ -803,13 +803,20 @@ void cuda_embedding_backward(void *dwte, const void *dout, const int *tokens, in
     LAUNCH_CHECK(embedding_backward_kernel);
 }
 
+/* The wide-row kernels' block (forward and backward alike): warps enough for VEC vectors of 8
+ * channels a thread, VEC 2 up to RMS_WIDE_NARROW_C channels and 4 beyond */
+static int rmsnorm_wide_threads(int C) {
+    int vec = C <= RMS_WIDE_NARROW_C ? 2 : 4;
+    return ((C / 8 + vec - 1) / vec + 31) / 32 * 32;
+}
+
 static void rmsnorm_forward(void *out, float *rstd, void *x, const void *branch, const void *w, int N, int C,
                             float eps) {
     if (N <= 0 || C <= 0) return;
     unsigned blocks = (N + ROW_WARPS - 1) / ROW_WARPS;
     int aligned = al16(out) && al16(x) && al16(w) && (!branch || al16(branch));
     if (cuda_rmsnorm_wide(C) && aligned) {  /* one row a block: its threads as the wide backward's */
-        int narrow = C <= RMS_WIDE_NARROW_C, vec = narrow ? 2 : 4, threads = ((C / 8 + vec - 1) / vec + 31) / 32 * 32;
+        int narrow = C <= RMS_WIDE_NARROW_C, threads = rmsnorm_wide_threads(C);
         if (narrow)
             rmsnorm_wide_forward_kernel<2, 512><<<N, threads, 0, g.stream>>>(out, rstd, x, branch, w, C, eps, g.bf16);
         else rmsnorm_wide_forward_kernel<4, 1024><<<N, threads, 0, g.stream>>>(out, rstd, x, branch, w, C, eps, g.bf16);
@@ -845,9 +852,7 @@ void cuda_rmsnorm_backward(void *dx, void *dw, const void *dout, const void *x, 
     if (wide) {
         /* wide rows: a block's threads share each row, warps enough for VEC vectors a thread;
          * blocks of about 8 rows, for enough blocks on every SM */
-        int narrow = C <= RMS_WIDE_NARROW_C, vec = narrow ? 2 : 4;
-        int threads = (C / 8 + vec - 1) / vec;
-        threads = (threads + 31) / 32 * 32;
+        int narrow = C <= RMS_WIDE_NARROW_C, threads = rmsnorm_wide_threads(C);
         float *pt = dw ? part : NULL;
         if (narrow && g.bf16)
             rmsnorm_wide_backward_bf16_kernel<2, 512><<<nb, threads, 0, g.stream>>>(dx, pt, dout, x, w, rstd, N, C, nb);
