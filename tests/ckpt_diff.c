@@ -1,9 +1,13 @@
-/* ckpt_diff A B: loads two checkpoints (any world size or strategy) and prints the
+/* ckpt_diff [-v] A B: loads two checkpoints (any world size or strategy) and prints the
  * largest relative difference of their parameters, tensor by tensor:
- * "max_rel_diff X" (norm-wise per tensor). Used by tests/test_parallel.sh. */
+ * "max_rel_diff X" (norm-wise per tensor). Used by tests/test_parallel.sh. With -v, first a
+ * line for each tensor that differs at all: its name, how many of its values differ, the
+ * largest absolute difference and the relative one (for telling where two runs that should
+ * be bitwise alike part). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include "checkpoint.h"
 #include "util.h"
 
@@ -18,22 +22,28 @@ static void load(const char *path, Model *m) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) die(2, "usage: ckpt_diff A B");
+    int verbose = argc == 4 && !strcmp(argv[1], "-v");
+    if (argc != 3 + verbose) die(2, "usage: ckpt_diff [-v] A B");
     Model a, b;
-    load(argv[1], &a);
-    load(argv[2], &b);
+    load(argv[1 + verbose], &a);
+    load(argv[2 + verbose], &b);
     if (a.n_params != b.n_params) die(1, "different models");
     TensorInfo t[8 + 7 * 512];
     int n = model_tensors(&a, t, (int)(sizeof t / sizeof t[0]));
     double worst = 0;
     for (int i = 0; i < n; i++) {
-        double d = 0, s = 0;
-        for (size_t j = 0; j < (size_t)t[i].rows * t[i].cols; j++) {
+        double d = 0, s = 0, most = 0;
+        size_t differ = 0, n = (size_t)t[i].rows * t[i].cols;
+        for (size_t j = 0; j < n; j++) {
             double x = a.params[t[i].offset + j], y = b.params[t[i].offset + j];
             d += (x - y) * (x - y);
             s += y * y;
+            differ += x != y;
+            most = fmax(most, fabs(x - y));
         }
         double r = sqrt(d) / fmax(sqrt(s), 1e-30);
+        if (verbose && differ)
+            printf("%s: %zu of %zu values differ, max_abs_diff %.3g, rel_diff %.3g\n", t[i].name, differ, n, most, r);
         if (r > worst) worst = r;
     }
     printf("max_rel_diff %.3g\n", worst);

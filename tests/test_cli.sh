@@ -318,6 +318,15 @@ if [ $rc -eq 1 ] && grep -q "NaN" "$TMP/nan.err" && "$BIN" eval checkpoint="$N/c
 then ok nan_stops_run; else bad "nan_stops_run (exit $rc: $(cat "$TMP/nan.err"))"; fi
 ls "$N" | grep -q tmp && bad "nan_no_temp_files" || ok nan_no_temp_files
 
+# -- tests/ckpt_diff -v (for finding where runs that should be alike part): a line per tensor that
+# differs (here all of them: step 8 against step 2), none where the checkpoints are alike
+dv=$("$DIFF" -v "$A/ckpt.bin" "$N/ckpt.bin"); ds=$("$DIFF" -v "$A/ckpt.bin" "$K/ckpt.bin")
+if grep -Eq '^tok_embed.weight: [0-9]+ of [0-9]+ values differ, max_abs_diff [0-9.e-]+, rel_diff' <<<"$dv" &&
+   [ "$(grep -c ' values differ' <<<"$dv")" -ge 9 ] && tail -1 <<<"$dv" | grep -Eq '^max_rel_diff [0-9.]+e?-?[0-9]*$' &&
+   [ "$(tail -1 <<<"$dv")" != "max_rel_diff 0" ] && [ "$ds" = "max_rel_diff 0" ]
+then ok "ckpt_diff_verbose ($(grep -c ' values differ' <<<"$dv") tensors differ)"
+else bad "ckpt_diff_verbose ($(head -2 <<<"$dv" | tr '\n' ' ') / $ds)"; fi
+
 # -- estimate: the parameter counts of the post's models
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 | grep -q "parameters: 245,566,464" && ok estimate_245M || bad estimate_245M
 "$BIN" estimate embed_dim=4096 n_heads=32 n_layers=48 | grep -q "parameters: 7,257,206,784" && ok estimate_7B || bad estimate_7B

@@ -46,10 +46,12 @@ int ops_host_memory(void);
 void ops_synchronize(void);
 /* MESHTRAIN_PROFILE=1's per-op totals back to zero (the train loop: after the first step) */
 void ops_profile_reset(void);
-/* Between steps, with nothing in flight (the train loop: after the first step): each matmul
- * shape used so far may take a faster algorithm of the backend's library that gives bitwise
- * the same results (cuda: src/ops/cuda/matmul_tune.cuh). Writes a one-line report; returns
- * the shapes changed, or -1 where there is nothing to tune (the cpu, MESHTRAIN_MATMUL_TUNE=0). */
+/* Between steps, with nothing in flight (the train loop: after the first step): with
+ * MESHTRAIN_MATMUL_TUNE=1, each matmul shape used so far may take a faster algorithm of the
+ * backend's library that gave the same results on random operands (cuda:
+ * src/ops/cuda/matmul_tune.cuh; not bitwise on every run's own, so off by default). Writes a
+ * one-line report; returns the shapes changed, or -1 where there is nothing to tune (the cpu,
+ * tuning off). */
 int op_tune_matmuls(char *report, size_t len);
 /* Recording a run of ops once and replaying it (cuda: a CUDA graph captured from the main
  * queue; the model's layer graphs, bench_ops_cuda's BENCH_GRAPH). Between op_graph_begin and

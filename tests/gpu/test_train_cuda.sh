@@ -54,21 +54,19 @@ for hd in 64 96 256; do
 done
 grep -m1 "device cuda" "$TMP/smoke.log"
 
-# -- matmul tuning (src/ops/cuda/matmul_tune.cuh): after the first step a product shape may take a
-# faster cuBLASLt algorithm only where it gives bitwise the same results, so a run with tuning
-# (the default) and one without (MESHTRAIN_MATMUL_TUNE=0) log the same losses and save the same
-# checkpoint, byte for byte, in mixed and in bf16; the tuned run says what it did
+# -- matmul tuning (src/ops/cuda/matmul_tune.cuh), off by default: a plain run says nothing of it;
+# with MESHTRAIN_MATMUL_TUNE=1 a product shape may take a faster cuBLASLt algorithm that gave the
+# first choice's bits on random operands (not always on the run's own: session 28), so the tuned
+# run says what it did and follows the plain one within TOL, in mixed and in bf16
 W="vocab_size=50257 embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=32 lr=1e-3 grad_clip=1"
 W="$W data_dir=$D steps=4 device=cuda"
 for prec in mixed bf16; do
-  run "$TMP/tune_on_$prec" $W precision=$prec
-  MESHTRAIN_MATMUL_TUNE=0 run "$TMP/tune_off_$prec" $W precision=$prec
+  run "$TMP/tune_off_$prec" $W precision=$prec
+  MESHTRAIN_MATMUL_TUNE=1 run "$TMP/tune_on_$prec" $W precision=$prec
   rep=$(grep -m1 "^matmul tuning:" "$TMP/tune_on_$prec.log")
-  if [ -n "$rep" ] && ! grep -q "^matmul tuning:" "$TMP/tune_off_$prec.log" &&
-     [ -n "$(strip "$TMP/tune_on_$prec")" ] && [ "$(strip "$TMP/tune_on_$prec")" = "$(strip "$TMP/tune_off_$prec")" ] &&
-     cmp -s "$TMP/tune_on_$prec/ckpt.bin" "$TMP/tune_off_$prec/ckpt.bin"
-  then ok "matmul_tuning_bitwise_$prec (${rep%% (*})"
-  else bad "matmul_tuning_bitwise_$prec (${rep:-no tuning line}; $(tail -1 "$TMP/tune_on_$prec.log"))"; fi
+  if [ -n "$rep" ] && ! grep -q "^matmul tuning:" "$TMP/tune_off_$prec.log" && close "$TMP/tune_off_$prec" "$TMP/tune_on_$prec"
+  then ok "matmul_tuning_opt_in_$prec (${rep%% (*})"
+  else bad "matmul_tuning_opt_in_$prec (${rep:-no tuning line}; $(tail -1 "$TMP/tune_on_$prec.log"))"; fi
 done
 
 # -- layer graphs (src/model/layer_graphs.c): from the second step each layer's forward and

@@ -1,27 +1,29 @@
-/* src/ops/cuda/matmul_tune.cuh: after a run's first step, each product shape cached so far
- * (g_algos) may take a faster algorithm from cuBLASLt's heuristic list, if it gives bitwise
- * the same results.
+/* src/ops/cuda/matmul_tune.cuh: MESHTRAIN_MATMUL_TUNE=1 (off by default): after a run's first
+ * step, each product shape cached so far (g_algos) may take a faster algorithm from cuBLASLt's
+ * heuristic list, one that gave bitwise the first choice's result on random operands.
  * Part of ops_cuda.cu, which includes it after lt_matmul_c: not a header to include anywhere else.
  *
  * Why: the heuristic's first choice leaves speed behind at some of the step's shapes. On an
  * H200 (bench/lt_algos_probe.cu, session 25) the post's att_out forward with its residual ran
  * at 540 TFLOP/s where the list's sixth algorithm ran at 691, the down projection 580 against
- * 653, their input gradients 6-10% slower than the fastest, each fastest giving bitwise the
- * first's result (same reduction order: a different tile or cluster shape, not split-K).
- * How: for each shape, on scratch operands of its size (random values; the run's own buffers
- * are not touched, so nothing in flight is disturbed), each of up to TUNE_ALGOS of the list is
- * timed (TUNE_REPS rounds of TUNE_QUEUE calls queued back to back, the median round); one at
- * least TUNE_GAIN faster than the cached algorithm replaces it only if, from the same D and
- * with the shape's beta, it writes bitwise the same D (a 64-bit hash of D's bytes). So the
- * run's numbers are those it would have had without tuning, and a run stays bitwise repeatable
- * whichever algorithm each shape ends up with. Only algorithms without split-K (one CTA sums a
- * tile's whole K, no reduction scheme) are candidates, and a candidate's D is hashed twice:
- * an algorithm whose partial sums meet in an order set at run time could match the first
- * choice once and not always. (A precaution: in session 27 one pair of runs that should be
- * bitwise alike differed once in four test runs, not again in 30 pairs of 40 runs, while each
- * run's tuning picked 5 to 10 of 15 shapes' algorithms by timing.) A shape whose scratch does
- * not fit in the free memory (less a margin) keeps its algorithm. MESHTRAIN_MATMUL_TUNE=0 turns
- * it off. */
+ * 653, their input gradients 6-10% slower than the fastest: +1.3-1.4% a step on the post's model.
+ * How: for each shape, on scratch operands of its size and alignments (random values; the run's
+ * own buffers are not touched, so nothing in flight is disturbed), each of up to TUNE_ALGOS of
+ * the list without split-K or a reduction scheme is timed (TUNE_REPS rounds of TUNE_QUEUE calls
+ * queued back to back, the median round); one at least TUNE_GAIN faster than the cached
+ * algorithm replaces it only if, from the same D and at each beta the shape was called with, it
+ * writes bitwise the same D twice (a 64-bit hash of D's bytes).
+ * Why off by default: that check holds on the random operands, not always on a run's own. In
+ * session 28 (bench/s28_graph_flake.sh, embed_dim 256, grad_accum_steps=3, an H200) 36 of 70
+ * tuned runs saved a checkpoint in which 150 of the lm_head's 12.9M weights had another last bit
+ * (max relative difference 4.6e-10 after 5 steps), and none of 69 untuned runs did: which
+ * algorithms a run takes depends on timings, so tuned runs are not bitwise repeatable. Kept to
+ * the first choice's own kernel (the same algorithm id, tile, inner shape and custom option:
+ * only the swizzle, stages or cluster shape may differ, which cannot move a sum), no shape of
+ * that run or of the post's model found a faster algorithm (0 of 15), so that rule was dropped.
+ * A shape whose scratch does not fit in the free memory (less a margin) keeps its algorithm.
+ * MESHTRAIN_MATMUL_TUNE=2: on, and a line per shape on stderr (the first choice's configuration
+ * and what it took). */
 
 enum { TUNE_ALGOS = 8, TUNE_QUEUE = 5, TUNE_REPS = 3 };
 #define TUNE_GAIN 0.97f                    /* at least 3% faster: noise does not flip a choice */
@@ -44,17 +46,41 @@ static __global__ void tune_hash_kernel(const uint16_t *p, size_t n, unsigned lo
     if ((threadIdx.x & 31) == 0) atomicAdd(out, h);
 }
 
-/* whether algo sums each tile's K in one CTA (no split-K, no reduction scheme): the
- * reduction order is then the kernel's own, not one set at run time */
+/* an algorithm's configuration (cublasLtMatmulAlgoConfigAttributes_t), each read as uint32 */
+enum { CFG_ID, CFG_TILE, CFG_SPLITK, CFG_REDUCTION, CFG_SWIZZLE, CFG_CUSTOM, CFG_STAGES, CFG_INNER, CFG_CLUSTER, CFG_N };
+static void tune_config(const cublasLtMatmulAlgo_t *algo, uint32_t cfg[CFG_N]) {
+    static const size_t size[CFG_N] = {4, 4, 4, 4, 4, 4, 4, 2, 2}; /* INNER_SHAPE and CLUSTER_SHAPE: uint16 */
+    for (int i = 0; i < CFG_N; i++) {
+        size_t got = 0;
+        cfg[i] = 0;  /* (little-endian: a uint16 lands in the low half) */
+        if (lt.cublasLtMatmulAlgoConfigGetAttribute(algo, (cublasLtMatmulAlgoConfigAttributes_t)i, &cfg[i], size[i],
+                                                    &got) != CUBLAS_STATUS_SUCCESS)
+            cfg[i] = 0xffffffffu;
+    }
+}
+
+/* whether algo sums each tile's K in one CTA (no split-K, no reduction scheme): the reduction
+ * order is then the kernel's own, not one set at run time */
 static int tune_candidate(const cublasLtMatmulAlgo_t *algo) {
-    uint32_t splitk = 1, scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
-    size_t got = 0;
-    if (lt.cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof splitk, &got) !=
-            CUBLAS_STATUS_SUCCESS ||
-        lt.cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme, sizeof scheme,
-                                                &got) != CUBLAS_STATUS_SUCCESS)
-        return 0;
-    return splitk <= 1 && scheme == CUBLASLT_REDUCTION_SCHEME_NONE;
+    uint32_t c[CFG_N];
+    tune_config(algo, c);
+    return c[CFG_SPLITK] <= 1 && c[CFG_REDUCTION] == CUBLASLT_REDUCTION_SCHEME_NONE;
+}
+
+/* MESHTRAIN_MATMUL_TUNE=2: a line per shape on stderr, its first choice and what it took */
+static void tune_say(const AlgoEntry *e, const cublasLtMatmulAlgo_t *first, int took) {
+    uint32_t a[CFG_N], b[CFG_N];
+    tune_config(first, a);
+    tune_config(&e->algo, b);
+    fprintf(stderr,
+            "meshtrain: matmul tuning: m=%d n=%d k=%d op %d%d beta %s: id %u tile %u stages %u swizzle %u cluster %u "
+            "custom %u inner %u%s",
+            e->m, e->n, e->k, e->ta, e->tb, e->beta_seen == 3 ? "0,1" : e->beta_seen == 2 ? "1" : "0", a[CFG_ID],
+            a[CFG_TILE], a[CFG_STAGES], a[CFG_SWIZZLE], a[CFG_CLUSTER], a[CFG_CUSTOM], a[CFG_INNER],
+            took ? " -> " : " (kept)\n");
+    if (took)
+        fprintf(stderr, "id %u tile %u stages %u swizzle %u cluster %u custom %u inner %u\n", b[CFG_ID], b[CFG_TILE],
+                b[CFG_STAGES], b[CFG_SWIZZLE], b[CFG_CLUSTER], b[CFG_CUSTOM], b[CFG_INNER]);
 }
 
 /* ms per call of algo on the plan (median of TUNE_REPS rounds), or -1 if cuBLASLt refuses it */
@@ -104,9 +130,11 @@ static unsigned long long tune_hash(const LtPlan *p, const cublasLtMatmulAlgo_t 
 }
 
 /* Tunes every cached shape not yet tuned; a one-line report into rep. Returns the shapes that
- * took another algorithm, or -1 when off (MESHTRAIN_MATMUL_TUNE=0) or nothing was cached. */
+ * took another algorithm, or -1 when off (MESHTRAIN_MATMUL_TUNE unset or 0) or nothing was cached. */
 static int cuda_tune_matmuls(char *rep, size_t len) {
-    if (!g.ready || g.stream != g.main || !env_flag("MESHTRAIN_MATMUL_TUNE", 1)) return -1;
+    const char *tv = getenv("MESHTRAIN_MATMUL_TUNE");
+    int verbose = tv && !strcmp(tv, "2");  /* (env_flag takes 0 or 1 only) */
+    if (!g.ready || g.stream != g.main || (!verbose && !env_flag("MESHTRAIN_MATMUL_TUNE", 0))) return -1;
     cuda_synchronize();  /* a step is complete: nothing in flight to time beside */
     g.graph_epoch++;     /* graphs recorded before hold the algorithms chosen before */
     cudaEvent_t e0, e1;
@@ -126,8 +154,9 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
         size_t na = (size_t)e->lda * (e->ta == (int)CUBLAS_OP_N ? e->k : e->m);
         size_t nb = (size_t)e->ldb * (e->tb == (int)CUBLAS_OP_N ? e->n : e->k);
         size_t nd = (size_t)e->ldd * e->n;
-        size_t off_b = (na * es + 255) / 256 * 256, off_d = off_b + (nb * es + 255) / 256 * 256,
-               bytes = off_d + nd * ds;
+        /* the operands at the run's own alignments (a pointer 256 bytes on plus al is aligned to al) */
+        size_t oa = e->al_a % 256, off_b = (oa + na * es + 255) / 256 * 256 + e->al_b % 256,
+               off_d = (off_b + nb * es + 255) / 256 * 256 + e->al_d % 256, bytes = off_d + nd * ds;
         size_t fr = 0, tot = 0;
         char *buf = NULL;
         if (cudaMemGetInfo(&fr, &tot) != cudaSuccess || bytes + TUNE_MARGIN > fr ||
@@ -137,7 +166,7 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
             continue;
         }
         if (bytes > most) most = bytes;
-        void *A = buf, *B = buf + off_b, *D = buf + off_d;
+        void *A = buf + oa, *B = buf + off_b, *D = buf + off_d;
         tune_fill_kernel<<<ew_grid(na), EW_BLOCK, 0, g.stream>>>(A, na, es == 2, 1u);
         LAUNCH_CHECK(tune_fill_kernel);
         tune_fill_kernel<<<ew_grid(nb), EW_BLOCK, 0, g.stream>>>(B, nb, es == 2, 2u);
@@ -149,24 +178,33 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
         const uint32_t al[4] = {e->al_a, e->al_b, e->al_c, e->al_d};
         cublasLtMatmulHeuristicResult_t res[TUNE_ALGOS];
         int nres = lt_heuristic(&p, al, TUNE_ALGOS, res);
-        float beta = e->beta_nz ? 1.0f : 0.0f;
-        float t0 = nres > 1 ? tune_time(&p, &e->algo, A, B, D, beta, e0, e1) : -1.0f, tb = t0;
+        /* timed at the beta of the shape's calls (1 where some add to D); checked at each beta seen */
+        float beta = e->beta_seen & 2 ? 1.0f : 0.0f;
+        const cublasLtMatmulAlgo_t first = e->algo;
+        float t0 = nres > 1 ? tune_time(&p, &first, A, B, D, beta, e0, e1) : -1.0f, tb = t0;
         int best = -1, have_ref = 0;
-        unsigned long long ref = 0;
+        unsigned long long ref[2] = {0, 0};
         for (int a = 0; t0 > 0 && a < nres; a++) {
-            if (!memcmp(&res[a].algo, &e->algo, sizeof e->algo) || !tune_candidate(&res[a].algo)) continue;
+            if (!memcmp(&res[a].algo, &first, sizeof first) || !tune_candidate(&res[a].algo)) continue;
             float t = tune_time(&p, &res[a].algo, A, B, D, beta, e0, e1);
             if (t <= 0 || t >= TUNE_GAIN * tb) continue;
-            if (!have_ref) ref = tune_hash(&p, &e->algo, A, B, D, nd, ds == 2, beta, dh), have_ref = 1;
-            if (tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, beta, dh) == ref &&
-                tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, beta, dh) == ref)
-                best = a, tb = t;
+            int same = 1;
+            for (int bz = 0; bz < 2; bz++) {
+                if (!(e->beta_seen & (1 << bz))) continue;
+                float b = (float)bz;
+                if (!have_ref) ref[bz] = tune_hash(&p, &first, A, B, D, nd, ds == 2, b, dh);
+                same = same && tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz] &&
+                       tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz];
+            }
+            have_ref = 1;
+            if (same) best = a, tb = t;
         }
         if (best >= 0) {
             e->algo = res[best].algo;
             faster++;
             saved += (double)e->calls * (t0 - tb);
         }
+        if (verbose) tune_say(e, &first, best >= 0);
         if (t0 > 0) before += (double)e->calls * t0;
         lt_plan_free(&p);
         CUDA_CHECK(cudaStreamSynchronize(g.stream));
@@ -177,9 +215,9 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
     CUDA_CHECK(cudaEventDestroy(e1));
     if (!shapes) return -1;
     snprintf(rep, len,
-             "matmul tuning: %d of %d product shapes took a faster cuBLASLt algorithm with bitwise the same results "
-             "(the first step's products %.1f -> %.1f ms as timed alone%s; scratch up to %zu MiB, freed; "
-             "MESHTRAIN_MATMUL_TUNE=0: off)",
+             "matmul tuning: %d of %d product shapes took a faster cuBLASLt algorithm, equal on random operands "
+             "(the first step's products %.1f -> %.1f ms as timed alone%s; scratch up to %zu MiB, freed; the run is "
+             "not bitwise repeatable: its last bits depend on the timings)",
              faster, shapes, before, before - saved, skipped ? ", some shapes skipped: no memory for their scratch" : "",
              most >> 20);
     return faster;

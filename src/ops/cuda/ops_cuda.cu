@@ -120,10 +120,10 @@ static struct {
     cudaEvent_t *ev[2], main_ev;
     int n;
 } g_copy;
-/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment; ct, beta_nz
- * (the first call's beta was not 0), calls and tuned are for matmul_tune.cuh */
+/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment; ct, beta_seen
+ * (1: a call with beta 0, 2: one with beta not 0), calls and tuned are for matmul_tune.cuh */
 typedef struct {
-    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td, ct, beta_nz, calls, tuned;
+    int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td, ct, beta_seen, calls, tuned;
     uint32_t al_a, al_b, al_c, al_d;
     cublasLtMatmulAlgo_t algo;
 } AlgoEntry;
@@ -732,11 +732,11 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
         hit->lda = lda; hit->ldb = ldb; hit->ldd = ldd;
         hit->tf32 = g.tf32;
         hit->tab = (int)tab; hit->td = (int)td; hit->ct = (int)ct;
-        hit->beta_nz = beta != 0.0f;
         hit->al_a = al_a; hit->al_b = al_b; hit->al_c = al_c; hit->al_d = al_d;
         hit->algo = res.algo;
     }
     hit->calls++;
+    hit->beta_seen |= beta != 0.0f ? 2 : 1;
     const float alpha = 1.0f;
     CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, p.op, &alpha, A, p.la, B, p.lb, &beta, C, p.ld, D, p.ld, &hit->algo,
                                    g.workspace, WORKSPACE_BYTES, g.stream));
