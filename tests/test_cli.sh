@@ -369,4 +369,12 @@ m=$(comm -13 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "
 m=$(comm -13 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why rows of commands help does not list: $m;"
 [ -z "$why" ] && ok "readme_documents_every_key ($(echo "$help_keys" | wc -l) keys, $(echo "$help_cmds" | wc -l) commands)" ||
   { why=${why# }; bad "readme_documents_every_key (${why%;})"; }
+
+# -- every environment variable the code reads has a row in README's "Environment settings", and
+# every variable named there is read somewhere
+src_env=$(grep -rhoE '"MESHTRAIN_[A-Z0-9_]+"' src | tr -d '"' | sort -u)
+doc_env=$(section "### Environment settings" | grep '^| `MESHTRAIN_' | cut -d'|' -f2 | grep -oE 'MESHTRAIN_[A-Z0-9_]+' | sort -u)
+m1=$(comm -23 <(echo "$src_env") <(echo "$doc_env") | paste -sd' '); m2=$(comm -13 <(echo "$src_env") <(echo "$doc_env") | paste -sd' ')
+[ "$(echo "$src_env" | wc -l)" -ge 20 ] && [ -z "$m1$m2" ] && ok "readme_documents_every_env ($(echo "$src_env" | wc -l) variables)" ||
+  bad "readme_documents_every_env (without a row: ${m1:-none}; rows the code does not read: ${m2:-none})"
 echo "RESULT $pass $fail"
