@@ -33,8 +33,8 @@ int main(int argc, char **argv) {
     double worst = 0;
     for (int i = 0; i < n; i++) {
         double d = 0, s = 0, most = 0;
-        size_t differ = 0, n = (size_t)t[i].rows * t[i].cols;
-        for (size_t j = 0; j < n; j++) {
+        size_t differ = 0, vals = (size_t)t[i].rows * t[i].cols;
+        for (size_t j = 0; j < vals; j++) {
             double x = a.params[t[i].offset + j], y = b.params[t[i].offset + j];
             d += (x - y) * (x - y);
             s += y * y;
@@ -43,7 +43,7 @@ int main(int argc, char **argv) {
         }
         double r = sqrt(d) / fmax(sqrt(s), 1e-30);
         if (verbose && differ)
-            printf("%s: %zu of %zu values differ, max_abs_diff %.3g, rel_diff %.3g\n", t[i].name, differ, n, most, r);
+            printf("%s: %zu of %zu values differ, max_abs_diff %.3g, rel_diff %.3g\n", t[i].name, differ, vals, most, r);
         if (r > worst) worst = r;
     }
     printf("max_rel_diff %.3g\n", worst);
