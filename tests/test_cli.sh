@@ -349,6 +349,11 @@ back=$(printf '%s' "$ids" | "$BIN" tokenize decode=true)
 [ "$(printf 'Hello world' | "$BIN" tokenize)" = "15496 995" ] && ok tokenize_ids || bad tokenize_ids
 echo "$ids" | grep -qw 50256 && ok tokenize_eot || bad tokenize_eot
 expect_exit 2 "out of range" decode_bad_id -- sh -c "echo 99999 | $BIN tokenize decode=true"
+# a bad word is quoted alone (not the rest of the input); an id past 64 bits is named as given
+expect_exit 2 "^meshtrain: tokenize decode=true: 'abc' is not a token id$" decode_bad_word_alone -- \
+  sh -c "printf '15496 abc\n1\n2\n' | $BIN tokenize decode=true"
+expect_exit 2 "id 99999999999999999999 is out of range" decode_overflowing_id -- \
+  sh -c "echo 99999999999999999999 | $BIN tokenize decode=true"
 
 "$BIN" help | grep -q "embed_dim=1024" && ok help_lists_keys || bad help_lists_keys
 # -- the README documents every key and command: each key `meshtrain help` prints is a row

@@ -126,7 +126,7 @@ expect_exit 2 "offload=params needs fsdp=true with shard_strategy=full" offload_
   "$BIN" train offload=params fsdp=true shard_strategy=grad_op data_dir="$D"
 expect_exit 2 "offload=optimizer keeps fp32 master weights, which precision=bf16" offload_refuses_bf16 -- \
   "$BIN" estimate offload=optimizer precision=bf16 device=cuda
-MESHTRAIN_FAKE_MEMAVAILABLE=20000000 expect_exit 2 "offload=optimizer keeps about .* in host memory per rank .* but only" \
+MESHTRAIN_FAKE_MEMAVAILABLE=20000000 expect_exit 2 "offload=optimizer keeps about .* in host memory on this machine .* but only" \
   offload_host_memory_too_small -- "$BIN" train $M batch_size=8 offload=optimizer out_dir="$TMP/small"
 [ ! -e "$TMP/small/ckpt.bin" ] && ok offload_host_check_before_training || bad offload_host_check_before_training
 # a refused host (pinned) allocation: one line, exit 2, before any step

@@ -154,4 +154,95 @@ err=$("$BIN" help nosuch 2>&1 >/dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '' <<<"$err")" -eq 1 ] && grep -q "unknown command 'nosuch'" <<<"$err" && ok help_unknown_command ||
   bad "help_unknown_command (exit $rc: $err)"
 "$BIN" help eval | grep -q "context_len=<checkpoint's>" && ok help_eval_context_from_checkpoint || bad help_eval_context_from_checkpoint
+"$BIN" help | tail -1 | grep -q "^built with: cpu" && ok help_ends_with_build || bad "help_ends_with_build ($("$BIN" help | tail -1))"
+
+# -- 6. a disk too small for the checkpoint and the log is refused before the first step
+# (a 2 MiB tmpfs of our own, removed at the end; needs root to mount)
+FS=$TMP/tiny_fs
+mkdir -p "$FS"
+if mount -t tmpfs -o size=2m tmpfs "$FS" 2>/dev/null; then
+  trap 'kill $(jobs -p) 2>/dev/null; umount "$FS" 2>/dev/null; rm -rf "$TMP"' EXIT
+  err=$("$BIN" train $TINY data_dir="$D" steps=20 out_dir="$FS/run" 2>&1 >"$TMP/df.out"); rc=$?
+  [ $rc -eq 2 ] && [ "$(grep -c '' <<<"$err")" -eq 1 ] && grep -q "not enough disk space in $FS/run: the checkpoint and the log" <<<"$err" &&
+    ! grep -q "^step" "$TMP/df.out" && ok disk_full_refused_first || bad "disk_full_refused_first (exit $rc: $err)"
+  if command -v mpirun >/dev/null; then  # two ranks' shards of 1.3 MB: each fits alone, both do not
+    err=$($MPIRUN -np 2 "$BIN" train vocab_size=1000 embed_dim=80 n_heads=2 n_layers=1 context_len=32 batch_size=4 \
+          threads=1 train_data="$TMP/small_vocab.bin" val_data="$TMP/small_vocab.bin" steps=2 fsdp=true \
+          ckpt_path="$FS/c/ckpt.bin" out_dir="$TMP/df2" 2>&1 >/dev/null); rc=$?
+    [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" -eq 1 ] && grep -q "2 ranks' shards" <<<"$err" &&
+      ok disk_full_counts_every_rank || bad "disk_full_counts_every_rank (exit $rc: $err)"
+  fi
+  # -- a log write that fails mid-run (the disk fills): one line, exit 1, a checkpoint, no half line
+  umount "$FS"; mount -t tmpfs -o size=1m tmpfs "$FS"
+  L=$TMP/logfull
+  "$BIN" train $TINY data_dir="$D" steps=2000 out_dir="$L" log_file="$FS/log.jsonl" >"$L.out" 2>"$L.err" & pid=$!
+  wait_steps "$FS/log.jsonl" 3
+  dd if=/dev/zero of="$FS/fill" bs=4k 2>/dev/null
+  wait $pid; rc=$?
+  n=$(last_step "$FS/log.jsonl")
+  if [ $rc -eq 1 ] && [ "$(grep -c '' "$L.err")" -eq 1 ] && grep -q "cannot write the log file .*No space left" "$L.err" &&
+     json_valid "$FS/log.jsonl" && [ -n "$n" ] && [ "$n" -lt 2000 ] &&
+     "$BIN" eval checkpoint="$L/ckpt.bin" data_dir="$D" batch_size=4 | grep -q "step $((n + 1)),"
+  then ok "log_write_failure_stops_with_checkpoint (step $n)"; else bad "log_write_failure_stops_with_checkpoint (exit $rc, step $n: $(cat "$L.err"))"; fi
+  rm -f "$FS/fill"
+  umount "$FS"
+  trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$TMP"' EXIT
+else
+  echo "skip disk_full_refused_first, log_write_failure_stops_with_checkpoint (cannot mount a tmpfs: not root)"
+fi
+
+# -- a log cut mid-line (a killed run) loses the torn line when a resumed run appends to it
+T=$TMP/torn
+"$BIN" train $TINY data_dir="$D" steps=3 out_dir="$T" >/dev/null
+printf '{"step":4,"loss":' >>"$T/log.jsonl"
+"$BIN" train resume="$T/ckpt.bin" data_dir="$D" steps=5 out_dir="$T" progress=false >/dev/null &&
+  json_valid "$T/log.jsonl" && [ "$(last_step "$T/log.jsonl")" = 5 ] && [ "$(grep -c '"resumed":true' "$T/log.jsonl")" = 1 ] &&
+  ok torn_log_line_dropped_on_resume || bad "torn_log_line_dropped_on_resume ($(tail -3 "$T/log.jsonl"))"
+
+# -- memory: ranks on one machine are summed (each fits the fake 300 MB alone, two do not)
+if command -v mpirun >/dev/null; then
+  err=$(MESHTRAIN_FAKE_MEMAVAILABLE=300000000 $MPIRUN -np 2 -x MESHTRAIN_FAKE_MEMAVAILABLE "$BIN" train vocab_size=50257 \
+        embed_dim=64 n_heads=4 n_layers=4 context_len=32 batch_size=8 steps=2 threads=1 ckpt_path=none data_dir="$D" \
+        out_dir="$TMP/mem2" 2>&1 >/dev/null); rc=$?
+  [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" -eq 1 ] && grep -q "for the 2 ranks on this machine" <<<"$err" &&
+    ok memory_summed_per_machine || bad "memory_summed_per_machine (exit $rc: $err)"
+fi
+# an activation-bound refusal suggests what shrinks activations, not sharding
+err=$(MESHTRAIN_FAKE_MEMAVAILABLE=300000000 "$BIN" train vocab_size=50257 embed_dim=64 n_heads=4 n_layers=4 context_len=512 \
+      batch_size=64 steps=1 threads=1 ckpt_path=none data_dir="$D" out_dir="$TMP/mem1" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && grep -q "activation_checkpointing=true" <<<"$err" && ! grep -q "fsdp" <<<"$err" &&
+  ok memory_refusal_names_activations || bad "memory_refusal_names_activations (exit $rc: $err)"
+
+# -- a signal during the last step's validation: the run is complete (exit 0), not stopped
+# with a resume hint that would have nothing to run; earlier, it stops as any signal does
+out=$(MESHTRAIN_FAULT_TERM_VAL_STEP=3 "$BIN" train $TINY data_dir="$D" steps=3 out_dir="$TMP/lv" 2>/dev/null); rc=$?
+[ $rc -eq 0 ] && grep -q "after the last step: the run is complete" <<<"$out" && ! grep -q "resume=" <<<"$out" &&
+  [ -e "$TMP/lv/ckpt.bin" ] && ok signal_in_final_validation_completes || bad "signal_in_final_validation_completes (exit $rc)"
+out=$(MESHTRAIN_FAULT_TERM_VAL_STEP=2 "$BIN" train $TINY data_dir="$D" steps=4 val_every=2 out_dir="$TMP/lv2" 2>/dev/null); rc=$?
+[ $rc -eq 143 ] && grep -q "stopped by SIGTERM after step 2 of 4" <<<"$out" && ok signal_in_earlier_validation_stops ||
+  bad "signal_in_earlier_validation_stops (exit $rc)"
+
+# -- a resume keeps the run's cadence (val_every) and says when it will train at lr 0
+V=$TMP/cad
+"$BIN" train $TINY data_dir="$D" steps=4 val_every=2 lr_schedule=cosine lr=1e-3 out_dir="$V" >/dev/null
+out=$("$BIN" train resume="$V/ckpt.bin" data_dir="$D" steps=8 out_dir="$V" progress=false)
+vals=$(grep -o '^{"step":[0-9]*,"val_loss"' "$V/log.jsonl" | grep -o '[0-9]*' | paste -sd,)
+[ "$vals" = "2,4,6,8" ] && ok resume_keeps_val_every || bad "resume_keeps_val_every (validations at steps $vals)"
+grep -q "steps to 8 train at learning rate 0" <<<"$out" && ok resume_past_schedule_warns_lr0 || bad resume_past_schedule_warns_lr0
+# ... and plot counts every resume, also those that repeated no step
+"$BIN" train resume="$V/ckpt.bin" data_dir="$D" steps=9 out_dir="$V" progress=false >/dev/null
+"$BIN" plot log="$V/log.jsonl" | grep -q "resumed 2 times" && ok plot_counts_every_resume ||
+  bad "plot_counts_every_resume ($("$BIN" plot log="$V/log.jsonl"))"
+
+# -- eval, by default, validates on the batches the run did: its loss is the run's last val_loss
+E=$TMP/ev
+"$BIN" train $TINY data_dir="$D" steps=2 val_batches=3 out_dir="$E" >/dev/null
+a=$(grep -o '"val_loss":[0-9.]*' "$E/log.jsonl" | tail -1 | cut -d: -f2)
+b=$("$BIN" eval checkpoint="$E/ckpt.bin" data_dir="$D" | grep -o '^val_loss [0-9.]*' | cut -d' ' -f2)
+awk -v a="$a" -v b="$b" 'BEGIN{d=a-b; if (d<0) d=-d; exit !(b != "" && d < 1e-4)}' && ok eval_defaults_to_run_batches ||
+  bad "eval_defaults_to_run_batches (run $a, eval $b)"
+
+# -- a constant schedule refuses a warmup longer than the run (as cosine does)
+expect_exit 2 "warmup_steps=10 exceeds steps=5" constant_warmup_longer_than_run -- \
+  "$BIN" train $TINY data_dir="$D" steps=5 warmup_steps=10 out_dir="$TMP/wu"
 echo "RESULT $pass $fail"

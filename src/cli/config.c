@@ -258,6 +258,11 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (c->warmup_steps > decay && !strcmp(c->lr_schedule, "cosine"))
             return set_err(err, errlen, "warmup_steps=%d exceeds %s=%d", c->warmup_steps,
                            c->lr_decay_steps ? "lr_decay_steps" : "steps", decay);
+        /* a constant schedule warms up too: a warmup longer than the run never reaches lr (a
+         * cosine's horizon is lr_decay_steps, which a run may end before, to be resumed) */
+        if (c->warmup_steps > c->steps && strcmp(c->lr_schedule, "cosine"))
+            return set_err(err, errlen, "warmup_steps=%d exceeds steps=%d: the run would end before its warmup",
+                           c->warmup_steps, c->steps);
         if (c->min_lr > c->lr) return set_err(err, errlen, "min_lr=%g exceeds lr=%g", c->min_lr, c->lr);
         /* keys of the other optimizer, where the optimizer is given (a resume takes it from
          * its checkpoint otherwise, and checks there) */
@@ -346,11 +351,36 @@ void config_print_help(int mask) {
         if (!(k->cmds & mask)) continue;
         char left[96];
         /* eval reads the model's context from its checkpoint: no default to claim */
-        int from_ckpt = mask == CMD_EVAL && !strcmp(k->name, "context_len");
+        int from_ckpt = mask == CMD_EVAL && (!strcmp(k->name, "context_len") || !strcmp(k->name, "batch_size") ||
+                                             !strcmp(k->name, "val_batches"));
         snprintf(left, sizeof left, "%s=%s", k->name, from_ckpt ? "<checkpoint's>" : k->def[0] ? k->def : "\"\"");
         printf("  %-34s %s", left, k->help);
         if (k->type == T_ENUM) printf(" [%s]", k->choices);
         printf("\n");
+    }
+}
+
+void config_each(const Config *c, int mask, void (*fn)(void *ctx, const char *key, const char *value, int is_text),
+                 void *ctx) {
+    for (int i = 0; i < N_KEYS; i++) {
+        const Key *k = &KEYS[i];
+        if (!(k->cmds & mask)) continue;
+        const char *p = (const char *)c + k->off;
+        char num[64];
+        switch (k->type) {
+        case T_INT: snprintf(num, sizeof num, "%d", *(const int *)p); fn(ctx, k->name, num, 0); break;
+        case T_FLOAT: {  /* the shortest text that reads back as the same double */
+            double v = *(const double *)p;
+            for (int digits = 1; digits <= 17; digits++) {
+                snprintf(num, sizeof num, "%.*g", digits, v);
+                if (strtod(num, NULL) == v) break;
+            }
+            fn(ctx, k->name, num, 0);
+            break;
+        }
+        case T_BOOL: fn(ctx, k->name, *(const int *)p ? "true" : "false", 0); break;
+        default: fn(ctx, k->name, p, 1);
+        }
     }
 }
 

@@ -60,6 +60,10 @@ int config_was_set(const char *key);
 int config_virtual_stages(const Config *c);
 /* Prints every key of the subcommands in mask with its default and meaning. */
 void config_print_help(int mask);
+/* Calls fn for every key of the subcommands in mask with its value as text (numbers as
+ * they parse back to the same value; is_text: a string or choice), in the table's order. */
+void config_each(const Config *c, int mask, void (*fn)(void *ctx, const char *key, const char *value, int is_text),
+                 void *ctx);
 /* One line "key=value key=value ..." of the model/training keys, for run headers. */
 void config_print(const Config *c, int cmd);
 #endif

@@ -41,15 +41,23 @@ int cmd_eval(Config *c) {
     if (val.vocab_size > h.vocab_size)
         die(EXIT_BAD_INPUT, "%s holds a %d-token vocabulary; the model has %d", c->val_data, val.vocab_size,
             h.vocab_size);
+    /* By default the batches the training run validated on: its global batch of one
+     * micro-batch (what its ranks' validation slices make together), as many as it took, so
+     * that the loss is the run's last val_loss. */
+    int run_batch = h.global_batch ? h.global_batch / (h.grad_accum_steps > 0 ? h.grad_accum_steps : 1)
+                                   : h.batch_size * h.world;
+    int want_B = config_was_set("batch_size") || run_batch < 1 ? c->batch_size : run_batch;
+    int want_batches = config_was_set("val_batches") || h.val_batches < 1 ? c->val_batches : h.val_batches;
     size_t windows = shard_windows(&val, T);
-    int B = (int)(windows < (size_t)c->batch_size ? windows : (size_t)c->batch_size);
+    int B = (int)(windows < (size_t)want_B ? windows : (size_t)want_B);
     if (B < 1) die(EXIT_BAD_INPUT, "validation data %s is shorter than context_len=%d", c->val_data, T);
     Acts a;
     acts_alloc(&a, &m, B, T, 0);
-    double loss = evaluate(&m, &a, &val, c->val_batches, 0, 1, NULL);
-    size_t batches = windows / (size_t)B < (size_t)c->val_batches ? windows / (size_t)B : (size_t)c->val_batches;
-    printf("val_loss %.4f  (%s, step %d, %zu batches of %d x %d tokens from %s)\n", loss, c->checkpoint, h.step,
-           batches, B, T, c->val_data);
+    double loss = evaluate(&m, &a, &val, want_batches, 0, 1, NULL);
+    size_t batches = windows / (size_t)B < (size_t)want_batches ? windows / (size_t)B : (size_t)want_batches;
+    printf("val_loss %.4f  (%s, step %d, %zu batches of %d x %d tokens from %s%s)\n", loss, c->checkpoint, h.step,
+           batches, B, T, c->val_data,
+           config_was_set("batch_size") || config_was_set("val_batches") ? "" : "; the training run's validation batches");
     acts_free(&a);
     shard_close(&val);
     op_free(dev_params);

@@ -19,11 +19,8 @@ static const Command COMMANDS[] = {
 };
 #define N_COMMANDS ((int)(sizeof COMMANDS / sizeof COMMANDS[0]))
 
-static void usage(FILE *f) {
-    fprintf(f, "usage: meshtrain <command> [key=value ...]\n\ncommands:\n");
-    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].help);
-    fprintf(f, "  %-10s %s\n", "help", "every key of every command, with its default (help <command>: one command)");
-    /* what this binary can run on (scripts probe it: make train picks the GPU model) */
+/* What this binary can run on (scripts probe it: make train picks the GPU model). */
+static void built_with(FILE *f) {
 #ifdef MESHTRAIN_CUDA
     const char *cuda = "cuda";
 #else
@@ -37,16 +34,28 @@ static void usage(FILE *f) {
     fprintf(f, "\nbuilt with: cpu, %s%s\n", cuda, nccl);
 }
 
+static void commands(FILE *f) {
+    fprintf(f, "usage: meshtrain <command> [key=value ...]\n\ncommands:\n");
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-10s %s\n", COMMANDS[i].name, COMMANDS[i].help);
+    fprintf(f, "  %-10s %s\n", "help", "every key of every command, with its default (help <command>: one command)");
+}
+
+static void usage(FILE *f) {
+    commands(f);
+    built_with(f);
+}
+
 static int help(const char *which) {
     int found = !which;
     for (int i = 0; i < N_COMMANDS; i++) found |= which && !strcmp(which, COMMANDS[i].name);
     if (!found) die_once(EXIT_BAD_INPUT, "help: unknown command '%s' (see 'meshtrain help')", which);
-    usage(stdout);
+    commands(stdout);
     for (int i = 0; i < N_COMMANDS; i++) {
         if (which && strcmp(which, COMMANDS[i].name)) continue;
         printf("\nmeshtrain %s keys:\n", COMMANDS[i].name);
         config_print_help(COMMANDS[i].mask);
     }
+    built_with(stdout);  /* last, where the README says to look */
     return 0;
 }
 

@@ -166,6 +166,10 @@ int runlog_parse_line(const char *s, const char *end, RunLine *out) {
             out->tokens_per_s = v;
         } else if (key_is(ks, ke, "done")) {
             out->done = c.p - vstart >= 4 && !memcmp(vstart, "true", 4);
+        } else if (key_is(ks, ke, "run")) {
+            out->run_start = 1;
+        } else if (key_is(ks, ke, "resumed")) {
+            out->resumed = c.p - vstart >= 4 && !memcmp(vstart, "true", 4);
         } else if (key_is(ks, ke, "error")) {
             out->error = 1;
         }
@@ -206,7 +210,7 @@ int runlog_read(RunLog *log, const char *path, char *err, size_t errlen) {
     size_t len;
     char *text = read_file(path, &len, err, errlen);
     if (!text) return -1;
-    int step_cap = 0, val_cap = 0, line_no = 0;
+    int step_cap = 0, val_cap = 0, line_no = 0, starts = 0, resumed_starts = 0;
     for (const char *p = text, *end = text + len; p < end;) {
         const char *nl = memchr(p, '\n', (size_t)(end - p));
         const char *e = nl ? nl : end;
@@ -219,6 +223,9 @@ int runlog_read(RunLog *log, const char *path, char *err, size_t errlen) {
         } else if (runlog_parse_line(p, e, &l) || (l.has_step && (l.step != floor(l.step) || l.step < 0 ||
                                                                       l.step > INT_MAX))) {
             if (!log->skipped++) log->first_skipped = line_no;
+        } else if (l.run_start) {
+            starts++;
+            resumed_starts += l.resumed;
         } else if (l.has_step && !l.done && !l.error) {
             /* a step line has "loss" (the final line has "steps", not "step") */
             if (l.has_loss) add_step(log, &step_cap, (RunStep){(int)l.step, l.loss, l.lr, l.tokens_per_s});
@@ -227,6 +234,9 @@ int runlog_read(RunLog *log, const char *path, char *err, size_t errlen) {
         p = nl ? nl + 1 : end;
     }
     free(text);
+    /* a resume that repeated no step (it continued where the last run's log ended) shows only
+     * in its start line */
+    if (starts) log->resumes = resumed_starts;
     return 0;
 }
 

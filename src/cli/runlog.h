@@ -15,7 +15,8 @@ typedef struct {
     RunStep *steps;   /* ascending by step, one per step */
     RunVal *vals;     /* ascending by step, one per step */
     int n_steps, n_vals;
-    int resumes;      /* times a step came again: a resumed run appended to the log */
+    int resumes;      /* times a resumed run appended to the log: its start lines that say
+                       * resumed, or in logs without start lines, times a step came again */
     int skipped;      /* lines that are not flat JSON objects (a cut-short last line included) */
     int first_skipped;/* line number (from 1) of the first of them */
 } RunLog;
@@ -32,6 +33,7 @@ void runlog_free(RunLog *log);
  * (nested arrays and objects are skipped, not refused). */
 typedef struct {
     int has_step, has_loss, has_val_loss, done, error;
+    int run_start, resumed;  /* a run's first line ("run":"train"), and its "resumed":true */
     double step, loss, lr, tokens_per_s, val_loss;
 } RunLine;
 int runlog_parse_line(const char *s, const char *end, RunLine *out);

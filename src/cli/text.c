@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +30,15 @@ int cmd_prepare(Config *c) {
     return 0;
 }
 
+/* A word of the input for an error message: at most out_len - 4 bytes of it, with what is not
+ * printable ASCII written as '?', and "..." where it was cut. */
+static void quote_word(char *out, size_t out_len, const char *w, size_t n) {
+    size_t k = 0, keep = n < out_len - 4 ? n : out_len - 4;
+    for (size_t i = 0; i < keep; i++) out[k++] = w[i] >= 0x20 && w[i] < 0x7f ? w[i] : '?';
+    if (keep < n) { out[k++] = '.'; out[k++] = '.'; out[k++] = '.'; }
+    out[k] = 0;
+}
+
 /* tokenize: text on stdin -> ids on one line; decode=true: ids -> text. */
 int cmd_tokenize(Config *c) {
     char err[1024];
@@ -47,11 +57,15 @@ int cmd_tokenize(Config *c) {
         for (;;) {
             while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
             if (!*p) break;
-            long v = strtol(p, &end, 10);
-            if (end == p || (*end && *end != ' ' && *end != '\n' && *end != '\t' && *end != '\r'))
-                die(EXIT_BAD_INPUT, "tokenize decode=true: '%.20s' is not a token id", p);
-            if (v < 0 || v >= tokenizer_vocab_size(tok))
-                die(EXIT_BAD_INPUT, "tokenize decode=true: id %ld is out of range [0, %d)", v, tokenizer_vocab_size(tok));
+            /* the whitespace-delimited word is the token: an error quotes it alone */
+            size_t wlen = strcspn(p, " \n\t\r");
+            char word[48];
+            quote_word(word, sizeof word, p, wlen);
+            errno = 0;
+            long long v = strtoll(p, &end, 10);
+            if (end != p + wlen || !wlen) die(EXIT_BAD_INPUT, "tokenize decode=true: '%s' is not a token id", word);
+            if (errno == ERANGE || v < 0 || v >= tokenizer_vocab_size(tok))
+                die(EXIT_BAD_INPUT, "tokenize decode=true: id %s is out of range [0, %d)", word, tokenizer_vocab_size(tok));
             if (ids.n == ids.cap) { ids.cap = ids.cap ? 2 * ids.cap : 1024; ids.ids = xrealloc(ids.ids, ids.cap * sizeof(int)); }
             ids.ids[ids.n++] = (int)v;
             p = end;

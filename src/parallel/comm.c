@@ -90,6 +90,16 @@ int comm_local_size(void) {
     return n;
 }
 
+double comm_local_sum(double v) {
+    if (!g_mpi) return v;
+    MPI_Comm local;
+    double sum = 0;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+    MPI_Allreduce(&v, &sum, 1, MPI_DOUBLE, MPI_SUM, local);
+    MPI_Comm_free(&local);
+    return sum;
+}
+
 int comm_one_machine(const Comm *c) {
     MPI_Comm shm;
     int local;

@@ -67,6 +67,9 @@ void comm_world_finalize(void);
 int comm_using_mpi(void);
 /* Hostname-local rank and size (for hybrid sharding's default group size). */
 int comm_local_size(void);
+/* The sum of v over the ranks of this machine (the ranks that share its memory); collective
+ * over the world, every rank calls it together. v itself in a world of one. */
+double comm_local_sum(double v);
 
 /* Sub-group of the ranks with the same color, ordered by key (MPI_Comm_split); a negative
  * color: none (out is a group of one). */

@@ -370,6 +370,15 @@ int ckpt_write_rank_file(const char *path, const CkptHeader *h, int rank, int wo
     return rc;
 }
 
+uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim) {
+    return sizeof(CkptShardHeader) + n_ranges * sizeof(CkptRange) + sizeof(uint64_t) +
+           n_values * sizeof(float) * (has_optim ? 3 : 1);
+}
+
+uint64_t ckpt_manifest_bytes(const char *path, int world) {
+    return sizeof(CkptHeader) + (uint64_t)world * sizeof(CkptShardEntry) + strlen(base_name(path)) + sizeof(uint64_t);
+}
+
 typedef struct { uint64_t start, count; } Span;
 static int span_cmp(const void *a, const void *b) {
     uint64_t x = ((const Span *)a)->start, y = ((const Span *)b)->start;

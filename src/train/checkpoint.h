@@ -49,7 +49,10 @@ typedef struct {
      * Adafactor's settings: af_flags bit 0 relative step, bit 1 parameter scaling */
     int32_t optimizer, af_flags;
     double af_beta1, af_clip, af_decay;
-    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4 - 2 * 4 - 3 * 8];
+    /* the run's validation, so a resumed run and eval keep it (val_batches 0 in older files:
+     * not kept) */
+    int32_t val_every, val_batches;
+    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4 - 2 * 4 - 3 * 8 - 2 * 4];
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 
@@ -93,6 +96,10 @@ int ckpt_load_dist(const char *path, CkptHeader *h, const StateRange *need, int 
 int ckpt_write_rank_file(const char *path, const CkptHeader *h, int rank, int world, const StateRange *r, int n,
                          char *err, size_t errlen);
 int ckpt_write_manifest(const char *path, const CkptHeader *h, int world, char *err, size_t errlen);
+/* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the
+ * manifest at path for `world` shards (what a save will need on disk). */
+uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim);
+uint64_t ckpt_manifest_bytes(const char *path, int world);
 
 /* Reads and checks the manifest alone (magic, version, config, sizes, checksum). */
 int ckpt_read_header(const char *path, CkptHeader *h, char *err, size_t errlen);

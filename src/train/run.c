@@ -3,8 +3,10 @@
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include "ops.h"
 #include "util.h"
@@ -95,6 +97,80 @@ int check_writable(const char *path, const char *what, Fail *f) {
     close(fd);
     unlink(probe);
     return 0;
+}
+
+/* check_disk_space's per-need record, as doubles for one allreduce: 32-bit halves of the
+ * machine's and the file system's ids (exact in a double), the bytes needed and free. */
+enum { DN_HOST_HI, DN_HOST_LO, DN_FS_HI, DN_FS_LO, DN_BYTES, DN_FREE, DN_FIELDS, DN_MAX = 4 };
+
+static void folder_of(char *dir, size_t len, const char *path) {
+    snprintf(dir, len, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, len, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+}
+
+int check_disk_space(const Comm *world, const DiskNeed *needs, int n, Fail *f) {
+    if (n > DN_MAX) die(EXIT_RUN_FAILURE, "internal: %d disk needs", n);
+    char host[256] = {0};
+    if (gethostname(host, sizeof host - 1)) host[0] = 0;
+    uint64_t hid = fnv1a64(host, strlen(host), FNV1A64_INIT);
+    size_t per_rank = DN_MAX * DN_FIELDS, total = (size_t)world->size * per_rank;
+    double *all = xcalloc(total, sizeof(double));
+    double *mine = all + (size_t)world->rank * per_rank;
+    for (int i = 0; i < n; i++) {
+        char dir[1100];
+        folder_of(dir, sizeof dir, needs[i].path);
+        struct statvfs sv;
+        if (needs[i].bytes <= 0 || statvfs(dir, &sv)) continue;  /* nothing to write, or unknown: not checked */
+        uint64_t fs = (uint64_t)sv.f_fsid;
+        double *d = mine + (size_t)i * DN_FIELDS;
+        d[DN_HOST_HI] = (double)(hid >> 32); d[DN_HOST_LO] = (double)(hid & 0xffffffffu);
+        d[DN_FS_HI] = (double)(fs >> 32) + 1; d[DN_FS_LO] = (double)(fs & 0xffffffffu);  /* +1: 0 = no record */
+        d[DN_BYTES] = needs[i].bytes;
+        d[DN_FREE] = (double)sv.f_bavail * (double)sv.f_frsize;
+    }
+    comm_allreduce_double(world, all, total);
+    /* Every rank walks the same records in the same order, and the needs' paths and names are
+     * the same on every rank (only the bytes differ): the same verdict and message everywhere. */
+    size_t records = (size_t)world->size * DN_MAX;
+    unsigned char *seen = xcalloc(records, 1);
+    int rc = 0;
+    for (size_t a = 0; a < records && !rc; a++) {
+        const double *ra = all + a * DN_FIELDS;
+        if (seen[a] || ra[DN_FS_HI] == 0) continue;
+        double need = 0, free_b = ra[DN_FREE];
+        int count[DN_MAX] = {0};
+        for (size_t b = a; b < records; b++) {
+            const double *rb = all + b * DN_FIELDS;
+            if (rb[DN_FS_HI] == 0 || memcmp(ra, rb, 4 * sizeof(double))) continue;
+            seen[b] = 1;
+            need += rb[DN_BYTES];
+            count[b % DN_MAX]++;
+            if (rb[DN_FREE] < free_b) free_b = rb[DN_FREE];
+        }
+        if (need <= free_b) continue;
+        char b1[32], b2[32], what[512] = "", dir[1100];
+        size_t w = 0;
+        int kinds = 0, k = 0;
+        for (int i = 0; i < n; i++) kinds += count[i] > 0;
+        for (int i = 0; i < n; i++) {
+            if (!count[i]) continue;
+            k++;
+            w += (size_t)snprintf(what + w, sizeof what - w, "%s%s", k == 1 ? "" : k == kinds ? " and " : ", ",
+                                  needs[i].what);
+            if (count[i] > 1 && w < sizeof what) w += (size_t)snprintf(what + w, sizeof what - w, " (%d ranks' shards)", count[i]);
+            if (w >= sizeof what) break;
+        }
+        folder_of(dir, sizeof dir, needs[a % DN_MAX].path);
+        rc = fail_set(f, EXIT_BAD_INPUT, "not enough disk space in %s: %s will take about %s there, and only %s is "
+                      "free (free some, or write elsewhere: ckpt_path, log_file, out_dir)", dir, what,
+                      fmt_bytes(b1, need), fmt_bytes(b2, free_b));
+    }
+    free(seen);
+    free(all);
+    return rc;
 }
 
 size_t shard_windows(const Shard *s, int T) { return s->n_tokens > 1 ? (s->n_tokens - 1) / (size_t)T : 0; }

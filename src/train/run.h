@@ -1,6 +1,7 @@
 /* run — what the subcommands that run the model share (train.c, infer.c). */
 #ifndef MESHTRAIN_RUN_H
 #define MESHTRAIN_RUN_H
+#include "comm.h"
 #include "config.h"
 #include "data.h"
 #include "model.h"
@@ -31,6 +32,14 @@ int open_shard_checked(Shard *s, const char *path, const char *what, int vocab, 
  * created beside it and removed, so that a run finds out before its first step, not after
  * its last. -1 with f set when not. */
 int check_writable(const char *path, const char *what, Fail *f);
+/* What a run will write into one file system: bytes at path (its folder's file system). */
+typedef struct { const char *path, *what; double bytes; } DiskNeed;
+/* Collective over world: whether each file system the ranks will write has room for all
+ * of it. The needs of ranks that see the same file system on the same machine are summed
+ * (every rank's checkpoint shard goes beside ckpt_path); a network file system that
+ * several machines share is checked per machine. -1 with f set (the same on every rank)
+ * where one has not. */
+int check_disk_space(const Comm *world, const DiskNeed *needs, int n, Fail *f);
 /* Windows of T+1 tokens in a shard. */
 size_t shard_windows(const Shard *s, int T);
 /* Mean loss of the first max_batches global batches of the validation shard, rank r of w

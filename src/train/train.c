@@ -10,6 +10,7 @@
 #include "commands.h"
 #include "comm.h"
 #include "estimate.h"
+#include "jsonlog.h"
 #include "layer_graphs.h"
 #include "mesh.h"
 #include "ops.h"
@@ -54,7 +55,8 @@ static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *
  * optimizer and schedule keys given on the command line override them. It keeps the
  * checkpoint's global batch on any number of data-parallel ranks (batch_size per rank
  * follows) unless batch_size is given, and its schedule's horizon unless lr_decay_steps
- * is: a larger `steps` runs on at min_lr rather than stretching the cosine anew. */
+ * is: a larger `steps` runs on at min_lr rather than stretching the cosine anew. Its
+ * validation (val_every, val_batches) is kept too, unless given. */
 static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
     c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
@@ -79,6 +81,7 @@ static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
         FROM(adafactor_decay_rate, h->af_decay);
         FROM(adafactor_relative_step, h->af_flags & 1); FROM(adafactor_scale_parameter, (h->af_flags >> 1) & 1);
     }
+    if (h->val_batches > 0) { FROM(val_every, h->val_every); FROM(val_batches, h->val_batches); }  /* (files that keep them) */
 #undef FROM
     if (!config_was_set("lr_schedule")) snprintf(c->lr_schedule, sizeof c->lr_schedule, "%s", h->cosine ? "cosine" : "constant");
     return 0;
@@ -135,10 +138,15 @@ static void world_max_min(const Comm *w, double v, double *mx, double *mn) {
 /* A non-finite loss (training or validation) or gradient norm ends the run before anything
  * is saved: the last checkpoint stays the last good one. Every rank sees the same value
  * (reduced), so all stop here together. */
-static _Noreturn void stop_non_finite(Progress *pr, FILE *log, int step, const char *what, double v, int lead,
+static _Noreturn void stop_non_finite(Progress *pr, JsonLog *log, int step, const char *what, double v, int lead,
                                       const char *ckpt) {
     progress_clear(pr);
-    if (log) { fprintf(log, "{\"step\":%d,\"error\":\"non-finite %s\"}\n", step, what); fclose(log); }
+    if (log) {  /* the log's last word, if it can still be written (the error below is the one that counts) */
+        jsonlog_begin(log);
+        jsonlog_raw(log, "\"step\":%d,\"error\":\"non-finite %s\"", step, what);
+        (void)jsonlog_end(log);
+        jsonlog_close(log);
+    }
     if (lead) {
         if (ckpt) fprintf(stderr, "meshtrain: step %d: the %s is %s; stopping. The last checkpoint, if any, is intact: %s\n",
                           step, what, isnan(v) ? "NaN" : "infinite", ckpt);
@@ -158,7 +166,9 @@ static int g_signal_lead;  /* this rank prints the handler's note */
 static void on_signal(int sig) {
     if (g_signal) _exit(128 + sig);
     g_signal = sig;
-    static const char note[] = "\nmeshtrain: signal received: finishing this step and saving a checkpoint "
+    /* (the ranks agree on stopping after the step; whether a checkpoint can then be saved is
+     * only known there: a lost peer rank ends the job instead) */
+    static const char note[] = "\nmeshtrain: signal received: stopping after this step "
                                "(send it again to stop at once)\n";
     if (g_signal_lead) {
         ssize_t w = write(2, note, sizeof note - 1);
@@ -177,18 +187,45 @@ static void catch_signals(int lead) {
     sigaction(SIGTERM, &sa, NULL);
 }
 
-/* The signal any rank has received (0: none): every rank stops after the same step. */
-static int signal_agreed(const Comm *world) {
-    int sig = g_signal;
-    comm_allreduce_max_int(world, &sig, 1);
-    return sig;
+/* Why the run stops after this step, agreed by every rank: the signal any rank has received
+ * (0: none), and whether rank 0's log could not be written. */
+typedef struct { int signal, log_failed; } StopReason;
+static StopReason stop_agreed(const Comm *world, int log_failed) {
+    int v[2] = {g_signal, log_failed};
+    if (world->size > 1) comm_allreduce_max_int(world, v, 2);
+    return (StopReason){v[0], v[1]};
 }
 
-/* A number in a JSON line: null where it is not finite (JSON has no NaN). */
-static void json_num(FILE *f, const char *key, const char *fmt, double v) {
-    fprintf(f, ",\"%s\":", key);
-    if (isfinite(v)) fprintf(f, fmt, v);
-    else fputs("null", f);
+/* The log's first line of a run (and of each resumed part of it): every key in force. */
+static void log_key(void *ctx, const char *key, const char *value, int is_text) {
+    JsonLog *l = ctx;
+    if (is_text) jsonlog_str(l, key, value);
+    else jsonlog_raw(l, "%s\"%s\":%s", l->buf[l->len - 1] == '{' ? "" : ",", key, value);
+}
+
+static int log_header(JsonLog *l, const Config *c, int start, int resumed, int world) {
+    jsonlog_begin(l);
+    jsonlog_raw(l, "\"run\":\"train\",\"start_step\":%d,\"resumed\":%s,\"world\":%d,\"config\":{", start,
+                resumed ? "true" : "false", world);
+    config_each(c, CMD_TRAIN, log_key, l);
+    jsonlog_raw(l, "}");
+    return jsonlog_end(l);
+}
+
+/* What would shrink the largest part of an estimate that does not fit. */
+static const char *estimate_remedy(const MemEstimate *e, const Config *c) {
+    size_t acts = e->acts + e->logits, state = e->params + e->grads + e->optim + e->compute;
+    if (acts > state) {
+        if (!c->activation_checkpointing)
+            return "most of it is activations: activation_checkpointing=true, or a smaller batch_size with "
+                   "grad_accum_steps, or tensor_parallel_size with sequence_parallel";
+        return "most of it is activations: a smaller batch_size with grad_accum_steps, or tensor_parallel_size with "
+               "sequence_parallel";
+    }
+    if (!c->fsdp) return "most of it is parameters, gradients and optimizer state: shard them, fsdp=true (or "
+                         "zero_opt=true), or offload=optimizer on a GPU, or lower the model size";
+    return "most of it is parameters, gradients and optimizer state: shard them over more ranks, offload=optimizer "
+           "on a GPU, or lower the model size";
 }
 
 int cmd_train(Config *c) {
@@ -306,28 +343,39 @@ int cmd_train(Config *c) {
         estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, mesh.tp_size,
                        c->sequence_parallel, prec, &oc);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
-    /* offload: every rank on this machine keeps its share of the state in its host memory */
-    size_t host_avail = available_memory_bytes(), local = (size_t)comm_local_size();
-    if (oc.offload && host_avail && est.host * local > host_avail)
-        fail_set(&f, EXIT_BAD_INPUT, "offload=%s keeps about %s in host memory per rank (%zu rank%s on this machine) "
-                 "but only %s is available (shard it over more ranks, or lower the model size)", c->offload,
-                 fmt_bytes(b1, (double)est.host), local, local > 1 ? "s" : "", fmt_bytes(b2, (double)host_avail));
+    /* Ranks on one machine share its memory: each host's need is its ranks' sum (the host's
+     * offloaded state always; a cpu rank's whole estimate, when no max_memory_gb caps it per
+     * rank). Collective: every rank asks, whatever failed above. */
+    size_t host_avail = available_memory_bytes();
+    int local = comm_local_size();
+    double host_need = comm_local_sum(oc.offload ? (double)est.host : 0.0);
+    double local_need = comm_local_sum((double)est.total);
+    if (oc.offload && host_avail && host_need > (double)host_avail)
+        fail_set(&f, EXIT_BAD_INPUT, "offload=%s keeps about %s in host memory on this machine (%d rank%s) but only %s "
+                 "is available (shard it over more ranks or machines, or lower the model size)", c->offload,
+                 fmt_bytes(b1, host_need), local, local > 1 ? "s" : "", fmt_bytes(b2, (double)host_avail));
     size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? dev_free : host_avail;
-    if (limit && est.total > limit)
-        fail_set(&f, EXIT_BAD_INPUT, "this run needs about %s per %s but only %s is available (lower batch_size or "
-                 "the model size, or shard it: fsdp=true)", fmt_bytes(b1, (double)est.total), gpu ? "GPU" : "rank",
-                 fmt_bytes(b2, (double)limit));
+    int per_host = !gpu && c->max_memory_gb <= 0 && local > 1;
+    double need = per_host ? local_need : (double)est.total;
+    if (limit && need > (double)limit) {
+        char b3[32], where[96];
+        if (per_host) snprintf(where, sizeof where, "per rank, %s for the %d ranks on this machine,",
+                               fmt_bytes(b3, local_need), local);
+        else snprintf(where, sizeof where, "per %s", gpu ? "GPU" : "rank");
+        fail_set(&f, EXIT_BAD_INPUT, "this run needs about %s %s but only %s is available (%s)",
+                 fmt_bytes(b1, (double)est.total), where, fmt_bytes(b2, (double)limit), estimate_remedy(&est, c));
+    }
 
     /* Everything the run will write, checked now rather than after its last step: each
      * rank writes its own checkpoint shard beside ckpt_path; rank 0 the log and manifest. */
     int saving = strcmp(c->ckpt_path, "none") != 0;
-    FILE *log = NULL;
+    JsonLog log_store, *log = NULL;
     if (!f.code && saving) check_writable(c->ckpt_path, "the checkpoint (ckpt_path)", &f);
     if (!f.code && lead) {
         mkdir_p(c->out_dir);
         mkdir_parent(c->log_file);
-        log = fopen(c->log_file, resuming ? "a" : "w");
-        if (!log) fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, strerror(errno));
+        if (jsonlog_open(&log_store, c->log_file, resuming, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else log = &log_store;
     }
     comm_exit_if_failed(&world, &f);
 
@@ -463,6 +511,24 @@ int cmd_train(Config *c) {
         parallel_init_weights(par, (uint64_t)c->seed);
     }
 
+    /* The disk space the run will write (each rank's checkpoint shard, rank 0's manifest and
+     * log), checked now rather than found short after the last step. A save keeps the
+     * previous checkpoint until the new one is whole, so the new one needs its full size. */
+    {
+        double log_bytes = lead ? 4096.0 + 320.0 * (c->steps - start) : 0;  /* a step's line is about 250 bytes */
+        double ckpt_bytes = saving ? (double)train_state_save_bytes(par, &m, tied_copy) +
+                                         (lead ? (double)ckpt_manifest_bytes(c->ckpt_path, world.size) : 0) : 0;
+        DiskNeed needs[2] = {{c->ckpt_path, "the checkpoint", ckpt_bytes}, {c->log_file, "the log", log_bytes}};
+        check_disk_space(&world, needs, 2, &f);
+    }
+    if (!f.code && log && log_header(log, c, start, resuming, world.size))
+        fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, jsonlog_error(log));
+    comm_exit_if_failed(&world, &f);
+    if (lead && resuming && oc.cosine && oc.min_lr == 0 && start >= oc.decay_steps)
+        printf("note: step %d is past the schedule's end (lr_decay_steps=%d): the cosine has reached min_lr=0, so the "
+               "steps to %d train at learning rate 0; give lr_decay_steps= (a longer cosine) or min_lr=\n", start,
+               oc.decay_steps, c->steps);
+
     comm_barrier(&world);  /* the checkpoint folder exists before any rank writes to it */
 
     CkptHeader h = {0};
@@ -476,10 +542,14 @@ int cmd_train(Config *c) {
     h.total_steps = c->steps; h.lr_decay_steps = oc.decay_steps; h.cosine = oc.cosine;
     h.optimizer = oc.kind; h.af_beta1 = oc.af_beta1; h.af_clip = oc.af_clip; h.af_decay = oc.af_decay;
     h.af_flags = oc.af_relative_step | oc.af_scale_parameter << 1;
+    h.val_every = c->val_every; h.val_batches = c->val_batches;
 
     /* test hooks: poison one step's training loss, or its validation loss */
     const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP"), *vfault = getenv("MESHTRAIN_FAULT_NAN_VAL_STEP");
     int nan_step = fault ? atoi(fault) : -1, nan_val_step = vfault ? atoi(vfault) : -1;
+    /* ... or send rank 0 a SIGTERM as that step's validation begins (a signal mid-validation) */
+    const char *tfault = getenv("MESHTRAIN_FAULT_TERM_VAL_STEP");
+    int term_val_step = tfault ? atoi(tfault) : -1;
     Progress pr = {lead && c->progress && isatty(2), now_seconds(), start, c->steps};
     double tokens_per_step = (double)G * T, flops_per_step = est.flops_per_token * tokens_per_step;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */
@@ -513,7 +583,7 @@ int cmd_train(Config *c) {
             printf("pipeline send/receive: MESHTRAIN_PP_SKIP_COPIES=1: the messages are NOT copied (a timing "
                    "experiment: this run's results are wrong)\n");
     }
-    int stopped = 0, done = start;
+    int stopped = 0, late_signal = 0, log_failed = 0, final_log_error = 0, done = start;
     /* The losses are summed over every rank that must agree on stopping at a non-finite one:
      * the data-parallel group, or the world where pipeline stages (which give 0 but the
      * head's) or tensor-parallel ranks (each holding the same loss) are in it. */
@@ -557,21 +627,21 @@ int cmd_train(Config *c) {
         if (step + 1 > warm) { t_timed += dt; comm_timed += wait; upd_timed += upd; uwait_timed += uwait; timed_steps++; }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
         if (log) {
-            fprintf(log, "{\"step\":%d", step + 1);
-            json_num(log, "loss", "%.6f", loss);
-            json_num(log, "lr", "%.6e", lr);
-            json_num(log, "grad_norm", "%.6f", norm);
-            json_num(log, "ms", "%.2f", dt * 1e3);
-            json_num(log, "comm_wait_ms", "%.2f", wait * 1e3);
-            json_num(log, "tokens_per_s", "%.1f", tok_s);
-            json_num(log, "gflops", "%.2f", gflops);
-            if (gpu) json_num(log, "mfu", "%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
+            jsonlog_begin(log);
+            jsonlog_raw(log, "\"step\":%d", step + 1);
+            jsonlog_num(log, "loss", "%.6f", loss);
+            jsonlog_num(log, "lr", "%.6e", lr);
+            jsonlog_num(log, "grad_norm", "%.6f", norm);
+            jsonlog_num(log, "ms", "%.2f", dt * 1e3);
+            jsonlog_num(log, "comm_wait_ms", "%.2f", wait * 1e3);
+            jsonlog_num(log, "tokens_per_s", "%.1f", tok_s);
+            jsonlog_num(log, "gflops", "%.2f", gflops);
+            if (gpu) jsonlog_num(log, "mfu", "%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
             if (oc.offload) {  /* the last step's host update, run beside this one, and the wait for it */
-                json_num(log, "host_update_ms", "%.2f", upd * 1e3);
-                json_num(log, "update_wait_ms", "%.2f", uwait * 1e3);
+                jsonlog_num(log, "host_update_ms", "%.2f", upd * 1e3);
+                jsonlog_num(log, "update_wait_ms", "%.2f", uwait * 1e3);
             }
-            fprintf(log, "}\n");
-            fflush(log);
+            log_failed |= jsonlog_end(log) != 0;
         }
         if (lead && ((step + 1) % c->log_every == 0 || step + 1 == c->steps || step == start)) {
             progress_clear(&pr);
@@ -583,6 +653,7 @@ int cmd_train(Config *c) {
         }
         int last = step + 1 == c->steps;
         if ((c->val_every && (step + 1) % c->val_every == 0) || last) {
+            if (step + 1 == term_val_step && lead) raise(SIGTERM);
             Acts va;  /* a short validation shard: a smaller batch, in the training buffers */
             acts_view(&va, &a, &m, PP > 1 ? BM : val_B);
             val_loss = step_eval(&st, &va, &val, PP > 1 ? c->val_batches * c->micro_batches : c->val_batches,
@@ -595,14 +666,20 @@ int cmd_train(Config *c) {
             if (lead) {
                 progress_clear(&pr);
                 printf("step %5d/%d | val_loss %.4f\n", step + 1, c->steps, val_loss);
-                fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step + 1, val_loss);
-                fflush(log);
+                jsonlog_begin(log);
+                jsonlog_raw(log, "\"step\":%d", step + 1);
+                jsonlog_num(log, "val_loss", "%.6f", val_loss);
+                log_failed |= jsonlog_end(log) != 0;
             }
         }
-        /* a signal on any rank: every rank ends after this step, with a checkpoint */
-        stopped = world.size > 1 ? signal_agreed(&world) : g_signal;
+        /* a signal on any rank, or a log rank 0 could not write: every rank ends after this
+         * step, with a checkpoint. After the last step a signal changes nothing: the run is
+         * complete (its checkpoint is saved below as at any end). */
+        StopReason why = stop_agreed(&world, log_failed);
         done = step + 1;
-        if (saving && ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last || stopped)) {
+        if (why.signal && last) late_signal = why.signal;
+        else stopped = why.signal;
+        if (saving && ((c->ckpt_every && (step + 1) % c->ckpt_every == 0) || last || why.signal || why.log_failed)) {
             LoaderState ls = loader_get_state(&loader);
             h.step = step + 1; h.adam_step = parallel_adam_steps(par);
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
@@ -611,10 +688,25 @@ int cmd_train(Config *c) {
             /* every rank gets the same answer: one of them says it */
             if (train_state_save(c->ckpt_path, &h, &world, par, &m, tied_copy, err, sizeof err)) {
                 progress_clear(&pr);
-                if (lead) fprintf(stderr, "meshtrain: step %d: %s\n", step + 1, err);
+                if (lead && why.log_failed)
+                    fprintf(stderr, "meshtrain: step %d: cannot write the log file %s: %s; nor the checkpoint: %s (the "
+                            "last checkpoint, if any, is intact)\n", step + 1, c->log_file, jsonlog_error(log), err);
+                else if (lead) fprintf(stderr, "meshtrain: step %d: %s\n", step + 1, err);
                 comm_world_finalize();
                 exit(EXIT_RUN_FAILURE);
             }
+        }
+        if (why.log_failed) {
+            progress_clear(&pr);
+            if (lead && saving)
+                fprintf(stderr, "meshtrain: step %d: cannot write the log file %s: %s; stopped here with a checkpoint "
+                        "(continue with resume=%s once the log can be written)\n", step + 1, c->log_file,
+                        jsonlog_error(log), c->ckpt_path);
+            else if (lead)
+                fprintf(stderr, "meshtrain: step %d: cannot write the log file %s: %s; stopped here (ckpt_path=none: no "
+                        "checkpoint)\n", step + 1, c->log_file, jsonlog_error(log));
+            comm_world_finalize();
+            exit(EXIT_RUN_FAILURE);
         }
         if (stopped) break;
         progress_draw(&pr, step + 1, loss, tok_s);
@@ -622,11 +714,17 @@ int cmd_train(Config *c) {
     progress_clear(&pr);
     if (stopped && lead) {
         const char *name = stopped == SIGINT ? "SIGINT" : stopped == SIGTERM ? "SIGTERM" : "a signal";
-        fprintf(log, "{\"step\":%d,\"stopped\":\"%s\"}\n", done, name);
+        jsonlog_begin(log);
+        jsonlog_raw(log, "\"step\":%d", done);
+        jsonlog_str(log, "stopped", name);
+        (void)jsonlog_end(log);  /* a failure is reported with the final line's */
         if (saving) printf("stopped by %s after step %d of %d: checkpoint saved; continue with resume=%s\n", name, done,
                            c->steps, c->ckpt_path);
         else printf("stopped by %s after step %d of %d (ckpt_path=none: no checkpoint)\n", name, done, c->steps);
     }
+    if (late_signal && lead)
+        printf("%s received after the last step: the run is complete\n",
+               late_signal == SIGINT ? "SIGINT" : late_signal == SIGTERM ? "SIGTERM" : "a signal");
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
     world_max_min(&world, (double)max_rss_bytes(), &rss_max, &rss_min);
@@ -644,25 +742,27 @@ int cmd_train(Config *c) {
     }
     if (lead) {
         double flops = tok_s * est.flops_per_token;
-        fprintf(log, "{\"done\":true,\"steps\":%d,\"world\":%d,\"strategy\":\"%s\"", done - start, world.size,
-                parallel_kind_name(kind));
-        json_num(log, "tokens_per_s", "%.1f", tok_s);
-        json_num(log, "gflops", "%.2f", flops / 1e9);
-        json_num(log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
-        fprintf(log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
-                est.total);
+        jsonlog_begin(log);
+        jsonlog_raw(log, "\"done\":true,\"steps\":%d,\"world\":%d", done - start, world.size);
+        jsonlog_str(log, "strategy", parallel_kind_name(kind));
+        jsonlog_num(log, "tokens_per_s", "%.1f", tok_s);
+        jsonlog_num(log, "gflops", "%.2f", flops / 1e9);
+        jsonlog_num(log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
+        jsonlog_raw(log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
+                    est.total);
         if (oc.offload) {
-            fprintf(log, ",\"host_estimate_bytes\":%zu", est.host);
-            json_num(log, "host_update_ms", "%.2f", timed_steps ? upd_timed / timed_steps * 1e3 : 0.0);
-            json_num(log, "update_wait_ms", "%.2f", timed_steps ? uwait_timed / timed_steps * 1e3 : 0.0);
+            jsonlog_raw(log, ",\"host_estimate_bytes\":%zu", est.host);
+            jsonlog_num(log, "host_update_ms", "%.2f", timed_steps ? upd_timed / timed_steps * 1e3 : 0.0);
+            jsonlog_num(log, "update_wait_ms", "%.2f", timed_steps ? uwait_timed / timed_steps * 1e3 : 0.0);
         }
-        json_num(log, "loss", "%.6f", loss);
-        json_num(log, "val_loss", "%.6f", val_loss);
-        if (gpu)
-            fprintf(log, ",\"device\":\"%s\",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
-                    ops_device_name(), flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
-        fprintf(log, "}\n");
-        fclose(log);
+        jsonlog_num(log, "loss", "%.6f", loss);
+        jsonlog_num(log, "val_loss", "%.6f", val_loss);
+        if (gpu) {
+            jsonlog_str(log, "device", ops_device_name());
+            jsonlog_raw(log, ",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
+                        flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
+        }
+        if (jsonlog_end(log)) final_log_error = 1;
         char b3[32], b4[32], b5[32], vbuf[32];
         if (isfinite(val_loss)) snprintf(vbuf, sizeof vbuf, "%.4f", val_loss);
         else snprintf(vbuf, sizeof vbuf, "none (stopped first)");
@@ -704,6 +804,11 @@ int cmd_train(Config *c) {
                    fmt_bytes(b2, e));
         }
         printf("checkpoint: %s\n", saving ? c->ckpt_path : "none (ckpt_path=none)");
+        fflush(stdout);
+        if (final_log_error)
+            fprintf(stderr, "meshtrain: cannot write the log file %s: %s (the run finished%s)\n", c->log_file,
+                    jsonlog_error(log), saving ? "; its checkpoint is saved" : "");
+        jsonlog_close(log);
     }
     step_free(&st);
     tensor_parallel_fused_close();
@@ -721,5 +826,5 @@ int cmd_train(Config *c) {
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();
-    return stopped ? 128 + stopped : 0;
+    return stopped ? 128 + stopped : final_log_error ? EXIT_RUN_FAILURE : 0;
 }

@@ -86,17 +86,34 @@ static void stage_free(Staging *s) {
 /* ... each split into the runs of a tensor-parallel rank's slices. */
 static int max_ranges(const Model *m) { return (2 * m->n_units + 2) * model_tp_max_runs(m); }
 
-int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
-                     int skip_embedding, char *err, size_t errlen) {
-    int max = max_ranges(m);
-    StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
+/* The ranges train_state_save writes: this rank's, less the tied embedding's copy that
+ * another stage saves (its packed range is [0, V E)). */
+static int save_ranges(const Parallel *par, const Model *m, int skip_embedding, StateRange *ranges, int max) {
     int n = ckpt_ranges(par, m, 1, ranges, max);
-    if (skip_embedding) {  /* the embedding's packed range is [0, V E): another stage saves it */
+    if (skip_embedding) {
         int k = 0;
         for (int i = 0; i < n; i++)
             if (ranges[i].start >= m->packed[UNIT_EMBEDDING + 1]) ranges[k++] = ranges[i];
         n = k;
     }
+    return n;
+}
+
+uint64_t train_state_save_bytes(const Parallel *par, const Model *m, int skip_embedding) {
+    int max = max_ranges(m);
+    StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
+    int n = save_ranges(par, m, skip_embedding, ranges, max);
+    uint64_t values = 0;
+    for (int i = 0; i < n; i++) values += ranges[i].count;
+    free(ranges);
+    return ckpt_rank_file_bytes((uint64_t)n, values, 1);  /* a training checkpoint holds the optimizer's state */
+}
+
+int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
+                     int skip_embedding, char *err, size_t errlen) {
+    int max = max_ranges(m);
+    StateRange *ranges = xmalloc((size_t)max * sizeof *ranges);
+    int n = save_ranges(par, m, skip_embedding, ranges, max);
     Staging st;
     const StateRange *mine = stage(ranges, n, &st, parallel_state_on_host(par));
     stage_copy(ranges, n, &st, 1);

@@ -11,6 +11,8 @@
 /* skip_embedding: this rank holds a copy of the tied embedding that another rank saves. */
 int train_state_save(const char *path, const CkptHeader *h, const Comm *world, const Parallel *par, const Model *m,
                      int skip_embedding, char *err, size_t errlen);
+/* The bytes of the shard file train_state_save would write on this rank (the same ranges). */
+uint64_t train_state_save_bytes(const Parallel *par, const Model *m, int skip_embedding);
 /* Fills what this rank owns from the checkpoint at path (any layout wrote it) and reads its
  * manifest into h. No communication; on error nothing is uploaded. */
 int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const Model *m, char *err, size_t errlen);
