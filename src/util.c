@@ -18,15 +18,6 @@
 static int g_rank, g_world = 1;
 void set_log_rank(int rank, int world) { g_rank = rank; g_world = world; }
 
-void set_log_rank_from_launcher(void) {
-    const char *ranks[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"};
-    const char *sizes[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
-    for (size_t i = 0; i < sizeof ranks / sizeof ranks[0]; i++) {
-        const char *r = getenv(ranks[i]), *s = getenv(sizes[i]);
-        if (r && *r) { g_rank = atoi(r); g_world = s && *s ? atoi(s) : 2; return; }
-    }
-}
-
 void print_error(int rank, int world, const char *msg) {
     if (world > 1) fprintf(stderr, "meshtrain: rank %d: %s\n", rank, msg);
     else fprintf(stderr, "meshtrain: %s\n", msg);

@@ -11,10 +11,9 @@ enum { EXIT_BAD_INPUT = 2, EXIT_RUN_FAILURE = 1 };
  * and exits with `code`. */
 _Noreturn void die(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* This process's rank and the job's size, for messages (before MPI starts: the launcher's
+ * view, env_launcher, so that errors met before then can be printed once). */
 void set_log_rank(int rank, int world);
-/* Before MPI starts: this process's rank and the job's size from the launcher's environment
- * (Open MPI, PMI, PMIx, Slurm), so that errors met before then can be printed once. */
-void set_log_rank_from_launcher(void);
 /* An error that every rank meets alike (a bad key, say): rank 0 prints it, the other ranks
  * exit with the same code without a word, a moment later so that the launcher does not
  * end rank 0 before it has printed. */

@@ -375,6 +375,17 @@ m=$(comm -13 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "
 [ -z "$why" ] && ok "readme_documents_every_key ($(echo "$help_keys" | wc -l) keys, $(echo "$help_cmds" | wc -l) commands)" ||
   { why=${why# }; bad "readme_documents_every_key (${why%;})"; }
 
+# -- the hooks (src/env.c): one parser; a malformed value or a misspelt name is one line, exit
+# 2, before anything runs; the hooks set are written in the log's first line with the keys
+expect_exit 2 "MESHTRAIN_FAULT_NAN_STEP=abc: not an integer" hook_malformed -- env MESHTRAIN_FAULT_NAN_STEP=abc "$BIN" help
+expect_exit 2 "MESHTRAIN_PROFILE=yes: expected one of 0\|1\|events" hook_bad_choice -- env MESHTRAIN_PROFILE=yes "$BIN" help
+expect_exit 2 "MESHTRAIN_TIMELIN is not a hook .*did you mean MESHTRAIN_TIMELINE" hook_misspelt -- \
+  env MESHTRAIN_TIMELIN=3 "$BIN" help
+MESHTRAIN_TIMELINE=99 "$BIN" train $TINY data_dir="$D" steps=1 out_dir="$TMP/hooklog" >"$TMP/hooklog.out" 2>/dev/null
+head -1 "$TMP/hooklog/log.jsonl" | grep -q '"hooks":{"MESHTRAIN_TIMELINE":"99"}' && grep -q "hooks set (environment): MESHTRAIN_TIMELINE=99" "$TMP/hooklog.out" &&
+  head -1 "$TMP/hooklog/log.jsonl" | grep -q '"config":{"vocab_size":' && ok hooks_in_log_header ||
+  bad "hooks_in_log_header ($(head -c 300 "$TMP/hooklog/log.jsonl"))"
+
 # -- every environment variable the code reads has a row in README's "Environment settings", and
 # every variable named there is read somewhere
 src_env=$(grep -rhoE '"MESHTRAIN_[A-Z0-9_]+"' src | tr -d '"' | sort -u)

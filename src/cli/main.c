@@ -3,6 +3,7 @@
 #include <string.h>
 #include "commands.h"
 #include "config.h"
+#include "env.h"
 #include "util.h"
 
 typedef struct { const char *name; int mask; int (*run)(Config *); const char *help; } Command;
@@ -61,7 +62,9 @@ static int help(const char *which) {
 
 int main(int argc, char **argv) {
     /* Under a launcher every rank parses the same command line: its errors print once. */
-    set_log_rank_from_launcher();
+    int rank, size;
+    if (env_launcher(&rank, &size)) set_log_rank(rank, size);
+    hooks_check();  /* a malformed hook: one line, exit 2, before anything runs */
     if (argc < 2) { usage(stderr); return EXIT_BAD_INPUT; }
     const char *name = argv[1];
     if (!strcmp(name, "help") || !strcmp(name, "--help") || !strcmp(name, "-h")) {

@@ -2,6 +2,7 @@
  * The backend is chosen once per process (ops_init) and never changes mid-run, so the
  * table pointer needs no synchronization. */
 #include "ops.h"
+#include "env.h"
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,10 +100,9 @@ int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     else return set_err(err, errlen, "device=%s: unknown device (cpu or cuda)", device);
     if (b->init(n_threads, err, errlen)) return -1;
     g_ops = b;
-    const char *prof = getenv("MESHTRAIN_PROFILE");
-    if (prof && *prof && strcmp(prof, "0") && !g_prof_on) {
+    if (hook_on(HOOK_PROFILE) && !g_prof_on) {
         g_prof_on = 1;
-        g_prof_events = !strcmp(prof, "events") && b->prof_mark && b->prof_span;
+        g_prof_events = !strcmp(hook_text(HOOK_PROFILE), "events") && b->prof_mark && b->prof_span;
         atexit(prof_report);
     }
     return 0;

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 #include "comm_impl.h"
+#include "env.h"
 #include "trace.h"
 #include "util.h"
 
@@ -16,14 +17,7 @@ int g_comm_world_rank;
 
 int comm_using_mpi(void) { return g_mpi; }
 
-static int launched_by_mpi(void) {
-    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_NTASKS"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-        const char *v = getenv(vars[i]);
-        if (v && *v) return 1;
-    }
-    return 0;
-}
+static int launched_by_mpi(void) { return env_launched(); }
 
 _Noreturn void comm_abort(int code, const char *msg) {
     fprintf(stderr, "meshtrain: %s\n", msg);

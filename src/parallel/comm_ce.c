@@ -4,6 +4,7 @@
  * (see comm_alloc in comm.h); elsewhere comm_alloc is op_alloc. */
 #include <stdlib.h>
 #include "comm_impl.h"
+#include "env.h"
 #include "util.h"
 #ifdef MESHTRAIN_NCCL
 #include "ops_cuda.h"
@@ -140,8 +141,8 @@ int comm_copy_engines_possible(const Comm *c) {
 }
 
 size_t comm_ce_buffer_bytes(size_t bytes) {
-    const char *e = getenv("MESHTRAIN_CE_BUFFER_BYTES");  /* test hook: all-reduces in many pieces */
-    size_t cap = e && atoll(e) > 0 ? (size_t)atoll(e) : COMM_CE_BUFFER_BYTES;
+    /* (a test hook: all-reduces in many pieces) */
+    size_t cap = (size_t)hook_int(HOOK_CE_BUFFER_BYTES, (long long)COMM_CE_BUFFER_BYTES);
     return bytes < cap ? bytes : cap;
 }
 

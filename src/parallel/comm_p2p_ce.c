@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "comm_impl.h"
+#include "env.h"
 #include "util.h"
 
 /* (the default 1: faster at every schedule measured) */
@@ -41,7 +42,7 @@ int comm_p2p_ce_asked(void) { return env_flag("MESHTRAIN_PP_CE", 1); }
 
 int comm_p2p_skip_copies(void) {
     static int v = -1;  /* (asked per message: read once) */
-    if (v < 0) v = env_flag("MESHTRAIN_PP_SKIP_COPIES", 0);
+    if (v < 0) v = hook_on(HOOK_PP_SKIP_COPIES);
     return v;
 }
 

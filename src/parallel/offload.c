@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "ops.h"
+#include "env.h"
 #include "parallel_impl.h"
 #include "util.h"
 
@@ -112,7 +113,7 @@ void *par_host_alloc(size_t bytes, const char *what) {
     if (!bytes) return NULL;
     /* MESHTRAIN_FAULT_HOST_ALLOC (a test hook): the allocation is refused, as a pinned one
      * can be where the driver will not lock that much */
-    void *q = getenv("MESHTRAIN_FAULT_HOST_ALLOC") ? NULL : op_host_alloc(bytes);
+    void *q = hook_on(HOOK_FAULT_HOST_ALLOC) ? NULL : op_host_alloc(bytes);
     char b[32];
     if (!q)
         die(EXIT_BAD_INPUT, "offload: cannot allocate %s of %s in %shost memory (%s); lower the model size, or shard "
@@ -158,8 +159,7 @@ void par_offload_setup(Parallel *p) {
     if (o->lean) p->hparams = o->master;
     o->grad = par_host_alloc(o->n * o->act, o->act == 2 ? "the gradients' bf16 copy" : "the gradients' copy");
     /* test hook (=1): the staging buffers in fp32 too, so that the cpu's tests run their code */
-    const char *env = getenv("MESHTRAIN_OFFLOAD_STAGING");
-    if (o->lean && (o->act != sizeof(float) || (env && !strcmp(env, "1")))) {
+    if (o->lean && (o->act != sizeof(float) || hook_on(HOOK_OFFLOAD_STAGING))) {
         size_t caps[N_SLOTS];
         par_slot_caps(m, 0, caps);  /* caps[0]: the largest unit */
         for (int i = 0; i < 2; i++) o->stage[i] = op_alloc(caps[0] * o->act), o->stage_unit[i] = -1;

@@ -1,4 +1,5 @@
 #include "estimate.h"
+#include "env.h"
 #include "tensor.h"
 #include "attn_cudnn.h"      /* the dP buffer of cuDNN's deterministic attention backward */
 #include "attn_wgmma_bwd.h" /* our Hopper backward's, where auto takes it (attn_wgmma_bwd_auto) */
@@ -254,8 +255,7 @@ void estimate_print_offload(const ModelConfig *c, int B, int T, int training, Pa
 }
 
 size_t available_memory_bytes(void) {
-    const char *fake = getenv("MESHTRAIN_FAKE_MEMAVAILABLE");  /* test hook: bytes */
-    if (fake && *fake) return (size_t)strtoull(fake, NULL, 10);
+    if (hook_on(HOOK_FAKE_MEMAVAILABLE)) return (size_t)hook_int(HOOK_FAKE_MEMAVAILABLE, 0);  /* a test hook */
     FILE *f = fopen("/proc/meminfo", "r");
     if (!f) return 0;
     char line[256];

@@ -70,8 +70,11 @@ void jsonlog_begin(JsonLog *l) {
     jsonlog_raw(l, "{");
 }
 
+/* a field after another gets a comma; the first of an object (after its '{') none */
+static const char *sep(const JsonLog *l) { return l->len && l->buf[l->len - 1] != '{' ? "," : ""; }
+
 void jsonlog_num(JsonLog *l, const char *key, const char *fmt, double v) {
-    jsonlog_raw(l, "%s\"%s\":", l->len > 1 ? "," : "", key);
+    jsonlog_raw(l, "%s\"%s\":", sep(l), key);
     if (!isfinite(v)) { jsonlog_raw(l, "null"); return; }
     char num[64];
     snprintf(num, sizeof num, fmt, v);
@@ -79,7 +82,7 @@ void jsonlog_num(JsonLog *l, const char *key, const char *fmt, double v) {
 }
 
 void jsonlog_str(JsonLog *l, const char *key, const char *v) {
-    jsonlog_raw(l, "%s\"%s\":\"", l->len > 1 ? "," : "", key);
+    jsonlog_raw(l, "%s\"%s\":\"", sep(l), key);
     for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
         if (*p == '"' || *p == '\\') jsonlog_raw(l, "\\%c", *p);
         else if (*p < 0x20) jsonlog_raw(l, "\\u%04x", *p);

@@ -9,6 +9,7 @@
 #include "checkpoint.h"
 #include "commands.h"
 #include "comm.h"
+#include "env.h"
 #include "estimate.h"
 #include "jsonlog.h"
 #include "layer_graphs.h"
@@ -115,14 +116,10 @@ static void progress_clear(Progress *p) {
 /* Test hooks for fault handling: MESHTRAIN_FAULT_KILL / _HANG = "rank:step" make that
  * rank die (SIGKILL) or stop responding at the start of that step. */
 static void inject_fault(int rank, int step) {
-    const char *names[] = {"MESHTRAIN_FAULT_KILL", "MESHTRAIN_FAULT_HANG"};
-    for (int i = 0; i < 2; i++) {
-        const char *v = getenv(names[i]);
-        int r, s;
-        if (!v || sscanf(v, "%d:%d", &r, &s) != 2 || r != rank || s != step) continue;
-        if (i == 0) raise(SIGKILL);
+    int r, s;
+    if (hook_rank_step(HOOK_FAULT_KILL, &r, &s) && r == rank && s == step) raise(SIGKILL);
+    if (hook_rank_step(HOOK_FAULT_HANG, &r, &s) && r == rank && s == step)
         for (;;) sleep(1000);
-    }
 }
 
 /* Max and min of a per-rank value over the world. */
@@ -200,16 +197,32 @@ static StopReason stop_agreed(const Comm *world, int log_failed) {
 static void log_key(void *ctx, const char *key, const char *value, int is_text) {
     JsonLog *l = ctx;
     if (is_text) jsonlog_str(l, key, value);
-    else jsonlog_raw(l, "%s\"%s\":%s", l->buf[l->len - 1] == '{' ? "" : ",", key, value);
+    else jsonlog_raw(l, "%s\"%s\":%s", l->buf[l->len - 1] == '{' ? "" : ",", key, value);  /* (as jsonlog's fields) */
 }
 
+static void log_hook(void *ctx, const char *name, const char *value, int wrong) {
+    (void)wrong;
+    log_key(ctx, name, value, 1);
+}
+
+/* ... and every hook set (env.h), so that the log says how its run can be made again */
 static int log_header(JsonLog *l, const Config *c, int start, int resumed, int world) {
     jsonlog_begin(l);
     jsonlog_raw(l, "\"run\":\"train\",\"start_step\":%d,\"resumed\":%s,\"world\":%d,\"config\":{", start,
                 resumed ? "true" : "false", world);
     config_each(c, CMD_TRAIN, log_key, l);
+    jsonlog_raw(l, "},\"hooks\":{");
+    hooks_each(log_hook, l);
     jsonlog_raw(l, "}");
     return jsonlog_end(l);
+}
+
+/* The run's header names every hook set; those that make results wrong or inject a fault
+ * say so. */
+static void print_hook(void *ctx, const char *name, const char *value, int wrong) {
+    int *n = ctx;
+    printf("%s%s=%s%s", (*n)++ ? ", " : "hooks set (environment): ", name, value,
+           wrong ? " (a fault or timing hook: this run's results are not a training run's)" : "");
 }
 
 /* What would shrink the largest part of an estimate that does not fit. */
@@ -241,7 +254,7 @@ int cmd_train(Config *c) {
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
     (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
     if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, gpu)))
-        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+        env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, gpu);  /* (a bad value: one line) */
@@ -387,13 +400,16 @@ int cmd_train(Config *c) {
         if (kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", mesh.shard_size,
                                        dp / mesh.shard_size);
         config_print(c, CMD_TRAIN);
+        int hooks = 0;
+        hooks_each(print_hook, &hooks);
+        if (hooks) printf("\n");
         printf("global batch: %d sequences (batch_size %d x grad_accum_steps %d x dp %d) = %s tokens per step", G, B, K,
                dp, fmt_commas(b1, (long long)G * T));
         if (resuming && ckpt_global != G) printf("; the checkpoint's run had %d", ckpt_global);
         printf("\n");
         /* Open MPI's mpirun forwards Ctrl-C / SIGTERM to the ranks, then kills them 1 s later:
          * too soon to finish a step and save, unless told to wait */
-        if (world.size > 1 && getenv("OMPI_COMM_WORLD_SIZE") && !getenv("OMPI_MCA_odls_base_sigkill_timeout"))
+        if (world.size > 1 && env_open_mpi() && !env_mpirun_kill_delay_set())
             printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
                    "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
         if (oc.offload && !gpu)
@@ -545,11 +561,9 @@ int cmd_train(Config *c) {
     h.val_every = c->val_every; h.val_batches = c->val_batches;
 
     /* test hooks: poison one step's training loss, or its validation loss */
-    const char *fault = getenv("MESHTRAIN_FAULT_NAN_STEP"), *vfault = getenv("MESHTRAIN_FAULT_NAN_VAL_STEP");
-    int nan_step = fault ? atoi(fault) : -1, nan_val_step = vfault ? atoi(vfault) : -1;
+    int nan_step = (int)hook_int(HOOK_FAULT_NAN_STEP, -1), nan_val_step = (int)hook_int(HOOK_FAULT_NAN_VAL_STEP, -1);
     /* ... or send rank 0 a SIGTERM as that step's validation begins (a signal mid-validation) */
-    const char *tfault = getenv("MESHTRAIN_FAULT_TERM_VAL_STEP");
-    int term_val_step = tfault ? atoi(tfault) : -1;
+    int term_val_step = (int)hook_int(HOOK_FAULT_TERM_VAL_STEP, -1);
     Progress pr = {lead && c->progress && isatty(2), now_seconds(), start, c->steps};
     double tokens_per_step = (double)G * T, flops_per_step = est.flops_per_token * tokens_per_step;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */

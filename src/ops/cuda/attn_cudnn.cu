@@ -21,6 +21,7 @@
  * Written as C: plain functions and structs; compiled by nvcc only for the CUDA types. libcudnn is
  * opened with dlopen, like cuBLASLt in ops_cuda.cu, so the binary runs where it is absent. */
 #include "attn_cudnn.h"
+#include "env.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -81,8 +82,8 @@ static int dnn_load(void) {
     if (dnn.lib) return 0;
     if (dnn.tried) return -1;
     dnn.tried = 1;
-    const char *path = getenv("MESHTRAIN_CUDNN_LIB");
-    if (!path || !*path) path = "libcudnn.so.9";
+    const char *path = hook_text(HOOK_CUDNN_LIB);
+    if (!path) path = "libcudnn.so.9";
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         snprintf(dnn.why, sizeof dnn.why, "cannot load %s (%s)", path, dlerror());

@@ -19,6 +19,7 @@
  * they give bitwise the CPU backend's result (gcc -std=c11 does not contract either).
  */
 #include "ops_cuda.h"
+#include "env.h"
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
 #include "attn_wgmma.h"
@@ -236,8 +237,8 @@ int cuda_init(int device, char *err, size_t errlen) {
     CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     g.smem_optin = (size_t)optin;
     g.device = device;
-    const char *s = getenv("MESHTRAIN_CUDA_SYNC");
-    g.sync_each = s && *s && strcmp(s, "0") != 0;
+    g.sync_each = hook_on(HOOK_CUDA_SYNC);
+    const char *s;
     /* A benchmark knob: plan the products for fewer SMs than the card has, so that NCCL's
      * kernels beside them (pipeline send/receive, tensor parallel's collectives) do not leave
      * a grid-sized product a tail of one more wave. */
@@ -1072,14 +1073,7 @@ void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_
  * rank on its machine modulo the devices visible (OMPI_COMM_WORLD_LOCAL_RANK, or MPICH's
  * MPI_LOCALRANKID, or SLURM_LOCALID); device 0 for a plain run. CUDA_VISIBLE_DEVICES still
  * narrows what is visible (one visible device: every process takes it). */
-static int local_rank(void) {
-    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-        const char *v = getenv(vars[i]);
-        if (v && *v) return atoi(v);
-    }
-    return 0;
-}
+static int local_rank(void) { return env_local_rank(); }
 
 static int backend_init(int n_threads, char *err, size_t errlen) {
     (void)n_threads; /* host threads: the cuda backend does its work on the card */

@@ -3,6 +3,7 @@
  * when the work before it ended; its collectives progress on the host, so a span has only
  * its start there). */
 #include "trace.h"
+#include "env.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,8 +27,7 @@ static int g_n, g_armed, g_target = -1;
 
 void trace_step(int step) {
     if (g_target < 0) {
-        const char *e = getenv("MESHTRAIN_TIMELINE");
-        g_target = e ? atoi(e) : 0;
+        g_target = (int)hook_int(HOOK_TIMELINE, 0);
     }
     g_armed = g_target > 0 && step == g_target;
     g_n = 0;
@@ -128,7 +128,7 @@ void trace_dump(int rank) {
     /* whether the host kept ahead: a compute mark the GPU reached within 0.05 ms of its
      * enqueue found the queue empty, so the GPU waited on the host's calls there */
     if (!ops_host_memory()) {
-        int n = 0, near = 0, each = getenv("MESHTRAIN_TIMELINE_LEADS") != NULL;
+        int n = 0, near = 0, each = hook_on(HOOK_TIMELINE_LEADS);
         double lag_min = 1e30, host_end = 0;
         const char *at = "";
         for (int i = 1; i < g_n; i++) {
