@@ -24,7 +24,7 @@
 # The reference is extracted once (`git archive COMMIT`) and built CPU-only (make NVCC=) into
 # build-ref/<commit>/, kept for the next run; this tree is built CPU-only into build-same/
 # (both ignored by git). Runs are serial with one thread per rank and mpirun oversubscribed as
-# tests/lib.sh sets it up: about 4 minutes for the whole list on two cores. The checkpoints
+# tests/lib.sh sets it up: about 5 minutes for the whole list on two busy cores. The checkpoints
 # of both sides are read by this tree's ckpt_diff -s, which therefore must read the
 # reference's files, as a resume from them does (resume_ref_zero1_2 resumes one).
 set -u
