@@ -326,6 +326,15 @@ if grep -Eq '^tok_embed.weight: [0-9]+ of [0-9]+ values differ, max_abs_diff [0-
    [ "$(tail -1 <<<"$dv")" != "max_rel_diff 0" ] && [ "$ds" = "max_rel_diff 0" ]
 then ok "ckpt_diff_verbose ($(grep -c ' values differ' <<<"$dv") tensors differ)"
 else bad "ckpt_diff_verbose ($(head -2 <<<"$dv" | tr '\n' ' ') / $ds)"; fi
+# ... and -s (the whole training state, bitwise): nothing differs between the straight and the
+# resumed run; against the step-2 checkpoint the counters and each tensor's moments do
+sa=$("$DIFF" -s "$A/ckpt.bin" "$K/ckpt.bin"); sn=$("$DIFF" -s "$A/ckpt.bin" "$N/ckpt.bin")
+if [ "$sa" = "state_diff 0" ] && grep -qx 'step: 8 against 2' <<<"$sn" && grep -qx 'adam_step: 8 against 2' <<<"$sn" &&
+   grep -Eq '^tok_embed.weight m: [0-9]+ of [0-9]+ values differ, max_abs_diff' <<<"$sn" &&
+   grep -Eq '^blocks.0.qkv_proj.weight v: [0-9]+ of 3072 values differ' <<<"$sn" &&
+   tail -1 <<<"$sn" | grep -Eq '^state_diff [1-9][0-9]*$'
+then ok "ckpt_diff_state ($(tail -1 <<<"$sn"))"
+else bad "ckpt_diff_state ($sa / $(head -2 <<<"$sn" | tr '\n' ' '))"; fi
 
 # -- estimate: the parameter counts of the post's models
 "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 | grep -q "parameters: 245,566,464" && ok estimate_245M || bad estimate_245M
