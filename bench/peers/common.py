@@ -31,7 +31,7 @@ def parse_keys(prog, defaults, argv, choices=None):
         try:
             cfg[k] = type(defaults[k])(v)
         except ValueError:
-            fail(prog, f"{k}={v}: not a {type(defaults[k]).__name__}")
+            fail(prog, f"{k}={v}: must be {'an integer' if isinstance(defaults[k], int) else 'a number'}")
         if k in choices and cfg[k] not in choices[k]:
             fail(prog, f"{k}={v}: must be one of {', '.join(map(str, choices[k]))}")
     return cfg

@@ -17,25 +17,30 @@ is loaded with its device strings changed ("cuda" -> "cpu", "nccl" -> "gloo", .c
 .cpu()), FSDP given the CPU as its device, torch.cuda's set_device, synchronize and peak-memory calls stubbed (the peak becomes
 the process's max RSS, as bench/peers/train.py reports on a CPU), and fp32 throughout (its
 bf16 default dtype and its autocast turned off), which is what bench/peers/train.py does on a
-CPU. Each change is listed on stderr. On a GPU nothing is changed.
+CPU; fp32=0 keeps the reference's dtypes instead (pure bf16, or bf16 autocast with amp=1),
+as fp32=0 does for bench/peers/train.py. Each change is listed on stderr. On a GPU nothing is
+changed.
 """
 import contextlib, importlib.util, io, json, os, resource, sys, types
 
 import torch
 
-CPU_EDITS = [  # (old, new): applied where present; at least one device string must change
+# (old, new): applied where present; at least one device string must change
+CPU_EDITS = [
     ('"cuda"', '"cpu"'), ('"nccl"', '"gloo"'), (".cuda()", ".cpu()"),
-    ("torch.set_default_dtype(torch.bfloat16)", "torch.set_default_dtype(torch.float32)"),
-    ('enabled=bool(cfg["amp"])', "enabled=False"),
     # FSDP finds its device from the parameters, and refuses the CPU unless told
     ("use_orig_params=True)", 'use_orig_params=True, device_id=torch.device("cpu"))'),
 ]
+FP32_EDITS = [
+    ("torch.set_default_dtype(torch.bfloat16)", "torch.set_default_dtype(torch.float32)"),
+    ('enabled=bool(cfg["amp"])', "enabled=False"),
+]
 
 
-def load_for_cpu(path, name):
+def load_for_cpu(path, name, fp32):
     src = open(path).read()
     done = []
-    for old, new in CPU_EDITS:
+    for old, new in CPU_EDITS + (FP32_EDITS if fp32 else []):
         n = src.count(old)
         if n:
             src = src.replace(old, new)
@@ -70,17 +75,19 @@ def main():
     if not os.path.isfile(path):
         sys.exit(f"run_ref: {path}: no such file (pass the folder holding the reference programs)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rest = []
+    fp32, rest = "1", []
     for k in keys:
         if k.startswith("device="):
             device = k.split("=", 1)[1]
+        elif k.startswith("fp32="):
+            fp32 = k.split("=", 1)[1]
         else:
             rest.append(k)
     if device not in ("cpu", "cuda"):
         sys.exit(f"run_ref: device={device}: must be cpu or cuda")
     sys.path.insert(0, os.path.dirname(path))  # the tp and pp references import torch_llama
     name = os.path.splitext(os.path.basename(path))[0]
-    mod = load_for_cpu(path, name) if device == "cpu" else load(path, name)
+    mod = load_for_cpu(path, name, fp32 != "0") if device == "cpu" else load(path, name)
 
     first = []
     backward = torch.Tensor.backward

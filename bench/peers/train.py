@@ -61,8 +61,6 @@ def validate(cfg, env):
     if cfg["moe_experts"]:
         check(PROG, 1 <= cfg["moe_top_k"] <= cfg["moe_experts"],
               f"moe_top_k={cfg['moe_top_k']}: must be between 1 and moe_experts={cfg['moe_experts']}")
-        check(PROG, env.cuda or cfg["moe_impl"] == "loop",
-              "moe_impl=grouped: torch._grouped_mm needs a GPU (moe_impl=loop runs on a CPU)")
     check(PROG, not cfg["fsdp"] or env.distributed, "fsdp=1: run under torchrun")
     check(PROG, cfg["data_ranks"] == 1 or env.world == 1, "data_ranks: only for one process (world 1)")
 
