@@ -21,7 +21,7 @@ CPU; fp32=0 keeps the reference's dtypes instead (pure bf16, or bf16 autocast wi
 as fp32=0 does for bench/peers/train.py. Each change is listed on stderr. On a GPU nothing is
 changed.
 """
-import contextlib, importlib.util, io, json, os, resource, sys, types
+import contextlib, gc, importlib.util, io, json, os, resource, sys, types
 
 import torch
 
@@ -104,6 +104,13 @@ def main():
         with contextlib.redirect_stdout(out):
             mod.main()
     finally:
+        # The reference keeps its model and optimizer in module globals; dropped here, the
+        # DDP reducer goes before the interpreter's exit rather than during it, where gloo
+        # on a CPU can abort ("terminate called without an active exception").
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):
+                delattr(mod, k)
+        gc.collect()
         lines = out.getvalue().splitlines()
         last = max((i for i, l in enumerate(lines) if l.startswith("{")), default=None)
         for i, line in enumerate(lines):
