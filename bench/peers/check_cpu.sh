@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2086  # the key lists ($T, $M, $TR) are meant to split into words
 # The CPU checks of bench/peers (README.md there lists their results): at a tiny size, in
 # fp32 with gloo, each program's loss at step 1 and at its last step against the reference
 # program's (run by run_ref.py) or against the one-process run with the same global batch.

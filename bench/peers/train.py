@@ -21,8 +21,9 @@ steps after `warmup` untimed ones; peak memory is the GPU allocator's high-water
 the timed steps (on a CPU, the process's max RSS). tflops_per_gpu counts 6 x active matmul
 parameters + 12 L E T per token.
 
-Keys beyond the reference's: device=auto|cuda|cpu, fp32=auto|0|1, tie_embeddings=0|1,
-log_every=N (rank 0 prints step N's loss, and its mean over the data-parallel ranks, every N
+Keys beyond the reference's: device=auto|cuda|cpu, fp32=auto|0|1, tie_embeddings=0|1 (lm_head
+shares tok_embed's weight, drawn N(0, 1) by PyTorch's default, so the loss starts high: a
+setting for throughput, not for training), log_every=N (rank 0 prints step N's loss, and its mean over the data-parallel ranks, every N
 steps), data_ranks=N (one process draws the batches that N data-parallel ranks would and
 trains on them as one batch: the one-process run that DDP's loss curve should follow).
 """
