@@ -158,12 +158,13 @@ int cmd_estimate(Config *c) {
     OptimConfig oc = optim_config_of(c);
     /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1;
      * the pipeline's receive rings with MESHTRAIN_PP_CE=1 */
-    int ce = (c->copy_engines && dp > 1 ? EST_CE_DDP : 0) |
-             (c->copy_engines && TP > 1 && tensor_parallel_ce_asked() ? EST_CE_TP : 0) |
-             (PP > 1 && comm_p2p_ce_asked() ? EST_CE_PP : 0) | (tensor_parallel_fused_mode(TP, gpu) ? EST_TP_FUSED : 0);
-    estimate_memory(&mc, c->batch_size, c->context_len, train_acts_mode(c), 0, kind, c->world_size, group, TP,
-                    c->sequence_parallel, gpu, precision_of(c), ce, &oc, &e);
-    estimate_print(&mc, c->batch_size, c->context_len, kind, c->world_size, dp, &e);
+    EstimateInput ein = estimate_input_of(c, c->world_size, group, &oc);
+    ein.ddp_copy_engines = c->copy_engines && dp > 1;
+    ein.tp_copy_engines = c->copy_engines && TP > 1 && tensor_parallel_ce_asked();
+    ein.pp_copy_engines = PP > 1 && comm_p2p_ce_asked();
+    ein.tp_fused = tensor_parallel_fused_mode(TP, gpu) != 0;
+    estimate_memory(&ein, &e);
+    estimate_print(&ein, dp, &e);
     if (c->grad_accum_steps > 1 && PP == 1)  /* the same memory: one micro-batch's activations, gradients in place */
         printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
                "one micro-batch's\n", c->grad_accum_steps, c->batch_size,
@@ -172,9 +173,7 @@ int cmd_estimate(Config *c) {
         printf("gradient accumulation: %d rounds of %d micro-batches in one schedule a step, global batch %lld "
                "sequences\n", c->grad_accum_steps, c->micro_batches,
                (long long)c->batch_size * c->grad_accum_steps * dp);
-    estimate_print_offload(&mc, c->batch_size, c->context_len, train_acts_mode(c), kind, c->world_size, dp, group, TP,
-                           c->sequence_parallel, gpu,
-                           precision_of(c), ce, &oc);
+    estimate_print_offload(&ein, dp);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
                "units and their activations, of the vocabulary rows of the embedding and lm_head and of the logits%s\n",
@@ -204,8 +203,7 @@ int cmd_estimate(Config *c) {
             if (schedule_build(&sc, sched, PP, s, M, V, split_ok, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
             split |= sched == SCHED_INTERLEAVED && sc.split_backward;
             pipeline_rank_stages(st, PP, V, s, mine);
-            estimate_stage(&es, &mc, mine, &sc, BM, c->context_len, train_acts_mode(c), kind, group, TP,
-                           c->sequence_parallel, precision_of(c), &oc);
+            estimate_stage(&es, &ein, mine, &sc, BM);
             pipeline_describe(&mc, mine, V, desc, sizeof desc);
             printf("  stage %d (%s): parameters + gradients + optimizer %s, activations %s (%d micro-batch%s "
                    "in flight), ", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute)),

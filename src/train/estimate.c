@@ -29,15 +29,16 @@
  * dims 64 and 128, the Hopper backward 64, 96, 128 and 256) its workspace and row terms instead.
  * A tensor-parallel rank runs attention on its NH / tp heads (the deterministic engine's
  * workspace, B NH T^2, may then fit where the whole model's did not). */
-static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, size_t *elsewhere) {
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, int mode,
+                                 size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
     /* rmsnorm's backward: its blocks' dw partials (ops_cuda.h) */
     size_t nb = (size_t)cuda_rmsnorm_blocks((size_t)B * T, cuda_rmsnorm_wide(c->embed_dim));
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
-    /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one
-     * MESHTRAIN_ATTN forces (a benchmark knob; own and a malformed value: our kernels' terms) */
-    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0, mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));
+    /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one the run forces
+     * (own and an unknown mode: our kernels' terms) */
+    int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
     int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0; /* ours: attn_bf16's head dims */
     int aut = mode == ATTN_MODE_AUTO || mode == ATTN_MODE_FAST; /* fast: auto's paths, atomic dQ in ours */
     int hopper = bf && (aut ? attn_wgmma_bwd_auto(T, hd, mode != ATTN_MODE_FAST, 1) /* the step fuses RoPE */
@@ -58,9 +59,13 @@ static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecisio
     return mine;
 }
 
-void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t data_bytes, ParallelKind kind,
-                     int world, int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
-                     const OptimConfig *oc, MemEstimate *e) {
+void estimate_memory(const EstimateInput *in, MemEstimate *e) {
+    const ModelConfig *c = &in->model;
+    int B = in->B, T = in->T, training = in->training, world = in->world, shard_size = in->shard_size, tp = in->tp;
+    int sp = in->sp, gpu = in->gpu;
+    ParallelKind kind = in->kind;
+    OpsPrecision prec = in->prec;
+    const OptimConfig *oc = in->oc;
     memset(e, 0, sizeof *e);
     int af = oc && oc->kind == OPTIM_ADAFACTOR;
     snprintf(e->optim_what, sizeof e->optim_what, "%s", !af ? "AdamW m, v" : optim_moments(oc) ? "Adafactor R, C, m"
@@ -91,19 +96,17 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
-    e->data = gpu ? 0 : data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, &e->attn_elsewhere)
+    e->data = gpu ? 0 : in->data_bytes;
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, in->attn_mode, &e->attn_elsewhere)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
-    e->comm = gpu && training && kind == PAR_DDP && world > 1 && (copy_engines & EST_CE_DDP)
-                  ? comm_ce_buffer_bytes(e->grads) : 0;
+    e->comm = gpu && training && kind == PAR_DDP && world > 1 && in->ddp_copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
     /* tensor parallel on the copy engines: the tp group's all-to-all buffer, sized by the
      * first of the activation buffers that go in windows */
-    e->ce_tp = gpu && training && tp > 1 && (copy_engines & EST_CE_TP);
-    if (e->ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
-    e->ce_pp = gpu && training && (copy_engines & EST_CE_PP);  /* (a pipeline stage's: estimate_stage) */
-    e->tp_fused_asked = gpu && tp > 1 && (copy_engines & EST_TP_FUSED);
-    e->tp_fused = e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
-    if (e->tp_fused_asked && !e->ce_tp && training)  /* the mapped buffers' pages (tensor.h) */
+    int ce_tp = gpu && training && tp > 1 && in->tp_copy_engines;
+    if (ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
+    int fused = gpu && tp > 1 && in->tp_fused;
+    e->tp_fused = fused ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
+    if (fused && !ce_tp && training)  /* the mapped buffers' pages (tensor.h) */
         e->tp_fused += acts_tp_coll_extra(c, &whole, B, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->tp_fused + (gpu ? 0 : e->host);
@@ -130,9 +133,13 @@ void estimate_memory(const ModelConfig *c, int B, int T, int training, size_t da
     e->formula = (training ? w : P) + (training ? act_factor * acts_f : 0);
 }
 
-void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const Schedule *sched, int B_micro, int T,
-                    int training, ParallelKind kind, int shard_size, int tp, int sp, OpsPrecision prec,
-                    const OptimConfig *oc) {
+void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, const Schedule *sched, int B_micro) {
+    const ModelConfig *c = &in->model;
+    int T = in->T, training = in->training, shard_size = in->shard_size, tp = in->tp, sp = in->sp;
+    ParallelKind kind = in->kind;
+    OpsPrecision prec = in->prec;
+    const OptimConfig *oc = in->oc;
+    int gpu = in->gpu, ce_tp = gpu && training && tp > 1 && in->tp_copy_engines, fused = gpu && tp > 1 && in->tp_fused;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
     model_init_layout_tp(&m, c, shard_size, 0, s, sched->chunks, tp, 0);
@@ -147,7 +154,7 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
     e->logits = e->acts = 0;
     if (sched->head_split && training) training |= ACTS_HEAD_SPLIT;
     /* under the fused modes on GPUs the collectives' buffers are mapped, in whole pages (tensor.h) */
-    int mapped = e->tp_fused_asked && !e->ce_tp && training;
+    int mapped = fused && !ce_tp && training;
     size_t pages = 0;
     for (int k = 0; k < sched->chunks; k++) {
         size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp);
@@ -167,25 +174,29 @@ void estimate_stage(MemEstimate *e, const ModelConfig *c, const Stage *s, const 
         if (mapped) pages += n * tensor_parallel_buffer_extra(wb);
     }
     /* the ops' scratch is a micro-batch's (rmsnorm's partials and attention's terms grow with B) */
-    if (e->gpu) e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, &e->attn_elsewhere);
+    if (e->gpu)
+        e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->attn_mode, &e->attn_elsewhere);
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
-    if (e->ce_tp && training)
+    if (ce_tp && training)
         e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));
     e->p2p = 0;  /* step.c's links: a ring per direction this stage receives in, of its residual stream */
-    if (e->ce_pp && training) {
+    if (gpu && in->pp_copy_engines && training) {
         int fwd, bwd;
         pipeline_rank_messages(c, s, sched->chunks, &fwd, &bwd);
         size_t rows = (size_t)B_micro * T / (size_t)(sp && tp > 1 ? tp : 1);
         e->p2p = (size_t)(fwd + bwd) * comm_p2p_ce_bytes(rows * c->embed_dim * act_size);
     }
-    e->tp_fused = (e->tp_fused_asked ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim,
-                                                                   act_size) : 0) + pages;
+    e->tp_fused = (fused ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size) : 0) +
+                  pages;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->p2p + e->tp_fused + (e->gpu ? 0 : e->host);
     model_free(&m);
 }
 
-void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int world, int dp, const MemEstimate *e) {
+void estimate_print(const EstimateInput *in, int dp, const MemEstimate *e) {
+    const ModelConfig *c = &in->model;
+    int B = in->B, T = in->T, world = in->world;
+    ParallelKind kind = in->kind;
     char b1[32], b2[32];
     printf("model: embed_dim=%d n_heads=%d n_layers=%d vocab=%d context_len=%d%s\n", c->embed_dim, c->n_heads,
            c->n_layers, c->vocab_size, c->context_len, c->tie_embeddings ? " (tied embeddings)" : "");
@@ -231,9 +242,11 @@ void estimate_print(const ModelConfig *c, int B, int T, ParallelKind kind, int w
                "unit)\n");
 }
 
-void estimate_print_offload(const ModelConfig *c, int B, int T, int training, ParallelKind kind, int world, int dp,
-                            int shard_size, int tp, int sp, int gpu, OpsPrecision prec, int copy_engines,
-                            const OptimConfig *oc) {
+void estimate_print_offload(const EstimateInput *in, int dp) {
+    ParallelKind kind = in->kind;
+    int gpu = in->gpu;
+    OpsPrecision prec = in->prec;
+    const OptimConfig *oc = in->oc;
     static const char *names[] = {"none", "optimizer", "params"};
     int last = kind == PAR_FSDP || kind == PAR_HYBRID ? OFFLOAD_PARAMS : OFFLOAD_OPTIMIZER;
     char b1[32], b2[32];
@@ -246,7 +259,10 @@ void estimate_print_offload(const ModelConfig *c, int B, int T, int training, Pa
             o.offload = off;
             o.kind = (OptimKind)k;
             MemEstimate e;
-            estimate_memory(c, B, T, training, 0, kind, world, shard_size, tp, sp, gpu, prec, copy_engines, &o, &e);
+            EstimateInput io = *in;
+            io.data_bytes = 0;
+            io.oc = &o;
+            estimate_memory(&io, &e);
             /* offload keeps fp32 master weights: none with precision=bf16 */
             int na = off && prec == OPS_BF16;
             printf("  offload=%-11s %-10s %12s %14s\n", names[off], optim_kind_name(o.kind),

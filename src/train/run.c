@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
+#include "attn_cudnn.h" /* attn_mode_of */
 #include "ops.h"
 #include "util.h"
 
@@ -23,6 +24,24 @@ OptimConfig optim_config_of(const Config *c) {
                          c->adafactor_scale_parameter,
                          !strcmp(c->offload, "params") ? OFFLOAD_PARAMS
                          : !strcmp(c->offload, "optimizer") ? OFFLOAD_OPTIMIZER : OFFLOAD_NONE};
+}
+
+EstimateInput estimate_input_of(const Config *c, int world, int shard_size, const OptimConfig *oc) {
+    EstimateInput in = {0};
+    in.model = model_config_of(c);
+    in.B = c->batch_size;
+    in.T = c->context_len;
+    in.training = train_acts_mode(c);
+    in.kind = strategy_of(c);
+    in.world = world;
+    in.shard_size = shard_size;
+    in.tp = c->tensor_parallel_size;
+    in.sp = c->sequence_parallel;
+    in.gpu = !strcmp(c->device, "cuda");
+    in.prec = precision_of(c);
+    in.oc = oc;
+    in.attn_mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));  /* (what the cuda backend reads at its start) */
+    return in;
 }
 
 void ops_init_or_die(const char *device, int threads) {

@@ -4,6 +4,7 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "estimate.h"
 #include "model.h"
 #include "ops.h"
 #include "optim.h"
@@ -20,6 +21,10 @@ ParallelKind strategy_of(const Config *c);
 OpsPrecision precision_of(const Config *c);
 /* acts_alloc / acts_bytes' `training` for a training run: 1, or ACTS_RECOMPUTE. */
 int train_acts_mode(const Config *c);
+/* The estimate's input for a run of these keys over `world` ranks (shard_size of them per
+ * shard group; oc must outlive it); the copy-engine paths off and no data mapped, for the
+ * caller to set as the run will take them. */
+EstimateInput estimate_input_of(const Config *c, int world, int shard_size, const OptimConfig *oc);
 void mkdir_p(const char *dir);
 void mkdir_parent(const char *path);
 /* Opens a shard or exits 2 with a line that says how to make it. */

@@ -344,17 +344,16 @@ int cmd_train(Config *c) {
     size_t data_bytes = (train.n_tokens + val.n_tokens) * 2, dev_free = 0;
     /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
     comm_set_copy_engines(c->copy_engines);
-    int ce = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp) ? EST_CE_DDP : 0;
+    EstimateInput ein = estimate_input_of(c, world.size, mesh.shard_size, &oc);
+    ein.data_bytes = data_bytes;
+    ein.ddp_copy_engines = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
     int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
-    if (tp_ce) ce |= EST_CE_TP;
-    if (pp_ce && PP > 1) ce |= EST_CE_PP;  /* (counted where asked: the links decide at step_init) */
-    if (gpu && fused_mode) ce |= EST_TP_FUSED;  /* (likewise) */
-    estimate_memory(&mc, B, T, train_acts_mode(c), data_bytes, kind, world.size, mesh.shard_size, mesh.tp_size,
-                    c->sequence_parallel, gpu, prec, ce, &oc, &est);
+    ein.tp_copy_engines = tp_ce;
+    ein.pp_copy_engines = pp_ce && PP > 1;  /* (counted where asked: the links decide at step_init) */
+    ein.tp_fused = gpu && fused_mode;       /* (likewise) */
+    estimate_memory(&ein, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
-    if (PP > 1)
-        estimate_stage(&est, &mc, mine, &sc, BM, T, train_acts_mode(c), kind, mesh.shard_size, mesh.tp_size,
-                       c->sequence_parallel, prec, &oc);
+    if (PP > 1) estimate_stage(&est, &ein, mine, &sc, BM);
     if (gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
     /* Ranks on one machine share its memory: each host's need is its ranks' sum (the host's
      * offloaded state always; a cpu rank's whole estimate, when no max_memory_gb caps it per
@@ -441,7 +440,7 @@ int cmd_train(Config *c) {
         printf("data: %s (%s tokens, %zu global batches/epoch), %s (%s tokens)\n", c->train_data,
                fmt_commas(b1, (long long)train.n_tokens), loader.batches_per_epoch, c->val_data,
                fmt_commas(b2, (long long)val.n_tokens));
-        estimate_print(&mc, B, T, kind, world.size, dp, &est);
+        estimate_print(&ein, dp, &est);
     }
 
     Model m;
