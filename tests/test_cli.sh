@@ -281,7 +281,8 @@ gen seed=1 temperature=1.0 top_k=0 && s1=$GEN && gen seed=1 temperature=1.0 top_
 
 # -- bad checkpoints: $R/ckpt.bin is the manifest; its one shard is $R/ckpt.bin.s00000030.r0-of-1
 expect_exit 2 "cannot open checkpoint" ckpt_missing -- "$BIN" eval checkpoint="$TMP/none.bin" data_dir="$D"
-[ "$(cd "$R" && ls ckpt.bin*)" = "$(printf 'ckpt.bin\nckpt.bin.s00000030.r0-of-1')" ] && ok ckpt_files || bad "ckpt_files ($(ls "$R"))"
+[ "$(cd "$R" && ls ckpt.bin*)" = "$(printf 'ckpt.bin\nckpt.bin.s00000030.r0-of-1\nckpt.bin.s00000030.settings')" ] &&
+  grep -q '^{"run":"train",.*"config":{.*"steps":30,' "$R/ckpt.bin.s00000030.settings" && ok ckpt_files || bad "ckpt_files ($(ls "$R"))"
 head -c 200 "$R/ckpt.bin" > "$TMP/ck_trunc.bin"
 expect_exit 2 "truncated" ckpt_truncated -- "$BIN" eval checkpoint="$TMP/ck_trunc.bin" data_dir="$D"
 C=$TMP/ck; mkdir -p "$C"; cp "$R"/ckpt.bin "$R"/ckpt.bin.s*.r0-of-1 "$C"/
@@ -383,6 +384,34 @@ m=$(comm -13 <(echo "$help_keys") <(echo "$readme_keys") | paste -sd' '); [ -z "
 m=$(comm -13 <(echo "$help_cmds") <(echo "$readme_cmds") | paste -sd' '); [ -z "$m" ] || why="$why rows of commands help does not list: $m;"
 [ -z "$why" ] && ok "readme_documents_every_key ($(echo "$help_keys" | wc -l) keys, $(echo "$help_cmds" | wc -l) commands)" ||
   { why=${why# }; bad "readme_documents_every_key (${why%;})"; }
+
+# -- config=FILE: key=value lines, comments and blank lines, spaces and quotes dropped; the
+# command line overrides the file; a bad line is one line naming the file and line, exit 2
+cat >"$TMP/recipe.conf" <<EOF2
+# a small recipe
+$(printf '%s\n' $TINY)
+steps = 3
+  lr=1e-3
+lr_schedule = "cosine"
+
+EOF2
+out=$("$BIN" train config="$TMP/recipe.conf" data_dir="$D" steps=2 out_dir="$TMP/rec" 2>&1)
+if grep -q '"steps":2,' "$TMP/rec/log.jsonl" 2>/dev/null && grep -q '"lr":0.001,' "$TMP/rec/log.jsonl" &&
+   grep -q '"lr_schedule":"cosine"' "$TMP/rec/log.jsonl" &&
+   grep -q '"config":".*recipe.conf"' "$TMP/rec/log.jsonl" && [ "$(grep -c '^{"step":[0-9]*,"loss"' "$TMP/rec/log.jsonl")" = 2 ]
+then ok config_file_and_override; else bad "config_file_and_override ($(tail -2 <<<"$out"))"; fi
+printf 'embed_dim=32\nnosuch=1\n' >"$TMP/bad.conf"
+expect_exit 2 "config file .*bad.conf line 2: unknown key 'nosuch'" config_file_bad_key -- "$BIN" train config="$TMP/bad.conf"
+printf 'steps=3\nsteps=4\n' >"$TMP/twice.conf"
+expect_exit 2 "config file .*twice.conf line 2: key 'steps' given twice" config_file_key_twice -- "$BIN" train config="$TMP/twice.conf"
+expect_exit 2 "config=$TMP/nowhere.conf: " config_file_missing -- "$BIN" estimate config="$TMP/nowhere.conf"
+# (prompt is not a train key: the file is read for the command it is given to)
+printf 'prompt=hi\n' >"$TMP/p.conf"
+expect_exit 2 "line 1: key 'prompt' does not apply" config_file_wrong_command -- "$BIN" train config="$TMP/p.conf"
+# ... and checkpoints keep the settings of their run beside them, the last checkpoint's only
+"$BIN" train $TINY data_dir="$D" steps=3 ckpt_every=1 out_dir="$TMP/sets" >/dev/null
+[ "$(cd "$TMP/sets" && ls ckpt.bin*.settings)" = ckpt.bin.s00000003.settings ] && ok ckpt_settings_of_last_only ||
+  bad "ckpt_settings_of_last_only ($(ls "$TMP/sets"))"
 
 # -- the hooks (src/env.c): one parser; a malformed value or a misspelt name is one line, exit
 # 2, before anything runs; the hooks set are written in the log's first line with the keys

@@ -25,7 +25,7 @@ strip() { grep '^{"step":[0-9]*,"loss"' "$1/log.jsonl" | sed 's/,"ms".*//'; }
 same() {
   local f
   [ -n "$(strip "$1")" ] && [ "$(strip "$1")" = "$(strip "$2")" ] || return 1
-  for f in "$1"/ckpt.bin*; do cmp -s "$f" "$2/${f##*/}" || return 1; done
+  for f in "$1"/ckpt.bin "$1"/ckpt.bin.s*.r*; do cmp -s "$f" "$2/${f##*/}" || return 1; done  # (not the settings)
 }
 # NAME|RANKS|BATCH_SIZE (per rank)|GRAD_CLIP|KEYS|OFFLOAD SETTINGS (besides none; default optimizer)
 # KEYS may start with NAME=VALUE words: the environment of the offloaded runs (test hooks).
@@ -95,7 +95,7 @@ resumes() {  # resumes NAME NP KEYS_CUT -- KEYS_RESUME: OUT=$TMP/NAME_resume
 tail3() { strip "$1" | grep '^{"step":[4-6],'; }
 resume_ok() {  # resume_ok NAME: steps 4-6 and the final checkpoint are the straight run's
   [ "$(tail3 "$TMP/$1_straight" | wc -l)" -eq 3 ] && [ "$(tail3 "$TMP/$1_straight")" = "$(tail3 "$TMP/$1_resume")" ] &&
-    for f in "$TMP/$1_straight"/ckpt.bin*; do cmp -s "$f" "$TMP/$1_resume/${f##*/}" || return 1; done
+    for f in "$TMP/$1_straight"/ckpt.bin "$TMP/$1_straight"/ckpt.bin.s*.r*; do cmp -s "$f" "$TMP/$1_resume/${f##*/}" || return 1; done
 }
 resumes plain 1 -- offload=optimizer
 resume_ok plain && ok offload_resumes_plain_checkpoint_bitwise || bad "offload_resumes_plain_checkpoint_bitwise ($(tail -1 "$OUT.log"))"

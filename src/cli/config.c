@@ -128,6 +128,8 @@ static const Key KEYS[] = {
       "DDP on one machine's GPUs: all-reduce the gradients on the copy engines (an all-to-all, a sum kernel, an "
       "all-gather; NCCL 2.28+), not NCCL's all-reduce kernels on the SMs"),
     F(comm_timeout, "600", 0, 1e9, TR, "seconds a collective may wait for a peer before the job aborts (0 = forever)"),
+    F(peak_tflops, "0", 0, 1e6, TR,
+      "MFU's reference: the GPU's dense bf16 peak in TFLOP/s (0 = by the card's name; a card not known prints no MFU)"),
     I(world_size, "1", 1, 1 << 20, CMD_ESTIMATE, "ranks to estimate for (train takes it from the launcher)"),
     S(prompt, "Once upon a time", CMD_SAMPLE, "text to continue"),
     I(length, "200", 1, 1 << 20, CMD_SAMPLE, "tokens to generate"),
@@ -139,6 +141,9 @@ static const Key KEYS[] = {
     S(out, "", CMD_EXPORT | CMD_PLOT,
       "output path: export's folder (default runs/hf), plot's SVG (default <log's folder>/log.svg)"),
     S(title, "", CMD_PLOT, "title of the picture (default: the log's path)"),
+    S(config, "", CMD_ALL,
+      "a file of key=value lines (blank lines and # comments allowed), read first: keys on the command line "
+      "override it"),
 };
 #define N_KEYS ((int)(sizeof KEYS / sizeof KEYS[0]))
 static unsigned char key_set[N_KEYS];
@@ -207,23 +212,79 @@ static int default_path(char *dst, size_t n, const char *dir, const char *file, 
     return 0;
 }
 
+/* One key=value setting from `where` (NULL: the command line; else "config file F line N"). A
+ * key the file set may be set again on the command line (it wins); twice from one source is
+ * an error. */
+static unsigned char key_from_file[N_KEYS];
+static int apply(Config *c, int cmd, const char *kv, size_t klen_max, const char *where, char *err, size_t errlen) {
+    char at[640] = "";
+    if (where) snprintf(at, sizeof at, "%s: ", where);
+    const char *eq = strchr(kv, '=');
+    if (!eq || eq == kv || (size_t)(eq - kv) > klen_max)
+        return set_err(err, errlen, "%s'%s': expected key=value (see 'meshtrain help')", at, kv);
+    size_t klen = (size_t)(eq - kv);
+    int found = -1;
+    for (int i = 0; i < N_KEYS; i++)
+        if (strlen(KEYS[i].name) == klen && !strncmp(KEYS[i].name, kv, klen)) found = i;
+    if (found < 0) return set_err(err, errlen, "%sunknown key '%.*s' (see 'meshtrain help')", at, (int)klen, kv);
+    if (!(KEYS[found].cmds & cmd))
+        return set_err(err, errlen, "%skey '%s' does not apply to this subcommand", at, KEYS[found].name);
+    if (where && !strcmp(KEYS[found].name, "config"))
+        return set_err(err, errlen, "%sa config file cannot name another (config=)", at);
+    if (key_set[found] && (where || !key_from_file[found]))
+        return set_err(err, errlen, "%skey '%s' given twice", at, KEYS[found].name);
+    char msg[512];
+    if (set_value(c, &KEYS[found], eq + 1, msg, sizeof msg)) return set_err(err, errlen, "%s%s", at, msg);
+    key_set[found] = 1;
+    key_from_file[found] = where != NULL;
+    return 0;
+}
+
+/* config=FILE: each line "key=value" (spaces around '=' and at the ends are dropped, and a
+ * value in double quotes loses them); blank lines and lines starting with # are skipped. */
+static int read_config_file(Config *c, int cmd, const char *path, char *err, size_t errlen) {
+    char rerr[512];
+    size_t len;
+    char *text = read_file(path, &len, rerr, sizeof rerr);
+    if (!text) return set_err(err, errlen, "config=%s: %s", path, rerr);
+    int rc = 0, line_no = 0;
+    for (char *p = text, *end = text + len; p < end && !rc;) {
+        char *nl = memchr(p, '\n', (size_t)(end - p));
+        char *e = nl ? nl : end;
+        line_no++;
+        while (p < e && (*p == ' ' || *p == '\t')) p++;
+        while (e > p && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\r')) e--;
+        if (p < e && *p != '#') {
+            char kv[2600], where[600];
+            char *eq = memchr(p, '=', (size_t)(e - p));
+            char *ke = eq ? eq : e, *vs = eq ? eq + 1 : e;
+            while (ke > p && (ke[-1] == ' ' || ke[-1] == '\t')) ke--;
+            while (vs < e && (*vs == ' ' || *vs == '\t')) vs++;
+            if (e - vs >= 2 && *vs == '"' && e[-1] == '"') vs++, e--;
+            snprintf(where, sizeof where, "config file %s line %d", path, line_no);
+            if ((size_t)(ke - p) + (size_t)(e - vs) + 2 > sizeof kv) rc = set_err(err, errlen, "%s: line too long", where);
+            else {
+                snprintf(kv, sizeof kv, "%.*s%s%.*s", (int)(ke - p), p, eq ? "=" : "", (int)(e - vs), vs);
+                rc = apply(c, cmd, kv, (size_t)(ke - p), where, err, errlen);
+            }
+        }
+        p = nl ? nl + 1 : end;
+    }
+    free(text);
+    return rc;
+}
+
 int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t errlen) {
     memset(key_set, 0, sizeof key_set);
-    for (int a = 0; a < argc; a++) {
-        const char *eq = strchr(argv[a], '=');
-        if (!eq || eq == argv[a])
-            return set_err(err, errlen, "'%s': expected key=value (see 'meshtrain help')", argv[a]);
-        size_t klen = (size_t)(eq - argv[a]);
-        int found = -1;
-        for (int i = 0; i < N_KEYS; i++)
-            if (strlen(KEYS[i].name) == klen && !strncmp(KEYS[i].name, argv[a], klen)) found = i;
-        if (found < 0) return set_err(err, errlen, "unknown key '%.*s' (see 'meshtrain help')", (int)klen, argv[a]);
-        if (!(KEYS[found].cmds & cmd))
-            return set_err(err, errlen, "key '%s' does not apply to this subcommand", KEYS[found].name);
-        if (key_set[found]) return set_err(err, errlen, "key '%s' given twice", KEYS[found].name);
-        if (set_value(c, &KEYS[found], eq + 1, err, errlen)) return -1;
-        key_set[found] = 1;
-    }
+    memset(key_from_file, 0, sizeof key_from_file);
+    /* the file first, wherever config= stands: the command line overrides it */
+    for (int a = 0; a < argc; a++)
+        if (!strncmp(argv[a], "config=", 7)) {
+            if (argv[a][7] && read_config_file(c, cmd, argv[a] + 7, err, errlen)) return -1;
+            break;
+        }
+    for (int a = 0; a < argc; a++)
+        if (apply(c, cmd, argv[a], strlen(argv[a]), NULL, err, errlen)) return -1;
     if (default_path(c->train_data, sizeof c->train_data, c->data_dir, "train.bin", err, errlen) ||
         default_path(c->val_data, sizeof c->val_data, c->data_dir, "val.bin", err, errlen) ||
         default_path(c->log_file, sizeof c->log_file, c->out_dir, "log.jsonl", err, errlen) ||

@@ -33,6 +33,8 @@ typedef struct {
     int micro_batches, virtual_stages;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
+    double peak_tflops;             /* MFU's reference (0: by the card's name) */
+    char config[512];               /* a file of key=value lines, read before the command line */
     /* sample / tokenize */
     char prompt[2048];
     int length, top_k, decode;
@@ -45,7 +47,8 @@ typedef struct {
 enum {
     CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32,
     CMD_EXPORT = 64,
-    CMD_PLOT = 128
+    CMD_PLOT = 128,
+    CMD_ALL = 255
 };
 
 void config_defaults(Config *c);

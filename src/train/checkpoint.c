@@ -54,14 +54,28 @@ static void remove_stale_shards(const char *path, int step, int world) {
     struct dirent *e;
     while (d && (e = readdir(d))) {
         int s, r, w, n = 0;
-        if (strncmp(e->d_name, base, blen) || sscanf(e->d_name + blen, ".s%d.r%d-of-%d%n", &s, &r, &w, &n) != 3)
+        if (strncmp(e->d_name, base, blen)) continue;
+        /* the settings a run wrote with an earlier checkpoint (ckpt_write_settings) */
+        if (sscanf(e->d_name + blen, ".s%d.settings%n", &s, &n) == 1 && s != step &&
+            (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5))) {
+            if (snprintf(full, sizeof full, "%.*s%s", dlen, path, e->d_name) < (int)sizeof full) unlink(full);
             continue;
+        }
+        n = 0;
+        if (sscanf(e->d_name + blen, ".s%d.r%d-of-%d%n", &s, &r, &w, &n) != 3) continue;
         const char *rest = e->d_name + blen + n;
         int tmp = !strncmp(rest, ".tmp.", 5);
         if ((*rest && !tmp) || (!tmp && s == step && w == world && r >= 0 && r < world)) continue;
         if (snprintf(full, sizeof full, "%.*s%s", dlen, path, e->d_name) < (int)sizeof full) unlink(full);
     }
     if (d) closedir(d);
+}
+
+int ckpt_write_settings(const char *path, int step, const char *text, char *err, size_t errlen) {
+    char name[PATH_BUF];
+    int n = snprintf(name, sizeof name, "%s.s%08d.settings", path, step);
+    if (n < 0 || (size_t)n >= sizeof name) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    return write_file_atomic(name, text, strlen(text), err, errlen);
 }
 
 /* ---- reading ---- */

@@ -96,6 +96,11 @@ int ckpt_load_dist(const char *path, CkptHeader *h, const StateRange *need, int 
 int ckpt_write_rank_file(const char *path, const CkptHeader *h, int rank, int world, const StateRange *r, int n,
                          char *err, size_t errlen);
 int ckpt_write_manifest(const char *path, const CkptHeader *h, int world, char *err, size_t errlen);
+/* The settings the run is in (text: the log's first line, every key and hook) beside the
+ * checkpoint of `step`, as "<path>.s<step>.settings", written atomically; the next manifest
+ * committed at path removes other steps' (with their shards). Informational: nothing reads
+ * it back, so a run can be reproduced from any checkpoint. */
+int ckpt_write_settings(const char *path, int step, const char *text, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the
  * manifest at path for `world` shards (what a save will need on disk). */
 uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim);

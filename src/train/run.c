@@ -44,6 +44,20 @@ EstimateInput estimate_input_of(const Config *c, int world, int shard_size, cons
     return in;
 }
 
+double card_peak_flops(const char *name) {
+    /* dense (no sparsity) bf16 with fp32 accumulation; the more specific names first */
+    static const struct { const char *has; double tflops; } CARDS[] = {
+        {"GH200", 989.4},    {"H200 NVL", 835.0}, {"H200", 989.4}, {"H100 NVL", 835.0}, {"H100 PCIe", 756.0},
+        {"H100", 989.4},     {"H800", 989.4},     {"B200", 2250.0}, {"B100", 1750.0},   {"A100", 312.0},
+        {"A800", 312.0},     {"L40S", 362.1},     {"L40", 181.0},  {"L4", 121.0},      {"A10G", 70.0},
+        {"A10", 125.0},
+    };
+    if (!name) return 0;
+    for (size_t i = 0; i < sizeof CARDS / sizeof CARDS[0]; i++)
+        if (strstr(name, CARDS[i].has)) return CARDS[i].tflops * 1e12;
+    return 0;
+}
+
 void ops_init_or_die(const char *device, int threads) {
     char err[512];
     if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);

@@ -25,6 +25,9 @@ int train_acts_mode(const Config *c);
  * shard group; oc must outlive it); the copy-engine paths off and no data mapped, for the
  * caller to set as the run will take them. */
 EstimateInput estimate_input_of(const Config *c, int world, int shard_size, const OptimConfig *oc);
+/* A card's dense bf16 tensor-core peak in FLOP/s, by its product name (as the driver gives
+ * it: "NVIDIA H200"), from the vendor's datasheets; 0 where the card is not known. */
+double card_peak_flops(const char *name);
 void mkdir_p(const char *dir);
 void mkdir_parent(const char *path);
 /* Opens a shard or exits 2 with a line that says how to make it. */

@@ -109,9 +109,6 @@ static void progress_clear(Progress *p) {
     if (p->on) fprintf(stderr, "\r\033[K");
 }
 
-/* MFU's reference on a GPU: the H100 SXM's dense bf16 tensor-core peak, as the PyTorch peer
- * and the post count it (an fp32 run reaches a small fraction of it). */
-#define GPU_PEAK_FLOPS 989e12
 
 /* Test hooks for fault handling: MESHTRAIN_FAULT_KILL / _HANG = "rank:step" make that
  * rank die (SIGKILL) or stop responding at the start of that step. */
@@ -532,12 +529,19 @@ int cmd_train(Config *c) {
     {
         double log_bytes = lead ? 4096.0 + 320.0 * (c->steps - start) : 0;  /* a step's line is about 250 bytes */
         double ckpt_bytes = saving ? (double)train_state_save_bytes(par, &m, tied_copy) +
-                                         (lead ? (double)ckpt_manifest_bytes(c->ckpt_path, world.size) : 0) : 0;
+                                         (lead ? (double)ckpt_manifest_bytes(c->ckpt_path, world.size) + 65536 : 0)
+                                : 0;  /* (and the settings beside it) */
         DiskNeed needs[2] = {{c->ckpt_path, "the checkpoint", ckpt_bytes}, {c->log_file, "the log", log_bytes}};
         check_disk_space(&world, needs, 2, &f);
     }
+    char *settings = NULL;  /* the log's first line, written beside every checkpoint too */
     if (!f.code && log && log_header(log, c, start, resuming, world.size))
         fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, jsonlog_error(log));
+    else if (log) {
+        settings = xmalloc(log->len + 1);
+        memcpy(settings, log->buf, log->len);
+        settings[log->len] = 0;
+    }
     comm_exit_if_failed(&world, &f);
     if (lead && resuming && oc.cosine && oc.min_lr == 0 && start >= oc.decay_steps)
         printf("note: step %d is past the schedule's end (lr_decay_steps=%d): the cosine has reached min_lr=0, so the "
@@ -565,6 +569,9 @@ int cmd_train(Config *c) {
     int term_val_step = (int)hook_int(HOOK_FAULT_TERM_VAL_STEP, -1);
     Progress pr = {lead && c->progress && isatty(2), now_seconds(), start, c->steps};
     double tokens_per_step = (double)G * T, flops_per_step = est.flops_per_token * tokens_per_step;
+    /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
+     * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
+    double peak = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : gpu ? card_peak_flops(ops_device_name()) : 0;
     int warm = start + 1;  /* the first step of a run warms caches and threads: not timed */
     double t_timed = 0, comm_timed = 0, val_loss = NAN;
     /* offload: the update thread's time and the forward's wait for it, totals (upd0, wait0: at
@@ -649,7 +656,7 @@ int cmd_train(Config *c) {
             jsonlog_num(log, "comm_wait_ms", "%.2f", wait * 1e3);
             jsonlog_num(log, "tokens_per_s", "%.1f", tok_s);
             jsonlog_num(log, "gflops", "%.2f", gflops);
-            if (gpu) jsonlog_num(log, "mfu", "%.6f", gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
+            if (peak > 0) jsonlog_num(log, "mfu", "%.6f", gflops * 1e9 / (peak * world.size));
             if (oc.offload) {  /* the last step's host update, run beside this one, and the wait for it */
                 jsonlog_num(log, "host_update_ms", "%.2f", upd * 1e3);
                 jsonlog_num(log, "update_wait_ms", "%.2f", uwait * 1e3);
@@ -660,8 +667,10 @@ int cmd_train(Config *c) {
             progress_clear(&pr);
             printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | ", step + 1, c->steps,
                    loss, lr, norm, dt * 1e3, tok_s);
-            if (gpu) printf("%6.2f TFLOP/s | MFU %5.2f%%\n", gflops / 1e3, 100 * gflops * 1e9 / (GPU_PEAK_FLOPS * world.size));
-            else printf("%6.1f GFLOP/s\n", gflops);
+            if (gpu) printf("%6.2f TFLOP/s", gflops / 1e3);
+            else printf("%6.1f GFLOP/s", gflops);
+            if (peak > 0) printf(" | MFU %5.2f%%", 100 * gflops * 1e9 / (peak * world.size));
+            printf("\n");
             fflush(stdout);
         }
         int last = step + 1 == c->steps;
@@ -698,8 +707,12 @@ int cmd_train(Config *c) {
             h.loader_epoch = ls.epoch; h.loader_window = ls.window;
             h.last_loss = loss;
             parallel_sync(par);  /* offload: every unit's update is in */
+            /* the settings first: a save that fails leaves the last manifest, whose own stay */
+            int unsaved = lead && settings && ckpt_write_settings(c->ckpt_path, step + 1, settings, err, sizeof err);
+            comm_allreduce_max_int(&world, &unsaved, 1);
+            if (unsaved && !lead) snprintf(err, sizeof err, "rank 0 could not write the checkpoint's settings");
             /* every rank gets the same answer: one of them says it */
-            if (train_state_save(c->ckpt_path, &h, &world, par, &m, tied_copy, err, sizeof err)) {
+            if (unsaved || train_state_save(c->ckpt_path, &h, &world, par, &m, tied_copy, err, sizeof err)) {
                 progress_clear(&pr);
                 if (lead && why.log_failed)
                     fprintf(stderr, "meshtrain: step %d: cannot write the log file %s: %s; nor the checkpoint: %s (the "
@@ -770,27 +783,36 @@ int cmd_train(Config *c) {
         }
         jsonlog_num(log, "loss", "%.6f", loss);
         jsonlog_num(log, "val_loss", "%.6f", val_loss);
+        if (peak > 0) {
+            jsonlog_num(log, "mfu", "%.6f", flops / (peak * world.size));
+            jsonlog_num(log, "peak_flops", "%.4g", peak);
+        }
         if (gpu) {
             jsonlog_str(log, "device", ops_device_name());
-            jsonlog_raw(log, ",\"mfu\":%.6f,\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu",
-                        flops / (GPU_PEAK_FLOPS * world.size), gpu_alloc, gpu_used);
+            jsonlog_raw(log, ",\"gpu_peak_alloc_bytes\":%zu,\"gpu_peak_used_bytes\":%zu", gpu_alloc, gpu_used);
         }
         if (jsonlog_end(log)) final_log_error = 1;
         char b3[32], b4[32], b5[32], vbuf[32];
         if (isfinite(val_loss)) snprintf(vbuf, sizeof vbuf, "%.4f", val_loss);
         else snprintf(vbuf, sizeof vbuf, "none (stopped first)");
+        char mfu[128];
+        if (peak > 0)
+            snprintf(mfu, sizeof mfu, ", MFU %.2f%% of %.4g TFLOP/s per %s", 100 * flops / (peak * world.size), peak / 1e12,
+                     gpu ? "GPU" : "rank");
+        else if (gpu)
+            snprintf(mfu, sizeof mfu, ", no MFU: the card's peak is not known (peak_tflops= gives it)");
+        else mfu[0] = 0;
         if (gpu)
-            printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s, MFU %.2f%% of %.0f TFLOP/s per GPU, first step excluded) | "
+            printf("done: %d steps | %.0f tokens/s (%.2f TFLOP/s%s, first step excluded) | "
                    "peak GPU memory %s allocated (estimate %s), %s used on the card | host max RSS %s%s%s%s | final "
-                   "loss %.4f | val_loss %s\n", done - start, tok_s, flops / 1e12,
-                   100 * flops / (GPU_PEAK_FLOPS * world.size), GPU_PEAK_FLOPS / 1e12, fmt_bytes(b1, (double)gpu_alloc),
+                   "loss %.4f | val_loss %s\n", done - start, tok_s, flops / 1e12, mfu, fmt_bytes(b1, (double)gpu_alloc),
                    fmt_bytes(b2, (double)est.total), fmt_bytes(b3, (double)gpu_used), fmt_bytes(b4, rss_max),
                    oc.offload ? " (offloaded state estimate " : "", oc.offload ? fmt_bytes(b5, (double)est.host) : "",
                    oc.offload ? ")" : "", loss, vbuf);
         else
-            printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s, first step excluded) | peak memory per rank %s max, "
+            printf("done: %d steps | %.0f tokens/s (%.1f GFLOP/s%s, first step excluded) | peak memory per rank %s max, "
                    "%s min (max RSS; estimate %s) | final loss %.4f | val_loss %s\n", done - start, tok_s,
-                   flops / 1e9, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
+                   flops / 1e9, mfu, fmt_bytes(b1, rss_max), fmt_bytes(b2, rss_min), fmt_bytes(b3, (double)est.total), loss,
                    vbuf);
         if (oc.offload && timed_steps)
             printf("offload: the host's update took %.1f ms a step on %s; the forward waited %.1f ms a step for it "
@@ -839,5 +861,6 @@ int cmd_train(Config *c) {
     mesh_free(&mesh);
     comm_free(&world);
     comm_world_finalize();
+    free(settings);
     return stopped ? 128 + stopped : final_log_error ? EXIT_RUN_FAILURE : 0;
 }
