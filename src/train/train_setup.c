@@ -1,0 +1,479 @@
+/* train_setup — `meshtrain train` up to its first step: the keys (a resumed run's from its
+ * checkpoint), the mesh, the pipeline's stages and schedule, the data, the device, the
+ * memory estimate and every check that can refuse a run before it starts (memory, disk, the
+ * files it will write), the header, the model and its strategy. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "commands.h"
+#include "env.h"
+#include "layer_graphs.h"
+#include "ops.h"
+#include "run.h"
+#include "tensor.h"
+#include "train_run.h"
+#include "train_state.h"
+#include "util.h"
+
+/* MESHTRAIN_GRAPHS: 1 records each layer's forward and backward as graphs of ops and replays
+ * them (model_use_graphs) in any run, 0 never; unset: in one-process runs on a GPU (checked
+ * bitwise against op by op on one GPU; on several GPUs only where asked, until measured
+ * there). A layer split over tensor-parallel ranks always runs op by op; on the cpu, which
+ * records nothing, every layer does (through the recordings' cache, which 1 exercises). */
+static int graphs_wanted(int world_size, int gpu) { return env_flag("MESHTRAIN_GRAPHS", gpu && world_size == 1); }
+
+/* Model keys and the seed given on the command line must agree with a checkpoint's. */
+static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
+    struct { const char *key; int want, have; } k[] = {
+        {"vocab_size", c->vocab_size, h->vocab_size}, {"embed_dim", c->embed_dim, h->embed_dim},
+        {"n_heads", c->n_heads, h->n_heads},          {"n_layers", c->n_layers, h->n_layers},
+        {"context_len", c->context_len, h->context_len}, {"tie_embeddings", c->tie_embeddings, h->tie_embeddings},
+        {"seed", c->seed, h->seed},
+    };
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
+        if (config_was_set(k[i].key) && k[i].want != k[i].have)
+            return fail_set(f, EXIT_BAD_INPUT, "%s=%d differs from checkpoint %s (%s=%d)", k[i].key, k[i].want, path,
+                            k[i].key, k[i].have);
+    /* the optimizer's state is one optimizer's: the other cannot continue from it */
+    const char *have = optim_kind_name((OptimKind)h->optimizer);
+    if (config_was_set("optimizer") && strcmp(c->optimizer, have))
+        return fail_set(f, EXIT_BAD_INPUT, "optimizer=%s cannot resume checkpoint %s, which holds %s state", c->optimizer,
+                        path, have);
+    return 0;
+}
+
+/* A resumed run takes the model, data order and optimizer settings from its checkpoint;
+ * optimizer and schedule keys given on the command line override them. It keeps the
+ * checkpoint's global batch on any number of data-parallel ranks (batch_size per rank
+ * follows) unless batch_size is given, and its schedule's horizon unless lr_decay_steps
+ * is: a larger `steps` runs on at min_lr rather than stretching the cosine anew. Its
+ * validation (val_every, val_batches) is kept too, unless given. */
+static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
+    c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
+    c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
+    c->seed = h->seed;
+    if (!config_was_set("grad_accum_steps")) c->grad_accum_steps = h->grad_accum_steps ? h->grad_accum_steps : 1;
+    if (!config_was_set("batch_size")) {
+        int global = h->global_batch ? h->global_batch : h->batch_size * h->world, per = dp * c->grad_accum_steps;
+        if (global % per)
+            return fail_set(f, EXIT_BAD_INPUT, "the checkpoint's global batch of %d sequences does not divide over %d "
+                            "data-parallel ranks x grad_accum_steps=%d; give batch_size= (per rank and micro-batch) "
+                            "to choose another global batch", global, dp, c->grad_accum_steps);
+        c->batch_size = global / per;
+    }
+#define FROM(key, val) if (!config_was_set(#key)) c->key = (val)
+    FROM(lr, h->lr); FROM(min_lr, h->min_lr); FROM(beta1, h->beta1); FROM(beta2, h->beta2); FROM(eps, h->eps);
+    FROM(weight_decay, h->weight_decay); FROM(grad_clip, h->grad_clip); FROM(warmup_steps, h->warmup_steps);
+    FROM(steps, h->total_steps);
+    FROM(lr_decay_steps, h->lr_decay_steps ? h->lr_decay_steps : h->total_steps);
+    snprintf(c->optimizer, sizeof c->optimizer, "%s", optim_kind_name((OptimKind)h->optimizer));
+    if (h->optimizer == OPTIM_ADAFACTOR) {
+        FROM(adafactor_beta1, h->af_beta1); FROM(adafactor_clip_threshold, h->af_clip);
+        FROM(adafactor_decay_rate, h->af_decay);
+        FROM(adafactor_relative_step, h->af_flags & 1); FROM(adafactor_scale_parameter, (h->af_flags >> 1) & 1);
+    }
+    if (h->val_batches > 0) { FROM(val_every, h->val_every); FROM(val_batches, h->val_batches); }  /* (files that keep them) */
+#undef FROM
+    if (!config_was_set("lr_schedule")) snprintf(c->lr_schedule, sizeof c->lr_schedule, "%s", h->cosine ? "cosine" : "constant");
+    return 0;
+}
+
+/* The log's first line of a run (and of each resumed part of it): every key in force. */
+static void log_key(void *ctx, const char *key, const char *value, int is_text) {
+    JsonLog *l = ctx;
+    if (is_text) jsonlog_str(l, key, value);
+    else jsonlog_raw(l, "%s\"%s\":%s", l->buf[l->len - 1] == '{' ? "" : ",", key, value);  /* (as jsonlog's fields) */
+}
+
+static void log_hook(void *ctx, const char *name, const char *value, int wrong) {
+    (void)wrong;
+    log_key(ctx, name, value, 1);
+}
+
+/* ... and every hook set (env.h), so that the log says how its run can be made again */
+static int log_header(JsonLog *l, const Config *c, int start, int resumed, int world) {
+    jsonlog_begin(l);
+    jsonlog_raw(l, "\"run\":\"train\",\"start_step\":%d,\"resumed\":%s,\"world\":%d,\"config\":{", start,
+                resumed ? "true" : "false", world);
+    config_each(c, CMD_TRAIN, log_key, l);
+    jsonlog_raw(l, "},\"hooks\":{");
+    hooks_each(log_hook, l);
+    jsonlog_raw(l, "}");
+    return jsonlog_end(l);
+}
+
+/* The run's header names every hook set; those that make results wrong or inject a fault
+ * say so. */
+static void print_hook(void *ctx, const char *name, const char *value, int wrong) {
+    int *n = ctx;
+    printf("%s%s=%s%s", (*n)++ ? ", " : "hooks set (environment): ", name, value,
+           wrong ? " (a fault or timing hook: this run's results are not a training run's)" : "");
+}
+
+/* What would shrink the largest part of an estimate that does not fit. */
+static const char *estimate_remedy(const MemEstimate *e, const Config *c) {
+    size_t acts = e->acts + e->logits, state = e->params + e->grads + e->optim + e->compute;
+    if (acts > state) {
+        if (!c->activation_checkpointing)
+            return "most of it is activations: activation_checkpointing=true, or a smaller batch_size with "
+                   "grad_accum_steps, or tensor_parallel_size with sequence_parallel";
+        return "most of it is activations: a smaller batch_size with grad_accum_steps, or tensor_parallel_size with "
+               "sequence_parallel";
+    }
+    if (!c->fsdp) return "most of it is parameters, gradients and optimizer state: shard them, fsdp=true (or "
+                         "zero_opt=true), or offload=optimizer on a GPU, or lower the model size";
+    return "most of it is parameters, gradients and optimizer state: shard them over more ranks, offload=optimizer "
+           "on a GPU, or lower the model size";
+}
+
+/* The run's first lines: the device and the mesh, the keys and hooks, the batch, the
+ * pipeline, the schedule, the data and the estimate. */
+static void print_header(const TrainRun *r) {
+    const Config *c = r->c;
+    char b1[32], b2[32];
+    printf("meshtrain train  (device %s%s%s%s, %d process%s: dp=%d tp=%d pp=%d, %s%s)\n", ops_backend_name(),
+           r->gpu ? " (" : "", ops_device_name(), r->gpu ? ")" : "", r->world.size, r->world.size > 1 ? "es" : "", r->dp,
+           r->mesh.tp_size, r->mesh.pp_size, parallel_kind_name(r->kind),
+           r->mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
+    if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
+                                   r->dp / r->mesh.shard_size);
+    config_print(c, CMD_TRAIN);
+    int hooks = 0;
+    hooks_each(print_hook, &hooks);
+    if (hooks) printf("\n");
+    printf("global batch: %d sequences (batch_size %d x grad_accum_steps %d x dp %d) = %s tokens per step", r->G, r->B, r->K,
+           r->dp, fmt_commas(b1, (long long)r->G * r->T));
+    if (r->resuming && r->ckpt_global != r->G) printf("; the checkpoint's run had %d", r->ckpt_global);
+    printf("\n");
+    /* Open MPI's mpirun forwards Ctrl-C / SIGTERM to the ranks, then kills them 1 s later:
+     * too soon to finish a step and save, unless told to wait */
+    if (r->world.size > 1 && env_open_mpi() && !env_mpirun_kill_delay_set())
+        printf("note: on Ctrl-C or SIGTERM mpirun kills the ranks 1 s after passing it on; "
+               "OMPI_MCA_odls_base_sigkill_timeout=600 gives them time to finish the step and save\n");
+    if (r->oc.offload && !r->gpu)
+        printf("note: offload=%s on device=cpu keeps the state in more of the same memory: it saves nothing "
+               "(allowed: the same code runs as on a GPU, which is how the tests check it)\n", c->offload);
+    if (r->PP > 1) {
+        printf("pipeline: %d stages, schedule %s", r->PP, c->pipeline_schedule);
+        if (r->V > 1) printf(" over %d virtual stages per rank", r->V);
+        if (r->sched == SCHED_INTERLEAVED && r->sc.split_backward) printf(" (backward split: weight passes fill the bubble)");
+        printf(", %d micro-batches of %d sequences per data-parallel rank;", r->M, r->BM);
+        for (int i = 0; i < r->PP; i++) {
+            Stage rs[SCHED_MAX_CHUNKS];
+            char desc[512];
+            pipeline_rank_stages(r->stages, r->PP, r->V, i, rs);
+            pipeline_describe(&r->mc, rs, r->V, desc, sizeof desc);
+            printf(" stage %d: %s%s", i, desc, i + 1 < r->PP ? ";" : "\n");
+        }
+        /* the bubble the schedule leaves, for one stage's time per micro-batch in the steady state */
+        if (r->sched == SCHED_ZB1)  /* ZB-H1: (p-1)(F+B-W) idle of m(F+B+W), with F = B = W */
+            printf("pipeline bubble: %.1f%% of the step predicted ((p-1)/(3m+p-1), ZB-H1 with equal F, B, W)\n",
+                   100.0 * (r->PP - 1) / (3.0 * r->M + r->PP - 1));
+        else
+            printf("pipeline bubble: %.1f%% of the step predicted ((p-1)%s/(m+(p-1)%s))\n",
+                   100.0 * (1.0 - (double)r->M / (r->M + (double)(r->PP - 1) / r->V)), r->V > 1 ? "/v" : "", r->V > 1 ? "/v" : "");
+    }
+    if (!strcmp(c->lr_schedule, "cosine"))
+        printf("schedule: warmup %d steps, cosine from %g to %g at step %d (lr_decay_steps)%s\n", c->warmup_steps,
+               c->lr, c->min_lr, c->lr_decay_steps, c->lr_decay_steps < c->steps ? ", then min_lr" : "");
+    printf("data: %s (%s tokens, %zu global batches/epoch), %s (%s tokens)\n", c->train_data,
+           fmt_commas(b1, (long long)r->train.n_tokens), r->loader.batches_per_epoch, c->val_data,
+           fmt_commas(b2, (long long)r->val.n_tokens));
+    estimate_print(&r->ein, r->dp, &r->est);
+}
+
+void train_setup(TrainRun *r, Config *c) {
+    memset(r, 0, sizeof *r);
+    r->c = c;
+    char err[1024], b1[32], b2[32];
+    /* MESHTRAIN_PP_CE=1 (the default): pipeline send/receive on the copy engines, whose streams wait in
+     * memory operations, each holding one of the device's hardware queues; with the default 8
+     * other streams would share a queue with (and wait behind) one of them. The variable is
+     * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
+     * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
+     * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
+     * NCCL kernels a peer may be waiting for, must not wait behind it. */
+    r->pp_ce = comm_p2p_ce_asked();
+    r->gpu = !strcmp(c->device, "cuda");
+    (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
+    if (r->gpu && ((r->pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, r->gpu)))
+        env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    comm_world_init(&r->world, c->comm_timeout);
+    set_log_rank(r->world.rank, r->world.size);
+    r->fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, r->gpu);  /* (a bad value: one line) */
+    r->graphs = graphs_wanted(r->world.size, r->gpu);  /* (likewise) */
+    /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
+     * before anything is allocated, so that an error every rank meets prints once. */
+    Fail f = {0};
+#ifndef MESHTRAIN_NCCL
+    if (r->gpu && r->world.size > 1)
+        /* Several GPUs: the collectives on device buffers need NCCL (comm.c). */
+        fail_set(&f, EXIT_BAD_INPUT, "device=cuda with %d processes needs NCCL, and this build has no NCCL "
+                 "(nccl.h or libnccl was not found at build time); run one process, or rebuild with NCCL", r->world.size);
+#endif
+    comm_exit_if_failed(&r->world, &f);
+    if (mesh_init(&r->mesh, &r->world, c->tensor_parallel_size, c->pipeline_parallel_size,
+                  c->fsdp && !strcmp(c->shard_strategy, "hybrid")
+                      ? (c->shard_group_size ? c->shard_group_size : comm_local_size()) : 0,
+                  err, sizeof err))
+        fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&r->world, &f);
+    r->lead = r->world.rank == 0;
+    r->dp = r->mesh.dp_size;
+
+    r->resuming = c->resume[0] != 0;
+    if (r->resuming) {
+        if (ckpt_read_header(c->resume, &r->resume_h, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else if (!check_against_ckpt(c, &r->resume_h, c->resume, &f) && !config_from_ckpt(c, &r->resume_h, r->dp, &f)) {
+            r->ckpt_global = r->resume_h.global_batch ? r->resume_h.global_batch : r->resume_h.batch_size * r->resume_h.world;
+            if (config_validate(c, CMD_TRAIN, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+            else if (r->resume_h.step >= c->steps)
+                fail_set(&f, EXIT_BAD_INPUT, "checkpoint %s is at step %d; steps=%d leaves nothing to run", c->resume,
+                         r->resume_h.step, c->steps);
+        }
+    }
+    if (!c->lr_decay_steps) c->lr_decay_steps = c->steps;
+    r->oc = optim_config_of(c);
+    r->mc = model_config_of(c);
+    r->B = c->batch_size, r->T = c->context_len, r->K = c->grad_accum_steps;
+    r->G = r->B * r->dp * r->K;
+    r->kind = strategy_of(c);
+    /* Pipeline parallel: this rank's stage; each micro-batch is B / micro_batches sequences,
+     * and grad_accum_steps = K makes the step's schedule K x micro_batches of them long (the
+     * same update as K rounds, with one fill and drain of the pipeline instead of K) */
+    r->PP = r->mesh.pp_size;
+    r->M = r->PP > 1 ? c->micro_batches * r->K : r->K;
+    r->BM = r->PP > 1 ? r->B / c->micro_batches : r->B;
+    r->sched = SCHED_1F1B;
+    schedule_kind_parse(c->pipeline_schedule, &r->sched);  /* the key's choices are the kinds */
+    /* interleaved: V stages per rank (chunks), stages c x PP + pp_rank of the split */
+    r->V = r->PP > 1 ? config_virtual_stages(c) : 1;
+    r->stages = xcalloc((size_t)r->PP * r->V, sizeof(Stage));
+    r->mine[0] = (Stage){0, r->mc.n_layers + 1};
+    r->stage_cost = xcalloc((size_t)r->PP * r->V * 3, sizeof(double));  /* each stage's F, B, W estimate */
+    int split_ok = pipeline_split_backward_ok(&r->mc, r->BM * r->T, c->activation_checkpointing);
+    if (!f.code && r->PP > 1) {
+        if (pipeline_split_schedule(&r->mc, r->T, r->PP, r->V, r->sched, r->M, split_ok,
+                                    pipeline_head_placement(r->sched, r->PP), c->pipeline_split, r->stages, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else pipeline_rank_stages(r->stages, r->PP, r->V, r->mesh.pp_rank, r->mine);
+        if (!f.code) pipeline_stage_costs(&r->mc, r->T, r->stages, r->PP * r->V, pipeline_head_placement(r->sched, r->PP), r->stage_cost);
+        if (!f.code && schedule_build(&r->sc, r->sched, r->PP, r->mesh.pp_rank, r->M, r->V, split_ok, r->stage_cost, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    }
+    for (int i = 0; i < r->V; i++) r->holds_head |= r->mine[i].last == r->mc.n_layers + 1;
+
+    if (!f.code && !open_shard_checked(&r->train, c->train_data, "training", c->vocab_size, &f) &&
+        !open_shard_checked(&r->val, c->val_data, "validation", c->vocab_size, &f)) {
+        if (loader_init(&r->loader, &r->train, r->BM, r->T, r->mesh.dp_rank, r->dp, (uint64_t)c->seed, 1, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        /* Validation: the same global batches as one process with batch B x dp would take. */
+        size_t val_windows = shard_windows(&r->val, r->T);
+        r->val_B = (int)(val_windows / (size_t)r->dp < (size_t)r->B ? val_windows / (size_t)r->dp : (size_t)r->B);
+        if (r->val_B < 1)
+            fail_set(&f, EXIT_BAD_INPUT, "validation data %s (%zu tokens) is too short for context_len=%d on %d ranks",
+                     c->val_data, r->val.n_tokens, r->T, r->dp);
+    }
+    comm_exit_if_failed(&r->world, &f);
+
+    if (ops_init(c->device, c->threads, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&r->world, &f);
+    r->prec = precision_of(c);
+    if (ops_set_precision(r->prec, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&r->world, &f);
+    size_t data_bytes = (r->train.n_tokens + r->val.n_tokens) * 2, dev_free = 0;
+    /* the all-to-all buffer counts only where the copy engines will take it: one machine, NCCL 2.28+ */
+    comm_set_copy_engines(c->copy_engines);
+    r->ein = estimate_input_of(c, r->world.size, r->mesh.shard_size, &r->oc);
+    r->ein.data_bytes = data_bytes;
+    r->ein.ddp_copy_engines = r->gpu && r->kind == PAR_DDP && r->dp > 1 && comm_copy_engines_possible(&r->mesh.dp);
+    r->tp_ce = tensor_parallel_ce_possible(&r->mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
+    r->ein.tp_copy_engines = r->tp_ce;
+    r->ein.pp_copy_engines = r->pp_ce && r->PP > 1;  /* (counted where asked: the links decide at step_init) */
+    r->ein.tp_fused = r->gpu && r->fused_mode;       /* (likewise) */
+    estimate_memory(&r->ein, &r->est);
+    /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
+    if (r->PP > 1) estimate_stage(&r->est, &r->ein, r->mine, &r->sc, r->BM);
+    if (r->gpu && ops_device_memory(&dev_free, NULL)) dev_free = 0;
+    /* Ranks on one machine share its memory: each host's need is its ranks' sum (the host's
+     * offloaded state always; a cpu rank's whole estimate, when no max_memory_gb caps it per
+     * rank). Collective: every rank asks, whatever failed above. */
+    size_t host_avail = available_memory_bytes();
+    int local = comm_local_size();
+    double host_need = comm_local_sum(r->oc.offload ? (double)r->est.host : 0.0);
+    double local_need = comm_local_sum((double)r->est.total);
+    if (r->oc.offload && host_avail && host_need > (double)host_avail)
+        fail_set(&f, EXIT_BAD_INPUT, "offload=%s keeps about %s in host memory on this machine (%d rank%s) but only %s "
+                 "is available (shard it over more ranks or machines, or lower the model size)", c->offload,
+                 fmt_bytes(b1, host_need), local, local > 1 ? "s" : "", fmt_bytes(b2, (double)host_avail));
+    size_t limit = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : r->gpu ? dev_free : host_avail;
+    int per_host = !r->gpu && c->max_memory_gb <= 0 && local > 1;
+    double need = per_host ? local_need : (double)r->est.total;
+    if (limit && need > (double)limit) {
+        char b3[32], where[96];
+        if (per_host) snprintf(where, sizeof where, "per rank, %s for the %d ranks on this machine,",
+                               fmt_bytes(b3, local_need), local);
+        else snprintf(where, sizeof where, "per %s", r->gpu ? "GPU" : "rank");
+        fail_set(&f, EXIT_BAD_INPUT, "this run needs about %s %s but only %s is available (%s)",
+                 fmt_bytes(b1, (double)r->est.total), where, fmt_bytes(b2, (double)limit), estimate_remedy(&r->est, c));
+    }
+
+    /* Everything the run will write, checked now rather than after its last step: each
+     * rank writes its own checkpoint shard beside ckpt_path; rank 0 the log and manifest. */
+    r->saving = strcmp(c->ckpt_path, "none") != 0;
+    if (!f.code && r->saving) check_writable(c->ckpt_path, "the checkpoint (ckpt_path)", &f);
+    if (!f.code && r->lead) {
+        mkdir_p(c->out_dir);
+        mkdir_parent(c->log_file);
+        if (jsonlog_open(&r->log_store, c->log_file, r->resuming, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else r->log = &r->log_store;
+    }
+    comm_exit_if_failed(&r->world, &f);
+
+    if (r->lead) print_header(r);
+
+    /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
+    model_init_layout_tp(&r->m, &r->mc, r->mesh.shard_size, 0, r->mine, r->V, r->mesh.tp_size, r->mesh.tp_rank);
+    /* tensor parallel: each rank holds its slices of every layer */
+    tensor_parallel_attach(&r->m, &r->mesh, c->sequence_parallel, r->tp_ce);
+    r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
+    r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
+    parallel_set_bucket(r->par, (size_t)(c->bucket_mb * 1e6));
+    if (r->lead && r->kind == PAR_DDP && r->gpu && r->dp > 1)
+        printf("gradient all-reduce: %s\n", comm_copy_engines_active(&r->mesh.dp)
+                   ? "copy engines (NCCL all-to-all, sum kernel, all-gather; copy_engines=true)"
+                   : "NCCL all-reduce kernels");
+    parallel_set_stages(r->par, &r->mesh.pp, !r->tied_copy);
+    /* a tied embedding's two copies (the first and the last stage) sum their gradients */
+    r->tie_member = r->mc.tie_embeddings && r->PP > 1 && (stage_has_embedding(&r->mine[0]) || r->tied_copy);
+    if (r->PP > 1 && r->mc.tie_embeddings)
+        comm_split(&r->world, r->tie_member ? r->mesh.dp_rank * r->mesh.tp_size + r->mesh.tp_rank : r->world.size + r->world.rank,
+                   r->mesh.pp_rank, "tie", &r->tie);
+    acts_alloc_stage(&r->a, &r->m, &r->mine[0], r->BM, r->T, train_acts_mode(c) | (r->sc.head_split ? ACTS_HEAD_SPLIT : 0));
+    r->tp_fused = tensor_parallel_fused_open(&r->m, &r->mesh, r->a.N);  /* (where fused_mode is not 0) */
+    if (r->lead && r->mesh.tp_size > 1 && (r->gpu || r->fused_mode))
+        printf("tensor parallel sums: %s (MESHTRAIN_TP_FUSED=%d)\n",
+               !r->fused_mode ? "collectives"
+               : !r->tp_fused ? "collectives (fused asked, but the GPUs cannot map each other's memory here)"
+               : !r->gpu ? "fused into the products (the other ranks' rows as MPI messages)"
+               : r->fused_mode == 1 ? "fused into the products (each product writes the other ranks' rows into their memory, "
+                                   "CUDA IPC)"
+               : r->fused_mode == 2 ? "fused into the products (the other ranks' rows by copy engine into their memory, "
+                                   "CUDA IPC)"
+               : r->fused_mode == 3 ? "fused into the products (whole products, then the other ranks' rows by copy engine "
+                                   "into their memory, CUDA IPC)"
+                                 : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
+                                   "by copy engine into their memory, CUDA IPC)", r->fused_mode);
+    if (r->lead && r->mesh.tp_size > 1 && r->m.sp && model_tp_keep_gathered())
+        printf("tensor parallel: each layer's gathered norm outputs kept for the backward's weight gradients "
+               "(MESHTRAIN_TP_KEEP_GATHERED=1)\n");
+    if (r->lead && r->tp_fused && tensor_parallel_whole_cols() && r->fused_mode != 3)
+        printf("tensor parallel: the products after a gather with at most %d output columns run once on all rows "
+               "(MESHTRAIN_TP_WHOLE_COLS)\n", tensor_parallel_whole_cols());
+    if (r->lead && r->tp_fused && r->gpu)
+        printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
+                   ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"
+                   : "by copy engine into slots, then into place");
+    if (r->lead && r->mesh.tp_size > 1) {
+        int chunks = model_tp_chunks(&r->m, r->a.N);
+        int groups = model_tp_groups(&r->m, r->a.N);
+        printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
+               chunks > 1 ? "s" : "", r->a.N / (size_t)chunks, r->m.tp_chunks);
+        if (groups > 1)
+            printf("tensor parallel: the forward in %d groups of %zu rows, each group's all-reduces beside the next "
+                   "group's products (MESHTRAIN_TP_OVERLAP=%d)\n", groups, r->a.N / (size_t)groups, r->m.tp_groups);
+        if (model_tp_halves(&r->m, r->a.N))
+            printf("tensor parallel: each layer in two halves of rows, interleaved: one half's sums and gathers "
+                   "travel while the other half's products run (MESHTRAIN_TP_HALVES=1)\n");
+    }
+    /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
+    if (r->lead && r->mesh.tp_size > 1 && (r->gpu || tensor_parallel_ce_asked()))
+        printf("tensor parallel collectives: %s\n",
+               tensor_parallel_on_copy_engines(&r->mesh) ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
+                       "all-gather)"
+               : !r->gpu ? "MPI (MESHTRAIN_TP_CE=1 takes GPUs)"
+               : tensor_parallel_ce_asked() ? "NCCL kernels (MESHTRAIN_TP_CE=1, but the copy engines cannot take "
+                                              "them here: one machine, NCCL 2.28+, copy_engines=true)"
+                                            : "NCCL kernels (MESHTRAIN_TP_CE=1 puts them on the copy engines)");
+    if (r->resuming) {
+        if (train_state_load(c->resume, &r->resume_h, r->par, &r->m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        LoaderState ls = {r->resume_h.loader_epoch, r->resume_h.loader_window};
+        if (!f.code && loader_set_state(&r->loader, ls, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
+        comm_exit_if_failed(&r->world, &f);
+        parallel_params_changed(r->par);
+        parallel_set_adam_steps(r->par, r->resume_h.adam_step);
+        r->start = r->resume_h.step;
+        if (r->lead)
+            printf("resumed from %s at step %d (saved by %d rank%s)\n", c->resume, r->start, r->resume_h.world,
+                   r->resume_h.world > 1 ? "s" : "");
+    } else {
+        parallel_init_weights(r->par, (uint64_t)c->seed);
+    }
+
+    /* The disk space the run will write (each rank's checkpoint shard, rank 0's manifest and
+     * log), checked now rather than found short after the last step. A save keeps the
+     * previous checkpoint until the new one is whole, so the new one needs its full size. */
+    {
+        double log_bytes = r->lead ? 4096.0 + 320.0 * (c->steps - r->start) : 0;  /* a step's line is about 250 bytes */
+        double ckpt_bytes = r->saving ? (double)train_state_save_bytes(r->par, &r->m, r->tied_copy) +
+                                         (r->lead ? (double)ckpt_manifest_bytes(c->ckpt_path, r->world.size) + 65536 : 0)
+                                : 0;  /* (and the settings beside it) */
+        DiskNeed needs[2] = {{c->ckpt_path, "the checkpoint", ckpt_bytes}, {c->log_file, "the log", log_bytes}};
+        check_disk_space(&r->world, needs, 2, &f);
+    }
+    if (!f.code && r->log && log_header(r->log, c, r->start, r->resuming, r->world.size))
+        fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, jsonlog_error(r->log));
+    else if (r->log) {
+        r->settings = xmalloc(r->log->len + 1);
+        memcpy(r->settings, r->log->buf, r->log->len);
+        r->settings[r->log->len] = 0;
+    }
+    comm_exit_if_failed(&r->world, &f);
+    if (r->lead && r->resuming && r->oc.cosine && r->oc.min_lr == 0 && r->start >= r->oc.decay_steps)
+        printf("note: step %d is past the schedule's end (lr_decay_steps=%d): the cosine has reached min_lr=0, so the "
+               "steps to %d train at learning rate 0; give lr_decay_steps= (a longer cosine) or min_lr=\n", r->start,
+               r->oc.decay_steps, c->steps);
+
+    comm_barrier(&r->world);  /* the checkpoint folder exists before any rank writes to it */
+
+    r->h.vocab_size = r->mc.vocab_size; r->h.embed_dim = r->mc.embed_dim; r->h.n_heads = r->mc.n_heads; r->h.n_layers = r->mc.n_layers;
+    r->h.context_len = r->mc.context_len; r->h.tie_embeddings = r->mc.tie_embeddings;
+    r->h.batch_size = r->B; r->h.world = r->world.size; r->h.seed = c->seed; r->h.has_optim = 1;
+    r->h.global_batch = r->G;
+    r->h.grad_accum_steps = r->K;
+    r->h.lr = r->oc.lr; r->h.min_lr = r->oc.min_lr; r->h.beta1 = r->oc.beta1; r->h.beta2 = r->oc.beta2; r->h.eps = r->oc.eps;
+    r->h.weight_decay = r->oc.weight_decay; r->h.grad_clip = r->oc.grad_clip; r->h.warmup_steps = r->oc.warmup_steps;
+    r->h.total_steps = c->steps; r->h.lr_decay_steps = r->oc.decay_steps; r->h.cosine = r->oc.cosine;
+    r->h.optimizer = r->oc.kind; r->h.af_beta1 = r->oc.af_beta1; r->h.af_clip = r->oc.af_clip; r->h.af_decay = r->oc.af_decay;
+    r->h.af_flags = r->oc.af_relative_step | r->oc.af_scale_parameter << 1;
+    r->h.val_every = c->val_every; r->h.val_batches = c->val_batches;
+
+    /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
+     * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
+    r->peak = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : r->gpu ? card_peak_flops(ops_device_name()) : 0;
+    StepPipeline pipe = {&r->mesh.pp, r->tie_member ? &r->tie : NULL, r->sched, r->stage_cost};
+    if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M, r->PP > 1 ? &pipe : NULL, err, sizeof err))
+        die(EXIT_BAD_INPUT, "%s", err);
+    if (r->PP > 1) {  /* the path the links that carry messages took, over every rank */
+        int took[2] = {0, 0};  /* some link on NCCL (or MPI); some on the copy engines */
+        for (int i = 0; i < r->st.n_links; i++) {
+            int k = comm_p2p_on_copy_engines(r->st.link_order[i]);
+            if (k >= 0) took[k] = 1;
+        }
+        comm_allreduce_max_int(&r->world, took, 2);
+        if (r->lead)
+            printf("pipeline send/receive: %s\n",
+                   !r->gpu ? "MPI (host memory)"
+                   : !r->pp_ce ? "NCCL kernels (MESHTRAIN_PP_CE=0)"
+                   : !took[0] ? "copy engines (CUDA IPC rings, stream memory operations; no SM)"
+                   : took[1] ? "copy engines on some links, NCCL kernels on the others (a link's two GPUs must be on "
+                               "one machine, with peer access)"
+                             : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
+                               "machine, with peer access and 64-bit stream memory operations)");
+        if (r->lead && r->gpu && r->pp_ce && took[1] && comm_p2p_skip_copies())
+            printf("pipeline send/receive: MESHTRAIN_PP_SKIP_COPIES=1: the messages are NOT copied (a timing "
+                   "experiment: this run's results are wrong)\n");
+    }
+}
