@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of several meshtrain binaries on one GPU at the post's configuration, in one call:
+# Several meshtrain binaries side by side on one GPU at the post's configuration, in one run:
 # every binary runs bf16 and mixed (PRECS), REPS rounds, binaries alternating within a
 # round (so drift of the card's clocks hits all alike), STEPS timed steps each.
 # Usage: REPS=2 STEPS=60 bench/ab_one_gpu.sh build-main/meshtrain build-x/meshtrain ...

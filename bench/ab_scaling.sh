@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A/B of data-parallel scaling in one call: every spec runs the post's configuration on one
-# GPU and as NP-GPU DDP, in each precision of PRECS, REPS rounds, specs alternating within a
-# round (so drift of the cards' clocks hits all alike), STEPS timed steps each. A spec is a
-# binary, optionally with environment for every rank: BIN or BIN@VAR=v,VAR2=w; a leading
+# Data-parallel scaling of several builds side by side, in one run: every spec runs the post's
+# configuration on one GPU and as NP-GPU DDP, in each precision of PRECS, REPS rounds, specs
+# alternating within a round (so drift of the cards' clocks hits all alike), STEPS timed steps
+# each. A spec is a binary, optionally with environment for every rank: BIN or
+# BIN@VAR=v,VAR2=w; a leading
 # "^" runs it on NP GPUs only, its scaling taken against the first spec's one-GPU runs (for
 # changes that cannot touch one GPU's step).
 # Usage: NP=4 REPS=2 bench/ab_scaling.sh build-main/meshtrain ^build-x/meshtrain@NCCL_CTA_POLICY=1

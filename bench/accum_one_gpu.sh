@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gradient accumulation on one GPU (issue 18): k micro-batches of b against one batch of
+# Gradient accumulation on one GPU: k micro-batches of b against one batch of
 # k x b, and one GPU at batch b alone (how much of the gap is the smaller batch's own cost).
 # Runs alternate, REPS rounds; medians of tokens/s and peak GB.
 # B: the micro-batch (default 32: k=4 against one batch of 128, the post's); PREC: precision.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where gradient accumulation's per-token gap goes (issue 18): the per-op totals of
+# Where gradient accumulation's per-token gap goes: the per-op totals of
 # MESHTRAIN_PROFILE=$PROFILE (events, the default: CUDA events around each op, nothing waited
 # for; 1: every op synchronised) over steps 2..STEPS+1, for each config in CFGS (the post's
 # model in PREC on one GPU), side by side as ms per step, with each run's own step time.

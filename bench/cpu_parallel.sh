@@ -2,7 +2,8 @@
 # CPU data-parallel benchmark: DDP and FSDP on 1 and 2 ranks (weak scaling: batch_size is
 # per rank), and the share of the step blocked on gradient collectives with overlap on and
 # off. Ranks share the machine's cores (2 ranks x 1 thread vs 1 rank x 2 threads).
-# Usage: bench/cpu_parallel.sh [steps]   Prints markdown rows for bench/RESULTS.md.
+# Usage: bench/cpu_parallel.sh [steps]   Prints Markdown rows of
+# bench/results/cpu-data-parallel-epyc-2core-2026-11.md's table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-10}

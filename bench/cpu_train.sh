@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU benchmark: training tokens/s and achieved GFLOP/s of the `make train` model, next to
 # OpenBLAS's own sgemm GFLOP/s (2048^3, all cores) on the same machine, in the same call.
-# Usage: bench/cpu_train.sh [steps]   Prints one markdown row for bench/RESULTS.md.
+# Usage: bench/cpu_train.sh [steps]   Prints one Markdown row of
+# bench/results/cpu-train-epyc-2core-2026-11.md's table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-30}

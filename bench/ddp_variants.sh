@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Data-parallel variants at the post's configuration per GPU, one line each, all in one call
+# Data-parallel variants at the post's configuration per GPU, one line each, all in one run
 # (so that every figure comes from the same machine). Each argument is
 #   "LABEL|NPROC|ENV|KEYS"  e.g. "ddp4 tree|4|NCCL_ALGO=Tree|precision=mixed"
 # ENV is a space-separated list of VAR=value passed to every rank (mpirun -x).
 # BASE replaces the model and device keys (default: the post's configuration on cuda).
 # STEPS (default 30; the first step is not timed) and MESHTRAIN_BIN as in gpu_multi.sh.
 # Prints: label, tokens/s, per-GPU tokens/s, peak GiB, host-wait share of the step.
+# Usage: STEPS=61 MESHTRAIN_BIN=build/meshtrain bench/ddp_variants.sh "one|1||precision=mixed" \
+#          "ddp4|4||precision=mixed" "nccl4|4||precision=mixed copy_engines=false"
 set -u
 BIN=${MESHTRAIN_BIN:-build/meshtrain}
 STEPS=${STEPS:-30}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The post's 7.26B model (embed_dim=4096 n_heads=32 n_layers=48, context 256, pure bf16) on
-# NP GPUs of one machine (4 or 8) at a global batch of 32 sequences, in each layout (issues 18
-# and 22): on 4, FSDP over 4, 4 pipeline stages, 2 stages x 2 data-parallel (DDP, and FSDP);
+# NP GPUs of one machine (4 or 8) at a global batch of 32 sequences, in each layout:
+# on 4, FSDP over 4, 4 pipeline stages, 2 stages x 2 data-parallel (DDP, and FSDP);
 # on 8, FSDP over 8, the post's 2D layout (FSDP 4 x TP 2), 2 stages x FSDP 4, and the 3D mesh
 # (2 stages x 2 data-parallel x TP 2, with DDP and with FSDP), so a user sees which to pick:
 # tokens/s and peak memory per GPU (the allocator's high-water mark of the fullest rank, and the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Adafactor against AdamW on the post's model, one GPU (issue 21, item 7): memory, tokens/s
+# Adafactor against AdamW on the post's model, one GPU: memory, tokens/s
 # and the loss after the same number of steps on TinyStories (the same data and seed).
 # Usage: STEPS=300 PREC=bf16 bench/gpu_adafactor.sh [meshtrain]
 set -u

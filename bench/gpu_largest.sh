@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The largest model (by parameters) that trains on ONE GPU of this machine with each memory
-# setting (issue 21, item 7): embed_dim=4096 n_heads=32 context_len=256 batch_size=B with
+# setting: embed_dim=4096 n_heads=32 context_len=256 batch_size=B with
 # activation checkpointing, n_layers raised by LSTEP while `meshtrain estimate` fits 95% of
 # the card (and, with offload, 90% of the host's available memory); then that model runs
 # STEPS steps (the first excluded) with grad_accum_steps=K to show it trains: parameters,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The post's model at longer contexts on one GPU (issue 20, item 4), meshtrain beside the
-# compiled peer in the same call: context_len=1024 batch_size=32, 4096 x 8 and 10000 x 4
+# The post's model at longer contexts on one GPU, meshtrain beside the
+# compiled peer in the same run: context_len=1024 batch_size=32, 4096 x 8 and 10000 x 4
 # (the same tokens per step as the post's 256 x 128, but for the last). Each context is one
 # bench/gpu_post.sh table; MFU is in meshtrain's own step lines (stderr).
 # Usage: CONTEXTS="1024:32 4096:8 10000:4" MESHTRAIN_POST_RUNS="bf16 mixed" \

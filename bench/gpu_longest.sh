@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The longest context the post's model (embed_dim=1024 n_heads=8 n_layers=16, pure bf16,
-# batch_size=1) trains at with tensor parallel over NP GPUs (issue 19, item 7c), meshtrain
+# batch_size=1) trains at with tensor parallel over NP GPUs, meshtrain
 # (tp=NP, sequence parallel, activation checkpointing) beside the peer (torch_llama_tp.py,
-# tp=NP, the post's plan; it has no activation checkpointing), in one call:
+# tp=NP, the post's plan; it has no activation checkpointing), in one run:
 # - the peer at each context of PEER_CTXS, ascending, until one fails (out of memory): its
 #   longest is the last that ran;
 # - meshtrain at each context of MT_CTXS (2 steps, the second timed), with its peak and

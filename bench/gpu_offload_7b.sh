@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The post's 7.26B model on ONE GPU with offload=optimizer (issue 21): the fp32 master weights,
+# The post's 7.26B model on ONE GPU with offload=optimizer: the fp32 master weights,
 # AdamW's moments and a bf16 copy of the gradients in pinned host memory, updated on the CPU
 # cores; the GPU keeps the bf16 weights, the fp32 gradients (accumulated over K micro-batches)
 # and the activations (checkpointed). Target: MFU >= 35% with K large enough that the host's

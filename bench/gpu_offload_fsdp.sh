@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The post's 7.26B model on NP GPUs (default 2) under FSDP, with and without offload (issue 21,
-# item 7): tokens/s and GPU memory per rank for today's FSDP in pure bf16 and in mixed
+# The post's 7.26B model on NP GPUs (default 2) under FSDP, with and without offload:
+# tokens/s and GPU memory per rank for today's FSDP in pure bf16 and in mixed
 # precision, and mixed with offload=optimizer and offload=params (the offloaded state is the
 # rank's shard; the host update runs on each rank's share of the CPU cores). Activation
 # checkpointing, batch_size=B per GPU, grad_accum_steps=K, STEPS steps (the first excluded).

@@ -9,8 +9,8 @@
 # MESHTRAIN_POST_RUNS="bf16 mixed fp32" and PEER_RUNS="eager compile amp" pick the rows;
 # POST_CFG replaces the configuration (bench/gpu_long_context.sh: longer contexts).
 # STEPS timed steps each (default 60: meshtrain runs one more and excludes it, the peer runs
-# 3 warm-up steps first). Runs of 10 steps, as before 2026-11-26 session 4, end before the
-# cards reach their power-limited clocks and flatter both sides (see bench/RESULTS.md).
+# 3 warm-up steps first). Runs of 10 steps end before the cards reach
+# their power-limited clocks and flatter both sides (bench/results/one-gpu-post-model-h200-2026-11.md).
 set -u
 PEER=${1:-../shared/peers/torch_llama.py}; shift || true
 CFG=${POST_CFG:-"embed_dim=1024 n_heads=8 n_layers=16 batch_size=128 context_len=256"}

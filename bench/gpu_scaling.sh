@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data-parallel scaling of meshtrain AND of the PyTorch peer, in one call on one machine:
+# Data-parallel scaling of meshtrain AND of the PyTorch peer, in one run on one machine:
 # each on one GPU and on NP GPUs (meshtrain DDP through mpirun, the peer through torchrun),
 # at the post's configuration per GPU, for both pairs (meshtrain bf16 vs the peer's
 # compile=1; meshtrain mixed vs compile=1 amp=1). Both run STEPS timed steps (meshtrain

@@ -1,5 +1,7 @@
-# Issue 18's GPU check after the teardown fix and device-side receive waits (one call):
-# the schedules agree on 2 GPUs and exit, then every schedule at pp=4 m=8 and m=32.
+# Pipeline parallel on 4 GPUs in one run: the schedules agree on 2 GPUs (fp32, a tiny model:
+# 1F1B against interleaved and zb1 by ckpt_diff) and exit, then every schedule at pp=4, m=8 and
+# m=32 (bench/gpu_pipeline.sh, no peer), tokens/s against the bubble's prediction.
+# Usage: OUT=DIR bash bench/pp_check.sh   (from the repository root: build/meshtrain, build/tests/ckpt_diff)
 set -u
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 MT_TIMEOUT=90
 O=$OUT; t0=$SECONDS
