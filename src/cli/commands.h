@@ -4,8 +4,8 @@
 #ifndef MESHTRAIN_COMMANDS_H
 #define MESHTRAIN_COMMANDS_H
 #include "config.h"
+#include "train.h" /* cmd_train */
 
-int cmd_train(Config *c);
 int cmd_eval(Config *c);
 int cmd_sample(Config *c);
 int cmd_estimate(Config *c);

@@ -1,7 +1,7 @@
 /* train — `meshtrain train`: one process or many (mpirun), any layout. The run's parts are
  * files of their own (train_run.h): its set-up, its steps, its report. */
 #include <stdlib.h>
-#include "commands.h"
+#include "train.h"
 #include "comm.h"
 #include "ops.h"
 #include "tensor.h"

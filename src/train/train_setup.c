@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "commands.h"
+#include "config.h"
 #include "env.h"
 #include "layer_graphs.h"
 #include "ops.h"

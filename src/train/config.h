@@ -1,5 +1,6 @@
-/* config — every key=value setting: one table with type, default, range and help, so
- * parsing, validation and `meshtrain help` can never disagree. Validation happens before
+/* config — every key=value setting of every command: one table with type, default, range
+ * and help, so parsing, validation and `meshtrain help` can never disagree. (In train/: the
+ * runs read it; the command line, above, only parses into it.) Validation happens before
  * any allocation; a bad key or value is one line naming the key, exit status 2. */
 #ifndef MESHTRAIN_CONFIG_H
 #define MESHTRAIN_CONFIG_H
