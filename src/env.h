@@ -1,4 +1,4 @@
-/* env — the one module that reads the environment. Settings are keys (cli/config); what
+/* env — the one module that reads the environment. Settings are keys (train/config); what
  * comes from the environment is what a launcher tells a process (its rank, the job's size)
  * and meshtrain's hooks: switches for measuring, debugging and fault tests (MESHTRAIN_*),
  * none of which a training run needs. Each hook has one entry in a table (its name, the
