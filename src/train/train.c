@@ -249,16 +249,16 @@ int cmd_train(Config *c) {
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
-     * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
-     * NCCL kernels a peer may be waiting for, must not wait behind it. */
+     * sums (tp_comm) wait so on the compute stream: the comm stream, whose NCCL kernels a
+     * peer may be waiting for, must not wait behind it. */
     int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
+    int tp_fused_wanted = tensor_parallel_fused_wanted(tp_comm_of(c), c->tensor_parallel_size, gpu);
     (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
-    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, gpu)))
+    if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tp_fused_wanted))
         env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
-    int fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, gpu);  /* (a bad value: one line) */
-    int graphs = graphs_wanted(world.size, gpu);  /* (likewise) */
+    int graphs = graphs_wanted(world.size, gpu);  /* (a bad value: one line) */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -347,10 +347,8 @@ int cmd_train(Config *c) {
     EstimateInput ein = estimate_input_of(c, world.size, mesh.shard_size, &oc);
     ein.data_bytes = data_bytes;
     ein.ddp_copy_engines = gpu && kind == PAR_DDP && dp > 1 && comm_copy_engines_possible(&mesh.dp);
-    int tp_ce = tensor_parallel_ce_possible(&mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
-    ein.tp_copy_engines = tp_ce;
     ein.pp_copy_engines = pp_ce && PP > 1;  /* (counted where asked: the links decide at step_init) */
-    ein.tp_fused = gpu && fused_mode;       /* (likewise) */
+    ein.tp_fused = gpu && tp_fused_wanted;  /* (likewise) */
     estimate_memory(&ein, &est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
     if (PP > 1) estimate_stage(&est, &ein, mine, &sc, BM);
@@ -447,7 +445,7 @@ int cmd_train(Config *c) {
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
     model_init_layout_tp(&m, &mc, mesh.shard_size, 0, mine, V, mesh.tp_size, mesh.tp_rank);
     /* tensor parallel: each rank holds its slices of every layer */
-    tensor_parallel_attach(&m, &mesh, c->sequence_parallel, tp_ce);
+    tensor_parallel_attach(&m, &mesh, &(TpOptions){c->sequence_parallel, tp_fused_wanted});
     int tied_copy = mc.tie_embeddings && PP > 1 && !stage_has_embedding(&mine[0]) && holds_head;
     Parallel *par = parallel_create(kind, &m, &mesh, c->overlap, &oc);
     parallel_set_bucket(par, (size_t)(c->bucket_mb * 1e6));
@@ -464,51 +462,15 @@ int cmd_train(Config *c) {
                    mesh.pp_rank, "tie", &tie);
     Acts a;
     acts_alloc_stage(&a, &m, &mine[0], BM, T, train_acts_mode(c) | (sc.head_split ? ACTS_HEAD_SPLIT : 0));
-    int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (where fused_mode is not 0) */
-    if (lead && mesh.tp_size > 1 && (gpu || fused_mode))
-        printf("tensor parallel sums: %s (MESHTRAIN_TP_FUSED=%d)\n",
-               !fused_mode ? "collectives"
-               : !tp_fused ? "collectives (fused asked, but the GPUs cannot map each other's memory here)"
-               : !gpu ? "fused into the products (the other ranks' rows as MPI messages)"
-               : fused_mode == 1 ? "fused into the products (each product writes the other ranks' rows into their memory, "
-                                   "CUDA IPC)"
-               : fused_mode == 2 ? "fused into the products (the other ranks' rows by copy engine into their memory, "
-                                   "CUDA IPC)"
-               : fused_mode == 3 ? "fused into the products (whole products, then the other ranks' rows by copy engine "
-                                   "into their memory, CUDA IPC)"
-                                 : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
-                                   "by copy engine into their memory, CUDA IPC)", fused_mode);
-    if (lead && mesh.tp_size > 1 && m.sp && model_tp_keep_gathered())
-        printf("tensor parallel: each layer's gathered norm outputs kept for the backward's weight gradients "
-               "(MESHTRAIN_TP_KEEP_GATHERED=1)\n");
-    if (lead && tp_fused && tensor_parallel_whole_cols() && fused_mode != 3)
-        printf("tensor parallel: the products after a gather with at most %d output columns run once on all rows "
-               "(MESHTRAIN_TP_WHOLE_COLS)\n", tensor_parallel_whole_cols());
-    if (lead && tp_fused && gpu)
-        printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
-                   ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"
-                   : "by copy engine into slots, then into place");
-    if (lead && mesh.tp_size > 1) {
-        int chunks = model_tp_chunks(&m, a.N);
-        int groups = model_tp_groups(&m, a.N);
-        printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
-               chunks > 1 ? "s" : "", a.N / (size_t)chunks, m.tp_chunks);
-        if (groups > 1)
-            printf("tensor parallel: the forward in %d groups of %zu rows, each group's all-reduces beside the next "
-                   "group's products (MESHTRAIN_TP_OVERLAP=%d)\n", groups, a.N / (size_t)groups, m.tp_groups);
-        if (model_tp_halves(&m, a.N))
-            printf("tensor parallel: each layer in two halves of rows, interleaved: one half's sums and gathers "
-                   "travel while the other half's products run (MESHTRAIN_TP_HALVES=1)\n");
-    }
-    /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
-    if (lead && mesh.tp_size > 1 && (gpu || tensor_parallel_ce_asked()))
-        printf("tensor parallel collectives: %s\n",
-               tensor_parallel_on_copy_engines(&mesh) ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
-                       "all-gather)"
-               : !gpu ? "MPI (MESHTRAIN_TP_CE=1 takes GPUs)"
-               : tensor_parallel_ce_asked() ? "NCCL kernels (MESHTRAIN_TP_CE=1, but the copy engines cannot take "
-                                              "them here: one machine, NCCL 2.28+, copy_engines=true)"
-                                            : "NCCL kernels (MESHTRAIN_TP_CE=1 puts them on the copy engines)");
+    int tp_fused = tensor_parallel_fused_open(&m, &mesh, a.N);  /* (where tp_comm asks for it) */
+    if (lead && mesh.tp_size > 1)
+        printf("tensor parallel sums: %s (tp_comm=%s)\n",
+               !tp_fused_wanted ? "collectives"
+               : !tp_fused      ? "collectives, the GPUs cannot map each other's memory here"
+               : !gpu           ? "fused into the products, MPI messages"
+               : tensor_parallel_gathers_direct() ? "fused into the products, copy engines and CUDA IPC"
+                                                  : "fused into the products, copy engines and CUDA IPC, the gathers "
+                                                    "through slots", c->tp_comm);
     int start = 0;
     if (resuming) {
         if (train_state_load(c->resume, &resume_h, par, &m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
