@@ -135,16 +135,13 @@ $(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/g
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra,-fopenmp $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
 	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -lgomp -o $@
 
-# A two-GPU probe of tensor parallel's sum without SM-based collectives (built by nvcc, linking
-# cuBLAS and NCCL directly; `make cuda` builds it where both are found).
-PROBES := $(if $(and $(NVCC),$(NCCL_INC),$(NCCL_LIB)),$(BUILD)/bench/tp_fused_probe) $(if $(NVCC),$(BUILD)/bench/ce_p2p_probe $(BUILD)/bench/lt_algos_probe)
-$(BUILD)/bench/tp_fused_probe: bench/tp_fused_probe.cu | $(BUILD)/bench
-	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra -I$(NCCL_INC) $< -o $@ -lcublas -L$(NCCL_LIB) \
-	    -Xlinker -rpath,$(NCCL_LIB) -lnccl
-# ... and of how fast each GPU's blocks reach all the others (copy engines against SM stores)
+# Probes built by nvcc (`make cuda` builds them): how fast each GPU's blocks reach all the
+# others (copy engines against SM stores; two GPUs or more), the pattern of tensor parallel's
+# fused gathers
+PROBES := $(if $(NVCC),$(BUILD)/bench/ce_p2p_probe $(BUILD)/bench/lt_algos_probe)
 $(BUILD)/bench/ce_p2p_probe: bench/ce_p2p_probe.cu | $(BUILD)/bench
 	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@
-# ... and of the speed cuBLASLt's first heuristic choice leaves at the step's products
+# ... and the speed cuBLASLt's first heuristic choice leaves at the step's products
 $(BUILD)/bench/lt_algos_probe: bench/lt_algos_probe.cu | $(BUILD)/bench
 	$(NVCC) -O2 $(CUDA_ARCH) -Xcompiler -Wall,-Wextra $< -o $@ -lcublasLt
 

@@ -13,7 +13,8 @@
 # STEPS timed steps (meshtrain runs one more and excludes it; the peer 2 warm-up steps).
 # VARIANTS: meshtrain's tensor-parallel runs again under each of these environment settings
 # (';' between variants, spaces between the variables of one; the first, default empty, is
-# the plain run), e.g. VARIANTS=";MESHTRAIN_TP_FUSED=1".
+# the plain run), e.g. VARIANTS=";NCCL_PROTO=Simple"; KEY_VARIANTS: the same with keys, e.g.
+# KEY_VARIANTS=";tp_comm=collectives" (the default against the collectives).
 set -u
 BIN=${1:-build/meshtrain} PEER=${2:-../shared/peers/torch_llama_tp.py}
 NP=${NP:-2} STEPS=${STEPS:-10}
@@ -35,13 +36,16 @@ peer() {
 }
 
 IFS=';' read -r -a variants <<<"${VARIANTS:-}"; [ ${#variants[@]} -gt 0 ] || variants=("")
+IFS=';' read -r -a kvs <<<"${KEY_VARIANTS:-}"; [ ${#kvs[@]} -gt 0 ] || kvs=("")
 for s in ${SECTIONS:-long eff}; do
   case $s in
   long)
     LONG="context_len=10000 embed_dim=1024 n_heads=8 n_layers=16"
     TP=${TP:-$NP}
     echo "== long context: $LONG batch_size=4, tp=$TP on $NP GPUs"
-    for v in "${variants[@]}"; do MT_ENV=$v mt "meshtrain tp=$TP${v:+ ($v)}" "$NP" $LONG batch_size=4 tensor_parallel_size=$TP; done
+    for v in "${variants[@]}"; do for k in "${kvs[@]}"; do
+      MT_ENV=$v mt "meshtrain tp=$TP${v:+ ($v)}${k:+ $k}" "$NP" $LONG batch_size=4 tensor_parallel_size=$TP $k
+    done; done
     peer "peer tp=$TP" "$NP" $LONG batch_size=4 tp=$TP steps=$STEPS
     mt "meshtrain 1 GPU" 1 $LONG batch_size=4
     [ "${PEER_DDP:-1}" = 1 ] && peer "peer tp=1 (DDP over $NP)" "$NP" $LONG batch_size=4 tp=1 steps=$STEPS
@@ -50,7 +54,9 @@ for s in ${SECTIONS:-long eff}; do
     EFF="embed_dim=4096 n_heads=32 n_layers=8 context_len=4096 batch_size=1"
     echo "== TP efficiency: $EFF (per-GPU tokens/s = tokens/s / GPUs)"
     mt "meshtrain 1 GPU" 1 $EFF
-    for v in "${variants[@]}"; do MT_ENV=$v mt "meshtrain tp=$NP${v:+ ($v)}" "$NP" $EFF tensor_parallel_size=$NP; done
+    for v in "${variants[@]}"; do for k in "${kvs[@]}"; do
+      MT_ENV=$v mt "meshtrain tp=$NP${v:+ ($v)}${k:+ $k}" "$NP" $EFF tensor_parallel_size=$NP $k
+    done; done
     peer "peer tp=$NP" "$NP" $EFF tp=$NP steps=$STEPS
     ;;
   esac

@@ -59,6 +59,9 @@ pp2_1f1b_tied|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_s
 tp2|2|batch_size=8 tensor_parallel_size=2 sequence_parallel=true
 tp2_nosp|2|batch_size=8 tensor_parallel_size=2 sequence_parallel=false
 tp2_dp2|4|batch_size=4 tensor_parallel_size=2 fsdp=true
+tp4|4|batch_size=8 tensor_parallel_size=4
+tp4_nosp|4|batch_size=8 tensor_parallel_size=4 sequence_parallel=false
+tp2_ac|2|batch_size=8 tensor_parallel_size=2 activation_checkpointing=true
 accum3|1|batch_size=4 grad_accum_steps=3
 accum3_ddp2|2|batch_size=2 grad_accum_steps=3
 offload_opt|1|batch_size=8 offload=optimizer
@@ -76,6 +79,7 @@ ddp2_unit_buckets|2|batch_size=4 bucket_mb=0
 fsdp2_no_overlap|2|batch_size=4 fsdp=true overlap=false
 pp2_dp2_fsdp|4|batch_size=4 pipeline_parallel_size=2 micro_batches=2 fsdp=true
 pp2_tp2|4|batch_size=8 pipeline_parallel_size=2 micro_batches=2 tensor_parallel_size=2
+pp2_tp2_zb1|4|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1 tensor_parallel_size=2
 pp2_head_alone|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_split=4,0
 pp2_accum2|2|batch_size=4 pipeline_parallel_size=2 micro_batches=2 grad_accum_steps=2
 tp2_adafactor|2|batch_size=8 tensor_parallel_size=2 optimizer=adafactor

@@ -3,15 +3,14 @@
 # n_heads=32 n_layers=8 context_len=4096 batch_size=1, pure bf16) on one GPU and at tp=t
 # for each t in TPS, with and without sequence parallel.
 #  - MESHTRAIN_TIMELINE=TL_STEP: on each rank, the step's length on the GPU and the TP
-#    collectives' total time by kind (the compute stream waits for each, so with one chunk
-#    all of it is exposed), printed as one line a rank; the whole timeline kept in $OUT.
+#    collectives' total time by kind (the compute stream waits for each, so all of it is
+#    exposed), printed as one line a rank; the whole timeline kept in $OUT.
 #  - MESHTRAIN_PROFILE=1 (steps 2-6, every op synchronised): the per-op table of one GPU and
 #    of rank 0 at tp=t, side by side: an op whose time does not fall by t is replicated work.
 # VARIANTS: environment settings to compare at each tp (';' between variants, spaces between
-# the variables of one; default one variant, the plain run); PROFILE=0 leaves the profiles out.
-# Usage: TPS="2 4" SPS="false true" [VARIANTS="NCCL_MAX_CTAS=8;NCCL_PROTO=Simple"] bench/tp_timeline.sh [meshtrain]
-# e.g. the collectives on the copy engines (MESHTRAIN_TP_CE=1) against NCCL's kernels, whole and chunked:
-#   PROFILE=0 TPS=2 SPS="false true" VARIANTS=";MESHTRAIN_TP_CE=1;MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2;MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=4" bench/tp_timeline.sh
+# the variables of one; default one variant, the plain run); TP_KEYS: more keys for the tp
+# runs (e.g. tp_comm=collectives); PROFILE=0 leaves the profiles out.
+# Usage: TPS="2 4" SPS="false true" [VARIANTS="NCCL_MAX_CTAS=8;NCCL_PROTO=Simple"] [TP_KEYS=...] bench/tp_timeline.sh [meshtrain]
 set -u
 BIN=${1:-build/meshtrain} TL_STEP=${TL_STEP:-3}
 OUT=${OUT:-/tmp/tp_timeline}; mkdir -p "$OUT"
@@ -49,14 +48,14 @@ for t in ${TPS:-2}; do
   for sp in ${SPS:-false true}; do
    for v in "${variants[@]}"; do
     out=$(mktemp -d) tag=$(tr ' =' '_-' <<<"$v")
-    d=$(mt_run "$out" "$t" "MESHTRAIN_TIMELINE=$TL_STEP $v" $EFF $RUN steps=$((TL_STEP + 1)) tensor_parallel_size=$t sequence_parallel=$sp)
+    d=$(mt_run "$out" "$t" "MESHTRAIN_TIMELINE=$TL_STEP $v" $EFF $RUN steps=$((TL_STEP + 1)) tensor_parallel_size=$t sequence_parallel=$sp ${TP_KEYS:-})
     cp "$out/stdout" "$OUT/timeline_tp${t}_sp$sp$tag.txt"
     echo "== tp=$t sequence_parallel=$sp${v:+ ($v)}: $(field tokens_per_s "$d") tokens/s"
     summary "$OUT/timeline_tp${t}_sp$sp$tag.txt"
    done
     [ "${PROFILE:-1}" = 1 ] || continue
     out=$(mktemp -d)
-    mt_run "$out" "$t" "MESHTRAIN_PROFILE=1" $EFF $RUN steps=6 tensor_parallel_size=$t sequence_parallel=$sp >/dev/null
+    mt_run "$out" "$t" "MESHTRAIN_PROFILE=1" $EFF $RUN steps=6 tensor_parallel_size=$t sequence_parallel=$sp ${TP_KEYS:-} >/dev/null
     cp "$out/stdout" "$OUT/profile_tp${t}_sp$sp.txt"
     echo "   per-op seconds (steps 2-6, every op synchronised), one GPU against tp=$t (a rank's, the first printed):"
     # the profile's lines: "  NAME  SECONDS s PCT% CALLS calls" (NAME may hold spaces)

@@ -39,6 +39,13 @@ static const HookDef HOOKS[HOOK_COUNT] = {
  * the setting went, rather than being ignored. */
 static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
+    {"TP_FUSED", "the key tp_comm="},
+    {"TP_CHUNKS", NULL},
+    {"TP_OVERLAP", NULL},
+    {"TP_HALVES", NULL},
+    {"TP_CE", NULL},
+    {"TP_KEEP_GATHERED", NULL},
+    {"TP_WHOLE_COLS", NULL},
     {NULL, NULL},
 };
 

@@ -4,11 +4,10 @@
 # pipeline stages (1F1B, zb1) and in the 3D mesh pp 2 x dp 2 x tp 2 with FSDP, follow the single-process run on the same global
 # batch (losses within 1e-5 relative for 5 steps, the same final parameters); checkpoints
 # hold the whole model's packed order, so they resume across tp layouts and eval reads them
-# in one process; layouts it cannot run are refused at start-up. Each collective runs in
-# chunks beside its matrix product (MESHTRAIN_TP_CHUNKS, 1 by default: one collective; the cases below
-# also with 2 and 4 at tp = 2 and 4, and where the rows make it fall back); MESHTRAIN_TP_CE=1 (the
-# collectives on the GPUs' copy engines) falls back to MPI on CPU ranks. Under the sanitizer build
-# the cases marked ~ are left out and each layout runs tied or untied, not both (lib.sh).
+# in one process; layouts it cannot run are refused at start-up. The sums and gathers fused
+# into the products (tp_comm=fused; MPI messages on CPU ranks) follow the one-process run as the
+# collectives do. Under the sanitizer build the cases marked ~ are left out and each layout runs
+# tied or untied, not both (lib.sh).
 TEST_NAME=tp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -75,235 +74,67 @@ if [ -n "$a" ] && [ "$(echo "$b" | wc -l)" = 5 ] &&
 then ok sp_side_update_after_norm_sums
 else bad "sp_side_update_after_norm_sums ($("$DIFF" "$TMP/noclip_1/ckpt.bin" "$TMP/noclip_0/ckpt.bin" 2>&1); $(tail -1 "$TMP/noclip_1.log"))"; fi
 
-# -- async tensor parallel: each collective split into MESHTRAIN_TP_CHUNKS chunks of rows
-# beside its matrix product (under sequence parallel the ranks then hold chunk-interleaved
-# rows) follows the one-process run; a count the rows do not divide falls back to the
-# largest that does (the header says which: here N = 20 rows, 10 or 5 a rank under sp)
-Q="vocab_size=50257 embed_dim=32 n_heads=4 n_layers=2 context_len=20 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
-"$BIN" train $Q batch_size=1 out_dir="$TMP/ref_q" >/dev/null
-# name|MESHTRAIN_TP_CHUNKS|ranks|reference|chunks it must report|keys
-while IFS='|' read -r name c np ref want keys; do
+# -- tp_comm=fused: the row-parallel products' sums and sequence parallel's gathers fused into
+# the products (on GPUs each rank copies the others' rows into their memory; on CPU ranks the
+# same blocks and parts as MPI messages): with and without sequence parallel, at tp 2 and 4,
+# tied, beside data parallel, pipeline stages and activation checkpointing, the run follows
+# the one-process run, says so in its header and counts the sums it fused
+# name|ranks|batch_size per data-parallel rank|tied|keys
+while IFS='|' read -r name np b tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
-  out=$TMP/chunks_$name
-  if [ "$ref" = ref_q ]; then k="$Q batch_size=1"; else k="$M batch_size=8"; fi
-  if MESHTRAIN_TP_CHUNKS=$c $MPIRUN -np "$np" "$BIN" train $k $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-     grep -q "each collective in $want chunks\{0,1\} of" "$out.log" && follows "$TMP/$ref" "$out"
-  then ok "chunks_$name"
-  else bad "chunks_$name ($(grep 'each collective' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-tp2_c2|2|2|ref_false|2|tensor_parallel_size=2
-~tp4_c4|4|4|ref_false|4|tensor_parallel_size=4
-~tp2_c4_no_sp|4|2|ref_false|4|tensor_parallel_size=2 sequence_parallel=false
-~tp4_c2_no_sp|2|4|ref_false|2|tensor_parallel_size=4 sequence_parallel=false
-tp2_pp2_c4_zb1|4|4|ref_false|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1
-~tp2_c2_activation_checkpointing|2|2|ref_false|2|tensor_parallel_size=2 activation_checkpointing=true
-tp2_c4_falls_to_2|4|2|ref_q|2|tensor_parallel_size=2
-~tp4_c4_falls_to_1|4|4|ref_q|1|tensor_parallel_size=4
-~tp2_c3_no_sp_falls_to_2|3|2|ref_q|2|tensor_parallel_size=2 sequence_parallel=false
-CASES
-err=$(MESHTRAIN_TP_CHUNKS=x $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_chunks" \
-      2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CHUNKS=x: not a whole number" <<<"$err" \
-  && ok bad_tp_chunks_refused || bad "bad_tp_chunks_refused (exit $rc: $err)"
-# -- without sequence parallel the forward runs in MESHTRAIN_TP_OVERLAP groups of rows (1 by
-# default: whole, as in the no_sp cases above), each group's all-reduces beside the next
-# group's products: 1, 2, 4, a count the rows do not divide (falls back: N = 20 rows), beside pipeline
-# stages and activation checkpointing, follow the one-process run; under sequence parallel
-# nothing is grouped (the header says nothing); a malformed value is refused
-# name|MESHTRAIN_TP_OVERLAP|ranks|reference|groups it must report (1: no line)|keys
-while IFS='|' read -r name g np ref want keys; do
-  skip_sanitized "$name" && continue; name=${name#\~}
-  out=$TMP/overlap_$name
-  if [ "$ref" = ref_q ]; then k="$Q batch_size=1"; else k="$M batch_size=8"; fi
-  if MESHTRAIN_TP_OVERLAP=$g $MPIRUN -np "$np" "$BIN" train $k $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-     if [ "$want" = 1 ]; then ! grep -q "the forward in" "$out.log"
-     else grep -q "the forward in $want groups of" "$out.log"; fi && follows "$TMP/$ref" "$out"
-  then ok "overlap_$name"
-  else bad "overlap_$name ($(grep 'the forward in' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-tp2_g1|1|2|ref_false|1|tensor_parallel_size=2 sequence_parallel=false
-tp2_g2|2|2|ref_false|2|tensor_parallel_size=2 sequence_parallel=false
-~tp4_g4|4|4|ref_false|4|tensor_parallel_size=4 sequence_parallel=false
-tp2_g3_falls_to_2|3|2|ref_q|2|tensor_parallel_size=2 sequence_parallel=false
-~tp2_g2_activation_checkpointing|2|2|ref_false|2|tensor_parallel_size=2 sequence_parallel=false activation_checkpointing=true
-tp2_pp2_g4_zb1|4|4|ref_false|4|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 sequence_parallel=false
-~tp2_g4_sp_not_grouped|4|2|ref_false|1|tensor_parallel_size=2
-CASES
-! grep -q "the forward in" "$TMP/tp2_no_sp_false.log" && ok overlap_default_whole ||
-  bad "overlap_default_whole ($(grep 'the forward in' "$TMP/tp2_no_sp_false.log"))"
-err=$(MESHTRAIN_TP_OVERLAP=0 $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_overlap" \
-      2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_OVERLAP=0: not a whole number" <<<"$err" \
-  && ok bad_tp_overlap_refused || bad "bad_tp_overlap_refused (exit $rc: $err)"
-# -- MESHTRAIN_TP_CE=1 (the collectives on the GPUs' copy engines) takes GPUs: on CPU ranks
-# the run takes today's path (MPI), says so in its header, and follows the one-process run;
-# a malformed value is refused
-out=$TMP/tp_ce_cpu
-if MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2 $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
-     out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-   grep -q "^tensor parallel collectives: MPI" "$out.log" && follows "$TMP/ref_false" "$out"
-then ok tp_ce_on_cpu_ranks_falls_back
-else bad "tp_ce_on_cpu_ranks_falls_back ($(grep 'collectives' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
-! grep -q "^tensor parallel collectives" "$TMP/tp2_false.log" && ok tp_ce_line_only_when_asked_on_cpu ||
-  bad tp_ce_line_only_when_asked_on_cpu
-err=$(MESHTRAIN_TP_CE=yes $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_ce" \
-      2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_CE=yes: not 0 or 1" <<<"$err" \
-  && ok bad_tp_ce_refused || bad "bad_tp_ce_refused (exit $rc: $err)"
-
-# -- MESHTRAIN_TP_FUSED=1: the row-parallel products' sums fused into the products (on GPUs
-# each rank writes the others' rows into their memory; on CPU ranks the same blocks and parts
-# as MPI messages): with and without sequence parallel, at tp 2 and 4, beside data parallel,
-# pipeline stages and activation checkpointing, the run follows the one-process run, says so
-# in its header and counts the sums it fused; so do mode 3 (each product whole, then the
-# blocks out; the residual given by one rank) and mode 4 (the sums' products in groups of two
-# blocks, at tp 2 one group: mode 3's); a malformed value is refused
-# mode|name|ranks|batch_size per data-parallel rank|tied|keys
-while IFS='|' read -r mode name np b tied keys; do
-  skip_sanitized "$name" && continue; name=${name#\~}
-  out=$TMP/fused${mode}_$name
-  if MESHTRAIN_TP_FUSED=$mode $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys \
-       out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-     grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
+  out=$TMP/fused_$name
+  if $MPIRUN -np "$np" "$BIN" train $M tie_embeddings=$tied batch_size=$b tp_comm=fused $keys out_dir="$out" </dev/null \
+       >"$out.log" 2>&1 &&
+     grep -q "^tensor parallel sums: fused into the products, MPI messages (tp_comm=fused)" "$out.log" &&
      grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && follows "$TMP/ref_$tied" "$out"
-  then ok "fused${mode}_$name"
-  else bad "fused${mode}_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
+  then ok "fused_$name"
+  else bad "fused_$name ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
-1|tp2|2|8|false|tensor_parallel_size=2
-1|tp2_tied|2|8|true|tensor_parallel_size=2
-1|tp2_no_sp|2|8|false|tensor_parallel_size=2 sequence_parallel=false
-1|~tp4|4|8|false|tensor_parallel_size=4
-1|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
-1|~tp2_dp2_fsdp|4|4|false|tensor_parallel_size=2 fsdp=true
-1|tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-1|~tp2_pp2_zb1_tied|4|8|true|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-1|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
-3|tp2|2|8|false|tensor_parallel_size=2
-3|~tp2_tied|2|8|true|tensor_parallel_size=2
-3|~tp4|4|8|false|tensor_parallel_size=4
-3|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
-3|~tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-3|~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
-4|tp4|4|8|false|tensor_parallel_size=4
-4|~tp4_tied|4|8|true|tensor_parallel_size=4
-4|tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
-4|~tp4_activation_checkpointing|4|8|false|tensor_parallel_size=4 activation_checkpointing=true
-4|~tp2|2|8|false|tensor_parallel_size=2
+tp2|2|8|false|tensor_parallel_size=2
+tp2_tied|2|8|true|tensor_parallel_size=2
+tp2_no_sp|2|8|false|tensor_parallel_size=2 sequence_parallel=false
+~tp4|4|8|false|tensor_parallel_size=4
+tp4_no_sp|4|8|false|tensor_parallel_size=4 sequence_parallel=false
+~tp4_tied|4|8|true|tensor_parallel_size=4
+~tp2_dp2_fsdp|4|4|false|tensor_parallel_size=2 fsdp=true
+tp2_pp2_zb1|4|8|false|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+~tp2_pp2_zb1_tied|4|8|true|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
+~tp2_activation_checkpointing|2|8|false|tensor_parallel_size=2 activation_checkpointing=true
+~tp4_activation_checkpointing|4|8|false|tensor_parallel_size=4 activation_checkpointing=true
 CASES
-! grep -q "sums" "$TMP/tp2_false.log" && ok fused_line_only_when_asked || bad fused_line_only_when_asked
-# -- MESHTRAIN_TP_WHOLE_COLS=c under mode 2: the products after a gather with at most c output
-# columns (12: att_out's and down's input gradients here at tp 4, 8 and 12 columns; 24, qkv's
-# and gate_up's forward, stay in blocks; 1000000: all of them) wait for every block and run
-# once on all rows; the run follows the one-process run and says so; a malformed c is refused
-for c in 12 '~1000000'; do
-  skip_sanitized "$c" && continue; c=${c#\~}
-  out=$TMP/whole_cols_$c
-  if MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=$c $MPIRUN -np 4 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS "$BIN" train $M \
-       tie_embeddings=false batch_size=8 tensor_parallel_size=4 out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-     grep -q "^tensor parallel: the products after a gather with at most $c output columns run once" "$out.log" &&
-     follows "$TMP/ref_false" "$out"
-  then ok "whole_cols_$c"; else bad "whole_cols_$c ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
-done
-# -- MESHTRAIN_TP_KEEP_GATHERED=1: each layer's gathered norm outputs kept from the forward for
-# the backward's weight gradients (no gather again there): the same values into the same
-# products, so bitwise the run without it (tp 2 and 4, fused mode 2 at tp 4, activation
-# checkpointing, pp 2 zb1's separate weight pass); the header says so; the estimate grows by
-# the kept buffers ((2 L - 1) N E: they replace the one shared gather buffer); a malformed
-# value is refused
-# name|ranks|MESHTRAIN_TP_FUSED|keys
-while IFS='|' read -r name np mode keys; do
-  skip_sanitized "$name" && continue; name=${name#\~}
-  ok_kg=1
-  for kg in 0 1; do
-    out=$TMP/kg${kg}_$name
-    MESHTRAIN_TP_FUSED=$mode MESHTRAIN_TP_KEEP_GATHERED=$kg $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_KEEP_GATHERED \
-      "$BIN" train $M tie_embeddings=false batch_size=8 $keys out_dir="$out" </dev/null >"$out.log" 2>&1 || ok_kg=0
-  done
-  d=$("$DIFF" "$TMP/kg0_$name/ckpt.bin" "$TMP/kg1_$name/ckpt.bin" 2>&1)
-  if [ $ok_kg = 1 ] && [ "$d" = "max_rel_diff 0" ] && [ "$(losses "$TMP/kg0_$name")" = "$(losses "$TMP/kg1_$name")" ] &&
-     grep -q "^tensor parallel: each layer's gathered norm outputs kept" "$TMP/kg1_$name.log" &&
-     ! grep -q "kept for the backward" "$TMP/kg0_$name.log" && follows "$TMP/ref_false" "$TMP/kg1_$name"
-  then ok "keep_gathered_$name"; else bad "keep_gathered_$name ($d; $(tail -2 "$TMP/kg1_$name.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-tp2|2|0|tensor_parallel_size=2
-~tp4_fused2|4|2|tensor_parallel_size=4
-tp2_activation_checkpointing|2|0|tensor_parallel_size=2 activation_checkpointing=true
-~tp2_pp2_zb1|4|0|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-CASES
-# -- MESHTRAIN_TP_HALVES=1: under sequence parallel with the fused sums, the rows as two halves
-# whose sections interleave (each half's sums and gathers fused, two sums in flight; under modes
-# 3 and 4 each layer's down sums travel on into the next layer, FSDP's hooks beside): the run
-# follows the one-process run (tp 2 and 4, modes 1 to 4, tied, activation checkpointing, the
-# kept gathers, FSDP over dp, pp 2 zb1) and its header says so; it is refused without sequence
-# parallel or without the fused sums, or with another chunk count
-# name|ranks|environment|batch_size per data-parallel rank|keys
-while IFS='|' read -r name np envs b keys; do
-  skip_sanitized "$name" && continue; name=${name#\~}
-  out=$TMP/halves_$name tied=false
-  [[ $name == *_tied ]] && tied=true
-  if env $envs MESHTRAIN_TP_HALVES=1 $MPIRUN -np "$np" -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_HALVES -x MESHTRAIN_TP_KEEP_GATHERED \
-       "$BIN" train $M tie_embeddings=$tied batch_size=$b $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
-     grep -q "^tensor parallel: each layer in two halves of rows" "$out.log" &&
-     grep -q "^tensor parallel: each collective in 2 chunks" "$out.log" && follows "$TMP/ref_$tied" "$out"
-  then ok "halves_$name"; else bad "halves_$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-tp2_fused2|2|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2
-tp4_fused2|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=4
-~tp4_fused2_tied|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=4
-~tp4_fused3|4|MESHTRAIN_TP_FUSED=3|8|tensor_parallel_size=4
-~tp2_fused1|2|MESHTRAIN_TP_FUSED=1|8|tensor_parallel_size=2
-~tp4_fused4|4|MESHTRAIN_TP_FUSED=4|8|tensor_parallel_size=4
-tp2_activation_checkpointing|2|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 activation_checkpointing=true
-~tp2_keep_gathered|2|MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_KEEP_GATHERED=1|8|tensor_parallel_size=2
-~tp2_dp2_fsdp|4|MESHTRAIN_TP_FUSED=2|4|tensor_parallel_size=2 fsdp=true
-tp2_fused3_dp2_fsdp|4|MESHTRAIN_TP_FUSED=3|4|tensor_parallel_size=2 fsdp=true
-~tp2_fused3_activation_checkpointing|2|MESHTRAIN_TP_FUSED=3|8|tensor_parallel_size=2 activation_checkpointing=true
-tp2_pp2_zb1|4|MESHTRAIN_TP_FUSED=2|8|tensor_parallel_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
-CASES
-# name|environment|keys|message
-while IFS='|' read -r name envs keys msg; do
-  err=$(env $envs $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_HALVES -x MESHTRAIN_TP_CHUNKS "$BIN" train $M batch_size=8 \
-        tensor_parallel_size=2 $keys out_dir="$TMP/bad_halves" 2>&1 >/dev/null </dev/null); rc=$?
-  [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "$msg" <<<"$err" \
-    && ok "halves_refused_$name" || bad "halves_refused_$name (exit $rc: $err)"
-done <<'CASES'
-not_fused|MESHTRAIN_TP_HALVES=1||MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true and the fused sums
-no_sp|MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_FUSED=2|sequence_parallel=false|MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true
-chunks|MESHTRAIN_TP_HALVES=1 MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_CHUNKS=4||MESHTRAIN_TP_CHUNKS=4 asks for another count
-malformed|MESHTRAIN_TP_HALVES=yes MESHTRAIN_TP_FUSED=2||MESHTRAIN_TP_HALVES=yes: not 0 or 1
-CASES
-EK="embed_dim=1024 n_heads=8 n_layers=4 context_len=1024 batch_size=4 tensor_parallel_size=2 world_size=2"
-act_mib() { awk '$1 == "activations" {print $2 * ($3 == "GiB" ? 1024 : 1)}'; }
-k0=$(MESHTRAIN_TP_KEEP_GATHERED=0 "$BIN" estimate $EK | act_mib) k1=$(MESHTRAIN_TP_KEEP_GATHERED=1 "$BIN" estimate $EK | act_mib)
-# (2 x 4 - 1) x 4096 rows x 1024 x 4 bytes (fp32 on CPU ranks) = 112 MiB
-awk -v a="$k0" -v b="$k1" 'BEGIN {d = b - a - 112; exit !(a > 0 && d < 0.2 && d > -0.2)}' &&
-  ok "keep_gathered_in_estimate ($k0 -> $k1 MiB)" || bad "keep_gathered_in_estimate ($k0 -> $k1 MiB, expected +112)"
-expect_exit 2 "MESHTRAIN_TP_KEEP_GATHERED=yes: not 0 or 1" bad_tp_keep_gathered_refused -- \
-  env MESHTRAIN_TP_KEEP_GATHERED=yes "$BIN" estimate $EK
-err=$(MESHTRAIN_TP_FUSED=2 MESHTRAIN_TP_WHOLE_COLS=wide $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED -x MESHTRAIN_TP_WHOLE_COLS "$BIN" train $M \
-      batch_size=8 tensor_parallel_size=2 out_dir="$TMP/bad_whole" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_WHOLE_COLS=wide: not a whole number" <<<"$err" \
-  && ok bad_tp_whole_cols_refused || bad "bad_tp_whole_cols_refused (exit $rc: $err)"
+# on CPU ranks auto takes the collectives, and the header says so; tp_comm=collectives follows
+# the one-process run too
+grep -q "^tensor parallel sums: collectives (tp_comm=auto)" "$TMP/tp2_false.log" && ! grep -q "sums fused" "$TMP/tp2_false.log" &&
+  ok collectives_by_default_on_cpu_ranks ||
+  bad "collectives_by_default_on_cpu_ranks ($(grep 'sums' "$TMP/tp2_false.log"))"
+out=$TMP/collectives_tp2
+if $MPIRUN -np 2 "$BIN" train $M batch_size=8 tensor_parallel_size=2 tp_comm=collectives out_dir="$out" </dev/null \
+     >"$out.log" 2>&1 && grep -q "^tensor parallel sums: collectives (tp_comm=collectives)" "$out.log" &&
+   follows "$TMP/ref_false" "$out"
+then ok collectives_asked; else bad "collectives_asked ($(grep 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
 # the GPU estimate counts the fused sums' slots and staging where they are the default (tp 2
-# and 4) and where asked, not where the collectives run (tp 8 by default, or asked)
+# and 4) and where asked (tp 8), not where the collectives run (tp 8 by default, or asked)
 E="device=cuda embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=4 precision=bf16"
 e2=$("$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
-e2off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=2 world_size=2 2>&1)
+e2off=$("$BIN" estimate $E tensor_parallel_size=2 world_size=2 tp_comm=collectives 2>&1)
 e4=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
-e4on=$(MESHTRAIN_TP_FUSED=2 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
-e4off=$(MESHTRAIN_TP_FUSED=0 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e4on=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 tp_comm=fused 2>&1)
+e4off=$("$BIN" estimate $E tensor_parallel_size=4 world_size=4 tp_comm=collectives 2>&1)
 e8=$("$BIN" estimate $E tensor_parallel_size=8 world_size=8 2>&1)
-e4whole=$(MESHTRAIN_TP_FUSED=3 "$BIN" estimate $E tensor_parallel_size=4 world_size=4 2>&1)
+e8on=$("$BIN" estimate $E tensor_parallel_size=8 world_size=8 tp_comm=fused 2>&1)
 slots() { grep -o 'fused-sum slots *[0-9.]* [KMG]iB' <<<"$1" | awk '{print $3 * ($4 == "GiB" ? 1024 : $4 == "KiB" ? 1 / 1024 : 1)}'; }
 grep -q "fused-sum slots" <<<"$e2" && ! grep -q "fused-sum slots" <<<"$e2off" && grep -q "fused-sum slots" <<<"$e4" &&
   ! grep -q "fused-sum slots" <<<"$e4off" && ! grep -q "fused-sum slots" <<<"$e8" && [ "$e4" = "$e4on" ] &&
-  grep -q "fused-sum slots" <<<"$e4on" && awk -v a="$(slots "$e4on")" -v b="$(slots "$e4whole")" 'BEGIN {exit !(a > 0 && b > a)}' &&
-  ok "fused_slots_in_gpu_estimate (tp 4: mode 2 $(slots "$e4on") MiB, mode 3's whole staging $(slots "$e4whole") MiB)" ||
-  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4off$e8$e4on$e4whole") lines; $(slots "$e4on") / $(slots "$e4whole") MiB)"
-err=$(MESHTRAIN_TP_FUSED=5 $MPIRUN -np 2 -x MESHTRAIN_TP_FUSED "$BIN" train $M batch_size=8 tensor_parallel_size=2 \
-      out_dir="$TMP/bad_fused" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_TP_FUSED=5: not 0, 1, 2, 3 or 4" <<<"$err" \
-  && ok bad_tp_fused_refused || bad "bad_tp_fused_refused (exit $rc: $err)"
+  grep -q "fused-sum slots" <<<"$e8on" && awk -v a="$(slots "$e4on")" 'BEGIN {exit !(a > 0)}' &&
+  ok "fused_slots_in_gpu_estimate (tp 4: $(slots "$e4on") MiB, tp 8 asked: $(slots "$e8on") MiB)" ||
+  bad "fused_slots_in_gpu_estimate ($(grep -c 'fused-sum' <<<"$e2$e2off$e4$e4off$e8$e4on$e8on") lines; $(slots "$e4on") MiB)"
+expect_exit 2 "tp_comm=ring: expected one of auto\|collectives\|fused" bad_tp_comm_refused -- \
+  "$BIN" estimate $E tensor_parallel_size=2 world_size=2 tp_comm=ring
+# the variables earlier builds read for tensor parallel's paths are refused, each with one line
+expect_exit 2 "MESHTRAIN_TP_FUSED is no longer read: use the key tp_comm=" retired_tp_fused_refused -- \
+  env MESHTRAIN_TP_FUSED=2 "$BIN" estimate $E tensor_parallel_size=2 world_size=2
+expect_exit 2 "MESHTRAIN_TP_CHUNKS is no longer read: the alternative it chose was removed" retired_tp_chunks_refused -- \
+  env MESHTRAIN_TP_CHUNKS=2 "$BIN" estimate $E tensor_parallel_size=2 world_size=2
 
 # -- memory per rank falls with tp (a model whose layers weigh: the embedding is whole on
 # every rank), and the estimate stays within 10% of every rank's max RSS

@@ -68,11 +68,7 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
         F(lse, Ls * B * NH * T); C(mid, Ls * NS * E, nsp); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
         P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
     }
-    if (sp && layers) {
-        if (training && model_tp_keep_gathered()) C(xg, Ls * 2 * N * E, 1);
-        else C(gath, N * E, 1);
-        C(full, N * E, 1);
-    }
+    if (sp && layers) { C(gath, N * E, 1); C(full, N * E, 1); }
     if (head) { C(xf, N * E, sp); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
     if (head && tp > 1) F(ce_stats, (size_t)tp * rows * 3);
     if (layers) { F(rope_cos, (size_t)T * HD / 2); F(rope_sin, (size_t)T * HD / 2); }
@@ -121,18 +117,6 @@ size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int tr
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
-}
-
-size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
-                                  int tp, int sp) {
-    Acts a;
-    Slot s[32];
-    size_t logit_n;
-    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
-                      tp, sp);
-    for (int i = 0; i < n; i++)
-        if (s[i].coll) return slot_bytes(&s[i], act_size);
-    return 0;
 }
 
 size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size, int tp,
@@ -201,7 +185,7 @@ void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
-                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full, a->xg};
+                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         if (a->buf_free) a->buf_free(all[i]);
         else op_free(all[i]);

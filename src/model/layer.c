@@ -14,7 +14,6 @@ LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
         .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NS * E),
         .xn2 = act_at(a->xn2, s * NS * E), .rstd2 = a->rstd2 + s * NS, .gu = act_at(a->gu, s * NA * 2 * H),
         .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NS * E),
-        .xg1 = a->xg ? act_at(a->xg, 2 * s * NA * E) : NULL, .xg2 = a->xg ? act_at(a->xg, (2 * s + 1) * NA * E) : NULL,
     };
     return la;
 }
@@ -24,32 +23,15 @@ LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
  * tensor-parallel rank the heads and FFN units are its own (Et = its heads' width, H = its
  * FFN units), and the two branch outputs are summed over the ranks before the residual;
  * under sequence parallel the norms run on the rank's rows (NS) and their outputs are
- * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered.
- * Each collective is chunked beside its product (product_after, product_then_sum). pend: see
- * layer_forward_groups; NULL: every collective joined before the return. */
-void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute,
-                   Tickets *pend) {
-    int G = model_tp_groups(m, (size_t)B * T);
-    if (G > 1) {
-        Tickets mine = {.n = 0};
-        layer_forward_groups(m, a, l, la, B, T, G, recompute, pend ? pend : &mine);
-        tp_join_all(m, &mine);
-        return;
-    }
-    if (pend) {
-        tp_join_all(m, pend);
-        pend->n = 0;
-    }
-    if (model_tp_halves(m, (size_t)B * T)) {
-        layer_forward_halves(m, a, l, la, B, T, recompute, NULL);
-        return;
-    }
+ * gathered for the matrix products (a->gath), whose outputs (a->full) are reduce-scattered
+ * (product_after, product_then_sum). */
+void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     Tickets ts;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), NS, E, RMS_EPS);
-    const void *xn = seq_gather_begin(m, gath_of(a, la->xg1), la->xn1, N, &ts);
+    const void *xn = seq_gather_begin(m, a->gath, la->xn1, N, &ts);
     product_after(m, &(Product){0, la->qkv, xn, act_at(w, ly->qkv), NULL, E, 3 * Et}, &ts, N);
     op_rope_forward(la->qkv, a->rope_cos, a->rope_sin, B, T, m->NHt, m->HD);
     op_attention_forward(la->att, la->lse, la->qkv, B, T, m->NHt, m->HD);
@@ -57,7 +39,7 @@ void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, in
     product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts, 0);
     tp_join_all(m, &ts);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
-    xn = seq_gather_begin(m, gath_of(a, la->xg2), la->xn2, N, &ts);
+    xn = seq_gather_begin(m, a->gath, la->xn2, N, &ts);
     product_after(m, &(Product){0, la->gu, xn, act_at(w, ly->gate_up), NULL, E, 2 * H}, &ts, N);
     op_swiglu_forward(la->hsw, la->gu, N, H);
     if (recompute) return;
@@ -73,14 +55,10 @@ void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, in
 
 /* dres holds d(loss)/d(layer output) on entry and d(loss)/d(layer input) on return (the
  * rank's rows under sequence parallel, gathered whole into a->full where a product needs
- * them, chunk by chunk beside the product's input gradient: product_after). defer != 0:
+ * them: product_after). defer != 0:
  * leaves out the weight gradients of gate_up and qkv, for layer_backward_deferred (their
  * inputs, dgu and dqkv, stay in the scratch until the next layer_backward). */
 void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
-    if (model_tp_halves(m, (size_t)a->B * a->T)) {
-        layer_backward_halves(m, a, l, la, defer, NULL, 0);
-        return;
-    }
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
@@ -95,20 +73,20 @@ void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
      * gathered while the products before them run (begun after d's gathers, needed first) */
     Tickets td, gx = {.n = 0, .rot = 0};
     const void *d = seq_gather_begin(m, a->full, a->dres, N, &td);
-    if (!defer && !la->xg2) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
+    if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
     product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);
     op_matmul_backward(NULL, st_at(g, ly->down), d, la->hsw, NULL, N, H, E);
     op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? gath_of(a, la->xg2) : la->xn2, &gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, &gx,
                       act_at(w, ly->gate_up), N, E, 2 * H);
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
     d = seq_gather_begin(m, a->full, a->dres, N, &td);
-    if (!defer && !la->xg1) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
+    if (!defer) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
     product_after(m, &(Product){1, a->datt, d, act_at(w, ly->att_out), NULL, Et, E}, &td, N);
     op_matmul_backward(NULL, st_at(g, ly->att_out), d, la->att, NULL, N, Et, E);
     op_attention_rope_backward_set(a->dqkv, a->datt, la->qkv, la->att, la->lse, a->rope_cos, a->rope_sin, B, T, m->NHt,
                                    m->HD);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? gath_of(a, la->xg1) : la->xn1, &gx,
+    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->qkv), a->dqkv, m->sp ? a->gath : la->xn1, &gx,
                       act_at(w, ly->qkv), N, E, 3 * Et);
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
@@ -118,8 +96,8 @@ void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la) {
     void *g = unit_grads(m, unit_of_layer(l));
     const LayerLayout *ly = &m->layer;
     int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
-    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, gathered(m, a, la->xg2, la->xn2, N), NULL, N, E, 2 * H);
-    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, gathered(m, a, la->xg1, la->xn1, N), NULL, N, E, 3 * Et);
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, seq_gather(m, a->gath, la->xn1, N), NULL, N, E, 3 * Et);
 }
 
 /* ---- layers as recorded graphs (model_use_graphs, layer_graphs.h) ----
@@ -136,11 +114,11 @@ typedef struct { Model *m; Acts *a; int l, defer; const LayerActs *la; const WGr
 
 static void lg_forward(void *ctx) {
     LayerCall *c = ctx;
-    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 0, NULL);
+    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 0);
 }
 static void lg_recompute(void *ctx) {
     LayerCall *c = ctx;
-    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 1, NULL);
+    layer_forward(c->m, c->a, c->l, c->la, c->a->B, c->a->T, 1);
 }
 static void lg_backward(void *ctx) {
     LayerCall *c = ctx;
@@ -209,7 +187,7 @@ void layer_backward_input(Model *m, Acts *a, int l, const LayerActs *la, const W
     /* (sequence parallel: dout and dmid kept whole, dxn2 and dxn1 the rank's rows) */
     void *dx2 = m->sp ? a->full : wg->dxn2, *dx1 = m->sp ? a->full : wg->dxn1;
     /* d(output) gathered straight into dout (copied without sequence parallel), each
-     * chunk's input gradient computed as it arrives; the sums chunked beside theirs */
+     * block's input gradient computed as it arrives after a fused gather */
     Tickets ts;
     if (!m->sp) op_copy(wg->dout, a->dres, bytes);
     seq_gather_begin(m, wg->dout, a->dres, N, &ts);
@@ -235,10 +213,10 @@ void layer_backward_weight(Model *m, Acts *a, int l, const LayerActs *la, const 
     const LayerLayout *ly = &m->layer;
     void *g = unit_grads(m, unit_of_layer(l));
     op_matmul_backward(NULL, st_at(g, ly->down), wg->dout, la->hsw, NULL, N, H, E);
-    op_matmul_backward(NULL, st_at(g, ly->gate_up), wg->dgu, gathered(m, a, la->xg2, la->xn2, N), NULL, N, E, 2 * H);
+    op_matmul_backward(NULL, st_at(g, ly->gate_up), wg->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
     op_rmsnorm_backward(NULL, st_at(g, ly->ffn_norm), wg->dxn2, la->mid, NULL, la->rstd2, NS, E);
     op_matmul_backward(NULL, st_at(g, ly->att_out), wg->dmid, la->att, NULL, N, Et, E);
-    op_matmul_backward(NULL, st_at(g, ly->qkv), wg->dqkv, gathered(m, a, la->xg1, la->xn1, N), NULL, N, E, 3 * Et);
+    op_matmul_backward(NULL, st_at(g, ly->qkv), wg->dqkv, seq_gather(m, a->gath, la->xn1, N), NULL, N, E, 3 * Et);
     op_rmsnorm_backward(NULL, st_at(g, ly->att_norm), wg->dxn1, la->x, NULL, la->rstd1, NS, E);
 }
 

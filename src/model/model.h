@@ -37,15 +37,16 @@ typedef struct {
  * filled from its rank (stats: fp32 statistics, else activations). reduce_scatter: send holds
  * tp_size blocks of n activations, recv gets the sum of block tp_rank; send is scratch
  * afterwards (sequence parallel only). */
-/* The most chunks tensor parallel's collectives are split into (Model's tp_chunks). */
-#define TP_MAX_CHUNKS 16
+/* The most tickets one collective returns (a fused gather's: one a rank of the group). */
+#define TP_MAX_TICKETS 16
 /* alloc (may be NULL: op_alloc): the memory of the activation buffers that the collectives
  * run over (Slot's coll in acts_plan: the branch outputs and input gradients summed in
  * place without sequence parallel; under it the staging buffers gath and full, the head's
  * xf and dxf), zeroed, called with the same sizes in the same order on every rank of the
- * group; free frees it (and op_alloc memory). tensor.c gives them with MESHTRAIN_TP_CE=1,
- * where they put the buffers in NCCL windows and the collectives run on the copy engines. */
-/* fused_sum_begin (NULL: none; tensor.c gives it where MESHTRAIN_TP_FUSED's mode is not 0): a
+ * group; free frees it (and op_alloc memory). tensor.c gives them under the fused sums on
+ * GPUs: buffers every rank of the group maps, so that a gather writes each rank's rows
+ * straight into the others' buffers. */
+/* fused_sum_begin (NULL: none; tensor.c gives it where the sums are fused): a
  * row-parallel product's output summed over the group with no collective. N rows of E are
  * cut into tp_size blocks of N / tp_size; the rank computes each other rank's block of its
  * part (rows(arg, r0, rows, out, NULL, res)), which goes into that rank's memory, and its own
@@ -55,33 +56,20 @@ typedef struct {
  * given in exactly one rank's part of each block. arg (arg_bytes) is copied. Returns the
  * ticket to join, or -1 where it cannot (the caller then sums by the collectives). fill: the
  * caller queues other work before the join (a weight gradient), under which the others'
- * parts travel; else the rank's own rows are made at once and the parts added after them. */
+ * parts travel; else the rank's own rows are made at once and the parts added after them.
+ * A sum begun joins the one before it first. */
 typedef void (*TpRowsFn)(const void *arg, size_t r0, size_t rows, void *out, const void *add, int res);
 /* fused_gather_begin (NULL: none; with fused_sum_begin): buf [N, E] gathered in place, as
  * allgather_begin, in tp_size blocks of N / tp_size rows, this rank's (block tp_rank) in place
  * already; tickets[i] (i < tp_size) to join before block (tp_rank + i) % tp_size is read
  * (-1: nothing to wait for; tickets[0], this rank's own, always), so that a product can run
  * on this rank's rows while the others' travel (on GPUs by the copy engines, no SM). Returns
- * tp_size, or 0 where it cannot (the caller then gathers by the collective).
- * gather_whole_cols: a product after a fused gather whose output has at most this many
- * columns runs once on all N rows after every block (0: none; every one under
- * MESHTRAIN_TP_FUSED=3; MESHTRAIN_TP_WHOLE_COLS): for outputs so narrow that a block of
- * N / tp_size rows leaves SMs idle. */
+ * tp_size, or 0 where it cannot (the caller then gathers by the collective). */
 typedef struct {
     void *ctx;
     long (*fused_sum_begin)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
                             size_t E, int scatter, int fill);
-    /* fused_sum_next: fused_sum_begin without joining the sum pending first (at most two
-     * pending, the older then joined first; joining a ticket joins the older ones too): two
-     * halves of the rows, one's sum travelling while the other's product runs (tp_halves) */
-    long (*fused_sum_next)(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                           size_t E, int scatter, int fill);
-    /* fused_made: every fused sum begun with fill 0 makes all of its parts at its begin (its
-     * join reads neither the product's weights nor its input; else the join may make this
-     * rank's own rows) */
-    int fused_made;
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
-    int gather_whole_cols;
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
     long (*allreduce_begin)(void *ctx, void *buf, size_t n);
@@ -117,34 +105,13 @@ typedef struct {
      * padding, which no rank stores). tp_size = 1: v0 = 0, Vt = Vr = V. */
     int Vt, v0, Vr;
     /* Sequence parallel (tp_size > 1, set with m->tp): the residual stream, the norms and the
-     * stage's input and output hold this rank's N / tp_size rows of the N = B*T tokens
-     * (tp_size divides context_len); the norms' outputs are all-gathered before qkv_proj,
-     * gate_up and lm_head, and the branch outputs reduce-scattered after att_out_proj and
-     * down_proj (and the embedding). The norms' weight gradients are then each rank's rows'
-     * part, summed over the tp ranks by the strategy before the gradient norm (parallel.c).
-     * Which rows a rank holds follows the chunks below: of c chunks of N / c consecutive
-     * rows, within chunk j the rows j * N / c + tp_rank * N / (c * tp_size) onwards, held
-     * consecutively (chunk j at local row j * N / (c * tp_size)); c = 1: the rows
-     * tp_rank * N / tp_size onwards. Every row is a token's place in the flat [N, E]
-     * activations only (attention and RoPE run on gathered whole rows), so any ownership the
-     * whole forward and backward keep alike is correct. */
+     * stage's input and output hold this rank's N / tp_size rows of the N = B*T tokens, the
+     * rows tp_rank * N / tp_size onwards (tp_size divides context_len); the norms' outputs
+     * are all-gathered before qkv_proj, gate_up and lm_head, and the branch outputs
+     * reduce-scattered after att_out_proj and down_proj (and the embedding). The norms'
+     * weight gradients are then each rank's rows' part, summed over the tp ranks by the
+     * strategy before the gradient norm (parallel.c). */
     int sp;
-    /* Tensor parallel's collectives are split into chunks of rows, each overlapping the
-     * matrix product of another chunk (the product of chunk j runs while chunk j - 1's
-     * sum, or chunk j + 1's gather, travels): tp_chunks are asked for (set with m->tp;
-     * 0 or 1: none), and N rows use the largest count up to it that divides them (under
-     * sequence parallel, each rank's N / tp_size). */
-    int tp_chunks;
-    /* Without sequence parallel, the layers' forward runs in tp_groups groups of rows (set
-     * with m->tp; 0 or 1: whole), each group's all-reduces travelling beside the next group's
-     * products and the group before's FFN (model_tp_groups: the count used for N rows). */
-    int tp_groups;
-    /* Under sequence parallel with the fused sums and gathers (MESHTRAIN_TP_HALVES=1, set with
-     * m->tp): the rows as two chunks (tp_chunks 2), and each layer's sections interleaved, so
-     * that one half's sums and gathers travel while the other half's products run (the
-     * products of a half whole, as under MESHTRAIN_TP_FUSED=3). model_tp_halves: whether N rows
-     * run so. */
-    int tp_halves;
     ModelTp tp;
     int n_units;
     Unit *units;
@@ -293,10 +260,8 @@ typedef struct {
     float *losses;          /* [N] */
     void *dres, *dxf, *dqkv, *datt, *dgu, *dh, *dxn;  /* backward scratch, reused per layer */
     /* sequence parallel: [N, E] scratch for a gathered norm output (gath) and for a
-     * product's partial sum or a gathered gradient (full); with model_tp_keep_gathered, each
-     * layer's two gathered norm outputs kept for the backward's weight gradients (xg, [2 N, E]
-     * a layer slot) in place of gath */
-    void *gath, *full, *xg;
+     * product's partial sum or a gathered gradient (full) */
+    void *gath, *full;
     float *rope_cos, *rope_sin;
     size_t bytes;
     void (*buf_free)(void *p);  /* frees the buffers where ModelTp's alloc made some (NULL: op_free) */
@@ -328,11 +293,6 @@ size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int 
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
                      size_t *logit_bytes, int tp, int sp);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
-/* The bytes of the first buffer acts_alloc_stage takes from ModelTp's alloc on a
- * tensor-parallel rank (arguments as acts_bytes_tp's; 0: none), which sizes the group's
- * copy-engine all-to-all buffer (comm_ce_buffer_bytes), for the estimate. */
-size_t acts_tp_first_window_bytes(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
-                                  int tp, int sp);
 /* What the buffers ModelTp's alloc gives take beyond the plan's bytes (acts_bytes_tp), summed,
  * where a buffer of b bytes takes extra(b) more (tensor.c's mapped buffers: whole pages). */
 size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size, int tp,
@@ -377,21 +337,6 @@ void *model_stage_grad(const Acts *a);
 /* The rows of those three buffers (of E activations each): a->N, or this rank's a->N /
  * tp_size under sequence parallel. */
 size_t model_stage_rows(const Model *m, const Acts *a);
-/* The chunks tensor parallel's collectives are split into for N rows (Model's tp_chunks,
- * or the largest count below it that divides the rows; 1 at tp_size = 1). */
-int model_tp_chunks(const Model *m, size_t N);
-/* Whether a layer's forward and backward of N rows run in two interleaved halves (tp_halves). */
-int model_tp_halves(const Model *m, size_t N);
-/* The groups of rows the forward runs in for N rows (Model's tp_groups, up to TP_MAX_CHUNKS,
- * the largest count up to it that divides N); 1 at tp_size 1, under sequence parallel, or
- * where 1 was asked. */
-int model_tp_groups(const Model *m, size_t N);
-/* MESHTRAIN_TP_KEEP_GATHERED=1 (an A/B knob for the GPU benchmarks; default 0): under
- * sequence parallel, training keeps each layer's gathered norm outputs (2 N x E a layer slot,
- * Acts' xg) from the forward for the weight gradients of qkv and gate_up, which then gather
- * nothing again in the backward (two of a layer's six collectives there), for that memory.
- * The memory estimate counts it (acts_plan). Another value than 0 or 1 ends the run (exit 2). */
-int model_tp_keep_gathered(void);
 
 /* Forward over a->inputs; mean cross-entropy against a->targets. With grad != 0 also runs
  * the backward and ACCUMULATES parameter gradients into m->grads (scaled so the gradient is

@@ -11,7 +11,7 @@
 
 /* Per-layer activation pointers: the layer's input and output in residual slots r and r+1,
  * everything else in layer slot `slot`. */
-typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; void *xg1, *xg2; } LayerActs;
+typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
 /* A layer's gradients that the split backward's weight pass needs, kept by its input pass
  * (model_backward_input; wgrad_at) */
 typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
@@ -20,30 +20,20 @@ typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
  * parallel its N / tp_size (the rows tp_rank * N / tp_size onwards). */
 static inline size_t held_rows(const Model *m, size_t N) { return m->sp ? N / (size_t)m->tp_size : N; }
 
-/* The tickets of one collective's chunks (n = 0: nothing was begun); rot: a fused gather's,
- * ticket i for the block of rows (tp_rank + i) % tp_size (ModelTp's fused_gather_begin). */
-typedef struct { long t[TP_MAX_CHUNKS]; int n, rot; } Tickets;
-/* N rows as c chunks of `rows` rows; under sequence parallel a rank holds `held` of each
- * (Model's sp says which), else held = rows. */
-typedef struct { int c; size_t rows, held; } Chunks;
-/* One matrix product of a layer, to be run a chunk of rows at a time: the forward's
- * out = inp @ w^T (+ res when res: out and res [N, OC], inp [N, C]), or with bwd the input
- * gradient out = inp @ w (inp = d(output) [N, OC], out [N, C]; written, not added). */
+/* The tickets of one collective (n = 0: nothing was begun); rot: a fused gather's, ticket i
+ * for the block of rows (tp_rank + i) % tp_size (ModelTp's fused_gather_begin). */
+typedef struct { long t[TP_MAX_TICKETS]; int n, rot; } Tickets;
+/* One matrix product of a layer: the forward's out = inp @ w^T (+ res when res: out and res
+ * [N, OC], inp [N, C]), or with bwd the input gradient out = inp @ w (inp = d(output)
+ * [N, OC], out [N, C]; written, not added); a fused sum or gather runs it a block of rows at
+ * a time. */
 typedef struct { int bwd; void *out; const void *inp, *w, *res; int C, OC; } Product;
-/* A layer's down-projection sums left travelling into the next layer (layer_forward_halves
- * with hp), and where their rows' residual add goes once they are in. */
-typedef struct { Tickets s[2]; void *out, *mid; int on; } HalvesPend;
-/* The gathers of d(output) a layer's backward under tp_halves begins for the layer before
- * (layer_backward_halves' carry). */
-typedef struct { Tickets td[2]; int on; } HalvesCarry;
 
 /* ---- a layer (layer.c) ---- */
 
 LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r);
-/* recompute: activation checkpointing's forward in the backward; pend: down's sums still
- * travelling (layer_forward_groups); NULL: every collective joined before the return */
-void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute,
-                   Tickets *pend);
+/* recompute: activation checkpointing's forward in the backward */
+void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute);
 /* defer: leaves the weight gradients of gate_up and qkv to layer_backward_deferred */
 void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer);
 void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la);
@@ -61,26 +51,15 @@ void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, const WGra
 void tp_flush(const Model *m);
 void tp_join(const Model *m, long t);
 void tp_join_all(const Model *m, const Tickets *ts);
-Chunks tp_chunks(const Model *m, int N);
-size_t mine_row(const Model *m, const Chunks *k, int j);
 /* the sum over the tp ranks of their parts (all-reduce, or under sequence parallel reduce-scatter) */
 void branch_sum(const Model *m, void *dst, void *src, int N);
 /* the whole of what the ranks hold a row range each (sequence parallel), begun, or joined */
 const void *seq_gather_begin(const Model *m, void *buf, const void *part, int N, Tickets *ts);
 const void *seq_gather(const Model *m, void *buf, const void *part, int N);
-void *gath_of(const Acts *a, void *kept);
-const void *gathered(const Model *m, const Acts *a, void *kept, const void *part, int N);
-/* a product on gathered rows, or a product whose output is summed, chunk by chunk */
+/* a product on gathered rows, or a product whose output is summed */
 void product_after(const Model *m, const Product *p, const Tickets *ts, int N);
 void product_then_sum(const Model *m, const Product *p, void *dst, int N, Tickets *ts, int fill);
 void input_then_weight(const Model *m, Acts *a, void *dx, void *dw, const void *dout, const void *inp,
                        const Tickets *gx, const void *w, int N, int C, int OC);
-/* the layer's forward in row groups (no sequence parallel), or as two interleaved halves */
-void layer_forward_groups(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int G, int recompute,
-                          Tickets *pend);
-void layer_forward_halves(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute,
-                          HalvesPend *hp);
-void layer_backward_halves(Model *m, Acts *a, int l, const LayerActs *la, int defer, HalvesCarry *carry, int more);
-void halves_pend_join(const Model *m, HalvesPend *hp, size_t N, int h);
 
 #endif

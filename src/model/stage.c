@@ -24,12 +24,6 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
         }
         HOOK(h, release, UNIT_EMBEDDING);
     }
-    /* down's sums of the layer before, still travelling (layer_forward_groups); out of
-     * training each layer's output is copied to the next one's input slot, so joined first */
-    Tickets pend = {.n = 0};
-    /* tp_halves: each layer's down sums left travelling into the next one, where that is safe */
-    HalvesPend hp = {.on = 0};
-    int carry = training && model_tp_halves(m, (size_t)N) && m->tp.fused_made;
     for (int i = 0; i < nl; i++) {
         int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
         LayerActs la = layer_acts(m, a, slot, r);
@@ -40,13 +34,10 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
             snprintf(label, sizeof label, "layer %d forward", l);
             trace_mark(NULL, label);
         }
-        if (carry) layer_forward_halves(m, a, l, &la, B, T, 0, &hp);
-        else if (training && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_FORWARD, 0);
-        else layer_forward(m, a, l, &la, B, T, 0, training ? &pend : NULL);
+        if (training && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_FORWARD, 0);
+        else layer_forward(m, a, l, &la, B, T, 0);
         HOOK(h, release, unit_of_layer(l));
     }
-    tp_join_all(m, &pend);
-    for (int hh = 0; hh < 2; hh++) halves_pend_join(m, &hp, (size_t)N, hh);
 }
 
 static const void *trunk_output(const Model *m, const Stage *s, const Acts *a, int training) {
@@ -102,14 +93,11 @@ static void head_forward_backward(Model *m, Acts *a, const void *last, int grad,
     }
     trace_mark(NULL, "trunk forward done, head");
     const void *w_out_norm = act_at(unit_weights(m, HU), m->head_out_norm);
-    /* sequence parallel: the norm on the rank's rows, each chunk's written into its place in
-     * xf and gathered: every rank's lm_head columns take every row */
+    /* sequence parallel: the norm on the rank's rows, written into their place in xf and
+     * gathered: every rank's lm_head columns take every row */
     int NS = (int)held_rows(m, (size_t)N);
-    Chunks k = tp_chunks(m, N);
-    if (!m->sp) k = (Chunks){1, (size_t)N, (size_t)N};
-    for (int j = 0; j < k.c; j++)
-        op_rmsnorm_forward(act_at(a->xf, mine_row(m, &k, j) * E), a->rstdf + (size_t)j * k.held,
-                           act_at(last, (size_t)j * k.held * E), w_out_norm, (int)k.held, E, RMS_EPS);
+    op_rmsnorm_forward(act_at(a->xf, (size_t)(m->sp ? m->tp_rank : 0) * NS * E), a->rstdf, last, w_out_norm, NS, E,
+                       RMS_EPS);
     seq_gather(m, a->xf, a->xf, N);
     const void *wlm = model_lm_head(m);
     void *glm = tied ? unit_grads(m, UNIT_EMBEDDING) : st_at(unit_grads(m, HU), m->head_lm);
@@ -220,24 +208,19 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
     LayerActs la0 = {0};  /* layer 0's, set below where it is the stage's (defer) */
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 1, h);
     trace_mark(NULL, "head done, layers' backward");
-    /* tp_halves without recompute (whose sums may write a->full, where the carried gathers land):
-     * each layer begins the next one's first gathers (layer_backward_halves) */
-    HalvesCarry hc = {.on = 0};
-    int carry = !a->recompute && model_tp_halves(m, (size_t)N);
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
         LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
         if (a->recompute && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_RECOMPUTE, 0);
-        else if (a->recompute) layer_forward(m, a, l, &la, B, T, 1, NULL);
+        else if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
         HOOK(h, grad_begin, unit_of_layer(l));
         if (trace_active()) {
             char label[48];
             snprintf(label, sizeof label, "layer %d backward", l);
             trace_mark(NULL, label);
         }
-        if (carry) layer_backward_halves(m, a, l, &la, i == 0 && defer, &hc, i > 0);
-        else if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_BACKWARD, i == 0 && defer);
+        if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_BACKWARD, i == 0 && defer);
         else layer_backward(m, a, l, &la, i == 0 && defer);
         if (i > 0 || !defer) HOOK(h, grad_ready, unit_of_layer(l));
         HOOK(h, release, unit_of_layer(l));  /* the deferred gradients need no weights */

@@ -7,8 +7,7 @@
  * NCCL backend (builds with MESHTRAIN_NCCL, i.e. nvcc and nccl.h found): on a device=cuda
  * run (ops_host_memory() == 0) the float collectives of a group of more than one rank run
  * as ncclAllReduce / ncclReduceScatter / ncclAllGather on one communication stream (an
- * all-reduce over a comm_alloc buffer, a reduce-scatter from one and an all-gather in one
- * on the copy engines instead, see there). Each
+ * all-reduce over a comm_alloc buffer on the copy engines instead, see there). Each
  * group's NCCL communicator is made at its first float collective (rank 0 of the group
  * makes the id, broadcast over the group's MPI communicator), so the device is already
  * selected by ops_init. The comm stream first waits for the compute stream's work so far;
@@ -82,12 +81,9 @@ void comm_free(Comm *c);
  * GPUs' copy engines: an all-to-all gives each rank every rank's copy of its block, one
  * short kernel on the comm stream sums them in rank order, and an all-gather sends the sums
  * to all. No SM is held while the bytes move or while a rank waits for a slower peer, which
- * leaves the backward beside it more of the card (and of its power). A reduce-scatter
- * whose send buffer is one runs as the first two of those (the sum written into recv,
- * which may be any device memory), and an all-gather in one on the copy engines (NCCL's,
- * with the zero-CTA policy). It takes one more buffer of comm_ce_buffer_bytes (sized by
- * c's first comm_alloc), in pieces of which larger all-reduces run; a reduce-scatter larger
- * than it runs on NCCL's kernels. Elsewhere it is op_alloc memory and NCCL's kernels. Every
+ * leaves the backward beside it more of the card (and of its power). It takes one more
+ * buffer of comm_ce_buffer_bytes (sized by c's first comm_alloc), in pieces of which larger
+ * all-reduces run. Elsewhere it is op_alloc memory and NCCL's kernels. Every
  * rank of c calls it together, with the same sizes in the same order (it may make c's NCCL
  * communicator, with NCCL's zero-CTA policy: before any other collective on c, or it gives
  * op_alloc memory; the other collectives on c then still run, on NCCL's kernels). */

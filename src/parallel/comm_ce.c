@@ -1,7 +1,7 @@
-/* comm_ce — the copy-engine all-reduce and reduce-scatter (NCCL 2.28 or later):
- * comm_alloc's buffers in symmetric NCCL windows, an all-reduce over one as an all-to-all, a
- * sum kernel and an all-gather on the comm stream, a reduce-scatter from one as the first two
- * (see comm_alloc in comm.h); elsewhere comm_alloc is op_alloc. */
+/* comm_ce — the copy-engine all-reduce (NCCL 2.28 or later): comm_alloc's buffers in
+ * symmetric NCCL windows, an all-reduce over one as an all-to-all, a sum kernel and an
+ * all-gather on the comm stream (see comm_alloc in comm.h); elsewhere comm_alloc is
+ * op_alloc. */
 #include <stdlib.h>
 #include "comm_impl.h"
 #include "env.h"
@@ -15,9 +15,8 @@ int g_ce_any;
 /* Copy-engine all-reduce (comm_alloc). Buffers in NCCL symmetric windows, to find the
  * all-reduces over them and to deregister and free them. */
 typedef struct { char *p; size_t bytes; void *win; ncclComm_t nc; const Comm *c; } RegBuf;
-/* DDP takes one buffer a group; tensor parallel (MESHTRAIN_TP_CE) up to 4 activation buffers
- * for each micro-batch a pipeline stage keeps in flight, and the zero-bubble weight pass's.
- * Past this, comm_alloc gives op_alloc memory, whose collectives run on NCCL's kernels. */
+/* DDP takes one buffer a group (its gradients). Past this, comm_alloc gives op_alloc memory,
+ * whose collectives run on NCCL's kernels. */
 #define MAX_REG 64
 static RegBuf g_reg[MAX_REG];
 static int g_n_reg;
@@ -87,21 +86,6 @@ int ce_allreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, nccl
         cuda_sum_blocks(mine, ci->a2a, cnt, c->size, op == COMM_AVG ? 1.0f / (float)D : 1.0f, t == COMM_BF16, g_cstream);
         nchk(ncclAllGather(mine, base, cnt, nccl_type(t), nc, g_cstream), c, what, "ncclAllGather");
     }
-    return 1;
-}
-
-/* The copy-engine reduce-scatter from a comm_alloc buffer, queued on the comm stream; 0 if
- * send is not one or the all-to-all buffer cannot hold the whole of it (the blocks would
- * have to go in strided pieces, which an all-to-all does not take). The first half of
- * ce_allreduce: an all-to-all gives this rank every rank's copy of its block, one kernel
- * sums them in rank order into recv (any device memory). */
-int ce_reduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, ncclComm_t nc,
-                      const char *what) {
-    CommImpl *ci = c->impl;
-    size_t es = type_size(t), D = (size_t)c->size, bytes = recv_n * D * es;
-    if (!ci->a2a || !recv_n || bytes > ci->a2a_bytes || !reg_of(c, send, bytes)) return 0;
-    nchk(ncclAlltoAll(send, ci->a2a, recv_n, nccl_type(t), nc, g_cstream), c, what, "ncclAlltoAll");
-    cuda_sum_blocks(recv, ci->a2a, recv_n, c->size, op == COMM_AVG ? 1.0f / (float)D : 1.0f, t == COMM_BF16, g_cstream);
     return 1;
 }
 #endif

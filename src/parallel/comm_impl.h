@@ -131,10 +131,6 @@ void ce_release(CommImpl *ci, const char *what);
 #if HAVE_CE
 /* Queues the all-reduce of a comm_alloc buffer on the copy engines; 0 if buf is not one. */
 int ce_allreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, ncclComm_t nc, const char *what);
-/* Queues the reduce-scatter from a comm_alloc buffer on the copy engines (recv_n elements a
- * rank); 0 if send is not one, or is larger than the all-to-all buffer. */
-int ce_reduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, ncclComm_t nc,
-                      const char *what);
 #endif
 #endif
 #endif

@@ -3,7 +3,7 @@
  * waits on: stream memory operations (cuStreamWaitValue64 / cuStreamWriteValue64, the
  * driver's, taken by entry point as wgmma_util.cuh takes cuTensorMapEncodeTiled's: libcuda
  * is not linked), so no SM is held while a rank waits. Tensor parallel's fused sums
- * (tensor.c) write a product's rows straight into the rank that owns them; the pipeline's
+ * (tensor.c) copy a product's rows into the rank that owns them; the pipeline's
  * copy-engine send/receive (comm_p2p_ce.c) shares the memory operations and the checks.
  *
  * Each block is whole 2 MiB pages: cudaMalloc may place a smaller allocation inside a larger

@@ -202,11 +202,7 @@ void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
                           const char *what) {
     ncclComm_t nc = nccl_begin(c, r, what);
     int span = trace_span_begin(g_cstream, what, recv_n * (size_t)c->size * type_size(t));
-#if HAVE_CE
-    if (!ce_reduce_scatter(c, send, recv, recv_n, t, op, nc, what))
-#endif
-        nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what,
-             "ncclReduceScatter");
+    nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclReduceScatter");
     trace_span_end(g_cstream, span);
     nccl_launched(r);
 }

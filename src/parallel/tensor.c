@@ -1,5 +1,4 @@
 #include "tensor.h"
-#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include "comm.h"
@@ -14,15 +13,12 @@
  * collectives back, and tp_flush the rest. Tickets number the collectives; ticket t uses
  * slot t % TP_LAG until it is retired. Activations are bf16 there with precision=mixed or
  * bf16, which NCCL sums as they are. On CPU ranks each completes at its begin.
- * The model splits each collective into c chunks (Model's tp_chunks, up to TP_MAX_CHUNKS):
- * a layer begins 4 c of them in the forward under sequence parallel, 6 c in the backward,
- * and holds up to 2 c begun and not yet joined. TP_LAG bounds only how far the host runs
- * ahead of the device, not what it may hold unjoined: a ticket retired before its join is
- * complete, and its join waits for nothing. At 8, c = 4 would have had the host wait for the
- * collective half a layer back, the queue it keeps ahead of the GPU (and the slack for its
- * own pauses) shrinking with c; 64 keeps a layer queued at c = 16. No wait can deadlock:
- * every rank begins the group's collectives in the same order, and the one waited for was
- * begun after all the work it depends on was queued. */
+ * TP_LAG bounds only how far the host runs ahead of the device, not what it may hold
+ * unjoined: a ticket retired before its join is complete, and its join waits for nothing. 64
+ * tickets keep several layers queued ahead of the GPU (and the slack for the host's own
+ * pauses), a fused gather taking one ticket a rank. No wait can deadlock: every rank begins
+ * the group's collectives in the same order, and the one waited for was begun after all the
+ * work it depends on was queued. */
 #define TP_LAG 64
 static CommReq g_req[TP_LAG];
 static long g_next, g_done;  /* tickets [g_done, g_next) are in flight */
@@ -52,11 +48,10 @@ static long begun(CommReq *r) {
 
 static const char FUSED_GATHER[] = "tensor-parallel fused gather";  /* its tickets' name (tp_join) */
 static int fused_pending(long t);
-static void fused_join_through(long t);
 
 static void tp_join(void *ctx, long t) {
     (void)ctx;
-    if (fused_pending(t)) fused_join_through(t);
+    if (fused_pending(t)) fused_join();
     else if (t >= g_done && t < g_next) {
         CommReq *q = &g_req[t % TP_LAG];
         /* on the timeline, the compute stream's waits for a fused gather's rows (as comm_ipc's for the sums) */
@@ -84,84 +79,63 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
     return begun(r);
 }
 
-/* ---- Fused sums (MESHTRAIN_TP_FUSED, tensor_parallel_fused_mode): see ModelTp's fused_sum_begin. ----
+/* ---- Fused sums (tp_comm): see ModelTp's fused_sum_begin. ----
  * On GPUs each rank's IPC block (comm_ipc.c) holds two sets (by the sum's parity) of t - 1
  * slots, one for each other rank's part of this rank's block, then as many for the gathers
  * (fused_gather_begin), then 5 t counters: the sums' full[s] (rank s's part of sum n has
  * landed: n + 1) and consumed[d] (rank d has read this rank's part of sum n: n + 1), the
  * gathers' gfull and gconsumed, alike, and the direct gathers' gready. Sum n on rank r:
- *   begin: for each other rank j, from r + 1 on: the rows of block j (r's part) into j's slot
- *          for r, once consumed[j] >= n - 1 (j has read the part r sent it two sums ago, from
- *          the slot this one overwrites); then set j's full[r] := n + 1. Mode 1: the
- *          product's stores go there over NVLink, all on the compute stream. Mode 2: the
- *          product writes local staging, and side stream i (peer r + i's) copies it there by
- *          copy engine; the compute stream goes on with r's own rows unless fill (a weight
- *          gradient is queued before the join, under which the parts travel). Mode 3: one
- *          product of all N rows into staging (whole_begin), then the blocks out as mode 2's;
- *          mode 4 the same in groups of two blocks; the join adds the parts to r's block of
- *          it, into place.
+ *   begin: for each other rank j, from r + 1 on: the product writes the rows of block j (r's
+ *          part) into local staging, and side stream i (peer r + i's) copies it by copy
+ *          engine into j's slot for r, once consumed[j] >= n - 1 (j has read the part r sent
+ *          it two sums ago, from the slot this one overwrites); then sets j's full[r] := n + 1.
+ *          The compute stream goes on with r's own rows unless fill (a weight gradient is
+ *          queued before the join, under which the parts travel).
  *   join:  wait full[j] >= n + 1 for every j; r's own rows with rank r + 1's part added in the
  *          product's epilogue (beta = 1), or after them if already made, the others' after
  *          it (op_sum_parts, one pass); set every j's consumed[r] := n + 1; without sequence
  *          parallel, a gather of the blocks (fused_gather_begin).
- * Nothing but the products and the adds runs on the SMs: tp_fused_probe measured mode 1's
- * reduce-scatter at 0.042 ms over the product at tp = 2 on H200s, NCCL's at 0.096-0.111, and
- * mode 2 took the step from 88.2-88.9% to 90.4-90.9% of one GPU's per-GPU speed (session 21).
- * A peer that never writes blocks the compute stream: the join's ticket is an event the
- * host waits for within comm_timeout (tp_flush), which ends the job.
+ * Nothing but the products and the adds runs on the SMs: at tp 2 the step ran at 91.4-91.9%
+ * of one GPU's per-GPU speed against 82.4-82.7% on NCCL's kernels (two H200s, 2026-11-28,
+ * bench/RESULTS.md). A peer that never writes blocks the compute stream: the join's ticket
+ * is an event the host waits for within comm_timeout (tp_flush), which ends the job.
  * CPU ranks run the same blocks and parts with MPI messages for the slots, so that the
- * data flow is tested without GPUs. */
+ * data flow is tested without GPUs. One sum is begun and not yet joined at a time: a sum
+ * begun joins the one before it first. */
 enum { FUSED_TAG = 31000 };  /* above the rings' tags (1..30000, comm_mpi.c) */
-/* A sum begun and not yet joined: at most FUSED_PENDING, joined oldest first (ModelTp's
- * fused_sum_next lets a second begin before the first is joined: two halves of the rows,
- * MESHTRAIN_TP_HALVES; the sums' slots, staging and host parts are in two sets, by parity). */
-enum { FUSED_PENDING = 2 };
 typedef struct {
     TpRowsFn rows;
     _Alignas(16) char arg[128];
     void *dst;
-    char *whole;  /* modes 3, 4: the product of every row, in the set of this sum */
     size_t R, E;  /* rows a block, and their width */
     int scatter, fill;
     uint64_t n;   /* its number */
     long ticket;
 } FusedSum;
 typedef struct {
-    int asked, off;  /* tensor_parallel_fused_mode's; off: the GPUs cannot (every rank then sums by collectives) */
+    int asked, off;  /* TpOptions' fused; off: the GPUs cannot (every rank then sums by collectives) */
     const Comm *c;
     CommIpc *w;       /* GPUs */
-    char *host;       /* CPU ranks, two sets (by the sum's parity) of fused_bytes: t - 1 parts to send, then t - 1
-                       * received (modes 3, 4: then the whole product) */
-    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out (modes 3, 4: of t blocks, whole) */
+    char *host;       /* CPU ranks: t - 1 parts to send, then t - 1 received */
+    char *stage;      /* GPUs: two sets of t - 1 parts to send, made here, then copied out */
     size_t cap;       /* bytes a slot */
     uint64_t n, ng;   /* sums and gathers begun */
-    FusedSum pend[FUSED_PENDING];  /* the sums begun and not yet joined, oldest first */
-    int npend;
+    FusedSum pend;    /* the sum begun and not yet joined, where pending */
+    int pending;
 } Fused;
 static Fused g_fused;
 
-/* The default: on GPUs at tp = 2 and 4, where it pays (91.4-91.9% of one GPU's per-GPU speed
- * against 82.4-82.7% on NCCL's kernels at tp 2, two H200s, bench/RESULTS.md session 22; at
- * tp 4, with the gathers straight into the others' buffers one peer after another, 72.1%
- * against 64.0%, four H200s, session 23); elsewhere the collectives: tp 8 is unmeasured,
- * and CPU ranks gain nothing by it. */
-#define FUSED_DEFAULT(tp, gpu) ((gpu) && ((tp) == 2 || (tp) == 4) ? 2 : 0)
-
-/* MESHTRAIN_TP_FUSED's mode (the default where unset), or -1 where malformed */
-static int fused_env(int tp_size, int gpu) {
-    const char *e = getenv("MESHTRAIN_TP_FUSED");
-    if (e && *e && (strlen(e) != 1 || e[0] < '0' || e[0] > '4')) return -1;
+/* The default (tp_comm=auto): on GPUs at tp = 2 and 4, where it pays (91.4-91.9% of one
+ * GPU's per-GPU speed against 82.4-82.7% on NCCL's kernels at tp 2, two H200s; at tp 4, with
+ * the gathers straight into the others' buffers one peer after another, 72.1% against
+ * 64.0%, four H200s; 2026-11-28, bench/RESULTS.md); elsewhere the collectives: tp 8 is
+ * unmeasured, and CPU ranks gain nothing by it. */
+int tensor_parallel_fused_wanted(TpComm comm, int tp_size, int gpu) {
     if (tp_size < 2) return 0;
-    return e && *e ? e[0] - '0' : FUSED_DEFAULT(tp_size, gpu);
+    if (comm == TP_COMM_AUTO) return gpu && (tp_size == 2 || tp_size == 4);
+    return comm == TP_COMM_FUSED;
 }
 
-int tensor_parallel_fused_mode(int tp_size, int gpu) {
-    int mode = fused_env(tp_size, gpu);
-    if (mode < 0) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_FUSED=%s: not 0, 1, 2, 3 or 4", getenv("MESHTRAIN_TP_FUSED"));
-    return mode;
-}
-
-int tensor_parallel_fused_early(int tp_size, int gpu) { return fused_env(tp_size, gpu) != 0; }
 /* Slot of source s's part on receiver d, in set b, from the start of d's block. */
 static size_t fused_slot(int t, int d, int s, uint64_t b) {
     size_t rel = (size_t)((s - d - 1 + 2 * t) % t);
@@ -191,9 +165,6 @@ static int fused_fits(const Fused *f, int t, size_t N, size_t E) {
 static void *fused_own(const FusedSum *s, int r) {
     return s->scatter ? s->dst : (char *)s->dst + (size_t)r * s->R * s->E * ops_act_size();
 }
-/* CPU ranks: set b of the host buffer */
-static char *host_set(const Fused *f, uint64_t b) { return f->host + (size_t)b * fused_bytes(f->c->size, f->cap); }
-
 /* Staging slot i of set b (peer r + i's part, 1 <= i < t): its index, which is its fence's too. */
 static int stage_fence(int t, uint64_t b, int i) { return (int)b * (t - 1) + i - 1; }
 
@@ -209,60 +180,19 @@ static void part_out(const Fused *f, int i, int j, int k, uint64_t n, uint64_t b
     comm_ipc_set(f->w, i, j, r, n + 1);
 }
 
-/* Modes 3 and 4's begin: the product of all N rows into f->whole, the residual given by rank
- * 0 alone; on GPUs (staging set b) each other rank's block to it by copy engine (part_out); on
- * CPU ranks the whole lies after the host buffer's 2 (t - 1) parts (3 t - 2 of fused_bytes'
- * 4 (t - 1) slots) and fused_sum_begin's exchange sends its blocks. Mode 3 runs the product
- * at once; mode 4 (t even, from 4) in groups of two blocks of rows, {0, 1}, {2, 3}, ..., the
- * group after r's first and r's own last, each group's blocks sent as soon as it is made:
- * products of 2 N / t rows, not mode 2's N / t (at tp 4 those ran 1.3-1.8 times slower than
- * the whole, bench/RESULTS.md session 22), and all but the partner's block on their way while
- * the rest is made. */
-static void whole_begin(Fused *f, FusedSum *s, uint64_t n, uint64_t b, size_t N, size_t bytes) {
-    int t = f->c->size, r = f->c->rank;
-    int per = f->asked == 4 && t >= 4 && t % 2 == 0 ? 2 : t, G = t / per;  /* blocks a group, groups */
-    size_t R = N / (size_t)t;
-    s->whole = f->w ? f->stage + (size_t)b * (size_t)t * f->cap : host_set(f, b) + 2 * (size_t)(t - 1) * f->cap;
-    for (int gi = 1; gi <= G; gi++) {
-        int a = (r / per + gi) % G * per;  /* the group's first block; peer j is r + (j - r + t) % t */
-        if (f->w)  /* (its blocks' copies two sums ago are out) */
-            for (int j = a; j < a + per; j++)
-                if (j != r) comm_ipc_await(f->w, 0, stage_fence(t, b, (j - r + t) % t));
-        s->rows(s->arg, (size_t)a * R, (size_t)per * R, s->whole + (size_t)a * bytes, NULL, r == 0);
-        if (!f->w) continue;
-        comm_ipc_record(f->w, 0, FENCE_MADE);
-        for (int j = a; j < a + per; j++)
-            if (j != r) {
-                int i = (j - r + t) % t;
-                part_out(f, i, j, stage_fence(t, b, i), n, b, s->whole + (size_t)j * bytes, bytes);
-            }
-    }
-}
-
-static void fused_join_oldest(void);
-/* overlap: leave a sum pending, if any (fused_sum_next); else join it first (fused_sum_begin) */
-static long fused_sum_start(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                            size_t E, int scatter, int fill, int overlap) {
+static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
+                            size_t E, int scatter, int fill) {
     Fused *f = &g_fused;
     const Comm *c = ctx;
     int t = c->size, r = c->rank;
     size_t R = N / (size_t)t, bytes = R * E * ops_act_size();
-    if (!fused_fits(f, t, N, E) || arg_bytes > sizeof f->pend[0].arg) return -1;
-    while (f->npend >= (overlap ? FUSED_PENDING : 1)) fused_join_oldest();
+    if (!fused_fits(f, t, N, E) || arg_bytes > sizeof f->pend.arg) return -1;
+    fused_join();  /* (one at a time) */
     uint64_t n = f->n++, b = n & 1;
-    FusedSum *s = &f->pend[f->npend];
+    FusedSum *s = &f->pend;
     *s = (FusedSum){.rows = rows, .dst = dst, .R = R, .E = E, .scatter = scatter, .fill = fill, .n = n};
     memcpy(s->arg, arg, arg_bytes);
-    if (f->asked >= 3) {
-        whole_begin(f, s, n, b, N, bytes);
-    } else if (f->w && f->asked == 1) {
-        for (int i = 1; i < t; i++) {
-            int j = (r + i) % t;
-            if (n >= 2) comm_ipc_wait(f->w, 0, t + j, n - 1);
-            rows(s->arg, (size_t)j * R, R, comm_ipc_block(f->w, j) + fused_slot(t, j, r, b), NULL, r == (j + 1) % t);
-            comm_ipc_set(f->w, 0, j, r, n + 1);
-        }
-    } else if (f->w) {
+    if (f->w) {
         for (int i = 1; i < t; i++) {  /* (peer r + i's copy on side stream i) */
             int j = (r + i) % t;
             int k = stage_fence(t, b, i);  /* (the staging slot, and its fence) */
@@ -274,16 +204,13 @@ static long fused_sum_start(void *ctx, TpRowsFn rows, const void *arg, size_t ar
         }
         /* with nothing queued before the join, this rank's own rows now, while the parts travel */
         if (!fill) rows(s->arg, (size_t)r * R, R, fused_own(s, r), NULL, 0);
-    }
-    if (!f->w) {  /* CPU ranks: each part as a message (modes 3, 4: a block of the whole product) */
+    } else {  /* CPU ranks: each part as a message */
         CommP2P *q = xmalloc(2 * (size_t)(t - 1) * sizeof *q);
-        char *h = host_set(f, b);
         for (int i = 1; i < t; i++) {
             int j = (r + i) % t;
-            char *out = h + (size_t)(i - 1) * f->cap, *in = h + (size_t)(t - 2 + i) * f->cap;
+            char *out = f->host + (size_t)(i - 1) * f->cap, *in = f->host + (size_t)(t - 2 + i) * f->cap;
             comm_irecv(c, in, bytes, (r - i + t) % t, FUSED_TAG, &q[t - 2 + i], "tensor-parallel fused sum");
-            if (f->asked >= 3) out = s->whole + (size_t)j * bytes;
-            else rows(s->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
+            rows(s->arg, (size_t)j * R, R, out, NULL, r == (j + 1) % t);
             comm_isend(c, out, bytes, j, FUSED_TAG, &q[i - 1], "tensor-parallel fused sum");
         }
         for (int i = 0; i < 2 * (t - 1); i++) comm_p2p_wait(&q[i]);
@@ -291,26 +218,17 @@ static long fused_sum_start(void *ctx, TpRowsFn rows, const void *arg, size_t ar
     }
     CommReq *q = next_slot();  /* (inactive: the join's ticket carries the wait) */
     s->ticket = begun(q);
-    f->npend++;
+    f->pending = 1;
     return s->ticket;
-}
-static long fused_sum_begin(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                            size_t E, int scatter, int fill) {
-    return fused_sum_start(ctx, rows, arg, arg_bytes, dst, N, E, scatter, fill, 0);
-}
-static long fused_sum_next(void *ctx, TpRowsFn rows, const void *arg, size_t arg_bytes, void *dst, size_t N,
-                           size_t E, int scatter, int fill) {
-    return fused_sum_start(ctx, rows, arg, arg_bytes, dst, N, E, scatter, fill, 1);
 }
 
 static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk);
-/* The join of the oldest sum pending: this rank's own block. */
-static void fused_join_oldest(void) {
+/* The join of the sum pending (nothing if none is): this rank's own block. */
+static void fused_join(void) {
     Fused *f = &g_fused;
-    if (!f->npend) return;
-    FusedSum sum = f->pend[0], *s = &sum;
-    for (int i = 1; i < f->npend; i++) f->pend[i - 1] = f->pend[i];
-    f->npend--;
+    if (!f->pending) return;
+    f->pending = 0;
+    const FusedSum *s = &f->pend;
     const Comm *c = f->c;
     int t = c->size, r = c->rank;
     uint64_t n = s->n, b = n & 1;
@@ -318,18 +236,18 @@ static void fused_join_oldest(void) {
     void *own = fused_own(s, r);
     /* part of source s (i = s - r mod t: 1 .. t - 1), as received */
     #define PART(i) (f->w ? comm_ipc_block(f->w, r) + fused_slot(t, r, (r + (i)) % t, b) \
-                          : host_set(f, b) + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
+                          : f->host + (size_t)(t - 2 + ((t - (i)) % t)) * f->cap)
     if (f->w)
         for (int j = 0; j < t; j++)
             if (j != r) comm_ipc_wait(f->w, 0, j, n + 1);
-    int made = f->asked >= 3 || (f->w && f->asked == 2 && !s->fill);  /* (the own rows made at the begin) */
-    /* the own rows (modes 3, 4: in the whole product) and the parts not yet added, in one pass */
+    int made = f->w && !s->fill;  /* (the own rows made at the begin) */
+    /* the own rows and the parts not yet added, in one pass */
     const void *parts[OPS_SUM_PARTS];
     int k = 0;
-    parts[k++] = f->asked >= 3 ? s->whole + own_row * E * ops_act_size() : own;
+    parts[k++] = own;
     if (!made) s->rows(s->arg, own_row, R, own, PART(1), 0);
     for (int i = made ? 1 : 2; i < t; i++) parts[k++] = PART(i);
-    if (k > 1 || parts[0] != own) op_sum_parts(own, parts, k, R * E);
+    if (k > 1) op_sum_parts(own, parts, k, R * E);
     #undef PART
     if (f->w) {
         for (int j = 0; j < t; j++)
@@ -340,32 +258,20 @@ static void fused_join_oldest(void) {
     }
     if (s->scatter) return;
     /* without sequence parallel every rank needs every block: gathered by copy engine */
-    long tk[TP_MAX_CHUNKS];
-    if (t <= TP_MAX_CHUNKS && fused_gather_begin((void *)c, s->dst, R * t, E, tk)) {
+    long tk[TP_MAX_TICKETS];
+    if (t <= TP_MAX_TICKETS && fused_gather_begin((void *)c, s->dst, R * t, E, tk)) {
         for (int i = 0; i < t; i++)
             if (tk[i] >= 0) tp_join(NULL, tk[i]);
     } else tp_join(NULL, tp_allgather_begin((void *)c, s->dst, R * E, 0));
 }
-/* every sum pending */
-static void fused_join(void) {
-    while (g_fused.npend) fused_join_oldest();
-}
-static int fused_pending(long t) {
-    for (int i = 0; i < g_fused.npend; i++)
-        if (g_fused.pend[i].ticket == t) return 1;
-    return 0;
-}
-/* the pending sums up to and including ticket t's, oldest first */
-static void fused_join_through(long t) {
-    while (fused_pending(t)) fused_join_oldest();
-}
+static int fused_pending(long t) { return g_fused.pending && g_fused.pend.ticket == t; }
 
-/* ---- Buffers every rank of the group maps: ModelTp's alloc under the fused modes on GPUs
- * (without MESHTRAIN_TP_CE, whose buffers are NCCL's windows). Each is an IPC block of its
- * own (comm_ipc_open: whole pages, every other rank's mapping checked), allocated and freed
- * by every rank of the group in the same order (the Acts plan is the same on each), so
- * that a fused gather can write each rank's rows straight into their place in the others'
- * buffer. Where the group cannot map, plain memory (and the gathers take the slots). ---- */
+/* ---- Buffers every rank of the group maps: ModelTp's alloc under the fused sums on GPUs.
+ * Each is an IPC block of its own (comm_ipc_open: whole pages, every other rank's mapping
+ * checked), allocated and freed by every rank of the group in the same order (the Acts plan
+ * is the same on each), so that a fused gather can write each rank's rows straight into
+ * their place in the others' buffer. Where the group cannot map, plain memory (and the
+ * gathers take the slots). ---- */
 typedef struct { CommIpc *w; char *base; size_t bytes; } Mapped;
 static Mapped *g_mapped;
 static int g_n_mapped;
@@ -480,10 +386,9 @@ static int fused_gather_begin(void *ctx, void *buf, size_t N, size_t E, long *tk
     return t;
 }
 
-/* the staging on GPUs: mode 2 two sets of t - 1 parts, modes 3 and 4 two sets of t blocks */
-static size_t stage_bytes(int mode, int t, size_t cap) {
-    return mode >= 3 ? 2 * (size_t)t * cap : mode == 2 ? 2 * (size_t)(t - 1) * cap : 0;
-}
+/* the staging on GPUs: two sets of t - 1 parts; CPU ranks' host buffer: t - 1 parts to send,
+ * t - 1 received */
+static size_t stage_bytes(int t, size_t cap) { return 2 * (size_t)(t - 1) * cap; }
 
 int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     Fused *f = &g_fused;
@@ -492,20 +397,19 @@ int tensor_parallel_fused_open(const Model *m, const Mesh *mesh, size_t N) {
     f->c = &mesh->tp;
     f->cap = fused_cap(t, N, (size_t)m->E, ops_act_size());
     if (ops_host_memory()) {
-        f->host = xmalloc(2 * fused_bytes(t, f->cap));  /* (two sets: host_set) */
+        f->host = xmalloc(stage_bytes(t, f->cap));
         return 1;
     }
     f->w = comm_ipc_open(&mesh->tp, fused_bytes(t, f->cap), CTR_SETS * t, "tensor-parallel fused sums");
     f->off = !f->w;
-    if (f->w && f->asked >= 2) f->stage = op_alloc(stage_bytes(f->asked, t, f->cap));
+    if (f->w) f->stage = op_alloc(stage_bytes(t, f->cap));
     return f->w != NULL;
 }
 
 size_t tensor_parallel_fused_bytes(int tp, size_t N, size_t E, size_t act_size) {
     if (tp == 1) return 0;
     size_t cap = fused_cap(tp, N, E, act_size);
-    return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) +
-           stage_bytes(tensor_parallel_fused_mode(tp, 1), tp, cap);  /* (and the staging) */
+    return comm_ipc_bytes(fused_bytes(tp, cap), CTR_SETS * tp) + stage_bytes(tp, cap);  /* (and the staging) */
 }
 
 unsigned long long tensor_parallel_fused_count(void) { return g_fused.n; }
@@ -519,106 +423,18 @@ void tensor_parallel_fused_close(void) {
     *f = (Fused){0};
 }
 
-/* A count knob: the environment variable `name` (lo to hi), else dflt; a malformed value ends
- * the run (exit 2). */
-static int number_asked(const char *name, int dflt, int lo, int hi) {
-    const char *e = getenv(name);
-    if (!e) return dflt;
-    char *end;
-    long c = strtol(e, &end, 10);
-    if (end == e || *end || c < lo || c > hi)
-        die_once(EXIT_BAD_INPUT, "%s=%s: not a whole number from %d to %d", name, e, lo, hi);
-    return (int)c;
-}
-static int count_asked(const char *name, int dflt) { return number_asked(name, dflt, 1, TP_MAX_CHUNKS); }
-
-/* The chunks asked for: MESHTRAIN_TP_CHUNKS (an A/B knob for the GPU benchmarks, not a run
- * key: it changes the speed only, and the results within rounding), else TP_CHUNKS. 1, as
- * measured on H200s (bench/RESULTS.md, session 15): NCCL's kernels take SMs from the
- * products they run beside, and the smaller products run slower, so 2 and 4 chunks were
- * 1-6% slower at tp 2 and up to 17% at tp 4. */
-#define TP_CHUNKS 1
-
-/* The forward's groups of rows without sequence parallel (Model's tp_groups):
- * MESHTRAIN_TP_OVERLAP (an A/B knob like MESHTRAIN_TP_CHUNKS), else TP_GROUPS. 1, as
- * measured on two H100s (bench/RESULTS.md, session 18): with NCCL's kernels the groups'
- * all-reduces, though beside products, take their SMs, and the layer ran 2% faster at best
- * (4 groups: slower); on the copy engines the forward fell 0.9 ms but not the step. */
-#define TP_GROUPS 1
-
-/* Copy-engine collectives: MESHTRAIN_TP_CE=1 (an A/B knob for the GPU benchmarks, like
- * MESHTRAIN_TP_CHUNKS: it changes the speed only, and the results within rounding), default
- * 0. The activation buffers the collectives run over (ModelTp's alloc) then lie in NCCL
- * symmetric windows on the tp group (comm_alloc), whose communicator takes NCCL's zero-CTA
- * policy: the all-reduces in place run as an all-to-all, a short sum kernel and an
- * all-gather, the reduce-scatters as the first two, the all-gathers on the copy engines,
- * and no SM is held while the bytes move, so chunks can overlap their products (NCCL's
- * kernels took SMs from the products beside them). */
-int tensor_parallel_ce_asked(void) {
-    const char *e = getenv("MESHTRAIN_TP_CE");
-    if (!e || !strcmp(e, "0")) return 0;
-    if (strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_CE=%s: not 0 or 1", e);
-    return 1;
-}
-static void *tp_alloc(void *ctx, size_t bytes) { return comm_alloc(ctx, bytes); }
-
-/* MESHTRAIN_TP_WHOLE_COLS=c (an A/B knob for the GPU benchmarks, like MESHTRAIN_TP_CHUNKS;
- * default 0): under the fused modes, a product after a gather whose output has at most c
- * columns waits for every block and runs once on all rows (ModelTp's gather_whole_cols). At
- * tp 4 the backward's products after a gather (att_out's and down's input gradients, E/4 and
- * H/4 columns) give blocks of few tiles. A malformed value ends the run (exit 2). */
-int tensor_parallel_whole_cols(void) { return number_asked("MESHTRAIN_TP_WHOLE_COLS", 0, 0, 1 << 24); }
-
-void tensor_parallel_attach(Model *m, const Mesh *mesh, int sequence_parallel, int copy_engines) {
+void tensor_parallel_attach(Model *m, const Mesh *mesh, const TpOptions *o) {
     if (mesh->tp_size == 1) return;
     m->tp = (ModelTp){.ctx = (void *)&mesh->tp, .allreduce_begin = tp_allreduce_begin,
                       .allgather_begin = tp_allgather_begin, .reduce_scatter_begin = tp_reduce_scatter_begin,
                       .join = tp_join, .flush = tp_flush};
-    m->sp = sequence_parallel != 0;
-    m->tp_chunks = count_asked("MESHTRAIN_TP_CHUNKS", TP_CHUNKS);
-    m->tp_groups = count_asked("MESHTRAIN_TP_OVERLAP", TP_GROUPS);
-    (void)tensor_parallel_ce_asked();  /* a malformed value ends the run on every rank, CPU ranks too */
-    (void)tensor_parallel_whole_cols();
-    g_fused.asked = tensor_parallel_fused_mode(mesh->tp_size, !ops_host_memory());
-    /* MESHTRAIN_TP_HALVES=1 (an A/B knob, like MESHTRAIN_TP_CHUNKS; default 0): Model's
-     * tp_halves, the rows as two chunks; it needs sequence parallel and the fused sums */
-    if (env_flag("MESHTRAIN_TP_HALVES", 0)) {
-        if (!m->sp || !g_fused.asked)
-            die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_HALVES=1 needs sequence_parallel=true and the fused sums "
-                                     "(MESHTRAIN_TP_FUSED=1 to 4; on CPU ranks they are off unless asked for)");
-        if (getenv("MESHTRAIN_TP_CHUNKS") && m->tp_chunks != 2)
-            die_once(EXIT_BAD_INPUT, "MESHTRAIN_TP_HALVES=1 runs the rows as 2 chunks: MESHTRAIN_TP_CHUNKS=%s asks "
-                                     "for another count", getenv("MESHTRAIN_TP_CHUNKS"));
-        m->tp_halves = 1;
-        m->tp_chunks = 2;
-    }
-    if (g_fused.asked) {
-        m->tp.fused_sum_begin = fused_sum_begin;
-        m->tp.fused_sum_next = fused_sum_next;
-        /* (modes 3, 4: the whole product at the begin; mode 2 on GPUs: the own rows too; a sum
-         * that declines runs the product at once, then the collective) */
-        m->tp.fused_made = g_fused.asked >= 3 || (g_fused.asked == 2 && !ops_host_memory());
-        m->tp.fused_gather_begin = fused_gather_begin;
-        m->tp.gather_whole_cols = g_fused.asked == 3 ? INT_MAX : tensor_parallel_whole_cols();
-    }
-    if (copy_engines) {
-        m->tp.alloc = tp_alloc;
-        m->tp.free = comm_buffer_free;
-    } else if (g_fused.asked && !ops_host_memory()) {  /* (the direct gathers' buffers) */
+    m->sp = o->sequence_parallel != 0;
+    g_fused.asked = o->fused != 0;
+    if (!g_fused.asked) return;
+    m->tp.fused_sum_begin = fused_sum_begin;
+    m->tp.fused_gather_begin = fused_gather_begin;
+    if (!ops_host_memory()) {  /* (the direct gathers' buffers) */
         m->tp.alloc = mapped_alloc;
         m->tp.free = mapped_free;
     }
-}
-
-int tensor_parallel_ce_possible(const Mesh *mesh) {
-    /* CPU ranks: today's path, silently. On GPUs every rank of the group must take the same
-     * path (comm_alloc is collective): they agree to ask only if all of them were asked. */
-    if (mesh->tp_size == 1 || ops_host_memory()) return 0;
-    int not_asked = !tensor_parallel_ce_asked();
-    comm_allreduce_max_int(&mesh->tp, &not_asked, 1);
-    return !not_asked && comm_copy_engines_possible(&mesh->tp);
-}
-
-int tensor_parallel_on_copy_engines(const Mesh *mesh) {
-    return mesh->tp_size > 1 && comm_copy_engines_active(&mesh->tp);
 }

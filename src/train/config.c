@@ -107,6 +107,10 @@ static const Key KEYS[] = {
     B(sequence_parallel, "true", MODEL_CMDS,
       "with tensor_parallel_size > 1: the residual stream and the norms split along the sequence too (Megatron-LM's "
       "sequence parallel; tensor_parallel_size must divide context_len)"),
+    E(tp_comm, "auto", "auto|collectives|fused", MODEL_CMDS,
+      "with tensor_parallel_size > 1: how its sums and gathers travel: collectives (NCCL's or MPI's), or fused "
+      "into the matrix products (one machine's GPUs: copy engines and CUDA IPC; CPU ranks: MPI messages); auto = "
+      "fused on GPUs at tensor_parallel_size 2 and 4, else collectives"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,

@@ -31,6 +31,7 @@ typedef struct {
         world_size;
     int copy_engines;
     char shard_strategy[16];
+    char tp_comm[16];               /* auto | collectives | fused */
     int micro_batches, virtual_stages;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;

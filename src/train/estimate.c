@@ -100,13 +100,9 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, in->attn_mode, &e->attn_elsewhere)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && in->ddp_copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
-    /* tensor parallel on the copy engines: the tp group's all-to-all buffer, sized by the
-     * first of the activation buffers that go in windows */
-    int ce_tp = gpu && training && tp > 1 && in->tp_copy_engines;
-    if (ce_tp) e->comm += comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &whole, B, T, training, act_size, tp, sp));
     int fused = gpu && tp > 1 && in->tp_fused;
     e->tp_fused = fused ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
-    if (fused && !ce_tp && training)  /* the mapped buffers' pages (tensor.h) */
+    if (fused && training)  /* the mapped buffers' pages (tensor.h) */
         e->tp_fused += acts_tp_coll_extra(c, &whole, B, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->tp_fused + (gpu ? 0 : e->host);
@@ -139,7 +135,7 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     ParallelKind kind = in->kind;
     OpsPrecision prec = in->prec;
     const OptimConfig *oc = in->oc;
-    int gpu = in->gpu, ce_tp = gpu && training && tp > 1 && in->tp_copy_engines, fused = gpu && tp > 1 && in->tp_fused;
+    int gpu = in->gpu, fused = gpu && tp > 1 && in->tp_fused;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
     model_init_layout_tp(&m, c, shard_size, 0, s, sched->chunks, tp, 0);
@@ -153,8 +149,8 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
      * (all its logits' gradient where the head's backward waits for B: ACTS_HEAD_SPLIT) */
     e->logits = e->acts = 0;
     if (sched->head_split && training) training |= ACTS_HEAD_SPLIT;
-    /* under the fused modes on GPUs the collectives' buffers are mapped, in whole pages (tensor.h) */
-    int mapped = fused && !ce_tp && training;
+    /* under the fused sums on GPUs the collectives' buffers are mapped, in whole pages (tensor.h) */
+    int mapped = fused && training;
     size_t pages = 0;
     for (int k = 0; k < sched->chunks; k++) {
         size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp);
@@ -177,8 +173,6 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     if (e->gpu)
         e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->attn_mode, &e->attn_elsewhere);
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
-    if (ce_tp && training)
-        e->comm = comm_ce_buffer_bytes(acts_tp_first_window_bytes(c, &s[0], B_micro, T, training, act_size, tp, sp));
     e->p2p = 0;  /* step.c's links: a ring per direction this stage receives in, of its residual stream */
     if (gpu && in->pp_copy_engines && training) {
         int fwd, bwd;

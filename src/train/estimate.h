@@ -54,16 +54,14 @@ typedef struct {
      * in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on one
      * machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */
     int ddp_copy_engines;
-    /* tensor parallel's collectives on the copy engines: their buffers are activations the
-     * plan counts already, and the tp group's all-to-all buffer counts as `comm` too */
-    int tp_copy_engines;
     /* a pipeline stage's send/receive on the copy engines: estimate_stage counts a receive
      * ring and its counters (comm_p2p_ce_bytes of a micro-batch's residual stream) for each
      * direction the stage receives in. A run counts it wherever it is asked on GPUs; where a
      * link falls back to NCCL the estimate is high by its ring. */
     int pp_copy_engines;
-    /* tensor parallel's sums fused into the products (tensor.h): the IPC block of slots for
-     * the other ranks' parts counts as tp_fused */
+    /* tensor parallel's sums fused into the products (tp_comm, tensor.h): the IPC block of
+     * slots for the other ranks' parts, the staging and the mapped buffers' pages count as
+     * tp_fused */
     int tp_fused;
 } EstimateInput;
 

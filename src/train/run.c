@@ -70,6 +70,11 @@ OpsPrecision precision_of(const Config *c) {
     return OPS_FP32;
 }
 
+TpComm tp_comm_of(const Config *c) {
+    if (!strcmp(c->tp_comm, "collectives")) return TP_COMM_COLLECTIVES;
+    return !strcmp(c->tp_comm, "fused") ? TP_COMM_FUSED : TP_COMM_AUTO;
+}
+
 int train_acts_mode(const Config *c) { return c->activation_checkpointing ? ACTS_RECOMPUTE : 1; }
 
 ParallelKind strategy_of(const Config *c) {

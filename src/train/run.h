@@ -9,6 +9,7 @@
 #include "ops.h"
 #include "optim.h"
 #include "parallel.h"
+#include "tensor.h"
 
 ModelConfig model_config_of(const Config *c);
 /* The optimizer and schedule keys (lr_decay_steps as given: 0 stays 0). */
@@ -17,6 +18,8 @@ OptimConfig optim_config_of(const Config *c);
 void ops_init_or_die(const char *device, int threads);
 /* The data-parallel strategy the keys ask for (fsdp, shard_strategy, zero_opt). */
 ParallelKind strategy_of(const Config *c);
+/* How tensor parallel's sums and gathers travel (tp_comm). */
+TpComm tp_comm_of(const Config *c);
 /* 1 when the run computes in bf16 (precision=mixed, or auto on cuda). */
 OpsPrecision precision_of(const Config *c);
 /* acts_alloc / acts_bytes' `training` for a training run: 1, or ACTS_RECOMPUTE. */

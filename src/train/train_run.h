@@ -51,7 +51,7 @@ typedef struct {
     Acts a;
     Step st;
     /* paths the keys and the machine chose */
-    int pp_ce, fused_mode, graphs, tp_ce, tp_fused;
+    int pp_ce, graphs, tp_fused_wanted, tp_fused;  /* tp_fused: wanted and taken */
     double peak;  /* MFU's reference, FLOP/s per GPU (0: none) */
 } TrainRun;
 

@@ -192,17 +192,17 @@ void train_setup(TrainRun *r, Config *c) {
      * other streams would share a queue with (and wait behind) one of them. The variable is
      * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
-     * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
-     * NCCL kernels a peer may be waiting for, must not wait behind it. */
+     * sums (tp_comm) wait so on the compute stream: the comm stream, whose NCCL kernels a
+     * peer may be waiting for, must not wait behind it. */
     r->pp_ce = comm_p2p_ce_asked();
     r->gpu = !strcmp(c->device, "cuda");
+    r->tp_fused_wanted = tensor_parallel_fused_wanted(tp_comm_of(c), c->tensor_parallel_size, r->gpu);
     (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
-    if (r->gpu && ((r->pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, r->gpu)))
+    if (r->gpu && ((r->pp_ce && c->pipeline_parallel_size > 1) || r->tp_fused_wanted))
         env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&r->world, c->comm_timeout);
     set_log_rank(r->world.rank, r->world.size);
-    r->fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, r->gpu);  /* (a bad value: one line) */
-    r->graphs = graphs_wanted(r->world.size, r->gpu);  /* (likewise) */
+    r->graphs = graphs_wanted(r->world.size, r->gpu);  /* (a bad value: one line) */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -288,10 +288,8 @@ void train_setup(TrainRun *r, Config *c) {
     r->ein = estimate_input_of(c, r->world.size, r->mesh.shard_size, &r->oc);
     r->ein.data_bytes = data_bytes;
     r->ein.ddp_copy_engines = r->gpu && r->kind == PAR_DDP && r->dp > 1 && comm_copy_engines_possible(&r->mesh.dp);
-    r->tp_ce = tensor_parallel_ce_possible(&r->mesh);  /* (MESHTRAIN_TP_CE=1 on GPUs) */
-    r->ein.tp_copy_engines = r->tp_ce;
     r->ein.pp_copy_engines = r->pp_ce && r->PP > 1;  /* (counted where asked: the links decide at step_init) */
-    r->ein.tp_fused = r->gpu && r->fused_mode;       /* (likewise) */
+    r->ein.tp_fused = r->gpu && r->tp_fused_wanted;  /* (likewise) */
     estimate_memory(&r->ein, &r->est);
     /* a pipeline stage: its units, and the micro-batches its schedule keeps in flight */
     if (r->PP > 1) estimate_stage(&r->est, &r->ein, r->mine, &r->sc, r->BM);
@@ -336,7 +334,7 @@ void train_setup(TrainRun *r, Config *c) {
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
     model_init_layout_tp(&r->m, &r->mc, r->mesh.shard_size, 0, r->mine, r->V, r->mesh.tp_size, r->mesh.tp_rank);
     /* tensor parallel: each rank holds its slices of every layer */
-    tensor_parallel_attach(&r->m, &r->mesh, c->sequence_parallel, r->tp_ce);
+    tensor_parallel_attach(&r->m, &r->mesh, &(TpOptions){c->sequence_parallel, r->tp_fused_wanted});
     r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
     r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
     parallel_set_bucket(r->par, (size_t)(c->bucket_mb * 1e6));
@@ -351,51 +349,15 @@ void train_setup(TrainRun *r, Config *c) {
         comm_split(&r->world, r->tie_member ? r->mesh.dp_rank * r->mesh.tp_size + r->mesh.tp_rank : r->world.size + r->world.rank,
                    r->mesh.pp_rank, "tie", &r->tie);
     acts_alloc_stage(&r->a, &r->m, &r->mine[0], r->BM, r->T, train_acts_mode(c) | (r->sc.head_split ? ACTS_HEAD_SPLIT : 0));
-    r->tp_fused = tensor_parallel_fused_open(&r->m, &r->mesh, r->a.N);  /* (where fused_mode is not 0) */
-    if (r->lead && r->mesh.tp_size > 1 && (r->gpu || r->fused_mode))
-        printf("tensor parallel sums: %s (MESHTRAIN_TP_FUSED=%d)\n",
-               !r->fused_mode ? "collectives"
-               : !r->tp_fused ? "collectives (fused asked, but the GPUs cannot map each other's memory here)"
-               : !r->gpu ? "fused into the products (the other ranks' rows as MPI messages)"
-               : r->fused_mode == 1 ? "fused into the products (each product writes the other ranks' rows into their memory, "
-                                   "CUDA IPC)"
-               : r->fused_mode == 2 ? "fused into the products (the other ranks' rows by copy engine into their memory, "
-                                   "CUDA IPC)"
-               : r->fused_mode == 3 ? "fused into the products (whole products, then the other ranks' rows by copy engine "
-                                   "into their memory, CUDA IPC)"
-                                 : "fused into the products (in groups of two blocks of rows, then the other ranks' rows "
-                                   "by copy engine into their memory, CUDA IPC)", r->fused_mode);
-    if (r->lead && r->mesh.tp_size > 1 && r->m.sp && model_tp_keep_gathered())
-        printf("tensor parallel: each layer's gathered norm outputs kept for the backward's weight gradients "
-               "(MESHTRAIN_TP_KEEP_GATHERED=1)\n");
-    if (r->lead && r->tp_fused && tensor_parallel_whole_cols() && r->fused_mode != 3)
-        printf("tensor parallel: the products after a gather with at most %d output columns run once on all rows "
-               "(MESHTRAIN_TP_WHOLE_COLS)\n", tensor_parallel_whole_cols());
-    if (r->lead && r->tp_fused && r->gpu)
-        printf("tensor parallel gathers: %s\n", tensor_parallel_gathers_direct()
-                   ? "each rank's rows by copy engine straight into the others' buffers, one peer after another"
-                   : "by copy engine into slots, then into place");
-    if (r->lead && r->mesh.tp_size > 1) {
-        int chunks = model_tp_chunks(&r->m, r->a.N);
-        int groups = model_tp_groups(&r->m, r->a.N);
-        printf("tensor parallel: each collective in %d chunk%s of %zu rows (MESHTRAIN_TP_CHUNKS=%d)\n", chunks,
-               chunks > 1 ? "s" : "", r->a.N / (size_t)chunks, r->m.tp_chunks);
-        if (groups > 1)
-            printf("tensor parallel: the forward in %d groups of %zu rows, each group's all-reduces beside the next "
-                   "group's products (MESHTRAIN_TP_OVERLAP=%d)\n", groups, r->a.N / (size_t)groups, r->m.tp_groups);
-        if (model_tp_halves(&r->m, r->a.N))
-            printf("tensor parallel: each layer in two halves of rows, interleaved: one half's sums and gathers "
-                   "travel while the other half's products run (MESHTRAIN_TP_HALVES=1)\n");
-    }
-    /* which path the collectives take: on GPUs, and wherever MESHTRAIN_TP_CE=1 was asked */
-    if (r->lead && r->mesh.tp_size > 1 && (r->gpu || tensor_parallel_ce_asked()))
-        printf("tensor parallel collectives: %s\n",
-               tensor_parallel_on_copy_engines(&r->mesh) ? "copy engines (MESHTRAIN_TP_CE=1: activations in NCCL windows; all-to-all, sum kernel, "
-                       "all-gather)"
-               : !r->gpu ? "MPI (MESHTRAIN_TP_CE=1 takes GPUs)"
-               : tensor_parallel_ce_asked() ? "NCCL kernels (MESHTRAIN_TP_CE=1, but the copy engines cannot take "
-                                              "them here: one machine, NCCL 2.28+, copy_engines=true)"
-                                            : "NCCL kernels (MESHTRAIN_TP_CE=1 puts them on the copy engines)");
+    r->tp_fused = tensor_parallel_fused_open(&r->m, &r->mesh, r->a.N);  /* (where tp_comm asks for it) */
+    if (r->lead && r->mesh.tp_size > 1)
+        printf("tensor parallel sums: %s (tp_comm=%s)\n",
+               !r->tp_fused_wanted ? "collectives"
+               : !r->tp_fused      ? "collectives, the GPUs cannot map each other's memory here"
+               : !r->gpu           ? "fused into the products, MPI messages"
+               : tensor_parallel_gathers_direct() ? "fused into the products, copy engines and CUDA IPC"
+                                                  : "fused into the products, copy engines and CUDA IPC, the gathers "
+                                                    "through slots", c->tp_comm);
     if (r->resuming) {
         if (train_state_load(c->resume, &r->resume_h, r->par, &r->m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         LoaderState ls = {r->resume_h.loader_epoch, r->resume_h.loader_window};

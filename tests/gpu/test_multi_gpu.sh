@@ -8,9 +8,9 @@
 # and in pure bf16 (bf16 gradients, reduced in bf16) within 2e-2, for DDP, ZeRO-2 and
 # FSDP. DDP reduces on the copy engines (also in pieces) or, with copy_engines=false, with
 # NCCL's all-reduce. Tensor parallel over the GPUs (vocabulary-parallel head, with and
-# without sequence parallel, tied and untied) follows one GPU in fp32, also with its
-# collectives on the copy engines (MESHTRAIN_TP_CE=1; bitwise the NCCL kernels' run at tp 2), and
-# its sums and gathers fused into the products (MESHTRAIN_TP_FUSED, 2 by default at tp 2 and 4). Pipeline
+# without sequence parallel, tied and untied) follows one GPU in fp32, on NCCL's collectives
+# (tp_comm=collectives) and with its sums and gathers fused into the products (tp_comm=fused,
+# the default at tp 2 and 4). Pipeline
 # send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
@@ -63,11 +63,11 @@ CASES
 # units and the vocabulary split (the cross-entropy's statistics all-gathered over NCCL),
 # with sequence parallel (all-gathers and reduce-scatters of bf16 or fp32 activations) and
 # without, and with activation checkpointing: NP GPUs follow one (on the collectives:
-# MESHTRAIN_TP_FUSED=0; the fused sums, the default at tp 2 and 4, below)
+# tp_comm=collectives, as the header says; the fused sums, the default at tp 2 and 4, below)
 while IFS='|' read -r name tied keys; do
   out=$TMP/tp_$name
-  if MESHTRAIN_TP_FUSED=0 runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP $keys &&
-     close "$TMP/one_$tied" "$out"
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP tp_comm=collectives $keys &&
+     grep -q "^tensor parallel sums: collectives (tp_comm=collectives)" "$out.log" && close "$TMP/one_$tied" "$out"
   then ok "multi_gpu_tp_follows_one_gpu_$name"
   else bad "multi_gpu_tp_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
@@ -77,39 +77,6 @@ no_sp|false|sequence_parallel=false
 no_sp_tied|true|sequence_parallel=false
 sp_ckpt|false|activation_checkpointing=true
 CASES
-# -- tensor parallel's collectives on the copy engines (MESHTRAIN_TP_CE=1): the activation
-# buffers they run over lie in NCCL windows; all-reduces run as an all-to-all, a sum kernel
-# and an all-gather, reduce-scatters as the first two, all-gathers on the copy engines. In 1
-# and 4 chunks (MESHTRAIN_TP_CHUNKS), with and without sequence parallel, with activation
-# checkpointing, and in pieces of a tiny all-to-all buffer (MESHTRAIN_CE_BUFFER_BYTES: the
-# all-reduces in pieces, the reduce-scatters larger than it on NCCL's kernels): NP GPUs
-# follow one, and the header says the copy engines run them
-while IFS='|' read -r name tied envs keys; do
-  out=$TMP/tp_ce_$name
-  if (export MESHTRAIN_TP_CE=1 MESHTRAIN_TP_FUSED=0 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
-        tensor_parallel_size=$NP $keys) &&
-     grep -q "^tensor parallel collectives: copy engines" "$out.log" && close "$TMP/one_$tied" "$out"
-  then ok "multi_gpu_tp_ce_follows_one_gpu_$name"
-  else bad "multi_gpu_tp_ce_follows_one_gpu_$name ($(grep -m1 '^tensor parallel collectives' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
-done <<'CASES'
-sp_c1|false|MESHTRAIN_TP_CHUNKS=1|
-sp_c4|false|MESHTRAIN_TP_CHUNKS=4|
-no_sp_c1|false|MESHTRAIN_TP_CHUNKS=1|sequence_parallel=false
-no_sp_c4|false|MESHTRAIN_TP_CHUNKS=4|sequence_parallel=false
-sp_c4_tied|true|MESHTRAIN_TP_CHUNKS=4|
-no_sp_c4_tied|true|MESHTRAIN_TP_CHUNKS=4|sequence_parallel=false
-sp_ckpt_c2|false|MESHTRAIN_TP_CHUNKS=2|activation_checkpointing=true
-sp_pieces_c2|false|MESHTRAIN_TP_CHUNKS=2 MESHTRAIN_CE_BUFFER_BYTES=4096|
-no_sp_pieces_c2|false|MESHTRAIN_TP_CHUNKS=2 MESHTRAIN_CE_BUFFER_BYTES=4096|sequence_parallel=false
-CASES
-# at tp 2 in fp32 a sum of two is the same number whoever adds it, and a gather copies: the
-# copy engines' run is bitwise NCCL's kernels' (one chunk, with and without sequence parallel)
-if [ "$NP" = 2 ]; then
-  for sp in sp no_sp; do
-    d=$("$DIFF" "$TMP/tp_$sp/ckpt.bin" "$TMP/tp_ce_${sp}_c1/ckpt.bin" 2>&1)
-    [ "$d" = "max_rel_diff 0" ] && ok "multi_gpu_tp_ce_bitwise_nccl_$sp" || bad "multi_gpu_tp_ce_bitwise_nccl_$sp ($d)"
-  done
-fi
 # grows_alike NAME WITH WITHOUT: run WITH's estimate is above run WITHOUT's, and grows by
 # what its peak grows by, within 5% of WITH's peak
 grows_alike() {
@@ -121,44 +88,31 @@ grows_alike() {
      awk -v a=$((ew - eo)) -v b=$((pw - po)) -v p="$pw" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 0.05 * p)}'
   then ok "$name"; else bad "$name"; fi
 }
-# the estimate counts the tp group's all-to-all buffer (the windows replace activation
-# buffers of the same size)
-grows_alike multi_gpu_tp_ce_estimate_counts_all_to_all_buffer "$TMP/tp_ce_no_sp_c1" "$TMP/tp_no_sp"
-# -- tensor parallel's sums and gathers fused into the products (MESHTRAIN_TP_FUSED=2, the
-# default at tp 2 and 4: the other ranks' rows by copy engine into their memory through CUDA IPC;
-# 1: the products' stores straight there; 3: whole products, then the copies; 4: the sums'
-# products in groups of two blocks of rows): with and
-# without sequence parallel, tied, with activation checkpointing and beside the copy-engine
-# collectives, NP GPUs follow one; the header says fused (and, but beside MESHTRAIN_TP_CE's
-# windows, that the gathers write straight into the other ranks' buffers) and the summary
-# counts the sums; the estimate counts the slots and the mapped buffers' pages (it grows by
-# what the peak grows by)
-while IFS='|' read -r name tied envs keys; do
+# -- tensor parallel's sums and gathers fused into the products (tp_comm=fused, the default at
+# tp 2 and 4: the other ranks' rows by copy engine into their memory through CUDA IPC, the
+# gathers straight into the other ranks' buffers): with and without sequence parallel, tied,
+# with activation checkpointing, NP GPUs follow one; the header says fused (and that the
+# gathers go straight: no "through slots") and the summary counts the sums; the estimate
+# counts the slots and the mapped buffers' pages (it grows by what the peak grows by)
+while IFS='|' read -r name tied keys; do
   out=$TMP/tp_fused_$name
-  if (export MESHTRAIN_TP_FUSED=2 $envs; runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) \
-        tensor_parallel_size=$NP $keys) &&
-     grep -q "^tensor parallel sums: fused into the products" "$out.log" &&
-     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out" &&
-     { [[ $envs == *TP_CE=1* ]] || grep -q "^tensor parallel gathers: each rank's rows by copy engine straight" "$out.log"; }
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) tensor_parallel_size=$NP tp_comm=fused $keys &&
+     grep -q "^tensor parallel sums: fused into the products, copy engines and CUDA IPC (tp_comm=fused)" "$out.log" &&
+     grep -Eq "^tensor parallel: [1-9][0-9]* sums fused" "$out.log" && close "$TMP/one_$tied" "$out"
   then ok "multi_gpu_tp_fused_follows_one_gpu_$name"
   else bad "multi_gpu_tp_fused_follows_one_gpu_$name ($(grep -m1 'sums' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
-sp|false||
-sp_tied|true||
-no_sp|false||sequence_parallel=false
-sp_ckpt|false||activation_checkpointing=true
-sp_ce|false|MESHTRAIN_TP_CE=1|
-sp_stores|false|MESHTRAIN_TP_FUSED=1|
-no_sp_stores|false|MESHTRAIN_TP_FUSED=1|sequence_parallel=false
-sp_whole|false|MESHTRAIN_TP_FUSED=3|
-no_sp_whole|true|MESHTRAIN_TP_FUSED=3|sequence_parallel=false
-sp_groups|false|MESHTRAIN_TP_FUSED=4|
+sp|false|
+sp_tied|true|
+no_sp|false|sequence_parallel=false
+no_sp_tied|true|sequence_parallel=false
+sp_ckpt|false|activation_checkpointing=true
 CASES
 # ... which at tp 2 and 4 is the default (elsewhere the collectives, until measured)
 if [ "$NP" = 2 ] || [ "$NP" = 4 ]; then
   out=$TMP/tp_default
-  if (unset MESHTRAIN_TP_FUSED; runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP) &&
-     grep -q "^tensor parallel sums: fused into the products (the other ranks' rows by copy engine" "$out.log" &&
+  if runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP &&
+     grep -q "^tensor parallel sums: fused into the products, copy engines and CUDA IPC (tp_comm=auto)" "$out.log" &&
      close "$TMP/one_false" "$out"
   then ok multi_gpu_tp_fused_by_default_at_tp$NP
   else bad "multi_gpu_tp_fused_by_default_at_tp$NP ($(grep -m1 'sums' "$out.log"; tail -2 "$out.log" | tr '\n' ' '))"; fi
@@ -168,8 +122,8 @@ grows_alike multi_gpu_tp_fused_estimate_counts_slots "$TMP/tp_fused_sp" "$TMP/tp
 # rank the compute stream's waits for a gather's rows as spans, and how far the host kept
 # ahead of the GPU, at every compute mark and in one line
 out=$TMP/tp_timeline
-if (export MESHTRAIN_TP_FUSED=2 MESHTRAIN_TIMELINE=3 MESHTRAIN_TIMELINE_LEADS=1
-    runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP sequence_parallel=true); then
+if (export MESHTRAIN_TIMELINE=3 MESHTRAIN_TIMELINE_LEADS=1
+    runn "$out" $M batch_size=$((NP * B)) tensor_parallel_size=$NP sequence_parallel=true tp_comm=fused); then
   tl_ok=1
   for ((r = 0; r < NP; r++)); do
     lines=$(grep "^timeline rank $r:" "$out.log")
@@ -218,12 +172,6 @@ done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
 unset MESHTRAIN_PP_CE
-# ... and tensor parallel's fused sums, whose waits for a peer's rows are on the device: the
-# host's tickets (within comm_timeout) still end the job
-export MESHTRAIN_TP_FUSED=2
-fault gpu_killed_rank_ends_job_tp_fused MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" tensor_parallel_size=$NP
-fault gpu_hung_rank_times_out_tp_fused MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" tensor_parallel_size=$NP
-unset MESHTRAIN_TP_FUSED
 # -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
 # memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
 # kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
@@ -317,19 +265,15 @@ for keys in "" "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full
   then ok "multi_gpu_bf16_follows_one_gpu ${keys:-ddp}"
   else bad "multi_gpu_bf16_follows_one_gpu ${keys:-ddp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
-# tensor parallel on the copy engines with bf16 activations (sums in fp32, rounded once),
-# 2 chunks, sequence parallel on and off: the header says the copy engines run them
+# tensor parallel with bf16 activations on NCCL's collectives too (the runs above: the
+# default, fused at tp 2 and 4)
 for keys in "" "sequence_parallel=false"; do
-  out=$TMP/tp_ce_bf16_${keys//[ =]/_}
-  if (export MESHTRAIN_TP_CE=1 MESHTRAIN_TP_CHUNKS=2; runn "$out" $MB tie_embeddings=true batch_size=$((NP * B)) \
-        tensor_parallel_size=$NP $keys) &&
-     grep -q "^tensor parallel collectives: copy engines" "$out.log" && close "$TMP/one_bf16" "$out"
-  then ok "multi_gpu_tp_ce_bf16_on_copy_engines ${keys:-sp}"
-  else bad "multi_gpu_tp_ce_bf16_on_copy_engines ${keys:-sp} ($(grep -m1 '^tensor parallel collectives' "$out.log"; tail -3 "$out.log" | tr '\n' ' '))"; fi
+  out=$TMP/tp_coll_bf16_${keys//[ =]/_}
+  if runn "$out" $MB tie_embeddings=true batch_size=$((NP * B)) tensor_parallel_size=$NP tp_comm=collectives $keys &&
+     close "$TMP/one_bf16" "$out"
+  then ok "multi_gpu_tp_collectives_bf16_follows_one_gpu ${keys:-sp}"
+  else bad "multi_gpu_tp_collectives_bf16_follows_one_gpu ${keys:-sp} ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
 done
-# without MESHTRAIN_TP_CE the header says NCCL's kernels run them
-grep -q "^tensor parallel collectives: NCCL kernels" "$TMP/tp_sp.log" && ok multi_gpu_tp_ce_off_by_default ||
-  bad "multi_gpu_tp_ce_off_by_default ($(grep -m1 '^tensor parallel collectives' "$TMP/tp_sp.log"))"
 
 # -- without clipping DDP updates in two parts, first the part whose all-reduces are done
 # (the head's and layer 3's; units 2..0 and the embedding rows are reduced at the end of
@@ -359,6 +303,10 @@ for keys in "" "fsdp=true"; do
   fault "gpu_killed_rank_ends_job_$name" MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" $keys
   fault "gpu_hung_rank_times_out_$name" MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" $keys
 done
+# ... and tensor parallel's fused sums, whose waits for a peer's rows are on the device: the
+# host's tickets (within comm_timeout) still end the job
+fault gpu_killed_rank_ends_job_tp_fused MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" tensor_parallel_size=$NP tp_comm=fused
+fault gpu_hung_rank_times_out_tp_fused MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" tensor_parallel_size=$NP tp_comm=fused
 # ... and pipeline stages whose receives wait on the device (MESHTRAIN_PP_CE=1): the host
 # still notices, at the receive R later or at the optimizer step
 export MESHTRAIN_PP_CE=1
