@@ -205,6 +205,8 @@ if [ "$g_4k" = "1.0 GiB" ] && [ "$g_f4k" = "161.0 MiB" ] && [ "$g_f512" = "161.5
    MESHTRAIN_ATTN=fast l256 context_len=1024 batch_size=32 | grep -q "our Hopper kernel" &&
    ! MESHTRAIN_ATTN=fast l256 context_len=512 batch_size=64 | grep -q "Hopper kernel"
 then ok estimate_hopper_backward_hd256; else bad "estimate_hopper_backward_hd256 ($g_4k, $g_f4k, $g_f512, $g_wg)"; fi
+expect_exit 2 "cuda_graphs=yes: expected one of auto\|true\|false" train_refuses_bad_cuda_graphs -- \
+  "$BIN" train $TINY cuda_graphs=yes
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

@@ -25,12 +25,14 @@
 #include "train_state.h"
 #include "util.h"
 
-/* MESHTRAIN_GRAPHS: 1 records each layer's forward and backward as graphs of ops and replays
- * them (model_use_graphs) in any run, 0 never; unset: in one-process runs on a GPU (checked
+/* cuda_graphs: true records each layer's forward and backward as graphs of ops and replays
+ * them (model_use_graphs) in any run, false never; auto: in one-process runs on a GPU (checked
  * bitwise against op by op on one GPU; on several GPUs only where asked, until measured
  * there). A layer split over tensor-parallel ranks always runs op by op; on the cpu, which
- * records nothing, every layer does (through the recordings' cache, which 1 exercises). */
-static int graphs_wanted(int world_size, int gpu) { return env_flag("MESHTRAIN_GRAPHS", gpu && world_size == 1); }
+ * records nothing, every layer does (through the recordings' cache, which true exercises). */
+static int graphs_wanted(const Config *c, int world_size, int gpu) {
+    return !strcmp(c->cuda_graphs, "auto") ? gpu && world_size == 1 : !strcmp(c->cuda_graphs, "true");
+}
 
 /* Model keys and the seed given on the command line must agree with a checkpoint's. */
 static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
@@ -258,7 +260,7 @@ int cmd_train(Config *c) {
     comm_world_init(&world, c->comm_timeout);
     set_log_rank(world.rank, world.size);
     int fused_mode = tensor_parallel_fused_mode(c->tensor_parallel_size, gpu);  /* (a bad value: one line) */
-    int graphs = graphs_wanted(world.size, gpu);  /* (likewise) */
+    int graphs = graphs_wanted(c, world.size, gpu);
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -805,7 +807,7 @@ int cmd_train(Config *c) {
         if (m.graphs) {
             long rep, rec, eager;
             layer_graphs_counts(m.graphs, &rep, &rec, &eager);
-            printf("layer graphs: %ld recorded, %ld replayed, %ld layer calls op by op (MESHTRAIN_GRAPHS=0: every "
+            printf("layer graphs: %ld recorded, %ld replayed, %ld layer calls op by op (cuda_graphs=false: every "
                    "layer op by op)\n", rec, rep, eager);
         }
         for (int s = 0; s < PP && stage_mem; s++) {

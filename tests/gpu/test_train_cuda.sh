@@ -71,20 +71,20 @@ done
 
 # -- layer graphs (src/model/layer_graphs.c): from the second step each layer's forward and
 # backward are recorded once and replayed, which must be bitwise the work op by op: a run with
-# them (the default on one GPU) and one without (MESHTRAIN_GRAPHS=0) log the same losses and
+# them (the default on one GPU) and one without (cuda_graphs=false) log the same losses and
 # save the same checkpoint, byte for byte, in each precision, with accumulation, activation
 # checkpointing, tied embeddings, FSDP and offload; the graphed run says it replayed them
 G="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=3 context_len=128 lr=1e-3 grad_clip=1"
 G="$G data_dir=$D steps=5 device=cuda"
 while IFS='|' read -r name keys; do
   run "$TMP/graph_on_$name" $G $keys
-  MESHTRAIN_GRAPHS=0 run "$TMP/graph_off_$name" $G $keys
+  run "$TMP/graph_off_$name" $G $keys cuda_graphs=false
   rep=$(grep -m1 "^layer graphs:" "$TMP/graph_on_$name.log")
   if [[ $rep =~ recorded,\ [1-9][0-9]*\ replayed ]] && ! grep -q "^layer graphs:" "$TMP/graph_off_$name.log" &&
      [ -n "$(strip "$TMP/graph_on_$name")" ] && [ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] &&
      cmp -s "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin"
   then ok "layer_graphs_bitwise_$name (${rep%% (*})"
-  else  # which side differs, for the next look (session 27 saw accum3 unequal once, not again in 30 pairs)
+  else  # which side differs, for the next look
     what="losses $([ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] && echo alike || echo differ)"
     what="$what, checkpoints: $("$DIFF" "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin" 2>&1 | tail -1)"
     bad "layer_graphs_bitwise_$name (${rep:-no graphs line}; $what; $(tail -1 "$TMP/graph_on_$name.log"))"
