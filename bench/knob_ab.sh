@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# A knob's values A/B under pipeline and tensor parallel (issues 18 and 19), e.g.
-# MESHTRAIN_GEMM_SMS (cuBLASLt's products planned for fewer SMs, beside NCCL's kernels) or
-# MESHTRAIN_PP_RECV (host or device). In one call, rounds alternating KNOB's VALUES (a value
-# holding "=" is a comma-separated list of VAR=value instead, e.g.
-# "MESHTRAIN_PP_CE=0,CUDA_DEVICE_MAX_CONNECTIONS=32"):
+# A knob's values compared under pipeline and tensor parallel, e.g. MESHTRAIN_PP_RECV (host or
+# device). In one call, rounds alternating KNOB's VALUES (a value holding "=" is a
+# comma-separated list of VAR=value instead, e.g. "MESHTRAIN_PP_CE=0,CUDA_DEVICE_MAX_CONNECTIONS=32"):
 #   pp:  the post's model in pure bf16 (batch 128, context 256), pp=NP, m=M, each schedule in
 #        SCHEDS, beside the bubble's prediction from one GPU at batch 128/M (all SMs)
 #   tp:  TP efficiency's model (embed_dim=4096 n_heads=32 n_layers=8 context_len=4096
 #        batch_size=1) at tp=2 (GPUs 0,1) and tp=NP, per-GPU tokens/s of one GPU's
-# Usage: KNOB=MESHTRAIN_GEMM_SMS VALUES="0 128 116" NP=4 SCHEDS="1f1b interleaved" ROUNDS=2 \
+# Usage: KNOB=MESHTRAIN_PP_RECV VALUES="host device" NP=4 SCHEDS="1f1b interleaved" ROUNDS=2 \
 #        SECTIONS="pp tp" bench/knob_ab.sh
 set -u
-NP=${NP:-4} M=${M:-8} KNOB=${KNOB:-MESHTRAIN_GEMM_SMS} VALUES=${VALUES:-0 128 116} SCHEDS=${SCHEDS:-1f1b interleaved} ROUNDS=${ROUNDS:-2}
+NP=${NP:-4} M=${M:-8} KNOB=${KNOB:-MESHTRAIN_PP_RECV} VALUES=${VALUES:-host device} SCHEDS=${SCHEDS:-1f1b interleaved} ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-20}
 . "$(dirname "$0")/lib.sh"
 BIN=${BIN:-build/meshtrain}

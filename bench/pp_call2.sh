@@ -20,8 +20,8 @@ stamp post
 . bench/lib.sh; BIN=build/meshtrain
 for a in own auto; do
   out=$(mktemp -d)
-  d=$(CUDA_VISIBLE_DEVICES=0 mt_run "$out" 1 "MESHTRAIN_ATTN=$a" embed_dim=1024 n_heads=8 n_layers=16 context_len=256 \
-      batch_size=128 device=cuda steps=21 log_every=20 progress=false ckpt_path=none val_batches=1)
+  d=$(CUDA_VISIBLE_DEVICES=0 mt_run "$out" 1 "" embed_dim=1024 n_heads=8 n_layers=16 context_len=256 \
+      batch_size=128 device=cuda steps=21 log_every=20 progress=false ckpt_path=none val_batches=1 attention=$a)
   echo "post 256 mixed attention=$a: $(field tokens_per_s "$d") tokens/s, mfu $(field mfu "$d"), peak $(field gpu_peak_alloc_bytes "$d")"
 done
 stamp big

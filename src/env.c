@@ -39,7 +39,13 @@ static const HookDef HOOKS[HOOK_COUNT] = {
  * the setting went, rather than being ignored. */
 static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
+    {"ATTN", "the keys attention=auto|cudnn|own and deterministic=true|false (fast: deterministic=false; "
+             "cudnn: attention=cudnn deterministic=false; cudnn-det: attention=cudnn)"},
+    {"MATMUL_TUNE", "the key deterministic=false"},
     {"GRAPHS", "the key cuda_graphs=auto|true|false"},
+    {"WGMMA_GRID", NULL},
+    {"WGMMA_BWD_T", NULL},
+    {"GEMM_SMS", NULL},
     {NULL, NULL},
 };
 

@@ -337,6 +337,8 @@ int cmd_train(Config *c) {
     }
     comm_exit_if_failed(&world, &f);
 
+    OpsOptions ops_opts = ops_options_of(c);
+    ops_set_options(&ops_opts);
     if (ops_init(c->device, c->threads, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     comm_exit_if_failed(&world, &f);
     OpsPrecision prec = precision_of(c);
