@@ -23,12 +23,12 @@ CUDA_DIR := src/ops/cuda
 NVCC     ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC),$(patsubst %/bin/nvcc,%,$(NVCC)))
 CUDA_ARCH ?= -arch=sm_90
-# The wgmma attention forward (attn_wgmma.cu) needs the architecture-specific sm_90a target (wgmma);
-# its cubin runs on compute capability 9.0 only, which attn_wgmma_device_ok checks.
+# The wgmma attention backward (attn_wgmma_bwd.cu) needs the architecture-specific sm_90a target
+# (wgmma); its cubin runs on compute capability 9.0 only, which attn_wgmma_device_ok checks.
 WGMMA_ARCH ?= -gencode=arch=compute_90a,code=sm_90a
 ifneq ($(NVCC),)
 CUDA_OBJ := $(BUILD)/obj/ops/cuda/ops_cuda.o $(BUILD)/obj/ops/cuda/attn_bf16.o $(BUILD)/obj/ops/cuda/attn_cudnn.o \
-            $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o
+            $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o
 # cuDNN's fused attention (attn_cudnn.cu): built against cudnn_graph.h where the toolkit has it,
 # libcudnn opened with dlopen at run time; without the header it compiles to "not available".
 CUDNN_DEF := $(if $(wildcard $(CUDA_HOME)/include/cudnn_graph.h /usr/include/cudnn_graph.h \
@@ -56,7 +56,7 @@ TOOLS    := $(patsubst tests/%.c,$(BUILD)/tests/%,$(filter-out tests/test_%.c,$(
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 # GPU tests (tests/gpu/test_*.c and *.sh): built here, run by `make test-gpu` on a GPU machine.
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)) $(BUILD)/tests/gpu_test_attn_bf16 \
-             $(BUILD)/tests/gpu_test_attn_wgmma $(BUILD)/tests/gpu_test_attn_wgmma_bwd)
+             $(BUILD)/tests/gpu_test_attn_wgmma_bwd)
 
 .PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu install
 all: meshtrain
@@ -90,7 +90,7 @@ $(BUILD)/tests $(BUILD)/bench:
 	mkdir -p $@
 
 $(BUILD)/obj/ops/cuda/ops_cuda.o: $(CUDA_DIR)/ops_cuda.cu $(CUDA_DIR)/*.cuh $(CUDA_DIR)/ops_cuda.h src/ops/ops.h $(CUDA_DIR)/attn_bf16.h \
-                                  $(CUDA_DIR)/attn_cudnn.h $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_wgmma_bwd.h
+                                  $(CUDA_DIR)/attn_cudnn.h $(CUDA_DIR)/attn_wgmma_bwd.h
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
@@ -102,11 +102,6 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c tests/test.h tests/gpu/bf16_check.h $(LIB_OB
 $(BUILD)/obj/ops/cuda/attn_bf16.o: $(CUDA_DIR)/attn_bf16.cu $(CUDA_DIR)/attn_bf16.h $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
-
-# Hopper's wgmma + TMA attention forward: sm_90a only (see WGMMA_ARCH).
-$(BUILD)/obj/ops/cuda/attn_wgmma.o: $(CUDA_DIR)/attn_wgmma.cu $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/wgmma_util.cuh $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
-	@mkdir -p $(dir $@)
-	$(NVCC) -O3 $(WGMMA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra -DMESHTRAIN_CUDA $(INC) -c $< -o $@
 
 # Hopper's wgmma + TMA attention backward: sm_90a only (see WGMMA_ARCH).
 $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o: $(CUDA_DIR)/attn_wgmma_bwd.cu $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/wgmma_util.cuh $(CUDA_DIR)/sfu.cuh $(CUDA_DIR)/bf16x2.cuh
@@ -120,20 +115,12 @@ $(BUILD)/obj/ops/cuda/attn_cudnn.o: $(CUDA_DIR)/attn_cudnn.cu $(CUDA_DIR)/attn_c
 $(BUILD)/tests/gpu_test_attn_bf16: tests/gpu/test_attn_bf16.cu tests/gpu/cu_report.h $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
 
-# The wgmma forward against attn_bf16_forward, and both timed (a GPU test program built by nvcc).
-$(BUILD)/tests/gpu_test_attn_wgmma: tests/gpu/test_attn_wgmma.cu tests/gpu/cu_report.h tests/gpu/attn_test_util.h \
-                                    $(CUDA_DIR)/attn_wgmma.h $(CUDA_DIR)/attn_bf16.h \
-                                    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
-	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma.o \
-	    $(BUILD)/obj/ops/cuda/attn_bf16.o -o $@
-
 # The wgmma backward against attn_bf16_backward, and both timed (a GPU test program built by nvcc).
 $(BUILD)/tests/gpu_test_attn_wgmma_bwd: tests/gpu/test_attn_wgmma_bwd.cu tests/gpu/cu_report.h tests/gpu/attn_test_util.h \
-                                        $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_wgmma.h \
-                                        $(CUDA_DIR)/attn_bf16.h $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
-                                        $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
+                                        $(CUDA_DIR)/attn_wgmma_bwd.h $(CUDA_DIR)/attn_bf16.h \
+                                        $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o $(BUILD)/obj/ops/cuda/attn_bf16.o | $(BUILD)/tests
 	$(NVCC) -O3 $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Wextra,-fopenmp $(INC) $< $(BUILD)/obj/ops/cuda/attn_wgmma_bwd.o \
-	    $(BUILD)/obj/ops/cuda/attn_wgmma.o $(BUILD)/obj/ops/cuda/attn_bf16.o -lgomp -o $@
+	    $(BUILD)/obj/ops/cuda/attn_bf16.o -lgomp -o $@
 
 # Probes built by nvcc (`make cuda` builds them): how fast each GPU's blocks reach all the
 # others (copy engines against SM stores; two GPUs or more), the pattern of tensor parallel's

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Causal attention on one GPU, forward and backward apart: meshtrain's op on our own tensor-core
-# kernels, through cuDNN's fused flash attention (bench_attn; cudnn-det: its deterministic
-# backward engine) and on our Hopper kernels (wgmma, deterministic backward; fast: auto's backward
-# with the Hopper kernel's atomic dQ where it runs), beside PyTorch's SDPA on its flash and cuDNN backends (attn_torch.py), at
-# issue 20's shapes, in one run on the same card.
+# Causal attention on one GPU, forward and backward apart: meshtrain's op under each choice of the
+# keys attention and deterministic (bench_attn: own = attention=own; cudnn = attention=cudnn
+# deterministic=false; cudnn-det = attention=cudnn, its deterministic backward engine; auto = the
+# default, our Hopper backward where it takes it; fast = deterministic=false, that kernel's atomic
+# dQ), beside PyTorch's SDPA on its flash and cuDNN backends (attn_torch.py), at bench_attn's
+# shapes, in one run on the same card.
 # Usage (from the repository root): bench/attn_hopper.sh [BUILD] [B:H:T:D ...]
 #   BUILD: the build folder holding bench/bench_attn (default build; `make BUILD=... bench`).
 # Prints each program's lines, then a table of TFLOP/s (causal FLOPs: 4 B H T^2 D / 2 forward,
@@ -38,7 +39,7 @@ for line in open(sys.argv[1]):
         key = tuple(int(x) for x in f[3:7])
         if key not in rows: rows.append(key)
         res[(f[1], f[2], key, f[9])] = float(f[8])
-impls = ["own", "cudnn", "cudnn-det", "wgmma", "fast", "torch-flash", "torch-cudnn"]
+impls = ["own", "cudnn", "cudnn-det", "auto", "fast", "torch-flash", "torch-cudnn"]
 for how, what in (("loop", "back-to-back calls"), ("events", "each call between CUDA events after an L2 flush, as do_bench")):
     for d in ("fwd", "bwd"):
         print(f"\nTFLOP/s, {d} (causal FLOPs), timed by {what}")

@@ -1,11 +1,12 @@
-/* bench_attn — causal attention in bf16 (precision=mixed) through the ops interface, on each
- * implementation the cuda backend has: our tensor-core kernels ("own", attn_bf16.cu), cuDNN's
- * fused flash attention ("cudnn", attn_cudnn.cu; "cudnn-det" its deterministic backward) and our
- * Hopper kernels ("wgmma", attn_wgmma.cu and attn_wgmma_bwd.cu, deterministic; "fast": auto's
- * backward with the Hopper kernel's atomic dQ where it runs), forward (op_attention_forward) and backward
- * (op_attention_backward_set, what a layer calls), at the shapes given as B:NH:T:HD arguments
- * (default: issue 20's). TFLOP/s count causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that
- * backward, as bench_ops_cuda does. Each figure is timed two ways after warm-up: "loop", the
+/* bench_attn — causal attention in bf16 (precision=mixed) through the ops interface, under each
+ * choice of the keys attention and deterministic (ops_set_options): our tensor-core kernels ("own":
+ * attention=own, attn_bf16.cu), cuDNN's fused flash attention ("cudnn": attention=cudnn
+ * deterministic=false, attn_cudnn.cu; "cudnn-det": attention=cudnn, its deterministic backward), the
+ * default ("auto", whichever runs: our Hopper backward attn_wgmma_bwd.cu where auto takes it) and
+ * "fast" (deterministic=false: auto's choices, the Hopper kernel's atomic dQ where it runs), forward
+ * (op_attention_forward) and backward (op_attention_backward_set, what a layer calls), at the shapes
+ * given as B:NH:T:HD arguments (default: the shapes in main, T = 256 to 10000). TFLOP/s count
+ * causal FLOPs, 4 B NH T^2 HD / 2 forward and 2.5x that backward, as bench_ops_cuda does. Each figure is timed two ways after warm-up: "loop", the
  * median of 7 timings of back-to-back calls (about 50 ms each: every gap between calls and every
  * small kernel counted), and "events", as attn_torch.py's do_bench: the median of 100 calls each
  * between two CUDA events, the L2 cache cleared before each (256 MB zeroed outside the events).
@@ -99,13 +100,15 @@ static void bench_shape(int B, int NH, int T, int HD) {
     Call c = {rand_act(nqkv), rand_act(nout), op_alloc(nout * 2), op_alloc(nqkv * 2),
               op_alloc((size_t)B * NH * T * sizeof(float)), B, T, NH, HD, 0};
     const double flops = 4.0 * B * NH * (double)T * T * HD / 2;
-    /* fast: auto's backward with our Hopper kernel's atomic dQ, whichever it runs on (its forward is
-     * auto's, cudnn's) */
-    static const char *impls[] = {"own", "cudnn", "cudnn-det", "wgmma", "fast"},
-                      *runs[] = {"own", "cudnn", "cudnn", "wgmma", NULL};
+    /* auto and fast: whichever they run on (fast's forward is auto's); runs: the kernels the others
+     * must run on, else the shape is skipped */
+    static const char *impls[] = {"own", "cudnn", "cudnn-det", "auto", "fast"},
+                      *runs[] = {"own", "cudnn", "cudnn", NULL, NULL};
+    static const OpsOptions opts[] = {{OPS_ATTN_OWN, 1}, {OPS_ATTN_CUDNN, 0}, {OPS_ATTN_CUDNN, 1},
+                                      {OPS_ATTN_AUTO, 1}, {OPS_ATTN_AUTO, 0}};
     for (int m = 0; m < 5; m++) {
-        cuda_set_attention_mode(impls[m]);
-        for (int bw = m == 2 || m == 4; bw < 2; bw++) { /* cudnn-det's forward is cudnn's */
+        ops_set_options(&opts[m]);
+        for (int bw = m == 2 || m == 4; bw < 2; bw++) { /* cudnn-det's forward is cudnn's, fast's auto's */
             double tp = now_seconds();
             const char *ran = cuda_attention_impl(bw, B, T, NH, HD); /* builds cuDNN's plan */
             tp = now_seconds() - tp;
@@ -139,7 +142,7 @@ static void bench_shape(int B, int NH, int T, int HD) {
             fflush(stdout);
         }
     }
-    cuda_set_attention_mode("auto");
+    ops_set_options(&opts[3]);
     printf("info auto B=%d NH=%d T=%d HD=%d: forward %s, backward %s\n", B, NH, T, HD,
            cuda_attention_impl(0, B, T, NH, HD), cuda_attention_impl(1, B, T, NH, HD));
     op_free(c.qkv), op_free(c.dout), op_free(c.out), op_free(c.dqkv), op_free(c.lse);

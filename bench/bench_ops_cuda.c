@@ -8,7 +8,8 @@
  * the same calls replayed from a CUDA graph.
  * Prints each op's time, and TFLOP/s for the matmuls and attention or GB/s (the fewest
  * bytes the op must move) for the memory-bound ops, so the gap to the card's ceilings is
- * visible. Needs a GPU. */
+ * visible. Attention runs on the default options' kernels (attention=auto, deterministic:
+ * bench_attn compares the others). Needs a GPU. */
 #include "ops.h"
 #include "util.h"
 

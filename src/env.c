@@ -46,6 +46,13 @@ static const struct { const char *name, *now; } RETIRED[] = {
     {"TP_CE", NULL},
     {"TP_KEEP_GATHERED", NULL},
     {"TP_WHOLE_COLS", NULL},
+    {"ATTN", "the keys attention=auto|cudnn|own and deterministic=true|false (fast: deterministic=false; "
+             "cudnn: attention=cudnn deterministic=false; cudnn-det: attention=cudnn)"},
+    {"MATMUL_TUNE", "the key deterministic=false"},
+    {"GRAPHS", "the key cuda_graphs=auto|true|false"},
+    {"WGMMA_GRID", NULL},
+    {"WGMMA_BWD_T", NULL},
+    {"GEMM_SMS", NULL},
     {NULL, NULL},
 };
 

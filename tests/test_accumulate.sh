@@ -26,20 +26,20 @@ done
 follows "$TMP/ref_false" "$TMP/half" && bad "accumulate_control (a 4-sequence step followed the 8-sequence one)" ||
   ok accumulate_control
 
-# MESHTRAIN_GRAPHS=1 on the cpu, which records nothing: every layer call goes through the
+# cuda_graphs=true on the cpu, which records nothing: every layer call goes through the
 # recordings' cache (src/model/layer_graphs.c) and runs op by op, as the same run without it
-# (the GPU's replays: tests/gpu/test_train_cuda.sh); a value other than 0 or 1 is one line, exit 2
+# (the GPU's replays: tests/gpu/test_train_cuda.sh); the retired variable is one line, exit 2
 out=$TMP/graphs_cpu
-if MESHTRAIN_GRAPHS=1 "$BIN" train $M batch_size=2 grad_accum_steps=4 activation_checkpointing=true out_dir="$out" \
+if "$BIN" train $M batch_size=2 grad_accum_steps=4 activation_checkpointing=true cuda_graphs=true out_dir="$out" \
      >"$out.log" 2>&1 && follows "$TMP/ref_false" "$out" &&
    grep -q "^layer graphs: 0 recorded, 0 replayed, 96 layer calls op by op" "$out.log"
 then ok accumulate_graphs_cpu
 else bad "accumulate_graphs_cpu ($(grep "^layer graphs" "$out.log"; tail -1 "$out.log"))"; fi
-MESHTRAIN_GRAPHS=yes "$BIN" train $M batch_size=8 out_dir="$TMP/graphs_bad" >"$TMP/graphs_bad.log" 2>&1
+MESHTRAIN_GRAPHS=1 "$BIN" train $M batch_size=8 out_dir="$TMP/graphs_retired" >"$TMP/graphs_retired.log" 2>&1
 rc=$?
-if [ $rc = 2 ] && [ "$(wc -l <"$TMP/graphs_bad.log")" = 1 ] && grep -q "MESHTRAIN_GRAPHS=yes" "$TMP/graphs_bad.log"
-then ok accumulate_graphs_bad_value
-else bad "accumulate_graphs_bad_value (exit $rc: $(head -2 "$TMP/graphs_bad.log"))"; fi
+if [ $rc = 2 ] && [ "$(wc -l <"$TMP/graphs_retired.log")" = 1 ] && grep -q "MESHTRAIN_GRAPHS is no longer read: use the key cuda_graphs=" "$TMP/graphs_retired.log"
+then ok accumulate_graphs_retired_variable
+else bad "accumulate_graphs_retired_variable (exit $rc: $(head -2 "$TMP/graphs_retired.log"))"; fi
 
 # with data parallelism: DDP and ZeRO-1 reduce once a step (after the last micro-batch),
 # ZeRO-2, FSDP and hybrid FSDP add every micro-batch's reduced gradient into the shard

@@ -154,57 +154,54 @@ if lc context_len=4096 batch_size=8 | grep -q "on other GPUs cuDNN's engine need
    ! lc context_len=512 batch_size=64 | grep -q "on other GPUs" && ! lc context_len=4096 batch_size=8 precision=fp32 |
    grep -q "on other GPUs"
 then ok estimate_attention_backward_workspace; else bad "estimate_attention_backward_workspace ($rl)"; fi
-# MESHTRAIN_ATTN (a benchmark knob) forces a path, and the estimate counts that path's buffers:
-# cudnn-det keeps dP (B NH T^2 bf16, 2.0 GiB at 4096 x 8), cudnn the fp32 dQ accumulator
-# (128 MiB), own neither; wgmma and fast (auto's paths, atomic dQ in ours) are auto's Hopper kernel
-r_det=$(MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_at=$(MESHTRAIN_ATTN=cudnn lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_own=$(MESHTRAIN_ATTN=own lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_wg=$(MESHTRAIN_ATTN=wgmma lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_fast=$(MESHTRAIN_ATTN=fast lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_fast5=$(MESHTRAIN_ATTN=fast lc context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
+# the keys attention and deterministic choose the path, and the estimate counts that path's buffers:
+# attention=cudnn keeps dP (B NH T^2 bf16, 2.0 GiB at 4096 x 8), with deterministic=false the fp32
+# dQ accumulator instead (128 MiB), own neither; deterministic=false (auto's paths, atomic dQ in
+# ours) is auto's Hopper kernel
+r_det=$(lc context_len=4096 batch_size=8 attention=cudnn | awk '$1 == "runtime" {print $4, $5}')
+r_at=$(lc context_len=4096 batch_size=8 attention=cudnn deterministic=false | awk '$1 == "runtime" {print $4, $5}')
+r_own=$(lc context_len=4096 batch_size=8 attention=own | awk '$1 == "runtime" {print $4, $5}')
+r_fast=$(lc context_len=4096 batch_size=8 deterministic=false | awk '$1 == "runtime" {print $4, $5}')
+r_fast5=$(lc context_len=512 batch_size=64 deterministic=false | awk '$1 == "runtime" {print $4, $5}')
 r_auto5=$(lc context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
-if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] && [ "$r_wg" = "162.0 MiB" ] &&
+if [ "$r_det" = "2.0 GiB" ] && [ "$r_at" = "161.0 MiB" ] && [ "$r_own" = "36.0 MiB" ] &&
    [ "$r_fast" = "162.0 MiB" ] && [ "$r_fast5" = "$r_auto5" ] &&
-   ! MESHTRAIN_ATTN=cudnn-det lc context_len=4096 batch_size=8 | grep -q "Hopper kernel"
-then ok estimate_follows_forced_attention; else bad "estimate_follows_forced_attention ($r_det, $r_at, $r_own, $r_wg, $r_fast, $r_fast5/$r_auto5)"; fi
-expect_exit 2 "MESHTRAIN_ATTN=bogus: expected auto, fast, cudnn, cudnn-det, own or wgmma" estimate_refuses_bad_attention -- \
-  env MESHTRAIN_ATTN=bogus "$BIN" estimate device=cuda precision=bf16
-# MESHTRAIN_WGMMA_BWD_T (a benchmark knob) moves auto's threshold for the Hopper backward, and the
-# estimate follows: at 1024 x 32 cuDNN's 546 MiB instead of our kernel's 162; a value that is not a
-# whole number >= 1 leaves the default (1024)
-r_lo=$(MESHTRAIN_WGMMA_BWD_T=1025 lc context_len=1024 batch_size=32 | awk '$1 == "runtime" {print $4, $5}')
-r_hi=$(MESHTRAIN_WGMMA_BWD_T=4097 lc context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-r_bad=""
-for v in 0 -5 1024x abc ""; do
-  r_bad="$r_bad$(MESHTRAIN_WGMMA_BWD_T=$v lc context_len=1024 batch_size=32 | awk '$1 == "runtime" {print $4, $5}');"
+   ! lc context_len=4096 batch_size=8 attention=cudnn | grep -q "Hopper kernel"
+then ok estimate_follows_attention_keys; else bad "estimate_follows_attention_keys ($r_det, $r_at, $r_own, $r_fast, $r_fast5/$r_auto5)"; fi
+expect_exit 2 "attention=bogus: expected one of auto\|cudnn\|own" estimate_refuses_bad_attention -- \
+  "$BIN" estimate device=cuda precision=bf16 attention=bogus
+expect_exit 2 "cuda_graphs=yes: expected one of auto\|true\|false" train_refuses_bad_cuda_graphs -- \
+  "$BIN" train $TINY cuda_graphs=yes
+# the variables these keys replace, and those whose alternative went, are one line and exit 2
+expect_exit 2 "MESHTRAIN_ATTN is no longer read: use the keys attention=auto\|cudnn\|own and deterministic=" \
+  retired_attention_variable -- env MESHTRAIN_ATTN=cudnn "$BIN" estimate device=cuda precision=bf16
+expect_exit 2 "MESHTRAIN_MATMUL_TUNE is no longer read: use the key deterministic=false" retired_matmul_tune_variable -- \
+  env MESHTRAIN_MATMUL_TUNE=1 "$BIN" train $TINY
+for v in WGMMA_BWD_T WGMMA_GRID GEMM_SMS; do
+  expect_exit 2 "MESHTRAIN_$v is no longer read: the alternative it chose was removed" "retired_variable_$v" -- \
+    env "MESHTRAIN_$v=1" "$BIN" estimate device=cuda precision=bf16
 done
-if [ "$r_lo" = "546.0 MiB" ] && [ "$r_hi" = "2.0 GiB" ] && [ "$r_bad" = "162.0 MiB;162.0 MiB;162.0 MiB;162.0 MiB;162.0 MiB;" ]
-then ok estimate_follows_wgmma_bwd_threshold; else bad "estimate_follows_wgmma_bwd_threshold ($r_lo, $r_hi, $r_bad)"; fi
 # head_dim 96 (embed_dim 768, 8 heads) takes the Hopper backward from T=512 (measured faster there):
-# its workspace at 4096 x 8 and 512 x 64 instead of cuDNN's dP, cuDNN's at 256 x 128 unless
-# MESHTRAIN_ATTN=wgmma forces ours
+# its workspace at 4096 x 8 and 512 x 64 instead of cuDNN's dP, cuDNN's at 256 x 128
 l96() { "$BIN" estimate embed_dim=768 n_heads=8 n_layers=16 device=cuda precision=bf16 "$@"; }
 h_4k=$(l96 context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
 h_512=$(l96 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
 h_256=$(l96 context_len=256 batch_size=128 | awk '$1 == "runtime" {print $4, $5}')
-h_wg=$(MESHTRAIN_ATTN=wgmma l96 context_len=256 batch_size=128 | awk '$1 == "runtime" {print $4, $5}')
-if [ "$h_4k" = "130.0 MiB" ] && [ "$h_512" = "130.0 MiB" ] && [ "$h_256" = "162.0 MiB" ] && [ "$h_wg" = "130.0 MiB" ] &&
+if [ "$h_4k" = "130.0 MiB" ] && [ "$h_512" = "130.0 MiB" ] && [ "$h_256" = "162.0 MiB" ] &&
    l96 context_len=512 batch_size=64 | grep -q "our Hopper kernel" && ! l96 context_len=256 batch_size=128 | grep -q "Hopper kernel"
-then ok estimate_hopper_backward_hd96; else bad "estimate_hopper_backward_hd96 ($h_4k, $h_512, $h_256, $h_wg)"; fi
+then ok estimate_hopper_backward_hd96; else bad "estimate_hopper_backward_hd96 ($h_4k, $h_512, $h_256)"; fi
 # head_dim 256 (embed_dim 1024, 4 heads): our Hopper backward's deterministic mode trails cuDNN's there,
-# so auto keeps cuDNN's (its dP: 1.0 GiB at 4096 x 8); fast (atomic dQ) takes ours from T=1024, as
-# MESHTRAIN_ATTN=wgmma does everywhere
+# so auto keeps cuDNN's (its dP: 1.0 GiB at 4096 x 8); deterministic=false (atomic dQ) takes ours
+# from T=1024
 l256() { "$BIN" estimate embed_dim=1024 n_heads=4 n_layers=16 device=cuda precision=bf16 "$@"; }
 g_4k=$(l256 context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-g_f4k=$(MESHTRAIN_ATTN=fast l256 context_len=4096 batch_size=8 | awk '$1 == "runtime" {print $4, $5}')
-g_f512=$(MESHTRAIN_ATTN=fast l256 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
-g_wg=$(MESHTRAIN_ATTN=wgmma l256 context_len=512 batch_size=64 | awk '$1 == "runtime" {print $4, $5}')
-if [ "$g_4k" = "1.0 GiB" ] && [ "$g_f4k" = "161.0 MiB" ] && [ "$g_f512" = "161.5 MiB" ] && [ "$g_wg" = "161.0 MiB" ] &&
+g_f4k=$(l256 context_len=4096 batch_size=8 deterministic=false | awk '$1 == "runtime" {print $4, $5}')
+g_f512=$(l256 context_len=512 batch_size=64 deterministic=false | awk '$1 == "runtime" {print $4, $5}')
+if [ "$g_4k" = "1.0 GiB" ] && [ "$g_f4k" = "161.0 MiB" ] && [ "$g_f512" = "161.5 MiB" ] &&
    ! l256 context_len=4096 batch_size=8 | grep -q "Hopper kernel" &&
-   MESHTRAIN_ATTN=fast l256 context_len=1024 batch_size=32 | grep -q "our Hopper kernel" &&
-   ! MESHTRAIN_ATTN=fast l256 context_len=512 batch_size=64 | grep -q "Hopper kernel"
-then ok estimate_hopper_backward_hd256; else bad "estimate_hopper_backward_hd256 ($g_4k, $g_f4k, $g_f512, $g_wg)"; fi
+   l256 context_len=1024 batch_size=32 deterministic=false | grep -q "our Hopper kernel" &&
+   ! l256 context_len=512 batch_size=64 deterministic=false | grep -q "Hopper kernel"
+then ok estimate_hopper_backward_hd256; else bad "estimate_hopper_backward_hd256 ($g_4k, $g_f4k, $g_f512)"; fi
 expect_exit 2 "precision=bf16 needs a GPU" bf16_needs_gpu -- "$BIN" train precision=bf16 device=cpu
 
 # -- bad data

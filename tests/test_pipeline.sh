@@ -114,19 +114,19 @@ e7=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held7.log
 if follows "$(ref 8 false)" "$TMP/zb1_held7" && [ -n "$e5" ] && [ -n "$e7" ] && [ "$e5" != "$e7" ]
 then ok "zb1_held_7_follows ($e5 -> $e7)"; else bad "zb1_held_7_follows ($e5 -> $e7; $(tail -2 "$TMP/zb1_held7.log" | tr '\n' ' '))"; fi
 
-# MESHTRAIN_GRAPHS=1 under zb1 (pp 2, the stage of 4 layers): every layer's forward and both
+# cuda_graphs=true under zb1 (pp 2, the stage of 4 layers): every layer's forward and both
 # halves of its split backward go through the recordings' cache (src/model/layer_graphs.c;
 # on CPU ranks, which record nothing, op by op: 4 steps x 4 micro-batches x 4 layers x 3),
 # bitwise the run without it (the GPU's replays: tests/gpu/test_multi_gpu.sh)
-for gr in 0 1; do
-  MESHTRAIN_GRAPHS=$gr $MPIRUN -np 2 -x MESHTRAIN_GRAPHS "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-    micro_batches=4 pipeline_schedule=zb1 out_dir="$TMP/zb1_graphs$gr" </dev/null >"$TMP/zb1_graphs$gr.log" 2>&1
+for gr in false true; do
+  $MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1 \
+    cuda_graphs=$gr out_dir="$TMP/zb1_graphs_$gr" </dev/null >"$TMP/zb1_graphs_$gr.log" 2>&1
 done
-if cmp -s "$TMP/zb1_graphs0/ckpt.bin" "$TMP/zb1_graphs1/ckpt.bin" &&
-   grep -q "^layer graphs: 0 recorded, 0 replayed, 192 layer calls op by op" "$TMP/zb1_graphs1.log" &&
-   ! grep -q "^layer graphs" "$TMP/zb1_graphs0.log"
+if cmp -s "$TMP/zb1_graphs_false/ckpt.bin" "$TMP/zb1_graphs_true/ckpt.bin" &&
+   grep -q "^layer graphs: 0 recorded, 0 replayed, 192 layer calls op by op" "$TMP/zb1_graphs_true.log" &&
+   ! grep -q "^layer graphs" "$TMP/zb1_graphs_false.log"
 then ok zb1_graphs_cache_bitwise
-else bad "zb1_graphs_cache_bitwise ($(grep "^layer graphs" "$TMP/zb1_graphs1.log"); $(tail -1 "$TMP/zb1_graphs1.log"))"; fi
+else bad "zb1_graphs_cache_bitwise ($(grep "^layer graphs" "$TMP/zb1_graphs_true.log"); $(tail -1 "$TMP/zb1_graphs_true.log"))"; fi
 
 # the schedules order the same arithmetic differently: 1f1b, interleaved (with its backward
 # split too, forced here: auto takes it where the simulation says it ends sooner) and zb1

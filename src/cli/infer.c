@@ -7,7 +7,6 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "commands.h"
-#include "attn_cudnn.h" /* attn_mode_of: MESHTRAIN_ATTN as the cuda backend reads it */
 #include "estimate.h"
 #include "ops.h"
 #include "pipeline.h"
@@ -33,6 +32,8 @@ static float *load_model(const char *path, Model *m, CkptHeader *h) {
 int cmd_eval(Config *c) {
     Model m;
     CkptHeader h;
+    OpsOptions oo = ops_options_of(c);  /* attention's kernels on cuda */
+    ops_set_options(&oo);
     ops_init_or_die(c->device, c->threads);
     float *dev_params = load_model(c->checkpoint, &m, &h);
     int T = config_was_set("context_len") ? c->context_len : h.context_len;
@@ -74,6 +75,8 @@ int cmd_sample(Config *c) {
     if (!tok) die(EXIT_BAD_INPUT, "%s", err);
     Model m;
     CkptHeader h;
+    OpsOptions oo = ops_options_of(c);  /* attention's kernels on cuda */
+    ops_set_options(&oo);
     ops_init_or_die(c->device, c->threads);
     float *dev_params = load_model(c->checkpoint, &m, &h);
     if (h.vocab_size != tokenizer_vocab_size(tok))
@@ -150,11 +153,6 @@ int cmd_estimate(Config *c) {
     if (dp % group)
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
-    /* the attention path the estimate counts (MESHTRAIN_ATTN): a value the cuda backend would
-     * refuse at start-up is refused here too, not counted as something else */
-    const char *attn = getenv("MESHTRAIN_ATTN");
-    if (gpu && attn_mode_of(attn) < 0)
-        die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, attn);
     OptimConfig oc = optim_config_of(c);
     /* DDP's copy-engine all-to-all buffer; the pipeline's receive rings with MESHTRAIN_PP_CE=1;
      * tensor parallel's fused sums (tp_comm) */

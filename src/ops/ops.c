@@ -11,6 +11,7 @@
 
 static const OpsBackend *g_ops = &ops_backend_cpu;
 static OpsPrecision g_prec = OPS_FP32;
+static OpsOptions g_opts = {OPS_ATTN_AUTO, 1};
 
 /* MESHTRAIN_PROFILE=1: every op waits for the device before and after, and its time is
  * added to its name's total; the table goes to stderr at exit. It slows the run (no
@@ -47,8 +48,9 @@ void ops_profile_reset(void) {
     if (g_prof_events) prof_flush();
     for (int i = 0; i < g_n_prof; i++) g_prof[i].s = 0, g_prof[i].n = 0;
 }
+/* Tuning picks algorithms by their timings, so only where the run need not be repeatable */
 int op_tune_matmuls(char *report, size_t len) {
-    return g_ops->tune_matmuls ? g_ops->tune_matmuls(report, len) : -1;
+    return g_ops->tune_matmuls && !g_opts.deterministic ? g_ops->tune_matmuls(report, len) : -1;
 }
 int op_graph_begin(void) { return g_ops->graph_begin && !g_prof_on ? g_ops->graph_begin() : -1; }
 OpsGraph *op_graph_end(void) { return g_ops->graph_end ? g_ops->graph_end() : NULL; }
@@ -100,6 +102,7 @@ int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     else return set_err(err, errlen, "device=%s: unknown device (cpu or cuda)", device);
     if (b->init(n_threads, err, errlen)) return -1;
     g_ops = b;
+    if (b->set_options) b->set_options(&g_opts);
     if (hook_on(HOOK_PROFILE) && !g_prof_on) {
         g_prof_on = 1;
         g_prof_events = !strcmp(hook_text(HOOK_PROFILE), "events") && b->prof_mark && b->prof_span;
@@ -107,6 +110,12 @@ int ops_init(const char *device, int n_threads, char *err, size_t errlen) {
     }
     return 0;
 }
+
+void ops_set_options(const OpsOptions *o) {
+    g_opts = *o;
+    if (g_ops->set_options) g_ops->set_options(&g_opts);
+}
+OpsOptions ops_options(void) { return g_opts; }
 
 const char *ops_backend_name(void) { return g_ops->name; }
 const char *ops_device_name(void) { return g_ops->device_name(); }

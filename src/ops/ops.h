@@ -13,8 +13,8 @@
  *   and reading them back (the weight gradient still accumulates).
  *   A gradient output pointer may be NULL when that gradient is not needed.
  * - Everything here is deterministic for a fixed thread count (no atomics, fixed
- *   reduction order), so a resumed run is bitwise identical to an uninterrupted one. (One
- *   opt-in exception: MESHTRAIN_ATTN=cudnn on the cuda backend, see ops_cuda.h.)
+ *   reduction order), so a resumed run is bitwise identical to an uninterrupted one, unless
+ *   OpsOptions.deterministic is 0 (the key deterministic=false: see OpsOptions).
  * - Precision (ops_set_precision). Tensors typed `void *` hold one of two element types:
  *   activations (and their gradients) and compute weights are the "act" type, fp32 or
  *   bf16 (ops_act_size); parameters, their gradients and AdamW's moments are the "state"
@@ -35,8 +35,27 @@ extern "C" {
 /* Once per process, before any buffer is allocated: the backend, "cpu" or "cuda", and the
  * CPU's thread count (0 = all cores). 0, or -1 with a one-line message in err (a build
  * without CUDA, no usable GPU). Until it is called the cpu backend is active, with
- * OpenMP's default thread count. */
+ * OpenMP's default thread count. The backend starts with the options ops_set_options gave
+ * (before it), or the defaults. */
 int ops_init(const char *device, int n_threads, char *err, size_t errlen);
+/* What the keys `attention` and `deterministic` choose in the backend. The cpu backend, fp32
+ * and deterministic throughout, ignores them; the cuda one reads them in bf16:
+ * - attention: OPS_ATTN_AUTO (the default) takes, by shape, whichever of cuDNN's fused flash
+ *   attention and our kernels was faster (ops_cuda.cu); OPS_ATTN_CUDNN takes cuDNN wherever it
+ *   has an engine for the shape; OPS_ATTN_OWN never takes cuDNN (our tensor-core kernels at
+ *   head_dim 64 and 128, the generic ones elsewhere).
+ * - deterministic: 1 (the default): every op bitwise repeatable. 0: attention's backward may sum
+ *   dQ with atomics where that is faster (our Hopper kernel under auto, cuDNN's fastest engine
+ *   under cudnn), and op_tune_matmuls may give product shapes faster algorithms: a run's last
+ *   bits then depend on timings. */
+typedef enum { OPS_ATTN_AUTO, OPS_ATTN_CUDNN, OPS_ATTN_OWN } OpsAttention;
+typedef struct {
+    OpsAttention attention;
+    int deterministic;
+} OpsOptions;
+/* Sets the options (any time; the active backend takes them for the ops after the call). */
+void ops_set_options(const OpsOptions *o);
+OpsOptions ops_options(void);
 const char *ops_backend_name(void);  /* "cpu" or "cuda" */
 const char *ops_device_name(void);   /* the GPU's name; "" on the cpu */
 /* 1 when the backend's buffers are host memory (cpu): callers may then read and write them
@@ -46,12 +65,12 @@ int ops_host_memory(void);
 void ops_synchronize(void);
 /* MESHTRAIN_PROFILE=1's per-op totals back to zero (the train loop: after the first step) */
 void ops_profile_reset(void);
-/* Between steps, with nothing in flight (the train loop: after the first step): with
- * MESHTRAIN_MATMUL_TUNE=1, each matmul shape used so far may take a faster algorithm of the
- * backend's library that gave the same results on random operands (cuda:
- * src/ops/cuda/matmul_tune.cuh; not bitwise on every run's own, so off by default). Writes a
- * one-line report; returns the shapes changed, or -1 where there is nothing to tune (the cpu,
- * tuning off). */
+/* Between steps, with nothing in flight (the train loop: after the first step): where the
+ * options are not deterministic, each matmul shape used so far may take a faster algorithm of
+ * the backend's library that gave the same results on random operands (cuda:
+ * src/ops/cuda/matmul_tune.cuh; not bitwise on every run's own operands). Writes a one-line
+ * report; returns the shapes changed, or -1 where there is nothing to tune (the cpu, or
+ * deterministic options). */
 int op_tune_matmuls(char *report, size_t len);
 /* Recording a run of ops once and replaying it (cuda: a CUDA graph captured from the main
  * queue; the model's layer graphs, bench_ops_cuda's BENCH_GRAPH). Between op_graph_begin and
@@ -361,6 +380,7 @@ typedef struct OpsBackend {
     const char *name;
     int host_memory;
     int (*init)(int n_threads, char *err, size_t errlen);
+    void (*set_options)(const OpsOptions *o);  /* NULL: the backend takes none (ops_set_options) */
     const char *(*device_name)(void);
     void (*synchronize)(void);
     int (*idle)(void);  /* NULL: ops run synchronously, always idle */

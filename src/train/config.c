@@ -92,6 +92,15 @@ static const Key KEYS[] = {
     E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE,
       "auto = mixed on cuda, fp32 on cpu; mixed = bf16 compute, fp32 master weights and AdamW; "
       "bf16 = bf16 weights, gradients and AdamW state"),
+    E(attention, "auto", "auto|cudnn|own", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
+      "cuda, bf16: attention's kernels: auto = cuDNN's fused flash attention or ours, whichever was faster for "
+      "the shape (see README); cudnn = cuDNN's wherever it runs; own = never cuDNN's"),
+    B(deterministic, "true", TR | CMD_ESTIMATE,
+      "cuda: every op bitwise repeatable; false = faster: attention's backward may sum with atomics, and after "
+      "the first step each product shape may take a faster cuBLASLt algorithm (a run's last bits then vary)"),
+    E(cuda_graphs, "auto", "auto|true|false", TR,
+      "cuda: from the second step each layer's forward and backward recorded once as a CUDA graph and replayed "
+      "(auto = on for one process, off for several; layers split over tensor-parallel ranks run op by op)"),
     F(max_memory_gb, "0", 0, 1e9, TR | CMD_ESTIMATE,
       "refuse runs whose estimate exceeds this (0 = available RAM, or the GPU's free memory)"),
     B(activation_checkpointing, "false", TR | CMD_ESTIMATE,

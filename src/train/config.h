@@ -24,6 +24,9 @@ typedef struct {
     /* run */
     int threads, log_every, ckpt_every, progress;
     char out_dir[512], log_file[512], ckpt_path[512], resume[512], checkpoint[512], device[16], precision[16];
+    char attention[16];             /* auto | cudnn | own */
+    int deterministic;
+    char cuda_graphs[16];           /* auto | true | false */
     double max_memory_gb;
     /* parallelism */
     int activation_checkpointing;

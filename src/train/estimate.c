@@ -29,24 +29,22 @@
  * dims 64 and 128, the Hopper backward 64, 96, 128 and 256) its workspace and row terms instead.
  * A tensor-parallel rank runs attention on its NH / tp heads (the deterministic engine's
  * workspace, B NH T^2, may then fit where the whole model's did not). */
-static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, int mode,
+static size_t cuda_scratch_bytes(const ModelConfig *c, int B, int T, OpsPrecision prec, int tp, OpsOptions o,
                                  size_t *elsewhere) {
     int nh = c->n_heads / (tp > 0 ? tp : 1);
     /* rmsnorm's backward: its blocks' dw partials (ops_cuda.h) */
     size_t nb = (size_t)cuda_rmsnorm_blocks((size_t)B * T, cuda_rmsnorm_wide(c->embed_dim));
     size_t a = nb * c->embed_dim * sizeof(float), b = (size_t)B * T * nh * sizeof(float), hb = 0;
     size_t s = 1025 * sizeof(double);
-    /* the backward's path as ops_cuda picks it: auto's choice by shape, or the one the run forces
-     * (own and an unknown mode: our kernels' terms) */
+    /* the backward's path as ops_cuda picks it under the options: auto's choice by shape, or
+     * cuDNN wherever it runs (cudnn), or our kernels' terms (own) */
     int hd = c->n_heads > 0 ? c->embed_dim / c->n_heads : 0;
     int ours = hd == 64 || hd == 128, bf = prec != OPS_FP32 && hd > 0; /* ours: attn_bf16's head dims */
-    int aut = mode == ATTN_MODE_AUTO || mode == ATTN_MODE_FAST; /* fast: auto's paths, atomic dQ in ours */
-    int hopper = bf && (aut ? attn_wgmma_bwd_auto(T, hd, mode != ATTN_MODE_FAST, 1) /* the step fuses RoPE */
-                                               : mode == ATTN_MODE_WGMMA && attn_wgmma_bwd_hd(hd));
-    int dnn = bf && (mode == ATTN_MODE_CUDNN || mode == ATTN_MODE_CUDNN_DET ||
-                     ((aut || mode == ATTN_MODE_WGMMA) && attn_cudnn_auto(1, B, T, nh, hd, ours)));
+    int aut = o.attention == OPS_ATTN_AUTO;
+    int hopper = bf && aut && attn_wgmma_bwd_auto(T, hd, o.deterministic, 1); /* the step fuses RoPE */
+    int dnn = bf && (o.attention == OPS_ATTN_CUDNN || (aut && attn_cudnn_auto(1, B, T, nh, hd, ours)));
     if (hopper) hb = (attn_wgmma_bwd_workspace_bytes(B, T, nh, hd) + 255) & ~(size_t)255;
-    if (dnn && mode == ATTN_MODE_CUDNN)
+    if (dnn && o.attention == OPS_ATTN_CUDNN && !o.deterministic)  /* cuDNN's atomic engine */
         b = attn_cudnn_atomic_extra_bytes(B, T, nh, hd);
     else if (dnn) {
         int bc = attn_cudnn_det_batch(B, T, nh, ATTN_CUDNN_DET_MAX_BYTES);  /* long contexts: the batch in pieces */
@@ -97,7 +95,7 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : in->data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, in->attn_mode, &e->attn_elsewhere)
+    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, in->ops, &e->attn_elsewhere)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && in->ddp_copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
     int fused = gpu && tp > 1 && in->tp_fused;
@@ -171,7 +169,7 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     }
     /* the ops' scratch is a micro-batch's (rmsnorm's partials and attention's terms grow with B) */
     if (e->gpu)
-        e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->attn_mode, &e->attn_elsewhere);
+        e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->ops, &e->attn_elsewhere);
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     e->p2p = 0;  /* step.c's links: a ring per direction this stage receives in, of its residual stream */
     if (gpu && in->pp_copy_engines && training) {

@@ -49,7 +49,7 @@ typedef struct {
     int world, shard_size, tp, sp, gpu;
     OpsPrecision prec;
     const OptimConfig *oc;
-    int attn_mode;        /* the attention path the cuda backend takes (attn_cudnn.h's ATTN_MODE_*) */
+    OpsOptions ops;       /* the keys attention and deterministic: the attention path the cuda backend takes */
     /* DDP's all-reduces on GPUs take the copy-engine path, whose all-to-all buffer (comm_alloc
      * in comm.h) counts as `comm`. `meshtrain estimate` assumes they will (ranks on one
      * machine, NCCL 2.28 or later); a training run asks comm_copy_engines_possible. */

@@ -8,7 +8,6 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include "attn_cudnn.h" /* attn_mode_of */
 #include "ops.h"
 #include "util.h"
 
@@ -40,7 +39,7 @@ EstimateInput estimate_input_of(const Config *c, int world, int shard_size, cons
     in.gpu = !strcmp(c->device, "cuda");
     in.prec = precision_of(c);
     in.oc = oc;
-    in.attn_mode = attn_mode_of(getenv("MESHTRAIN_ATTN"));  /* (what the cuda backend reads at its start) */
+    in.ops = ops_options_of(c);
     return in;
 }
 
@@ -61,6 +60,13 @@ double card_peak_flops(const char *name) {
 void ops_init_or_die(const char *device, int threads) {
     char err[512];
     if (ops_init(device, threads, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+}
+
+OpsOptions ops_options_of(const Config *c) {
+    OpsOptions o = {OPS_ATTN_AUTO, c->deterministic};
+    if (!strcmp(c->attention, "cudnn")) o.attention = OPS_ATTN_CUDNN;
+    else if (!strcmp(c->attention, "own")) o.attention = OPS_ATTN_OWN;
+    return o;
 }
 
 OpsPrecision precision_of(const Config *c) {

@@ -20,6 +20,8 @@ void ops_init_or_die(const char *device, int threads);
 ParallelKind strategy_of(const Config *c);
 /* How tensor parallel's sums and gathers travel (tp_comm). */
 TpComm tp_comm_of(const Config *c);
+/* The keys attention and deterministic, for ops_set_options and the estimate. */
+OpsOptions ops_options_of(const Config *c);
 /* 1 when the run computes in bf16 (precision=mixed, or auto on cuda). */
 OpsPrecision precision_of(const Config *c);
 /* acts_alloc / acts_bytes' `training` for a training run: 1, or ACTS_RECOMPUTE. */

@@ -104,7 +104,7 @@ int train_report(TrainRun *r, const TrainTotals *t) {
         if (r->m.graphs) {
             long rep, rec, eager;
             layer_graphs_counts(r->m.graphs, &rep, &rec, &eager);
-            printf("layer graphs: %ld recorded, %ld replayed, %ld layer calls op by op (MESHTRAIN_GRAPHS=0: every "
+            printf("layer graphs: %ld recorded, %ld replayed, %ld layer calls op by op (cuda_graphs=false: every "
                    "layer op by op)\n", rec, rep, eager);
         }
         for (int s = 0; s < r->PP && stage_mem; s++) {

@@ -16,12 +16,14 @@
 #include "train_state.h"
 #include "util.h"
 
-/* MESHTRAIN_GRAPHS: 1 records each layer's forward and backward as graphs of ops and replays
- * them (model_use_graphs) in any run, 0 never; unset: in one-process runs on a GPU (checked
+/* cuda_graphs: true records each layer's forward and backward as graphs of ops and replays
+ * them (model_use_graphs) in any run, false never; auto: in one-process runs on a GPU (checked
  * bitwise against op by op on one GPU; on several GPUs only where asked, until measured
  * there). A layer split over tensor-parallel ranks always runs op by op; on the cpu, which
- * records nothing, every layer does (through the recordings' cache, which 1 exercises). */
-static int graphs_wanted(int world_size, int gpu) { return env_flag("MESHTRAIN_GRAPHS", gpu && world_size == 1); }
+ * records nothing, every layer does (through the recordings' cache, which true exercises). */
+static int graphs_wanted(const Config *c, int world_size, int gpu) {
+    return !strcmp(c->cuda_graphs, "auto") ? gpu && world_size == 1 : !strcmp(c->cuda_graphs, "true");
+}
 
 /* Model keys and the seed given on the command line must agree with a checkpoint's. */
 static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *path, Fail *f) {
@@ -202,7 +204,7 @@ void train_setup(TrainRun *r, Config *c) {
         env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&r->world, c->comm_timeout);
     set_log_rank(r->world.rank, r->world.size);
-    r->graphs = graphs_wanted(r->world.size, r->gpu);  /* (a bad value: one line) */
+    r->graphs = graphs_wanted(c, r->world.size, r->gpu);
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -277,6 +279,8 @@ void train_setup(TrainRun *r, Config *c) {
     }
     comm_exit_if_failed(&r->world, &f);
 
+    OpsOptions ops_opts = ops_options_of(c);
+    ops_set_options(&ops_opts);
     if (ops_init(c->device, c->threads, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     comm_exit_if_failed(&r->world, &f);
     r->prec = precision_of(c);

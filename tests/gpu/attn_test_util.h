@@ -1,4 +1,4 @@
-/* Helpers of the standalone nvcc-built attention GPU tests (tests/gpu/test_attn_wgmma*.cu): host
+/* Functions of the standalone nvcc-built attention GPU test (tests/gpu/test_attn_wgmma_bwd.cu): host
  * random numbers (xorshift64*: urand uniform in (0, 1), nrand standard normal), a device fill of bf16
  * arrays with roughly N(0, 1) values (for the timings), and the float comparison for qsort (medians). */
 #ifndef MESHTRAIN_ATTN_TEST_UTIL_H

@@ -2,16 +2,18 @@
  * precision=mixed through the ops interface, against the CPU backend's fp32 op on the same
  * bf16-representable inputs (after RoPE, as a layer runs it), with the norm-wise tolerances of
  * test_ops_bf16.c (3e-2 for bf16 attention outputs and gradients, 1e-3 for the lse).
- * With MESHTRAIN_ATTN's mode "cudnn", at head_dim 32, 64, 96, 128 and 256, odd T (1, 77, 129, 300)
- * and small B * NH: the forward over NaN (out and lse entirely written), the backward written over
- * NaN (op_attention_backward_set), accumulating (+=) and fused with RoPE's backward; cuDNN's forward
- * with our backward and ours with cuDNN's backward (the two lse agree); the same with "cudnn-det"
- * (cuDNN's deterministic backward engine); head_dim 36 (no cuDNN engine: not a multiple of 8) falls
- * back and still passes; "auto" picks as attn_cudnn_auto says (T = 1100; T = 64; head_dim 96); the
- * deterministic engine over the batch in pieces (long contexts) gives the bytes of one call.
- * The forward must be bitwise reproducible, and so must every backward but mode "cudnn"'s, whose
- * reproducibility is printed, not checked (cuDNN sums dq with atomics there and does not promise
- * it). Where libcudnn cannot be loaded the cases run on our kernels and say so. Needs a GPU. */
+ * With the options (ops_set_options) of attention=cudnn deterministic=false, at head_dim 32, 64, 96,
+ * 128 and 256, odd T (1, 77, 129, 300) and small B * NH: the forward over NaN (out and lse entirely
+ * written), the backward written over NaN (op_attention_backward_set), accumulating (+=) and fused
+ * with RoPE's backward; cuDNN's forward with our backward and ours with cuDNN's backward (the two
+ * lse agree); the same with attention=cudnn deterministic=true (cuDNN's deterministic backward
+ * engine); head_dim 36 (no cuDNN engine: not a multiple of 8) falls back and still passes;
+ * attention=auto picks as attn_cudnn_auto says (T = 1100; T = 64; head_dim 96); the deterministic
+ * engine over the batch in pieces (long contexts) gives the bytes of one call.
+ * The forward must be bitwise reproducible, and so must every backward but cuDNN's atomic one
+ * (deterministic=false), whose reproducibility is printed, not checked (cuDNN sums dq with atomics
+ * there and does not promise it). Where libcudnn cannot be loaded the cases run on our kernels and
+ * say so. Needs a GPU. */
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
 #include "ops.h"
@@ -56,21 +58,31 @@ static int same_bytes(const void *a, const void *b, size_t bytes) {
     return same;
 }
 
+/* the options a case runs under, named by the keys that choose them */
+typedef struct {
+    const char *name;
+    OpsOptions o;
+} Mode;
+static const Mode CUDNN = {"attention=cudnn deterministic=false", {OPS_ATTN_CUDNN, 0}},
+                  CUDNN_DET = {"attention=cudnn", {OPS_ATTN_CUDNN, 1}}, OWN = {"attention=own", {OPS_ATTN_OWN, 1}},
+                  AUTO = {"attention=auto", {OPS_ATTN_AUTO, 1}};
+static void use(const Mode *m) { ops_set_options(&m->o); }
+
 static int have_cudnn;
 static int n_cudnn_fwd, n_cudnn_bwd; /* cases cuDNN ran */
 static int bwd_runs, bwd_reproducible;
 
-/* One shape in `mode` ("cudnn" or "auto"); expect: 1 = cuDNN must run it (when the library loads),
- * 0 = it must not, -1 = either. */
-static void attention_case(const char *mode, int B, int T, int NH, int HD, int expect) {
+/* One shape under mode; expect: 1 = cuDNN must run it (when the library loads), 0 = it must not,
+ * -1 = either. */
+static void attention_case(const Mode *mode, int B, int T, int NH, int HD, int expect) {
     char sh[64];
     snprintf(sh, sizeof sh, "B=%d T=%d NH=%d HD=%d", B, T, NH, HD);
-    CHECK(cuda_set_attention_mode(mode) == 0, "mode %s", mode);
+    use(mode);
     const char *impl_f = cuda_attention_impl(0, B, T, NH, HD), *impl_b = cuda_attention_impl(1, B, T, NH, HD);
-    printf("  %s mode=%s: forward on %s, backward on %s\n", sh, mode, impl_f, impl_b);
+    printf("  %s %s: forward on %s, backward on %s\n", sh, mode->name, impl_f, impl_b);
     if (have_cudnn && expect >= 0) {
-        CHECK((strcmp(impl_f, "cudnn") == 0) == expect, "%s mode=%s: forward on %s", sh, mode, impl_f);
-        CHECK((strcmp(impl_b, "cudnn") == 0) == expect, "%s mode=%s: backward on %s", sh, mode, impl_b);
+        CHECK((strcmp(impl_f, "cudnn") == 0) == expect, "%s %s: forward on %s", sh, mode->name, impl_f);
+        CHECK((strcmp(impl_b, "cudnn") == 0) == expect, "%s %s: backward on %s", sh, mode->name, impl_b);
     }
     n_cudnn_fwd += !strcmp(impl_f, "cudnn");
     n_cudnn_bwd += !strcmp(impl_b, "cudnn");
@@ -111,39 +123,40 @@ static void attention_case(const char *mode, int B, int T, int NH, int HD, int e
     expect_act("backward with rope", sh, dR, dzr, nqkv, TOL_ATT);
     op_attention_backward_set(dW2, dG, dQKV, dO, dLSE, B, T, NH, HD);
     int same = same_bytes(dW, dW2, nqkv * 2);
-    if (!strcmp(impl_b, "cudnn") && !strcmp(mode, "cudnn")) {
+    if (!strcmp(impl_b, "cudnn") && mode == &CUDNN) {
         bwd_runs++, bwd_reproducible += same;
         printf("    backward: two runs %s (not checked: cuDNN's backward is not deterministic)\n",
                same ? "bitwise equal" : "DIFFER");
     } else
-        CHECK(same, "%s mode=%s: two backwards on %s differ", sh, mode, impl_b);
+        CHECK(same, "%s %s: two backwards on %s differ", sh, mode->name, impl_b);
 
     /* each forward's lse and out feed the other implementation's backward */
-    if (have_cudnn && attn_bf16_supported(HD) && !strcmp(mode, "cudnn")) {
+    if (have_cudnn && attn_bf16_supported(HD) && mode == &CUDNN) {
         void *oO = nan_act(nout), *dX = nan_act(nqkv);
         float *oL = nan_f32(nl);
-        cuda_set_attention_mode("own");
+        use(&OWN);
         op_attention_forward(oO, oL, dQKV, B, T, NH, HD);
-        cuda_set_attention_mode("cudnn");
+        use(&CUDNN);
         op_attention_backward_set(dX, dG, dQKV, oO, oL, B, T, NH, HD);
         expect_act("our forward, cuDNN backward", sh, dX, dz, nqkv, TOL_ATT);
-        cuda_set_attention_mode("own");
+        use(&OWN);
         op_attention_backward_set(dX, dG, dQKV, dO, dLSE, B, T, NH, HD);
         expect_act("cuDNN forward, our backward", sh, dX, dz, nqkv, TOL_ATT);
         op_free(oO), op_free(dX), op_free(oL);
     }
-    cuda_set_attention_mode("auto");
+    use(&AUTO);
 
     op_free(dCS), op_free(dSN), op_free(dQKV), op_free(dG), op_free(dO), op_free(dO2), op_free(dLSE);
     op_free(dLSE2), op_free(dW), op_free(dW2), op_free(dA), op_free(dR);
     free(qkv), free(g), free(dq0), free(cs), free(sn), free(rr), free(o), free(lse), free(dz), free(dacc), free(dzr);
 }
 
-static void run_case(const char *mode, int B, int T, int NH, int HD, int expect) {
+static void run_case(const Mode *mode, int B, int T, int NH, int HD, int expect) {
     test_failed_checks_ = 0;
     attention_case(mode, B, T, NH, HD, expect);
-    if (test_failed_checks_) tests_failed_++, printf("FAIL attention %s B=%d T=%d NH=%d HD=%d\n", mode, B, T, NH, HD);
-    else tests_passed_++, printf("ok   attention %s B=%d T=%d NH=%d HD=%d\n", mode, B, T, NH, HD);
+    if (test_failed_checks_)
+        tests_failed_++, printf("FAIL %s B=%d T=%d NH=%d HD=%d\n", mode->name, B, T, NH, HD);
+    else tests_passed_++, printf("ok   %s B=%d T=%d NH=%d HD=%d\n", mode->name, B, T, NH, HD);
     fflush(stdout);
 }
 
@@ -158,7 +171,7 @@ static void chunked_case(void) {
     void *dQKV = up_act(qkv, nqkv), *dG = up_act(g, nout), *dO = nan_act(nout);
     void *dW1 = nan_act(nqkv), *dW2 = nan_act(nqkv), *dA1 = up_act(dq0, nqkv), *dA2 = up_act(dq0, nqkv);
     float *dL = nan_f32(nl);
-    cuda_set_attention_mode("cudnn-det");
+    use(&CUDNN_DET);
     op_attention_forward(dO, dL, dQKV, B, T, NH, HD);
     op_attention_backward_set(dW1, dG, dQKV, dO, dL, B, T, NH, HD);
     op_attention_backward(dA1, dG, dQKV, dO, dL, B, T, NH, HD);
@@ -170,11 +183,11 @@ static void chunked_case(void) {
     CHECK(same_bytes(dW1, dW2, nqkv * 2), "backward (=) in pieces differs from one call");
     CHECK(same_bytes(dA1, dA2, nqkv * 2), "backward (+=) in pieces differs from one call");
     cuda_set_attention_det_max(0);
-    cuda_set_attention_mode("auto");
+    use(&AUTO);
     op_free(dQKV), op_free(dG), op_free(dO), op_free(dW1), op_free(dW2), op_free(dA1), op_free(dA2), op_free(dL);
     free(qkv), free(g), free(dq0);
-    if (test_failed_checks_) tests_failed_++, printf("FAIL attention cudnn-det over the batch in pieces\n");
-    else tests_passed_++, printf("ok   attention cudnn-det over the batch in pieces (on %s)\n", impl);
+    if (test_failed_checks_) tests_failed_++, printf("FAIL attention=cudnn (deterministic) over the batch in pieces\n");
+    else tests_passed_++, printf("ok   attention=cudnn (deterministic) over the batch in pieces (on %s)\n", impl);
 }
 
 int main(void) {
@@ -193,20 +206,20 @@ int main(void) {
     static const int hds[] = {64, 128, 96, 256, 32};
     for (size_t i = 0; i < sizeof hds / sizeof hds[0]; i++) {
         int HD = hds[i];
-        run_case("cudnn", 2, 1, 2, HD, -1); /* T = 1: one key per query */
-        run_case("cudnn", 2, 77, 3, HD, -1);
-        run_case("cudnn", 1, 300, 2, HD, -1);
-        run_case("cudnn", 3, 129, 1, HD, -1);
-        run_case("cudnn-det", 2, 77, 3, HD, -1); /* the deterministic backward engine */
-        run_case("cudnn-det", 1, 300, 2, HD, -1);
+        run_case(&CUDNN, 2, 1, 2, HD, -1); /* T = 1: one key per query */
+        run_case(&CUDNN, 2, 77, 3, HD, -1);
+        run_case(&CUDNN, 1, 300, 2, HD, -1);
+        run_case(&CUDNN, 3, 129, 1, HD, -1);
+        run_case(&CUDNN_DET, 2, 77, 3, HD, -1); /* the deterministic backward engine */
+        run_case(&CUDNN_DET, 1, 300, 2, HD, -1);
     }
     /* the shapes every cuDNN 9 on Hopper must take */
-    run_case("cudnn", 1, 200, 2, 64, 1);
-    run_case("cudnn", 2, 256, 2, 128, 1);
-    run_case("cudnn", 2, 50, 2, 36, 0); /* head_dim not a multiple of 8: no engine, our kernels */
-    run_case("auto", 1, 1100, 2, 128, 1); /* cuDNN, its backward the deterministic engine */
-    run_case("auto", 2, 64, 2, 64, 0);     /* short, a head_dim our kernels take: ours */
-    run_case("auto", 2, 77, 2, 96, 1);     /* a head_dim ours do not take: cuDNN */
+    run_case(&CUDNN, 1, 200, 2, 64, 1);
+    run_case(&CUDNN, 2, 256, 2, 128, 1);
+    run_case(&CUDNN, 2, 50, 2, 36, 0); /* head_dim not a multiple of 8: no engine, our kernels */
+    run_case(&AUTO, 1, 1100, 2, 128, 1); /* cuDNN, its backward the deterministic engine */
+    run_case(&AUTO, 2, 64, 2, 64, 0);     /* short, a head_dim our kernels take: ours */
+    run_case(&AUTO, 2, 77, 2, 96, 1);     /* a head_dim ours do not take: cuDNN */
     chunked_case();
     printf("info cuDNN ran %d forwards and %d backwards of %d cases; its backward was bitwise reproducible in %d of "
            "%d\n",

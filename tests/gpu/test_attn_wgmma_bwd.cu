@@ -29,7 +29,6 @@
  * which tells a layout error from a numerical one. */
 #include "attn_bf16.h"
 #include "attn_test_util.h"
-#include "attn_wgmma.h"
 #include "attn_wgmma_bwd.h"
 #include "cu_report.h"
 #include "ops.h" /* bf16_round, bf16_widen */
@@ -635,8 +634,7 @@ static void time_shape(int B, int NH, int T, int HD) {
     CK(cudaMalloc(&b.wsr, own ? attn_bf16_workspace_bytes(B, T, NH, HD) : 16));
     fill_random<<<1024, 256>>>((__nv_bfloat16 *)b.qkv, n3, 1);
     fill_random<<<1024, 256>>>((__nv_bfloat16 *)b.dout, nout, 2);
-    if (!attn_wgmma_unlaunchable(HD)) attn_wgmma_forward(b.out, b.lse, b.qkv, B, T, NH, HD, NULL);
-    else if (own) attn_bf16_forward(b.out, b.lse, b.qkv, B, T, NH, HD, NULL);
+    if (own) attn_bf16_forward(b.out, b.lse, b.qkv, B, T, NH, HD, NULL);
     else { /* (HD 96, 256) no forward here: a random out, lse about the size of a real one (log T + 1) */
         fill_random<<<1024, 256>>>((__nv_bfloat16 *)b.out, nout, 3);
         fill_const<<<1024, 256>>>(b.lse, (size_t)B * NH * T, logf((float)T) + 1.f);

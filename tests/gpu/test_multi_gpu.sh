@@ -15,7 +15,7 @@
 # (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
 # offload=params (the FSDP shards in host memory too) as well. Layer graphs
-# (MESHTRAIN_GRAPHS=1) under DDP, FSDP and pipeline schedules are bitwise the runs op by op.
+# (cuda_graphs=true) under DDP, FSDP and pipeline schedules are bitwise the runs op by op.
 #
 # Needs 2 GPUs (scripts/run-tests.sh skips it with fewer), mpirun, a meshtrain built with
 # NCCL ($MESHTRAIN_BIN, default build/meshtrain) and build/tests/ckpt_diff beside it. Data:
@@ -200,13 +200,13 @@ then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline
 grep -q "^pipeline send/receive: NCCL kernels (MESHTRAIN_PP_CE=0)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
   bad multi_gpu_pipeline_ce_0_takes_nccl
 grep -m1 "^done:" "$TMP/np_ddp.log"
-# -- layer graphs on several processes (MESHTRAIN_GRAPHS=1; off by default there): each
+# -- layer graphs on several processes (cuda_graphs=true; off by default there): each
 # layer's recorded forward and backward replayed between the hooks (DDP's reductions, FSDP's
 # gathers) and a pipeline's sends and receives must be bitwise the run op by op above
 # (NAME|ITS RUN ABOVE|NP x KEYS)
 while IFS='|' read -r name ref keys; do
   out=$TMP/graphs_$name
-  MESHTRAIN_GRAPHS=1 runn "$out" $keys
+  runn "$out" $keys cuda_graphs=true
   d=$("$DIFF" "$TMP/$ref/ckpt.bin" "$out/ckpt.bin" 2>&1) rep=$(grep -m1 "^layer graphs:" "$out.log")
   if [ "$d" = "max_rel_diff 0" ] && [[ $rep =~ recorded,\ [1-9][0-9]*\ replayed ]]
   then ok "multi_gpu_layer_graphs_bitwise_$name (${rep%% (*})"

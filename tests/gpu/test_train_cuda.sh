@@ -33,58 +33,61 @@ fi
 # -- a long context (T=2048, head_dim 64, 96 and 256): auto's attention backward is our Hopper kernel
 # on an H100 or H200 (attn_wgmma_bwd_auto; cuDNN's deterministic engine elsewhere, and at head_dim 256,
 # where ours trails it deterministic): the run is deterministic, follows the run on cuDNN alone
-# (MESHTRAIN_ATTN=cudnn-det) within 2%, and the allocator's peak is the estimate within 5%
+# (attention=cudnn, its deterministic engine) within 2%, and the allocator's peak is the estimate
+# within 5%
 for hd in 64 96 256; do
   L="vocab_size=50257 embed_dim=$((2 * hd)) n_heads=2 n_layers=2 context_len=2048 batch_size=2 lr=1e-3 grad_clip=1"
   L="$L data_dir=$D steps=4 device=cuda"
   run "$TMP/long_a$hd" $L
   run "$TMP/long_b$hd" $L
-  MESHTRAIN_ATTN=cudnn-det run "$TMP/long_c$hd" $L
+  run "$TMP/long_c$hd" $L attention=cudnn
   pa=$(logged gpu_peak_alloc_bytes "$TMP/long_a$hd") ea=$(logged estimate_bytes "$TMP/long_a$hd")
   if [ "$(strip "$TMP/long_a$hd")" = "$(strip "$TMP/long_b$hd")" ] && cmp -s "$TMP/long_a$hd/ckpt.bin" "$TMP/long_b$hd/ckpt.bin" &&
      TOL=0.02 close "$TMP/long_c$hd" "$TMP/long_a$hd" && within5 "$ea" "$pa"
   then ok "long_context_attention_auto_hd$hd (peak $pa, estimate $ea)"
   else bad "long_context_attention_auto_hd$hd (peak $pa, estimate $ea; $(tail -1 "$TMP/long_a$hd.log"))"; fi
-  # fast: the same kernel with atomic dQ (not reproducible): follows cuDNN's within 2%, at the estimate
-  MESHTRAIN_ATTN=fast run "$TMP/long_f$hd" $L
+  # deterministic=false: the same kernel with atomic dQ (not reproducible; at head_dim 256 too), and
+  # the products tuned: follows cuDNN's within 2%, at the estimate
+  run "$TMP/long_f$hd" $L deterministic=false
   pf=$(logged gpu_peak_alloc_bytes "$TMP/long_f$hd") ef=$(logged estimate_bytes "$TMP/long_f$hd")
   if TOL=0.02 close "$TMP/long_c$hd" "$TMP/long_f$hd" && within5 "$ef" "$pf"
-  then ok "long_context_attention_fast_hd$hd (peak $pf, estimate $ef)"
-  else bad "long_context_attention_fast_hd$hd (peak $pf, estimate $ef; $(tail -1 "$TMP/long_f$hd.log"))"; fi
+  then ok "long_context_attention_not_deterministic_hd$hd (peak $pf, estimate $ef)"
+  else bad "long_context_attention_not_deterministic_hd$hd (peak $pf, estimate $ef; $(tail -1 "$TMP/long_f$hd.log"))"; fi
 done
 grep -m1 "device cuda" "$TMP/smoke.log"
 
 # -- matmul tuning (src/ops/cuda/matmul_tune.cuh), off by default: a plain run says nothing of it;
-# with MESHTRAIN_MATMUL_TUNE=1 a product shape may take a faster cuBLASLt algorithm that gave the
-# first choice's bits on random operands (not always on the run's own: session 28), so the tuned
-# run says what it did and follows the plain one within TOL, in mixed and in bf16
+# with deterministic=false a product shape may take a faster cuBLASLt algorithm that gave the
+# first choice's bits on random operands (not always on the run's own), so the tuned run says
+# what it did and follows the plain one within TOL, in mixed and in bf16 (attention at T=256
+# takes the same kernels either way)
 W="vocab_size=50257 embed_dim=1024 n_heads=8 n_layers=2 context_len=256 batch_size=32 lr=1e-3 grad_clip=1"
 W="$W data_dir=$D steps=4 device=cuda"
 for prec in mixed bf16; do
   run "$TMP/tune_off_$prec" $W precision=$prec
-  MESHTRAIN_MATMUL_TUNE=1 run "$TMP/tune_on_$prec" $W precision=$prec
+  run "$TMP/tune_on_$prec" $W precision=$prec deterministic=false
   rep=$(grep -m1 "^matmul tuning:" "$TMP/tune_on_$prec.log")
   if [ -n "$rep" ] && ! grep -q "^matmul tuning:" "$TMP/tune_off_$prec.log" && close "$TMP/tune_off_$prec" "$TMP/tune_on_$prec"
-  then ok "matmul_tuning_opt_in_$prec (${rep%% (*})"
-  else bad "matmul_tuning_opt_in_$prec (${rep:-no tuning line}; $(tail -1 "$TMP/tune_on_$prec.log"))"; fi
+  then ok "matmul_tuning_not_deterministic_$prec (${rep%% (*})"
+  else bad "matmul_tuning_not_deterministic_$prec (${rep:-no tuning line}; $(tail -1 "$TMP/tune_on_$prec.log"))"; fi
 done
 
 # -- layer graphs (src/model/layer_graphs.c): from the second step each layer's forward and
 # backward are recorded once and replayed, which must be bitwise the work op by op: a run with
-# them (the default on one GPU) and one without (MESHTRAIN_GRAPHS=0) log the same losses and
+# them (the default on one GPU) and one without (cuda_graphs=false) log the same losses and
 # save the same checkpoint, byte for byte, in each precision, with accumulation, activation
 # checkpointing, tied embeddings, FSDP and offload; the graphed run says it replayed them
 G="vocab_size=50257 embed_dim=256 n_heads=4 n_layers=3 context_len=128 lr=1e-3 grad_clip=1"
 G="$G data_dir=$D steps=5 device=cuda"
 while IFS='|' read -r name keys; do
   run "$TMP/graph_on_$name" $G $keys
-  MESHTRAIN_GRAPHS=0 run "$TMP/graph_off_$name" $G $keys
+  run "$TMP/graph_off_$name" $G $keys cuda_graphs=false
   rep=$(grep -m1 "^layer graphs:" "$TMP/graph_on_$name.log")
   if [[ $rep =~ recorded,\ [1-9][0-9]*\ replayed ]] && ! grep -q "^layer graphs:" "$TMP/graph_off_$name.log" &&
      [ -n "$(strip "$TMP/graph_on_$name")" ] && [ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] &&
      cmp -s "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin"
   then ok "layer_graphs_bitwise_$name (${rep%% (*})"
-  else  # which side differs, for the next look (session 27 saw accum3 unequal once, not again in 30 pairs)
+  else  # which side differs, for the next look
     what="losses $([ "$(strip "$TMP/graph_on_$name")" = "$(strip "$TMP/graph_off_$name")" ] && echo alike || echo differ)"
     what="$what, checkpoints: $("$DIFF" "$TMP/graph_on_$name/ckpt.bin" "$TMP/graph_off_$name/ckpt.bin" 2>&1 | tail -1)"
     bad "layer_graphs_bitwise_$name (${rep:-no graphs line}; $what; $(tail -1 "$TMP/graph_on_$name.log"))"

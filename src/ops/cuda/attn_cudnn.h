@@ -15,7 +15,6 @@
 #ifndef MESHTRAIN_ATTN_CUDNN_H
 #define MESHTRAIN_ATTN_CUDNN_H
 #include <stddef.h>
-#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -81,18 +80,6 @@ static inline int attn_cudnn_auto(int backward, int B, int T, int NH, int HD, in
     return backward ? T >= 512 || (T >= 256 && HD >= 128) : T >= 256;
 }
 
-/* The attention path MESHTRAIN_ATTN names (auto when unset or empty), as ops_cuda reads it at
- * start-up and the memory estimate counts it; -1 for any other value, which both refuse with
- * "MESHTRAIN_ATTN=<value>: expected " ATTN_MODES. */
-enum { ATTN_MODE_AUTO, ATTN_MODE_CUDNN, ATTN_MODE_CUDNN_DET, ATTN_MODE_OWN, ATTN_MODE_WGMMA, ATTN_MODE_FAST };
-#define ATTN_MODES "auto, fast, cudnn, cudnn-det, own or wgmma"
-static inline int attn_mode_of(const char *s) {
-    static const char *names[] = {"auto", "cudnn", "cudnn-det", "own", "wgmma", "fast"};
-    if (!s || !*s) return ATTN_MODE_AUTO;
-    for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
-        if (!strcmp(s, names[i])) return i;
-    return -1;
-}
 /* The atomic backward's own buffers after its plan's workspace (attn_cudnn.cu): Dsum [B, NH, T]
  * and the fp32 dQ accumulator [B, NH, T, HD] (the plan's own part is not known before it is
  * built: a few KB to a MB measured). */

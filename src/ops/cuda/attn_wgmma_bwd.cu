@@ -32,9 +32,12 @@
  *   warpgroup 2 (producer): warp 0 lane 0 issues the TMA loads (K and V once; then Q_i with lse2_i,
  *     dO_i with D_i into a 2-stage ring); warp 1 moves dQ_i from shared memory to the global
  *     accumulator (and waits on / signals the semaphores); warps 2 and 3 only give their registers.
- *   Registers (as the forward, see attn_wgmma.cu): compiled at 168 a thread (__launch_bounds__(384,
- *   1)); the producer warpgroup drops to 24 (setmaxnreg.dec), the consumers rise to 240: per SM
- *   sub-partition 2 x 240 + 24 = 3 x 168. The host checks the build really is at 168.
+ *   Registers: a block's warps are spread round-robin over the SM's 4 sub-partitions, each holding a
+ *   quarter of the register file (16,384), so a block of 12 warps may use at most 168 a thread, not
+ *   65,536 / 384. Compiled at 168 (__launch_bounds__(384, 1)); the producer warpgroup drops to 24
+ *   (setmaxnreg.dec), the consumers rise to 240: per SM sub-partition 2 x 240 + 24 = 3 x 168, the
+ *   registers the block was launched with. The host checks the build really is at 168 (an .inc
+ *   asking for more than the block holds would wait forever).
  *
  * Per query tile, a consumer warpgroup (w: its 64 keys; s = the ring stage of tile i):
  *   wait Q[s]; S^T (m64nBMk16 x HD/16, SS: A = K rows of w, B = Q[s], both K-major); commit
@@ -749,6 +752,19 @@ static void wb_check(const char *what) {
 }
 
 extern "C" int attn_wgmma_bwd_supported(int HD) { return attn_wgmma_bwd_hd(HD); }
+
+extern "C" int attn_wgmma_device_ok(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        int dev = 0, major = 0, minor = 0;
+        ok = cudaGetDevice(&dev) == cudaSuccess &&
+             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+             minor == 0;
+        cudaGetLastError(); /* a failed query leaves no sticky error behind */
+    }
+    return ok;
+}
 
 /* workspace: [dQ accumulator BH * nqp * HD fp32][semaphores BH * nq int][lse2 BH * nqp][D BH * nqp],
  * each part rounded up to 256 bytes; the first two are zeroed by one memset per call */

@@ -1,6 +1,6 @@
 /* Causal flash-attention BACKWARD on Hopper's warpgroup MMA (wgmma) and TMA
  * (src/ops/cuda/attn_wgmma_bwd.cu), built for sm_90a only: it runs on compute capability 9.0 (H100,
- * H200) and nowhere else (attn_wgmma_device_ok in attn_wgmma.h says whether the device is one).
+ * H200) and nowhere else (attn_wgmma_device_ok says whether the device is one).
  * Same layouts and results as attn_bf16_backward (attn_bf16.h), RoPE's fused backward included:
  *   qkv [B, T, 3C] bf16 (each token's row q | k | v, head h = columns h*HD .. h*HD+HD-1 of each part),
  *   dout, out [B, T, C] bf16, lse [B, NH, T] fp32 (natural log, scores scaled by 1/sqrt(HD)), from
@@ -10,11 +10,13 @@
 #ifndef MESHTRAIN_ATTN_WGMMA_BWD_H
 #define MESHTRAIN_ATTN_WGMMA_BWD_H
 #include <stddef.h>
-#include <stdlib.h> /* getenv */
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* 1 when the current device is compute capability 9.0 (asked once per process, then cached). */
+int attn_wgmma_device_ok(void);
 
 /* 1 for the head dims the kernels handle (64, 96, 128 and 256); 0 otherwise. attn_wgmma_bwd_hd is the
  * same in plain C (for the memory estimate, which links no CUDA). */
@@ -37,8 +39,8 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
     return a + s + 2 * l;
 }
 
-/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/RESULTS.md,
- * sessions 17-19): 1 where this kernel runs, on a device that takes it (attn_wgmma_device_ok), from
+/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/RESULTS.md):
+ * 1 where this kernel runs, on a device that takes it (attn_wgmma_device_ok), from
  * T = attn_wgmma_bwd_auto_t(HD, det, rope). Against cuDNN's deterministic engine, on an H100: 436.7 /
  * 459.7 TFLOP/s at head_dim 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096
  * (cuDNN 263), 395-404 at head_dim 96, T = 4096 (cuDNN 298) and 244-252 at 96, T = 1024 (cuDNN 218-
@@ -49,32 +51,20 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
  * 768, 8 heads, H200) is ahead from 512: +0.8% at 512 x 64, +2.6% at 1024 x 32, +9.4% at 4096 x 8,
  * and the op alone at 1024 too. Head_dim 256 (BM = BN = 64, warpgroups splitting the head dim; H200,
  * B=16 H=4 T=4096): deterministic 269.9 TFLOP/s against cuDNN's deterministic engine's 289.2, so
- * auto (det) never takes it there; with atomic dQ (MESHTRAIN_ATTN=fast, det = 0) 356.5 against
- * cuDNN's atomic 339.6 and torch's cuDNN 327.2, so fast takes it from 1024 (at B=8 H=4 T=1024: 199.8
+ * auto (det) never takes it there; with atomic dQ (deterministic=false, det = 0) 356.5 against
+ * cuDNN's atomic 339.6 and torch's cuDNN 327.2, so that takes it from 1024 (at B=8 H=4 T=1024: 199.8
  * against 201.3 and 206.2 alone; the fused RoPE pass not counted). Plain C, so that the memory
- * estimate follows the same choice (the model's step always has RoPE).
- * MESHTRAIN_WGMMA_BWD_T=N (a benchmark knob, for A/B runs of the threshold): the smallest T auto
- * takes this kernel at, at every head dim, with and without RoPE; a value that is not a whole
- * number >= 1 (digits only) leaves the defaults. Read at every call (cheap next to an attention
- * backward). */
+ * estimate follows the same choice (the model's step always has RoPE). */
 #define ATTN_WGMMA_BWD_AUTO_T 1024
 #define ATTN_WGMMA_BWD_AUTO_T_NOROPE 2048
 #define ATTN_WGMMA_BWD_AUTO_T_HD96 512
 #define ATTN_WGMMA_BWD_NEVER 0x7fffffff
 static inline int attn_wgmma_bwd_auto_t(int HD, int det, int rope) {
-    const int def = HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96
-                  : HD == 256 && det ? ATTN_WGMMA_BWD_NEVER
-                  : rope ? ATTN_WGMMA_BWD_AUTO_T : ATTN_WGMMA_BWD_AUTO_T_NOROPE;
-    const char *e = getenv("MESHTRAIN_WGMMA_BWD_T");
-    long long v = 0;
-    if (!e || !*e) return def;
-    for (; *e; e++) {
-        if (*e < '0' || *e > '9') return def;
-        if (v <= 0x7fffffffLL) v = v * 10 + (*e - '0'); /* past INT_MAX: saturates (never) */
-    }
-    return v < 1 ? def : v > 0x7fffffffLL ? 0x7fffffff : (int)v;
+    return HD == 96 ? ATTN_WGMMA_BWD_AUTO_T_HD96
+         : HD == 256 && det ? ATTN_WGMMA_BWD_NEVER
+         : rope ? ATTN_WGMMA_BWD_AUTO_T : ATTN_WGMMA_BWD_AUTO_T_NOROPE;
 }
-/* det: the deterministic mode (auto) or atomic dQ (fast); rope: RoPE's backward fused in */
+/* det: the deterministic mode or atomic dQ (deterministic=false); rope: RoPE's backward fused in */
 static inline int attn_wgmma_bwd_auto(int T, int HD, int det, int rope) {
     return attn_wgmma_bwd_hd(HD) && T >= attn_wgmma_bwd_auto_t(HD, det, rope);
 }

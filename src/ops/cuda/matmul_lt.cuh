@@ -9,9 +9,9 @@
  * [K, R] with leading dimension K. So every row-major product Y = X W^T is computed as the
  * column-major Y^T = W X^T (see the callers). Each pointer's real alignment is passed to the
  * heuristic (its default assumes 256 bytes), so slices at any float offset work. The chosen
- * algorithm is cached per shape; the heuristic is deterministic, so is the choice. After a
- * run's first step matmul_tune.cuh may swap it for a faster one of the heuristic's list that
- * gives bitwise the same results. */
+ * algorithm is cached per shape; the heuristic is deterministic, so is the choice. Where the
+ * options are not deterministic, after a run's first step matmul_tune.cuh may swap it for a
+ * faster one of the heuristic's list that gives bitwise the same results on random operands. */
 
 static uint32_t ptr_alignment(const void *p) {
     uintptr_t a = (uintptr_t)p;
@@ -30,10 +30,6 @@ static void lt_plan(LtPlan *p, cublasOperation_t ta, cublasOperation_t tb, int m
     CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    if (g.gemm_sms) {
-        int32_t sms = g.gemm_sms;
-        CUBLAS_CHECK(lt.cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
-    }
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->la, tab, ta == CUBLAS_OP_N ? m : k, ta == CUBLAS_OP_N ? k : m, lda));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->lb, tab, tb == CUBLAS_OP_N ? k : n, tb == CUBLAS_OP_N ? n : k, ldb));
     CUBLAS_CHECK(lt.cublasLtMatrixLayoutCreate(&p->ld, td, m, n, ldd));

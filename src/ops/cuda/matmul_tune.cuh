@@ -1,29 +1,28 @@
-/* src/ops/cuda/matmul_tune.cuh: MESHTRAIN_MATMUL_TUNE=1 (off by default): after a run's first
- * step, each product shape cached so far (g_algos) may take a faster algorithm from cuBLASLt's
- * heuristic list, one that gave bitwise the first choice's result on random operands.
+/* src/ops/cuda/matmul_tune.cuh: op_tune_matmuls, which runs where the options are not
+ * deterministic (the key deterministic=false): after a run's first step, each product shape
+ * cached so far (g_algos) may take a faster algorithm from cuBLASLt's heuristic list, one that
+ * gave bitwise the first choice's result on random operands.
  * Part of ops_cuda.cu, which includes it after lt_matmul_c: not a header to include anywhere else.
  *
  * Why: the heuristic's first choice leaves speed behind at some of the step's shapes. On an
- * H200 (bench/lt_algos_probe.cu, session 25) the post's att_out forward with its residual ran
- * at 540 TFLOP/s where the list's sixth algorithm ran at 691, the down projection 580 against
- * 653, their input gradients 6-10% slower than the fastest: +1.3-1.4% a step on the post's model.
+ * H200 (bench/lt_algos_probe.cu) the post's att_out forward with its residual ran at 540
+ * TFLOP/s where the list's sixth algorithm ran at 691, the down projection 580 against 653,
+ * their input gradients 6-10% slower than the fastest: +1.3-1.4% a step on the post's model.
  * How: for each shape, on scratch operands of its size and alignments (random values; the run's
  * own buffers are not touched, so nothing in flight is disturbed), each of up to TUNE_ALGOS of
  * the list without split-K or a reduction scheme is timed (TUNE_REPS rounds of TUNE_QUEUE calls
  * queued back to back, the median round); one at least TUNE_GAIN faster than the cached
  * algorithm replaces it only if, from the same D and at each beta the shape was called with, it
  * writes bitwise the same D twice (a 64-bit hash of D's bytes).
- * Why off by default: that check holds on the random operands, not always on a run's own. In
- * session 28 (bench/s28_graph_flake.sh, embed_dim 256, grad_accum_steps=3, an H200) 36 of 70
- * tuned runs saved a checkpoint in which 150 of the lm_head's 12.9M weights had another last bit
- * (max relative difference 4.6e-10 after 5 steps), and none of 69 untuned runs did: which
- * algorithms a run takes depends on timings, so tuned runs are not bitwise repeatable. Kept to
- * the first choice's own kernel (the same algorithm id, tile, inner shape and custom option:
- * only the swizzle, stages or cluster shape may differ, which cannot move a sum), no shape of
- * that run or of the post's model found a faster algorithm (0 of 15), so that rule was dropped.
- * A shape whose scratch does not fit in the free memory (less a margin) keeps its algorithm.
- * MESHTRAIN_MATMUL_TUNE=2: on, and a line per shape on stderr (the first choice's configuration
- * and what it took). */
+ * Why only where determinism is not asked for: that check holds on the random operands, not
+ * always on a run's own. At embed_dim 256 with grad_accum_steps=3 on an H200, 36 of 70 tuned runs
+ * saved a checkpoint in which 150 of the lm_head's 12.9M weights had another last bit (max
+ * relative difference 4.6e-10 after 5 steps), and none of 69 untuned runs did: which algorithms
+ * a run takes depends on timings, so tuned runs are not bitwise repeatable. Kept to the first
+ * choice's own kernel (the same algorithm id, tile, inner shape and custom option: only the
+ * swizzle, stages or cluster shape may differ, which cannot move a sum), no shape of that run or
+ * of the post's model found a faster algorithm (0 of 15), so that rule was dropped.
+ * A shape whose scratch does not fit in the free memory (less a margin) keeps its algorithm. */
 
 enum { TUNE_ALGOS = 8, TUNE_QUEUE = 5, TUNE_REPS = 3 };
 #define TUNE_GAIN 0.97f                    /* at least 3% faster: noise does not flip a choice */
@@ -65,22 +64,6 @@ static int tune_candidate(const cublasLtMatmulAlgo_t *algo) {
     uint32_t c[CFG_N];
     tune_config(algo, c);
     return c[CFG_SPLITK] <= 1 && c[CFG_REDUCTION] == CUBLASLT_REDUCTION_SCHEME_NONE;
-}
-
-/* MESHTRAIN_MATMUL_TUNE=2: a line per shape on stderr, its first choice and what it took */
-static void tune_say(const AlgoEntry *e, const cublasLtMatmulAlgo_t *first, int took) {
-    uint32_t a[CFG_N], b[CFG_N];
-    tune_config(first, a);
-    tune_config(&e->algo, b);
-    fprintf(stderr,
-            "meshtrain: matmul tuning: m=%d n=%d k=%d op %d%d beta %s: id %u tile %u stages %u swizzle %u cluster %u "
-            "custom %u inner %u%s",
-            e->m, e->n, e->k, e->ta, e->tb, e->beta_seen == 3 ? "0,1" : e->beta_seen == 2 ? "1" : "0", a[CFG_ID],
-            a[CFG_TILE], a[CFG_STAGES], a[CFG_SWIZZLE], a[CFG_CLUSTER], a[CFG_CUSTOM], a[CFG_INNER],
-            took ? " -> " : " (kept)\n");
-    if (took)
-        fprintf(stderr, "id %u tile %u stages %u swizzle %u cluster %u custom %u inner %u\n", b[CFG_ID], b[CFG_TILE],
-                b[CFG_STAGES], b[CFG_SWIZZLE], b[CFG_CLUSTER], b[CFG_CUSTOM], b[CFG_INNER]);
 }
 
 /* ms per call of algo on the plan (median of TUNE_REPS rounds), or -1 if cuBLASLt refuses it */
@@ -129,12 +112,11 @@ static unsigned long long tune_hash(const LtPlan *p, const cublasLtMatmulAlgo_t 
     return h;
 }
 
-/* Tunes every cached shape not yet tuned; a one-line report into rep. Returns the shapes that
- * took another algorithm, or -1 when off (MESHTRAIN_MATMUL_TUNE unset or 0) or nothing was cached. */
+/* Tunes every cached shape not yet tuned (op_tune_matmuls calls it only where the options are
+ * not deterministic); a one-line report into rep. Returns the shapes that took another
+ * algorithm, or -1 when nothing was cached. */
 static int cuda_tune_matmuls(char *rep, size_t len) {
-    const char *tv = getenv("MESHTRAIN_MATMUL_TUNE");
-    int verbose = tv && !strcmp(tv, "2");  /* (env_flag takes 0 or 1 only) */
-    if (!g.ready || g.stream != g.main || (!verbose && !env_flag("MESHTRAIN_MATMUL_TUNE", 0))) return -1;
+    if (!g.ready || g.stream != g.main) return -1;
     cuda_synchronize();  /* a step is complete: nothing in flight to time beside */
     g.graph_epoch++;     /* graphs recorded before hold the algorithms chosen before */
     cudaEvent_t e0, e1;
@@ -204,7 +186,6 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
             faster++;
             saved += (double)e->calls * (t0 - tb);
         }
-        if (verbose) tune_say(e, &first, best >= 0);
         if (t0 > 0) before += (double)e->calls * t0;
         lt_plan_free(&p);
         CUDA_CHECK(cudaStreamSynchronize(g.stream));

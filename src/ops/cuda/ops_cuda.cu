@@ -10,9 +10,10 @@
  *
  * Written as CUDA C: plain functions and kernels, no classes, templates or std::.
  * One stream for everything, so ops are ordered without events and the one scratch buffer
- * can be shared by all ops. Determinism: no float atomics anywhere; every reduction has an
- * order fixed by the shapes alone (never by the number of SMs), so two runs of the same op
- * are bitwise equal on any card.
+ * can be shared by all ops. Determinism: no float atomics; every reduction has an order
+ * fixed by the shapes alone (never by the number of SMs), so two runs of the same op are
+ * bitwise equal on any card; only where the options waive it (OpsOptions.deterministic = 0)
+ * may attention's backward sum with atomics and the products take algorithms by their timings.
  *
  * Where an op is a few separately rounded fp32 operations (rope, adamw, scale, add,
  * embedding) the kernels use the __f*_rn intrinsics, which nvcc never fuses into FMAs, so
@@ -22,7 +23,6 @@
 #include "env.h"
 #include "attn_bf16.h"
 #include "attn_cudnn.h"
-#include "attn_wgmma.h"
 #include "attn_wgmma_bwd.h"
 #include "ops.h"
 
@@ -40,7 +40,6 @@
 /* util.h cannot be included in C++ (it uses C11's _Noreturn); die() is its error exit,
  * which prefixes "meshtrain: " (and the rank when there are several). */
 extern "C" void die(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
-extern "C" int env_flag(const char *name, int dflt); /* util.h: a 0/1 knob, its default when unset */
 
 /* ------------------------------------------------------------------------------------ */
 /* cuBLASLt, opened at cuda_init                                                         */
@@ -105,11 +104,11 @@ static struct {
     unsigned graph_epoch; /* bumped where a recorded graph may no longer hold (op_graph_*) */
     size_t smem_optin; /* largest dynamic shared memory a block may opt in to */
     size_t att_smem_set[3]; /* what each attention kernel has been opted in to */
-    int att_mode;           /* MESHTRAIN_ATTN: an ATTN_MODE_ (attn_cudnn.h) */
+    OpsAttention att;       /* the options (ops_set_options): attention's kernels, */
+    int nondet;             /* and 1 where they need not be deterministic (zeroed: the defaults) */
     size_t att_det_max;     /* cuda_set_attention_det_max; 0: ATTN_CUDNN_DET_MAX_BYTES */
     size_t rms_smem_set;    /* ... and the rmsnorm backward */
     size_t ce_smem_set;     /* ... and the bf16 cross-entropy */
-    int gemm_sms;           /* MESHTRAIN_GEMM_SMS: the SMs cuBLASLt plans for (0: all) */
     char name[256];
 } g;
 
@@ -238,27 +237,6 @@ int cuda_init(int device, char *err, size_t errlen) {
     g.smem_optin = (size_t)optin;
     g.device = device;
     g.sync_each = hook_on(HOOK_CUDA_SYNC);
-    const char *s;
-    /* A benchmark knob: plan the products for fewer SMs than the card has, so that NCCL's
-     * kernels beside them (pipeline send/receive, tensor parallel's collectives) do not leave
-     * a grid-sized product a tail of one more wave. */
-    s = getenv("MESHTRAIN_GEMM_SMS");
-    g.gemm_sms = 0;
-    if (s && *s) {
-        char *end;
-        long v = strtol(s, &end, 10);
-        if (*end || v < 0 || v > prop.multiProcessorCount) {
-            snprintf(err, errlen, "MESHTRAIN_GEMM_SMS=%s: expected 0 (all) to %d, the card's SMs", s,
-                     prop.multiProcessorCount);
-            return -1;
-        }
-        g.gemm_sms = (int)v;
-    }
-    s = getenv("MESHTRAIN_ATTN");
-    if (cuda_set_attention_mode(s)) {
-        snprintf(err, errlen, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, s);
-        return -1;
-    }
     CUDA_CHECK(cudaStreamCreateWithFlags(&g.stream, cudaStreamNonBlocking));
     g.main = g.stream;
     CUBLAS_CHECK(lt.cublasLtCreate(&g.lt));
@@ -615,30 +593,25 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
 
 /* Attention in bf16 runs on one of two tensor-core implementations: cuDNN's fused flash attention
  * (attn_cudnn.cu, when libcudnn loads and has an engine for the shape) or our own kernels
- * (attn_bf16.cu, head_dim 64 and 128); other head dims without cuDNN, and fp32, take the generic
- * kernels (attention.cuh). MESHTRAIN_ATTN (read at cuda_init, or cuda_set_attention_mode) picks:
- * own = never cuDNN; cudnn = cuDNN wherever it runs, its backward the fast one that sums dq with
- * atomics (not deterministic); cudnn-det = cuDNN with its deterministic backward engine; auto = the
- * faster of our kernels and the deterministic choices by shape, as measured on an H100
- * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), so that runs stay
- * bitwise reproducible; its backward is our Hopper kernel (attn_wgmma_bwd.cu, deterministic) where
- * that was faster (attn_wgmma_bwd_auto). fast = auto, but that Hopper backward sums dQ with atomics
- * (faster, not bitwise reproducible), and takes head_dim 256 too (where its deterministic mode trails
- * cuDNN's and auto keeps cuDNN's). wgmma = our Hopper kernels forward and backward wherever
- * they run (bf16, compute capability 9.0; the forward at head_dim 64 or 128, the backward at 64, 96,
- * 128 or 256), else auto's choice. */
-int cuda_set_attention_mode(const char *mode) {
-    int m = attn_mode_of(mode);
-    if (m < 0) return -1;
-    g.att_mode = m;
-    return 0;
+ * (attn_bf16.cu, head_dim 64 and 128; the backward also on Hopper, attn_wgmma_bwd.cu); other head
+ * dims without cuDNN, and fp32, take the generic kernels (attention.cuh). The options
+ * (ops_set_options) pick: OPS_ATTN_OWN = never cuDNN (nor the Hopper backward); OPS_ATTN_CUDNN =
+ * cuDNN wherever it runs; OPS_ATTN_AUTO = the faster by shape, as measured on an H100
+ * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), its backward our
+ * Hopper kernel where that was faster (attn_wgmma_bwd_auto). Deterministic (the default), every
+ * choice is bitwise reproducible: cuDNN's backward is its deterministic engine and the Hopper
+ * kernel adds dQ in a fixed order. Not deterministic: the Hopper kernel sums dQ with atomics
+ * (faster: +7% at T = 4096, +20% at 10000 on an H100) and auto takes it at head_dim 256 too
+ * (where, deterministic, it trails cuDNN's engine); under cudnn, cuDNN's backward is its fastest
+ * engine, which sums dq with atomics. Under auto, cuDNN's engine stays the deterministic one, which
+ * leads cuDNN's atomic one where auto takes cuDNN. */
+static void cuda_set_options(const OpsOptions *o) {
+    g.att = o->attention;
+    g.nondet = !o->deterministic;
 }
 
-/* fast: auto's choices, but our Hopper backward sums dQ with atomics (not bitwise reproducible; +7%
- * at T = 4096, +20% at 10000 on an H100). Below its threshold auto's deterministic cuDNN engine
- * stays: it leads cuDNN's atomic one there. */
-static int att_det(void) { return g.att_mode != ATTN_MODE_CUDNN; }
-static int att_auto(void) { return g.att_mode == ATTN_MODE_AUTO || g.att_mode == ATTN_MODE_FAST; }
+/* cuDNN's backward engine: the deterministic one unless cudnn is asked for without determinism */
+static int att_det(void) { return g.att != OPS_ATTN_CUDNN || !g.nondet; }
 
 void cuda_set_attention_det_max(size_t bytes) { g.att_det_max = bytes; }
 int cuda_set_sync_each(int on) {
@@ -647,18 +620,10 @@ int cuda_set_sync_each(int on) {
     return was;
 }
 
-/* Our Hopper forward (attn_wgmma.cu) runs where MESHTRAIN_ATTN=wgmma asks, on a device that takes it. */
-static int att_wgmma(int HD) {
-    return g.att_mode == ATTN_MODE_WGMMA && g.bf16 && attn_wgmma_supported(HD) && attn_wgmma_device_ok();
-}
-
-/* Our Hopper backward (attn_wgmma_bwd.cu, deterministic mode) runs where auto picks it by shape
- * and by whether RoPE's backward is fused in (attn_wgmma_bwd_auto) or MESHTRAIN_ATTN=wgmma asks, on
- * a device that takes it. */
+/* Our Hopper backward (attn_wgmma_bwd.cu) runs where auto picks it by shape, by whether RoPE's
+ * backward is fused in and by determinism (attn_wgmma_bwd_auto), on a device that takes it. */
 static int att_wgmma_bwd(int T, int HD, int rope) {
-    return g.bf16 &&
-           (g.att_mode == ATTN_MODE_WGMMA ||
-            (att_auto() && attn_wgmma_bwd_auto(T, HD, g.att_mode != ATTN_MODE_FAST, rope))) &&
+    return g.bf16 && g.att == OPS_ATTN_AUTO && attn_wgmma_bwd_auto(T, HD, !g.nondet, rope) &&
            attn_wgmma_bwd_supported(HD) && attn_wgmma_device_ok() && !attn_wgmma_bwd_unlaunchable(HD);
 }
 
@@ -666,10 +631,8 @@ static int att_wgmma_bwd(int T, int HD, int rope) {
  * time cuDNN is wanted and cannot run, one line on stderr says why (once per process). */
 static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
     static int said;
-    if (!g.bf16 || g.att_mode == ATTN_MODE_OWN || (!backward && att_wgmma(HD))) return 0;
-    if ((att_auto() || g.att_mode == ATTN_MODE_WGMMA) &&
-        !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD)))
-        return 0;
+    if (!g.bf16 || g.att == OPS_ATTN_OWN) return 0;
+    if (g.att == OPS_ATTN_AUTO && !attn_cudnn_auto(backward, B, T, NH, HD, attn_bf16_supported(HD))) return 0;
     char why[320];
     int r = backward ? attn_cudnn_backward_plan(B, T, NH, HD, att_det(), ws, why, sizeof why)
                      : attn_cudnn_forward_plan(B, T, NH, HD, ws, why, sizeof why);
@@ -684,7 +647,6 @@ static int att_cudnn(int backward, int B, int T, int NH, int HD, size_t *ws) {
 
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD) {
     size_t ws;
-    if (!backward && att_wgmma(HD)) return "wgmma";
     if (backward && att_wgmma_bwd(T, HD, 0)) return "wgmma";
     if (att_cudnn(backward, B, T, NH, HD, &ws)) return "cudnn";
     return g.bf16 && attn_bf16_supported(HD) ? "own" : "generic";
@@ -696,11 +658,6 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T
     if (al16(out) && al16(lse) && al16(qkv) && att_cudnn(0, B, T, NH, HD, &ws)) {
         if (attn_cudnn_forward(out, lse, qkv, B, T, NH, HD, scratch(ws), (void *)g.stream))
             die(1, "cuda: cuDNN attention forward B=%d T=%d NH=%d HD=%d failed to run", B, T, NH, HD);
-        if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
-        return;
-    }
-    if (al16(out) && al16(lse) && al16(qkv) && att_wgmma(HD)) {
-        attn_wgmma_forward(out, lse, qkv, B, T, NH, HD, (void *)g.stream);
         if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
         return;
     }
@@ -725,7 +682,7 @@ static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, con
     if (!att_wgmma_bwd(T, HD, cos_t != NULL) || !(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse)))
         return 0;
     void *ws = scratch(attn_wgmma_bwd_workspace_bytes(B, T, NH, HD));
-    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, g.att_mode != ATTN_MODE_FAST, cos_t, sin_t,
+    attn_wgmma_backward(dqkv, dout, qkv, out, lse, ws, B, T, NH, HD, acc, !g.nondet, cos_t, sin_t,
                         (void *)g.stream);
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
     return 1;
@@ -737,7 +694,7 @@ static int att_backward_wgmma(void *dqkv, const void *dout, const void *qkv, con
 static int att_backward_cudnn(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                               int B, int T, int NH, int HD, int acc) {
     int Bc = att_det() ? attn_cudnn_det_batch(B, T, NH, g.att_det_max ? g.att_det_max : ATTN_CUDNN_DET_MAX_BYTES) : B, rem;
-    if (Bc < 1) Bc = B;  /* cudnn-det asked for: let cuDNN take or refuse the whole batch */
+    if (Bc < 1) Bc = B;  /* cudnn asked for: let cuDNN take or refuse the whole batch */
     rem = B % Bc;
     size_t ws = 0, ws2 = 0, row3 = (size_t)T * 3 * NH * HD, row = (size_t)T * NH * HD, lrow = (size_t)NH * T;
     if (!(al16(dqkv) && al16(dout) && al16(qkv) && al16(out) && al16(lse) && (Bc == B || lrow * Bc % 4 == 0) &&
@@ -1111,6 +1068,7 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .name = "cuda",
     .host_memory = 0,
     .init = backend_init,
+    .set_options = cuda_set_options,
     .device_name = cuda_device_name,
     .synchronize = cuda_synchronize,
     .idle = cuda_idle,

@@ -4,7 +4,7 @@
  * tensor pointers being DEVICE pointers: row-major, nn.Linear weight layout, backward ops
  * accumulate (+=) into their gradients, a NULL gradient pointer skips that gradient, and
  * every op is deterministic (no float atomics; fixed reduction orders that depend only on
- * the shapes, never on the card). Ops run asynchronously on the backend's one stream;
+ * the shapes, never on the card) unless the options say otherwise (OpsOptions in ops.h). Ops run asynchronously on the backend's one stream;
  * only cuda_sumsq and the copies to the host wait for it.
  *
  * Errors: a failing CUDA or cuBLASLt call prints
@@ -101,15 +101,6 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
                              const float *lse, int B, int T, int NH, int HD, int acc);
 void cuda_attention_rope_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   const float *cos_t, const float *sin_t, int B, int T, int NH, int HD);
-/* Which implementation attention takes in bf16 (cuda_init reads MESHTRAIN_ATTN; attn_mode_of in
- * attn_cudnn.h parses it, NULL or "" being auto): "auto" (the
- * faster by shape among the deterministic ones), "cudnn" (cuDNN's fused flash attention wherever
- * it runs, src/ops/cuda/attn_cudnn.h, with its fastest backward, which sums dq with atomics: runs
- * that take it are NOT bitwise reproducible), "cudnn-det" (cuDNN with its deterministic backward),
- * "own" (never cuDNN), "wgmma" (our Hopper kernels both ways where they run) or "fast" (auto's
- * choices, but our Hopper backward sums dQ with atomics: not bitwise reproducible). 0, or -1 for
- * another string (mode unchanged). */
-int cuda_set_attention_mode(const char *mode);
 
 /* rmsnorm's backward (cuda_rmsnorm_backward): rows of C channels take the wide-row kernels where
  * cuda_rmsnorm_wide(C) (and the tensors are 16-byte aligned); N rows run in
@@ -130,8 +121,9 @@ static inline int cuda_rmsnorm_blocks(size_t N, int wide) {
     return nb < RMSNORM_DW_BLOCKS ? (int)nb : RMSNORM_DW_BLOCKS;
 }
 /* What runs a call of that shape now, as cuda_attention_forward / cuda_attention_backward make it
- * (without RoPE's backward fused in): "cudnn", "wgmma" (our Hopper kernels), "own" (attn_bf16.cu's
- * tensor-core kernels) or "generic" (attention.cuh); may build cuDNN's plan for the shape. */
+ * under the options (ops_set_options) and without RoPE's backward fused in: "cudnn", "wgmma" (our
+ * Hopper backward), "own" (attn_bf16.cu's tensor-core kernels) or "generic" (attention.cuh); may
+ * build cuDNN's plan for the shape. */
 const char *cuda_attention_impl(int backward, int B, int T, int NH, int HD);
 /* Test hook: the dP limit of cuDNN's deterministic backward (0: ATTN_CUDNN_DET_MAX_BYTES), so that a
  * small shape runs over its batch in pieces as a long context does. */

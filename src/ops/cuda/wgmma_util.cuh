@@ -1,12 +1,11 @@
 /* PTX wrappers for Hopper (sm_90a) kernels: wgmma, TMA and bulk copies, mbarriers, named barriers,
- * setmaxnreg, shared-memory matrix descriptors; and the host's tensor-map encoder. Shared by the
- * forward (attn_wgmma.cu, where they were first proven) and the backward (attn_wgmma_bwd.cu);
- * header-only, everything static, in namespace wgu.
+ * setmaxnreg, shared-memory matrix descriptors; and the host's tensor-map encoder, for the
+ * attention backward (attn_wgmma_bwd.cu); header-only, everything static, in namespace wgu.
  *
  * Device code exists only where WGU_DEVICE is defined (the sm_90a device pass); a kernel body
  * guards itself with #ifdef WGU_DEVICE.
  *
- * Conventions (see attn_wgmma.cu's comment table for the proofs on a GPU):
+ * Conventions (checked on a GPU through tests/gpu/test_attn_wgmma_bwd.cu):
  *   128-byte swizzle: a 128-byte row r of a 1024-byte-aligned region has its 16-byte chunk c at
  *   chunk position c ^ (r & 7) (CU_TENSOR_MAP_SWIZZLE_128B = wgmma's 128B swizzle mode).
  *   Descriptor (sw128_desc): bits 0-13 start >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 = 1.
@@ -94,7 +93,7 @@ static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 }
 /* the watchdog's way of failing the launch: a store to address 0 ("an illegal memory access was
  * encountered"). Not __trap(): a trap inside setmaxnreg regions makes ptxas give up on them (the
- * forward at HD 128: the consumers stay at 168 registers, spill 200 bytes and serialize their wgmmas). */
+ * consumers then stay at 168 registers, spill and serialize their wgmmas). */
 static __device__ __forceinline__ void watchdog_fault(void) {
     asm volatile("st.global.u32 [%0], %1;\n" ::"l"(0ull), "r"(0u) : "memory");
 }
@@ -167,14 +166,6 @@ static __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap 
             dst),
         "l"((uint64_t)tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
-}
-/* TMA store: box of the 3-D tensor map at (c0, c1, c2) <- shared src (laid out as the map's swizzle
- * says), in this thread's bulk async-group; elements past the tensor's ends are not written */
-static __device__ __forceinline__ void tma_store(const CUtensorMap *tm, uint32_t src, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-                     (uint64_t)tm),
-                 "r"(c0), "r"(c1), "r"(c2), "r"(src)
-                 : "memory");
 }
 /* `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared, completing `bar` */
 static __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
