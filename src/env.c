@@ -39,6 +39,8 @@ static const HookDef HOOKS[HOOK_COUNT] = {
  * the setting went, rather than being ignored. */
 static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
+    {"SIDE_UPDATE", NULL},  /* =0: DDP's update in one queue; the side queue's is the one path */
+    {"EMBED_ROWS", NULL},   /* =0: DDP reduced the whole embedding; the rows the batch uses are */
     {NULL, NULL},
 };
 

@@ -37,7 +37,6 @@ typedef struct {
     /* side_pending[u]: unit u's update runs on the ops' side queue (op_side_mark u), beside
      * the next step's forward, which waits for it at the unit's gather. */
     unsigned char *side_pending;
-    int side_update;
     size_t side_lo;  /* those units are [side_lo, n_flat): the side queue also zeroes their gradients */
 } Ddp;
 
@@ -162,13 +161,13 @@ static void update(Parallel *p, size_t lo, size_t hi, float scale) {
  * the host, unit by unit once the norm is known (the gather hook waits for each).
  * - [0, late_hi), whose reductions end the backward: the embedding and the first layers
  *   (the bucket that reaches layer 1), which the next forward needs first.
- * - [late_hi, n_flat), reduced earlier. With side_update (the default; the ops' side queue)
- *   its units are updated after the first part, beside the next step's forward, which
- *   waits for each at its gather (ddp_gather). Otherwise it runs first, while the late
- *   reductions finish. */
-static int side_units(const Parallel *p, const Ddp *d, size_t split) {
+ * - [late_hi, n_flat), reduced earlier: its units are updated after the first part, one by
+ *   one on the ops' side queue, beside the next step's forward, which waits for each at its
+ *   gather (ddp_gather). Where the side queue cannot take them (more units than it has
+ *   marks, or not whole units) they are updated first, while the late reductions finish. */
+static int side_units(const Parallel *p, size_t split) {
     const Model *m = p->m;
-    if (!d->side_update || split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
+    if (split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
     size_t n = 0;
     for (int u = 0; u < m->n_units; u++)
         if (m->units[u].offset >= split) n += m->units[u].n_padded;
@@ -184,7 +183,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int u = 0; u < m->n_units; u++)
         if (!d->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
-    int side = side_units(p, d, split);
+    int side = side_units(p, split);
     /* Sequence parallel: nothing is updated, nor its norm taken, before the norms' gradients
      * are summed over tp; the side update (after that sum) still overlaps the next forward,
      * but the first part may not run ahead of it. */
@@ -240,14 +239,11 @@ static void ddp_setup(Parallel *p) {
     p->params = par_alloc_params(p, bytes);
     p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
     model_point_units(p->m, p->params, p->grads);
-    const char *env = getenv("MESHTRAIN_EMBED_ROWS");  /* =0: reduce the whole embedding (A/B) */
-    d->erows_cap = env && !strcmp(env, "0") ? 0 : erows_cap(p->m, p->D);
+    d->erows_cap = erows_cap(p->m, p->D);
     d->erows = op_alloc(d->erows_cap * sizeof(int));
     d->ebuf = op_alloc(d->erows_cap * (size_t)p->m->E * ops_state_size());
     d->n_erows = SIZE_MAX;
     d->side_pending = xcalloc((size_t)p->m->n_units, 1);
-    const char *side = getenv("MESHTRAIN_SIDE_UPDATE");  /* =0: the update in one queue (A/B) */
-    d->side_update = !(side && !strcmp(side, "0"));
     par_compute_whole(p);
 }
 
