@@ -75,8 +75,9 @@ static double zero_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
 /* ZeRO-1's whole gradient is cleared before each step (ZeRO-2's slots are at each take). */
 static void zero1_begin_step(Parallel *p) { op_zero(p->grads, p->m->n_flat * ops_state_size()); }
 
-/* What both keep: the whole parameters, and the shards of the gradient and the moments.
- * The setups then add ZeRO-1's whole gradient buffer or ZeRO-2's gradient slots. */
+/* What both keep: the whole parameters and the gradient's shard (the optimizer keeps its
+ * state of that shard). The setups then add ZeRO-1's whole gradient buffer or ZeRO-2's
+ * gradient slots. */
 static void zero_alloc(Parallel *p) {
     size_t full = p->m->n_flat * ops_state_size(), shard = p->n_shard * ops_state_size();
     Zero *z = p->st = xcalloc(1, sizeof *z);
