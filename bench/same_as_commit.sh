@@ -37,9 +37,9 @@ REF=$(git rev-parse --verify --quiet "$REF_ARG^{commit}") || { echo "same_as_com
 command -v mpirun >/dev/null || { echo "same_as_commit: mpirun not found (make deps)" >&2; exit 2; }
 
 # name|ranks|keys (beside M's, which they replace). batch_size is per data-parallel rank: 8
-# sequences a step but in the accumulation cases. Clipping is on (grad_clip=1) except in
-# ddp2_noclip, which takes DDP's update in two parts (the late units first) that only an
-# unclipped step runs. "@" keys are this script's (run_side).
+# sequences a step but in the accumulation cases. Clipping is on (grad_clip=1) except in the
+# _noclip cases, which take DDP's update in two parts (the late units first, the others on the
+# side queue) that only an unclipped step runs. "@" keys are this script's (run_side).
 CASE_LIST='
 single|1|batch_size=8
 ddp2|2|batch_size=4
@@ -86,6 +86,18 @@ tp2_adafactor|2|batch_size=8 tensor_parallel_size=2 optimizer=adafactor
 adafactor_beta1|1|batch_size=8 optimizer=adafactor adafactor_beta1=0.9
 adafactor_zero1_2|2|batch_size=4 zero_opt=true optimizer=adafactor
 resume_fsdp2|2|batch_size=4 fsdp=true @resume_at=3
+single_noclip|1|batch_size=8 grad_clip=0
+tp2_noclip|2|batch_size=8 tensor_parallel_size=2 sequence_parallel=true grad_clip=0
+adafactor_ddp2|2|batch_size=4 optimizer=adafactor
+adafactor_offload|1|batch_size=8 optimizer=adafactor offload=optimizer
+adafactor_offload_fsdp2|2|batch_size=4 fsdp=true optimizer=adafactor offload=optimizer
+adafactor_offload_tp2|2|batch_size=8 tensor_parallel_size=2 optimizer=adafactor offload=optimizer
+offload_opt_noclip|1|batch_size=8 offload=optimizer grad_clip=0
+offload_opt_zero1_2|2|batch_size=4 zero_opt=true offload=optimizer
+offload_opt_zero2_2|2|batch_size=4 fsdp=true shard_strategy=grad_op offload=optimizer
+offload_opt_tp2|2|batch_size=8 tensor_parallel_size=2 offload=optimizer
+offload_opt_accum3|1|batch_size=4 grad_accum_steps=3 offload=optimizer
+offload_params_hybrid4|4|batch_size=2 fsdp=true shard_strategy=hybrid shard_group_size=2 offload=params
 resume_ref_zero1_2|2|batch_size=4 zero_opt=true @resume_at=3 @resume_from=ref
 '
 NAMES=$(awk -F'|' 'NF == 3 {print $1}' <<<"$CASE_LIST")

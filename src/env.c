@@ -53,6 +53,8 @@ static const struct { const char *name, *now; } RETIRED[] = {
     {"WGMMA_GRID", NULL},
     {"WGMMA_BWD_T", NULL},
     {"GEMM_SMS", NULL},
+    {"SIDE_UPDATE", NULL},  /* =0: DDP's update in one queue; the side queue's is the one path */
+    {"EMBED_ROWS", NULL},   /* =0: DDP reduced the whole embedding; the rows the batch uses are */
     {NULL, NULL},
 };
 

@@ -3,9 +3,11 @@ transformers' Adafactor computes them) in float64, for tests/test_optim.c.
 
 Run from the repository root: /usr/bin/python3 tests/gen_adafactor_fixture.py (needs numpy only,
 which scripts/install-deps.sh installs for /usr/bin/python3).
-Each case updates a few tensors (matrices: factored second moments; a 1 x n vector: the
-unfactored one) for n_steps steps from numpy-seeded parameters and gradients, with a
-constant learning rate (or the relative step). File layout (little-endian):
+Each case updates the tensors of a tiny model (vocab_size 13, embed_dim 8, 2 heads, 1 layer,
+untied: model_tensors' order and shapes, so that the test runs them through the optimizer
+layer's interface over the model's flat units; matrices: factored second moments; the
+norms, 1 x n vectors: the unfactored one) for n_steps steps from numpy-seeded parameters and
+gradients, with a constant learning rate (or the relative step). File layout (little-endian):
   int32 x 2: magic 0x58464641 ('AFFX'), n_cases
   per case:
     int32 x 5: n_tensors, n_steps, relative_step, scale_parameter, pad (0)
@@ -75,7 +77,8 @@ def case(rng, shapes, n_steps, **c):
 
 def main():
     rng = np.random.default_rng(21)
-    shapes = [(37, 12), (1, 12), (12, 18), (5, 3)]
+    # tok_embed, att_norm, qkv_proj, att_out_proj, ffn_norm, gate_proj, up_proj, down_proj, output_norm, lm_head
+    shapes = [(13, 8), (1, 8), (24, 8), (8, 8), (1, 8), (12, 8), (12, 8), (8, 12), (1, 8), (13, 8)]
     cases = [
         case(rng, shapes, 6, lr=1e-2, beta1=0.0, clip=1.0, decay=0.8, wd=0.0, scale_g=1.0, relative=0, scale=0),
         case(rng, shapes, 6, lr=0.0, beta1=0.9, clip=1.0, decay=0.8, wd=0.01, scale_g=0.5, relative=1, scale=1),

@@ -113,10 +113,12 @@ static void check_fixture(const char *path) {
 
     /* 5 AdamW steps as torch: lr 1e-3, wd 0.01, clip 1.0 */
     scatter(&m, m.params, f.params);
-    AdamState opt;
-    adam_alloc(&opt, m.n_flat);
     OptimConfig oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .grad_clip = 1.0,
                       .decay_steps = f.n_steps};
+    OptimUnit *units = xcalloc((size_t)m.n_units, sizeof *units);
+    for (int u = 0; u < m.n_units; u++) units[u] = (OptimUnit){unit_params(&m, u), unit_grads(&m, u), NULL};
+    Optimizer *opt = optim_create(&(OptimSetup){&oc, &m, 1, 0, 0, 0, units});  /* the whole model, one process */
+    free(units);
     for (int s = 0; s < f.n_steps; s++) {
         set_batch(&f, &a, s);
         memset(m.grads, 0, m.n_flat * 4);
@@ -124,13 +126,14 @@ static void check_fixture(const char *path) {
         CHECK(rel_err(l, f.step_losses[s]) < 1e-4, "%s step %d loss %.7f vs torch %.7f", path, s + 1, l,
               f.step_losses[s]);
         double norm = grad_norm(m.grads, m.n_flat);
-        adam_step(&opt, &oc, m.params, m.grads, clip_scale(&oc, norm));
+        optim_begin(opt, &oc);
+        optim_update(opt, 0, m.n_units, clip_scale(&oc, norm));
     }
     scatter(&m, want, f.final);
     double pe = norm_rel_err(m.params, want, m.n_flat);
     CHECK(pe < 1e-4, "%s params after %d steps rel err %.3g", path, f.n_steps, pe);
     free(want);
-    adam_free(&opt);
+    optim_free(opt);
     acts_free(&a);
     model_free(&m);
     free_fixture(&f);

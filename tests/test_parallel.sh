@@ -97,13 +97,6 @@ why="$n all-reduces"; [[ $first == *all-reduce* ]] || why="$why, the first after
 emb=$(grep -m1 '^timeline rank 0:.*(embedding rows)' "$TMP/bk.log" | grep -o '[0-9.]* MB')
 awk -v m="${emb% MB}" 'BEGIN {exit !(m != "" && m + 0 < 0.05)}' && ok "ddp_embedding_rows_only ($emb, the whole unit is 25.7 MB)" ||
   bad "ddp_embedding_rows_only (${emb:-no embedding-rows all-reduce})"
-# ... and with the whole embedding reduced (MESHTRAIN_EMBED_ROWS=0), DDP still follows one process
-out=$TMP/ddp_whole_embedding
-if MESHTRAIN_EMBED_ROWS=0 $MPIRUN -np 2 -x MESHTRAIN_EMBED_ROWS "$BIN" train $M tie_embeddings=false batch_size=4 \
-     out_dir="$out" </dev/null >"$out.log" 2>&1 && follows "$TMP/ref_false" "$out" &&
-   ! grep -q 'embedding rows' <(MESHTRAIN_TIMELINE=2 MESHTRAIN_EMBED_ROWS=0 $MPIRUN -np 2 -x MESHTRAIN_TIMELINE \
-     -x MESHTRAIN_EMBED_ROWS "$BIN" train $NOCK batch_size=2 ckpt_path=none out_dir="$TMP/we" </dev/null 2>&1)
-then ok ddp_whole_embedding_np2; else bad "ddp_whole_embedding_np2 ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 
 # -- activation checkpointing's estimate has fewer bytes of activations than without it (not
 # merely a different number)

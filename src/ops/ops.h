@@ -321,7 +321,7 @@ void op_adamw_cast(void *param, const void *grad, void *m, void *v, size_t n, fl
                    float beta2, float eps, float weight_decay, int step, float grad_scale, void *act);
 
 /* Adafactor (Shazeer & Stern 2018), in pieces that a sharded optimizer step strings
- * together with its collectives between them (parallel.c, par_adafactor). A segment is the
+ * together with its collectives between them (src/optim/adafactor.c). A segment is the
  * part of one tensor that this call covers: elements [first, first + n) of a rows x cols
  * row-major tensor, at `off` in the buffers passed (param, grad, m: state type). Each
  * tensor has `rows + cols` statistics at `stat` in the fp32 stats arrays (rows of the row

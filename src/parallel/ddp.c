@@ -3,8 +3,8 @@
  * unit's backward ends, so it overlaps the backward of the units below it. bucket_mb joins
  * units that finish one after another into fewer, larger all-reduces; an untied
  * embedding's is reduced only in the rows the step's batch uses. Every rank then takes
- * the same AdamW step. On one machine's GPUs the gradient buffer comes from comm_alloc,
- * whose all-reduces run on the copy engines (comm.h). */
+ * the same optimizer step on the whole model. On one machine's GPUs the gradient buffer
+ * comes from comm_alloc, whose all-reduces run on the copy engines (comm.h). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,7 +37,6 @@ typedef struct {
     /* side_pending[u]: unit u's update runs on the ops' side queue (op_side_mark u), beside
      * the next step's forward, which waits for it at the unit's gather. */
     unsigned char *side_pending;
-    int side_update;
     size_t side_lo;  /* those units are [side_lo, n_flat): the side queue also zeroes their gradients */
 } Ddp;
 
@@ -81,12 +80,11 @@ static void flush(Parallel *p, Ddp *d, int late) {
     CommReq *r = &p->greq[d->bkt_unit];
     if (late) mark_late(d, d->bkt_unit, d->bkt_off + d->bkt_n);
     comm_iallreduce(p->group, st_at(p->grads, d->bkt_off), d->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
-    /* offload: the bucket's units go out to the host once it is reduced (an embedding reduced
-     * in its rows is scattered back at the step, and goes out then) */
+    /* the bucket's units' gradients are complete once it is reduced (an embedding reduced in
+     * its rows is scattered back at the step, and is complete then) */
     for (int u = 0; u < p->m->n_units; u++) {
         const Unit *un = &p->m->units[u];
-        if (un->n_padded && un->offset >= d->bkt_off && un->offset < d->bkt_off + d->bkt_n)
-            par_offload_grad_request(p, u, r);
+        if (un->n_padded && un->offset >= d->bkt_off && un->offset < d->bkt_off + d->bkt_n) par_grad_final(p, u, r);
     }
     d->bkt_n = 0;
     if (!p->overlap) par_wait(p, r);
@@ -122,8 +120,9 @@ static void ddp_grad_begin(void *ctx, int u) {
     par_progress(ctx);
 }
 
-/* Waits for unit u's update on the side queue; with precision=mixed remakes its bf16 copy
- * if it is behind (after a load; the update writes it itself). */
+/* Waits for unit u's update (on the side queue, or where the optimizer's placement runs it);
+ * with precision=mixed remakes its bf16 copy if it is behind (after a load, or an update that
+ * does not write it itself). */
 static void ddp_gather(void *ctx, int u, int next) {
     Parallel *p = ctx;
     Ddp *d = p->st;
@@ -132,99 +131,84 @@ static void ddp_gather(void *ctx, int u, int next) {
         op_side_wait(u);
         d->side_pending[u] = 0;
     }
-    par_offload_ready(p, u, 1);
+    par_update_ready(p, u, 1);
     par_cast_unit(p, u);
 }
 
-/* AdamW over [lo, lo + n); with precision=mixed it also writes the bf16 compute copy of
- * what it updates, so the next forward need not make it from the whole parameters. */
-static void update(Parallel *p, size_t lo, size_t n, const OptimConfig *oc, double lr, int step, float scale) {
-    par_adamw(st_at(p->params, lo), st_at(p->grads, lo), st_at(p->mom1, lo), st_at(p->mom2, lo), n, oc, lr, step,
-              scale, p->cparams ? act_at(p->cparams, lo) : NULL);
+/* The units at offsets [lo, hi) of the flat buffer (whole units; hi = n_flat: to the last): [*u0, *u1). */
+static void units_in(const Model *m, size_t lo, size_t hi, int *u0, int *u1) {
+    int a = 0;
+    while (a < m->n_units && m->units[a].offset < lo) a++;
+    int b = a;
+    while (b < m->n_units && (hi >= m->n_flat || m->units[b].offset < hi)) b++;
+    *u0 = a, *u1 = b;
 }
 
-/* Without clipping, the update runs in two parts. AdamW is elementwise, so the result is
- * bitwise that of one update; only the logged norm is summed in two parts. Clipping needs
- * the whole norm before any update: one part.
+/* The update of the units at offsets [lo, hi), in one call (they are adjacent in the whole
+ * buffers); with precision=mixed an update on the device writes the bf16 compute copy of
+ * what it updates, so the next forward need not make it from the whole parameters. */
+static void update(Parallel *p, size_t lo, size_t hi, float scale) {
+    int u0, u1;
+    units_in(p->m, lo, hi, &u0, &u1);
+    par_update(p, u0, u1, scale);
+}
+
+/* Where the optimizer allows it (par_update_parts: an elementwise update in the device's
+ * queue) and without clipping, the update runs in two parts. It is elementwise, so the
+ * result is bitwise that of one update; only the logged norm is summed in two parts.
+ * Clipping needs the whole norm before any update: one part; so does an optimizer that
+ * needs statistics of whole tensors, after every reduction, and one whose update runs on
+ * the host, unit by unit once the norm is known (the gather hook waits for each).
  * - [0, late_hi), whose reductions end the backward: the embedding and the first layers
  *   (the bucket that reaches layer 1), which the next forward needs first.
- * - [late_hi, n_flat), reduced earlier. With side_update (the default; the ops' side queue)
- *   its units are updated after the first part, beside the next step's forward, which
- *   waits for each at its gather (ddp_gather). Otherwise it runs first, while the late
- *   reductions finish. */
-static int side_units(const Parallel *p, const Ddp *d, size_t split) {
+ * - [late_hi, n_flat), reduced earlier: its units are updated after the first part, one by
+ *   one on the ops' side queue, beside the next step's forward, which waits for each at its
+ *   gather (ddp_gather). Where the side queue cannot take them (more units than it has
+ *   marks, or not whole units) they are updated first, while the late reductions finish. */
+static int side_units(const Parallel *p, size_t split) {
     const Model *m = p->m;
-    if (!d->side_update || split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
+    if (split >= m->n_flat || m->n_units > OPS_SIDE_MARKS) return 0;
     size_t n = 0;
     for (int u = 0; u < m->n_units; u++)
         if (m->units[u].offset >= split) n += m->units[u].n_padded;
     return n == m->n_flat - split;  /* the part is whole units */
 }
 
-/* Adafactor needs a whole tensor's statistics before any of it is updated: after every
- * reduction, in one part, on the main queue (the bf16 copies are then remade at the gathers). */
-static double ddp_adafactor(Parallel *p, Ddp *d, const OptimConfig *oc, double *lr_out) {
-    flush(p, d, 1);
-    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
-    finish_erows(p, d);
-    par_tp_sum_partial(p, 0);
-    double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
-    *lr_out = par_adafactor(p, oc, clip_scale(oc, norm));
-    par_params_stale(p);
-    return norm;
-}
-
-/* offload: after every reduction and the norm (in one part, as with clipping), the update
- * on the host (offload.c); the gather hook waits for each unit and remakes its bf16 copy. */
-static double ddp_offload(Parallel *p, Ddp *d, const OptimConfig *oc, double *lr_out) {
-    flush(p, d, 1);
-    for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
-    finish_erows(p, d);
-    par_tp_sum_partial(p, 0);  /* sequence parallel: copies those units out again */
-    double norm = sqrt(par_stages_sumsq(p, op_sumsq(p->grads, p->m->n_flat)));
-    double lr = par_next_lr(p, oc);
-    par_offload_adamw(p, oc, lr, p->adam_steps, clip_scale(oc, norm));
-    par_params_stale(p);
-    *lr_out = lr;
-    return norm;
-}
-
 static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
     Ddp *d = p->st;
-    if (oc->kind == OPTIM_ADAFACTOR) return ddp_adafactor(p, d, oc, lr_out);
-    if (p->off) return ddp_offload(p, d, oc, lr_out);
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
-    size_t n = m->n_flat, split = oc->grad_clip > 0 ? n : d->late_hi;
-    double lr = par_next_lr(p, oc);
-    int step = p->adam_steps;
+    size_t n = m->n_flat, split = oc->grad_clip > 0 || !par_update_parts(p) ? n : d->late_hi;
+    double lr = par_update_begin(p, oc);
     for (int u = 0; u < m->n_units; u++)
         if (!d->greq_late[u]) par_wait(p, &p->greq[u]);
     double sumsq = 0;
-    int side = side_units(p, d, split);
+    int side = side_units(p, split);
     /* Sequence parallel: nothing is updated, nor its norm taken, before the norms' gradients
      * are summed over tp; the side update (after that sum) still overlaps the next forward,
      * but the first part may not run ahead of it. */
     if (m->sp && !side) split = n;
     if (split < n && !m->sp) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
-        if (!side) update(p, split, n - split, oc, lr, step, 1.0f);
+        if (!side) update(p, split, n, 1.0f);
     }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &p->greq[u]);
     trace_mark(NULL, "late reductions in");
     finish_erows(p, d);
-    par_tp_sum_partial(p, 0);
+    par_tp_sum_partial(p, 0);  /* (where the placement copied those units out: again) */
     trace_mark(NULL, "norms' gradients summed");
     sumsq = m->sp ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     trace_mark(NULL, "gradient norm on the host");
-    update(p, 0, split, oc, lr, step, clip_scale(oc, norm));
+    float scale = clip_scale(oc, norm);
+    par_update_stats(p, scale);
+    update(p, 0, split, scale);
     if (side) {
         op_side_begin();
         for (int u = 0; u < m->n_units; u++) {
             const Unit *un = &m->units[u];
             if (un->offset < split) continue;
-            update(p, un->offset, un->n_padded, oc, lr, step, 1.0f);
+            par_update(p, u, u + 1, 1.0f);
             op_zero(st_at(p->grads, un->offset), un->n_padded * ops_state_size());  /* the next step's */
             op_side_mark(u);
             d->side_pending[u] = 1;
@@ -232,7 +216,6 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         op_side_end();
         d->side_lo = split;
     }
-    /* with precision=mixed AdamW wrote the bf16 copy too: it is current */
     *lr_out = lr;
     return norm;
 }
@@ -252,20 +235,15 @@ static void ddp_setup(Parallel *p) {
     d->side_lo = SIZE_MAX;
     d->greq_late = xcalloc((size_t)p->m->n_units, 1);
     size_t bytes = p->m->n_flat * ops_state_size();
-    /* lean offload with bf16 compute: the host's master is the only fp32 copy (offload.c) */
-    p->lean = par_offload_lean(p);
-    if (!p->lean || ops_precision() != OPS_MIXED) p->params = op_alloc(bytes);
+    /* lean with bf16 compute: no device parameters, the optimizer's host copy is them */
+    p->params = par_alloc_params(p, bytes);
     p->grads = comm_alloc(p->group, bytes);  /* on one machine's GPUs: reduced on the copy engines */
-    par_alloc_optim(p, p->m->n_flat, 0);
     model_point_units(p->m, p->params, p->grads);
-    const char *env = getenv("MESHTRAIN_EMBED_ROWS");  /* =0: reduce the whole embedding (A/B) */
-    d->erows_cap = env && !strcmp(env, "0") ? 0 : erows_cap(p->m, p->D);
+    d->erows_cap = erows_cap(p->m, p->D);
     d->erows = op_alloc(d->erows_cap * sizeof(int));
     d->ebuf = op_alloc(d->erows_cap * (size_t)p->m->E * ops_state_size());
     d->n_erows = SIZE_MAX;
     d->side_pending = xcalloc((size_t)p->m->n_units, 1);
-    const char *side = getenv("MESHTRAIN_SIDE_UPDATE");  /* =0: the update in one queue (A/B) */
-    d->side_update = !(side && !strcmp(side, "0"));
     par_compute_whole(p);
 }
 
@@ -284,14 +262,13 @@ static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         size_t s = shard_len(p, u), lo = (size_t)p->r * s, hi = lo + s, nu = m->units[u].n;
         if (hi > nu) hi = nu;
         size_t off = m->units[u].offset;
-        void *base_p = p->hparams ? (void *)(p->hparams + off) : st_at(p->params, off);  /* lean: the host's master */
+        void *base_p = par_whole_params(p, u);
         if (write) {
             if (lo < hi && n < max)
-                out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), p->mom1 ? st_at(p->mom1, off + lo) : NULL,
-                                        p->mom2 ? st_at(p->mom2, off + lo) : NULL};
+                out[n++] = (OwnedRange){u, lo, hi, st_at(base_p, lo), par_state_at(p, 0, off + lo),
+                                        par_state_at(p, 1, off + lo)};
         } else if (n < max) {
-            out[n++] = (OwnedRange){u, 0, nu, base_p, p->mom1 ? st_at(p->mom1, off) : NULL,
-                                    p->mom2 ? st_at(p->mom2, off) : NULL};
+            out[n++] = (OwnedRange){u, 0, nu, base_p, par_state_at(p, 0, off), par_state_at(p, 1, off)};
         }
     }
     return n;
@@ -300,7 +277,7 @@ static int ddp_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
 /* Everything whole, plus the embedding rows' buffer and their indices. */
 static ParallelBytes ddp_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t full = layout->n_flat * state_size, cap = erows_cap(layout, D);
-    return (ParallelBytes){full, full + cap * ((size_t)layout->E * state_size + sizeof(int)), 2 * full,
+    return (ParallelBytes){full, full + cap * ((size_t)layout->E * state_size + sizeof(int)), full,
                            compute_size ? layout->n_flat * compute_size : 0, 0};
 }
 
@@ -320,7 +297,7 @@ static void ddp_set_rows(Parallel *p, const int *rows, size_t n) {
 
 const ParallelStrategy par_ddp = {
     .name = "ddp",
-    .lean_offload = 1,
+    .updates_all = 1,
     .setup = ddp_setup,
     .free = ddp_free,
     .gather = ddp_gather,

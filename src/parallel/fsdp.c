@@ -1,5 +1,5 @@
 /* FSDP (ZeRO-3, shard_strategy=full) and hybrid FSDP (shard_strategy=hybrid).
- * Each rank keeps only its shard of every unit's parameters, gradients and moments. A
+ * Each rank keeps only its shard of every unit's parameters, gradients and optimizer state. A
  * unit is all-gathered into a slot just before its forward, released right after, and
  * gathered again before its backward; while one unit computes, the next one's gather is
  * already in flight (prefetch). Gradients go through the shared slot hooks (as ZeRO-2's),
@@ -26,14 +26,12 @@ static Slot *slot_of(Parallel *p, int u) {
  * NULL, when every slot that fits is taken; a gather that is needed now may wait for a
  * gradient slot to drain. */
 static Slot *start_gather(Parallel *p, int u, int may_fail) {
-    /* offload: not before its update is back in the shard (a prefetch does not wait for it) */
-    if (!par_offload_ready(p, u, !may_fail)) return NULL;
+    /* not before its update is back in the shard (a prefetch does not wait for it) */
+    if (!par_update_ready(p, u, !may_fail)) return NULL;
     Slot *s = par_take_slot(p, u, 0, may_fail);
     if (!s) return NULL;
     size_t n = shard_len(p, u);
-    if (p->hshard)  /* offload=params: from the host, on the main queue ahead of the all-gather */
-        op_copy_in_main(st_at(s->buf, (size_t)p->r * n), p->hshard + shard_off(p, u), n * sizeof(float));
-    else op_copy(st_at(s->buf, (size_t)p->r * n), st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
+    par_shard_in(p, u, st_at(s->buf, (size_t)p->r * n));
     comm_iallgather(p->group, s->buf, n, par_ctype(), &s->req, "parameter all-gather");
     return s;
 }
@@ -94,16 +92,12 @@ static double fsdp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     for (int u = 0; u < m->n_units; u++) par_wait(p, &f->rreq[u]);
     double norm = par_shard_norm(p);
     float scale = clip_scale(oc, norm);
-    double lr;
-    if (oc->kind == OPTIM_ADAFACTOR) lr = par_adafactor(p, oc, scale);
-    else if (p->off) {  /* on the host; each unit's gather waits for its own */
-        lr = par_next_lr(p, oc);
-        par_offload_adamw(p, oc, lr, p->adam_steps, scale);
-    } else {
-        lr = par_next_lr(p, oc);
-        par_adamw(p->pshard, p->gshard, p->mom1, p->mom2, p->n_shard, oc, lr, p->adam_steps, scale, NULL);
-    }
-    /* no compute copy to mark stale: the bf16 copies are cast at each gather */
+    double lr = par_update_begin(p, oc);
+    par_update_stats(p, scale);
+    /* every shard at once (adjacent in pshard); where the updates reach the device later,
+     * each unit's gather waits for its own. No compute copy to mark stale: the bf16 copies
+     * are cast at each gather. */
+    par_update(p, 0, m->n_units, scale);
     *lr_out = lr;
     return norm;
 }
@@ -113,9 +107,8 @@ static void fsdp_setup(Parallel *p) {
     f->refs = xcalloc((size_t)p->m->n_units, sizeof(int));
     f->rreq = xcalloc((size_t)p->m->n_units, sizeof(CommReq));
     size_t shard = p->n_shard * ops_state_size();
-    if (p->offload != OFFLOAD_PARAMS) p->pshard = op_alloc(shard);  /* else the host's (offload.c) */
+    p->pshard = par_alloc_params(p, shard);  /* NULL where the optimizer's host copy is the shard */
     p->gshard = op_alloc(shard);
-    par_alloc_optim(p, p->n_shard, 1);
     par_alloc_slots(p, 1);  /* one pool for parameters and gradients */
     model_point_units(p->m, NULL, NULL);
     par_compute_slots(p);
@@ -131,7 +124,7 @@ static void fsdp_free(Parallel *p) {
 /* Shards of everything; the pool counted once (parameters), with a bf16 copy per slot. */
 static ParallelBytes fsdp_bytes(const Model *layout, int D, size_t state_size, size_t compute_size) {
     size_t shard = layout->n_flat * state_size / (size_t)D, pool = par_slot_elems(layout, 1);
-    return (ParallelBytes){shard + pool * state_size, shard, 2 * shard, compute_size ? pool * compute_size : 0, 0};
+    return (ParallelBytes){shard + pool * state_size, shard, shard, compute_size ? pool * compute_size : 0, 0};
 }
 
 /* FSDP's functions, the same for both tables below */

@@ -1,7 +1,8 @@
 /* The public interface (parallel.h), run through the strategy's table, and the shared core
- * the strategies are built from (parallel_impl.h): slots, waits, AdamW over a range,
- * norms, the compute (bf16) copies, init and checkpoint ranges. Nothing here depends on
- * which strategy runs, except strategy_for. */
+ * the strategies are built from (parallel_impl.h): slots, waits, the optimizer's update of
+ * what the rank owns (src/optim), norms, the compute (bf16) copies, init and checkpoint
+ * ranges. Nothing here depends on which strategy runs, except strategy_for, nor on which
+ * optimizer, or where it keeps its state. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,9 +43,6 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, 
     p->m = m;
     p->mesh = mesh;
     p->overlap = overlap;
-    p->optim = oc ? oc->kind : OPTIM_ADAMW;
-    p->offload = oc ? oc->offload : OFFLOAD_NONE;
-    p->af_beta1 = oc && oc->kind == OPTIM_ADAFACTOR ? oc->af_beta1 : 0;
     p->group = s->replicated ? &mesh->shard : &mesh->dp;
     p->replicas = s->replicated ? &mesh->replicate : NULL;
     p->D = p->group->size;
@@ -57,10 +55,26 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, 
     p->greq = xcalloc((size_t)m->n_units, sizeof(CommReq));
     p->grad_open = xcalloc((size_t)m->n_units, 1);
     p->n_ready = xcalloc((size_t)m->n_units, sizeof(int));
+    p->gfinal = xcalloc((size_t)m->n_units, sizeof(CommReq *));
     p->hooks = (UnitHooks){.ctx = p, .gather = s->gather, .release = s->release, .grad_begin = s->grad_begin,
                            .grad_ready = s->grad_ready ? grad_ready : NULL};
+    p->lean = parallel_offload_lean(kind, oc);
+    p->params_host = oc && oc->offload == OFFLOAD_PARAMS;
     s->setup(p);
-    if (p->offload) par_offload_setup(p);
+    if (p->params_host && (p->pshard || p->params))
+        die(EXIT_RUN_FAILURE, "internal: offload=params with a strategy that keeps parameters on the device");
+    /* the optimizer over what the strategy's buffers say the rank updates: the shards of the
+     * units where it keeps gradient shards, else whole units */
+    p->sharded = p->gshard != NULL;
+    OptimUnit *units = xcalloc((size_t)m->n_units, sizeof *units);
+    for (int u = 0; u < m->n_units; u++) units[u] = par_owned_unit(p, u);
+    int tp = mesh && mesh->tp_size > 1;
+    OptimSetup os = {oc, m, p->sharded ? p->D : 1, p->sharded ? p->r : 0, (p->sharded && p->D > 1) || tp, p->lean,
+                     units};
+    p->opt = optim_create(&os);
+    free(units);
+    if (p->params_host) p->hshard = optim_master(p->opt);
+    if (p->lean) p->hparams = optim_master(p->opt);
     return p;
 }
 
@@ -70,25 +84,15 @@ void parallel_free(Parallel *p) {
      * leaves a prefetched gather behind (FSDP), with no step after it to wait for it. */
     for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->slots[i].req);
-    par_offload_free(p);
+    optim_free(p->opt);  /* first: with offload its thread and copies still use the buffers */
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
     op_free(p->tp_pack);
     free(p->tp_repl[0]); free(p->tp_repl[1]);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard);
-    if (p->offload) {  /* host memory (par_alloc_optim) */
-        op_host_free(p->mom1); op_host_free(p->mom2);
-        op_host_free(p->af_stats); op_host_free(p->af_fac); op_host_free(p->af_sums);
-    } else {
-        op_free(p->mom1); op_free(p->mom2);
-        op_free(p->af_stats); op_free(p->af_fac); op_free(p->af_sums);
-    }
-    op_free(p->af_dsums); op_free(p->af_seg);
-    free(p->af_seg_host); free(p->af_tensor);
-    af_plan_free(&p->af);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->slots[i].buf);
-    free(p->greq); free(p->grad_open); free(p->cstale); free(p->n_ready);
+    free(p->greq); free(p->grad_open); free(p->cstale); free(p->n_ready); free(p->gfinal);
     free(p);
 }
 
@@ -100,26 +104,30 @@ void parallel_set_embedding_rows(Parallel *p, const int *rows, size_t n) {
     if (p->s->set_rows) p->s->set_rows(p, rows, n);
 }
 const UnitHooks *parallel_hooks(Parallel *p) { return &p->hooks; }
-int parallel_adam_steps(const Parallel *p) { return p->adam_steps; }
-void parallel_set_adam_steps(Parallel *p, int steps) { p->adam_steps = steps; }
+int parallel_adam_steps(const Parallel *p) { return optim_steps(p->opt); }
+void parallel_set_adam_steps(Parallel *p, int steps) { optim_set_steps(p->opt, steps); }
 double parallel_comm_wait(const Parallel *p) { return p->wait_s; }
 
 void parallel_params_changed(Parallel *p) {
     if (p->s->params_changed) p->s->params_changed(p);
-    par_offload_params_written(p);
+    optim_params_written(p->opt);
 }
 
 void parallel_init_weights(Parallel *p, uint64_t seed) {
     p->s->init_weights(p, seed);
-    par_offload_params_written(p);
+    optim_params_written(p->opt);
 }
 
-void parallel_sync(Parallel *p) { par_offload_finish(p); }
-int parallel_state_on_host(const Parallel *p) { return !p->off ? 0 : p->hshard || p->hparams ? 2 : 1; }
+void parallel_sync(Parallel *p) { optim_finish(p->opt); }
+void parallel_offload_times(Parallel *p, double *update_s, double *wait_s) {
+    optim_host_times(p->opt, update_s, wait_s);
+}
+int parallel_state_on_host(const Parallel *p) { return !optim_on_host(p->opt) ? 0 : p->hshard || p->hparams ? 2 : 1; }
 
 void parallel_begin_step(Parallel *p) {
     p->wait_s = 0;
-    par_offload_begin_step(p);
+    optim_new_grads(p->opt);
+    memset(p->gfinal, 0, (size_t)p->m->n_units * sizeof(CommReq *));
     p->n_micro = 1;
     memset(p->n_ready, 0, (size_t)p->m->n_units * sizeof(int));
     if (p->s->begin_step) p->s->begin_step(p);
@@ -146,53 +154,31 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int D, size_t state_size, size_t compute_size,
                              const OptimConfig *oc) {
     ParallelBytes b = strategy_for(kind)->bytes(layout, D, state_size, compute_size);
-    size_t one = b.optim / 2;  /* the strategies count AdamW's two moments: one is what the rank updates */
-    size_t nt = 8 + 7 * (size_t)layout->L, stats = af_stats_count(layout) * sizeof(float);
-    if (oc && oc->kind == OPTIM_ADAFACTOR) {
-        b.optim = one * (size_t)optim_moments(oc);
-        /* statistics, factors and sums (fp32), and per tensor two doubles (at most one segment each) */
-        b.optim += 3 * stats + 2 * nt * sizeof(double);
-    }
-    b.host = 0;
-    if (parallel_offload_lean(kind, oc)) {
-        /* the master copy and the moments in fp32, the gradients' copy in the compute type;
-         * on the device no fp32 parameters under precision=mixed (the compute copy is what
-         * the ops read), and two staging buffers of the largest unit for the bf16 gradients */
-        size_t act = compute_size ? compute_size : state_size, caps[N_SLOTS];
-        b.host = b.optim + one + one / state_size * act;
-        b.optim = 0;
-        if (compute_size) {
-            par_slot_caps(layout, 0, caps);
-            b.params = 0;
-            b.grads += 2 * caps[0] * act;
-        }
-    } else if (oc && oc->offload) {  /* fp32 state: the master copy and the gradients' copy beside it */
-        b.host = b.optim + 2 * one;
-        b.optim = oc->kind == OPTIM_ADAFACTOR && D > 1 ? stats : 0;
-        if (oc->offload == OFFLOAD_PARAMS) b.params -= one;  /* the shard: the master copy is it */
+    size_t one = b.optim;  /* one elementwise array over what the rank updates */
+    int lean = parallel_offload_lean(kind, oc);
+    /* lean: the gradients' copy in the compute type; on the device no fp32 parameters under
+     * precision=mixed (the compute copy is what the ops read), and two staging buffers of the
+     * largest unit for the bf16 gradients */
+    size_t act = compute_size ? compute_size : state_size;
+    OptimBytes ob = optim_bytes(oc, layout, one / state_size, state_size, lean ? act : state_size, D > 1);
+    b.optim = ob.device;
+    b.host = ob.host;
+    if (lean && compute_size) {
+        size_t caps[N_SLOTS];
+        par_slot_caps(layout, 0, caps);
+        b.params = 0;
+        b.grads += 2 * caps[0] * act;
+    } else if (!lean && oc && oc->offload == OFFLOAD_PARAMS) {
+        b.params -= one;  /* the shard: the master copy is it */
     }
     return b;
 }
 
 int parallel_offload_lean(ParallelKind kind, const OptimConfig *oc) {
-    return oc && oc->offload == OFFLOAD_OPTIMIZER && oc->kind == OPTIM_ADAMW && strategy_for(kind)->lean_offload;
+    return optim_lean_possible(oc) && strategy_for(kind)->updates_all;
 }
 
-OptimKind parallel_optim(const Parallel *p) { return p->optim; }
-const AfPlan *parallel_af_plan(const Parallel *p) { return &p->af; }
-void parallel_af_stats(const Parallel *p, float *host, int upload) {
-    size_t bytes = p->af.n_stats * sizeof(float);
-    if (!bytes) return;
-    if (p->off) {  /* host memory already */
-        par_offload_finish((Parallel *)p);
-        if (upload) memcpy(p->af_stats, host, bytes);
-        else memcpy(host, p->af_stats, bytes);
-    } else if (upload) op_upload(p->af_stats, host, bytes);
-    else {
-        ops_synchronize();
-        op_download(host, p->af_stats, bytes);
-    }
-}
+Optimizer *parallel_optimizer(const Parallel *p) { return p->opt; }
 
 /* ---- slots ---- */
 
@@ -314,10 +300,10 @@ void par_slot_grad_ready(void *ctx, int u) {
     for (int i = 0; i < N_SLOTS; i++)
         if (p->slots[i].grad && p->slots[i].unit == u) {
             par_reduce_scatter_grad(p, u, p->slots[i].buf, &p->slots[i].req);
-            /* offload: the step's last reduce-scatter of u ends its gradient (hybrid's shards
-             * are all-reduced across replicas at the step, and go out then). Should the slot
-             * be taken again first, its request is another's: u's goes out later, never early. */
-            if (!p->replicas && p->n_ready[u] + 1 >= p->n_micro) par_offload_grad_request(p, u, &p->slots[i].req);
+            /* the step's last reduce-scatter of u ends its gradient (hybrid's shards are
+             * all-reduced across replicas at the step, and are complete then). Should the slot
+             * be taken again first, its request is another's: u's is taken later, never early. */
+            if (!p->replicas && p->n_ready[u] + 1 >= p->n_micro) par_grad_final(p, u, &p->slots[i].req);
         }
     p->grad_open[u] = 2;
     p->m->ugrads[u] = NULL;
@@ -340,7 +326,8 @@ void par_wait(Parallel *p, CommReq *r) {
 void par_progress(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) comm_test(&p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) comm_test(&p->slots[i].req);
-    par_offload_poll(p);
+    for (int u = 0; u < p->m->n_units; u++)
+        if (p->gfinal[u] && optim_grad_wanted(p->opt, u) && comm_test(p->gfinal[u])) optim_grad_final(p->opt, u);
 }
 
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
@@ -356,171 +343,69 @@ void par_wait_grads(Parallel *p) {
 
 /* ---- the optimizer ---- */
 
-double par_next_lr(Parallel *p, const OptimConfig *oc) {
-    double lr = lr_at(oc, p->adam_steps);
-    p->adam_steps++;
-    return lr;
-}
-
-/* op_alloc, or with offload host memory */
-static void *optim_alloc(Parallel *p, size_t bytes, const char *what) {
-    return p->offload ? par_host_alloc(bytes, what) : op_alloc(bytes);
-}
-
-void par_alloc_optim(Parallel *p, size_t n, int sharded) {
-    size_t bytes = n * ops_state_size();
-    if (p->optim != OPTIM_ADAFACTOR) {
-        p->mom1 = optim_alloc(p, bytes, "AdamW's first moment");
-        p->mom2 = optim_alloc(p, bytes, "AdamW's second moment");
-        return;
-    }
-    if (p->af_beta1 > 0) p->mom1 = optim_alloc(p, bytes, "Adafactor's first moment");
-    p->af_sharded = sharded && p->D > 1;
-    p->af_tp = p->mesh && p->mesh->tp_size > 1 ? &p->mesh->tp : NULL;
-    af_plan_init(&p->af, p->m, sharded ? p->D : 1, sharded ? p->r : 0);
-    size_t s = p->af.n_stats * sizeof(float), ns = (size_t)p->af.n_segs;
-    p->af_stats = optim_alloc(p, s, "Adafactor's statistics");
-    p->af_fac = optim_alloc(p, s, "Adafactor's factors");
-    p->af_sums = optim_alloc(p, s, "Adafactor's sums");
-    /* offloaded and sharded or tensor parallel: the sums are all-reduced through the device */
-    if (p->offload && (p->af_sharded || p->af_tp)) p->af_dsums = op_alloc(s);
-    if (!p->offload) p->af_seg = op_alloc(2 * ns * sizeof(double));
-    p->af_seg_host = xcalloc(2 * ns + 1, sizeof(double));
-    p->af_tensor = xcalloc(2 * (size_t)p->af.n_tensors + 1, sizeof(double));
-}
-
 /* Where the rank's update of unit u starts (Adafactor's segments' offsets are relative to
  * it): its shard (pshard, gshard) or, updating whole units (DDP), the unit in the whole
- * buffers; ZeRO's whole parameters at its shard. */
-void par_owned(Parallel *p, int u, void **param, const void **grad, void **m1, size_t *own_out) {
+ * buffers; ZeRO's whole parameters at its shard. Updating whole units with a compute copy
+ * of them (DDP with precision=mixed), the update writes that copy too; lean, the host's
+ * update comes back into it (what the ops read). */
+OptimUnit par_owned_unit(const Parallel *p, int u) {
     const Unit *un = &p->m->units[u];
     int sharded = p->gshard != NULL;
-    size_t so = shard_off(p, u), own = sharded ? so : un->offset;
-    *param = p->pshard   ? st_at(p->pshard, so)
-             : p->params ? st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0))
-                         : NULL;  /* offload=params: on the host (hshard) */
-    *grad = sharded ? st_at(p->gshard, so) : st_at(p->grads, un->offset);
-    *m1 = p->mom1 ? st_at(p->mom1, own) : NULL;
-    if (own_out) *own_out = own;
+    size_t so = shard_off(p, u);
+    OptimUnit o = {0};
+    o.param = p->pshard   ? st_at(p->pshard, so)
+              : p->params ? st_at(p->params, un->offset + (sharded ? (size_t)p->r * shard_len(p, u) : 0))
+                          : NULL;  /* offload=params: on the host (hshard) */
+    o.grad = sharded ? st_at(p->gshard, so) : st_at(p->grads, un->offset);
+    o.act = !sharded && p->cparams ? act_at(p->cparams, un->offset) : NULL;
+    if (p->lean && p->m->ucompute[u]) o.param = p->m->ucompute[u];
+    return o;
 }
 
-/* Adafactor's update reads and writes the device's buffers, or with offload the host's
- * (the master copy, the gradients' copy, the moment) with the cpu backend's kernels, which
- * the op_adafactor_* wrappers would guard as below. */
-static void af_unit(Parallel *p, int u, void **param, const void **grad, void **m1) {
-    size_t own;
-    par_owned(p, u, param, grad, m1, &own);
-    if (p->off) {
-        *param = par_offload_master(p) + own;
-        *grad = par_offload_grad(p) + own;
-    }
-}
-static void af_sums(const Parallel *p, float *sums, const void *grad, const AdafactorSeg *s, float scale) {
-    if (!p->off) op_adafactor_sums(sums, grad, s, scale);
-    else if (s->n) ops_backend_cpu.adafactor_sums(sums, grad, s, scale);
-}
-static void af_stats(const Parallel *p, float *stat, float *fac, const float *sums, int rows, int cols, float b2) {
-    if (!p->off) op_adafactor_stats(stat, fac, sums, rows, cols, b2, (float)ADAFACTOR_EPS1);
-    else ops_backend_cpu.adafactor_stats(stat, fac, sums, rows, cols, b2, (float)ADAFACTOR_EPS1);
-}
-static void af_rms(const Parallel *p, double *out, const void *param, const void *grad, const float *fac,
-                   const AdafactorSeg *s, float scale) {
-    if (!p->off) op_adafactor_rms(out, param, grad, fac, s, scale);
-    else if (!s->n) out[0] = out[1] = 0;
-    else ops_backend_cpu.adafactor_rms(out, param, grad, fac, s, scale);
-}
-static void af_update(const Parallel *p, void *param, const void *grad, void *m, const float *fac, const AdafactorSeg *s,
-                      float scale, float coef, float decay, float beta1) {
-    if (!p->off) op_adafactor_update(param, grad, m, fac, s, scale, coef, decay, beta1);
-    else if (s->n) ops_backend_cpu.adafactor_update(param, grad, m, fac, s, scale, coef, decay, beta1);
-}
+double par_update_begin(Parallel *p, const OptimConfig *oc) { return optim_begin(p->opt, oc); }
 
-/* Segment i is of a tensor every tp rank holds alike, and this rank is not tp rank 0: its
- * sums are tp rank 0's to add (the tp all-reduces would count them tp_size times). */
-static int af_tp_skip(const AfPlan *af, int i) { return af->tp_rank != 0 && af->t[af->seg_tensor[i]].replicated; }
-
-double par_adafactor(Parallel *p, const OptimConfig *oc, float scale) {
-    if (oc->kind != OPTIM_ADAFACTOR || p->optim != OPTIM_ADAFACTOR)
-        die(EXIT_RUN_FAILURE, "internal: the optimizer step is not the one whose state was allocated");
-    const AfPlan *af = &p->af;
-    int t = ++p->adam_steps;
-    double rate = af_rate(oc, t);
-    if (p->off) par_offload_grads_in(p);
-    /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, over the shard
-     * group and then the tp group: a tp rank's row slice adds its rows' sums (zeros in the
-     * other ranks' rows) and its part of every column's, a column slice the reverse; what
-     * every tp rank holds alike (the norms) is counted by tp rank 0 alone */
-    if (p->off) memset(p->af_sums, 0, af->n_stats * sizeof(float));
-    else op_zero(p->af_sums, af->n_stats * sizeof(float));
-    for (int u = 0; u < p->m->n_units; u++) {
-        void *param, *m1;
-        const void *grad;
-        af_unit(p, u, &param, &grad, &m1);
-        for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
-            if (!af_tp_skip(af, i)) af_sums(p, p->af_sums, grad, &af->segs[i], scale);
-    }
-    if (p->af_sharded || p->af_tp) {
-        /* offloaded: through a device buffer (the collectives' buffers are the device's) */
-        float *sums = p->off ? p->af_dsums : p->af_sums;
-        if (p->off) op_upload(sums, p->af_sums, af->n_stats * sizeof(float));
-        if (p->af_sharded) {
-            CommReq r = {0};
-            comm_iallreduce(p->group, sums, af->n_stats, COMM_F32, COMM_SUM, &r, "adafactor statistics all-reduce");
-            par_wait(p, &r);
+void par_update_stats(Parallel *p, float scale) {
+    const Comm *tp = p->mesh && p->mesh->tp_size > 1 ? &p->mesh->tp : NULL;
+    int sharded = p->sharded && p->D > 1;
+    for (int k = 0; k < optim_stat_rounds(p->opt); k++) {
+        OptimSums s = optim_stats(p->opt, k, scale);
+        if (s.host) {
+            if (sharded) comm_allreduce_double(p->group, s.buf, s.n);
+            if (tp) comm_allreduce_double(tp, s.buf, s.n);
+        } else {
+            if (sharded) {
+                CommReq r = {0};
+                comm_iallreduce(p->group, s.buf, s.n, COMM_F32, COMM_SUM, &r, s.what);
+                par_wait(p, &r);
+            }
+            if (tp) {
+                CommReq r = {0};
+                comm_iallreduce(tp, s.buf, s.n, COMM_F32, COMM_SUM, &r, s.what_tp);
+                par_wait(p, &r);
+            }
         }
-        if (p->af_tp) {
-            CommReq r = {0};
-            comm_iallreduce(p->af_tp, sums, af->n_stats, COMM_F32, COMM_SUM, &r,
-                            "adafactor statistics tensor-parallel all-reduce");
-            par_wait(p, &r);
-        }
-        if (p->off) op_download(p->af_sums, sums, af->n_stats * sizeof(float));
+        optim_stats_summed(p->opt, k);
     }
-    /* 2. the statistics (the same on every rank) and the update's factors */
-    float b2 = af_beta2(oc, t);
-    for (int k = 0; k < af->n_tensors; k++) {
-        const AfTensor *tk = &af->t[k];
-        af_stats(p, p->af_stats + tk->stat, p->af_fac + tk->stat, p->af_sums + tk->stat, tk->rows, tk->cols, b2);
-    }
-    /* 3. per tensor: the sums of u^2 and param^2, for the update clipping and the parameter scale */
-    for (int u = 0; u < p->m->n_units; u++) {
-        void *param, *m1;
-        const void *grad;
-        af_unit(p, u, &param, &grad, &m1);
-        for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
-            af_rms(p, (p->off ? p->af_seg_host : p->af_seg) + 2 * i, param, grad, p->af_fac, &af->segs[i], scale);
-    }
-    if (af->n_segs && !p->off) op_download(p->af_seg_host, p->af_seg, 2 * (size_t)af->n_segs * sizeof(double));
-    memset(p->af_tensor, 0, 2 * (size_t)af->n_tensors * sizeof(double));
-    for (int i = 0; i < af->n_segs; i++) {
-        if (af_tp_skip(af, i)) continue;
-        p->af_tensor[2 * af->seg_tensor[i]] += p->af_seg_host[2 * i];
-        p->af_tensor[2 * af->seg_tensor[i] + 1] += p->af_seg_host[2 * i + 1];
-    }
-    if (p->af_sharded) comm_allreduce_double(p->group, p->af_tensor, 2 * (size_t)af->n_tensors);
-    if (p->af_tp) comm_allreduce_double(p->af_tp, p->af_tensor, 2 * (size_t)af->n_tensors);
-    /* 4. the update */
-    for (int u = 0; u < p->m->n_units; u++) {
-        void *param, *m1;
-        const void *grad;
-        af_unit(p, u, &param, &grad, &m1);
-        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) {
-            int k = af->seg_tensor[i];
-            float coef, decay;
-            af_coef(oc, rate, p->af_tensor[2 * k], p->af_tensor[2 * k + 1], (size_t)af->t[k].rows * af->t[k].cols, &coef,
-                    &decay);
-            af_update(p, param, grad, m1, p->af_fac, &af->segs[i], scale, coef, decay, (float)oc->af_beta1);
-        }
-    }
-    if (p->off) par_offload_params_out(p);
-    return rate;
 }
 
-void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, const OptimConfig *oc, double lr,
-               int step, float scale, void *act) {
-    float b1 = (float)oc->beta1, b2 = (float)oc->beta2, eps = (float)oc->eps, wd = (float)oc->weight_decay;
-    if (act) op_adamw_cast(param, grad, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale, act);
-    else op_adamw(param, grad, m1, m2, n, (float)lr, b1, b2, eps, wd, step, scale);
+void par_update(Parallel *p, int u0, int u1, float scale) {
+    if (!optim_update(p->opt, u0, u1, scale) && p->cstale)
+        for (int u = u0; u < u1; u++) p->cstale[u] = 1;
+}
+
+int par_update_parts(const Parallel *p) { return optim_updates_in_parts(p->opt); }
+int par_update_later(const Parallel *p) { return optim_updates_later(p->opt); }
+int par_update_ready(Parallel *p, int u, int wait) { return optim_ready(p->opt, u, wait); }
+
+void par_grad_final(Parallel *p, int u, CommReq *r) {
+    if (optim_on_host(p->opt)) p->gfinal[u] = r;
+}
+
+void par_grad_changed(Parallel *p, int u) { optim_grad_changed(p->opt, u); }
+
+void *par_state_at(const Parallel *p, int k, size_t at) {
+    void *a = optim_moment(p->opt, k);
+    return a ? st_at(a, at) : NULL;
 }
 
 /* Tensor parallel: the gradients every tp rank holds alike (the embedding, the head, the
@@ -575,7 +460,7 @@ static void find_replicated(Parallel *p, int sharded) {
 
 /* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
  * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
- * has offload copy those units out again). */
+ * tells the optimizer's placement those units changed). */
 static size_t pack_replicated(Parallel *p, int sharded, int how) {
     if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
     size_t off = 0, es = ops_state_size();
@@ -586,7 +471,7 @@ static size_t pack_replicated(Parallel *p, int sharded, int how) {
         if (how == 1) op_copy(st_at(p->tp_pack, off), g, n * es);
         if (how == 2) {
             op_copy(g, st_at(p->tp_pack, off), n * es);
-            if (i + 1 == p->tp_nrepl[sharded] || p->tp_repl[sharded][i + 1].unit != u) par_offload_grad_changed(p, u);
+            if (i + 1 == p->tp_nrepl[sharded] || p->tp_repl[sharded][i + 1].unit != u) par_grad_changed(p, u);
         }
         off += n;
     }
@@ -703,10 +588,25 @@ int par_shard_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
         size_t so = shard_off(p, u);
         void *base_p = p->params ? st_at(p->params, m->units[u].offset) : NULL;
         void *sp = p->hshard ? (void *)(p->hshard + so) : p->pshard ? st_at(p->pshard, so) : st_at(base_p, lo);
-        if (lo < hi && n < max)
-            out[n++] = (OwnedRange){u, lo, hi, sp, p->mom1 ? st_at(p->mom1, so) : NULL, p->mom2 ? st_at(p->mom2, so) : NULL};
+        if (lo < hi && n < max) out[n++] = (OwnedRange){u, lo, hi, sp, par_state_at(p, 0, so), par_state_at(p, 1, so)};
         /* Whole parameters: on load every unit's are needed, not only the shard. */
         if (!write && p->params && n < max) out[n++] = (OwnedRange){u, 0, nu, base_p, NULL, NULL};
     }
     return n;
+}
+
+void *par_alloc_params(const Parallel *p, size_t bytes) {
+    if (p->params_host || (p->lean && ops_precision() == OPS_MIXED)) return NULL;
+    return op_alloc(bytes);
+}
+
+void par_shard_in(Parallel *p, int u, void *dst) {
+    size_t n = shard_len(p, u);
+    if (p->hshard) op_copy_in_main(dst, p->hshard + shard_off(p, u), n * sizeof(float));
+    else op_copy(dst, st_at(p->pshard, shard_off(p, u)), n * ops_state_size());
+}
+
+void *par_whole_params(const Parallel *p, int u) {
+    size_t off = p->m->units[u].offset;
+    return p->hparams ? (void *)(p->hparams + off) : st_at(p->params, off);
 }

@@ -2,14 +2,15 @@
  * unit hooks and flat units: DDP, ZeRO-1, ZeRO-2, FSDP (ZeRO-3) and hybrid FSDP. One
  * process is DDP over a group of one. Each strategy is one table of functions with its own
  * state, in its own file (ddp.c, zero.c, fsdp.c); parallel.c runs this interface through
- * the table and holds what they share (parallel_impl.h: shards, slots, AdamW, norms). */
+ * the table and holds what they share (parallel_impl.h: shards, slots, norms, and the
+ * optimizer of what the rank updates: src/optim's Optimizer, its state where its
+ * placement puts it). */
 #ifndef MESHTRAIN_PARALLEL_H
 #define MESHTRAIN_PARALLEL_H
 #include <stddef.h>
 #include <stdint.h>
 #include "mesh.h"
 #include "model.h"
-#include "adafactor.h"
 #include "optim.h"
 
 typedef enum { PAR_DDP, PAR_ZERO1, PAR_ZERO2, PAR_FSDP, PAR_HYBRID } ParallelKind;
@@ -20,8 +21,9 @@ typedef struct Parallel Parallel;
 /* Builds the strategy's storage for a model laid out with pad_multiple = the shard group
  * size (model_init_layout(..., alloc = 0)); points the model's units at it. overlap = 0
  * waits for every collective as soon as it starts (for measuring what overlap buys). oc
- * says which optimizer's state to keep (its kind; Adafactor's beta1); NULL = AdamW. Every
- * parallel_step must then pass an OptimConfig of the same kind. */
+ * says which optimizer's state to keep (its kind; Adafactor's beta1) and where (offload);
+ * NULL = AdamW on the device. Every parallel_step must then pass an OptimConfig of the
+ * same kind. */
 Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, const OptimConfig *oc);
 void parallel_free(Parallel *p);
 /* DDP: gradients of units that finish one after another (adjacent in the flat buffer) are
@@ -53,9 +55,9 @@ void parallel_set_micro_batches(Parallel *p, int n);
  * on the last stage that holds a copy of the tied embedding (the first stage counts it). */
 void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding);
 /* After the backward: finishes the gradient reductions, computes the global gradient norm,
- * clips, runs the optimizer (AdamW, or Adafactor: par_adafactor) on what this rank owns, and makes parameters whole again where the
- * strategy keeps them whole (ZeRO: started here, waited for by the next forward's gather
- * hooks). Returns the norm (before clipping); *lr gets the rate used. */
+ * clips, runs the optimizer's update on what this rank owns, and makes parameters whole
+ * again where the strategy keeps them whole (ZeRO: started here, waited for by the next
+ * forward's gather hooks). Returns the norm (before clipping); *lr gets the rate used. */
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
 /* offload=optimizer: waits until every unit's update is done and its parameters are
  * back on the device (before a checkpoint reads them); nothing to do without offload. */
@@ -63,11 +65,12 @@ void parallel_sync(Parallel *p);
 /* offload=optimizer: the update thread's time in updates, and this thread's time waiting
  * for them before a unit's forward (totals in seconds since the start; 0 without offload). */
 void parallel_offload_times(Parallel *p, double *update_s, double *wait_s);
-/* 1 when the optimizer's state (the moments in parallel_ranges, Adafactor's statistics)
- * is host memory (offload): read and written directly, not staged; 2 when the parameters
- * of parallel_ranges are too (offload=params, and lean offload=optimizer: DDP with AdamW,
+/* 1 when the optimizer's state (the moments in parallel_ranges, its per-tensor state) is
+ * host memory (offload): read and written directly, not staged; 2 when the parameters of
+ * parallel_ranges are too (offload=params, and lean offload=optimizer: DDP with AdamW,
  * whose host master copy is the parameters' only fp32 copy). */
 int parallel_state_on_host(const Parallel *p);
+/* The optimizer's completed steps (a checkpoint's adam_step). */
 int parallel_adam_steps(const Parallel *p);
 void parallel_set_adam_steps(Parallel *p, int steps);
 /* The parameters were written from outside (a checkpoint loaded into parallel_ranges):
@@ -77,18 +80,15 @@ void parallel_params_changed(Parallel *p);
  * device: communication the compute did not hide. */
 double parallel_comm_wait(const Parallel *p);
 
-/* The optimizer whose state this Parallel keeps; Adafactor's plan (this rank's tensors
- * and segments) and a copy of its statistics (plan->n_stats fp32 values, host memory):
- * downloaded (upload = 0, for a save) or uploaded (upload = 1, after a load). */
-OptimKind parallel_optim(const Parallel *p);
-const AfPlan *parallel_af_plan(const Parallel *p);
-void parallel_af_stats(const Parallel *p, float *host, int upload);
+/* The optimizer of what this rank updates (its kind, its per-tensor state for a checkpoint:
+ * optim.h; Adafactor's plan: adafactor.h). */
+Optimizer *parallel_optimizer(const Parallel *p);
 
 /* What this rank holds, in the model's packed order (for checkpoints): per unit u, the
  * element range [lo, hi) of u's unpadded parameters and pointers to params, m, v of that
- * range (each may be NULL: m and v are AdamW's moments, or Adafactor's first moment and
- * NULL, see adafactor.h for what its checkpoint holds there). `write` = the disjoint ranges this rank saves; otherwise the
- * ranges it must fill on load. */
+ * range (each may be NULL: m and v are the optimizer's elementwise arrays, AdamW's moments
+ * or Adafactor's first moment and NULL; adafactor.h says what its checkpoint holds there).
+ * `write` = the disjoint ranges this rank saves; otherwise the ranges it must fill on load. */
 typedef struct { int unit; size_t lo, hi; void *params, *m, *v; } OwnedRange;  /* state type */
 int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
 
@@ -97,14 +97,15 @@ int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max);
  * 2 with precision=bf16); compute_size: bytes per element of the compute copy (2 with
  * precision=mixed), or 0 where the ops compute with the parameters themselves. */
 typedef struct { size_t params, grads, optim, compute, host; } ParallelBytes;
-/* oc: the optimizer (NULL = AdamW): `optim` is its elementwise moments, sharded as the
- * strategy shards them, and Adafactor's statistics. With oc->offload they are in `host`
- * instead (host memory), with the fp32 master copy and the gradients' copy of what the
- * rank updates; `optim` then holds what stays on the device (Adafactor's sums to reduce). */
+/* oc: the optimizer (NULL = AdamW): `optim` is its elementwise arrays, sharded as the
+ * strategy shards them, and its per-tensor state (optim_bytes). With oc->offload they are
+ * in `host` instead (host memory), with the fp32 master copy and the gradients' copy of what
+ * the rank updates; `optim` then holds what stays on the device (Adafactor's sums to reduce). */
 ParallelBytes parallel_bytes(ParallelKind kind, const Model *layout, int shard_size, size_t state_size,
                              size_t compute_size, const OptimConfig *oc);
-/* Whether offload under this strategy and optimizer is lean (oc->offload == optimizer, AdamW,
- * DDP): the host's master is the only fp32 copy of the parameters and the gradients' host
- * copy is in the compute type (bf16 with precision=mixed). */
+/* Whether offload under this strategy and optimizer is lean (oc->offload == optimizer, an
+ * optimizer that can be (optim_lean_possible: AdamW), a strategy that updates every
+ * parameter it holds (DDP)): the host's master is the only fp32 copy of the parameters and
+ * the gradients' host copy is in the compute type (bf16 with precision=mixed). */
 int parallel_offload_lean(ParallelKind kind, const OptimConfig *oc);
 #endif

@@ -37,7 +37,6 @@ typedef struct {
 } Slot;
 
 typedef struct ParallelStrategy ParallelStrategy;
-typedef struct Offload Offload;  /* offload.c */
 typedef struct { int unit; size_t at, n; } ReplRun;  /* a replicated run of a unit's gradient (pack_replicated) */
 
 /* What every strategy has; the strategy's own fields are behind `st`. A strategy's setup
@@ -54,19 +53,12 @@ struct Parallel {
     size_t n_shard;
     void *params, *grads;   /* full flat buffers where the strategy keeps them whole */
     void *pshard, *gshard;  /* this rank's shard of every unit (unit u at offset_u / D) */
-    void *mom1, *mom2;      /* AdamW moments: full (DDP) or over the shard; Adafactor's first moment
-                             * in mom1 (NULL without one), mom2 NULL */
-    /* Adafactor (optim == OPTIM_ADAFACTOR): the plan of this rank's part; fp32 statistics,
-     * the update's factors and the sums of g^2 (n_stats each, op_alloc); per segment the
-     * sums of u^2 and param^2 (op_alloc, and a host copy), per tensor their totals (host) */
-    OptimKind optim;
-    double af_beta1;
-    int af_sharded;
-    const Comm *af_tp;  /* tensor parallel: the tp group the statistics are summed over, else NULL */
-    AfPlan af;
-    float *af_stats, *af_fac, *af_sums;
-    float *af_dsums;  /* offload over several ranks: the sums' device copy, all-reduced there */
-    double *af_seg, *af_seg_host, *af_tensor;
+    /* The optimizer of what the rank updates (its shard of every unit where the strategy
+     * keeps gradient shards, gshard: sharded; else whole units), made after the strategy's
+     * setup from its buffers (par_owned_unit); its state, and with offload its master copy,
+     * live where its placement puts them (src/optim). */
+    Optimizer *opt;
+    int sharded;
     Slot slots[N_SLOTS];    /* gradient slots (ZeRO-2), or the pool of parameters and gradients (FSDP) */
     /* precision=mixed: the bf16 copy the ops read, of the whole parameters
      * (cparams, when the strategy holds them whole), or of each parameter slot (cslots[i]
@@ -84,21 +76,20 @@ struct Parallel {
     int tp_pack_summed;       /* sharded + 1: tp_pack holds the runs, summed (par_tp_sum_partial) */
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */
-    int adam_steps;
-    /* offload=optimizer (oc->offload): the moments above (and Adafactor's statistics) are
-     * host memory, and `off` keeps the master weights, the gradients' copy and the update
-     * (offload.c); NULL without */
-    int offload;
-    Offload *off;
+    /* per unit: the collective whose end completes its gradient this step (par_grad_final),
+     * while the optimizer's placement wants to know (the host's: it copies it out then) */
+    CommReq **gfinal;
     /* offload=params (FSDP): no pshard on the device; this rank's parameter shards are the
      * host's master copy (hshard, fp32, at shard_off(u)), copied into a slot at each gather */
+    int params_host;
     float *hshard;
-    /* Lean offload=optimizer (a strategy with lean_offload, AdamW): the host's master copy
-     * (hparams, fp32, whole units at their offsets) is the only copy of the parameters the
-     * checkpoint, the init and a load see. The device keeps only what the ops read: with
-     * precision=mixed the bf16 compute copy (cparams; no fp32 params at all), with fp32 the
-     * params. Gradients go out in the compute type (bf16 with mixed) and each unit's update
-     * comes back into the compute copy (offload.c). */
+    /* Lean offload=optimizer (a strategy with updates_all, an optimizer that can be:
+     * parallel_offload_lean): the host's master copy (hparams, fp32, whole units at their
+     * offsets) is the only copy of the parameters the checkpoint, the init and a load see.
+     * The device keeps only what the ops read: with precision=mixed the bf16 compute copy
+     * (cparams; no fp32 params at all), with fp32 the params. Gradients go out in the compute
+     * type (bf16 with mixed) and each unit's update comes back into the compute copy
+     * (src/optim/offload.c). */
     int lean;
     float *hparams;
     /* Pipeline parallel: the other stages of this rank's pipeline, over which the gradient
@@ -120,11 +111,12 @@ struct ParallelStrategy {
     /* 1: a unit is sharded over mesh->shard and each shard replicated over mesh->replicate
      * (hybrid); 0: sharded or replicated over mesh->dp. */
     int replicated;
-    /* 1: keeps whole parameters and updates them whole (DDP): offload=optimizer with AdamW is
-     * then lean (Parallel.lean); the setup leaves p->params out under precision=mixed. */
-    int lean_offload;
+    /* 1: keeps whole parameters and updates them all (DDP): offload=optimizer may then be
+     * lean (Parallel.lean: par_alloc_params leaves p->params out under precision=mixed). */
+    int updates_all;
     /* Allocates the buffers the strategy keeps and its state, points the model's units at
-     * them; with precision=mixed also the bf16 compute copies (par_compute_*). */
+     * them; with precision=mixed also the bf16 compute copies (par_compute_*). The
+     * optimizer's state is made after it, over what par_owned_unit says the rank updates. */
     void (*setup)(Parallel *p);
     /* Waits for the strategy's own requests and frees its state (the shared buffers are
      * freed by parallel_free). Optional. */
@@ -140,10 +132,13 @@ struct ParallelStrategy {
     void (*params_changed)(Parallel *p);
     /* Before a step's forward, after the shared part (wait_s, gradient slots); optional. */
     void (*begin_step)(Parallel *p);
-    /* parallel_step, all of it: the gradient reductions' end, the norm, clipping, AdamW. */
+    /* parallel_step, all of it: the gradient reductions' end, the norm, clipping, the
+     * update (par_update_*) of the ranges the rank owns. */
     double (*step)(Parallel *p, const OptimConfig *oc, double *lr);
     /* parallel_ranges, after the shared part (a hybrid replica other than the first saves nothing). */
     int (*ranges)(const Parallel *p, int write, OwnedRange *out, int max);
+    /* parallel_bytes of the strategy's buffers; its `optim`: the bytes of one elementwise
+     * array over what the rank updates (the optimizer's are counted from it: optim_bytes). */
     ParallelBytes (*bytes)(const Model *layout, int D, size_t state_size, size_t compute_size);
     /* Optional: parallel_set_bucket; parallel_wants_embedding_rows and
      * parallel_set_embedding_rows (the step's token rows, ascending and distinct). */
@@ -187,24 +182,39 @@ void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 /* Waits for every gradient reduction into the shard (greq, the slots). */
 void par_wait_grads(Parallel *p);
 
-/* ---- the optimizer ---- */
-/* What the rank updates of unit u: its parameters and gradient (device) and first moment,
- * and `own`, its offset in the optimizer's buffers (mom1, mom2: the shard's offset, or the
- * unit's in whole buffers). Its length: shard_len with a gradient shard, else the unit. */
-void par_owned(Parallel *p, int u, void **param, const void **grad, void **m1, size_t *own);
-/* A strategy's setup allocates the optimizer's elementwise state over n elements (AdamW's
- * two moments, or Adafactor's first moment if any) and, for Adafactor, its statistics and
- * plan: sharded = 1 where the rank updates its shard of each unit, 0 whole units. */
-void par_alloc_optim(Parallel *p, size_t n, int sharded);
-/* The Adafactor step on what the rank updates (sharded as par_alloc_optim said): counts the
- * step; returns the step size before parameter scaling (the lr it logs). Where sharded over
- * more than one rank, the sums of g^2 and the per-tensor sums are reduced over the group. */
-double par_adafactor(Parallel *p, const OptimConfig *oc, float scale);
-/* The step's learning rate; counts the step (p->adam_steps is then AdamW's step number). */
-double par_next_lr(Parallel *p, const OptimConfig *oc);
-/* AdamW over n elements; with act (precision=mixed) it also writes their bf16 copy there. */
-void par_adamw(void *param, const void *grad, void *m1, void *m2, size_t n, const OptimConfig *oc, double lr,
-               int step, float scale, void *act);
+/* ---- the optimizer (src/optim: its state, its update, where they live) ---- */
+/* What the rank updates of unit u, on the device: its parameters (NULL where they are the
+ * host's: offload=params), its gradient (its shard of it with a gradient shard), and the
+ * compute copy its update may write as it goes (DDP's, updating whole units). */
+OptimUnit par_owned_unit(const Parallel *p, int u);
+/* A step's update, which a strategy calls on the ranges it owns once it has reduced their
+ * gradients: par_update_begin counts the step and returns its rate; par_update_stats, once
+ * every gradient the rank updates is complete and its norm known, computes the statistics
+ * the optimizer needs of whole tensors, summed over the shard group (where the rank updates
+ * shards) and the tp group (none for AdamW); par_update updates units [u0, u1), contiguous
+ * in the rank's buffers, with the gradient times scale (the same for every call of a step),
+ * and marks their compute copies stale unless the update wrote them. */
+double par_update_begin(Parallel *p, const OptimConfig *oc);
+void par_update_stats(Parallel *p, float scale);
+void par_update(Parallel *p, int u0, int u1, float scale);
+/* Whether some units may be updated before the others' gradients are complete (AdamW on
+ * the device: DDP's update in two parts). */
+int par_update_parts(const Parallel *p);
+/* Whether the step's updates reach the device later, unit by unit (with offload, from the
+ * host), rather than in the device's queue: par_update_ready says when each is there. */
+int par_update_later(const Parallel *p);
+/* Unit u's update is done and its parameters are where the forward reads them (the main
+ * queue waits for them): 1. wait = 0: 0 instead of waiting while it still runs. */
+int par_update_ready(Parallel *p, int u, int wait);
+/* Unit u's last reduction of the step is r: once r is done its gradient is complete, which
+ * the optimizer's placement may take from then (offload copies it out: par_progress polls). */
+void par_grad_final(Parallel *p, int u, CommReq *r);
+/* Unit u's gradient changed after it was complete (under sequence parallel the norms' parts
+ * are summed over tp at the step, par_tp_sum_partial): taken again before the update. */
+void par_grad_changed(Parallel *p, int u);
+/* The optimizer's k-th elementwise array at element `at` of what the rank updates (NULL
+ * where it keeps fewer): a checkpoint range's m (k = 0) and v (k = 1). */
+void *par_state_at(const Parallel *p, int k, size_t at);
 /* A rank's sum of squares of its gradient, summed over the pipeline's stages (without the
  * tied embedding's copy); the sum itself with one stage. */
 double par_stages_sumsq(Parallel *p, double sumsq);
@@ -217,45 +227,17 @@ void par_tp_sum_partial(Parallel *p, int sharded);
 /* The global norm of the gradient shards (gshard) over the group. */
 double par_shard_norm(Parallel *p);
 
-/* ---- offload=optimizer (offload.c) ---- */
-/* Host memory for the offloaded state (pinned on a GPU), or a one-line exit 2. */
-void *par_host_alloc(size_t bytes, const char *what);
-/* After the strategy's setup (its buffers and par_alloc_optim's host moments): the master
- * copy, the gradients' copy, the worker thread. par_offload_free: waits and frees. */
-void par_offload_setup(Parallel *p);
-void par_offload_free(Parallel *p);
-/* The parameters were written (the init, a load): the master copy := the device's
- * parameters; lean (p->lean), where the init and the load wrote the master, the device's
- * compute copy := the master instead. */
-void par_offload_params_written(Parallel *p);
-/* Before a step's gradients are cleared: the last step's copies out are done. */
-void par_offload_begin_step(Parallel *p);
-/* Unit u's last reduction of the step is r: once r is done its gradient goes out to the
- * host (par_offload_poll, from par_progress). */
-void par_offload_grad_request(Parallel *p, int u, CommReq *r);
-/* Unit u's device gradient changed after it may have been copied out (under sequence parallel
- * the norms' parts are summed over tp at the step, par_tp_sum_partial): copied out again,
- * after the first on the in-order out queue, before the update reads it. */
-void par_offload_grad_changed(Parallel *p, int u);
-void par_offload_poll(Parallel *p);
-/* The AdamW step of every unit, on the worker (after the step's reductions and norm):
- * returns at once; each unit's parameters are back on the device at par_offload_ready. */
-void par_offload_adamw(Parallel *p, const OptimConfig *oc, double lr, int step, float scale);
-/* Adafactor's (on this thread): every gradient into the host copy, waited for; and after
- * the update every unit's parameters back to the device (waited for at par_offload_ready). */
-void par_offload_grads_in(Parallel *p);
-void par_offload_params_out(Parallel *p);
-/* Unit u's update is done and its parameters are on the device (the main queue waits for
- * them): 1. wait = 0: 0 instead of waiting while its update still runs. 1 without offload. */
-int par_offload_ready(Parallel *p, int u, int wait);
-void par_offload_finish(Parallel *p);  /* par_offload_ready of every unit */
-/* Whether a strategy's setup should make this run lean (AdamW, offload=optimizer, a
- * strategy with lean_offload); it sets p->lean before allocating. */
-int par_offload_lean(const Parallel *p);
-float *par_offload_master(const Parallel *p);
-float *par_offload_grad(const Parallel *p);
-
 /* ---- parameters ---- */
+/* The device buffer (bytes) of the parameters the rank updates, or NULL where the
+ * optimizer's host copy is them (offload=params: the shards; lean under precision=mixed,
+ * where the device keeps only the compute copy). */
+void *par_alloc_params(const Parallel *p, size_t bytes);
+/* This rank's shard of unit u's parameters into dst (a slot's part): from the device's
+ * shard, or from the host's master copy (offload=params: on the main queue). */
+void par_shard_in(Parallel *p, int u, void *dst);
+/* Unit u's whole parameters as a checkpoint reads them: the device's, or lean the host's
+ * master copy (the only fp32 copy). */
+void *par_whole_params(const Parallel *p, int u);
 /* precision=mixed, a no-op otherwise: the bf16 copy of the whole parameters (cparams, the
  * units' ucompute), remade unit by unit when behind (par_cast_unit, from the gather hook);
  * or one per pool slot (cslots), cast at each gather. */

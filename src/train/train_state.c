@@ -1,5 +1,6 @@
 #include "train_state.h"
 #include <stdlib.h>
+#include "adafactor.h"
 #include "ops.h"
 #include "util.h"
 
@@ -119,11 +120,12 @@ int train_state_save(const char *path, const CkptHeader *h, const Comm *world, c
     stage_copy(ranges, n, &st, 1);
     StateRange *af = NULL;
     float *vbuf = NULL, *zeros = NULL;
-    if (parallel_optim(par) == OPTIM_ADAFACTOR) {
+    Optimizer *opt = parallel_optimizer(par);
+    if (optim_kind(opt) == OPTIM_ADAFACTOR) {
         /* m: the first moment, or zeros; v: the statistics at their packed positions */
-        const AfPlan *plan = parallel_af_plan(par);
+        const AfPlan *plan = adafactor_plan(opt);
         float *stats = xmalloc((plan->n_stats + 1) * sizeof(float));
-        parallel_af_stats(par, stats, 0);
+        optim_tensor_state(opt, stats, 0);
         size_t total = 0, most = 0;
         for (int i = 0; i < n; i++) {
             total += mine[i].count;
@@ -151,7 +153,8 @@ int train_state_save(const char *path, const CkptHeader *h, const Comm *world, c
 /* Adafactor's statistics: each tensor's from its packed positions (whoever saved them). The
  * ranges need parameter and first-moment buffers too: one scratch buffer takes them all. */
 static int load_af_stats(const char *path, CkptHeader *h, const Parallel *par, char *err, size_t errlen) {
-    const AfPlan *plan = parallel_af_plan(par);
+    Optimizer *opt = parallel_optimizer(par);
+    const AfPlan *plan = adafactor_plan(opt);
     if (!plan->n_tensors) return 0;
     size_t most = 0;
     for (int k = 0; k < plan->n_tensors; k++)
@@ -163,7 +166,7 @@ static int load_af_stats(const char *path, CkptHeader *h, const Parallel *par, c
         r[k] = (StateRange){t->packed, af_tensor_stats(t->rows, t->cols), scratch, scratch, stats + t->stat};
     }
     int rc = ckpt_load_dist(path, h, r, plan->n_tensors, 1, err, errlen);
-    if (!rc) parallel_af_stats(par, stats, 1);
+    if (!rc) optim_tensor_state(opt, stats, 1);
     free(r); free(scratch); free(stats);
     return rc;
 }
@@ -175,7 +178,8 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
     Staging st;
     StateRange *need = (StateRange *)stage(ranges, n, &st, parallel_state_on_host(par));
     float *scratch = NULL;
-    int af = parallel_optim(par) == OPTIM_ADAFACTOR;
+    OptimKind kind = optim_kind(parallel_optimizer(par));
+    int af = kind == OPTIM_ADAFACTOR;
     if (af) {  /* v's place holds the statistics (load_af_stats): read into scratch, dropped */
         size_t most = 0;
         for (int i = 0; i < n; i++)
@@ -185,9 +189,9 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
             if (need[i].m) need[i].v = scratch;
     }
     int rc = ckpt_load_dist(path, h, need, n, 1, err, errlen);
-    if (!rc && h->optimizer != (int)parallel_optim(par))
+    if (!rc && h->optimizer != (int)kind)
         rc = set_err(err, errlen, "checkpoint %s holds %s state; this run's optimizer is %s", path,
-                     optim_kind_name((OptimKind)h->optimizer), optim_kind_name(parallel_optim(par)));
+                     optim_kind_name((OptimKind)h->optimizer), optim_kind_name(kind));
     if (!rc && af) rc = load_af_stats(path, h, par, err, errlen);
     free(scratch);
     if (!rc) stage_copy(ranges, n, &st, -1);

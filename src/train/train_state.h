@@ -1,6 +1,7 @@
 /* train_state — a training run's share of a checkpoint: the ranges of parameters and AdamW
- * moments (or Adafactor's state, adafactor.h) this rank's strategy owns, in the checkpoint's packed order, staged through host
- * memory on a device backend (downloaded before a save, uploaded after a load). */
+ * moments (or Adafactor's state, adafactor.h) this rank's strategy owns, in the
+ * checkpoint's packed order, staged through host memory on a device backend (downloaded
+ * before a save, uploaded after a load). */
 #ifndef MESHTRAIN_TRAIN_STATE_H
 #define MESHTRAIN_TRAIN_STATE_H
 #include "checkpoint.h"

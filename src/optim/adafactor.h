@@ -1,6 +1,8 @@
-/* adafactor — the plan of an Adafactor step (Shazeer & Stern 2018, as Hugging Face
- * transformers' Adafactor implements it) over the model's flat units, and its scalar
- * arithmetic. parallel.c runs the step (par_adafactor) through the ops and collectives.
+/* adafactor — Adafactor (Shazeer & Stern 2018, as Hugging Face transformers' Adafactor
+ * implements it) as an optimizer of the layer (optim_impl.h: adafactor.c fills its table),
+ * the plan of its step over the model's flat units, and its scalar arithmetic. The step
+ * strings the op_adafactor_* kernels together, with two sums over the ranks between them
+ * (optim_stats: its two statistics rounds, which the strategy's ranks sum).
  *
  * Every 2-D tensor (model_tensors) keeps a row statistic R [rows] and a column statistic
  * C [cols], running averages of the row and column means of g^2 + eps1; a vector (a norm's
@@ -71,6 +73,9 @@ double af_rate(const OptimConfig *c, int t);
  * and sp2 of param^2, over numel elements: lr_t = rate (x max(eps2, RMS(param)) with
  * parameter scaling), coef = lr_t / max(1, RMS(u) / d), decay = 1 - lr_t weight_decay. */
 void af_coef(const OptimConfig *c, double rate, double su2, double sp2, size_t numel, float *coef, float *decay);
+
+/* The plan of an Adafactor optimizer's rank (NULL for another optimizer). */
+const AfPlan *adafactor_plan(const Optimizer *o);
 
 /* Checkpoints: the values of packed positions [start, start + n) of the statistics'
  * section (stats: host copy of the n_stats values), and the ranges of packed order that

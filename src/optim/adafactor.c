@@ -1,6 +1,8 @@
 #include "adafactor.h"
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+#include "optim_impl.h"
 #include "util.h"
 
 static int layout_tensors(const Model *m, TensorInfo **out) {
@@ -154,3 +156,152 @@ void af_pack(const AfPlan *p, const float *stats, uint64_t start, uint64_t n, fl
         for (uint64_t x = lo; x < hi; x++) out[x - start] = stats[t->stat + (x - a)];
     }
 }
+
+/* ---- the optimizer (optim_impl.h) ---- */
+
+/* The state per tensor: the plan of this rank's part; fp32 statistics, the update's factors
+ * and the sums of g^2 (n_stats each, in the placement's memory); per segment the sums of u^2
+ * and param^2 (the placement's, and a host copy), per tensor their totals (host). */
+typedef struct {
+    AfPlan plan;
+    float *stats, *fac, *sums;
+    float *dsums;  /* on the host and summed over ranks: the sums' device copy, which the collectives sum */
+    double *seg, *seg_host, *tensor;
+} Af;
+
+static int af_moments(const OptimConfig *c) { return c->af_beta1 > 0 ? 1 : 0; }
+
+static void af_setup(Optimizer *o) {
+    Af *a = o->state = xcalloc(1, sizeof *a);
+    int host = o->k == &optim_host_kernels;
+    af_plan_init(&a->plan, o->m, o->D, o->r);
+    size_t s = a->plan.n_stats * sizeof(float), ns = (size_t)a->plan.n_segs;
+    a->stats = o->k->alloc(s, "Adafactor's statistics");
+    a->fac = o->k->alloc(s, "Adafactor's factors");
+    a->sums = o->k->alloc(s, "Adafactor's sums");
+    if (host && o->summed) a->dsums = op_alloc(s);
+    if (!host) a->seg = op_alloc(2 * ns * sizeof(double));
+    a->seg_host = xcalloc(2 * ns + 1, sizeof(double));
+    if (host) a->seg = a->seg_host;  /* the host's kernels write it directly */
+    a->tensor = xcalloc(2 * (size_t)a->plan.n_tensors + 1, sizeof(double));
+}
+
+static void af_free(Optimizer *o) {
+    Af *a = o->state;
+    o->k->free(a->stats); o->k->free(a->fac); o->k->free(a->sums);
+    op_free(a->dsums);
+    if (a->seg != a->seg_host) op_free(a->seg);
+    free(a->seg_host); free(a->tensor);
+    af_plan_free(&a->plan);
+    free(a);
+}
+
+const AfPlan *adafactor_plan(const Optimizer *o) {
+    return o->impl == &optim_adafactor ? &((const Af *)o->state)->plan : NULL;
+}
+
+/* statistics, factors and sums (fp32), and per tensor two doubles (at most one segment each) */
+static size_t af_tensor_bytes(const Model *layout) {
+    size_t nt = 8 + 7 * (size_t)layout->L;
+    return 3 * af_stats_count(layout) * sizeof(float) + 2 * nt * sizeof(double);
+}
+static size_t af_summed_bytes(const Model *layout) { return af_stats_count(layout) * sizeof(float); }
+
+static float *af_tensor_state(const Optimizer *o, size_t *n) {
+    const Af *a = o->state;
+    *n = a->plan.n_stats;
+    return a->stats;
+}
+
+/* Segment i is of a tensor every tp rank holds alike, and this rank is not tp rank 0: its
+ * sums are tp rank 0's to add (the tp all-reduces would count them tp_size times). */
+static int af_tp_skip(const AfPlan *af, int i) { return af->tp_rank != 0 && af->t[af->seg_tensor[i]].replicated; }
+
+static OptimSums af_stats_round(Optimizer *o, int round, float scale) {
+    Af *a = o->state;
+    const AfPlan *af = &a->plan;
+    if (round == 0) {
+        /* 1. the sums of (s g)^2 over the rows and columns of what this rank holds, summed over
+         * the shard group and then the tp group: a tp rank's row slice adds its rows' sums
+         * (zeros in the other ranks' rows) and its part of every column's, a column slice the
+         * reverse; what every tp rank holds alike (the norms) is counted by tp rank 0 alone */
+        o->k->zero(a->sums, af->n_stats * sizeof(float));
+        for (int u = 0; u < o->n_units; u++) {
+            const void *grad = optim_grad_of(o, u);
+            for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
+                if (!af_tp_skip(af, i)) o->k->af_sums(a->sums, grad, &af->segs[i], scale);
+        }
+        float *sums = a->sums;
+        if (a->dsums) {  /* on the host: through a device buffer (the collectives' buffers are the device's) */
+            op_upload(a->dsums, a->sums, af->n_stats * sizeof(float));
+            sums = a->dsums;
+        }
+        return (OptimSums){sums, af->n_stats, 0, "adafactor statistics all-reduce",
+                           "adafactor statistics tensor-parallel all-reduce"};
+    }
+    /* 3. per tensor: the sums of u^2 and param^2, for the update clipping and the parameter scale */
+    for (int u = 0; u < o->n_units; u++) {
+        void *param = optim_param_of(o, u);
+        const void *grad = optim_grad_of(o, u);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++)
+            o->k->af_rms(a->seg + 2 * i, param, grad, a->fac, &af->segs[i], scale);
+    }
+    if (af->n_segs && a->seg != a->seg_host)
+        op_download(a->seg_host, a->seg, 2 * (size_t)af->n_segs * sizeof(double));
+    memset(a->tensor, 0, 2 * (size_t)af->n_tensors * sizeof(double));
+    for (int i = 0; i < af->n_segs; i++) {
+        if (af_tp_skip(af, i)) continue;
+        a->tensor[2 * af->seg_tensor[i]] += a->seg_host[2 * i];
+        a->tensor[2 * af->seg_tensor[i] + 1] += a->seg_host[2 * i + 1];
+    }
+    return (OptimSums){a->tensor, 2 * (size_t)af->n_tensors, 1, NULL, NULL};
+}
+
+static void af_stats_summed(Optimizer *o, int round) {
+    Af *a = o->state;
+    const AfPlan *af = &a->plan;
+    if (round != 0) return;
+    if (a->dsums) op_download(a->sums, a->dsums, af->n_stats * sizeof(float));
+    /* 2. the statistics (the same on every rank) and the update's factors */
+    float b2 = af_beta2(o->cur.oc, o->cur.step);
+    for (int k = 0; k < af->n_tensors; k++) {
+        const AfTensor *tk = &af->t[k];
+        o->k->af_stats(a->stats + tk->stat, a->fac + tk->stat, a->sums + tk->stat, tk->rows, tk->cols, b2,
+                       (float)ADAFACTOR_EPS1);
+    }
+}
+
+/* 4. the update, segment by segment, with each tensor's coefficients from its sums */
+static int af_update_range(Optimizer *o, const OptimRange *r, const OptimStep *s) {
+    Af *a = o->state;
+    const AfPlan *af = &a->plan;
+    for (int u = r->u0; u < r->u1; u++) {
+        void *param = optim_param_of(o, u), *m1 = optim_at(o->mom[0], o->at[u]);
+        const void *grad = optim_grad_of(o, u);
+        for (int i = af->useg[u]; i < af->useg[u + 1]; i++) {
+            int k = af->seg_tensor[i];
+            float coef, decay;
+            af_coef(s->oc, s->lr, a->tensor[2 * k], a->tensor[2 * k + 1], (size_t)af->t[k].rows * af->t[k].cols, &coef,
+                    &decay);
+            o->k->af_update(param, grad, m1, a->fac, &af->segs[i], s->scale, coef, decay, (float)s->oc->af_beta1);
+        }
+    }
+    return 0;
+}
+
+const OptimImpl optim_adafactor = {
+    .name = "adafactor",
+    .kind = OPTIM_ADAFACTOR,
+    .moments = af_moments,
+    .moment_name = {"Adafactor's first moment", NULL},
+    .setup = af_setup,
+    .free = af_free,
+    .tensor_bytes = af_tensor_bytes,
+    .summed_bytes = af_summed_bytes,
+    .tensor_state = af_tensor_state,
+    .rate = af_rate,
+    .rounds = 2,
+    .stats = af_stats_round,
+    .stats_summed = af_stats_summed,
+    .update = af_update_range,
+};
