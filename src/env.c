@@ -39,6 +39,7 @@ static const HookDef HOOKS[HOOK_COUNT] = {
  * the setting went, rather than being ignored. */
 static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
+    {"PP_RECV", NULL},
     {NULL, NULL},
 };
 

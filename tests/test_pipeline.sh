@@ -8,8 +8,7 @@
 # (pipeline_split=...,0) under every schedule (cases marked ~ run only outside the sanitizer build); a checkpoint resumes across pipeline layouts
 # (from and to a head-only stage too); grad_accum_steps beside the pipeline follows one
 # process at the k times larger batch (every schedule, and with FSDP); bad layouts are one
-# line and exit 2; a killed stage ends the job. MESHTRAIN_PP_CE and MESHTRAIN_PP_RECV on CPU ranks
-# change nothing.
+# line and exit 2; a killed stage ends the job. MESHTRAIN_PP_CE on CPU ranks changes nothing.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -159,16 +158,6 @@ err=$(MESHTRAIN_PP_CE=yes $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch
       micro_batches=2 out_dir="$TMP/pp_ce_bad" 2>&1 >/dev/null </dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_CE=yes: not 0 or 1" <<<"$err" &&
   ok bad_pp_ce_refused || bad "bad_pp_ce_refused (exit $rc: $err)"
-# MESHTRAIN_PP_RECV=device (a benchmark knob: NCCL's receives waited for on the device) is the
-# host's wait on CPU ranks, bitwise the same run; a malformed value is one line and exit 2
-MESHTRAIN_PP_RECV=device $MPIRUN -np 2 -x MESHTRAIN_PP_RECV "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-  micro_batches=4 out_dir="$TMP/pp_recv" </dev/null >"$TMP/pp_recv.log" 2>&1
-d=$("$DIFF" "$TMP/pp_ce0/ckpt.bin" "$TMP/pp_recv/ckpt.bin" 2>&1)
-[ "$d" = "max_rel_diff 0" ] && ok pp_recv_device_on_cpu_ranks || bad "pp_recv_device_on_cpu_ranks ($d)"
-err=$(MESHTRAIN_PP_RECV=gpu $MPIRUN -np 2 -x MESHTRAIN_PP_RECV "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-      micro_batches=2 out_dir="$TMP/pp_recv_bad" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_RECV=gpu: expected host or device" <<<"$err" &&
-  ok bad_pp_recv_refused || bad "bad_pp_recv_refused (exit $rc: $err)"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \

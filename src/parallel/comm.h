@@ -141,10 +141,6 @@ typedef struct { void *q; const Comm *c; const char *what; void *ev; } CommP2P;
 void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_p2p_wait(CommP2P *r);
-/* A receive's wait without the host's: the compute stream waits for r on the device, and
- * the host goes on queueing. r stays pending: a later comm_p2p_wait must still complete it
- * (that is where a dead peer is noticed). Over MPI (host memory) it is comm_p2p_wait. */
-void comm_p2p_wait_device(CommP2P *r);
 /* Collective over c, before its first send or receive: on a device=cuda run makes c's NCCL
  * communicator now, while every rank is here (a group is best used for one direction of
  * traffic: a stage's sends wait in its stream for the peer's receive). max_bytes: the largest

@@ -74,8 +74,6 @@ void nccl_stream_wait(CommReq *r);
  * stream's work so far; r->ev completes it (nccl_p2p_done). */
 void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what);
 int nccl_p2p_done(void *r);
-/* The compute stream waits (on the device) for r's event; r stays pending. */
-void nccl_p2p_stream_wait(CommP2P *r);
 void nccl_p2p_init(const Comm *c);
 /* The group's send/receive stream (made at its first use), and its wait for the compute
  * stream's work so far (which wrote the buffer sent, or last read the one received into),

@@ -245,14 +245,6 @@ void comm_p2p_init(const Comm *c, size_t max_bytes) {
 #endif
 }
 
-void comm_p2p_wait_device(CommP2P *r) {
-#ifdef MESHTRAIN_NCCL
-    if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: comm_p2p_wait's */
-    if (r->ev) { nccl_p2p_stream_wait(r); return; }
-#endif
-    comm_p2p_wait(r);
-}
-
 void comm_p2p_wait(CommP2P *r) {
 #ifdef MESHTRAIN_NCCL
     if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: on the device */

@@ -46,7 +46,6 @@ typedef struct {
     int n_links;
     CommP2P *sent_out[SCHED_MAX_CHUNKS], *sent_grad[SCHED_MAX_CHUNKS];  /* per slot: being sent */
     CommP2P *recv_in[SCHED_MAX_CHUNKS], *recv_grad[SCHED_MAX_CHUNKS];  /* ... being received */
-    int recv_device;       /* MESHTRAIN_PP_RECV=device: receives waited for on the device only */
     int *mb_inputs, *mb_targets;  /* the step's micro-batches [micro][N], read at its start */
     float *dev_losses;     /* micro > 1: every micro-batch's per-row losses [micro][N] */
     float *host_losses;
