@@ -40,6 +40,7 @@ static const HookDef HOOKS[HOOK_COUNT] = {
 static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
     {"PP_RECV", NULL},
+    {"INTERLEAVED_LISTS", NULL},
     {NULL, NULL},
 };
 

@@ -261,11 +261,7 @@ static int plan(Sim *S, ScheduleKind kind) {
             if (lim[r] < vm) lim[r]++, raised = 1;
         if (!raised) break;
     }
-    /* MESHTRAIN_INTERLEAVED_LISTS=megatron|greedy (a tuning knob): take that one where it runs */
-    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
-    int want = il && !strcmp(il, "megatron") ? 1 : il && !strcmp(il, "greedy") ? 0 : -1;
-    if (S->split) want = -1;
-    if (mega >= 0 && (rc || (want < 0 ? mega <= S->makespan : want))) rc = simulate(S, vmlim, fixed, nfixed);
+    if (mega >= 0 && (rc || mega <= S->makespan)) rc = simulate(S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
     free(vmlim);
@@ -275,19 +271,14 @@ static int plan(Sim *S, ScheduleKind kind) {
 }
 
 /* The lists of kind (interleaved or zb1) into *S: zb1's with the backward split; interleaved's
- * without, and, with SCHED_SPLIT_ANY, also with it, taking those where they end sooner (or as
- * MESHTRAIN_INTERLEAVED_LISTS=split|unsplit|megatron|greedy, a tuning knob, forces). 0, or -1. */
+ * without, and, with SCHED_SPLIT_ANY, also with it, taking those where they end sooner. 0, or
+ * -1. */
 static int plan_best(Sim *S, ScheduleKind kind, int p, int v, int m, int split_ok, const double *cost) {
     *S = sim_new(p, v, m, kind == SCHED_ZB1, cost);
     int rc = plan(S, kind);
-    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
-    int force = il && !strcmp(il, "split") ? 1
-                : il && (!strcmp(il, "megatron") || !strcmp(il, "greedy") || !strcmp(il, "unsplit")) ? 0 : -1;
-    if (kind != SCHED_INTERLEAVED || split_ok == SCHED_SPLIT_NONE || force == 0 ||
-        (split_ok == SCHED_SPLIT_ZB1 && force != 1))
-        return rc;
+    if (kind != SCHED_INTERLEAVED || split_ok != SCHED_SPLIT_ANY) return rc;
     Sim T = sim_new(p, v, m, 1, cost);
-    if (plan(&T, kind) == 0 && (rc || force == 1 || T.makespan < S->makespan)) {
+    if (plan(&T, kind) == 0 && (rc || T.makespan < S->makespan)) {
         sim_free(S);
         *S = T;
         return 0;
