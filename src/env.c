@@ -41,6 +41,8 @@ static const struct { const char *name, *now; } RETIRED[] = {
     /* {"NAME", "the key ...=" or NULL where the alternative it chose was removed}, */
     {"PP_RECV", NULL},
     {"INTERLEAVED_LISTS", NULL},
+    {"ZB1_EXTRA", NULL},
+    {"ZB1_HELD", "the key zb1_max_in_flight="},
     {NULL, NULL},
 };
 

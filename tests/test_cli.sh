@@ -129,6 +129,20 @@ then ok estimate_pipeline_receive_rings
 else bad "estimate_pipeline_receive_rings (1f1b: $r1; interleaved: $ri; off: $r0; cpu: $rc; default: $rd)"; fi
 expect_exit 2 "MESHTRAIN_PP_CE=yes: not 0 or 1" estimate_refuses_bad_pp_ce -- \
   env MESHTRAIN_PP_CE=yes "$BIN" estimate device=cuda pipeline_parallel_size=2 world_size=2 micro_batches=2
+# zb1_max_in_flight: the estimate's zb1 stages hold what the cap lets them (the post's model at
+# p=4, m=8: stage r min(2p + 1 - r, cap), the cap p + 3 = 7 by default); only with zb1, and a
+# cap below 0 is refused
+held() { "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 batch_size=32 world_size=4 pipeline_parallel_size=4 \
+           micro_batches=8 pipeline_schedule=zb1 "$@" | grep "^  stage" | grep -o "([0-9]* micro-batch[es]* in flight)" |
+         tr -dc '0-9\n' | paste -sd' '; }
+h0=$(held) h5=$(held zb1_max_in_flight=5) h1=$(held zb1_max_in_flight=1) h7=$(held zb1_max_in_flight=7)
+if [ "$h0" = "7 7 7 6" ] && [ "$h5" = "5 5 5 5" ] && [ "$h1" = "1 1 1 1" ] && [ "$h7" = "$h0" ]
+then ok estimate_zb1_max_in_flight; else bad "estimate_zb1_max_in_flight (default: $h0; 5: $h5; 1: $h1; 7: $h7)"; fi
+expect_exit 2 "zb1_max_in_flight applies with pipeline_schedule=zb1, not pipeline_schedule=gpipe" \
+  estimate_refuses_zb1_max_without_zb1 -- "$BIN" estimate pipeline_parallel_size=2 world_size=2 micro_batches=2 \
+  pipeline_schedule=gpipe zb1_max_in_flight=3
+expect_exit 2 "zb1_max_in_flight=-2: out of range" estimate_refuses_negative_zb1_max -- "$BIN" estimate \
+  pipeline_parallel_size=2 world_size=2 micro_batches=2 pipeline_schedule=zb1 zb1_max_in_flight=-2
 # a stage's ops run on micro-batches, so its scratch is a micro-batch's (rmsnorm's partials,
 # attention's terms): the last stage of the post's model at 32 micro-batches of 4 sequences is
 # its parts plus the runtime of a batch of 4, not of 128 (162 MiB; the GPU's peak was 659 MiB
@@ -390,6 +404,13 @@ expect_exit 2 "MESHTRAIN_FAULT_NAN_STEP=abc: not an integer" hook_malformed -- e
 expect_exit 2 "MESHTRAIN_PROFILE=yes: expected one of 0\|1\|events" hook_bad_choice -- env MESHTRAIN_PROFILE=yes "$BIN" help
 expect_exit 2 "MESHTRAIN_TIMELIN is not a hook .*did you mean MESHTRAIN_TIMELINE" hook_misspelt -- \
   env MESHTRAIN_TIMELIN=3 "$BIN" help
+# ... and a variable no longer read is one line saying where its setting went
+expect_exit 2 "MESHTRAIN_ZB1_HELD is no longer read: use the key zb1_max_in_flight=" retired_zb1_held -- \
+  env MESHTRAIN_ZB1_HELD=5 "$BIN" help
+for v in PP_RECV=device INTERLEAVED_LISTS=split ZB1_EXTRA=3; do
+  expect_exit 2 "MESHTRAIN_${v%%=*} is no longer read: the alternative it chose was removed" "retired_${v%%=*}" -- \
+    env "MESHTRAIN_$v" "$BIN" help
+done
 MESHTRAIN_TIMELINE=99 "$BIN" train $TINY data_dir="$D" steps=1 out_dir="$TMP/hooklog" >"$TMP/hooklog.out" 2>/dev/null
 head -1 "$TMP/hooklog/log.jsonl" | grep -q '"hooks":{"MESHTRAIN_TIMELINE":"99"}' && grep -q "hooks set (environment): MESHTRAIN_TIMELINE=99" "$TMP/hooklog.out" &&
   head -1 "$TMP/hooklog/log.jsonl" | grep -q '"config":{"vocab_size":' && ok hooks_in_log_header ||

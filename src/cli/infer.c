@@ -188,8 +188,8 @@ int cmd_estimate(Config *c) {
         Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
         char err[512], desc[512];
         int split_ok = pipeline_split_backward_ok(&mc, BM * c->context_len, c->activation_checkpointing);
-        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, split_ok, pipeline_head_placement(sched, PP),
-                                    c->pipeline_split, st, err, sizeof err))
+        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, split_ok, c->zb1_max_in_flight,
+                                    pipeline_head_placement(sched, PP), c->pipeline_split, st, err, sizeof err))
             die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
                c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
@@ -200,7 +200,8 @@ int cmd_estimate(Config *c) {
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
             Schedule sc;
-            if (schedule_build(&sc, sched, PP, s, M, V, split_ok, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+            if (schedule_build(&sc, sched, PP, s, M, V, split_ok, c->zb1_max_in_flight, cost, err, sizeof err))
+                die(EXIT_BAD_INPUT, "%s", err);
             split |= sched == SCHED_INTERLEAVED && sc.split_backward;
             pipeline_rank_stages(st, PP, V, s, mine);
             estimate_stage(&es, &ein, mine, &sc, BM);

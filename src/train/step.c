@@ -70,8 +70,8 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
-                       pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute), piped(st) ? st->pipe.cost : NULL,
-                       err, errlen))
+                       pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute),
+                       piped(st) ? st->pipe.zb1_max_in_flight : 0, piped(st) ? st->pipe.cost : NULL, err, errlen))
         return -1;
     if (piped(st)) {
         /* each link's messages: one micro-batch's residual stream or its gradient, or none */

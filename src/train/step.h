@@ -21,7 +21,8 @@
 typedef struct {
     const Comm *pipe, *tie;
     ScheduleKind kind;
-    const double *cost;  /* every stage's estimated F, B, W (schedule_build's), or NULL */
+    const double *cost;     /* every stage's estimated F, B, W (schedule_build's), or NULL */
+    int zb1_max_in_flight;  /* schedule_build's (the key's; 0: the default) */
 } StepPipeline;
 
 typedef struct {

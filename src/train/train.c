@@ -308,12 +308,13 @@ int cmd_train(Config *c) {
     double *stage_cost = xcalloc((size_t)PP * V * 3, sizeof(double));  /* each stage's F, B, W estimate */
     int split_ok = pipeline_split_backward_ok(&mc, BM * T, c->activation_checkpointing);
     if (!f.code && PP > 1) {
-        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, split_ok,
+        if (pipeline_split_schedule(&mc, T, PP, V, sched, M, split_ok, c->zb1_max_in_flight,
                                     pipeline_head_placement(sched, PP), c->pipeline_split, stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(stages, PP, V, mesh.pp_rank, mine);
         if (!f.code) pipeline_stage_costs(&mc, T, stages, PP * V, pipeline_head_placement(sched, PP), stage_cost);
-        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, split_ok, stage_cost, err, sizeof err))
+        if (!f.code && schedule_build(&sc, sched, PP, mesh.pp_rank, M, V, split_ok, c->zb1_max_in_flight, stage_cost,
+                                      err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
     int holds_head = 0;
@@ -573,7 +574,7 @@ int cmd_train(Config *c) {
     int timed_steps = 0;
     float loss = 0;
     Step st;
-    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost};
+    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost, c->zb1_max_in_flight};
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     if (PP > 1) {  /* the path the links that carry messages took, over every rank */
