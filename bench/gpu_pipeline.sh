@@ -9,8 +9,8 @@
 # and the measured bubble (1 - tokens/s / (NP x one)) beside the predicted one; then the
 # peer (torch.distributed.pipelining, PEER_SCHEDS at m in PEER_MS, PEER_COMPILE=1 compiles
 # each block; the zbv schedule always eager: compiled it gives no result) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
-# kernels (0) and on the copy engines (1: MESHTRAIN_PP_CE=1 on every rank; the row says which
-# path the header reports); default "1" (the default path). GRAPHS=0|1: MESHTRAIN_GRAPHS on every
+# kernels (0: pp_copy_engines=false) and on the copy engines (1: pp_copy_engines=true; the row
+# says which path the header reports); default "1" (the default path). GRAPHS=0|1: MESHTRAIN_GRAPHS on every
 # run, the one-GPU reference included (unset: each run's default, on for one process, off
 # for several).
 # Usage: NP=4 MS="8 32" SCHEDS="gpipe 1f1b interleaved zb1" PP_CE="0 1" PEER_SCHEDS="1f1b interleaved zbv" \
@@ -44,8 +44,8 @@ for M in $MS; do
     pred=$(awk -v o="$one" -v p="$NP" -v f="$frac" 'BEGIN{printf "%.0f", p * o * f}')
     for ce in $PP_CE; do
       out=$(mktemp -d)
-      d=$(mt_run "$out" "$NP" "MESHTRAIN_PP_CE=$ce${GRAPHS:+ MESHTRAIN_GRAPHS=$GRAPHS}" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
-          pipeline_schedule=$sched $keys $RUN)
+      d=$(mt_run "$out" "$NP" "${GRAPHS:+MESHTRAIN_GRAPHS=$GRAPHS}" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
+          pipeline_schedule=$sched $keys pp_copy_engines=$ce $RUN)
       t=$(field tokens_per_s "$d")
       [ -n "$t" ] || { echo "pp $sched m=$M PP_CE=$ce failed: $(mt_failed "$out" 4)"; continue; }
       path=NCCL  # with PP_CE=1, the path the header reports ("copy engines", or NCCL's where it cannot)

@@ -43,6 +43,7 @@ static const struct { const char *name, *now; } RETIRED[] = {
     {"INTERLEAVED_LISTS", NULL},
     {"ZB1_EXTRA", NULL},
     {"ZB1_HELD", "the key zb1_max_in_flight="},
+    {"PP_CE", "the key pp_copy_engines="},
     {NULL, NULL},
 };
 

@@ -114,21 +114,23 @@ t1=$(ce world_size=4 | awk '$1 == "total" {print $2}'); t0=$(ce world_size=4 cop
 if [ "$a" = "64.0 MiB" ] && ! ce world_size=4 copy_engines=false | grep -q "all-to-all" && ! ce | grep -q "all-to-all" \
    && ! ce world_size=4 zero_opt=true | grep -q "all-to-all" && [ "$t1" != "$t0" ]; then
   ok estimate_copy_engine_buffer; else bad "estimate_copy_engine_buffer ($a; $t1 vs $t0)"; fi
-# pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default): a stage counts a ring of 4 slots of
+# pipeline send/receive on the copy engines (pp_copy_engines=true, the default): a stage counts a ring of 4 slots of
 # a micro-batch's residual stream (8 x 256 x 1024 bf16 = 4 MiB) and the counters, each end's block
 # in whole 2 MiB pages (16 MiB + 2 + 2), for each direction it receives in:
 # 1F1B's first stage its gradients, its last its activations; interleaved's both; none with
-# MESHTRAIN_PP_CE=0 or on device=cpu; unset counts as 1
-rings() { env "$@" "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 batch_size=32 world_size=2 \
-            pipeline_parallel_size=2 micro_batches=4 ${DEV:-device=cuda} ${SCHED:-} | grep "^  stage" |
+# pp_copy_engines=false or on device=cpu; unset counts as true
+rings() { "$BIN" estimate embed_dim=1024 n_heads=8 n_layers=16 batch_size=32 world_size=2 \
+            pipeline_parallel_size=2 micro_batches=4 ${DEV:-device=cuda} ${SCHED:-} "$@" | grep "^  stage" |
           grep -o "receive rings [0-9.]* [KMG]iB" | cut -d' ' -f3- | tr '\n' ' '; }
-r1=$(rings MESHTRAIN_PP_CE=1) ri=$(SCHED=pipeline_schedule=interleaved rings MESHTRAIN_PP_CE=1)
-r0=$(rings MESHTRAIN_PP_CE=0) rc=$(DEV=device=cpu rings MESHTRAIN_PP_CE=1) rd=$(rings -u MESHTRAIN_PP_CE)
+r1=$(rings pp_copy_engines=true) ri=$(SCHED=pipeline_schedule=interleaved rings pp_copy_engines=true)
+r0=$(rings pp_copy_engines=false) rc=$(DEV=device=cpu rings pp_copy_engines=true) rd=$(rings)
 if [ "$r1" = "20.0 MiB 20.0 MiB " ] && [ "$ri" = "40.0 MiB 40.0 MiB " ] && [ -z "$r0" ] && [ -z "$rc" ] && [ "$rd" = "$r1" ]
 then ok estimate_pipeline_receive_rings
 else bad "estimate_pipeline_receive_rings (1f1b: $r1; interleaved: $ri; off: $r0; cpu: $rc; default: $rd)"; fi
-expect_exit 2 "MESHTRAIN_PP_CE=yes: not 0 or 1" estimate_refuses_bad_pp_ce -- \
-  env MESHTRAIN_PP_CE=yes "$BIN" estimate device=cuda pipeline_parallel_size=2 world_size=2 micro_batches=2
+expect_exit 2 "pp_copy_engines=yes: expected true or false" estimate_refuses_bad_pp_ce -- \
+  "$BIN" estimate device=cuda pipeline_parallel_size=2 world_size=2 micro_batches=2 pp_copy_engines=yes
+expect_exit 2 "pp_copy_engines applies with pipeline_parallel_size > 1" estimate_refuses_pp_ce_without_pipeline -- \
+  "$BIN" estimate device=cuda world_size=2 pp_copy_engines=false
 # zb1_max_in_flight: the estimate's zb1 stages hold what the cap lets them (the post's model at
 # p=4, m=8: stage r min(2p + 1 - r, cap), the cap p + 3 = 7 by default); only with zb1, and a
 # cap below 0 is refused
@@ -407,6 +409,7 @@ expect_exit 2 "MESHTRAIN_TIMELIN is not a hook .*did you mean MESHTRAIN_TIMELINE
 # ... and a variable no longer read is one line saying where its setting went
 expect_exit 2 "MESHTRAIN_ZB1_HELD is no longer read: use the key zb1_max_in_flight=" retired_zb1_held -- \
   env MESHTRAIN_ZB1_HELD=5 "$BIN" help
+expect_exit 2 "MESHTRAIN_PP_CE is no longer read: use the key pp_copy_engines=" retired_pp_ce -- env MESHTRAIN_PP_CE=0 "$BIN" help
 for v in PP_RECV=device INTERLEAVED_LISTS=split ZB1_EXTRA=3; do
   expect_exit 2 "MESHTRAIN_${v%%=*} is no longer read: the alternative it chose was removed" "retired_${v%%=*}" -- \
     env "MESHTRAIN_$v" "$BIN" help

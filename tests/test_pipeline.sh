@@ -9,7 +9,7 @@
 # (from and to a head-only stage too); grad_accum_steps beside the pipeline follows one
 # process at the k times larger batch (every schedule, and with FSDP); zb1_max_in_flight
 # changes zb1's lists and their estimate, not the arithmetic; bad layouts and bad values of
-# the pipeline's keys are one line and exit 2; a killed stage ends the job. MESHTRAIN_PP_CE
+# the pipeline's keys are one line and exit 2; a killed stage ends the job. pp_copy_engines
 # on CPU ranks changes nothing.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
@@ -143,21 +143,17 @@ d3=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_zb1:2/ckpt.bin" 2>&1)
 [ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && [ "$d3" = "max_rel_diff 0" ] && ok schedules_agree_bitwise ||
   bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2; zb1 holding 2: $d3)"
 
-# MESHTRAIN_PP_CE (1, the default: send/receive on the GPUs' copy engines) takes GPUs: on CPU
-# ranks the links stay on MPI either way, the header says so, and the runs are bitwise the
-# same; a malformed value is one line and exit 2
-for v in 0 1; do
-  MESHTRAIN_PP_CE=$v $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-    micro_batches=4 out_dir="$TMP/pp_ce$v" </dev/null >"$TMP/pp_ce$v.log" 2>&1
+# pp_copy_engines (true, the default: send/receive on the GPUs' copy engines) takes GPUs: on
+# CPU ranks the links stay on MPI either way, the header says so, and the runs are bitwise
+# the same
+for v in false true; do
+  $MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=4 pp_copy_engines=$v \
+    out_dir="$TMP/pp_ce_$v" </dev/null >"$TMP/pp_ce_$v.log" 2>&1
 done
-d=$("$DIFF" "$TMP/pp_ce0/ckpt.bin" "$TMP/pp_ce1/ckpt.bin" 2>&1)
-[ "$d" = "max_rel_diff 0" ] && grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce1.log" &&
-  grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce0.log" && ok pp_ce_on_cpu_ranks_stays_on_mpi ||
-  bad "pp_ce_on_cpu_ranks_stays_on_mpi ($d; $(grep '^pipeline send' "$TMP/pp_ce1.log"; tail -2 "$TMP/pp_ce1.log" | tr '\n' ' '))"
-err=$(MESHTRAIN_PP_CE=yes $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-      micro_batches=2 out_dir="$TMP/pp_ce_bad" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_CE=yes: not 0 or 1" <<<"$err" &&
-  ok bad_pp_ce_refused || bad "bad_pp_ce_refused (exit $rc: $err)"
+d=$("$DIFF" "$TMP/pp_ce_false/ckpt.bin" "$TMP/pp_ce_true/ckpt.bin" 2>&1)
+[ "$d" = "max_rel_diff 0" ] && grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce_true.log" &&
+  grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce_false.log" && ok pp_ce_on_cpu_ranks_stays_on_mpi ||
+  bad "pp_ce_on_cpu_ranks_stays_on_mpi ($d; $(grep '^pipeline send' "$TMP/pp_ce_true.log"; tail -2 "$TMP/pp_ce_true.log" | tr '\n' ' '))"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \
@@ -209,6 +205,8 @@ done <<'CASES'
 2|pipeline_parallel_size=2 micro_batches=2 zb1_max_in_flight=3|zb1_max_in_flight applies with pipeline_schedule=zb1, not pipeline_schedule=1f1b
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 zb1_max_in_flight=-1|zb1_max_in_flight=-1: out of range
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 zb1_max_in_flight=two|zb1_max_in_flight=two: not an integer
+2|pipeline_parallel_size=2 micro_batches=2 pp_copy_engines=yes|pp_copy_engines=yes: expected true or false
+1|pp_copy_engines=false|pp_copy_engines applies with pipeline_parallel_size > 1
 CASES
 
 # each stage's peak memory (max RSS) within 10% of its own estimate, under every schedule

@@ -30,7 +30,7 @@ typedef struct {
         world_size;
     int copy_engines;
     char shard_strategy[16];
-    int micro_batches, virtual_stages, zb1_max_in_flight;
+    int micro_batches, virtual_stages, zb1_max_in_flight, pp_copy_engines;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
     /* sample / tokenize */

@@ -157,11 +157,11 @@ int cmd_estimate(Config *c) {
         die(EXIT_BAD_INPUT, "MESHTRAIN_ATTN=%s: expected " ATTN_MODES, attn);
     OptimConfig oc = optim_config_of(c);
     /* the copy engines' all-to-all buffers: DDP's, and tensor parallel's with MESHTRAIN_TP_CE=1;
-     * the pipeline's receive rings with MESHTRAIN_PP_CE=1 */
+     * the pipeline's receive rings with pp_copy_engines=true */
     EstimateInput ein = estimate_input_of(c, c->world_size, group, &oc);
     ein.ddp_copy_engines = c->copy_engines && dp > 1;
     ein.tp_copy_engines = c->copy_engines && TP > 1 && tensor_parallel_ce_asked();
-    ein.pp_copy_engines = PP > 1 && comm_p2p_ce_asked();
+    ein.pp_copy_engines = PP > 1 && c->pp_copy_engines;
     ein.tp_fused = tensor_parallel_fused_mode(TP, gpu) != 0;
     estimate_memory(&ein, &e);
     estimate_print(&ein, dp, &e);

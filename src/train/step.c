@@ -48,7 +48,7 @@ static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in,
         comm_split(pipe, color, key, name, &tmp);
         if (dst) {
             *dst = tmp;
-            comm_p2p_init(dst, dst == out ? out_bytes : in_bytes);
+            comm_p2p_init(dst, dst == out ? out_bytes : in_bytes, st->pipe.copy_engines);
             st->link_order[st->n_links++] = dst;
         } else {
             comm_free(&tmp);

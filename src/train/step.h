@@ -23,6 +23,7 @@ typedef struct {
     ScheduleKind kind;
     const double *cost;     /* every stage's estimated F, B, W (schedule_build's), or NULL */
     int zb1_max_in_flight;  /* schedule_build's (the key's; 0: the default) */
+    int copy_engines;       /* send/receive on the copy engines where a link can (comm_p2p_init's) */
 } StepPipeline;
 
 typedef struct {

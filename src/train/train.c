@@ -244,15 +244,14 @@ static const char *estimate_remedy(const MemEstimate *e, const Config *c) {
 int cmd_train(Config *c) {
     char err[1024], b1[32], b2[32];
     Comm world;
-    /* MESHTRAIN_PP_CE=1 (the default): pipeline send/receive on the copy engines, whose streams wait in
+    /* pp_copy_engines=true (the default): pipeline send/receive on the copy engines, whose streams wait in
      * memory operations, each holding one of the device's hardware queues; with the default 8
-     * other streams would share a queue with (and wait behind) one of them. The variable is
-     * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
+     * other streams would share a queue with (and wait behind) one of them. CUDA reads
+     * CUDA_DEVICE_MAX_CONNECTIONS when the context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
      * sums (tensor_parallel_fused_mode) wait so on the compute stream: the comm stream, whose
      * NCCL kernels a peer may be waiting for, must not wait behind it. */
-    int pp_ce = comm_p2p_ce_asked(), gpu = !strcmp(c->device, "cuda");
-    (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
+    int pp_ce = c->pp_copy_engines, gpu = !strcmp(c->device, "cuda");
     if (gpu && ((pp_ce && c->pipeline_parallel_size > 1) || tensor_parallel_fused_early(c->tensor_parallel_size, gpu)))
         env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&world, c->comm_timeout);
@@ -574,7 +573,7 @@ int cmd_train(Config *c) {
     int timed_steps = 0;
     float loss = 0;
     Step st;
-    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost, c->zb1_max_in_flight};
+    StepPipeline pipe = {&mesh.pp, tie_member ? &tie : NULL, sched, stage_cost, c->zb1_max_in_flight, pp_ce};
     if (step_init(&st, &m, mine, V, par, &loader, &a, M, PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     if (PP > 1) {  /* the path the links that carry messages took, over every rank */
@@ -587,13 +586,13 @@ int cmd_train(Config *c) {
         if (lead)
             printf("pipeline send/receive: %s\n",
                    !gpu ? "MPI (host memory)"
-                   : !pp_ce ? "NCCL kernels (MESHTRAIN_PP_CE=0)"
+                   : !pp_ce ? "NCCL kernels (pp_copy_engines=false)"
                    : !took[0] ? "copy engines (CUDA IPC rings, stream memory operations; no SM)"
                    : took[1] ? "copy engines on some links, NCCL kernels on the others (a link's two GPUs must be on "
                                "one machine, with peer access)"
                              : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
                                "machine, with peer access and 64-bit stream memory operations)");
-        if (lead && gpu && pp_ce && took[1] && comm_p2p_skip_copies())
+        if (lead && took[1] && comm_p2p_skip_copies())  /* (where the copy engines carry a link: there only) */
             printf("pipeline send/receive: MESHTRAIN_PP_SKIP_COPIES=1: the messages are NOT copied (a timing "
                    "experiment: this run's results are wrong)\n");
     }
