@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "checkpoint.h"
-#include "comm.h"
 #include "commands.h"
 #include "attn_cudnn.h" /* attn_mode_of: MESHTRAIN_ATTN as the cuda backend reads it */
 #include "estimate.h"
