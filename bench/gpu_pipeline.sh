@@ -9,7 +9,7 @@
 # and the measured bubble (1 - tokens/s / (NP x one)) beside the predicted one; then the
 # peer (torch.distributed.pipelining, PEER_SCHEDS at m in PEER_MS, PEER_COMPILE=1 compiles
 # each block; the zbv schedule always eager: compiled it gives no result) at the same layout. PP_CE="0 1": each schedule with send/receive on NCCL's
-# kernels (0) and on the copy engines (1: MESHTRAIN_PP_CE=1 on every rank; the row says which
+# kernels (0: pp_copy_engines=false) and on the copy engines (1: pp_copy_engines=true; the row says which
 # path the header reports); default "1" (the default path). GRAPHS=false|true: the key
 # cuda_graphs on every run, the one-GPU reference included (unset: each run's default, on for
 # one process, off for several).
@@ -44,8 +44,9 @@ for M in $MS; do
     pred=$(awk -v o="$one" -v p="$NP" -v f="$frac" 'BEGIN{printf "%.0f", p * o * f}')
     for ce in $PP_CE; do
       out=$(mktemp -d)
-      d=$(mt_run "$out" "$NP" "MESHTRAIN_PP_CE=$ce" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
-          pipeline_schedule=$sched $keys $RUN ${GRAPHS:+cuda_graphs=$GRAPHS})
+      d=$(mt_run "$out" "$NP" "" $POST batch_size=128 pipeline_parallel_size=$NP micro_batches=$M \
+          pipeline_schedule=$sched $keys pp_copy_engines=$([ "$ce" = 1 ] && echo true || echo false) $RUN \
+          ${GRAPHS:+cuda_graphs=$GRAPHS})
       t=$(field tokens_per_s "$d")
       [ -n "$t" ] || { echo "pp $sched m=$M PP_CE=$ce failed: $(mt_failed "$out" 4)"; continue; }
       path=NCCL  # with PP_CE=1, the path the header reports ("copy engines", or NCCL's where it cannot)

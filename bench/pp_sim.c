@@ -32,7 +32,7 @@ static double span(ScheduleKind k, int p, int m, const double *head, int search,
     double hs[3];
     for (int i = 0; i < 3; i++) hs[i] = HS * (head ? head : FUSED)[i];
     head = hs;
-    int rc = search ? pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, head, "auto", st, err, sizeof err)
+    int rc = search ? pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, 0, head, "auto", st, err, sizeof err)
                     : pipeline_split_ranks(&C, C.context_len, p, v, "auto", st, err, sizeof err);
     if (rc) { fprintf(stderr, "%s\n", err); exit(1); }
     pipeline_stage_costs(&C, C.context_len, st, S, head, cost);
@@ -43,10 +43,10 @@ static double span(ScheduleKind k, int p, int m, const double *head, int search,
         snprintf(desc + n, len - n, "%s%d", g ? "," : "", stage_n_layers(&C, &st[g]));
     }
     Schedule sc;
-    if (schedule_build(&sc, k, p, p - 1, m, v, SCHED_SPLIT_ANY, cost, err, sizeof err)) { fprintf(stderr, "%s\n", err); exit(1); }
+    if (schedule_build(&sc, k, p, p - 1, m, v, SCHED_SPLIT_ANY, 0, cost, err, sizeof err)) { fprintf(stderr, "%s\n", err); exit(1); }
     *held = sc.in_flight[v - 1];
     schedule_free(&sc);
-    return schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, cost) * meanf / SCHED_TICKS_PER_FORWARD / UNIT;
+    return schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, 0, cost) * meanf / SCHED_TICKS_PER_FORWARD / UNIT;
 }
 
 static double predicted(ScheduleKind k, int p, int m) {
@@ -85,7 +85,7 @@ static void every(ScheduleKind k, int p, int v, int m, int i, int left) {
         }
         double hs[3] = {3 * HS, 0, 0};
         pipeline_stage_costs(&C, C.context_len, st, S, hs, cost);
-        int t = schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, cost);
+        int t = schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, 0, cost);
         if (t > 0 && t < BEST) BEST = t, memcpy(BEST_N, N, sizeof N);
         return;
     }
@@ -132,7 +132,7 @@ static int replay(ScheduleKind k, int p, int v, int m, const double *ms, double 
     double cost[64 * 3];
     char err[256];
     const double *head = pipeline_head_placement(k, p);
-    if (G > 64 || pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, head, "auto", st, err, sizeof err)) {
+    if (G > 64 || pipeline_split_schedule(&C, C.context_len, p, v, k, m, SCHED_SPLIT_ANY, 0, head, "auto", st, err, sizeof err)) {
         fprintf(stderr, "replay: %s\n", G > 64 ? "at most 64 stages" : err);
         return 1;
     }
@@ -142,7 +142,7 @@ static int replay(ScheduleKind k, int p, int v, int m, const double *ms, double 
     int *next = calloc((size_t)p, sizeof(int));
     for (int i = 0; i < G * m; i++) fend[i] = bend[i] = -1;
     for (int r = 0; r < p; r++)
-        if (schedule_build(&sc[r], k, p, r, m, v, SCHED_SPLIT_ANY, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
+        if (schedule_build(&sc[r], k, p, r, m, v, SCHED_SPLIT_ANY, 0, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
     printf("%s p=%d v=%d m=%d%s, split", schedule_kind_name(k), p, v, m, sc[0].split_backward ? " (backward split)" : "");
     for (int g = 0; g < G; g++) printf("%s%d", g ? "," : " ", stage_n_layers(&C, &st[g]));
     printf("; per stage F/B/W ms:");

@@ -56,6 +56,9 @@ pp2_1f1b|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedu
 pp2_interleaved|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=interleaved
 pp2_zb1|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1
 pp2_1f1b_tied|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=1f1b tie_embeddings=true
+pp4_zb1|4|batch_size=8 pipeline_parallel_size=4 micro_batches=8 pipeline_schedule=zb1
+pp4_interleaved|4|batch_size=8 n_layers=8 pipeline_parallel_size=4 micro_batches=8 pipeline_schedule=interleaved
+pp2_zb1_head_tied|2|batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=zb1 tie_embeddings=true pipeline_split=4,0
 tp2|2|batch_size=8 tensor_parallel_size=2 sequence_parallel=true
 tp2_nosp|2|batch_size=8 tensor_parallel_size=2 sequence_parallel=false
 tp2_dp2|4|batch_size=4 tensor_parallel_size=2 fsdp=true

@@ -55,6 +55,11 @@ static const struct { const char *name, *now; } RETIRED[] = {
     {"GEMM_SMS", NULL},
     {"SIDE_UPDATE", NULL},  /* =0: DDP's update in one queue; the side queue's is the one path */
     {"EMBED_ROWS", NULL},   /* =0: DDP reduced the whole embedding; the rows the batch uses are */
+    {"PP_RECV", NULL},
+    {"INTERLEAVED_LISTS", NULL},
+    {"ZB1_EXTRA", NULL},
+    {"ZB1_HELD", "the key zb1_max_in_flight="},
+    {"PP_CE", "the key pp_copy_engines="},
     {NULL, NULL},
 };
 

@@ -52,13 +52,6 @@ void die_once(int code, const char *fmt, ...) {
     exit(code);
 }
 
-int env_flag(const char *name, int dflt) {
-    const char *e = getenv(name);
-    if (!e || !*e) return dflt;
-    if (strcmp(e, "0") && strcmp(e, "1")) die_once(EXIT_BAD_INPUT, "%s=%s: not 0 or 1", name, e);
-    return e[0] == '1';
-}
-
 int fail_set(Fail *f, int code, const char *fmt, ...) {
     if (f->code) return -1;
     f->code = code;

@@ -18,9 +18,6 @@ void set_log_rank(int rank, int world);
  * exit with the same code without a word, a moment later so that the launcher does not
  * end rank 0 before it has printed. */
 _Noreturn void die_once(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* A 0/1 knob from the environment: dflt where unset or empty, else 0 or 1; any other value
- * ends the run (die_once, exit 2: "NAME=value: not 0 or 1"). */
-int env_flag(const char *name, int dflt);
 
 /* A failure found during a run's set-up, kept to be agreed on by all ranks
  * (comm_exit_if_failed) before anything is printed: code 0 = none. */

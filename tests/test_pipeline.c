@@ -119,8 +119,8 @@ static void test_costed_schedules(void) {
     CHECK(pipeline_split(&post, 256, 4, "auto", st, err, sizeof err) == 0, "%s", err);
     pipeline_stage_costs(&post, 256, st, 4, NULL, cost);
     CHECK(cost[9] > 2 * cost[0], "the head's stage forward %g, the first's %g", cost[9], cost[0]);
-    int one = schedule_makespan(SCHED_1F1B, 4, 8, 1, SCHED_SPLIT_ANY, cost), gp = schedule_makespan(SCHED_GPIPE, 4, 8, 1, SCHED_SPLIT_ANY, cost);
-    int zb = schedule_makespan(SCHED_ZB1, 4, 8, 1, SCHED_SPLIT_ANY, cost);
+    int one = schedule_makespan(SCHED_1F1B, 4, 8, 1, SCHED_SPLIT_ANY, 0, cost), gp = schedule_makespan(SCHED_GPIPE, 4, 8, 1, SCHED_SPLIT_ANY, 0, cost);
+    int zb = schedule_makespan(SCHED_ZB1, 4, 8, 1, SCHED_SPLIT_ANY, 0, cost);
     fprintf(stderr, "  post, p=4 m=8, simulated: 1F1B %d, GPipe %d (%.3f), zb1 %d (%.3f)\n", one, gp, (double)one / gp, zb,
             (double)one / zb);
     CHECK(one > 0 && gp > 1.2 * one && zb > 0 && zb <= one, "1F1B %d, GPipe %d, zb1 %d", one, gp, zb);
@@ -130,7 +130,7 @@ static void test_costed_schedules(void) {
 static int span(const ModelConfig *c, ScheduleKind k, int p, int v, int m, const Stage *s) {
     double cost[3 * 16];
     pipeline_stage_costs(c, c->context_len, s, p * v, NULL, cost);
-    return schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, cost);
+    return schedule_makespan(k, p, m, v, SCHED_SPLIT_ANY, 0, cost);
 }
 
 /* auto for a schedule: a valid split whose simulated step is never longer than the balanced
@@ -150,7 +150,7 @@ static void test_searched_split(void) {
                     if (p * v > cs[i].n_layers || m < p) continue;
                     Stage bal[8], got[8];
                     CHECK(pipeline_split_ranks(&cs[i], cs[i].context_len, p, v, "auto", bal, err, sizeof err) == 0, "%s", err);
-                    CHECK(pipeline_split_schedule(&cs[i], cs[i].context_len, p, v, (ScheduleKind)k, m, SCHED_SPLIT_ANY, NULL, "auto", got,
+                    CHECK(pipeline_split_schedule(&cs[i], cs[i].context_len, p, v, (ScheduleKind)k, m, SCHED_SPLIT_ANY, 0, NULL, "auto", got,
                                                   err, sizeof err) == 0, "%s", err);
                     CHECK(covers(&cs[i], got, p * v), "config %zu %s p=%d m=%d: not a split", i,
                           schedule_kind_name((ScheduleKind)k), p, m);
@@ -161,7 +161,7 @@ static void test_searched_split(void) {
     ModelConfig post = cs[0];
     Stage bal[2], got[2], four[4];
     pipeline_split(&post, 256, 2, "auto", bal, err, sizeof err);
-    CHECK(pipeline_split_schedule(&post, 256, 2, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, NULL, "auto", got, err, sizeof err) == 0, "%s", err);
+    CHECK(pipeline_split_schedule(&post, 256, 2, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, 0, NULL, "auto", got, err, sizeof err) == 0, "%s", err);
     int a = span(&post, SCHED_GPIPE, 2, 1, 8, got), b = span(&post, SCHED_GPIPE, 2, 1, 8, bal);
     fprintf(stderr, "  post, GPipe p=2 m=8: layers %d,%d simulated %d; balanced %d,%d %d\n", stage_n_layers(&post, &got[0]),
             stage_n_layers(&post, &got[1]), a, stage_n_layers(&post, &bal[0]), stage_n_layers(&post, &bal[1]), b);
@@ -170,16 +170,44 @@ static void test_searched_split(void) {
     /* 1F1B waits for the largest F + B: the balanced split evens FLOPs, the searched one the
      * estimated time (the head's matmuls run faster per FLOP), so it moves a layer to the
      * head's stage */
-    CHECK(pipeline_split_schedule(&post, 256, 2, 1, SCHED_1F1B, 8, SCHED_SPLIT_ANY, NULL, "auto", got, err, sizeof err) == 0 &&
+    CHECK(pipeline_split_schedule(&post, 256, 2, 1, SCHED_1F1B, 8, SCHED_SPLIT_ANY, 0, NULL, "auto", got, err, sizeof err) == 0 &&
           stage_n_layers(&post, &got[1]) == stage_n_layers(&post, &bal[1]) + 1 &&
           span(&post, SCHED_1F1B, 2, 1, 8, got) < span(&post, SCHED_1F1B, 2, 1, 8, bal),
           "1F1B p=2: %d layers on the head's stage, balanced %d", stage_n_layers(&post, &got[1]),
           stage_n_layers(&post, &bal[1]));
     /* explicit counts are taken as they come, and errors are the plain split's */
-    CHECK(pipeline_split_schedule(&post, 256, 4, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, NULL, "2,2,2,10", four, err, sizeof err) == 0 &&
+    CHECK(pipeline_split_schedule(&post, 256, 4, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, 0, NULL, "2,2,2,10", four, err, sizeof err) == 0 &&
           stage_n_layers(&post, &four[3]) == 10, "explicit counts changed");
-    CHECK(pipeline_split_schedule(&post, 256, 4, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, NULL, "2,2,2", four, err, sizeof err) == -1 &&
+    CHECK(pipeline_split_schedule(&post, 256, 4, 1, SCHED_GPIPE, 8, SCHED_SPLIT_ANY, 0, NULL, "2,2,2", four, err, sizeof err) == -1 &&
           strstr(err, "pipeline_split=2,2,2"), "%s", err);
+}
+
+/* zb1_max_in_flight reaches the split search (the run's and the estimate's split are built
+ * for the lists the run takes): under every cap the searched split is valid and never longer
+ * than the balanced one under the same cap; a cap of one serialises the ranks' forwards and
+ * weight passes, a longer step than the default's. */
+static void test_zb1_cap_in_search(void) {
+    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    const double *head = pipeline_head_placement(SCHED_ZB1, 4);
+    char err[256];
+    int spans[8] = {0}, caps[] = {0, 1, 5, 7};
+    for (int i = 0; i < 4; i++) {
+        Stage bal[4], got[4];
+        double cb[12], cg[12];
+        CHECK(pipeline_split_ranks(&post, 256, 4, 1, "auto", bal, err, sizeof err) == 0 &&
+              pipeline_split_schedule(&post, 256, 4, 1, SCHED_ZB1, 8, SCHED_SPLIT_ANY, caps[i], head, "auto", got, err,
+                                      sizeof err) == 0, "%s", err);
+        CHECK(covers(&post, got, 4), "cap %d: not a split", caps[i]);
+        pipeline_stage_costs(&post, 256, got, 4, head, cg);
+        pipeline_stage_costs(&post, 256, bal, 4, head, cb);
+        int a = schedule_makespan(SCHED_ZB1, 4, 8, 1, SCHED_SPLIT_ANY, caps[i], cg),
+            b = schedule_makespan(SCHED_ZB1, 4, 8, 1, SCHED_SPLIT_ANY, caps[i], cb);
+        CHECK(a > 0 && a <= b, "cap %d: searched %d, balanced %d", caps[i], a, b);
+        spans[i] = a;
+    }
+    fprintf(stderr, "  post, zb1 p=4 m=8: simulated %d (default cap), %d (1), %d (5), %d (7)\n", spans[0], spans[1],
+            spans[2], spans[3]);
+    CHECK(spans[1] > spans[0], "a cap of 1: %d, the default's %d", spans[1], spans[0]);
 }
 
 /* Where the head's matmuls are counted moves time between F, B and W, not the total. */
@@ -202,9 +230,9 @@ static void test_head_placement(void) {
           "1f1b, interleaved and one stage keep the fused head");
     Schedule sc;
     char err[256];
-    CHECK(schedule_build(&sc, SCHED_ZB1, 4, 3, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == 0 && sc.head_split, "zb1 splits the head");
+    CHECK(schedule_build(&sc, SCHED_ZB1, 4, 3, 8, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == 0 && sc.head_split, "zb1 splits the head");
     schedule_free(&sc);
-    CHECK(schedule_build(&sc, SCHED_1F1B, 4, 3, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == 0 && !sc.head_split, "1f1b does not");
+    CHECK(schedule_build(&sc, SCHED_1F1B, 4, 3, 8, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == 0 && !sc.head_split, "1f1b does not");
     schedule_free(&sc);
 }
 
@@ -220,16 +248,16 @@ static void test_split_policy(void) {
     Stage st[8];
     double cost[8 * 3];
     char err[256];
-    CHECK(pipeline_split_schedule(&post, 256, 4, 2, SCHED_INTERLEAVED, 8, SCHED_SPLIT_ANY, NULL, "auto", st, err,
+    CHECK(pipeline_split_schedule(&post, 256, 4, 2, SCHED_INTERLEAVED, 8, SCHED_SPLIT_ANY, 0, NULL, "auto", st, err,
                                   sizeof err) == 0, "%s", err);
     pipeline_stage_costs(&post, 256, st, 8, NULL, cost);
     Schedule a, z;
-    CHECK(schedule_build(&a, SCHED_INTERLEAVED, 4, 0, 8, 2, SCHED_SPLIT_ANY, cost, err, sizeof err) == 0 &&
-              schedule_build(&z, SCHED_INTERLEAVED, 4, 0, 8, 2, SCHED_SPLIT_ZB1, cost, err, sizeof err) == 0, "%s", err);
+    CHECK(schedule_build(&a, SCHED_INTERLEAVED, 4, 0, 8, 2, SCHED_SPLIT_ANY, 0, cost, err, sizeof err) == 0 &&
+              schedule_build(&z, SCHED_INTERLEAVED, 4, 0, 8, 2, SCHED_SPLIT_ZB1, 0, cost, err, sizeof err) == 0, "%s", err);
     CHECK(a.split_backward && !z.split_backward, "split %d / %d", a.split_backward, z.split_backward);
     schedule_free(&a);
     schedule_free(&z);
-    CHECK(schedule_build(&z, SCHED_ZB1, 4, 0, 8, 1, SCHED_SPLIT_NONE, NULL, err, sizeof err) == -1 &&
+    CHECK(schedule_build(&z, SCHED_ZB1, 4, 0, 8, 1, SCHED_SPLIT_NONE, 0, NULL, err, sizeof err) == -1 &&
               strstr(err, "activation_checkpointing"), "zb1 without the split: %s", err);
 }
 
@@ -292,7 +320,7 @@ static void test_head_alone(void) {
     int n[16];
     for (int m = 8; m <= 32; m *= 4) {
         Stage got[8];
-        CHECK(pipeline_split_schedule(&post, 256, 4, 2, SCHED_INTERLEAVED, m, SCHED_SPLIT_ANY, NULL, "auto", got, err, sizeof err) == 0,
+        CHECK(pipeline_split_schedule(&post, 256, 4, 2, SCHED_INTERLEAVED, m, SCHED_SPLIT_ANY, 0, NULL, "auto", got, err, sizeof err) == 0,
               "%s", err);
         int a = span(&post, SCHED_INTERLEAVED, 4, 2, m, got), b = best_with_layers(&post, SCHED_INTERLEAVED, 4, 2, m, n, 0, 16);
         char d[64] = "";
@@ -310,6 +338,7 @@ int main(void) {
     RUN(test_interleaved_balances_ranks);
     RUN(test_costed_schedules);
     RUN(test_searched_split);
+    RUN(test_zb1_cap_in_search);
     RUN(test_head_placement);
     RUN(test_split_policy);
     RUN(test_explicit);

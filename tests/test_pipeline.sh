@@ -7,9 +7,10 @@
 # final parameters within 1e-5); the same with a last stage holding the head alone
 # (pipeline_split=...,0) under every schedule (cases marked ~ run only outside the sanitizer build); a checkpoint resumes across pipeline layouts
 # (from and to a head-only stage too); grad_accum_steps beside the pipeline follows one
-# process at the k times larger batch (every schedule, and with FSDP); bad layouts are one
-# line and exit 2; a killed stage ends the job. MESHTRAIN_PP_CE and MESHTRAIN_PP_RECV on CPU ranks
-# change nothing.
+# process at the k times larger batch (every schedule, and with FSDP); zb1_max_in_flight
+# changes zb1's lists and their estimate, not the arithmetic; bad layouts and bad values of
+# the pipeline's keys are one line and exit 2; a killed stage ends the job. pp_copy_engines
+# on CPU ranks changes nothing.
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -103,11 +104,11 @@ zb1|2|1|2|4|2|true
 1f1b|2|2|2|2|2|false|fsdp=true
 CASES
 
-# MESHTRAIN_ZB1_HELD raises how many micro-batches a zb1 rank holds: other lists (stage 0's
+# zb1_max_in_flight raises how many micro-batches a zb1 rank holds: other lists (stage 0's
 # estimate grows with the buffers they need), the same arithmetic: it still follows one process
 for h in 5 7; do
-  MESHTRAIN_ZB1_HELD=$h $MPIRUN -np 4 -x MESHTRAIN_ZB1_HELD "$BIN" train $M batch_size=8 pipeline_parallel_size=4 \
-    micro_batches=8 pipeline_schedule=zb1 out_dir="$TMP/zb1_held$h" </dev/null >"$TMP/zb1_held$h.log" 2>&1
+  $MPIRUN -np 4 "$BIN" train $M batch_size=8 pipeline_parallel_size=4 micro_batches=8 pipeline_schedule=zb1 \
+    zb1_max_in_flight=$h out_dir="$TMP/zb1_held$h" </dev/null >"$TMP/zb1_held$h.log" 2>&1
 done
 e5=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held5.log" | grep -o "estimate .*")
 e7=$(grep -o "^pipeline stage 0: .*estimate [0-9.]* [KMG]iB" "$TMP/zb1_held7.log" | grep -o "estimate .*")
@@ -128,47 +129,31 @@ if cmp -s "$TMP/zb1_graphs_false/ckpt.bin" "$TMP/zb1_graphs_true/ckpt.bin" &&
 then ok zb1_graphs_cache_bitwise
 else bad "zb1_graphs_cache_bitwise ($(grep "^layer graphs" "$TMP/zb1_graphs_true.log"); $(tail -1 "$TMP/zb1_graphs_true.log"))"; fi
 
-# the schedules order the same arithmetic differently: 1f1b, interleaved (with its backward
-# split too, forced here: auto takes it where the simulation says it ends sooner) and zb1
-# (whose weight pass adds the same products in the same order) end with the same bits
-for sched in 1f1b interleaved interleaved:split zb1; do
-  lists=; [[ $sched == *:* ]] && lists=${sched#*:}
-  MESHTRAIN_INTERLEAVED_LISTS=$lists $MPIRUN -np 4 -x MESHTRAIN_INTERLEAVED_LISTS "$BIN" train $M0 n_layers=8 \
-    batch_size=8 pipeline_parallel_size=4 micro_batches=8 pipeline_schedule=${sched%:*} out_dir="$TMP/same_$sched" \
-    >"$TMP/same_$sched.log" 2>&1
+# the schedules order the same arithmetic differently: 1f1b, interleaved and zb1 (whose
+# weight pass adds the same products in the same order, under any zb1_max_in_flight) end
+# with the same bits
+for sched in 1f1b interleaved zb1 zb1:2; do
+  keys=; [[ $sched == *:* ]] && keys="zb1_max_in_flight=${sched#*:}"
+  $MPIRUN -np 4 "$BIN" train $M0 n_layers=8 batch_size=8 pipeline_parallel_size=4 micro_batches=8 \
+    pipeline_schedule=${sched%:*} $keys out_dir="$TMP/same_$sched" >"$TMP/same_$sched.log" 2>&1
 done
 d1=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved/ckpt.bin" 2>&1)
 d2=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_zb1/ckpt.bin" 2>&1)
-d3=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_interleaved:split/ckpt.bin" 2>&1)
-[ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && [ "$d3" = "max_rel_diff 0" ] &&
-  grep -q "backward split" "$TMP/same_interleaved:split.log" && ok schedules_agree_bitwise ||
-  bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2; interleaved split: $d3)"
+d3=$("$DIFF" "$TMP/same_1f1b/ckpt.bin" "$TMP/same_zb1:2/ckpt.bin" 2>&1)
+[ "$d1" = "max_rel_diff 0" ] && [ "$d2" = "max_rel_diff 0" ] && [ "$d3" = "max_rel_diff 0" ] && ok schedules_agree_bitwise ||
+  bad "schedules_agree_bitwise (interleaved: $d1; zb1: $d2; zb1 holding 2: $d3)"
 
-# MESHTRAIN_PP_CE (1, the default: send/receive on the GPUs' copy engines) takes GPUs: on CPU
-# ranks the links stay on MPI either way, the header says so, and the runs are bitwise the
-# same; a malformed value is one line and exit 2
-for v in 0 1; do
-  MESHTRAIN_PP_CE=$v $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-    micro_batches=4 out_dir="$TMP/pp_ce$v" </dev/null >"$TMP/pp_ce$v.log" 2>&1
+# pp_copy_engines (true, the default: send/receive on the GPUs' copy engines) takes GPUs: on
+# CPU ranks the links stay on MPI either way, the header says so, and the runs are bitwise
+# the same
+for v in false true; do
+  $MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=4 pp_copy_engines=$v \
+    out_dir="$TMP/pp_ce_$v" </dev/null >"$TMP/pp_ce_$v.log" 2>&1
 done
-d=$("$DIFF" "$TMP/pp_ce0/ckpt.bin" "$TMP/pp_ce1/ckpt.bin" 2>&1)
-[ "$d" = "max_rel_diff 0" ] && grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce1.log" &&
-  grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce0.log" && ok pp_ce_on_cpu_ranks_stays_on_mpi ||
-  bad "pp_ce_on_cpu_ranks_stays_on_mpi ($d; $(grep '^pipeline send' "$TMP/pp_ce1.log"; tail -2 "$TMP/pp_ce1.log" | tr '\n' ' '))"
-err=$(MESHTRAIN_PP_CE=yes $MPIRUN -np 2 -x MESHTRAIN_PP_CE "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-      micro_batches=2 out_dir="$TMP/pp_ce_bad" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_CE=yes: not 0 or 1" <<<"$err" &&
-  ok bad_pp_ce_refused || bad "bad_pp_ce_refused (exit $rc: $err)"
-# MESHTRAIN_PP_RECV=device (a benchmark knob: NCCL's receives waited for on the device) is the
-# host's wait on CPU ranks, bitwise the same run; a malformed value is one line and exit 2
-MESHTRAIN_PP_RECV=device $MPIRUN -np 2 -x MESHTRAIN_PP_RECV "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-  micro_batches=4 out_dir="$TMP/pp_recv" </dev/null >"$TMP/pp_recv.log" 2>&1
-d=$("$DIFF" "$TMP/pp_ce0/ckpt.bin" "$TMP/pp_recv/ckpt.bin" 2>&1)
-[ "$d" = "max_rel_diff 0" ] && ok pp_recv_device_on_cpu_ranks || bad "pp_recv_device_on_cpu_ranks ($d)"
-err=$(MESHTRAIN_PP_RECV=gpu $MPIRUN -np 2 -x MESHTRAIN_PP_RECV "$BIN" train $M batch_size=8 pipeline_parallel_size=2 \
-      micro_batches=2 out_dir="$TMP/pp_recv_bad" 2>&1 >/dev/null </dev/null); rc=$?
-[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "MESHTRAIN_PP_RECV=gpu: expected host or device" <<<"$err" &&
-  ok bad_pp_recv_refused || bad "bad_pp_recv_refused (exit $rc: $err)"
+d=$("$DIFF" "$TMP/pp_ce_false/ckpt.bin" "$TMP/pp_ce_true/ckpt.bin" 2>&1)
+[ "$d" = "max_rel_diff 0" ] && grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce_true.log" &&
+  grep -q "^pipeline send/receive: MPI (host memory)" "$TMP/pp_ce_false.log" && ok pp_ce_on_cpu_ranks_stays_on_mpi ||
+  bad "pp_ce_on_cpu_ranks_stays_on_mpi ($d; $(grep '^pipeline send' "$TMP/pp_ce_true.log"; tail -2 "$TMP/pp_ce_true.log" | tr '\n' ' '))"
 
 # the header names each stage's layers; an explicit split is taken as given
 o=$($MPIRUN -np 2 "$BIN" train $M batch_size=8 pipeline_parallel_size=2 micro_batches=2 pipeline_split=3,1 \
@@ -217,6 +202,11 @@ done <<'CASES'
 2|pipeline_parallel_size=2 micro_batches=2 virtual_stages=2|virtual_stages=2 applies with pipeline_schedule=interleaved
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=interleaved virtual_stages=1|needs virtual_stages >= 2
 2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 activation_checkpointing=true|does not combine with activation_checkpointing
+2|pipeline_parallel_size=2 micro_batches=2 zb1_max_in_flight=3|zb1_max_in_flight applies with pipeline_schedule=zb1, not pipeline_schedule=1f1b
+2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 zb1_max_in_flight=-1|zb1_max_in_flight=-1: out of range
+2|pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1 zb1_max_in_flight=two|zb1_max_in_flight=two: not an integer
+2|pipeline_parallel_size=2 micro_batches=2 pp_copy_engines=yes|pp_copy_engines=yes: expected true or false
+1|pp_copy_engines=false|pp_copy_engines applies with pipeline_parallel_size > 1
 CASES
 
 # each stage's peak memory (max RSS) within 10% of its own estimate, under every schedule
@@ -226,16 +216,15 @@ CASES
 if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
   EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64"
   E="$EM steps=2 progress=false threads=1 val_batches=1 data_dir=$D"
-  # (and a last stage holding the head alone: its activations hold no layer's)
-  # (interleaved/split: its lists with the backward split, which auto takes from larger micro-batches)
-  for sched in 1f1b gpipe interleaved interleaved/split zb1 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do
+  # (and a last stage holding the head alone: its activations hold no layer's; zb1/2: zb1
+  # with zb1_max_in_flight=2, whose first stage holds 2 micro-batches, not 4)
+  for sched in 1f1b gpipe interleaved zb1 zb1/2 1f1b:4,0 gpipe:4,0 interleaved:2,1,1,0; do
     split=auto; [[ $sched == *:* ]] && split=${sched#*:} sched=${sched%%:*}
-    lists=; [[ $sched == */* ]] && lists=${sched#*/} sched=${sched%/*}
-    export MESHTRAIN_INTERLEAVED_LISTS=$lists
-    o=$($MPIRUN -np 2 -x MESHTRAIN_INTERLEAVED_LISTS "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
-        pipeline_split=$split out_dir="$TMP/mem_$sched" 2>&1)
+    held=; [[ $sched == */* ]] && held=${sched#*/} sched=${sched%/*}
+    o=$($MPIRUN -np 2 "$BIN" train $E batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
+        pipeline_split=$split ${held:+zb1_max_in_flight=$held} out_dir="$TMP/mem_$sched$held" 2>&1)
     est=$("$BIN" estimate $EM batch_size=16 world_size=2 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=$sched \
-          pipeline_split=$split 2>&1)
+          pipeline_split=$split ${held:+zb1_max_in_flight=$held} 2>&1)
     good=1
     for s in 0 1; do
       line=$(grep "^pipeline stage $s: peak memory" <<<"$o")
@@ -247,9 +236,7 @@ if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no me
                exit !(r > 0 && d < 0.10 && x < 0.02)}' || good=0
     done
     [ $split = auto ] && split= || split=_$split
-    [ -n "$lists" ] && { split=_$lists$split; grep -q "backward split" <<<"$o" && grep -q "backward split" <<<"$est" ||
-                         good=0; }
-    unset MESHTRAIN_INTERLEAVED_LISTS
+    [ -n "$held" ] && { split=_held$held$split; grep -q "^  stage 0 .*(2 micro-batches in flight)" <<<"$est" || good=0; }
     [ $good = 1 ] && ok "stage_memory_within_10pct_$sched$split" || bad "stage_memory_within_10pct_$sched$split ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
   done
 fi

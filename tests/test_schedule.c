@@ -111,7 +111,7 @@ static int play_built(Schedule *s, int p, int m) {
 static int play(ScheduleKind kind, int p, int m, int v) {
     Schedule *s = calloc((size_t)p, sizeof *s);
     char err[128];
-    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, v, SCHED_SPLIT_ANY, NULL, err, sizeof err) == 0, "%s", err);
+    for (int i = 0; i < p; i++) CHECK(schedule_build(&s[i], kind, p, i, m, v, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == 0, "%s", err);
     int r = play_built(s, p, m);
     for (int i = 0; i < p; i++) schedule_free(&s[i]);
     free(s);
@@ -128,11 +128,12 @@ static void test_every_layout_plays(void) {
                           schedule_kind_name((ScheduleKind)k), ps[a], ms[b], v);
 }
 
-static char *printed(ScheduleKind k, int p, int stage, int m) {
+/* One rank's list as text; zb1_max: schedule_build's zb1_max_in_flight (printed: 0, the default). */
+static char *printed_capped(ScheduleKind k, int p, int stage, int m, int zb1_max) {
     static char buf[4096];
     Schedule s;
     char err[64];
-    schedule_build(&s, k, p, stage, m, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+    schedule_build(&s, k, p, stage, m, 1, SCHED_SPLIT_ANY, zb1_max, NULL, err, sizeof err);
     FILE *f = fmemopen(buf, sizeof buf, "w");
     schedule_print(f, &s);
     fclose(f);
@@ -140,6 +141,7 @@ static char *printed(ScheduleKind k, int p, int stage, int m) {
     buf[strcspn(buf, "\n")] = 0;
     return buf;
 }
+static char *printed(ScheduleKind k, int p, int stage, int m) { return printed_capped(k, p, stage, m, 0); }
 
 static void test_shapes(void) {
     /* gradient accumulation: one stage, forward and backward in turn, then one step */
@@ -154,10 +156,10 @@ static void test_shapes(void) {
           printed(SCHED_GPIPE, 2, 1, 2));
     Schedule s;
     char err[64];
-    schedule_build(&s, SCHED_1F1B, 4, 0, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+    schedule_build(&s, SCHED_1F1B, 4, 0, 8, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err);
     CHECK(s.max_in_flight == 4, "1F1B's first stage of 4 holds %d", s.max_in_flight);
     schedule_free(&s);
-    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+    schedule_build(&s, SCHED_GPIPE, 4, 0, 8, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err);
     CHECK(s.max_in_flight == 8, "GPipe holds every micro-batch: %d", s.max_in_flight);
     schedule_free(&s);
 }
@@ -170,7 +172,7 @@ static int makespan(ScheduleKind k, int p, int m, int v) {
     char err[64];
     int most = 0;
     for (int r = 0; r < p; r++) {
-        schedule_build(&s, k, p, r, m, v, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+        schedule_build(&s, k, p, r, m, v, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err);
         if (s.makespan > most) most = s.makespan;
         schedule_free(&s);
     }
@@ -191,12 +193,64 @@ static void test_bubbles(void) {
             fprintf(stderr, "\n");
         }
     /* zero bubble's rank r holds at most min(2p + 1 - r, p + 3) micro-batches from F to W:
-     * on one stage three; with MESHTRAIN_ZB1_HELD=2 (ZB-H1's p + 1), two */
+     * on one stage three; with zb1_max_in_flight=2 (ZB-H1's p + 1), two */
     CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 6), "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 F4 B4 W2 F5 B5 W3 W4 W5 step"), "%s",
           printed(SCHED_ZB1, 1, 0, 6));
-    setenv("MESHTRAIN_ZB1_HELD", "2", 1);
-    CHECK(!strcmp(printed(SCHED_ZB1, 1, 0, 3), "F0 B0 F1 B1 W0 F2 B2 W1 W2 step"), "%s", printed(SCHED_ZB1, 1, 0, 3));
-    unsetenv("MESHTRAIN_ZB1_HELD");
+    CHECK(!strcmp(printed_capped(SCHED_ZB1, 1, 0, 3, 2), "F0 B0 F1 B1 W0 F2 B2 W1 W2 step"), "%s",
+          printed_capped(SCHED_ZB1, 1, 0, 3, 2));
+}
+
+/* zb1_max_in_flight: every cap from 1 up plays at every layout, no rank holds more than the
+ * cap from a forward to its weight pass, p + 3 is the default's lists (0), a larger cap
+ * never a longer step in unit costs, and a negative one is refused. */
+static void test_zb1_max_in_flight(void) {
+    char err[128];
+    for (int p = 1; p <= 4; p++)
+        for (int m = p; m <= 2 * p + 3; m++) {
+            int span[16] = {0};
+            for (int cap = 1; cap <= p + 5; cap++) {
+                Schedule *s = calloc((size_t)p, sizeof *s);
+                int built = 1;
+                for (int r = 0; r < p; r++) {
+                    built &= schedule_build(&s[r], SCHED_ZB1, p, r, m, 1, SCHED_SPLIT_ANY, cap, NULL, err, sizeof err) == 0;
+                    CHECK(built, "p=%d m=%d cap %d: %s", p, m, cap, err);
+                    if (built) CHECK(s[r].max_in_flight <= cap, "p=%d m=%d cap %d: rank %d holds %d", p, m, cap, r,
+                                     s[r].max_in_flight);
+                }
+                if (built) {
+                    CHECK(play_built(s, p, m) == 0, "p=%d m=%d cap %d", p, m, cap);
+                    span[cap] = s[0].makespan;
+                    CHECK(cap == 1 || span[cap] <= span[cap - 1], "p=%d m=%d: cap %d %d units, cap %d %d", p, m, cap,
+                          span[cap], cap - 1, span[cap - 1]);
+                }
+                for (int r = 0; r < p; r++)
+                    if (built) schedule_free(&s[r]);
+                free(s);
+            }
+            /* with uneven stage costs too (the lists a run builds): every cap plays, and holds */
+            double cost[4 * 3];
+            for (int g = 0; g < p; g++) cost[g * 3] = 1 + g % 3, cost[g * 3 + 1] = 2 + g % 2, cost[g * 3 + 2] = 1 + (g == p - 1);
+            for (int cap = 1; cap <= p + 5; cap++) {
+                Schedule c[4];
+                int n = 0;
+                while (n < p && schedule_build(&c[n], SCHED_ZB1, p, n, m, 1, SCHED_SPLIT_ANY, cap, cost, err, sizeof err) == 0)
+                    n++;
+                CHECK(n == p, "p=%d m=%d cap %d, costed: %s", p, m, cap, err);
+                for (int r = 0; r < n; r++)
+                    CHECK(c[r].max_in_flight <= cap, "p=%d m=%d cap %d, costed: rank %d holds %d", p, m, cap, r, c[r].max_in_flight);
+                if (n == p) CHECK(play_built(c, p, m) == 0, "p=%d m=%d cap %d, costed", p, m, cap);
+                for (int r = 0; r < n; r++) schedule_free(&c[r]);
+            }
+            for (int r = 0; r < p; r++) {
+                char dflt[4096];
+                snprintf(dflt, sizeof dflt, "%s", printed_capped(SCHED_ZB1, p, r, m, 0));
+                CHECK(!strcmp(dflt, printed_capped(SCHED_ZB1, p, r, m, p + 3)), "p=%d m=%d rank %d: 0 is not p + 3", p, m, r);
+            }
+        }
+    Schedule s;
+    CHECK(schedule_build(&s, SCHED_ZB1, 2, 0, 4, 1, SCHED_SPLIT_ANY, -1, NULL, err, sizeof err) == -1 &&
+          strstr(err, "zb1_max_in_flight=-1"), "a cap of -1: %s", err);
+    CHECK(schedule_makespan(SCHED_ZB1, 2, 4, 1, SCHED_SPLIT_ANY, -1, NULL) == -1, "makespan with a cap of -1");
 }
 
 /* schedule_makespan plays every rank's list together and ends with the last action's end
@@ -204,27 +258,27 @@ static void test_bubbles(void) {
  * GPipe and 1F1B take (m + p - 1)(F + B); with costs, one simulation of all ranks gives
  * what every rank's own list says, and a longer stage lengthens the step. */
 static void test_makespan(void) {
-    CHECK(schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, NULL) == 3, "F0 B0: %d", schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, NULL));
+    CHECK(schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, 0, NULL) == 3, "F0 B0: %d", schedule_makespan(SCHED_1F1B, 1, 1, 1, SCHED_SPLIT_ANY, 0, NULL));
     for (int p = 1; p <= 4; p++)
         for (int m = p; m <= 2 * p + 1; m++)
             for (int k = SCHED_GPIPE; k <= SCHED_1F1B; k++)
-                CHECK(schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, NULL) == (m + p - 1) * 3, "%s p=%d m=%d: %d",
-                      schedule_kind_name((ScheduleKind)k), p, m, schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, NULL));
+                CHECK(schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, 0, NULL) == (m + p - 1) * 3, "%s p=%d m=%d: %d",
+                      schedule_kind_name((ScheduleKind)k), p, m, schedule_makespan((ScheduleKind)k, p, m, 1, SCHED_SPLIT_ANY, 0, NULL));
     double cost[4 * 2 * 3];
     for (int g = 0; g < 8; g++) cost[g * 3] = 1 + g % 3, cost[g * 3 + 1] = 2 + g % 2, cost[g * 3 + 2] = 1;
     for (int k = SCHED_INTERLEAVED; k <= SCHED_ZB1; k++) {
-        int v = k == SCHED_INTERLEAVED ? 2 : 1, t = schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, cost);
+        int v = k == SCHED_INTERLEAVED ? 2 : 1, t = schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, 0, cost);
         for (int r = 0; r < 4; r++) {
             Schedule s;
             char err[64];
-            schedule_build(&s, (ScheduleKind)k, 4, r, 6, v, SCHED_SPLIT_ANY, cost, err, sizeof err);
+            schedule_build(&s, (ScheduleKind)k, 4, r, 6, v, SCHED_SPLIT_ANY, 0, cost, err, sizeof err);
             CHECK(s.makespan == t, "%s rank %d: %d, all ranks %d", schedule_kind_name((ScheduleKind)k), r, s.makespan, t);
             schedule_free(&s);
         }
         double more[4 * 2 * 3];
         memcpy(more, cost, sizeof more);
         more[0] *= 3, more[1] *= 3;
-        CHECK(schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, more) > t, "%s: a heavier first stage is not slower",
+        CHECK(schedule_makespan((ScheduleKind)k, 4, 6, v, SCHED_SPLIT_ANY, 0, more) > t, "%s: a heavier first stage is not slower",
               schedule_kind_name((ScheduleKind)k));
     }
 }
@@ -232,16 +286,16 @@ static void test_makespan(void) {
 static void test_bad_layouts(void) {
     Schedule s;
     char err[128];
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "m = 0 accepted");
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "stage 2 of 2 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 0, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == -1, "m = 0 accepted");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 2, 4, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == -1, "stage 2 of 2 accepted");
     ScheduleKind k;
     CHECK(schedule_kind_parse("1f1b", &k) == 0 && k == SCHED_1F1B, "1f1b");
     CHECK(schedule_kind_parse("gpipe", &k) == 0 && k == SCHED_GPIPE, "gpipe");
     CHECK(schedule_kind_parse("zbv", &k) == -1, "zbv parsed");
     CHECK(schedule_kind_parse("zb1", &k) == 0 && k == SCHED_ZB1, "zb1");
     CHECK(schedule_kind_parse("interleaved", &k) == 0 && k == SCHED_INTERLEAVED, "interleaved");
-    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 4, 2, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "1f1b with 2 chunks accepted");
-    CHECK(schedule_build(&s, SCHED_INTERLEAVED, 2, 0, 4, SCHED_MAX_CHUNKS + 1, SCHED_SPLIT_ANY, NULL, err, sizeof err) == -1, "too many chunks");
+    CHECK(schedule_build(&s, SCHED_1F1B, 2, 0, 4, 2, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == -1, "1f1b with 2 chunks accepted");
+    CHECK(schedule_build(&s, SCHED_INTERLEAVED, 2, 0, 4, SCHED_MAX_CHUNKS + 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err) == -1, "too many chunks");
 }
 
 /* The player itself catches broken schedules: a receive moved before the neighbour can
@@ -250,8 +304,8 @@ static void test_player_catches_broken(void) {
     Schedule s[2];
     char err[64];
     for (int broken = 0; broken < 2; broken++) {
-        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
-        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, 1, SCHED_SPLIT_ANY, NULL, err, sizeof err);
+        schedule_build(&s[0], SCHED_1F1B, 2, 0, 2, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err);
+        schedule_build(&s[1], SCHED_1F1B, 2, 1, 2, 1, SCHED_SPLIT_ANY, 0, NULL, err, sizeof err);
         ActionKind want = broken == 0 ? ACT_RECV_GRAD : ACT_BACKWARD;
         int j = 0;
         while (s[0].actions[j].kind != want) j++;
@@ -268,6 +322,7 @@ static void test_player_catches_broken(void) {
 int main(void) {
     RUN(test_every_layout_plays);
     RUN(test_shapes);
+    RUN(test_zb1_max_in_flight);
     RUN(test_bubbles);
     RUN(test_makespan);
     RUN(test_bad_layouts);

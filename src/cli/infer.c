@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "checkpoint.h"
-#include "comm.h"
 #include "commands.h"
 #include "estimate.h"
 #include "ops.h"
@@ -154,11 +153,11 @@ int cmd_estimate(Config *c) {
         die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
     int gpu = !strcmp(c->device, "cuda");
     OptimConfig oc = optim_config_of(c);
-    /* DDP's copy-engine all-to-all buffer; the pipeline's receive rings with MESHTRAIN_PP_CE=1;
+    /* DDP's copy-engine all-to-all buffer; the pipeline's receive rings (pp_copy_engines);
      * tensor parallel's fused sums (tp_comm) */
     EstimateInput ein = estimate_input_of(c, c->world_size, group, &oc);
     ein.ddp_copy_engines = c->copy_engines && dp > 1;
-    ein.pp_copy_engines = PP > 1 && comm_p2p_ce_asked();
+    ein.pp_copy_engines = PP > 1 && c->pp_copy_engines;
     ein.tp_fused = tensor_parallel_fused_wanted(tp_comm_of(c), TP, gpu);
     estimate_memory(&ein, &e);
     estimate_print(&ein, dp, &e);
@@ -185,8 +184,8 @@ int cmd_estimate(Config *c) {
         Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
         char err[512], desc[512];
         int split_ok = pipeline_split_backward_ok(&mc, BM * c->context_len, c->activation_checkpointing);
-        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, split_ok, pipeline_head_placement(sched, PP),
-                                    c->pipeline_split, st, err, sizeof err))
+        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, split_ok, c->zb1_max_in_flight,
+                                    pipeline_head_placement(sched, PP), c->pipeline_split, st, err, sizeof err))
             die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
                c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
@@ -197,7 +196,8 @@ int cmd_estimate(Config *c) {
         for (int s = 0; s < PP; s++) {
             MemEstimate es = e;
             Schedule sc;
-            if (schedule_build(&sc, sched, PP, s, M, V, split_ok, cost, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+            if (schedule_build(&sc, sched, PP, s, M, V, split_ok, c->zb1_max_in_flight, cost, err, sizeof err))
+                die(EXIT_BAD_INPUT, "%s", err);
             split |= sched == SCHED_INTERLEAVED && sc.split_backward;
             pipeline_rank_stages(st, PP, V, s, mine);
             estimate_stage(&es, &ein, mine, &sc, BM);

@@ -137,27 +137,21 @@ typedef struct { void *q; const Comm *c; const char *what; void *ev; } CommP2P;
 void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_p2p_wait(CommP2P *r);
-/* A receive's wait without the host's: the compute stream waits for r on the device, and
- * the host goes on queueing. r stays pending: a later comm_p2p_wait must still complete it
- * (that is where a dead peer is noticed). Over MPI (host memory) it is comm_p2p_wait. */
-void comm_p2p_wait_device(CommP2P *r);
 /* Collective over c, before its first send or receive: on a device=cuda run makes c's NCCL
  * communicator now, while every rank is here (a group is best used for one direction of
  * traffic: a stage's sends wait in its stream for the peer's receive). max_bytes: the largest
  * message this rank will send or receive on c (0: none), for the copy-engine path below.
  *
- * MESHTRAIN_PP_CE=1 (the default; 0 keeps NCCL's kernels; comm_p2p_ce.c): a two-rank group that
+ * copy_engines (the key pp_copy_engines, true by default; false keeps NCCL's kernels;
+ * comm_p2p_ce.c): a two-rank group that
  * carries messages one way, from its rank 0 to its rank 1 (step.c's links), with both GPUs
  * on one machine and peer access between them, moves them with no SM at all instead of
  * NCCL's kernels: the copy engines through CUDA IPC into a ring of COMM_P2P_CE_SLOTS slots
  * of max_bytes on the receiver, synchronised by stream memory operations. Both ranks agree
  * on the path (else both take NCCL). A receive there completes on the device: the compute
  * stream waits for it, the host does not (see comm_p2p_drain). */
-void comm_p2p_init(const Comm *c, size_t max_bytes);
+void comm_p2p_init(const Comm *c, size_t max_bytes, int copy_engines);
 #define COMM_P2P_CE_SLOTS 4
-/* MESHTRAIN_PP_CE: 1 or unset asks for the copy-engine path (the default); 0 keeps NCCL's
- * kernels; anything else ends the run (exit 2). */
-int comm_p2p_ce_asked(void);
 /* MESHTRAIN_PP_SKIP_COPIES=1 (a timing experiment for the benchmarks, never for training): on
  * the copy engines' path the messages' copies are left out, the counters kept, so the
  * schedule runs as before without moving a byte, and the step's time against a normal run's

@@ -74,8 +74,6 @@ void nccl_stream_wait(CommReq *r);
  * stream's work so far; r->ev completes it (nccl_p2p_done). */
 void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what);
 int nccl_p2p_done(void *r);
-/* The compute stream waits (on the device) for r's event; r stays pending. */
-void nccl_p2p_stream_wait(CommP2P *r);
 void nccl_p2p_init(const Comm *c);
 /* The group's send/receive stream (made at its first use), and its wait for the compute
  * stream's work so far (which wrote the buffer sent, or last read the one received into),
@@ -100,7 +98,7 @@ int ipc_map_blocks(const Comm *c, char *mine, size_t token_at, char **blocks, co
 void ipc_wait64(void *stream, const void *ctr, uint64_t v, const Comm *c, const char *what);
 void ipc_write64(void *stream, void *ctr, uint64_t v, const Comm *c, const char *what);
 
-/* comm_p2p_ce.c: send/receive on the copy engines (MESHTRAIN_PP_CE=1, comm_p2p_init). */
+/* comm_p2p_ce.c: send/receive on the copy engines (pp_copy_engines=true, comm_p2p_init). */
 static inline int p2p_ce_on(const Comm *c) { return ((CommImpl *)c->impl)->p2p_ce != NULL; }
 /* Sets c up for it (collective over c); 0 where both ranks take NCCL instead. */
 int p2p_ce_init(const Comm *c, size_t max_bytes);

@@ -237,20 +237,14 @@ void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP
     *r = (CommP2P){q, c, what, NULL};
 }
 
-void comm_p2p_init(const Comm *c, size_t max_bytes) {
+void comm_p2p_init(const Comm *c, size_t max_bytes, int copy_engines) {
     if (!c->impl) return;
     ((CommImpl *)c->impl)->p2p_bytes = max_bytes;
 #ifdef MESHTRAIN_NCCL
-    if (use_nccl(c) && !(comm_p2p_ce_asked() && p2p_ce_init(c, max_bytes))) nccl_p2p_init(c);
+    if (use_nccl(c) && !(copy_engines && p2p_ce_init(c, max_bytes))) nccl_p2p_init(c);
+#else
+    (void)copy_engines;
 #endif
-}
-
-void comm_p2p_wait_device(CommP2P *r) {
-#ifdef MESHTRAIN_NCCL
-    if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: comm_p2p_wait's */
-    if (r->ev) { nccl_p2p_stream_wait(r); return; }
-#endif
-    comm_p2p_wait(r);
 }
 
 void comm_p2p_wait(CommP2P *r) {

@@ -173,10 +173,6 @@ void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2
     *r = (CommP2P){NULL, c, what, (void *)ev};
 }
 
-void nccl_p2p_stream_wait(CommP2P *r) {
-    cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), (cudaEvent_t)r->ev, 0), r->c, r->what, "cudaStreamWaitEvent");
-}
-
 int nccl_p2p_done(void *arg) {
     CommP2P *r = arg;
     return event_done(r->c, r->what, &r->ev);

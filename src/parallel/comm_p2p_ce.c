@@ -1,4 +1,4 @@
-/* comm_p2p_ce — pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default;
+/* comm_p2p_ce — pipeline send/receive on the copy engines (pp_copy_engines=true, the default;
  * comm.h's comm_p2p_init): no SM is held while a stage's activations and their gradients
  * move, or while a stage waits for them. On four H100s every stage's kernels ran 8-12% slower
  * beside NCCL's send/receive kernels (which hold SMs and spin), and NCCL_P2P_USE_CUDA_MEMCPY=1
@@ -36,9 +36,6 @@
 #include "comm_impl.h"
 #include "env.h"
 #include "util.h"
-
-/* (the default 1: faster at every schedule measured) */
-int comm_p2p_ce_asked(void) { return env_flag("MESHTRAIN_PP_CE", 1); }
 
 int comm_p2p_skip_copies(void) {
     static int v = -1;  /* (asked per message: read once) */
@@ -89,7 +86,7 @@ typedef struct {
 static char *counter(const P2pCe *p, char *block, int receiver) { return block + (receiver ? R * p->slot : 0); }
 
 int p2p_ce_init(const Comm *c, size_t max_bytes) {
-    const char *what = "pipeline send/receive set-up (MESHTRAIN_PP_CE=1)";
+    const char *what = "pipeline send/receive set-up (pp_copy_engines=true)";
     CommImpl *ci = c->impl;
     unsigned long long most = max_bytes;  /* both ends size the ring alike */
     comm_check(MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi(c)), c, what);

@@ -241,11 +241,11 @@ int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *
 /* ---- auto for a schedule: the split whose simulated step is shortest ---- */
 
 /* The simulated makespan of kind over m micro-batches for layer counts n of p x v stages. */
-static int span_of(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, int split_ok,
+static int span_of(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, int split_ok, int zb1_max,
                    const double *head, const int *n, Stage *tmp, double *cost) {
     stages_of_counts(c, p * v, n, tmp);
     pipeline_stage_costs(c, T, tmp, p * v, head, cost);
-    return schedule_makespan(kind, p, m, v, split_ok, cost);
+    return schedule_makespan(kind, p, m, v, split_ok, zb1_max, cost);
 }
 
 /* What the search may spend, in simulated actions x ranks (half a second on one core at most). */
@@ -253,7 +253,7 @@ static int span_of(const ModelConfig *c, int T, int p, int v, ScheduleKind kind,
 
 typedef struct {
     const ModelConfig *c;
-    int T, p, v, m, S, best, split_ok;
+    int T, p, v, m, S, best, split_ok, zb1_max;
     ScheduleKind kind;
     const double *head;
     int *n, *best_n;
@@ -265,7 +265,7 @@ typedef struct {
 static void every_split(Search *q, int i, int left) {
     if (i == q->S - 1) {
         q->n[i] = left;
-        int t = span_of(q->c, q->T, q->p, q->v, q->kind, q->m, q->split_ok, q->head, q->n, q->tmp, q->cost);
+        int t = span_of(q->c, q->T, q->p, q->v, q->kind, q->m, q->split_ok, q->zb1_max, q->head, q->n, q->tmp, q->cost);
         if (t > 0 && t < q->best) q->best = t, memcpy(q->best_n, q->n, (size_t)q->S * sizeof(int));
         return;
     }
@@ -276,7 +276,8 @@ static void every_split(Search *q, int i, int left) {
 }
 
 int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, int split_ok,
-                            const double *head, const char *spec, Stage *stages, char *err, size_t errlen) {
+                            int zb1_max_in_flight, const double *head, const char *spec, Stage *stages, char *err,
+                            size_t errlen) {
     int S = p * v;
     if (pipeline_split_ranks(c, T, p, v, spec, stages, err, errlen)) return -1;
     if (p < 2 || m < 1 || strcmp(spec, "auto")) return 0;
@@ -291,11 +292,11 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
     double *cost = xmalloc((size_t)S * 3 * sizeof(double));
     double per_eval = 3.0 * S * m * p * (kind == SCHED_INTERLEAVED ? 2 : 1), spent = 0, splits = 1;
     counts_of_stages(c, stages, S, n);
-    int best = span_of(c, T, p, v, kind, m, split_ok, head, n, tmp, cost);
+    int best = span_of(c, T, p, v, kind, m, split_ok, zb1_max_in_flight, head, n, tmp, cost);
     spent += per_eval;
     for (int k = 1; k < S && splits * per_eval <= SEARCH_BUDGET; k++) splits *= (double)(c->n_layers - S + 1 + k) / k;
     if (best > 0 && splits * per_eval <= SEARCH_BUDGET) {
-        Search q = {c, T, p, v, m, S, INT_MAX, split_ok, kind, head, xmalloc((size_t)S * sizeof(int)),
+        Search q = {c, T, p, v, m, S, INT_MAX, split_ok, zb1_max_in_flight, kind, head, xmalloc((size_t)S * sizeof(int)),
                     xmalloc((size_t)S * sizeof(int)), tmp, cost};
         every_split(&q, 0, c->n_layers);
         if (q.best < best - best / 500) memcpy(n, q.best_n, (size_t)S * sizeof(int));
@@ -309,7 +310,7 @@ int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleK
             for (int b = 0; b < S && spent < SEARCH_BUDGET; b++) {
                 if (b == a || n[a] <= min_layers(a, S) || (S > 16 && abs(a - b) != 1)) continue;
                 n[a]--, n[b]++;
-                int t = span_of(c, T, p, v, kind, m, split_ok, head, n, tmp, cost);
+                int t = span_of(c, T, p, v, kind, m, split_ok, zb1_max_in_flight, head, n, tmp, cost);
                 n[a]++, n[b]--;
                 spent += per_eval;
                 if (t > 0 && t < move_span) move_span = t, move_a = a, move_b = b;

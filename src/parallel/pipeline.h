@@ -24,11 +24,12 @@ int pipeline_split(const ModelConfig *c, int T, int p, const char *spec, Stage *
 int pipeline_split_ranks(const ModelConfig *c, int T, int p, int v, const char *spec, Stage *stages, char *err,
                          size_t errlen);
 /* What a run uses: pipeline_split_ranks, then with "auto" the split whose simulated step
- * under kind over m micro-batches (schedule_makespan with split_ok and pipeline_stage_costs for head) is
+ * under kind over m micro-batches (schedule_makespan with split_ok, zb1_max_in_flight and pipeline_stage_costs for head) is
  * shortest, a last stage holding the head alone among them: of every split where there are few enough, else from the balanced one by moving
  * a layer at a time (never longer than it; bounded work, half a second at most). */
 int pipeline_split_schedule(const ModelConfig *c, int T, int p, int v, ScheduleKind kind, int m, int split_ok,
-                            const double *head, const char *spec, Stage *stages, char *err, size_t errlen);
+                            int zb1_max_in_flight, const double *head, const char *spec, Stage *stages, char *err,
+                            size_t errlen);
 /* The stages pipeline rank `rank` of p computes when the split has p x v stages: stages
  * c x p + rank for c = 0..v-1 (interleaved; v = 1: stage `rank`), into out[0..v). */
 void pipeline_rank_stages(const Stage *split, int p, int v, int rank, Stage *out);

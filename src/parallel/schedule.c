@@ -47,10 +47,10 @@ static void backward(Schedule *s, int i, int c) {
  * In unit time steps (forward 1, backward 2, or 1 + 1 when split), a free rank runs the
  * next backward if its gradient has arrived, else the next forward if its input has and it
  * holds fewer micro-batches than its limit, else (split) the oldest weight-gradient pass
- * waiting; communication is taken as instant. The limit for zb1 is p + 3 micro-batches, less
- * on the last stages (p + 1, one more than 1F1B's first stage, gives ZB-H1's
- * m (F + B + W) + (p - 1)(F + B - W) in unit steps, but measured times are not equal units:
- * see plan()); for interleaved Megatron's warm-up plus one,
+ * waiting; communication is taken as instant. The limit for zb1 is p + 3 micro-batches
+ * (zb1_max_in_flight), less on the last stages (p + 1, one more than 1F1B's first stage,
+ * gives ZB-H1's m (F + B + W) + (p - 1)(F + B - W) in unit steps, but measured times are not
+ * equal units: see plan()); for interleaved Megatron's warm-up plus one,
  * (p - r - 1) x 2 + (v - 1) x p + 1, raised by one until the simulation ends (a short last
  * round can need more). Interleaved takes Megatron-LM's own lists instead where they run
  * and are no longer, and, without activation checkpointing, lists with its backward split
@@ -227,23 +227,21 @@ static void sim_free(Sim *S) {
 }
 
 /* Every rank's list of kind (interleaved or zb1) into S: 0, or -1 if none was found. */
-static int plan(Sim *S, ScheduleKind kind) {
+static int plan(Sim *S, ScheduleKind kind, int zb1_max_in_flight) {
     /* interleaved with its backward split: Megatron-LM's lists have no W; two more held
      * (micro-batch, chunk)s than without, where W waits (bench/pp_sim: 0.95 of the bubble's
      * prediction at p = 4, m = 8 with none more, 0.98 with two, no better with more) */
     int more = kind == SCHED_INTERLEAVED && S->split ? 2 : 0;
     int p = S->p, v = S->v, vm = v * S->m, rc;
     int *lim = xmalloc((size_t)p * sizeof(int));
-    /* MESHTRAIN_ZB1_EXTRA=k (a tuning knob, read on every rank alike): zb1's limit on rank
-     * r is p - r + k, 1F1B's in-flight count plus k - 1, capped at MESHTRAIN_ZB1_HELD (another
-     * knob: the most micro-batches a rank holds from its F to its W; p + 3 by default). A cap
-     * of p + 1 gives ZB-H1's memory (1F1B's plus one), but its lists end on the last micro-
-     * batch's chain: on four H100s at m = 8, p + 3 ran 1.19x 1F1B against p + 1's 1.06x
-     * (bench/RESULTS.md), for 1.2 GB more activations on the first stage. */
-    const char *zx = getenv("MESHTRAIN_ZB1_EXTRA"), *zh = getenv("MESHTRAIN_ZB1_HELD");
-    int extra = zx && atoi(zx) > 0 ? atoi(zx) : p + 1, cap = zh && atoi(zh) > 0 ? atoi(zh) : p + 3;
+    /* zb1's limit on rank r is p - r + p + 1, 1F1B's in-flight count plus p, capped at
+     * zb1_max_in_flight (the most micro-batches a rank holds from its F to its W; p + 3 by
+     * default). A cap of p + 1 gives ZB-H1's memory (1F1B's plus one), but its lists end on
+     * the last micro-batch's chain: on four H100s at m = 8, p + 3 ran 1.19x 1F1B against
+     * p + 1's 1.06x (bench/RESULTS.md), for 1.2 GB more activations on the first stage. */
+    int cap = zb1_max_in_flight > 0 ? zb1_max_in_flight : p + 3;
     for (int r = 0; r < p; r++) {
-        int l = kind == SCHED_ZB1 ? (p - r + extra < cap ? p - r + extra : cap) : (p - r - 1) * 2 + (v - 1) * p + 2 + more;
+        int l = kind == SCHED_ZB1 ? (2 * p + 1 - r < cap ? 2 * p + 1 - r : cap) : (p - r - 1) * 2 + (v - 1) * p + 2 + more;
         lim[r] = l < vm ? l : vm;
     }
     /* interleaved: Megatron-LM's lists where they run and are no longer than the greedy's */
@@ -261,11 +259,7 @@ static int plan(Sim *S, ScheduleKind kind) {
             if (lim[r] < vm) lim[r]++, raised = 1;
         if (!raised) break;
     }
-    /* MESHTRAIN_INTERLEAVED_LISTS=megatron|greedy (a tuning knob): take that one where it runs */
-    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
-    int want = il && !strcmp(il, "megatron") ? 1 : il && !strcmp(il, "greedy") ? 0 : -1;
-    if (S->split) want = -1;
-    if (mega >= 0 && (rc || (want < 0 ? mega <= S->makespan : want))) rc = simulate(S, vmlim, fixed, nfixed);
+    if (mega >= 0 && (rc || mega <= S->makespan)) rc = simulate(S, vmlim, fixed, nfixed);
     for (int r = 0; fixed && r < p; r++) free(fixed[r]);
     free(fixed);
     free(vmlim);
@@ -275,19 +269,15 @@ static int plan(Sim *S, ScheduleKind kind) {
 }
 
 /* The lists of kind (interleaved or zb1) into *S: zb1's with the backward split; interleaved's
- * without, and, with SCHED_SPLIT_ANY, also with it, taking those where they end sooner (or as
- * MESHTRAIN_INTERLEAVED_LISTS=split|unsplit|megatron|greedy, a tuning knob, forces). 0, or -1. */
-static int plan_best(Sim *S, ScheduleKind kind, int p, int v, int m, int split_ok, const double *cost) {
+ * without, and, with SCHED_SPLIT_ANY, also with it, taking those where they end sooner. 0, or
+ * -1. */
+static int plan_best(Sim *S, ScheduleKind kind, int p, int v, int m, int split_ok, int zb1_max_in_flight,
+                     const double *cost) {
     *S = sim_new(p, v, m, kind == SCHED_ZB1, cost);
-    int rc = plan(S, kind);
-    const char *il = getenv("MESHTRAIN_INTERLEAVED_LISTS");
-    int force = il && !strcmp(il, "split") ? 1
-                : il && (!strcmp(il, "megatron") || !strcmp(il, "greedy") || !strcmp(il, "unsplit")) ? 0 : -1;
-    if (kind != SCHED_INTERLEAVED || split_ok == SCHED_SPLIT_NONE || force == 0 ||
-        (split_ok == SCHED_SPLIT_ZB1 && force != 1))
-        return rc;
+    int rc = plan(S, kind, zb1_max_in_flight);
+    if (kind != SCHED_INTERLEAVED || split_ok != SCHED_SPLIT_ANY) return rc;
     Sim T = sim_new(p, v, m, 1, cost);
-    if (plan(&T, kind) == 0 && (rc || force == 1 || T.makespan < S->makespan)) {
+    if (plan(&T, kind, zb1_max_in_flight) == 0 && (rc || T.makespan < S->makespan)) {
         sim_free(S);
         *S = T;
         return 0;
@@ -296,10 +286,11 @@ static int plan_best(Sim *S, ScheduleKind kind, int p, int v, int m, int split_o
     return rc;
 }
 
-static int build_simulated(Schedule *s, int split_ok, const double *cost, char *err, size_t errlen) {
+static int build_simulated(Schedule *s, int split_ok, int zb1_max_in_flight, const double *cost, char *err,
+                           size_t errlen) {
     int v = s->chunks;
     Sim S;
-    int rc = plan_best(&S, s->kind, s->stages, v, s->micro_batches, split_ok, cost);
+    int rc = plan_best(&S, s->kind, s->stages, v, s->micro_batches, split_ok, zb1_max_in_flight, cost);
     s->split_backward = S.split;
     if (rc) {
         set_err(err, errlen, "internal: no %s schedule for %d stages, %d chunks, %d micro-batches",
@@ -324,13 +315,16 @@ static int build_simulated(Schedule *s, int split_ok, const double *cost, char *
 }
 
 int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, int split_ok,
-                   const double *cost, char *err, size_t errlen) {
+                   int zb1_max_in_flight, const double *cost, char *err, size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
     if (m < 1) return set_err(err, errlen, "%d micro-batches: at least one is needed", m);
     if (chunks < 1 || chunks > SCHED_MAX_CHUNKS || (chunks > 1 && kind != SCHED_INTERLEAVED))
         return set_err(err, errlen, "virtual_stages=%d: 1 to %d, and more than 1 only with pipeline_schedule=interleaved",
                        chunks, SCHED_MAX_CHUNKS);
+    if (zb1_max_in_flight < 0)
+        return set_err(err, errlen, "zb1_max_in_flight=%d: at least 1 (0: the default, %d)", zb1_max_in_flight,
+                       stages + 3);
     s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = chunks;
     if (kind == SCHED_ZB1 && split_ok == SCHED_SPLIT_NONE)
         return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight pass: "
@@ -338,7 +332,7 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
     s->head_split = schedule_head_split(kind, stages);
     s->actions = xmalloc((size_t)(7 * m * chunks + 1) * sizeof *s->actions);
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
-        if (build_simulated(s, split_ok, cost, err, errlen)) { schedule_free(s); return -1; }
+        if (build_simulated(s, split_ok, zb1_max_in_flight, cost, err, errlen)) { schedule_free(s); return -1; }
     } else if (kind == SCHED_GPIPE) {
         /* every forward, then every backward (in reverse order, as the activations were made) */
         for (int i = 0; i < m; i++) forward(s, i, 0);
@@ -378,15 +372,16 @@ void schedule_print(FILE *f, const Schedule *s) {
     fputc('\n', f);
 }
 
-int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, const double *cost) {
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, int zb1_max_in_flight,
+                      const double *cost) {
     int p = stages, vm = chunks * m, rc = 0;
     char err[128];
     if (stages < 1 || m < 1 || chunks < 1 || chunks > SCHED_MAX_CHUNKS || (chunks > 1 && kind != SCHED_INTERLEAVED))
         return -1;
-    if (kind == SCHED_ZB1 && split_ok == SCHED_SPLIT_NONE) return -1;
+    if ((kind == SCHED_ZB1 && split_ok == SCHED_SPLIT_NONE) || zb1_max_in_flight < 0) return -1;
     Sim S;
     if (kind == SCHED_INTERLEAVED || kind == SCHED_ZB1) {
-        rc = plan_best(&S, kind, p, chunks, m, split_ok, cost);  /* every rank's list at once: its makespan is theirs */
+        rc = plan_best(&S, kind, p, chunks, m, split_ok, zb1_max_in_flight, cost);  /* every rank's list at once: its makespan is theirs */
     } else {
         S = sim_new(p, chunks, m, 0, cost);  /* the fixed lists, played together */
         Action **fixed = xmalloc((size_t)p * sizeof(Action *));
@@ -395,7 +390,10 @@ int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int spli
             Schedule sc;
             fixed[r] = xmalloc((size_t)2 * vm * sizeof(Action));
             lim[r] = vm;
-            if (schedule_build(&sc, kind, p, r, m, chunks, split_ok, cost, err, sizeof err)) { rc = -1; continue; }
+            if (schedule_build(&sc, kind, p, r, m, chunks, split_ok, zb1_max_in_flight, cost, err, sizeof err)) {
+                rc = -1;
+                continue;
+            }
             for (int k = 0; k < sc.n; k++)
                 if (sc.actions[k].kind == ACT_FORWARD || sc.actions[k].kind == ACT_BACKWARD) fixed[r][nfixed[r]++] = sc.actions[k];
             schedule_free(&sc);

@@ -69,14 +69,17 @@ const char *schedule_kind_name(ScheduleKind k);
  * the same. split_ok (SCHED_SPLIT_*): whether the backward may be split in B and W: never
  * with activation checkpointing (W needs every layer's activations kept); zb1 needs it;
  * with SCHED_SPLIT_ANY interleaved also simulates its lists with the backward split (W
- * filling the bubble) and takes them where they end sooner. */
+ * filling the bubble) and takes them where they end sooner. zb1_max_in_flight (zb1 only;
+ * the key of that name): the most micro-batches a rank holds from a forward to its weight
+ * pass, 0 for the default p + 3 (p + 1 is ZB-H1's memory); below 0 is refused. */
 enum { SCHED_SPLIT_NONE, SCHED_SPLIT_ZB1, SCHED_SPLIT_ANY };
 int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int chunks, int split_ok,
-                   const double *cost, char *err, size_t errlen);
+                   int zb1_max_in_flight, const double *cost, char *err, size_t errlen);
 /* The simulated step of every rank's list under kind (all ranks together, in ticks of the
  * builders' scale: the mean forward is SCHED_TICKS_PER_FORWARD with cost, 1 in unit costs);
- * -1 on a deadlock. */
-int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, const double *cost);
+ * -1 on a deadlock or a layout schedule_build refuses. */
+int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, int zb1_max_in_flight,
+                      const double *cost);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
  * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */

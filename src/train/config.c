@@ -133,6 +133,12 @@ static const Key KEYS[] = {
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
       "pipeline: layers per stage, e.g. 5,4,4,3 (a last 0, 5,6,5,0: the last stage holds the head alone); auto: the split whose simulated step (the schedule over the stages' "
       "estimated FLOPs, embedding and head counted) is shortest"),
+    I(zb1_max_in_flight, "0", 0, 1 << 16, TR | CMD_ESTIMATE,
+      "zb1: the most micro-batches a pipeline rank holds from a forward to its weight pass (0 = p + 3; p + 1 is "
+      "ZB-H1's memory, fewer is less memory and a longer step)"),
+    B(pp_copy_engines, "true", TR | CMD_ESTIMATE,
+      "pipeline on one machine's GPUs: send/receive on the copy engines (CUDA IPC rings; no SM held), not NCCL's "
+      "send/receive kernels"),
     B(overlap, "true", TR, "overlap gradient collectives with the backward (false: wait for each)"),
     F(bucket_mb, "100", 0, 1e6, TR,
       "DDP: all-reduce the gradients of units that finish one after another together, up to this many MB "
@@ -376,6 +382,11 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                             config_was_set("virtual_stages")))
                 return set_err(err, errlen, "micro_batches, pipeline_schedule, virtual_stages and pipeline_split apply with "
                                "pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
+            if (pp == 1 && config_was_set("pp_copy_engines"))
+                return set_err(err, errlen, "pp_copy_engines applies with pipeline_parallel_size > 1");
+            if (config_was_set("zb1_max_in_flight") && strcmp(c->pipeline_schedule, "zb1"))
+                return set_err(err, errlen, "zb1_max_in_flight applies with pipeline_schedule=zb1, not "
+                               "pipeline_schedule=%s", c->pipeline_schedule);
             if (pp > 1 && c->micro_batches < pp)
                 return set_err(err, errlen, "micro_batches=%d is fewer than pipeline_parallel_size=%d: the pipeline "
                                "would never be full", c->micro_batches, pp);

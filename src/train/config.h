@@ -35,7 +35,7 @@ typedef struct {
     int copy_engines;
     char shard_strategy[16];
     char tp_comm[16];               /* auto | collectives | fused */
-    int micro_batches, virtual_stages;
+    int micro_batches, virtual_stages, zb1_max_in_flight, pp_copy_engines;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
     double peak_tflops;             /* MFU's reference (0: by the card's name) */

@@ -48,7 +48,7 @@ static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in,
         comm_split(pipe, color, key, name, &tmp);
         if (dst) {
             *dst = tmp;
-            comm_p2p_init(dst, dst == out ? out_bytes : in_bytes);
+            comm_p2p_init(dst, dst == out ? out_bytes : in_bytes, st->pipe.copy_engines);
             st->link_order[st->n_links++] = dst;
         } else {
             comm_free(&tmp);
@@ -68,14 +68,10 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         if (stage_has_head(m, &s[c])) st->head_chunk = c;
     }
     if (pipe) st->pipe = *pipe;
-    const char *rv = getenv("MESHTRAIN_PP_RECV");  /* a benchmark knob: host (default) or device */
-    if (rv && *rv && strcmp(rv, "host") && strcmp(rv, "device"))  /* (every rank has it: one line) */
-        die_once(EXIT_BAD_INPUT, "MESHTRAIN_PP_RECV=%s: expected host or device", rv);
-    st->recv_device = rv && !strcmp(rv, "device");
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
-                       pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute), piped(st) ? st->pipe.cost : NULL,
-                       err, errlen))
+                       pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute),
+                       piped(st) ? st->pipe.zb1_max_in_flight : 0, piped(st) ? st->pipe.cost : NULL, err, errlen))
         return -1;
     if (piped(st)) {
         /* each link's messages: one micro-batch's residual stream or its gradient, or none */
@@ -218,17 +214,13 @@ static int tag(const Step *st, const Action *a) {
 }
 
 /* A receive into slot i of chunk c (the input, or the output's gradient): its earlier one
- * into the slot completed on the host first (long since consumed; this is where a dead peer
- * is noticed), then, with recv_device, the compute stream waits for the new one on the
- * device and the host goes on queueing the next actions (at small micro-batches the host
- * otherwise waits for each message and then runs a chunk's launches with the GPU idle
- * behind it); else the host waits for it (on the copy engines a receive always completes
- * on the device: comm.h). */
-static void recv_slot(Step *st, CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
+ * into the slot completed first (long since consumed; this is where a dead peer is noticed),
+ * then the new one waited for: by the host (MPI, NCCL's kernels), or on the copy engines by
+ * the compute stream on the device (comm.h). */
+static void recv_slot(CommP2P *slots, int i, const Comm *link, void *buf, size_t bytes, int tag) {
     comm_p2p_wait(&slots[i]);
     comm_irecv(link, buf, bytes, peer(link), tag, &slots[i], "pipeline receive");
-    if (st->recv_device) comm_p2p_wait_device(&slots[i]);
-    else comm_p2p_wait(&slots[i]);
+    comm_p2p_wait(&slots[i]);
 }
 
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
@@ -264,7 +256,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         switch (act->kind) {
         case ACT_RECV_INPUT:
             slot_free(st, c, slot);
-            recv_slot(st, st->recv_in[c], slot, &st->act_in, model_stage_input(m, a), act_bytes, tag(st, act));
+            recv_slot(st->recv_in[c], slot, &st->act_in, model_stage_input(m, a), act_bytes, tag(st, act));
             break;
         case ACT_FORWARD:
             slot_free(st, c, slot);
@@ -278,7 +270,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
                        &st->sent_out[c][slot], "pipeline send");
             break;
         case ACT_RECV_GRAD:
-            recv_slot(st, st->recv_grad[c], slot, &st->grad_in, model_stage_grad(a), act_bytes, tag(st, act));
+            recv_slot(st->recv_grad[c], slot, &st->grad_in, model_stage_grad(a), act_bytes, tag(st, act));
             break;
         case ACT_BACKWARD:
             if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[n_b++ % st->n_wbuf], hooks);

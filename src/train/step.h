@@ -21,7 +21,9 @@
 typedef struct {
     const Comm *pipe, *tie;
     ScheduleKind kind;
-    const double *cost;  /* every stage's estimated F, B, W (schedule_build's), or NULL */
+    const double *cost;     /* every stage's estimated F, B, W (schedule_build's), or NULL */
+    int zb1_max_in_flight;  /* schedule_build's (the key's; 0: the default) */
+    int copy_engines;       /* send/receive on the copy engines where a link can (comm_p2p_init's) */
 } StepPipeline;
 
 typedef struct {
@@ -46,7 +48,6 @@ typedef struct {
     int n_links;
     CommP2P *sent_out[SCHED_MAX_CHUNKS], *sent_grad[SCHED_MAX_CHUNKS];  /* per slot: being sent */
     CommP2P *recv_in[SCHED_MAX_CHUNKS], *recv_grad[SCHED_MAX_CHUNKS];  /* ... being received */
-    int recv_device;       /* MESHTRAIN_PP_RECV=device: receives waited for on the device only */
     int *mb_inputs, *mb_targets;  /* the step's micro-batches [micro][N], read at its start */
     float *dev_losses;     /* micro > 1: every micro-batch's per-row losses [micro][N] */
     float *host_losses;

@@ -189,17 +189,16 @@ void train_setup(TrainRun *r, Config *c) {
     memset(r, 0, sizeof *r);
     r->c = c;
     char err[1024], b1[32], b2[32];
-    /* MESHTRAIN_PP_CE=1 (the default): pipeline send/receive on the copy engines, whose streams wait in
+    /* pp_copy_engines=true (the default): pipeline send/receive on the copy engines, whose streams wait in
      * memory operations, each holding one of the device's hardware queues; with the default 8
-     * other streams would share a queue with (and wait behind) one of them. The variable is
-     * read when the CUDA context is made (cuda_init, in ops_init): set here, before MPI_Init
+     * other streams would share a queue with (and wait behind) one of them. CUDA reads
+     * CUDA_DEVICE_MAX_CONNECTIONS when the context is made (cuda_init, in ops_init): set here, before MPI_Init
      * too (a CUDA-aware MPI may start CUDA), unless the user set it. Tensor parallel's fused
      * sums (tp_comm) wait so on the compute stream: the comm stream, whose NCCL kernels a
      * peer may be waiting for, must not wait behind it. */
-    r->pp_ce = comm_p2p_ce_asked();
+    r->pp_ce = c->pp_copy_engines;
     r->gpu = !strcmp(c->device, "cuda");
     r->tp_fused_wanted = tensor_parallel_fused_wanted(tp_comm_of(c), c->tensor_parallel_size, r->gpu);
-    (void)comm_p2p_skip_copies();  /* a malformed value ends the run here, CPU ranks too */
     if (r->gpu && ((r->pp_ce && c->pipeline_parallel_size > 1) || r->tp_fused_wanted))
         env_default("CUDA_DEVICE_MAX_CONNECTIONS", "32");
     comm_world_init(&r->world, c->comm_timeout);
@@ -256,12 +255,13 @@ void train_setup(TrainRun *r, Config *c) {
     r->stage_cost = xcalloc((size_t)r->PP * r->V * 3, sizeof(double));  /* each stage's F, B, W estimate */
     int split_ok = pipeline_split_backward_ok(&r->mc, r->BM * r->T, c->activation_checkpointing);
     if (!f.code && r->PP > 1) {
-        if (pipeline_split_schedule(&r->mc, r->T, r->PP, r->V, r->sched, r->M, split_ok,
+        if (pipeline_split_schedule(&r->mc, r->T, r->PP, r->V, r->sched, r->M, split_ok, c->zb1_max_in_flight,
                                     pipeline_head_placement(r->sched, r->PP), c->pipeline_split, r->stages, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else pipeline_rank_stages(r->stages, r->PP, r->V, r->mesh.pp_rank, r->mine);
         if (!f.code) pipeline_stage_costs(&r->mc, r->T, r->stages, r->PP * r->V, pipeline_head_placement(r->sched, r->PP), r->stage_cost);
-        if (!f.code && schedule_build(&r->sc, r->sched, r->PP, r->mesh.pp_rank, r->M, r->V, split_ok, r->stage_cost, err, sizeof err))
+        if (!f.code && schedule_build(&r->sc, r->sched, r->PP, r->mesh.pp_rank, r->M, r->V, split_ok, c->zb1_max_in_flight,
+                                      r->stage_cost, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     }
     for (int i = 0; i < r->V; i++) r->holds_head |= r->mine[i].last == r->mc.n_layers + 1;
@@ -419,7 +419,8 @@ void train_setup(TrainRun *r, Config *c) {
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
     r->peak = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : r->gpu ? card_peak_flops(ops_device_name()) : 0;
-    StepPipeline pipe = {&r->mesh.pp, r->tie_member ? &r->tie : NULL, r->sched, r->stage_cost};
+    StepPipeline pipe = {&r->mesh.pp, r->tie_member ? &r->tie : NULL, r->sched, r->stage_cost, c->zb1_max_in_flight,
+                         r->pp_ce};
     if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M, r->PP > 1 ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     if (r->PP > 1) {  /* the path the links that carry messages took, over every rank */
@@ -432,13 +433,13 @@ void train_setup(TrainRun *r, Config *c) {
         if (r->lead)
             printf("pipeline send/receive: %s\n",
                    !r->gpu ? "MPI (host memory)"
-                   : !r->pp_ce ? "NCCL kernels (MESHTRAIN_PP_CE=0)"
+                   : !r->pp_ce ? "NCCL kernels (pp_copy_engines=false)"
                    : !took[0] ? "copy engines (CUDA IPC rings, stream memory operations; no SM)"
                    : took[1] ? "copy engines on some links, NCCL kernels on the others (a link's two GPUs must be on "
                                "one machine, with peer access)"
                              : "NCCL kernels (the copy engines cannot take them here: a link's two GPUs must be on one "
                                "machine, with peer access and 64-bit stream memory operations)");
-        if (r->lead && r->gpu && r->pp_ce && took[1] && comm_p2p_skip_copies())
+        if (r->lead && took[1] && comm_p2p_skip_copies())  /* (where the copy engines carry a link: there only) */
             printf("pipeline send/receive: MESHTRAIN_PP_SKIP_COPIES=1: the messages are NOT copied (a timing "
                    "experiment: this run's results are wrong)\n");
     }

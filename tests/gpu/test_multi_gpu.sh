@@ -11,8 +11,8 @@
 # without sequence parallel, tied and untied) follows one GPU in fp32, on NCCL's collectives
 # (tp_comm=collectives) and with its sums and gathers fused into the products (tp_comm=fused,
 # the default at tp 2 and 4). Pipeline
-# send/receive on the copy engines (MESHTRAIN_PP_CE=1, the default) is bitwise NCCL's (MESHTRAIN_PP_CE=0). A rank that is killed, or hangs, ends the job within seconds with a message
-# (DDP and FSDP; pipeline stages with MESHTRAIN_PP_CE=1), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
+# send/receive on the copy engines (pp_copy_engines=true, the default) is bitwise NCCL's (pp_copy_engines=false). A rank that is killed, or hangs, ends the job within seconds with a message
+# (DDP and FSDP; pipeline stages on the copy engines), as on CPU ranks. offload=optimizer with ZeRO-2, FSDP and DDP follows the
 # same run without offload (fp32 1e-5 over 20 steps; mixed within the mixed tolerance);
 # offload=params (the FSDP shards in host memory too) as well. Layer graphs
 # (cuda_graphs=true) under DDP, FSDP and pipeline schedules are bitwise the runs op by op.
@@ -147,12 +147,11 @@ for keys in "fsdp=true shard_strategy=grad_op" "fsdp=true shard_strategy=full" "
 done
 # -- pipeline parallel: NP stages (one data-parallel rank, so batch_size=NP*B) follow one GPU
 # too, under every schedule; activations and their gradients go by NCCL send/receive
-# (MESHTRAIN_PP_CE=0; the copy engines' runs below must be bitwise these) on two-rank groups,
+# (pp_copy_engines=false; the copy engines' runs below must be bitwise these) on two-rank groups,
 # one per neighbour and direction (interleaved goes round the ring)
-export MESHTRAIN_PP_CE=0
 while IFS='|' read -r name tied keys; do
   out=$TMP/pp_$name
-  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys &&
+  if runn "$out" $M tie_embeddings=$tied batch_size=$((NP * B)) pipeline_parallel_size=$NP $keys pp_copy_engines=false &&
      close "$TMP/one_$tied" "$out"
   then ok "multi_gpu_pipeline_follows_one_gpu_$name"
   else bad "multi_gpu_pipeline_follows_one_gpu_$name ($(tail -3 "$out.log" | tr '\n' ' '))"; fi
@@ -167,12 +166,11 @@ CASES
 # 2 stages of two layers, the same arithmetic in another order
 for sched in 1f1b interleaved; do
   runn "$TMP/pp4l_$sched" ${M/n_layers=2/n_layers=4} tie_embeddings=true batch_size=$((NP * B)) \
-    pipeline_parallel_size=$NP micro_batches=4 pipeline_schedule=$sched
+    pipeline_parallel_size=$NP micro_batches=4 pipeline_schedule=$sched pp_copy_engines=false
 done
 close "$TMP/pp4l_1f1b" "$TMP/pp4l_interleaved" && ok multi_gpu_pipeline_interleaved_follows_1f1b ||
   bad "multi_gpu_pipeline_interleaved_follows_1f1b ($(tail -3 "$TMP/pp4l_interleaved.log" | tr '\n' ' '))"
-unset MESHTRAIN_PP_CE
-# -- pipeline send/receive on the copy engines (MESHTRAIN_PP_CE=1: CUDA IPC rings, stream
+# -- pipeline send/receive on the copy engines (pp_copy_engines=true: CUDA IPC rings, stream
 # memory operations, no SM): the header says so, and it moves the same bytes as NCCL's
 # kernels, so each run is bitwise its NCCL run above (1F1B, zb1 with its head split, tied, and
 # interleaved round the ring); its estimate grows by the rings, as its peak does (within 5% of
@@ -197,7 +195,7 @@ echo "  pipeline copy engines: estimate $ec, peak $pc; NCCL kernels: estimate $e
 if [ -n "$ec" ] && [ -n "$pc" ] && [ -n "$en" ] && [ -n "$pn" ] && [ "$ec" -gt "$en" ] &&
    awk -v a=$((ec - en)) -v b=$((pc - pn)) 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d <= 0.05 * a)}'
 then ok multi_gpu_pipeline_ce_estimate_counts_rings; else bad multi_gpu_pipeline_ce_estimate_counts_rings; fi
-grep -q "^pipeline send/receive: NCCL kernels (MESHTRAIN_PP_CE=0)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
+grep -q "^pipeline send/receive: NCCL kernels (pp_copy_engines=false)" "$TMP/pp_1f1b.log" && ok multi_gpu_pipeline_ce_0_takes_nccl ||
   bad multi_gpu_pipeline_ce_0_takes_nccl
 grep -m1 "^done:" "$TMP/np_ddp.log"
 # -- layer graphs on several processes (cuda_graphs=true; off by default there): each
@@ -307,13 +305,12 @@ done
 # host's tickets (within comm_timeout) still end the job
 fault gpu_killed_rank_ends_job_tp_fused MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" tensor_parallel_size=$NP tp_comm=fused
 fault gpu_hung_rank_times_out_tp_fused MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" tensor_parallel_size=$NP tp_comm=fused
-# ... and pipeline stages whose receives wait on the device (MESHTRAIN_PP_CE=1): the host
+# ... and pipeline stages whose receives wait on the device (pp_copy_engines=true): the host
 # still notices, at the receive R later or at the optimizer step
-export MESHTRAIN_PP_CE=1
-fault gpu_killed_stage_ends_job_pp_ce MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" pipeline_parallel_size=$NP micro_batches=2
+fault gpu_killed_stage_ends_job_pp_ce MESHTRAIN_FAULT_KILL 20 "rank 1.*signal 9" pipeline_parallel_size=$NP micro_batches=2 \
+  pp_copy_engines=true
 fault gpu_hung_stage_times_out_pp_ce MESHTRAIN_FAULT_HANG 5 "did not complete within 5 s" pipeline_parallel_size=$NP \
-  micro_batches=2
-unset MESHTRAIN_PP_CE
+  micro_batches=2 pp_copy_engines=true
 
 # -- offload=optimizer on NP GPUs: each rank's shard of the master weights and the
 # optimizer's state in its pinned host memory, its update on the CPU cores: ZeRO-2 and FSDP
