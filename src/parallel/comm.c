@@ -1,7 +1,7 @@
-/* comm — the public functions of comm.h: the world and its groups, the dispatch of every
- * collective to a group of one, the MPI rings (comm_mpi.c) or NCCL (comm_nccl.c), the
- * bounded wait, and the agreement on set-up failures. comm_ce.c holds comm_alloc and the
- * copy-engine all-reduce. */
+/* comm — the public functions of comm.h: the world and its groups, the choice of each
+ * group's transport (comm_impl.h's CommBackend: MPI's rings, comm_mpi.c, or NCCL,
+ * comm_nccl.c) and the one place every collective and message is dispatched to it, the
+ * bounded wait, and the agreement on set-up failures. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,63 +121,65 @@ void comm_split(const Comm *parent, int color, int key, const char *name, Comm *
     else { MPI_Comm_free(&ci->mc); free(ci); }
 }
 
+const CommBackend *comm_backend_of(const Comm *c) {
+    CommImpl *ci = c->impl;
+    if (!ci->be) {
+#ifdef MESHTRAIN_NCCL
+        ci->be = ops_host_memory() ? &comm_mpi_backend : &comm_nccl_backend;
+#else
+        ci->be = &comm_mpi_backend;
+#endif
+    }
+    return ci->be;
+}
+
+/* Every float collective and message goes through here: a group of one to MPI's table (its
+ * requests move nothing), any other group to its own. */
+static const CommBackend *be(const Comm *c) { return c->impl ? comm_backend_of(c) : &comm_mpi_backend; }
+
 void comm_free(Comm *c) {
     if (c->impl) {
-#ifdef MESHTRAIN_NCCL
-        p2p_ce_release(c);
-        nccl_free(c->impl);
-#endif
-        MPI_Comm_free(&((CommImpl *)c->impl)->mc);
+        CommImpl *ci = c->impl;
+        if (ci->be) ci->be->release(c);
+        MPI_Comm_free(&ci->mc);
         free(c->impl);
     }
     c->impl = NULL;
 }
 
-int comm_test(CommReq *r) {
-    if (!r->active) return 1;
-#ifdef MESHTRAIN_NCCL
-    if (r->ev) return nccl_test(r);
-#endif
-    if (!r->c->impl) { req_end(r); return 1; }
-    return ring_test(r);
-}
+int comm_test(CommReq *r) { return !r->active || be(r->c)->test(r); }
 
 void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) {
-        nccl_iallreduce(c, buf, n, t, op, r, what);
-        return;
-    }
-#endif
-    size_t D = (size_t)c->size;
-    trace_span_begin(NULL, what, n * type_size(t));
-    req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, t, op, what);
-    comm_test(r);
+    be(c)->iallreduce(c, buf, n, t, op, r, what);
 }
 
 void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
                           const char *what) {
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) {
-        nccl_ireduce_scatter(c, send, recv, recv_n, t, op, r, what);
-        return;
-    }
-#endif
-    trace_span_begin(NULL, what, recv_n * (size_t)c->size * type_size(t));
-    req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, t, op, what);
-    comm_test(r);
+    be(c)->ireduce_scatter(c, send, recv, recv_n, t, op, r, what);
 }
 
 void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what) {
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) {
-        nccl_iallgather(c, buf, n, t, r, what);
-        return;
-    }
-#endif
-    trace_span_begin(NULL, what, n * (size_t)c->size * type_size(t));
-    req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, t, COMM_SUM, what);
-    comm_test(r);
+    be(c)->iallgather(c, buf, n, t, r, what);
+}
+
+void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    *r = (CommP2P){NULL, c, what, NULL};
+    if (c->impl) be(c)->isend(c, buf, bytes, peer, tag, r, what);
+}
+
+void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    *r = (CommP2P){NULL, c, what, NULL};
+    if (c->impl) be(c)->irecv(c, buf, bytes, peer, tag, r, what);
+}
+
+void comm_p2p_init(const Comm *c, size_t max_bytes, int copy_engines) {
+    if (!c->impl) return;
+    ((CommImpl *)c->impl)->p2p_bytes = max_bytes;
+    be(c)->p2p_init(c, max_bytes, copy_engines);
+}
+
+void comm_p2p_wait(CommP2P *r) {
+    if (r->c && r->c->impl && (r->q || r->ev)) be(r->c)->p2p_wait(r);
 }
 
 /* Between polls: spin a while, then sleep 20 us a round so as not to starve the other
@@ -215,13 +217,7 @@ void comm_wait(CommReq *r) {
 }
 
 void comm_wait_device(CommReq *r) {
-#ifdef MESHTRAIN_NCCL
-    if (r->active && r->ev) {
-        nccl_stream_wait(r);
-        return;
-    }
-#endif
-    comm_wait(r);
+    if (r->active) be(r->c)->wait_device(r);
 }
 
 void comm_poll(CommReq *r, int (*stop)(void), double max_s) {

@@ -20,11 +20,14 @@
  * (a peer rank died or hangs) ends this rank with a one-line message and aborts the job,
  * instead of hanging forever.
  *
- * Where each part lives: comm.c, these functions' dispatch (a group of one, the MPI rings
- * or NCCL), the world and its groups, the bounded wait; comm_mpi.c, the MPI rings and the
- * blocking host collectives; comm_nccl.c, the NCCL communicators, comm stream, events and
- * abort; comm_ce.c, comm_alloc and the copy-engine collectives; comm_p2p_ce.c, the pipeline's
- * send/receive on the copy engines; comm_impl.h, what they share. */
+ * Where each part lives: comm.c, the world and its groups, the choice of each group's
+ * transport (a table of functions, comm_impl.h's CommBackend, chosen once per group) and the
+ * one place every collective and message is dispatched to it, the bounded wait; comm_mpi.c,
+ * the MPI transport (rings) and the host collectives; comm_nccl.c, the NCCL transport
+ * (communicators, comm stream, events, abort), with its group-side paths beside it:
+ * comm_ce.c, comm_alloc and the copy-engine all-reduce; comm_p2p_ce.c, the pipeline's
+ * send/receive on the copy engines; comm_ipc.c, memory every rank of a group maps (tensor
+ * parallel's fused sums); comm_impl.h, what they share. */
 #ifndef MESHTRAIN_COMM_H
 #define MESHTRAIN_COMM_H
 #include <stddef.h>
@@ -123,6 +126,10 @@ void comm_poll(CommReq *r, int (*stop)(void), double max_s);
 void comm_allreduce(const Comm *c, float *buf, size_t n, CommOp op);
 void comm_allreduce_double(const Comm *c, double *buf, size_t n);  /* sum */
 void comm_allreduce_max_int(const Comm *c, int *buf, size_t n);
+void comm_allreduce_min_int(const Comm *c, int *buf, size_t n);
+void comm_allreduce_max_u64(const Comm *c, uint64_t *buf, size_t n);
+/* buf holds size blocks of `each` bytes, this rank's at rank x each; every block is filled. */
+void comm_allgather_bytes(const Comm *c, void *buf, size_t each);
 void comm_reduce_scatter(const Comm *c, float *send, float *recv, size_t recv_n, CommOp op);
 void comm_allgather(const Comm *c, float *buf, size_t n);
 void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root);

@@ -64,7 +64,7 @@ static int ce_possible(const Comm *c) {
     int v = 0, ok;
     ok = ncclGetVersion(&v) == ncclSuccess && v >= NCCL_VERSION(2, 28, 0);
     ok = comm_one_machine(c) && ok;
-    comm_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, "copy-engine check");
+    comm_allreduce_min_int(c, &ok, 1);
     ci->ce_ok = ok ? 1 : -1;
     return ok;
 }
@@ -117,7 +117,7 @@ int comm_copy_engines_active(const Comm *c) {
 
 int comm_copy_engines_possible(const Comm *c) {
 #if defined(MESHTRAIN_NCCL) && HAVE_CE
-    return g_ce_wanted && c->size > 1 && use_nccl(c) && ce_possible(c);
+    return g_ce_wanted && c->size > 1 && on_nccl(c) && ce_possible(c);
 #else
     (void)c;
     return 0;
@@ -137,7 +137,7 @@ void *comm_alloc(const Comm *c, size_t bytes) {
     /* The communicator must be new, to be made with the zero-CTA policy, unless it already
      * has the all-to-all buffer; every rank takes the same branch (the same calls have
      * reached here on all of them). */
-    if (bytes && g_n_reg < MAX_REG && use_nccl(c) && (ci->a2a || !ci->nccl) && comm_copy_engines_possible(c)) {
+    if (bytes && g_n_reg < MAX_REG && on_nccl(c) && (ci->a2a || !ci->nccl) && comm_copy_engines_possible(c)) {
         ncclComm_t nc = ci->nccl ? ci->nccl : nccl_make(c, what, 1);
         if (!ci->a2a) {  /* sized by the first buffer: later ones are reduced in pieces of it */
             ci->a2a_bytes = comm_ce_buffer_bytes(bytes);

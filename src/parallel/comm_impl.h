@@ -12,9 +12,36 @@
 #include <nccl.h>
 #endif
 
+/* A group's transport: how its float collectives and its point-to-point messages move.
+ * comm.c chooses one per group, once, at the group's first collective or message
+ * (comm_backend_of): NCCL where the buffers are device memory (a device=cuda run; beside
+ * NCCL's own transports its group-side paths: the copy-engine all-reduce, comm_ce.c, and
+ * send/receive over mapped memory, comm_p2p_ce.c), MPI's rings where they are host memory;
+ * a group of one takes MPI's, which move nothing. The host collectives (doubles, ints,
+ * bytes, barrier: comm_mpi.c) always go over MPI, the job's bootstrap. */
+typedef struct CommBackend {
+    const char *name;
+    void (*iallreduce)(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
+    void (*ireduce_scatter)(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
+                            const char *what);
+    void (*iallgather)(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
+    int (*test)(CommReq *r);            /* 1 when done (and completed) */
+    void (*wait_device)(CommReq *r);    /* the compute stream's later ops wait for r */
+    void (*isend)(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
+    void (*irecv)(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
+    void (*p2p_init)(const Comm *c, size_t max_bytes, int copy_engines);
+    void (*p2p_wait)(CommP2P *r);
+    void (*release)(const Comm *c);     /* the group's transport state, before its MPI communicator */
+} CommBackend;
+extern const CommBackend comm_mpi_backend;
+#ifdef MESHTRAIN_NCCL
+extern const CommBackend comm_nccl_backend;
+#endif
+
 /* The MPI communicator and a count of the collectives started on it: every rank starts
  * them in the same order, so the count gives each one its own message tag. */
 typedef struct {
+    const CommBackend *be;  /* chosen at the group's first use (comm.c) */
     MPI_Comm mc;
     unsigned seq;
     void *nccl;  /* ncclComm_t, made at the group's first collective on a device=cuda run */
@@ -33,7 +60,13 @@ extern int g_comm_world_rank;  /* this rank in the world, for messages */
 enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER };  /* CommReq.kind */
 static inline size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(float); }
 
-/* comm.c. An MPI call's failure ends the job with one line naming the group. */
+/* comm.c. The group's transport (c->impl set): chosen at its first call, then kept. */
+const CommBackend *comm_backend_of(const Comm *c);
+#ifdef MESHTRAIN_NCCL
+/* The group spans processes and moves device memory: its transport is NCCL. */
+static inline int on_nccl(const Comm *c) { return c->impl && comm_backend_of(c) == &comm_nccl_backend; }
+#endif
+/* An MPI call's failure ends the job with one line naming the group. */
 void comm_check(int rc, const Comm *c, const char *what);
 /* Whether every rank of c is on this machine (collective over c; MPI_COMM_TYPE_SHARED). */
 int comm_one_machine(const Comm *c);
@@ -41,19 +74,12 @@ int comm_one_machine(const Comm *c);
  * world's timeout. */
 void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what);
 
-/* comm_mpi.c. A collective's request: a ring over the group's MPI communicator, or for a
- * group of one (c->impl NULL) a request that req_end completes at its first test. */
-void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
-               CommOp op, const char *what);
-void req_end(CommReq *r);
-/* Moves every ring in flight, r last; returns 1 when r is complete. */
-int ring_test(CommReq *r);
+/* comm_mpi.c: the MPI backend's table (above); its rings move every ring in flight while
+ * they wait, so the host collectives there take part too. */
 
 #ifdef MESHTRAIN_NCCL
 /* comm_nccl.c */
 extern cudaStream_t g_cstream;  /* the communication stream */
-/* The buffers are device memory and the group spans processes. */
-static inline int use_nccl(const Comm *c) { return c->impl && !ops_host_memory(); }
 static inline ncclDataType_t nccl_type(CommType t) { return t == COMM_BF16 ? ncclBfloat16 : ncclFloat32; }
 /* Makes c's NCCL communicator (every rank of c together), with the zero-CTA policy when
  * cta_zero; makes the comm stream first if there is none. */
@@ -66,15 +92,9 @@ void nccl_abort_all(void);
 _Noreturn void nccl_die(const Comm *c, const char *what, const char *call, const char *err);
 void nchk(ncclResult_t rc, const Comm *c, const char *what, const char *call);
 void cchk(cudaError_t e, const Comm *c, const char *what, const char *call);
-/* comm_test of a request that holds an event. */
+/* A request that holds an event (a collective's, or comm_ipc_mark's): 1 once it is done,
+ * the compute stream then waiting for it. */
 int nccl_test(CommReq *r);
-/* The compute stream waits (on the device) for r's event; r stays in flight. */
-void nccl_stream_wait(CommReq *r);
-/* Point-to-point on device buffers: queued on the group's own p2p stream after the compute
- * stream's work so far; r->ev completes it (nccl_p2p_done). */
-void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what);
-int nccl_p2p_done(void *r);
-void nccl_p2p_init(const Comm *c);
 /* The group's send/receive stream (made at its first use), and its wait for the compute
  * stream's work so far (which wrote the buffer sent, or last read the one received into),
  * through ev, which the caller records again after the message. */
@@ -109,11 +129,6 @@ void p2p_ce_recv(const Comm *c, void *buf, size_t bytes, CommP2P *r, const char 
 int p2p_ce_wait_device(CommP2P *r);
 /* Releases c's copy-engine state, if any (collective over c, from comm_free). */
 void p2p_ce_release(const Comm *c);
-/* The collectives on a group that use_nccl takes. */
-void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what);
-void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
-                          const char *what);
-void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
 
 /* comm_ce.c */
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)

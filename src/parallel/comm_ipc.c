@@ -92,7 +92,8 @@ void ipc_write64(void *stream, void *ctr, uint64_t v, const Comm *c, const char 
 }
 
 int ipc_agreed(const Comm *c, int ok, const char *what) {
-    comm_check(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, mpi(c)), c, what);
+    (void)what;
+    comm_allreduce_min_int(c, &ok, 1);
     return ok;
 }
 
@@ -102,7 +103,7 @@ int ipc_group_possible(const Comm *c, const char *what) {
     int ok = comm_one_machine(c) && memops_ok(dev);
     char (*bus)[32] = xcalloc((size_t)c->size, sizeof *bus);
     cchk(cudaDeviceGetPCIBusId(bus[c->rank], (int)sizeof bus[0], dev), c, what, "cudaDeviceGetPCIBusId");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, bus, (int)sizeof bus[0], MPI_CHAR, mpi(c)), c, what);
+    comm_allgather_bytes(c, bus, sizeof bus[0]);
     for (int i = 0; ok && i < c->size; i++) {
         int peer = -1;
         if (i == c->rank) continue;
@@ -122,7 +123,7 @@ int ipc_map_blocks(const Comm *c, char *mine, size_t token_at, char **blocks, co
     cchk(cudaMemcpy(mine + token_at, &x[c->rank].token, 8, cudaMemcpyHostToDevice), c, what, "cudaMemcpy");
     cchk(cudaDeviceSynchronize(), c, what, "cudaDeviceSynchronize");  /* (the counters zeroed before too) */
     cchk(cudaIpcGetMemHandle(&x[c->rank].h, mine), c, what, "cudaIpcGetMemHandle");
-    comm_check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, (int)sizeof x[0], MPI_BYTE, mpi(c)), c, what);
+    comm_allgather_bytes(c, x, sizeof x[0]);
     int ok = 1;
     for (int i = 0; i < c->size; i++) {
         blocks[i] = i == c->rank ? mine : NULL;

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "comm_impl.h"
+#include "trace.h"
 #include "util.h"
 
 /* Counts travel as int. */
@@ -54,13 +55,13 @@ static void untrack(CommReq *r) {
         if (g_active[i] == r) { g_active[i] = g_active[--g_n_active]; return; }
 }
 
-void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
+static void req_begin(const Comm *c, CommReq *r, int kind, void *buf, void *out, size_t n, size_t total, CommType t,
                       CommOp op, const char *what) {
     memset(r, 0, sizeof *r);
     r->c = c; r->kind = kind; r->buf = buf; r->out = out; r->n = n; r->total = total; r->what = what;
     r->esz = type_size(t);
     /* The rings add and scale in fp32 on the host; bf16 buffers live on a GPU, where
-     * NCCL moves them (use_nccl), and a group of one only copies. */
+     * NCCL moves them (comm_nccl.c), and a group of one only copies. */
     if (c->impl && t != COMM_F32) die(EXIT_RUN_FAILURE, "internal: %s: bf16 collectives need NCCL", what);
     r->avg = op == COMM_AVG;
     r->phase = kind == K_ALLGATHER ? 1 : 0;
@@ -79,7 +80,7 @@ static void scale_block(CommReq *r, int b) {
     for (size_t i = 0, len = blk_len(r, b); i < len; i++) p[i] *= s;
 }
 
-void req_end(CommReq *r) {
+static void req_end(CommReq *r) {
     if (r->c->impl) {
         int R = r->c->rank;
         if (r->kind == K_REDUCE_SCATTER) {
@@ -147,7 +148,7 @@ static int ring_advance(CommReq *r) {
     }
 }
 
-int ring_test(CommReq *r) {
+static int ring_test(CommReq *r) {
     for (int i = g_n_active - 1; i >= 0; i--)
         if (i < g_n_active && g_active[i] != r) ring_advance(g_active[i]);
     return ring_advance(r);
@@ -187,6 +188,27 @@ void comm_allreduce_max_int(const Comm *c, int *buf, size_t n) {
              "all-reduce");
 }
 
+void comm_allreduce_min_int(const Comm *c, int *buf, size_t n) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, c, "all-reduce"), MPI_INT, MPI_MIN, mpi(c), q), q,
+             "all-reduce");
+}
+
+void comm_allreduce_max_u64(const Comm *c, uint64_t *buf, size_t n) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Iallreduce(MPI_IN_PLACE, buf, count_of(n, c, "all-reduce"), MPI_UINT64_T, MPI_MAX, mpi(c), q), q,
+             "all-reduce");
+}
+
+void comm_allgather_bytes(const Comm *c, void *buf, size_t each) {
+    if (!c->impl) return;
+    MPI_Request *q = xmalloc(sizeof *q);
+    blocking(c, MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, count_of(each, c, "all-gather"), MPI_BYTE,
+                               mpi(c), q), q, "all-gather");
+}
+
 void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root) {
     if (!c->impl) return;
     MPI_Request *q = xmalloc(sizeof *q);
@@ -205,53 +227,21 @@ void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag) {
     blocking(c, MPI_Irecv(buf, count_of(bytes, c, "recv"), MPI_BYTE, peer, tag, mpi(c), q), q, "recv");
 }
 
-void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
-    r->q = NULL;
-    r->ev = NULL;
-    if (!c->impl) return;
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) {
-        if (p2p_ce_on(c)) p2p_ce_send(c, buf, bytes, r, what);
-        else nccl_p2p(c, (void *)buf, bytes, peer, 1, r, what);
-        return;
-    }
-#endif
+static void mpi_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Isend(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
-    *r = (CommP2P){q, c, what, NULL};
+    r->q = q;
 }
 
-void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
-    r->q = NULL;
-    r->ev = NULL;
-    if (!c->impl) return;
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c)) {
-        if (p2p_ce_on(c)) p2p_ce_recv(c, buf, bytes, r, what);
-        else nccl_p2p(c, buf, bytes, peer, 0, r, what);
-        return;
-    }
-#endif
+static void mpi_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
     MPI_Request *q = xmalloc(sizeof *q);
     comm_check(MPI_Irecv(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
-    *r = (CommP2P){q, c, what, NULL};
+    r->q = q;
 }
 
-void comm_p2p_init(const Comm *c, size_t max_bytes, int copy_engines) {
-    if (!c->impl) return;
-    ((CommImpl *)c->impl)->p2p_bytes = max_bytes;
-#ifdef MESHTRAIN_NCCL
-    if (use_nccl(c) && !(copy_engines && p2p_ce_init(c, max_bytes))) nccl_p2p_init(c);
-#else
-    (void)copy_engines;
-#endif
-}
+static void mpi_p2p_init(const Comm *c, size_t max_bytes, int copy_engines) { (void)c, (void)max_bytes, (void)copy_engines; }
 
-void comm_p2p_wait(CommP2P *r) {
-#ifdef MESHTRAIN_NCCL
-    if (r->ev && p2p_ce_wait_device(r)) return;  /* a copy-engine receive: on the device */
-    if (r->ev) { comm_wait_until(nccl_p2p_done, r, r->c, r->what); return; }
-#endif
+static void mpi_p2p_wait(CommP2P *r) {
     if (!r->q) return;
     Plain p = {r->q, r->c, r->what};
     comm_wait_until(plain_done, &p, r->c, r->what);
@@ -264,3 +254,39 @@ void comm_barrier(const Comm *c) {
     MPI_Request *q = xmalloc(sizeof *q);
     blocking(c, MPI_Ibarrier(mpi(c), q), q, "barrier");
 }
+
+/* ---- the table (comm_impl.h's CommBackend) ---- */
+
+static void mpi_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
+    size_t D = (size_t)c->size;
+    trace_span_begin(NULL, what, n * type_size(t));
+    req_begin(c, r, K_ALLREDUCE, buf, buf, (n + D - 1) / D, n, t, op, what);
+    comm_test(r);
+}
+
+static void mpi_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op,
+                                CommReq *r, const char *what) {
+    trace_span_begin(NULL, what, recv_n * (size_t)c->size * type_size(t));
+    req_begin(c, r, K_REDUCE_SCATTER, send, recv, recv_n, recv_n * (size_t)c->size, t, op, what);
+    comm_test(r);
+}
+
+static void mpi_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what) {
+    trace_span_begin(NULL, what, n * (size_t)c->size * type_size(t));
+    req_begin(c, r, K_ALLGATHER, buf, buf, n, n * (size_t)c->size, t, COMM_SUM, what);
+    comm_test(r);
+}
+
+/* (a group of one: its request is complete at its first test) */
+static int mpi_test(CommReq *r) {
+    if (!r->c->impl) { req_end(r); return 1; }
+    return ring_test(r);
+}
+
+/* host memory: the host waits */
+static void mpi_wait_device(CommReq *r) { comm_wait(r); }
+
+static void mpi_release(const Comm *c) { (void)c; }
+
+const CommBackend comm_mpi_backend = {"mpi", mpi_iallreduce, mpi_ireduce_scatter, mpi_iallgather, mpi_test,
+                                      mpi_wait_device, mpi_isend, mpi_irecv, mpi_p2p_init, mpi_p2p_wait, mpi_release};

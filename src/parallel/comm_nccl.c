@@ -138,11 +138,11 @@ int nccl_test(CommReq *r) {
     return 1;
 }
 
-void nccl_stream_wait(CommReq *r) {
+static void nccl_stream_wait(CommReq *r) {
     cchk(cudaStreamWaitEvent((cudaStream_t)cuda_stream(), (cudaEvent_t)r->ev, 0), r->c, r->what, "cudaStreamWaitEvent");
 }
 
-void nccl_p2p_init(const Comm *c) { nccl_of(c, "pipeline send/receive"); }
+static void nccl_p2p_init(const Comm *c) { nccl_of(c, "pipeline send/receive"); }
 
 cudaStream_t p2p_stream(const Comm *c, const char *what) {
     CommImpl *ci = c->impl;
@@ -159,7 +159,9 @@ void p2p_after_compute(const Comm *c, cudaStream_t s, cudaEvent_t ev, const char
     cchk(cudaStreamWaitEvent(s, ev, 0), c, what, "cudaStreamWaitEvent");
 }
 
-void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {
+/* Point-to-point on device buffers: queued on the group's own p2p stream after the compute
+ * stream's work so far; r->ev completes it (nccl_p2p_done). */
+static void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2P *r, const char *what) {
     ncclComm_t nc = nccl_of(c, what);
     cudaStream_t s = p2p_stream(c, what);
     cudaEvent_t ev;
@@ -173,17 +175,17 @@ void nccl_p2p(const Comm *c, void *buf, size_t bytes, int peer, int send, CommP2
     *r = (CommP2P){NULL, c, what, (void *)ev};
 }
 
-int nccl_p2p_done(void *arg) {
+static int nccl_p2p_done(void *arg) {
     CommP2P *r = arg;
     return event_done(r->c, r->what, &r->ev);
 }
 
 static ncclRedOp_t nccl_op(CommOp op) { return op == COMM_AVG ? ncclAvg : ncclSum; }
 
-/* comm_iallreduce, comm_ireduce_scatter and comm_iallgather on a group that use_nccl takes:
- * queued on the comm stream after the compute stream's work so far, with the event that
- * completes the request. */
-void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
+/* comm_iallreduce, comm_ireduce_scatter and comm_iallgather on an NCCL group: queued on the
+ * comm stream after the compute stream's work so far, with the event that completes the
+ * request. */
+static void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
     ncclComm_t nc = nccl_begin(c, r, what);
     int span = trace_span_begin(g_cstream, what, n * type_size(t));
 #if HAVE_CE
@@ -194,8 +196,8 @@ void nccl_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, 
     nccl_launched(r);
 }
 
-void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
-                          const char *what) {
+static void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, CommType t, CommOp op, CommReq *r,
+                                 const char *what) {
     ncclComm_t nc = nccl_begin(c, r, what);
     int span = trace_span_begin(g_cstream, what, recv_n * (size_t)c->size * type_size(t));
     nchk(ncclReduceScatter(send, recv, recv_n, nccl_type(t), nccl_op(op), nc, g_cstream), c, what, "ncclReduceScatter");
@@ -203,7 +205,7 @@ void nccl_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
     nccl_launched(r);
 }
 
-void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what) {
+static void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what) {
     /* in place: this rank's block is the send buffer */
     ncclComm_t nc = nccl_begin(c, r, what);
     int span = trace_span_begin(g_cstream, what, n * (size_t)c->size * type_size(t));
@@ -212,4 +214,43 @@ void nccl_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r,
     trace_span_end(g_cstream, span);
     nccl_launched(r);
 }
+
+/* ---- the table (comm_impl.h's CommBackend): NCCL's collectives and send/receive, with the
+ * group-side paths beside them (the copy-engine all-reduce inside nccl_iallreduce; a
+ * two-rank link's messages over mapped memory, comm_p2p_ce.c, where p2p_init set one up) ---- */
+
+static void nccl_wait_device(CommReq *r) {
+    if (r->ev) nccl_stream_wait(r);
+    else comm_wait(r);
+}
+
+static void nccl_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    (void)tag;  /* (NCCL's messages on a group arrive in the order sent) */
+    if (p2p_ce_on(c)) p2p_ce_send(c, buf, bytes, r, what);
+    else nccl_p2p(c, (void *)buf, bytes, peer, 1, r, what);
+}
+
+static void nccl_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
+    (void)tag;
+    if (p2p_ce_on(c)) p2p_ce_recv(c, buf, bytes, r, what);
+    else nccl_p2p(c, buf, bytes, peer, 0, r, what);
+}
+
+static void nccl_p2p_setup(const Comm *c, size_t max_bytes, int copy_engines) {
+    if (!(copy_engines && p2p_ce_init(c, max_bytes))) nccl_p2p_init(c);
+}
+
+static void nccl_p2p_wait(CommP2P *r) {
+    if (p2p_ce_wait_device(r)) return;  /* a copy-engine receive: on the device */
+    comm_wait_until(nccl_p2p_done, r, r->c, r->what);
+}
+
+static void nccl_release(const Comm *c) {
+    p2p_ce_release(c);
+    nccl_free(c->impl);
+}
+
+const CommBackend comm_nccl_backend = {"nccl", nccl_iallreduce, nccl_ireduce_scatter, nccl_iallgather, nccl_test,
+                                       nccl_wait_device, nccl_isend, nccl_irecv, nccl_p2p_setup, nccl_p2p_wait,
+                                       nccl_release};
 #endif

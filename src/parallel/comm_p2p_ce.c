@@ -88,8 +88,8 @@ static char *counter(const P2pCe *p, char *block, int receiver) { return block +
 int p2p_ce_init(const Comm *c, size_t max_bytes) {
     const char *what = "pipeline send/receive set-up (pp_copy_engines=true)";
     CommImpl *ci = c->impl;
-    unsigned long long most = max_bytes;  /* both ends size the ring alike */
-    comm_check(MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, mpi(c)), c, what);
+    uint64_t most = max_bytes;  /* both ends size the ring alike */
+    comm_allreduce_max_u64(c, &most, 1);
     if (!most || c->size != 2 || !ipc_group_possible(c, what)) return 0;
     P2pCe *p = xcalloc(1, sizeof *p);
     p->recv = c->rank == 1;
