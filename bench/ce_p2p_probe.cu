@@ -1,8 +1,8 @@
 /* ce_p2p_probe — how fast one GPU's blocks reach every other GPU of the machine, the pattern of
- * tensor parallel's fused sums and gathers (issue 19): each GPU sends a block of B bytes to each
+ * tensor parallel's fused sums and gathers: each GPU sends a block of B bytes to each
  * of the G - 1 others, all at once. At tp = 4 the fused gathers' copies (one copy engine copy a
  * peer, on a side stream each) waited 0.10-0.18 ms for 8.4 MB blocks, slower than NCCL's
- * kernels (bench/RESULTS.md, session 22); this asks what would be faster. Variants, each the
+ * kernels (bench/results/tensor-parallel-h200x2-2026-11.md); this asks what would be faster. Variants, each the
  * median of REPS rounds (every GPU sending at once; the host waits for all):
  *   ce S    each block cut into S pieces, each piece a cudaMemcpyPeerAsync on its own stream of
  *           the sender (S streams a peer: more copy engines at once?)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pipeline parallel on NP GPUs of one machine (issue 18), the post's model in pure bf16
+# Pipeline parallel on NP GPUs of one machine, the post's model in pure bf16
 # (batch 128 at context 256), in one call: for each m in MS, one GPU at the micro-batch size
 # B/m, then meshtrain with each schedule in SCHEDS, each beside the bubble's prediction from
 # that one-GPU speed:
@@ -62,7 +62,7 @@ done
 if [ -f "$PEERS/torch_llama_pp.py" ]; then
   for M in $PEER_MS; do
     for sched in $PEER_SCHEDS; do
-      pc=$PEER_COMPILE; [ "$sched" = zbv ] && pc=0  # (the peer's zbv gives no result compiled: session 24)
+      pc=$PEER_COMPILE; [ "$sched" = zbv ] && pc=0  # (the peer's zbv gives no result compiled, 2026-11-28)
       p=$(cd "$PEERS" && timeout 150 torchrun --standalone --nproc_per_node="$NP" torch_llama_pp.py embed_dim=1024 \
           n_heads=8 n_layers=16 batch_size=128 context_len=256 micro_batches=$M schedule=$sched compile=$pc \
           steps=$STEPS 2>&1 | grep '^{' | tail -1)

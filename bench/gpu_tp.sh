@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallel on the GPUs of one machine (issue 19): meshtrain and the DTensor peer
+# Tensor parallel on the GPUs of one machine: meshtrain and the DTensor peer
 # (../shared/peers/torch_llama_tp.py, the post's plan) in the same call, on the same cards.
 #   long: the post's long-context run (context_len=10000 embed_dim=1024 n_heads=8
 #         n_layers=16 batch_size=4, pure bf16): tp=NP for both, the peer's tp=1 (DDP over
@@ -9,7 +9,7 @@
 # Usage: NP=2 SECTIONS="long eff" [PEER_DDP=0] bench/gpu_tp.sh [meshtrain] [peer.py]
 # TP (default NP): the long run's tensor-parallel size, NP / TP data-parallel (meshtrain: DDP
 # over the rest; the peer's TP groups then train apart, without a gradient sum between them:
-# torch_llama_tp.py wraps no data parallel around its tp mesh), e.g. NP=8 TP=4 for issue 22.
+# torch_llama_tp.py wraps no data parallel around its tp mesh), e.g. NP=8 TP=4.
 # STEPS timed steps (meshtrain runs one more and excludes it; the peer 2 warm-up steps).
 # VARIANTS: meshtrain's tensor-parallel runs again under each of these environment settings
 # (';' between variants, spaces between the variables of one; the first, default empty, is

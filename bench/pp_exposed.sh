@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the pipeline's send/receive costs the step (issue 18: "not hidden by compute, under 2%
+# What the pipeline's send/receive costs the step ("not hidden by compute, under 2%
 # of the step"): each schedule in SCHEDS at pp=NP, m=M, the post's model in bf16 (batch 128),
 # run as is and with MESHTRAIN_PP_SKIP_COPIES=1 (the same schedule, counters and waits, but no
 # byte copied: its results are wrong, its time is the step without the transfers), REPS rounds

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the pipeline schedules lose time (issue 18): step TL_STEP's timeline on every rank
+# Where the pipeline schedules lose time: step TL_STEP's timeline on every rank
 # (MESHTRAIN_TIMELINE: each F/B/W action's start on the compute stream, each send and
 # receive's span on its link stream) for each schedule in SCHEDS at pp=NP, m=M, the post's
 # model in bf16. One file per schedule in $OUT (or /tmp), and each rank's busy fraction.

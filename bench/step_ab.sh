@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A/B of whole training steps on one GPU: the post's model (bf16) at each context x batch in
+# Builds side by side: whole training steps on one GPU: the post's model (bf16) at each context x batch in
 # CONTEXTS, each variant in VARIANTS run in turn, ROUNDS rounds, so that binaries or knobs are
-# compared in one call on one card. A variant is NAME:BINARY[:SETTING[,SETTING...]], a setting
+# compared in one run on one card. A variant is NAME:BINARY[:SETTING[,SETTING...]], a setting
 # being an environment variable (VAR=value, VAR in capitals) or a key (key=value).
 # Prints one row a run (tokens/s, the GPU allocator's peak, the estimate), then the medians.
 # MODEL replaces the post's shape (default "embed_dim=1024 n_heads=8 n_layers=16"), e.g.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallel on NP GPUs in one short call (issue 19): tp follows one GPU in fp32 (tiny
+# Tensor parallel on NP GPUs in one short run: tp follows one GPU in fp32 (tiny
 # model; sequence parallel on and off, tied and untied), then the TP-efficiency and
 # long-context rows of bench/gpu_tp.sh for meshtrain only (sequence parallel on and off).
 # Usage: NP=2 bench/tp_check.sh [meshtrain]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where tensor parallel's step goes (issue 19): the TP-efficiency model (embed_dim=4096
+# Where tensor parallel's step goes: the TP-efficiency model (embed_dim=4096
 # n_heads=32 n_layers=8 context_len=4096 batch_size=1, pure bf16) on one GPU and at tp=t
 # for each t in TPS, with and without sequence parallel.
 #  - MESHTRAIN_TIMELINE=TL_STEP: on each rank, the step's length on the GPU and the TP

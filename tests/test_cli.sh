@@ -148,7 +148,7 @@ expect_exit 2 "zb1_max_in_flight=-2: out of range" estimate_refuses_negative_zb1
 # a stage's ops run on micro-batches, so its scratch is a micro-batch's (rmsnorm's partials,
 # attention's terms): the last stage of the post's model at 32 micro-batches of 4 sequences is
 # its parts plus the runtime of a batch of 4, not of 128 (162 MiB; the GPU's peak was 659 MiB
-# against 785 estimated, session 24)
+# against 785 estimated, 2026-11-28)
 P="embed_dim=1024 n_heads=8 n_layers=16 context_len=256 device=cuda precision=bf16"
 st=$("$BIN" estimate $P batch_size=128 pipeline_parallel_size=4 world_size=4 micro_batches=32 | grep "^  stage 3")
 r4=$("$BIN" estimate $P batch_size=4 | awk '$1 == "runtime" {print $4}')

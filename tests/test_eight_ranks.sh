@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Eight CPU ranks (issue 22's part the CPUs allow): DDP, FSDP, hybrid FSDP, 2 pipeline
+# Eight CPU ranks (what CPU ranks can check of the 8-GPU layouts): DDP, FSDP, hybrid FSDP, 2 pipeline
 # stages x 4 data-parallel ranks, 4 stages x 2 (ZeRO-1, interleaved), tensor parallel over
 # all 8 (with and without sequence parallel) and tp 4 x dp 2 (DDP, FSDP) follow the
 # single-process run of the same global batch (losses within 1e-5 relative over 5 steps,
@@ -28,7 +28,7 @@ pp2_dp4|batch_size=4 pipeline_parallel_size=2 micro_batches=2
 pp4_dp2_zero1_interleaved|batch_size=8 pipeline_parallel_size=4 micro_batches=4 pipeline_schedule=interleaved zero_opt=true
 CASES
 
-# tensor parallel over all eight (tp 8) and tp 4 x dp 2 (issue 22's long-context layouts),
+# tensor parallel over all eight (tp 8) and tp 4 x dp 2 (the 8-GPU long-context layouts),
 # with and without sequence parallel, and beside FSDP: 8 heads
 M8="vocab_size=50257 embed_dim=64 n_heads=8 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
 "$BIN" train $M8 batch_size=8 out_dir="$TMP/ref8" >/dev/null

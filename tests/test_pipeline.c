@@ -109,7 +109,7 @@ static void test_interleaved_balances_ranks(void) {
  * stage's forward carries the head's whole forward and backward (fused), 3.3 layers' worth
  * at the head's measured rate, so GPipe, whose phases wait for the largest forward and then
  * the largest backward, is a quarter slower than 1F1B, which waits for the largest forward +
- * backward (bench/RESULTS.md, session 13: GPipe 0.80x of 1F1B with the fused head; simulated
+ * backward (bench/results/pipeline-h100x4-2026-11.md: GPipe 0.80x of 1F1B with the fused head; simulated
  * now 0.79x), and zb1, played with the fused head here, gains on 1F1B. */
 static void test_costed_schedules(void) {
     ModelConfig post = {50257, 1024, 8, 16, 256, 0};
@@ -310,7 +310,7 @@ static int best_with_layers(const ModelConfig *c, ScheduleKind k, int p, int v, 
     return best;
 }
 
-/* Issue 18: on the post's model at p=4, v=2, the head's chunk waited on (its matmuls about
+/* On the post's model at p=4, v=2, the head's chunk waited on (its matmuls about
  * 3 layers' time, beside a layer at least) kept interleaved at 0.80 of its prediction for
  * every split; auto now takes a last chunk holding the head alone where the simulation says
  * it is shorter, and is never longer than the best split whose chunks all hold a layer. */

@@ -1,7 +1,7 @@
 /* layer_graphs — a layer's forward or backward recorded once as a graph of ops (op_graph_*)
  * and replayed at every later call with the same key, so that its dozen or more kernels go to
  * the device in one launch: at small micro-batches (a pipeline's, accumulation's) the
- * launches, not the kernels, set the pace (bench/RESULTS.md, session 26). The key must hold
+ * launches, not the kernels, set the pace (bench/results/layer-graphs-h200-2026-11.md). The key must hold
  * everything the recorded ops depend on: every buffer and weight pointer, every shape and
  * flag; the values behind the pointers may change freely (a replay reads them anew). */
 #ifndef MESHTRAIN_LAYER_GRAPHS_H

@@ -3,7 +3,7 @@
  * move, or while a stage waits for them. On four H100s every stage's kernels ran 8-12% slower
  * beside NCCL's send/receive kernels (which hold SMs and spin), and NCCL_P2P_USE_CUDA_MEMCPY=1
  * did not take them off; on the copy engines interleaved reached 0.99 of the bubble's
- * prediction (four H200s, session 20).
+ * prediction (four H200s, 2026-11-28).
  *
  * A link carries messages one way, from its rank 0 to its rank 1. The receiver holds a ring
  * of R slots of the link's largest message and a counter the sender writes ("full": messages

@@ -69,7 +69,7 @@ struct Parallel {
     size_t tp_pack_n;         /* parts, and the norm's replicated part (tp_sumsq); its elements */
     /* the replicated runs of the gradient (whole units [0], shards [1]), found once:
      * model_tp_runs lists 2E + 8 runs a layer, and each pass over them took 0.3-0.7 ms of the
-     * host at embed_dim 4096 with the device idle (bench/RESULTS.md, session 22) */
+     * host at embed_dim 4096 with the device idle (bench/results/tensor-parallel-h200x2-2026-11.md) */
     ReplRun *tp_repl[2];
     int tp_nrepl[2], tp_repl_ready[2];
     size_t tp_repl_elems[2];

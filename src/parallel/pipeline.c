@@ -22,7 +22,7 @@ static double layer_flops(const ModelConfig *c, int T) {
 static double head_flops(const ModelConfig *c) { return 6.0 * c->embed_dim * (double)c->vocab_size; }
 
 /* Time per FLOP against a layer's forward, measured on the GPU timeline (H200, the post's
- * model at micro-batch 16 x 256, bench/pp_timeline.sh, session 15): a layer's input-gradient
+ * model at micro-batch 16 x 256, bench/pp_timeline.sh, 2026-11-27): a layer's input-gradient
  * pass 1.2 (attention's backward and the elementwise backwards cost more than their FLOPs
  * say), its weight-gradient pass 0.87 (plain matmuls), the head's matmuls 0.55 (one large
  * E x V product runs nearer the chip's peak than a layer's small ones), and the

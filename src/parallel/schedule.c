@@ -238,7 +238,7 @@ static int plan(Sim *S, ScheduleKind kind, int zb1_max_in_flight) {
      * zb1_max_in_flight (the most micro-batches a rank holds from its F to its W; p + 3 by
      * default). A cap of p + 1 gives ZB-H1's memory (1F1B's plus one), but its lists end on
      * the last micro-batch's chain: on four H100s at m = 8, p + 3 ran 1.19x 1F1B against
-     * p + 1's 1.06x (bench/RESULTS.md), for 1.2 GB more activations on the first stage. */
+     * p + 1's 1.06x (bench/results/pipeline-h100x4-2026-11.md), for 1.2 GB more activations on the first stage. */
     int cap = zb1_max_in_flight > 0 ? zb1_max_in_flight : p + 3;
     for (int r = 0; r < p; r++) {
         int l = kind == SCHED_ZB1 ? (2 * p + 1 - r < cap ? 2 * p + 1 - r : cap) : (p - r - 1) * 2 + (v - 1) * p + 2 + more;

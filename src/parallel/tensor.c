@@ -97,7 +97,7 @@ static long tp_reduce_scatter_begin(void *ctx, void *send, void *recv, size_t n)
  *          parallel, a gather of the blocks (fused_gather_begin).
  * Nothing but the products and the adds runs on the SMs: at tp 2 the step ran at 91.4-91.9%
  * of one GPU's per-GPU speed against 82.4-82.7% on NCCL's kernels (two H200s, 2026-11-28,
- * bench/RESULTS.md). A peer that never writes blocks the compute stream: the join's ticket
+ * bench/results/tensor-parallel-h200x2-2026-11.md). A peer that never writes blocks the compute stream: the join's ticket
  * is an event the host waits for within comm_timeout (tp_flush), which ends the job.
  * CPU ranks run the same blocks and parts with MPI messages for the slots, so that the
  * data flow is tested without GPUs. One sum is begun and not yet joined at a time: a sum
@@ -128,7 +128,7 @@ static Fused g_fused;
 /* The default (tp_comm=auto): on GPUs at tp = 2 and 4, where it pays (91.4-91.9% of one
  * GPU's per-GPU speed against 82.4-82.7% on NCCL's kernels at tp 2, two H200s; at tp 4, with
  * the gathers straight into the others' buffers one peer after another, 72.1% against
- * 64.0%, four H200s; 2026-11-28, bench/RESULTS.md); elsewhere the collectives: tp 8 is
+ * 64.0%, four H200s; 2026-11-28, bench/results/tensor-parallel-h200x4-2026-11.md); elsewhere the collectives: tp 8 is
  * unmeasured, and CPU ranks gain nothing by it. */
 int tensor_parallel_fused_wanted(TpComm comm, int tp_size, int gpu) {
     if (tp_size < 2) return 0;

@@ -12,7 +12,7 @@
 
 /* What a CPU process holds besides the plan: code and libraries, OpenMP and OpenBLAS
  * thread stacks and buffers, the allocator's slack. Measured on the 2-core CI machine
- * (max RSS of `meshtrain train` with a tiny model); see bench/RESULTS.md. */
+ * (max RSS of `meshtrain train` with a tiny model); see bench/results/cpu-train-epyc-2core-2026-11.md. */
 #define RUNTIME_BYTES ((size_t)8 << 20)
 /* Open MPI's own share of a rank (shared-memory transport, progress buffers), measured
  * the same way with 2 and 4 ranks. */

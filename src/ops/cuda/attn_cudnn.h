@@ -51,7 +51,7 @@ static inline size_t attn_cudnn_det_dp_bytes(int B, int T, int NH) {
     return (size_t)B * NH * t * t * 2;
 }
 /* The workspace that engine's plan asks for, as measured on an H100 with cuDNN 9.14
- * (bench/RESULTS.md): dP and about 1 MiB, or twice dP at T <= 64. */
+ * (bench/results/attention-h100-2026-11.md): dP and about 1 MiB, or twice dP at T <= 64. */
 static inline size_t attn_cudnn_det_workspace_bytes(int B, int T, int NH) {
     size_t dp = attn_cudnn_det_dp_bytes(B, T, NH);
     return T <= 64 ? 2 * dp + ((size_t)64 << 10) : dp + ((size_t)1 << 20);
@@ -66,7 +66,7 @@ static inline int attn_cudnn_det_batch(int B, int T, int NH, size_t max_bytes) {
     return b >= (size_t)B ? B : (int)b;
 }
 
-/* ops_cuda's auto choice in bf16, measured on an H100 with cuDNN 9.14 (bench/RESULTS.md): 1 when cuDNN
+/* ops_cuda's auto choice in bf16, measured on an H100 with cuDNN 9.14 (bench/results/attention-h100-2026-11.md): 1 when cuDNN
  * runs the forward (backward = 0) or the backward (1; its deterministic engine), 0 for our tensor-core
  * kernels. own_kernels: whether those take this head_dim (attn_bf16_supported: 64 and 128); where they
  * do not, the generic kernels would run, far slower, so cuDNN does. cuDNN's forward beat ours from

@@ -39,7 +39,7 @@ static inline size_t attn_wgmma_bwd_workspace_bytes(int B, int T, int NH, int HD
     return a + s + 2 * l;
 }
 
-/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/RESULTS.md):
+/* ops_cuda's auto choice for the backward in bf16 (deterministic mode), measured (bench/results/attention-h100-2026-11.md):
  * 1 where this kernel runs, on a device that takes it (attn_wgmma_device_ok), from
  * T = attn_wgmma_bwd_auto_t(HD, det, rope). Against cuDNN's deterministic engine, on an H100: 436.7 /
  * 459.7 TFLOP/s at head_dim 128, T = 4096 / 10000 (cuDNN 385 / 403), 392.5 at head_dim 64, T = 4096

@@ -597,7 +597,7 @@ void cuda_rope_backward(void *dqkv, const float *cos_t, const float *sin_t, int 
  * dims without cuDNN, and fp32, take the generic kernels (attention.cuh). The options
  * (ops_set_options) pick: OPS_ATTN_OWN = never cuDNN (nor the Hopper backward); OPS_ATTN_CUDNN =
  * cuDNN wherever it runs; OPS_ATTN_AUTO = the faster by shape, as measured on an H100
- * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/RESULTS.md), its backward our
+ * (attn_cudnn_auto in attn_cudnn.h; bench/attn_hopper.sh, bench/results/attention-h100-2026-11.md), its backward our
  * Hopper kernel where that was faster (attn_wgmma_bwd_auto). Deterministic (the default), every
  * choice is bitwise reproducible: cuDNN's backward is its deterministic engine and the Hopper
  * kernel adds dQ in a fixed order. Not deterministic: the Hopper kernel sums dQ with atomics
