@@ -11,9 +11,11 @@
 #                          grad_accum_steps=32 (the host's update beside the GPU's work)
 # Usage: bench/same_speed.sh OLD_BIN NEW_BIN            every run above
 #        RUNS="post-bf16 post-mixed" bench/same_speed.sh OLD NEW
-# REPS rounds (default 2; 7b-offload runs once: its init pins ~95 GiB of host memory), STEPS
-# timed steps (default 30; the first step of a run is not timed). On an H200 the whole list
-# takes about 9 minutes, 7b-offload about 5 of them.
+# REPS rounds (default 2), STEPS timed steps (default 30; the first step of a run is not
+# timed); 7b-offload takes REPS_7B rounds of STEPS_7B steps (default 1 and 3: its init pins
+# ~95 GiB of host memory, and a step is 32 micro-batches; its host update varies from run to
+# run, so a difference of a few percent needs more of both). On an H200 the whole list takes
+# about 6 minutes at STEPS=20, 7b-offload about 3.5 of them.
 set -u
 OLD=${1:?usage: bench/same_speed.sh OLD_BIN NEW_BIN} NEW=${2:?usage: bench/same_speed.sh OLD_BIN NEW_BIN}
 REPS=${REPS:-2} STEPS=${STEPS:-30}
@@ -37,7 +39,7 @@ res=$(mktemp)
 for run in $RUNS; do
   keys=$(keys_of "$run") || exit 2
   steps=$STEPS reps=$REPS
-  [ "$run" = 7b-offload ] && steps=3 reps=1
+  [ "$run" = 7b-offload ] && steps=${STEPS_7B:-3} reps=${REPS_7B:-1}
   for ((r = 1; r <= reps; r++)); do
     # OLD first in odd rounds, NEW first in even ones
     for which in $([ $((r % 2)) = 1 ] && echo "old new" || echo "new old"); do
