@@ -389,12 +389,15 @@ void train_setup(TrainRun *r, Config *c) {
         DiskNeed needs[2] = {{c->ckpt_path, "the checkpoint", ckpt_bytes}, {c->log_file, "the log", log_bytes}};
         check_disk_space(&r->world, needs, 2, &f);
     }
-    if (!f.code && r->log && log_header(r->log, c, r->start, r->resuming, r->world.size))
-        fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file, jsonlog_error(r->log));
-    else if (r->log) {
-        r->settings = xmalloc(r->log->len + 1);
-        memcpy(r->settings, r->log->buf, r->log->len);
-        r->settings[r->log->len] = 0;
+    if (!f.code && r->log) {
+        if (log_header(r->log, c, r->start, r->resuming, r->world.size))
+            fail_set(&f, EXIT_BAD_INPUT, "cannot write the log file %s (log_file): %s", c->log_file,
+                     jsonlog_error(r->log));
+        else {  /* (the line is still in the log's buffer) */
+            r->settings = xmalloc(r->log->len + 1);
+            memcpy(r->settings, r->log->buf, r->log->len);
+            r->settings[r->log->len] = 0;
+        }
     }
     comm_exit_if_failed(&r->world, &f);
     if (r->lead && r->resuming && r->oc.cosine && r->oc.min_lr == 0 && r->start >= r->oc.decay_steps)
