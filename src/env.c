@@ -33,6 +33,7 @@ static const HookDef HOOKS[HOOK_COUNT] = {
     [HOOK_FAULT_TERM_VAL_STEP] = {"MESHTRAIN_FAULT_TERM_VAL_STEP", K_INT, 1, 1LL << 31, NULL, 1},
     [HOOK_FAULT_HOST_ALLOC] = {"MESHTRAIN_FAULT_HOST_ALLOC", K_FLAG, 0, 0, NULL, 1},
     [HOOK_FAKE_MEMAVAILABLE] = {"MESHTRAIN_FAKE_MEMAVAILABLE", K_INT, 0, 1LL << 62, NULL, 1},
+    [HOOK_MOE_SKEW] = {"MESHTRAIN_MOE_SKEW", K_INT, 0, 1000000, NULL, 1},
 };
 
 /* Variables earlier builds read (named after MESHTRAIN_): set, they end the run with where

@@ -28,6 +28,7 @@ typedef enum {
     HOOK_FAULT_TERM_VAL_STEP, /* step: rank 0 gets SIGTERM as its validation begins */
     HOOK_FAULT_HOST_ALLOC,    /* 1: host (pinned) allocations for offload fail */
     HOOK_FAKE_MEMAVAILABLE,   /* bytes: the available memory the checks see */
+    HOOK_MOE_SKEW,            /* S: a fixed selection bias S/1000 (X-1-e)/(X-1) on expert e (a skewed router) */
     HOOK_COUNT
 } Hook;
 

@@ -73,14 +73,16 @@ static int state_diff(const char *pa, const char *pb) {
         printf("last_loss: %.9g against %.9g\n", ha.last_loss, hb.last_loss);
         differ++;
     }
-    TensorInfo t[8 + 7 * 512];
-    int n = model_tensors(&a, t, (int)(sizeof t / sizeof t[0]));
+    int n = model_n_tensors(&a.c);
+    TensorInfo *t = xmalloc((size_t)n * sizeof *t);
+    n = model_tensors(&a, t, n);
     for (int i = 0; i < n; i++) {
         size_t o = t[i].offset, vals = (size_t)t[i].rows * t[i].cols;
         differ += state_part(t[i].name, "params", a.params + o, b.params + o, vals);
         differ += state_part(t[i].name, "m", oa.m + o, ob.m + o, vals);
         differ += state_part(t[i].name, "v", oa.v + o, ob.v + o, vals);
     }
+    free(t);
     printf("state_diff %zu\n", differ);
     adam_free(&oa);
     adam_free(&ob);
@@ -98,8 +100,9 @@ int main(int argc, char **argv) {
     load(argv[1 + verbose], &a, &ha, NULL);
     load(argv[2 + verbose], &b, &hb, NULL);
     if (a.n_params != b.n_params) die(1, "different models");
-    TensorInfo t[8 + 7 * 512];
-    int n = model_tensors(&a, t, (int)(sizeof t / sizeof t[0]));
+    int n = model_n_tensors(&a.c);
+    TensorInfo *t = xmalloc((size_t)n * sizeof *t);
+    n = model_tensors(&a, t, n);
     double worst = 0;
     for (int i = 0; i < n; i++) {
         double d = 0, s = 0, most = 0;
@@ -116,6 +119,7 @@ int main(int argc, char **argv) {
             printf("%s: %zu of %zu values differ, max_abs_diff %.3g, rel_diff %.3g\n", t[i].name, differ, vals, most, r);
         if (r > worst) worst = r;
     }
+    free(t);
     printf("max_rel_diff %.3g\n", worst);
     model_free(&a);
     model_free(&b);

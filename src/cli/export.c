@@ -49,7 +49,7 @@ static void set_tensor(StTensor *t, const TensorInfo *ti, int rows, const char *
 
 /* HF's tensors in file order and where each comes from; returns the count. */
 static int plan_tensors(const Model *m, StTensor *out, Source *src, int max) {
-    int nt = 8 + 7 * m->L;
+    int nt = model_n_tensors(&m->c);
     TensorInfo *ti = xmalloc((size_t)nt * sizeof *ti);
     nt = model_tensors(m, ti, nt);
     int n = 0;
@@ -145,6 +145,8 @@ int cmd_export(Config *c) {
     Model m;
     CkptHeader h;
     if (ckpt_load_model(c->checkpoint, &h, &m, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
+    if (m.n_moe) die(EXIT_BAD_INPUT, "export: %s is a mixture-of-experts model, which export does not write yet",
+                     c->checkpoint);
     free(m.grads);  /* nothing is trained: a big model's host copy takes half the memory */
     m.grads = NULL;
     model_point_units(&m, m.params, NULL);

@@ -31,8 +31,8 @@ typedef struct { void **p; size_t n; int act, coll; } Slot;
 /* One list of buffers shared by acts_bytes and acts_alloc, so the estimate is the plan:
  * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
  * where it holds the head. */
-static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T, int training, size_t act_size,
-                     Acts *a, Slot *s, size_t *logit_n, int tp, int sp) {
+static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B, int T, int training,
+                     size_t act_size, Acts *a, Slot *s, size_t *logit_n, int tp, int sp) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     /* logit rows are padded; a tensor-parallel rank's are its vocabulary rows' (the first rank's, the widest) */
     size_t ldl = (size_t)ops_logit_stride(tp > 1 ? model_vocab_padded(c->vocab_size) / tp : c->vocab_size);
@@ -52,6 +52,14 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     int layers = n_layers > 0;  /* a stage holding the head alone: no layer's buffers, its input its only slot */
     if (!layers) Ls = Lr = 0;
     size_t rows = head ? acts_logit_rows(c, B, T, act_size) : 0, lrows = head && keep && training ? N : rows;
+    /* the stage's MoE layers and dense ones: each kind has its own FFN activations */
+    size_t nm = (size_t)(model_moe_layers_before(c, l0 + n_layers) - model_moe_layers_before(c, l0));
+    size_t nd = (size_t)n_layers - nm, Lsd = training == 1 ? nd : nd > 0, Lsm = training == 1 ? nm : nm > 0;
+    size_t Hd = H;  /* the widest FFN of the stage's backward scratch: the dense one's, or the shared experts' */
+    if (nm && c->moe_shared_experts) {
+        size_t Hs = (size_t)c->moe_shared_experts * (size_t)model_moe_expert_dim(c);
+        if (Hs > Hd) Hd = Hs;
+    }
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1, 0}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0, 0}
@@ -66,7 +74,19 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
     if (layers) {
         P(xn1, Ls * NS * E); F(rstd1, Ls * NS); P(qkv, Ls * N * 3 * Et); P(att, Ls * N * Et);
         F(lse, Ls * B * NH * T); C(mid, Ls * NS * E, nsp); P(xn2, Ls * NS * E); F(rstd2, Ls * NS);
-        P(gu, Ls * N * 2 * H); P(hsw, Ls * N * H);
+        P(gu, Lsd * N * 2 * H); P(hsw, Lsd * N * H);
+    }
+    if (nm) {
+        size_t X = (size_t)c->moe_experts, K = (size_t)c->moe_top_k, Pm = model_moe_max_rows(c, (int)N);
+        size_t He = (size_t)model_moe_expert_dim(c);
+        size_t Hs = He * (size_t)c->moe_shared_experts;
+        F(moe_logits, Lsm * N * X); F(moe_probs, Lsm * N * X); F(moe_gate, Lsm * N * K); F(moe_lse, Lsm * N);
+        F(moe_idx, Lsm * N * K); F(moe_pos, Lsm * N * K); F(moe_rowtok, Lsm * Pm); F(moe_grow, Lsm * Pm);
+        F(moe_cnt, Lsm * (3 * X + 1)); F(moe_stats, nm * (2 * X + 2));
+        P(moe_gu, Lsm * Pm * 2 * He);
+        if (Hs) { P(sgu, Lsm * N * 2 * Hs); P(shsw, Lsm * N * Hs); }
+        P(moe_xa, Pm * E); P(moe_xb, Pm * E); P(moe_h1, Pm * He); P(moe_h2, Pm * He);
+        if (training) { P(moe_dgu, Pm * 2 * He); F(moe_dlogits, N * X); F(moe_dgate, Pm); }
     }
     if (sp && layers) { C(gath, N * E, 1); C(full, N * E, 1); }
     if (head) { C(xf, N * E, sp); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
@@ -76,7 +96,7 @@ static int acts_plan(const ModelConfig *c, int n_layers, int head, int B, int T,
         P(dres, NS * E);
         if (layers) { P(dqkv, N * 3 * Et); P(datt, N * Et); }
         if (head) C(dxf, N * E, tp > 1);
-        if (layers) { P(dgu, N * 2 * H); P(dh, N * H); }
+        if (layers) { P(dgu, N * 2 * Hd); P(dh, N * Hd); }  /* (a MoE layer's shared experts' too) */
         C(dxn, NS * E, nsp);  /* (the head's too, under sequence parallel) */
     }
 #undef P
@@ -110,10 +130,10 @@ size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
                      size_t *logit_bytes, int tp, int sp) {
     Acts a;
-    Slot s[32];
+    Slot s[64];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
-    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
-                      tp, sp);
+    int n = acts_plan(c, stage_first_layer(st), stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training,
+                      act_size, &a, s, &logit_n, tp, sp);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
@@ -122,10 +142,10 @@ size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int tr
 size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size, int tp,
                           int sp, size_t (*extra)(size_t bytes)) {
     Acts a;
-    Slot s[32];
+    Slot s[64];
     size_t logit_n, sum = 0;
-    int n = acts_plan(c, stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training, act_size, &a, s, &logit_n,
-                      tp, sp);
+    int n = acts_plan(c, stage_first_layer(st), stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training,
+                      act_size, &a, s, &logit_n, tp, sp);
     for (int i = 0; i < n; i++)
         if (s[i].coll) sum += extra(slot_bytes(&s[i], act_size));
     return sum;
@@ -146,11 +166,11 @@ void acts_alloc(Acts *a, const Model *m, int B, int T, int training) {
 
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, int training) {
     memset(a, 0, sizeof *a);
-    Slot s[32];
+    Slot s[64];
     size_t logit_n;
     int head = stage_has_head(m, st);
-    int n = acts_plan(&m->c, stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(), a, s, &logit_n,
-                      m->tp_size, m->sp);
+    int n = acts_plan(&m->c, stage_first_layer(st), stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(),
+                      a, s, &logit_n, m->tp_size, m->sp);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = (training & ~ACTS_HEAD_SPLIT) == ACTS_RECOMPUTE;
     a->head_split = head && (training & ACTS_HEAD_SPLIT) && (training & ~ACTS_HEAD_SPLIT);
@@ -170,6 +190,12 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
         a->bytes += (bytes + 63) / 64 * 64;
     }
     if (m->tp_size > 1 && m->tp.alloc) a->buf_free = m->tp.free;  /* (it frees op_alloc memory too) */
+    int l0 = stage_first_layer(st), nm = model_moe_layers_before(&m->c, l0 + stage_n_layers(&m->c, st)) -
+                                         model_moe_layers_before(&m->c, l0);
+    if (nm) {  /* the dispatch's counts on the host: the experts' products are launched by them */
+        int slots = (training & ~ACTS_HEAD_SPLIT) == 1 ? nm : 1;
+        a->moe_hcnt = xcalloc((size_t)slots * (3 * (size_t)m->X + 1), sizeof(int));
+    }
     if (a->rope_cos) op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);  /* (none without layers) */
 }
 
@@ -185,7 +211,10 @@ void acts_free(Acts *a) {
     void *all[] = {a->res, a->xn1, a->rstd1, a->qkv, a->att, a->lse, a->mid, a->xn2,
                    a->rstd2, a->gu, a->hsw, a->xf, a->rstdf, a->logits, a->losses,
                    a->dres, a->dxf, a->dqkv, a->datt, a->dgu, a->dh, a->dxn,
-                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full};
+                   a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full,
+                   a->moe_logits, a->moe_probs, a->moe_gate, a->moe_lse, a->moe_grow, a->moe_stats, a->moe_idx,
+                   a->moe_pos, a->moe_rowtok, a->moe_cnt, a->moe_gu, a->sgu, a->shsw, a->moe_xa, a->moe_xb,
+                   a->moe_h1, a->moe_h2, a->moe_dgu, a->moe_dlogits, a->moe_dgate};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         if (a->buf_free) a->buf_free(all[i]);
         else op_free(all[i]);
@@ -194,6 +223,7 @@ void acts_free(Acts *a) {
     op_free(a->dev_targets);
     op_free(a->dev_emb_index);
     free(a->emb_index);
+    free(a->moe_hcnt);
     free(a->emb_count);
     free(a->inputs);
     free(a->targets);

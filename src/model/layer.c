@@ -5,16 +5,34 @@
 #include "layer_graphs.h"
 #include "util.h"
 
-LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
+LayerActs layer_acts(const Model *m, const Acts *a, int l, int slot, int r) {
     size_t E = m->E, H = m->Ht, Et = (size_t)m->NHt * m->HD;  /* this tensor-parallel rank's widths */
     size_t s = (size_t)slot, NA = a->N, NS = held_rows(m, NA);  /* slots are strided by the planned N */
     LayerActs la = {
         .x = act_at(a->res, (size_t)r * NS * E), .xn1 = act_at(a->xn1, s * NS * E), .rstd1 = a->rstd1 + s * NS,
         .qkv = act_at(a->qkv, s * NA * 3 * Et), .att = act_at(a->att, s * NA * Et),
         .lse = a->lse + s * (size_t)a->B * m->NHt * a->T, .mid = act_at(a->mid, s * NS * E),
-        .xn2 = act_at(a->xn2, s * NS * E), .rstd2 = a->rstd2 + s * NS, .gu = act_at(a->gu, s * NA * 2 * H),
-        .hsw = act_at(a->hsw, s * NA * H), .out = act_at(a->res, ((size_t)r + 1) * NS * E),
+        .xn2 = act_at(a->xn2, s * NS * E), .rstd2 = a->rstd2 + s * NS, .out = act_at(a->res, ((size_t)r + 1) * NS * E),
     };
+    /* the FFN's: the dense layers' slots and the MoE layers' are numbered apart (the stage's
+     * layers before this one of its kind) */
+    const ModelConfig *c = &m->c;
+    int moe = model_layer_is_moe(c, l), mb = model_moe_layers_before(c, l) - model_moe_layers_before(c, l - slot);
+    size_t ks = (size_t)(moe ? mb : slot - mb);
+    if (!moe) {
+        la.gu = act_at(a->gu, ks * NA * 2 * H), la.hsw = act_at(a->hsw, ks * NA * H);
+        return la;
+    }
+    size_t X = (size_t)m->X, K = (size_t)m->K, Pm = model_moe_max_rows(c, (int)NA), Hs = (size_t)m->Hs;
+    MoeActs *q = &la.moe;
+    q->logits = a->moe_logits + ks * NA * X, q->probs = a->moe_probs + ks * NA * X;
+    q->gate = a->moe_gate + ks * NA * K, q->lse = a->moe_lse + ks * NA, q->idx = a->moe_idx + ks * NA * K;
+    q->pos = a->moe_pos + ks * NA * K, q->rowtok = a->moe_rowtok + ks * Pm, q->grow = a->moe_grow + ks * Pm;
+    q->cnt = a->moe_cnt + ks * (3 * X + 1), q->hcnt = a->moe_hcnt + ks * (3 * X + 1);
+    q->gu = act_at(a->moe_gu, ks * Pm * 2 * (size_t)m->He);
+    /* the statistics are every MoE layer's of the stage, whatever the slots */
+    q->stats = a->moe_stats + (size_t)(model_moe_layers_before(c, l) - model_moe_layers_before(c, l - r)) * (2 * X + 2);
+    if (Hs) la.gu = act_at(a->sgu, ks * NA * 2 * Hs), la.hsw = act_at(a->shsw, ks * NA * Hs);
     return la;
 }
 
@@ -27,7 +45,7 @@ LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r) {
  * (product_after, product_then_sum). */
 void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute) {
     const void *w = unit_weights(m, unit_of_layer(l));
-    const LayerLayout *ly = &m->layer;
+    const LayerLayout *ly = layer_layout(m, l);
     int N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     Tickets ts;
     op_rmsnorm_forward(la->xn1, la->rstd1, la->x, act_at(w, ly->att_norm), NS, E, RMS_EPS);
@@ -39,6 +57,10 @@ void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, in
     product_then_sum(m, &(Product){0, y, la->att, act_at(w, ly->att_out), NULL, Et, E}, la->mid, N, &ts, 0);
     tp_join_all(m, &ts);
     op_add_rmsnorm_forward(la->mid, la->xn2, la->rstd2, la->x, act_at(w, ly->ffn_norm), NS, E, RMS_EPS);
+    if (model_layer_is_moe(&m->c, l)) {
+        moe_ffn_forward(m, a, l, la, N, recompute);
+        return;
+    }
     xn = seq_gather_begin(m, a->gath, la->xn2, N, &ts);
     product_after(m, &(Product){0, la->gu, xn, act_at(w, ly->gate_up), NULL, E, 2 * H}, &ts, N);
     op_swiglu_forward(la->hsw, la->gu, N, H);
@@ -61,7 +83,7 @@ void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, in
 void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
-    const LayerLayout *ly = &m->layer;
+    const LayerLayout *ly = layer_layout(m, l);
     int B = a->B, T = a->T, N = B * T, NS = (int)held_rows(m, (size_t)N), E = m->E, H = m->Ht, Et = m->NHt * m->HD;
     /* The branch gradients (dh, dgu, dxn, datt, dqkv) are written by the _set ops, not zeroed
      * and added to; dres, the residual stream's gradient, accumulates. On a tensor-parallel
@@ -72,13 +94,18 @@ void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     /* under sequence parallel the norms' outputs, which the weight gradients need whole, are
      * gathered while the products before them run (begun after d's gathers, needed first) */
     Tickets td, gx = {.n = 0, .rot = 0};
-    const void *d = seq_gather_begin(m, a->full, a->dres, N, &td);
-    if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
-    product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);
-    op_matmul_backward(NULL, st_at(g, ly->down), d, la->hsw, NULL, N, H, E);
-    op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
-    input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, &gx,
-                      act_at(w, ly->gate_up), N, E, 2 * H);
+    const void *d;
+    if (model_layer_is_moe(&m->c, l)) {  /* (one tensor-parallel rank: no gathers) */
+        moe_ffn_backward(m, a, l, la);
+    } else {
+        d = seq_gather_begin(m, a->full, a->dres, N, &td);
+        if (!defer) seq_gather_begin(m, a->gath, la->xn2, N, &gx);
+        product_after(m, &(Product){1, a->dh, d, act_at(w, ly->down), NULL, H, E}, &td, N);
+        op_matmul_backward(NULL, st_at(g, ly->down), d, la->hsw, NULL, N, H, E);
+        op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, H);
+        input_then_weight(m, a, dx, defer ? NULL : st_at(g, ly->gate_up), a->dgu, m->sp ? a->gath : la->xn2, &gx,
+                          act_at(w, ly->gate_up), N, E, 2 * H);
+    }
     op_rmsnorm_backward(a->dres, st_at(g, ly->ffn_norm), a->dxn, la->mid, act_at(w, ly->ffn_norm), la->rstd2, NS, E);
     d = seq_gather_begin(m, a->full, a->dres, N, &td);
     if (!defer) seq_gather_begin(m, a->gath, la->xn1, N, &gx);
@@ -91,12 +118,14 @@ void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
     op_rmsnorm_backward(a->dres, st_at(g, ly->att_norm), a->dxn, la->x, act_at(w, ly->att_norm), la->rstd1, NS, E);
 }
 
-/* The two weight gradients layer_backward(..., defer = 1) left out; they need no weights. */
+/* The two weight gradients layer_backward(..., defer = 1) left out; they need no weights. (A
+ * MoE layer's FFN defers none of its own.) */
 void layer_backward_deferred(Model *m, Acts *a, int l, const LayerActs *la) {
     void *g = unit_grads(m, unit_of_layer(l));
-    const LayerLayout *ly = &m->layer;
+    const LayerLayout *ly = layer_layout(m, l);
     int N = a->B * a->T, E = m->E, H = m->Ht, Et = m->NHt * m->HD;
-    op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
+    if (!model_layer_is_moe(&m->c, l))
+        op_matmul_backward(NULL, st_at(g, ly->gate_up), a->dgu, seq_gather(m, a->gath, la->xn2, N), NULL, N, E, 2 * H);
     op_matmul_backward(NULL, st_at(g, ly->qkv), a->dqkv, seq_gather(m, a->gath, la->xn1, N), NULL, N, E, 3 * Et);
 }
 
@@ -132,7 +161,8 @@ static void lg_weight(void *ctx) {
     LayerCall *c = ctx;
     layer_backward_weight(c->m, c->a, c->l, c->la, c->wg);
 }
-int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1; }
+/* (not a MoE model's: its layers' products are launched by the routing's counts, read on the host) */
+int layer_graphed(const Model *m) { return m->graphs && m->tp_size == 1 && !m->n_moe; }
 /* layer l's pass `kind` through its recording; wg: the split passes' set (NULL for the others) */
 void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg, int kind, int defer) {
     static void (*const fn[])(void *) = {lg_forward, lg_recompute, lg_backward, lg_input, lg_weight};

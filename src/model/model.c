@@ -9,16 +9,62 @@
 #include "ops.h"
 #include "util.h"
 
-/* A layer's parameters on one of tp tensor-parallel ranks (tp = 1: the whole layer). */
-static size_t layer_param_count_tp(const ModelConfig *c, int tp) {
+/* Layer l's parameters on one of tp tensor-parallel ranks (tp = 1: the whole layer). A MoE
+ * layer (tp = 1 only): the attention, the norms, the router, the shared experts' FFN and the
+ * experts. */
+static size_t layer_param_count_tp(const ModelConfig *c, int l, int tp) {
     size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim), Et = E / (size_t)tp, Ht = H / (size_t)tp;
+    if (model_layer_is_moe(c, l)) {
+        size_t He = (size_t)model_moe_expert_dim(c), Hs = He * (size_t)c->moe_shared_experts, X = (size_t)c->moe_experts;
+        return 2 * E + 4 * E * E + X * E + 3 * Hs * E + X * 3 * He * E;
+    }
     return 2 * E + 3 * Et * E + E * Et + 2 * Ht * E + E * Ht;
 }
-static size_t layer_param_count(const ModelConfig *c) { return layer_param_count_tp(c, 1); }
+static size_t layer_param_count(const ModelConfig *c, int l) { return layer_param_count_tp(c, l, 1); }
 
 size_t model_param_count(const ModelConfig *c) {
-    size_t VE = (size_t)c->vocab_size * c->embed_dim;
-    return VE + (size_t)c->n_layers * layer_param_count(c) + c->embed_dim + (c->tie_embeddings ? 0 : VE);
+    size_t VE = (size_t)c->vocab_size * c->embed_dim, n = VE + c->embed_dim + (c->tie_embeddings ? 0 : VE);
+    for (int l = 0; l < c->n_layers; l++) n += layer_param_count(c, l);
+    return n;
+}
+
+size_t model_active_param_count(const ModelConfig *c) {
+    size_t n = model_param_count(c);
+    if (c->moe_experts > 0) {
+        size_t idle = (size_t)(c->moe_experts - c->moe_top_k) * 3 * (size_t)model_moe_expert_dim(c) * c->embed_dim;
+        n -= (size_t)model_moe_layers_before(c, c->n_layers) * idle;
+    }
+    return n;
+}
+
+int model_moe_check(const ModelConfig *c, char *err, size_t errlen) {
+    if (c->moe_experts <= 0) return 0;
+    if (c->moe_top_k < 1 || c->moe_top_k > c->moe_experts)
+        return set_err(err, errlen, "moe_top_k=%d must be between 1 and moe_experts=%d", c->moe_top_k, c->moe_experts);
+    if (c->moe_every < 1 || c->moe_every > c->n_layers)
+        return set_err(err, errlen, "moe_every=%d leaves no MoE layer among n_layers=%d", c->moe_every, c->n_layers);
+    if (model_moe_expert_dim(c) < 1)
+        return set_err(err, errlen, "moe_expert_dim: 1.5 x embed_dim / moe_top_k is 0; give moe_expert_dim");
+    return 0;
+}
+
+int model_moe_capacity(const ModelConfig *c, int N) {
+    if (c->moe_capacity_factor <= 0) return 0;
+    double cap = ceil(c->moe_capacity_factor * (double)N * c->moe_top_k / c->moe_experts);
+    return cap > N ? N : (int)cap;  /* (an expert takes a token at most once) */
+}
+
+size_t model_moe_max_rows(const ModelConfig *c, int N) {
+    size_t all = (size_t)N * c->moe_top_k;
+    int cap = model_moe_capacity(c, N);
+    return cap > 0 && (size_t)cap * c->moe_experts < all ? (size_t)cap * c->moe_experts : all;
+}
+
+int model_n_tensors(const ModelConfig *c) {
+    int n = 2 + (c->tie_embeddings ? 0 : 1);
+    for (int l = 0; l < c->n_layers; l++)
+        n += model_layer_is_moe(c, l) ? 5 + 3 * c->moe_experts + (c->moe_shared_experts ? 3 : 0) : 7;
+    return n;
 }
 
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
@@ -26,6 +72,9 @@ static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen) {
     int ffn = (int)(1.5 * c->embed_dim), vp = model_vocab_padded(c->vocab_size);
     if (tp < 1) return set_err(err, errlen, "tensor_parallel_size=%d is not positive", tp);
+    if (tp > 1 && c->moe_experts > 0)
+        return set_err(err, errlen, "tensor_parallel_size=%d: MoE layers (moe_experts=%d) are not split over "
+                       "tensor-parallel ranks yet; use data or pipeline parallel", tp, c->moe_experts);
     if (c->n_heads % tp) return set_err(err, errlen, "tensor_parallel_size=%d does not divide n_heads=%d", tp, c->n_heads);
     if (ffn % tp)
         return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp, ffn);
@@ -80,6 +129,19 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
     ly->ffn_norm = ly->att_out + E * Et;
     ly->gate_up = ly->ffn_norm + E;
     ly->down = ly->gate_up + 2 * Ht * E;
+    if (c->moe_experts > 0) {  /* (tp_size 1: model_tp_check) */
+        m->X = c->moe_experts, m->K = c->moe_top_k, m->He = model_moe_expert_dim(c);
+        m->Hs = m->He * c->moe_shared_experts;
+        m->n_moe = model_moe_layers_before(c, m->L);
+        size_t He = (size_t)m->He, Hs = (size_t)m->Hs;
+        LayerLayout *my = &m->moe_layer;
+        my->att_norm = ly->att_norm, my->qkv = ly->qkv, my->att_out = ly->att_out, my->ffn_norm = ly->ffn_norm;
+        my->router = my->ffn_norm + E;
+        my->gate_up = my->router + (size_t)m->X * E;
+        my->down = my->gate_up + 2 * Hs * E;
+        my->experts = my->down + E * Hs;
+        my->expert_n = 3 * He * E;
+    }
     m->head_out_norm = 0;
     m->head_lm = E;
 
@@ -92,12 +154,12 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
     size_t off = 0, packed = 0;
     m->packed = xcalloc((size_t)m->n_units, sizeof(size_t));
     for (int u = 0; u < m->n_units; u++) {
-        size_t n = u == 0 ? V * E : u <= m->L ? layer_param_count(c) : E + (c->tie_embeddings ? 0 : V * E);
+        size_t n = u == 0 ? V * E : u <= m->L ? layer_param_count(c, u - 1) : E + (c->tie_embeddings ? 0 : V * E);
         m->packed[u] = packed;
         packed += n;
         m->n_params += n;
         /* this rank's slices, and its vocabulary rows */
-        n = u == 0 ? Vr * E : u <= m->L ? layer_param_count_tp(c, tp_size) : E + (c->tie_embeddings ? 0 : Vr * E);
+        n = u == 0 ? Vr * E : u <= m->L ? layer_param_count_tp(c, u - 1, tp_size) : E + (c->tie_embeddings ? 0 : Vr * E);
         if (!stage_holds(c, s, n_stages, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
@@ -123,6 +185,7 @@ void model_point_units(Model *m, void *params, void *grads) {
 
 void model_free(Model *m) {
     layer_graphs_free(m->graphs);
+    model_moe_free(m);
     free(m->params);
     free(m->grads);
     free(m->units);
@@ -131,6 +194,39 @@ void model_free(Model *m) {
     free(m->ugrads);
     free(m->ucompute);
     memset(m, 0, sizeof *m);
+}
+
+/* A MoE layer's tensors from out[n] on (up to max); returns the new count. */
+static int moe_tensors(const Model *m, int l, size_t b, TensorInfo *out, int n, int max) {
+    const LayerLayout *ly = &m->moe_layer;
+    int E = m->E, He = m->He, Hs = m->Hs, u = unit_of_layer(l);
+#define T(off, r, cc, ...)                                                        \
+    do {                                                                          \
+        if (n < max) {                                                            \
+            snprintf(out[n].name, sizeof out[n].name, __VA_ARGS__);               \
+            out[n].offset = b + (off); out[n].rows = (r); out[n].cols = (cc);     \
+            out[n].unit = u;                                                      \
+        }                                                                         \
+        n++;                                                                      \
+    } while (0)
+    T(ly->att_norm, 1, E, "blocks.%d.att_norm.w", l);
+    T(ly->qkv, 3 * E, E, "blocks.%d.qkv_proj.weight", l);
+    T(ly->att_out, E, E, "blocks.%d.att_out_proj.weight", l);
+    T(ly->ffn_norm, 1, E, "blocks.%d.ffn_norm.w", l);
+    T(ly->router, m->X, E, "blocks.%d.ffn.router.weight", l);
+    if (Hs) {
+        T(ly->gate_up, Hs, E, "blocks.%d.ffn.shared.gate_proj.weight", l);
+        T(ly->gate_up + (size_t)Hs * E, Hs, E, "blocks.%d.ffn.shared.up_proj.weight", l);
+        T(ly->down, E, Hs, "blocks.%d.ffn.shared.down_proj.weight", l);
+    }
+    for (int e = 0; e < m->X; e++) {
+        size_t x = ly->experts + (size_t)e * ly->expert_n;
+        T(x, He, E, "blocks.%d.ffn.experts.%d.gate_proj.weight", l, e);
+        T(x + (size_t)He * E, He, E, "blocks.%d.ffn.experts.%d.up_proj.weight", l, e);
+        T(x + 2 * (size_t)He * E, E, He, "blocks.%d.ffn.experts.%d.down_proj.weight", l, e);
+    }
+#undef T
+    return n;
 }
 
 int model_tensors(const Model *m, TensorInfo *out, int max) {
@@ -149,6 +245,10 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
     for (int l = 0; l < m->L; l++) {
         unit_ = unit_of_layer(l);
         size_t b = m->units[unit_of_layer(l)].offset;
+        if (model_layer_is_moe(&m->c, l)) {
+            n = moe_tensors(m, l, b, out, n, max);
+            continue;
+        }
         const LayerLayout *ly = &m->layer;
         ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
         /* a tensor-parallel rank's slices: its heads' rows, its FFN rows and columns */
@@ -263,7 +363,7 @@ void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, u
     }
     const Unit *un = &m->units[u];
     memset(buf, 0, (hi - lo) * sizeof(float));
-    int max = 8 + 7 * m->L;
+    int max = model_n_tensors(&m->c);
     TensorInfo *t = xmalloc((size_t)max * sizeof *t);
     int nt = model_tensors(m, t, max);
     float resid_std = 0.02f / sqrtf(2.0f * (float)m->L);
@@ -309,8 +409,9 @@ const void *model_lm_head(const Model *m) {
 }
 
 double model_flops_per_token(const ModelConfig *c, int T) {
-    /* As the PyTorch peer counts it (PaLM): 6 x non-embedding params + 12 L E T. */
-    double n = (double)model_param_count(c) - (double)c->vocab_size * c->embed_dim;
+    /* As the PyTorch peer counts it (PaLM): 6 x non-embedding params + 12 L E T (a MoE model's
+     * active parameters). */
+    double n = (double)model_active_param_count(c) - (double)c->vocab_size * c->embed_dim;
     if (c->tie_embeddings) n += (double)c->vocab_size * c->embed_dim;  /* lm_head still multiplies */
     return 6.0 * n + 12.0 * c->n_layers * c->embed_dim * (double)T;
 }

@@ -11,9 +11,36 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Mixture of experts (moe_experts > 0): every moe_every-th layer (layers moe_every - 1,
+ * 2 moe_every - 1, ...) has, in place of the dense FFN, a router (an [X, E] product, in
+ * fp32) that sends each token to moe_top_k of moe_experts SwiGLU experts of width
+ * moe_expert_dim, whose outputs are summed weighted by the gates (the chosen scores,
+ * renormalised over the k), plus moe_shared_experts always-on experts of the same width (one
+ * SwiGLU FFN of their summed width). moe_router_sigmoid: sigmoid scores instead of softmax.
+ * moe_capacity_factor > 0: each expert takes at most ceil(factor N k / X) of a micro-batch's
+ * N tokens on a rank, the first in token order; the rest of its choices are dropped (the
+ * residual passes them). 0: dropless. */
 typedef struct {
     int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
+    int moe_experts, moe_top_k, moe_expert_dim, moe_shared_experts, moe_every, moe_router_sigmoid;
+    float moe_capacity_factor;  /* (a float, as the checkpoint keeps it) */
 } ModelConfig;
+/* Whether layer l of c is a mixture-of-experts layer. */
+static inline int model_layer_is_moe(const ModelConfig *c, int l) {
+    return c->moe_experts > 0 && l % c->moe_every == c->moe_every - 1;
+}
+/* The MoE layers among layers [0, l): a MoE layer's index among the model's MoE layers. */
+static inline int model_moe_layers_before(const ModelConfig *c, int l) {
+    return c->moe_experts > 0 ? l / c->moe_every : 0;
+}
+/* A MoE layer's expert width: moe_expert_dim, or the dense FFN's width over the top k. */
+static inline int model_moe_expert_dim(const ModelConfig *c) {
+    return c->moe_expert_dim > 0 ? c->moe_expert_dim : (int)(1.5 * c->embed_dim) / c->moe_top_k;
+}
+/* The most rows a MoE layer's experts take for N tokens (every choice kept, or each
+ * expert's capacity). */
+int model_moe_capacity(const ModelConfig *c, int N);
+size_t model_moe_max_rows(const ModelConfig *c, int N);
 /* Fixed by the model's definition (DESIGN.md), not by keys; export writes them out. */
 #define MODEL_RMS_EPS 1e-5f
 #define MODEL_ROPE_BASE 10000.0f
@@ -24,6 +51,10 @@ typedef struct { size_t offset, n, n_padded; } Unit;  /* in floats, into the fla
  * they form one [2H, E] matrix (one matmul); their rows stay exactly PyTorch's. */
 typedef struct {
     size_t att_norm, qkv, att_out, ffn_norm, gate_up, down;
+    /* a MoE layer's (MoeLayout): gate_up and down are its shared experts' (one FFN of their
+     * summed width; unused without), router [X, E], and the experts from `experts` on, expert
+     * e's gate_proj, up_proj [He, E] and down_proj [E, He] at experts + e * expert_n */
+    size_t router, experts, expert_n;
 } LayerLayout;
 
 /* Tensor parallel (Megatron-LM): how the model reaches the other ranks of its tensor-parallel
@@ -91,6 +122,17 @@ static inline int tp_run_clip(const TpRun *r, size_t lo, size_t hi, size_t *a, s
     return *a < *b;
 }
 
+/* Mixture of experts: how a stage's MoE layers reach the other ranks that share their
+ * experts, given from outside (src/parallel/expert.c). allreduce: buf (n fp32 values on the
+ * backend) summed over the data-parallel group, in place, the same on every rank, ordered
+ * with the ops (the router's statistics: the load-balancing loss is the whole global
+ * micro-batch's, whatever the layout). dp: that group's size. NULL allreduce: one rank. */
+typedef struct {
+    void *ctx;
+    void (*allreduce)(void *ctx, float *buf, size_t n);
+    int dp;
+} ModelMoe;
+
 typedef struct {
     ModelConfig c;
     int E, NH, HD, H, V, L;  /* embed_dim, heads, head_dim, ffn hidden, vocab, layers */
@@ -113,6 +155,18 @@ typedef struct {
      * strategy before the gradient norm (parallel.c). */
     int sp;
     ModelTp tp;
+    /* Mixture of experts: X experts of width He, top K, Hs = the shared experts' width;
+     * n_moe the model's MoE layers; moe_layer the layout of a MoE layer (m->layer a dense
+     * one's: layer_layout). moe: how the router's statistics reach the other data-parallel
+     * ranks (ModelMoe). moe_aux, moe_z: the weights of the load-balancing and z losses, and
+     * moe_bias_rate the balancing biases' step (model_moe_set_training). moe_acc: the step's router statistics, per MoE layer X + 3
+     * floats (op_moe_accumulate's), on the backend; moe_bias: the experts' selection biases,
+     * X per MoE layer (the aux-loss-free balancing; NULL: none), on the backend. */
+    int X, He, K, Hs, n_moe;
+    LayerLayout moe_layer;
+    ModelMoe moe;
+    float moe_aux, moe_z, moe_bias_rate;
+    float *moe_acc, *moe_bias, *moe_bias_host;  /* (moe_bias_host: moe_bias's host copy) */
     int n_units;
     Unit *units;
     LayerLayout layer;
@@ -178,11 +232,23 @@ typedef struct {
 
 /* One named tensor of the model, for checkpoints, fixtures and printing. */
 typedef struct { char name[64]; size_t offset; int rows, cols, unit; } TensorInfo;
-/* Fills up to max entries (in flat order); returns the count (2 + 7L + (tied ? 0 : 1)). */
+/* Fills up to max entries (in flat order); returns the count (model_n_tensors). */
 int model_tensors(const Model *m, TensorInfo *out, int max);
+/* How many model_tensors lists: 2 + 7 per dense layer + per MoE layer 5 + 3 X (+ 3 with
+ * shared experts) + (tied ? 0 : 1). */
+int model_n_tensors(const ModelConfig *c);
+/* The layout of layer l's tensors in its unit (dense or MoE). */
+static inline const LayerLayout *layer_layout(const Model *m, int l) {
+    return model_layer_is_moe(&m->c, l) ? &m->moe_layer : &m->layer;
+}
 
 /* Parameter count without building anything (estimate uses it). */
 size_t model_param_count(const ModelConfig *c);
+/* ... of them, those a token computes with: every routed expert but its top_k left out. */
+size_t model_active_param_count(const ModelConfig *c);
+/* Mixture of experts' settings checked (top_k <= experts, shapes); 0 or -1 with a one-line
+ * message naming the key. Dense configs pass. */
+int model_moe_check(const ModelConfig *c, char *err, size_t errlen);
 /* Sets shapes and layout; allocates params and grads (zeroed, host memory: for tools and
  * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies
  * allocate on the backend instead (op_alloc) and point the units there. */
@@ -263,6 +329,21 @@ typedef struct {
      * product's partial sum or a gathered gradient (full) */
     void *gath, *full;
     float *rope_cos, *rope_sin;
+    /* Mixture of experts, per MoE layer of the stage (one where the forward is recomputed or
+     * only inferred; their routing is the forward's, made again): the router's logits and
+     * scores [N, X], its choices idx, their gates and rows pos [N, K], lse [N], the rows'
+     * tokens and gates [P], the dispatch's counts cnt [3X + 1] (also on the host: moe_hcnt),
+     * the experts' gate|up outputs moe_gu [P, 2 He], and the shared experts' sgu [N, 2 Hs],
+     * shsw [N, Hs]; the router's statistics moe_stats [2X + 2] per MoE layer always (kept for
+     * the backward, and made once per micro-batch). Scratch for one layer: moe_xa, moe_xb [P, E],
+     * moe_h1, moe_h2 [P, He], moe_dgu [P, 2 He], moe_dlogits [N, X], moe_dgate [P]. P is
+     * model_moe_max_rows. grad_scale: the forward's, for the backward's router. */
+    float *moe_logits, *moe_probs, *moe_gate, *moe_lse, *moe_grow, *moe_stats;
+    int *moe_idx, *moe_pos, *moe_rowtok, *moe_cnt, *moe_hcnt;
+    void *moe_gu, *sgu, *shsw;
+    void *moe_xa, *moe_xb, *moe_h1, *moe_h2, *moe_dgu;
+    float *moe_dlogits, *moe_dgate;
+    float grad_scale;
     size_t bytes;
     void (*buf_free)(void *p);  /* frees the buffers where ModelTp's alloc made some (NULL: op_free) */
 } Acts;
@@ -350,6 +431,26 @@ float model_loss(Acts *a);
 /* Forward of T tokens (B = 1 prefix) giving logits [V] of the last position only, into the
  * host buffer `logits` (fp32 whatever the activations' type). */
 void model_last_logits(Model *m, Acts *a, const int *tokens, int T, float *logits);
-/* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU. */
+/* FLOPs per token of forward+backward (6 x matmul params + causal attention), for MFU: a
+ * MoE model's active parameters only. */
 double model_flops_per_token(const ModelConfig *c, int T);
+
+/* ---- mixture of experts' state beyond the parameters (model_moe.c) ----
+ * model_moe_alloc: moe_acc (zeroed) and, with bias balancing, moe_bias (zero) on the
+ * backend, for every MoE layer of the model; nothing for a dense model.
+ * model_moe_set_training: the weights of the load-balancing and z losses in the gradient, and
+ * the rate of the selection biases' steps (model_moe_balance).
+ * model_moe_take_stats: the step's moe_acc downloaded into host (n_moe (X + 3) floats, zero for
+ * layers this process does not hold) and zeroed for the next step. */
+void model_moe_alloc(Model *m, int bias);
+void model_moe_free(Model *m);
+void model_moe_set_training(Model *m, float aux, float z, float bias_rate);
+/* moe_bias (model_moe_alloc's with bias) from host: n_moe x X floats. */
+void model_moe_set_bias(Model *m, const float *host);
+/* The aux-loss-free balancing's step (DeepSeek-V3's): each expert's bias moves by rate toward
+ * the mean load, up where the expert had fewer than its layer's mean of the step's choices,
+ * down where more (stats: n_moe (X + 3) values as model_moe_take_stats gives them, the same on
+ * every rank, so every rank moves its biases alike); rate moe_bias_rate. */
+void model_moe_balance(Model *m, const double *stats);
+void model_moe_take_stats(Model *m, float *host);
 #endif

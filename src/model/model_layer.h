@@ -10,8 +10,19 @@
 #define ROPE_BASE MODEL_ROPE_BASE
 
 /* Per-layer activation pointers: the layer's input and output in residual slots r and r+1,
- * everything else in layer slot `slot`. */
-typedef struct { void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out; float *rstd1, *lse, *rstd2; } LayerActs;
+ * everything else in layer slot `slot`. A MoE layer's FFN (layer_moe.c): gu and hsw are its
+ * shared experts' (NULL without), and the routing's, the experts' and the statistics'
+ * buffers (Acts' moe_*) are in MoeActs. */
+typedef struct {
+    float *logits, *probs, *gate, *lse, *grow, *stats;
+    int *idx, *pos, *rowtok, *cnt, *hcnt;
+    void *gu;
+} MoeActs;
+typedef struct {
+    void *x, *xn1, *qkv, *att, *mid, *xn2, *gu, *hsw, *out;
+    float *rstd1, *lse, *rstd2;
+    MoeActs moe;
+} LayerActs;
 /* A layer's gradients that the split backward's weight pass needs, kept by its input pass
  * (model_backward_input; wgrad_at) */
 typedef struct { void *dout, *dgu, *dxn2, *dmid, *dqkv, *dxn1; } WGrad;
@@ -31,7 +42,9 @@ typedef struct { int bwd; void *out; const void *inp, *w, *res; int C, OC; } Pro
 
 /* ---- a layer (layer.c) ---- */
 
-LayerActs layer_acts(const Model *m, const Acts *a, int slot, int r);
+/* Layer l's: slot is its index in the stage (every layer's activations kept) or 0 (one
+ * layer's, reused), r its index in the stage while training (0 in inference). */
+LayerActs layer_acts(const Model *m, const Acts *a, int l, int slot, int r);
 /* recompute: activation checkpointing's forward in the backward */
 void layer_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int B, int T, int recompute);
 /* defer: leaves the weight gradients of gate_up and qkv to layer_backward_deferred */
@@ -45,6 +58,15 @@ void layer_backward_weight(Model *m, Acts *a, int l, const LayerActs *la, const 
 enum { LG_FORWARD, LG_RECOMPUTE, LG_BACKWARD, LG_INPUT, LG_WEIGHT };  /* (the last two: the split passes) */
 int layer_graphed(const Model *m);
 void layer_run_graphed(Model *m, Acts *a, int l, const LayerActs *la, const WGrad *wg, int kind, int defer);
+
+/* ---- a MoE layer's FFN (layer_moe.c): from la->xn2 into la->out (la->mid + the FFN; with
+ * recompute only what the backward needs), and its backward from a->dres into a->dxn (written)
+ * and the layer's weight gradients. moe_stage_stats: after a training forward of the stage's
+ * layers [l0, l0 + n), their router statistics summed over the data-parallel ranks (one
+ * collective) and added to the step's (moe_acc). ---- */
+void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int N, int recompute);
+void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la);
+void moe_stage_stats(const Model *m, const Acts *a, int l0, int n);
 
 /* ---- tensor parallel's collectives in a layer (layer_tp.c) ---- */
 

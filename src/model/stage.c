@@ -26,7 +26,7 @@ static void trunk_forward(Model *m, const Stage *s, Acts *a, int B, int T, int t
     }
     for (int i = 0; i < nl; i++) {
         int l = l0 + i, slot = training && !a->recompute ? i : 0, r = training ? i : 0;
-        LayerActs la = layer_acts(m, a, slot, r);
+        LayerActs la = layer_acts(m, a, l, slot, r);
         if (!training && i > 0) op_copy(la.x, la.out, held_rows(m, (size_t)N) * m->E * ops_act_size());
         HOOK(h, gather, unit_of_layer(l), i + 1 < nl ? unit_of_layer(l + 1) : after);
         if (trace_active()) {  /* (the timeline's: where a layer's forward starts) */
@@ -192,7 +192,9 @@ void model_forward(Model *m, const Stage *s, Acts *a, int grad, float grad_scale
         }
     }
     if (stage_has_head(m, s)) op_upload(a->dev_targets, a->targets, (size_t)N * sizeof(int));
+    a->grad_scale = grad_scale;
     trunk_forward(m, s, a, B, T, grad, h);
+    if (grad) moe_stage_stats(m, a, stage_first_layer(s), stage_n_layers(&m->c, s));
     if (stage_has_head(m, s)) head_forward_backward(m, a, trunk_output(m, s, a, grad), grad, grad_scale, unit_before_head(m, s), h);
     tp_flush(m);
 }
@@ -210,7 +212,7 @@ void model_backward(Model *m, const Stage *s, Acts *a, const UnitHooks *h) {
     trace_mark(NULL, "head done, layers' backward");
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
-        LayerActs la = layer_acts(m, a, a->recompute ? 0 : i, i);
+        LayerActs la = layer_acts(m, a, l, a->recompute ? 0 : i, i);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
         if (a->recompute && layer_graphed(m)) layer_run_graphed(m, a, l, &la, NULL, LG_RECOMPUTE, 0);
         else if (a->recompute) layer_forward(m, a, l, &la, B, T, 1);
@@ -247,7 +249,7 @@ void model_backward_input(Model *m, const Stage *s, Acts *a, void *wbuf, const U
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 1, 0, h);
     for (int i = nl - 1; i >= 0; i--) {
         int l = l0 + i;
-        LayerActs la = layer_acts(m, a, i, i);
+        LayerActs la = layer_acts(m, a, l, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, gather, unit_of_layer(l), i > 0 ? unit_of_layer(l - 1) : -1);
         if (layer_graphed(m)) layer_run_graphed(m, a, l, &la, &wg, LG_INPUT, 0);
@@ -264,7 +266,7 @@ void model_backward_weight(Model *m, const Stage *s, Acts *a, void *wbuf, const 
     if (a->head_split && stage_has_head(m, s)) head_backward(m, s, a, 0, 1, h);
     for (int i = nl - 1; i >= 0; i--) {
         int u = unit_of_layer(l0 + i);
-        LayerActs la = layer_acts(m, a, i, i);
+        LayerActs la = layer_acts(m, a, l0 + i, i, i);
         WGrad wg = wgrad_at(m, wbuf, i, a->N);
         HOOK(h, grad_begin, u);
         if (layer_graphed(m)) layer_run_graphed(m, a, l0 + i, &la, &wg, LG_WEIGHT, 0);

@@ -416,3 +416,61 @@ void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_
 void op_scatter_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes) {
     if (n && row_bytes) PROF("copy_rows", g_ops->copy_rows(dst, src, rows, n, row_bytes, 1));
 }
+
+/* ---- mixture of experts ---- */
+static void moe_need(const void *fn, const char *name) {
+    if (!fn) die(EXIT_RUN_FAILURE, "internal: the %s backend has no %s", g_ops->name, name);
+}
+#define MOE_CALL(fn, name, args)                      \
+    do {                                              \
+        moe_need((const void *)g_ops->fn, #fn);       \
+        PROF(name, g_ops->fn args);                   \
+    } while (0)
+void op_moe_router_forward(float *logits, const void *x, const void *w, int N, int E, int X) {
+    if (N > 0) MOE_CALL(moe_router_forward, "moe_router", (logits, x, w, N, E, X));
+}
+void op_moe_router_backward(void *dx, void *dw, const float *dlogits, const void *x, const void *w, int N, int E,
+                            int X) {
+    if (N > 0) MOE_CALL(moe_router_backward, "moe_router_backward", (dx, dw, dlogits, x, w, N, E, X));
+}
+void op_moe_topk(float *probs, int *idx, float *gate, float *lse, const float *logits, const float *bias, int N,
+                 int X, int k, int sigmoid) {
+    if (k < 1 || k > X) die(EXIT_RUN_FAILURE, "internal: op_moe_topk: top %d of %d experts", k, X);
+    if (N > 0) MOE_CALL(moe_topk, "moe_route", (probs, idx, gate, lse, logits, bias, N, X, k, sigmoid));
+}
+void op_moe_dispatch(int *cnt, int *pos, int *rowtok, float *gate_rows, const int *idx, const float *gate, int N,
+                     int k, int X, int capacity) {
+    MOE_CALL(moe_dispatch, "moe_route", (cnt, pos, rowtok, gate_rows, idx, gate, N, k, X, capacity));
+}
+void op_moe_stats(float *stats, const int *cnt, const float *probs, const float *lse, int N, int X) {
+    MOE_CALL(moe_stats, "moe_route", (stats, cnt, probs, lse, N, X));
+}
+void op_moe_route_backward(float *dlogits, const float *dgate_rows, const int *pos, const float *logits,
+                           const float *probs, const int *idx, const float *gate, const float *lse, const float *stats,
+                           float aux_scale, float z_scale, int N, int X, int k, int sigmoid) {
+    if (N > 0)
+        MOE_CALL(moe_route_backward, "moe_route_backward",
+                 (dlogits, dgate_rows, pos, logits, probs, idx, gate, lse, stats, aux_scale, z_scale, N, X, k, sigmoid));
+}
+void op_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
+                           int OC) {
+    if (off[X] > 0) MOE_CALL(moe_matmul_forward, "moe_matmul_forward", (out, inp, w, wstride, off, X, C, OC));
+}
+void op_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp, const void *w,
+                            const int *off, int X, int C, int OC) {
+    if (off[X] > 0)
+        MOE_CALL(moe_matmul_backward, "moe_matmul_backward", (dinp, dw, wstride, dout, inp, w, off, X, C, OC));
+}
+void op_moe_combine(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E) {
+    if (N > 0) MOE_CALL(moe_combine, "moe_combine", (out, ys, gate, pos, N, k, E));
+}
+void op_moe_unpermute(void *dx, const void *dxs, const int *pos, int N, int k, int E, int acc) {
+    if (N > 0) MOE_CALL(moe_unpermute, "moe_combine_backward", (dx, dxs, pos, N, k, E, acc));
+}
+void op_moe_gate_backward(float *dgate_rows, void *h, void *dh, const float *gate_rows, int P, int H) {
+    if (P > 0) MOE_CALL(moe_gate_backward, "moe_combine_backward", (dgate_rows, h, dh, gate_rows, P, H));
+}
+void op_moe_accumulate(float *acc, const float *stats, int rows, int X, int k) {
+    MOE_CALL(moe_accumulate, "moe_route", (acc, stats, rows, X, k));
+}
+#undef MOE_CALL

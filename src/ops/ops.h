@@ -372,6 +372,75 @@ void op_sum_parts(void *y, const void *const *x, int k, size_t n);
 void op_gather_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes);
 void op_scatter_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes);
 
+/* ---- mixture of experts (a MoE layer's FFN: src/model/layer_moe.c) ----
+ * N token rows, X experts, each row routed to k of them. The rows of each expert are gathered
+ * into one contiguous group (expert 0's first; within an expert in order of row n, then of
+ * choice j): P rows in all, row p holding token rowtok[p]. Every sum below has a fixed order,
+ * so a run is bitwise repeatable (no atomics). Index arrays (int) and fp32 arrays are op_alloc
+ * memory unless said otherwise; `void *` arrays are activations unless said "state". */
+
+/* logits[N, X] (fp32) = x[N, E] @ w[X, E]^T, products accumulated in fp32 (the router in fp32
+ * whatever the activations' type). */
+void op_moe_router_forward(float *logits, const void *x, const void *w, int N, int E, int X);
+/* dx[N, E] += dlogits @ w (dx may be NULL), dw[X, E] (state) += dlogits^T @ x, from fp32
+ * dlogits, accumulated in fp32 (dw's sum over the rows in row order). */
+void op_moe_router_backward(void *dx, void *dw, const float *dlogits, const void *x, const void *w, int N, int E,
+                            int X);
+/* Per row n: the scores s = softmax(logits[n]) (sigmoid = 0) or sigmoid(logits[n]) (sigmoid = 1)
+ * into probs[n, X]; the k experts of largest s + bias into idx[n, 0..k) (bias: X fp32 values,
+ * NULL for none; it chooses, it never weighs), by descending s + bias, ties to the lower
+ * expert; gate[n, j] = s[idx[n, j]] / (the sum of s over the k chosen); lse[n] = log sum_e
+ * exp(logits[n, e]) (the z-loss's). */
+void op_moe_topk(float *probs, int *idx, float *gate, float *lse, const float *logits, const float *bias, int N,
+                 int X, int k, int sigmoid);
+/* The dispatch from idx [N, k] and gate [N, k]. cnt (3X + 1 ints): cnt[e] = the choices of
+ * expert e (routed), cnt[X + e] = those kept: each expert's first `capacity` choices in order
+ * of n then j (capacity <= 0: all), cnt[2X + e] = the first row of expert e's group (cnt[3X] =
+ * P, the kept rows). pos[n k + j] = the row of choice (n, j), -1 where it was dropped;
+ * rowtok[p] = the token of row p and gate_rows[p] = its gate (p < P). */
+void op_moe_dispatch(int *cnt, int *pos, int *rowtok, float *gate_rows, const int *idx, const float *gate, int N,
+                     int k, int X, int capacity);
+/* The router's statistics of N rows (fp32, 2X + 2): stats[e] = cnt[e] (the routed choices),
+ * stats[X + e] = the sum over the rows of s_hat[n, e] = probs[n, e] / sum_e probs[n, e] (the
+ * scores normalised: softmax's are already), stats[2X] = the sum of lse[n]^2, stats[2X + 1] =
+ * the kept choices (the sum of cnt[X .. 2X)); sums over the rows in row order, in double,
+ * rounded once. */
+void op_moe_stats(float *stats, const int *cnt, const float *probs, const float *lse, int N, int X);
+/* d(loss)/d(logits) [N, X], written, through the routing op_moe_topk made: from the gates'
+ * gradient (dgate_rows[p] for row p; a dropped choice's is 0, pos[n k + j] = -1), from the
+ * load-balancing loss (d/d s_hat[n, e] = aux_scale * stats[e]) and from the z-loss (d/d lse[n]
+ * = z_scale * lse[n]). logits, probs, idx, gate, lse as op_moe_topk left them. */
+void op_moe_route_backward(float *dlogits, const float *dgate_rows, const int *pos, const float *logits,
+                           const float *probs, const int *idx, const float *gate, const float *lse, const float *stats,
+                           float aux_scale, float z_scale, int N, int X, int k, int sigmoid);
+/* The experts' products, one group of rows per expert: expert e's weight is w_e = w + e *
+ * wstride elements ([OC, C], in the activations' type; dw's of the state type), its rows
+ * [off[e], off[e + 1]) of inp and out (off: X + 1 ints in host memory, off[0] = 0; the same
+ * as cnt[2X..3X] of op_moe_dispatch). forward: out = inp @ w_e^T, written. backward: dinp =
+ * dout @ w_e written (dinp NULL: not wanted), dw_e += dout^T @ inp (dw NULL: not wanted); an
+ * expert with no rows adds nothing. */
+void op_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
+                           int OC);
+void op_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp, const void *w,
+                            const int *off, int X, int C, int OC);
+/* out[n, :] += the sum over j = 0 .. k-1, in that order, of gate[n, j] * ys[pos[n k + j], :]
+ * (a dropped choice adds nothing), summed in fp32 and added to out once. */
+void op_moe_combine(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E);
+/* The gather's backward: dx[n, :] (+)= the sum over j, in order, of dxs[pos[n k + j], :];
+ * acc: added to dx, else written. */
+void op_moe_unpermute(void *dx, const void *dxs, const int *pos, int N, int k, int E, int acc);
+/* The combine's backward, with the gate folded in where the down product's input is: per row
+ * p < P, dgate_rows[p] = <dh[p], h[p]> (the fp32 sum of the products of H activations), then
+ * h[p] *= gate_rows[p] and dh[p] *= gate_rows[p], in place. (h: the down product's input; dh:
+ * the gradient at it of the ungated output, dout[rowtok[p]] @ w_e.) */
+void op_moe_gate_backward(float *dgate_rows, void *h, void *dh, const float *gate_rows, int P, int H);
+/* The step's statistics of one MoE layer's micro-batch, added into acc (fp32, X + 3): acc[e]
+ * += stats[e] (the routed choices), acc[X] += the load-balancing loss X sum_e f_e P_e with f_e =
+ * stats[e] / (rows k) and P_e = stats[X + e] / rows, acc[X + 1] += the z-loss stats[2X] / rows,
+ * acc[X + 2] += stats[2X + 1] (the kept choices); stats as op_moe_stats made them (summed over
+ * the ranks that share the micro-batch's rows). */
+void op_moe_accumulate(float *acc, const float *stats, int rows, int X, int k);
+
 /* ---- backends ----
  * A backend is one table of functions with the semantics above (ops.c dispatches every
  * op_* through the active one). op_rope_tables computes on the host in both, so the tables
@@ -472,6 +541,26 @@ typedef struct OpsBackend {
     void (*sum_parts)(void *y, const void *const *x, int k, size_t n);
     void (*copy_rows)(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
     int (*tune_matmuls)(char *report, size_t len);  /* NULL: nothing to tune (op_tune_matmuls) */
+    /* mixture of experts (ops.h's op_moe_*) */
+    void (*moe_router_forward)(float *logits, const void *x, const void *w, int N, int E, int X);
+    void (*moe_router_backward)(void *dx, void *dw, const float *dlogits, const void *x, const void *w, int N, int E,
+                                int X);
+    void (*moe_topk)(float *probs, int *idx, float *gate, float *lse, const float *logits, const float *bias, int N,
+                     int X, int k, int sigmoid);
+    void (*moe_dispatch)(int *cnt, int *pos, int *rowtok, float *gate_rows, const int *idx, const float *gate, int N,
+                         int k, int X, int capacity);
+    void (*moe_stats)(float *stats, const int *cnt, const float *probs, const float *lse, int N, int X);
+    void (*moe_route_backward)(float *dlogits, const float *dgate_rows, const int *pos, const float *logits,
+                               const float *probs, const int *idx, const float *gate, const float *lse,
+                               const float *stats, float aux_scale, float z_scale, int N, int X, int k, int sigmoid);
+    void (*moe_matmul_forward)(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
+                               int OC);
+    void (*moe_matmul_backward)(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp,
+                                const void *w, const int *off, int X, int C, int OC);
+    void (*moe_combine)(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E);
+    void (*moe_unpermute)(void *dx, const void *dxs, const int *pos, int N, int k, int E, int acc);
+    void (*moe_gate_backward)(float *dgate_rows, void *h, void *dh, const float *gate_rows, int P, int H);
+    void (*moe_accumulate)(float *acc, const float *stats, int rows, int X, int k);
     /* op_graph_*; NULL: no recording */
     int (*graph_begin)(void);
     OpsGraph *(*graph_end)(void);

@@ -6,7 +6,7 @@
 #include "util.h"
 
 static int layout_tensors(const Model *m, TensorInfo **out) {
-    int max = 8 + 7 * m->L;
+    int max = model_n_tensors(&m->c);
     *out = xcalloc((size_t)max, sizeof **out);
     return model_tensors(m, *out, max);
 }
@@ -202,7 +202,7 @@ const AfPlan *adafactor_plan(const Optimizer *o) {
 
 /* statistics, factors and sums (fp32), and per tensor two doubles (at most one segment each) */
 static size_t af_tensor_bytes(const Model *layout) {
-    size_t nt = 8 + 7 * (size_t)layout->L;
+    size_t nt = (size_t)model_n_tensors(&layout->c);
     return 3 * af_stats_count(layout) * sizeof(float) + 2 * nt * sizeof(double);
 }
 static size_t af_summed_bytes(const Model *layout) { return af_stats_count(layout) * sizeof(float); }

@@ -14,7 +14,10 @@ enum { PATH_BUF = 4300, NAME_MAX_LEN = 4096, MAX_SHARDS = 1 << 20 };
 #define CHUNK_FLOATS ((uint64_t)1 << 24)  /* values read at a time: bounds the loader's buffer */
 
 void ckpt_model_config(const CkptHeader *h, ModelConfig *c) {
-    *c = (ModelConfig){h->vocab_size, h->embed_dim, h->n_heads, h->n_layers, h->context_len, h->tie_embeddings};
+    *c = (ModelConfig){h->vocab_size, h->embed_dim, h->n_heads, h->n_layers, h->context_len, h->tie_embeddings,
+                       h->moe_experts, h->moe_top_k, h->moe_expert_dim, h->moe_shared_experts, h->moe_every,
+                       h->moe_router_sigmoid, h->moe_capacity_factor};
+    if (c->moe_experts <= 0) c->moe_experts = 0, c->moe_every = 1;
 }
 
 int ckpt_full_ranges(const Model *m, float *params, float *mom1, float *mom2, StateRange *out, int max) {
@@ -55,9 +58,16 @@ static void remove_stale_shards(const char *path, int step, int world) {
     while (d && (e = readdir(d))) {
         int s, r, w, n = 0;
         if (strncmp(e->d_name, base, blen)) continue;
-        /* the settings a run wrote with an earlier checkpoint (ckpt_write_settings) */
-        if (sscanf(e->d_name + blen, ".s%d.settings%n", &s, &n) == 1 && s != step &&
-            (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5))) {
+        /* the settings and router biases a run wrote with an earlier checkpoint
+         * (ckpt_write_settings, ckpt_write_moe_bias) */
+        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n"};
+        int other = 0;
+        for (int k = 0; k < 2 && !other; k++) {
+            n = 0;  /* (set only where the whole pattern matched) */
+            other = sscanf(e->d_name + blen, beside[k], &s, &n) == 1 && n > 0 && s != step &&
+                    (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5));
+        }
+        if (other) {
             if (snprintf(full, sizeof full, "%.*s%s", dlen, path, e->d_name) < (int)sizeof full) unlink(full);
             continue;
         }
@@ -76,6 +86,46 @@ int ckpt_write_settings(const char *path, int step, const char *text, char *err,
     int n = snprintf(name, sizeof name, "%s.s%08d.settings", path, step);
     if (n < 0 || (size_t)n >= sizeof name) return set_err(err, errlen, "checkpoint path too long: %s", path);
     return write_file_atomic(name, text, strlen(text), err, errlen);
+}
+
+#define MOE_BIAS_MAGIC "MTMOEB01"
+static int moe_bias_path(char *name, size_t len, const char *path, int step) {
+    int n = snprintf(name, len, "%s.s%08d.moebias", path, step);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int ckpt_write_moe_bias(const char *path, int step, const float *bias, int n_moe, int X, char *err, size_t errlen) {
+    char name[PATH_BUF];
+    if (moe_bias_path(name, sizeof name, path, step)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    size_t vals = (size_t)n_moe * X, bytes = 8 + 2 * sizeof(int32_t) + vals * sizeof(float) + 8;
+    char *buf = xmalloc(bytes);
+    int32_t shape[2] = {n_moe, X};
+    memcpy(buf, MOE_BIAS_MAGIC, 8);
+    memcpy(buf + 8, shape, sizeof shape);
+    memcpy(buf + 16, bias, vals * sizeof(float));
+    uint64_t hash = fnv1a64(buf, bytes - 8, FNV1A64_INIT);
+    memcpy(buf + bytes - 8, &hash, 8);
+    int rc = write_file_atomic(name, buf, bytes, err, errlen);
+    free(buf);
+    return rc;
+}
+
+int ckpt_read_moe_bias(const char *path, const CkptHeader *h, float *bias, int n_moe, int X, char *err, size_t errlen) {
+    char name[PATH_BUF], e[512];
+    if (moe_bias_path(name, sizeof name, path, h->step)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    size_t len, vals = (size_t)n_moe * X, want = 8 + 2 * sizeof(int32_t) + vals * sizeof(float) + 8;
+    char *buf = read_file(name, &len, e, sizeof e);
+    if (!buf) return set_err(err, errlen, "checkpoint %s keeps its MoE router biases beside it, but %s", path, e);
+    int32_t shape[2] = {0, 0};
+    uint64_t hash = 0;
+    if (len == want) memcpy(shape, buf + 8, sizeof shape), memcpy(&hash, buf + len - 8, 8);
+    int bad = len != want || memcmp(buf, MOE_BIAS_MAGIC, 8) || shape[0] != n_moe || shape[1] != X ||
+              hash != fnv1a64(buf, len - 8, FNV1A64_INIT);
+    if (!bad) memcpy(bias, buf + 16, vals * sizeof(float));
+    free(buf);
+    return bad ? set_err(err, errlen, "%s (the MoE router biases of checkpoint %s) is corrupt or of another model", name,
+                         path)
+               : 0;
 }
 
 /* ---- reading ---- */
@@ -99,7 +149,11 @@ static uint64_t fd_size(int fd) {
 static int header_invalid(const CkptHeader *h) {
     return h->vocab_size < 2 || h->embed_dim < 2 || h->n_heads < 1 || h->n_layers < 1 || h->context_len < 1 ||
            h->embed_dim % h->n_heads || h->step < 0 || h->adam_step < 0 || h->batch_size < 1 || h->optimizer < 0 ||
-           h->optimizer > OPTIM_ADAFACTOR;
+           h->optimizer > OPTIM_ADAFACTOR ||
+           (h->moe_experts > 0 && (h->moe_top_k < 1 || h->moe_top_k > h->moe_experts || h->moe_every < 1 ||
+                                   h->moe_every > h->n_layers || h->moe_expert_dim < 0 || h->moe_shared_experts < 0 ||
+                                   (unsigned)h->moe_router_sigmoid > 1 || !(h->moe_capacity_factor >= 0) ||
+                                   (!h->moe_expert_dim && (int)(1.5 * h->embed_dim) / h->moe_top_k < 1)));
 }
 
 static int size_err(char *err, size_t errlen, const char *what, const char *path, uint64_t have, uint64_t want) {
@@ -332,8 +386,12 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     ckpt_model_config(h, &c);
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
-    out->reserved1 = 0;
-    memset(out->reserved, 0, sizeof out->reserved);  /* identical runs write identical manifests */
+    out->flags = h->flags & CKPT_MOE_BIAS;
+    if (h->moe_experts <= 0) {  /* identical runs write identical manifests: a dense model's MoE fields are zero */
+        out->moe_experts = out->moe_expert_dim = 0;
+        out->moe_top_k = out->moe_shared_experts = out->moe_every = out->moe_router_sigmoid = 0;
+        out->moe_capacity_factor = out->moe_aux_loss = out->moe_z_loss = out->moe_bias_balance = 0;
+    }
     return 0;
 }
 
@@ -506,7 +564,17 @@ int ckpt_load_model(const char *path, CkptHeader *h, Model *m, char *err, size_t
     ModelConfig mc;
     ckpt_model_config(h, &mc);
     model_init_layout(m, &mc, 1, 1);
-    if (!ckpt_load(path, h, m, NULL, err, errlen)) return 0;
+    if (!ckpt_load(path, h, m, NULL, err, errlen)) {
+        if (!(h->flags & CKPT_MOE_BIAS) || !m->n_moe) return 0;
+        float *bias = xmalloc((size_t)m->n_moe * m->X * sizeof(float));
+        int rc = ckpt_read_moe_bias(path, h, bias, m->n_moe, m->X, err, errlen);
+        if (!rc) {
+            model_moe_alloc(m, 1);
+            model_moe_set_bias(m, bias);
+        }
+        free(bias);
+        if (!rc) return 0;
+    }
     model_free(m);
     return -1;
 }

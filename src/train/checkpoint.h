@@ -40,7 +40,8 @@ typedef struct {
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
     int32_t warmup_steps, total_steps, cosine;
     int32_t lr_decay_steps;                    /* the cosine's horizon (0 in older files: total_steps) */
-    uint32_t name_len, reserved1;              /* manifest: length of the shards' base name */
+    uint32_t name_len;                         /* manifest: length of the shards' base name */
+    uint32_t flags;                            /* CKPT_MOE_BIAS (0 in older files) */
     int32_t global_batch;                      /* sequences per optimizer step (0 in older files:
                                                 * batch_size x world) */
     int32_t grad_accum_steps;                  /* micro-batches per step (0 in older files: 1) */
@@ -52,9 +53,17 @@ typedef struct {
     /* the run's validation, so a resumed run and eval keep it (val_batches 0 in older files:
      * not kept) */
     int32_t val_every, val_batches;
-    char reserved[256 - 8 - 8 - 12 * 4 - 3 * 8 - 8 - 7 * 8 - 4 * 4 - 2 * 4 - 2 * 4 - 2 * 4 - 3 * 8 - 2 * 4];
+    /* mixture of experts (moe_experts 0 in older files and dense models), and its training
+     * losses' weights and the bias balancing's rate, as the run used them (floats) */
+    int32_t moe_experts, moe_expert_dim;
+    int16_t moe_top_k, moe_shared_experts, moe_every, moe_router_sigmoid;
+    float moe_capacity_factor, moe_aux_loss, moe_z_loss, moe_bias_balance;
 } CkptHeader;
 _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
+
+/* flags: the MoE router's selection biases (aux-loss-free balancing) are kept beside the
+ * manifest, in "<path>.s<step>.moebias" (ckpt_write_moe_bias) */
+#define CKPT_MOE_BIAS 1u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {
@@ -101,6 +110,13 @@ int ckpt_write_manifest(const char *path, const CkptHeader *h, int world, char *
  * committed at path removes other steps' (with their shards). Informational: nothing reads
  * it back, so a run can be reproduced from any checkpoint. */
 int ckpt_write_settings(const char *path, int step, const char *text, char *err, size_t errlen);
+/* A MoE model's router biases (n_moe x X floats) beside the checkpoint of `step`, as
+ * "<path>.s<step>.moebias" (magic, n_moe, X, the values, an FNV-1a checksum), written
+ * atomically before the manifest that names the step; the next manifest committed at path
+ * removes other steps'. ckpt_read_moe_bias reads the one of h's step (checking its shape and
+ * checksum) into bias. 0, or -1 with err. */
+int ckpt_write_moe_bias(const char *path, int step, const float *bias, int n_moe, int X, char *err, size_t errlen);
+int ckpt_read_moe_bias(const char *path, const CkptHeader *h, float *bias, int n_moe, int X, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the
  * manifest at path for `world` shards (what a save will need on disk). */
 uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim);
@@ -115,6 +131,7 @@ void ckpt_model_config(const CkptHeader *h, ModelConfig *c);
 int ckpt_save(const char *path, const CkptHeader *h, const Model *m, const AdamState *opt, char *err, size_t errlen);
 int ckpt_load(const char *path, CkptHeader *h, Model *m, AdamState *opt, char *err, size_t errlen);
 /* Builds a host model (model_init_layout, allocated) of the checkpoint's shape and loads its
- * parameters, whatever world size or strategy wrote it: eval, sample, export and tools. */
+ * parameters, whatever world size or strategy wrote it: eval, sample, export and tools; a MoE
+ * model's router biases too (model_moe_alloc's, on the active backend), where it has them. */
 int ckpt_load_model(const char *path, CkptHeader *h, Model *m, char *err, size_t errlen);
 #endif

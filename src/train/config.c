@@ -8,6 +8,7 @@
 #include <string.h>
 #include "model.h"
 #include "ops.h"
+#include "run.h"
 #include "util.h"
 
 typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM } KeyType;
@@ -39,6 +40,29 @@ static const Key KEYS[] = {
     I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL,
       "sequence length T of a training window (eval: the checkpoint's unless given)"),
     B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
+    I(moe_experts, "0", 0, 4096, MODEL_CMDS,
+      "mixture of experts: routed experts of each MoE layer (0 = every layer's FFN dense; see README)"),
+    I(moe_top_k, "2", 1, 16, MODEL_CMDS, "MoE: experts each token is routed to"),
+    I(moe_expert_dim, "0", 0, 1 << 20, MODEL_CMDS,
+      "MoE: each expert's SwiGLU width (0 = 1.5 x embed_dim / moe_top_k, the dense FFN's width among the top k)"),
+    I(moe_shared_experts, "0", 0, 64, MODEL_CMDS,
+      "MoE: always-on experts of moe_expert_dim each, beside the routed ones (one SwiGLU FFN of their summed width)"),
+    I(moe_every, "1", 1, 4096, MODEL_CMDS,
+      "MoE: every n-th layer is a MoE layer (layers n-1, 2n-1, ...), the others keep the dense FFN"),
+    E(moe_router, "softmax", "softmax|sigmoid", MODEL_CMDS,
+      "MoE: the router's scores, softmax over the experts or each expert's sigmoid (in fp32); the top k are chosen "
+      "and their scores renormalised into the gates"),
+    F(moe_capacity_factor, "0", 0, 1000, MODEL_CMDS,
+      "MoE: 0 = dropless; > 0: an expert takes at most ceil(factor x tokens x top_k / experts) of a rank's "
+      "micro-batch, the first in token order, and the rest of its choices are dropped (the log says how many)"),
+    F(moe_aux_loss, "0.01", 0, 1e3, TR,
+      "MoE: weight of the load-balancing loss (Switch Transformer's: experts x sum_e f_e P_e per MoE layer, over "
+      "the global micro-batch), added to the loss the gradient is of"),
+    F(moe_z_loss, "0", 0, 1e3, TR,
+      "MoE: weight of the router z-loss (the mean squared log-sum-exp of the router's logits, per MoE layer)"),
+    F(moe_bias_balance, "0", 0, 1, TR,
+      "MoE: aux-loss-free balancing (DeepSeek-V3): after each step every expert's selection bias moves this much "
+      "toward its layer's mean load (0 = off; 0.001 is DeepSeek-V3's); the bias chooses experts, never weighs them"),
     I(batch_size, "128", 1, 1 << 24, MODEL_CMDS | CMD_EVAL, "sequences per data-parallel rank per step"),
     I(grad_accum_steps, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "micro-batches of batch_size per optimizer step (gradient accumulation): the global batch is batch_size x "
@@ -324,7 +348,19 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d: device=cuda's attention takes heads of up "
                            "to %d (more n_heads)", c->embed_dim / c->n_heads, OPS_CUDA_MAX_HEAD_DIM);
         int tp = c->tensor_parallel_size;
-        ModelConfig mc = {c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
+        ModelConfig mc = model_config_of(c);
+        if (model_moe_check(&mc, err, errlen)) return -1;
+        if (!c->moe_experts) {
+            static const char *moe_keys[] = {"moe_top_k", "moe_expert_dim", "moe_shared_experts", "moe_every",
+                                             "moe_router", "moe_capacity_factor", "moe_aux_loss", "moe_z_loss",
+                                             "moe_bias_balance"};
+            for (size_t i = 0; i < sizeof moe_keys / sizeof moe_keys[0]; i++)
+                if (config_was_set(moe_keys[i]))
+                    return set_err(err, errlen, "%s applies to a mixture of experts: give moe_experts= too", moe_keys[i]);
+        }
+        if (c->moe_experts && c->pipeline_parallel_size > 1 && !strcmp(c->pipeline_schedule, "zb1"))
+            return set_err(err, errlen, "pipeline_schedule=zb1 does not take MoE layers yet (their backward is not split "
+                           "into input and weight passes); use 1f1b or interleaved");
         if (model_tp_check(&mc, tp, err, errlen)) return -1;
         if (tp > 1 && c->sequence_parallel && c->context_len % tp)
             return set_err(err, errlen, "sequence_parallel=true: tensor_parallel_size=%d does not divide context_len=%d "
@@ -473,6 +509,7 @@ void config_print(const Config *c, int cmd) {
     int col = 0;
     for (int i = 0; i < N_KEYS; i++) {
         if (!(KEYS[i].cmds & cmd) || KEYS[i].type == T_STR) continue;
+        if (!c->moe_experts && !strncmp(KEYS[i].name, "moe_", 4)) continue;  /* (a dense model's header) */
         if (col > 88) { printf("\n"); col = 0; }
         col += printf("%s%s=", col ? " " : "  ", KEYS[i].name);
         print_value(c, &KEYS[i]);

@@ -9,6 +9,9 @@
 typedef struct {
     /* model */
     int vocab_size, embed_dim, n_heads, n_layers, context_len, tie_embeddings;
+    int moe_experts, moe_top_k, moe_expert_dim, moe_shared_experts, moe_every;
+    char moe_router[16];            /* softmax | sigmoid */
+    double moe_capacity_factor, moe_aux_loss, moe_z_loss, moe_bias_balance;
     /* batch and schedule */
     int batch_size, grad_accum_steps, steps, seed, warmup_steps, lr_decay_steps;
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;

@@ -192,7 +192,17 @@ void estimate_print(const EstimateInput *in, int dp, const MemEstimate *e) {
     char b1[32], b2[32];
     printf("model: embed_dim=%d n_heads=%d n_layers=%d vocab=%d context_len=%d%s\n", c->embed_dim, c->n_heads,
            c->n_layers, c->vocab_size, c->context_len, c->tie_embeddings ? " (tied embeddings)" : "");
-    printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
+    if (c->moe_experts) {
+        printf("mixture of experts: %d experts of width %d, top %d, %d shared, every %d layer%s (%d MoE layers), "
+               "router %s, %s\n", c->moe_experts, model_moe_expert_dim(c), c->moe_top_k, c->moe_shared_experts,
+               c->moe_every, c->moe_every > 1 ? "s" : "", model_moe_layers_before(c, c->n_layers),
+               c->moe_router_sigmoid ? "sigmoid" : "softmax", c->moe_capacity_factor > 0 ? "capacity-limited" : "dropless");
+        printf("parameters: %s total, %s active (a token's: the routed experts but its top %d left out)\n",
+               fmt_commas(b1, (long long)e->n_params), fmt_commas(b2, (long long)model_active_param_count(c)),
+               c->moe_top_k);
+    } else {
+        printf("parameters: %s\n", fmt_commas(b1, (long long)e->n_params));
+    }
     printf("FLOPs per token (fwd+bwd): %.3g   per step (B=%d, T=%d): %.3g\n", e->flops_per_token, B, T,
            e->flops_per_token * B * T);
     static const char *pnames[] = {"fp32", "mixed: bf16 compute, fp32 master weights",

@@ -12,7 +12,9 @@
 #include "util.h"
 
 ModelConfig model_config_of(const Config *c) {
-    return (ModelConfig){c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings};
+    return (ModelConfig){c->vocab_size, c->embed_dim, c->n_heads, c->n_layers, c->context_len, c->tie_embeddings,
+                         c->moe_experts, c->moe_top_k, c->moe_expert_dim, c->moe_shared_experts, c->moe_every,
+                         !strcmp(c->moe_router, "sigmoid"), (float)c->moe_capacity_factor};
 }
 
 OptimConfig optim_config_of(const Config *c) {

@@ -120,6 +120,11 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
             st->host_losses = xmalloc((size_t)micro * N * sizeof(float));
         }
     }
+    if (m->n_moe) {
+        size_t n = (size_t)m->n_moe * (m->X + 3);
+        st->moe_host = xcalloc(n, sizeof(float));
+        st->moe_stats = xcalloc(n, sizeof(double));
+    }
     if (parallel_wants_embedding_rows(par) && micro == 1) {
         st->eseen = xmalloc((size_t)m->V);
         st->erows = xmalloc((size_t)m->V * sizeof *st->erows);
@@ -299,6 +304,13 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         }
     }
     double loss = step_loss(st);
+    if (m->n_moe) {  /* a pipeline stage has its own layers' statistics: the stages' put together */
+        size_t n = (size_t)m->n_moe * (m->X + 3);
+        model_moe_take_stats(m, st->moe_host);
+        for (size_t i = 0; i < n; i++) st->moe_stats[i] = st->moe_host[i];
+        if (piped(st)) comm_allreduce_double(st->pipe.pipe, st->moe_stats, n);
+        model_moe_balance(m, st->moe_stats);  /* (the next step chooses with the moved biases) */
+    }
     if (st->head_chunk >= 0)
         for (int k = 0; k < st->n_acts[st->head_chunk]; k++) st->acts[st->head_chunk][k].losses = st->own_losses[k];
     return loss;
@@ -374,5 +386,7 @@ void step_free(Step *st) {
     free(st->host_losses);
     free(st->eseen);
     free(st->erows);
+    free(st->moe_host);
+    free(st->moe_stats);
     memset(st, 0, sizeof *st);
 }

@@ -54,6 +54,11 @@ typedef struct {
     float **own_losses;    /* the head chunk's slots' losses buffers as planned, restored after each step */
     unsigned char *eseen;  /* the strategy's embedding rows (parallel_wants_embedding_rows) */
     int *erows;
+    /* mixture of experts: the last step's router statistics, per MoE layer of the whole model
+     * X + 3 values (model_moe_take_stats': the routed choices per expert, the load-balancing
+     * and z losses summed over the micro-batches, the kept choices), the same on every rank */
+    float *moe_host;
+    double *moe_stats;
 } Step;
 
 /* A step of `micro` micro-batches of a->B sequences each through this rank's stages

@@ -68,6 +68,46 @@ static _Noreturn void stop_non_finite(Progress *pr, JsonLog *log, int step, cons
     exit(EXIT_RUN_FAILURE);
 }
 
+/* ---- the router of a mixture of experts, from the step's statistics (Step's moe_stats) ---- */
+
+typedef struct { double aux, z, drop, imb; } MoeSummary;
+
+/* The JSON log's "moe" object: the load-balancing and z losses (each the mean over the MoE
+ * layers of the step's mean over its micro-batches; 1 is a balanced router's aux), the share of
+ * the choices dropped by capacity, and per layer the tokens the least and the most loaded
+ * expert got and their imbalance (the most over the mean). */
+static MoeSummary moe_log(const TrainRun *r, JsonLog *log) {
+    const Model *m = &r->m;
+    const double *s = r->st.moe_stats;
+    int X = m->X, micro = r->st.micro;
+    MoeSummary sum = {0, 0, 0, 0};
+    double routed = 0, kept = 0;
+    char buf[64];
+    if (log) jsonlog_raw(log, ",\"moe\":{\"layers\":[");
+    for (int i = 0; i < m->n_moe; i++) {
+        const double *a = s + (size_t)i * (X + 3);
+        double lo = a[0], hi = a[0], tot = 0;
+        for (int e = 0; e < X; e++) lo = a[e] < lo ? a[e] : lo, hi = a[e] > hi ? a[e] : hi, tot += a[e];
+        double imb = tot > 0 ? hi / (tot / X) : 0;
+        sum.aux += a[X] / micro / m->n_moe, sum.z += a[X + 1] / micro / m->n_moe;
+        sum.imb = imb > sum.imb ? imb : sum.imb;
+        routed += tot, kept += a[X + 2];
+        if (log) {
+            snprintf(buf, sizeof buf, "%s{\"min\":%.0f,\"max\":%.0f,\"imbalance\":%.4f}", i ? "," : "", lo, hi, imb);
+            jsonlog_raw(log, "%s", buf);
+        }
+    }
+    sum.drop = routed > 0 ? 1 - kept / routed : 0;
+    if (log) {
+        jsonlog_raw(log, "]");
+        jsonlog_num(log, "aux", "%.6f", sum.aux);
+        jsonlog_num(log, "z", "%.6f", sum.z);
+        jsonlog_num(log, "drop", "%.6f", sum.drop);
+        jsonlog_raw(log, "}");
+    }
+    return sum;
+}
+
 /* ---- signals: the first SIGINT or SIGTERM ends the run after the current step, with a
  * checkpoint; a second one ends the process at once ---- */
 
@@ -181,8 +221,10 @@ TrainTotals train_loop(TrainRun *r) {
                 jsonlog_num(r->log, "host_update_ms", "%.2f", upd * 1e3);
                 jsonlog_num(r->log, "update_wait_ms", "%.2f", uwait * 1e3);
             }
-            log_failed |= jsonlog_end(r->log) != 0;
         }
+        MoeSummary moe = {0, 0, 0, 0};
+        if (r->m.n_moe) moe = moe_log(r, r->log);
+        if (r->log) log_failed |= jsonlog_end(r->log) != 0;
         if (r->lead && ((step + 1) % c->log_every == 0 || step + 1 == c->steps || step == r->start)) {
             progress_clear(&pr);
             printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | ", step + 1, c->steps,
@@ -190,6 +232,10 @@ TrainTotals train_loop(TrainRun *r) {
             if (r->gpu) printf("%6.2f TFLOP/s", gflops / 1e3);
             else printf("%6.1f GFLOP/s", gflops);
             if (r->peak > 0) printf(" | MFU %5.2f%%", 100 * gflops * 1e9 / (r->peak * r->world.size));
+            if (r->m.n_moe) {
+                printf(" | aux %.4f | max/mean %.2f", moe.aux, moe.imb);
+                if (r->mc.moe_capacity_factor > 0) printf(" | dropped %.2f%%", 100 * moe.drop);
+            }
             printf("\n");
             fflush(stdout);
         }
@@ -229,6 +275,9 @@ TrainTotals train_loop(TrainRun *r) {
             parallel_sync(r->par);  /* offload: every unit's update is in */
             /* the settings first: a save that fails leaves the last manifest, whose own stay */
             int unsaved = r->lead && r->settings && ckpt_write_settings(c->ckpt_path, step + 1, r->settings, err, sizeof err);
+            if (!unsaved && r->lead && r->m.moe_bias)  /* (the same on every rank) */
+                unsaved = ckpt_write_moe_bias(c->ckpt_path, step + 1, r->m.moe_bias_host, r->m.n_moe, r->m.X, err,
+                                              sizeof err) != 0;
             comm_allreduce_max_int(&r->world, &unsaved, 1);
             if (unsaved && !r->lead) snprintf(err, sizeof err, "rank 0 could not write the checkpoint's settings");
             /* every rank gets the same answer: one of them says it */

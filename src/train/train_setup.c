@@ -8,6 +8,7 @@
 #include <string.h>
 #include "config.h"
 #include "env.h"
+#include "expert.h"
 #include "layer_graphs.h"
 #include "ops.h"
 #include "run.h"
@@ -32,6 +33,12 @@ static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *
         {"n_heads", c->n_heads, h->n_heads},          {"n_layers", c->n_layers, h->n_layers},
         {"context_len", c->context_len, h->context_len}, {"tie_embeddings", c->tie_embeddings, h->tie_embeddings},
         {"seed", c->seed, h->seed},
+        {"moe_experts", c->moe_experts, h->moe_experts}, {"moe_top_k", c->moe_top_k, h->moe_top_k},
+        {"moe_expert_dim", c->moe_expert_dim, h->moe_expert_dim},
+        {"moe_shared_experts", c->moe_shared_experts, h->moe_shared_experts},
+        {"moe_every", c->moe_every, h->moe_every},
+        {"moe_router", !strcmp(c->moe_router, "sigmoid"), h->moe_router_sigmoid},
+        {"moe_capacity_factor", (int)((float)c->moe_capacity_factor * 1e6f), (int)(h->moe_capacity_factor * 1e6f)},
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
         if (config_was_set(k[i].key) && k[i].want != k[i].have)
@@ -55,6 +62,15 @@ static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     c->vocab_size = h->vocab_size; c->embed_dim = h->embed_dim; c->n_heads = h->n_heads;
     c->n_layers = h->n_layers; c->context_len = h->context_len; c->tie_embeddings = h->tie_embeddings;
     c->seed = h->seed;
+    if (h->moe_experts > 0) {
+        c->moe_experts = h->moe_experts; c->moe_top_k = h->moe_top_k; c->moe_expert_dim = h->moe_expert_dim;
+        c->moe_shared_experts = h->moe_shared_experts; c->moe_every = h->moe_every;
+        snprintf(c->moe_router, sizeof c->moe_router, "%s", h->moe_router_sigmoid ? "sigmoid" : "softmax");
+        c->moe_capacity_factor = h->moe_capacity_factor;
+        if (!config_was_set("moe_aux_loss")) c->moe_aux_loss = h->moe_aux_loss;
+        if (!config_was_set("moe_z_loss")) c->moe_z_loss = h->moe_z_loss;
+        if (!config_was_set("moe_bias_balance")) c->moe_bias_balance = h->moe_bias_balance;
+    }
     if (!config_was_set("grad_accum_steps")) c->grad_accum_steps = h->grad_accum_steps ? h->grad_accum_steps : 1;
     if (!config_was_set("batch_size")) {
         int global = h->global_batch ? h->global_batch : h->batch_size * h->world, per = dp * c->grad_accum_steps;
@@ -339,6 +355,23 @@ void train_setup(TrainRun *r, Config *c) {
     model_init_layout_tp(&r->m, &r->mc, r->mesh.shard_size, 0, r->mine, r->V, r->mesh.tp_size, r->mesh.tp_rank);
     /* tensor parallel: each rank holds its slices of every layer */
     tensor_parallel_attach(&r->m, &r->mesh, &(TpOptions){c->sequence_parallel, r->tp_fused_wanted});
+    /* mixture of experts: the router's statistics over the data-parallel ranks, the step's
+     * statistics, the losses' weights */
+    expert_parallel_attach(&r->m, &r->mesh);
+    /* selection biases: balanced after each step, kept from the checkpoint resumed (even where
+     * the balancing stops), or skewed on purpose (a test hook) */
+    int skew = r->m.n_moe && hook_int(HOOK_MOE_SKEW, 0) > 0;
+    int kept_bias = r->resuming && (r->resume_h.flags & CKPT_MOE_BIAS);
+    model_moe_alloc(&r->m, skew || kept_bias || c->moe_bias_balance > 0);
+    model_moe_set_training(&r->m, (float)c->moe_aux_loss, (float)c->moe_z_loss, (float)c->moe_bias_balance);
+    if (skew) {  /* a router skewed on purpose (tests): expert 0 favoured most, the last not at all */
+        int X = r->m.X;
+        float *b = xmalloc((size_t)r->m.n_moe * X * sizeof(float));
+        for (int i = 0; i < r->m.n_moe * X; i++)
+            b[i] = X > 1 ? (float)(hook_int(HOOK_MOE_SKEW, 0) / 1000.0 * (X - 1 - i % X) / (X - 1)) : 0.0f;
+        model_moe_set_bias(&r->m, b);
+        free(b);
+    }
     r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
     r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
     parallel_set_bucket(r->par, (size_t)(c->bucket_mb * 1e6));
@@ -364,6 +397,13 @@ void train_setup(TrainRun *r, Config *c) {
                                                     "through slots", c->tp_comm);
     if (r->resuming) {
         if (train_state_load(c->resume, &r->resume_h, r->par, &r->m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else if (kept_bias) {
+            float *b = xmalloc((size_t)r->m.n_moe * r->m.X * sizeof(float));
+            if (ckpt_read_moe_bias(c->resume, &r->resume_h, b, r->m.n_moe, r->m.X, err, sizeof err))
+                fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+            else model_moe_set_bias(&r->m, b);
+            free(b);
+        }
         LoaderState ls = {r->resume_h.loader_epoch, r->resume_h.loader_window};
         if (!f.code && loader_set_state(&r->loader, ls, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
@@ -418,6 +458,15 @@ void train_setup(TrainRun *r, Config *c) {
     r->h.optimizer = r->oc.kind; r->h.af_beta1 = r->oc.af_beta1; r->h.af_clip = r->oc.af_clip; r->h.af_decay = r->oc.af_decay;
     r->h.af_flags = r->oc.af_relative_step | r->oc.af_scale_parameter << 1;
     r->h.val_every = c->val_every; r->h.val_batches = c->val_batches;
+    if (r->mc.moe_experts) {
+        r->h.moe_experts = r->mc.moe_experts; r->h.moe_expert_dim = r->mc.moe_expert_dim;
+        r->h.moe_top_k = (int16_t)r->mc.moe_top_k; r->h.moe_shared_experts = (int16_t)r->mc.moe_shared_experts;
+        r->h.moe_every = (int16_t)r->mc.moe_every; r->h.moe_router_sigmoid = (int16_t)r->mc.moe_router_sigmoid;
+        r->h.moe_capacity_factor = r->mc.moe_capacity_factor;
+        r->h.moe_aux_loss = (float)c->moe_aux_loss; r->h.moe_z_loss = (float)c->moe_z_loss;
+        r->h.moe_bias_balance = (float)c->moe_bias_balance;
+        if (r->m.moe_bias) r->h.flags |= CKPT_MOE_BIAS;
+    }
 
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */

@@ -6,6 +6,7 @@
  * thread count (per-channel or per-row ownership, or fixed blocks summed in block order).
  */
 #include "ops.h"
+#include "moe_cpu.h"
 #include "util.h"
 
 #include <cblas.h>
@@ -221,6 +222,35 @@ static void cpu_matmul_backward(float *dinp, float *dw, const float *dout, int l
     if (N <= 0 || C <= 0 || OC <= 0) return;
     if (dinp) sgemm_split(CblasNoTrans, CblasNoTrans, N, C, OC, dout, ldo, w, C, 1.0f, dinp, C);
     if (dw) sgemm_split(CblasTrans, CblasNoTrans, OC, C, N, dout, ldo, inp, C, 1.0f, dw, C);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* mixture of experts: the router's and the experts' products (the rest: moe_cpu.c)        */
+
+static void cpu_moe_router_forward(float *logits, const void *x, const void *w, int N, int E, int X) {
+    cpu_matmul_forward(logits, X, x, w, N, E, X);
+}
+static void cpu_moe_router_backward(void *dx, void *dw, const float *dlogits, const void *x, const void *w, int N,
+                                    int E, int X) {
+    cpu_matmul_backward(dx, dw, dlogits, X, x, w, N, E, X);
+}
+static void cpu_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X,
+                                   int C, int OC) {
+    for (int e = 0; e < X; e++)
+        if (off[e + 1] > off[e])
+            cpu_matmul_forward((float *)out + (size_t)off[e] * OC, OC, (const float *)inp + (size_t)off[e] * C,
+                               (const float *)w + e * wstride, off[e + 1] - off[e], C, OC);
+}
+static void cpu_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp,
+                                    const void *w, const int *off, int X, int C, int OC) {
+    for (int e = 0; e < X; e++) {
+        int r0 = off[e], n = off[e + 1] - off[e];
+        if (n <= 0) continue;
+        float *di = dinp ? (float *)dinp + (size_t)r0 * C : NULL;
+        if (di) memset(di, 0, (size_t)n * C * sizeof(float));
+        cpu_matmul_backward(di, dw ? (float *)dw + e * wstride : NULL, (const float *)dout + (size_t)r0 * OC, OC,
+                            (const float *)inp + (size_t)r0 * C, w ? (const float *)w + e * wstride : NULL, n, C, OC);
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -1078,4 +1108,16 @@ const OpsBackend ops_backend_cpu = {
     .add = t_add,
     .sum_parts = t_sum_parts,
     .copy_rows = cpu_copy_rows,
+    .moe_router_forward = cpu_moe_router_forward,
+    .moe_router_backward = cpu_moe_router_backward,
+    .moe_topk = cpu_moe_topk,
+    .moe_dispatch = cpu_moe_dispatch,
+    .moe_stats = cpu_moe_stats,
+    .moe_route_backward = cpu_moe_route_backward,
+    .moe_matmul_forward = cpu_moe_matmul_forward,
+    .moe_matmul_backward = cpu_moe_matmul_backward,
+    .moe_combine = cpu_moe_combine,
+    .moe_unpermute = cpu_moe_unpermute,
+    .moe_gate_backward = cpu_moe_gate_backward,
+    .moe_accumulate = cpu_moe_accumulate,
 };

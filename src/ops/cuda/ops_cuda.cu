@@ -1132,6 +1132,10 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .sum_parts = cuda_sum_parts,
     .copy_rows = cuda_copy_rows,
     .tune_matmuls = cuda_tune_matmuls,
+    /* mixture of experts: not on this backend yet (op_moe_* end the run with a message) */
+    .moe_router_forward = NULL, .moe_router_backward = NULL, .moe_topk = NULL, .moe_dispatch = NULL,
+    .moe_stats = NULL, .moe_route_backward = NULL, .moe_matmul_forward = NULL, .moe_matmul_backward = NULL,
+    .moe_combine = NULL, .moe_unpermute = NULL, .moe_gate_backward = NULL, .moe_accumulate = NULL,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_run = cuda_graph_run,
