@@ -18,8 +18,11 @@ import sys
 import numpy as np
 
 
+PROG = "hf_llama_numpy"  # the name fail() gives (tests/hf_moe_numpy.py, which imports this, gives its own)
+
+
 def fail(msg, code=2):
-    print("hf_llama_numpy: " + msg)
+    print(f"{PROG}: {msg}")
     sys.exit(code)
 
 
@@ -90,9 +93,21 @@ def softmax(x):
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-def forward(cfg, W, ids):
-    """LlamaForCausalLM logits [T, V] for one sequence."""
+def swiglu_mlp(W, p, h):  # LlamaMLP, and each expert of the MoE classes
     g = lambda name: W[name].astype(np.float64)
+    return (silu(h @ g(p + "gate_proj.weight").T) * (h @ g(p + "up_proj.weight").T)) @ g(p + "down_proj.weight").T
+
+
+def llama_mlp(W, p, h):
+    return swiglu_mlp(W, p + "mlp.", h)
+
+
+def forward(cfg, W, ids, mlp=llama_mlp, qkv_bias=False):
+    """LlamaForCausalLM logits [T, V] for one sequence. The classes built on Llama's decoder
+    (tests/hf_moe_numpy.py) give their own mlp(W, "model.layers.{i}.", h) -> [T, E] and
+    whether q, k and v have biases."""
+    g = lambda name: W[name].astype(np.float64)
+    b = lambda name: g(name) if qkv_bias else 0.0
     E, nh, L = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
     nkv = cfg.get("num_key_value_heads", nh)
     hd = cfg.get("head_dim", E // nh)
@@ -104,9 +119,9 @@ def forward(cfg, W, ids):
     for i in range(L):
         p = f"model.layers.{i}."
         h = rms_norm(x, g(p + "input_layernorm.weight"), eps)
-        q = (h @ g(p + "self_attn.q_proj.weight").T).reshape(T, nh, hd).transpose(1, 0, 2)
-        k = (h @ g(p + "self_attn.k_proj.weight").T).reshape(T, nkv, hd).transpose(1, 0, 2)
-        v = (h @ g(p + "self_attn.v_proj.weight").T).reshape(T, nkv, hd).transpose(1, 0, 2)
+        proj = lambda name, heads: (h @ g(p + f"self_attn.{name}.weight").T + b(p + f"self_attn.{name}.bias")
+                                    ).reshape(T, heads, hd).transpose(1, 0, 2)
+        q, k, v = proj("q_proj", nh), proj("k_proj", nkv), proj("v_proj", nkv)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = np.repeat(k, nh // nkv, axis=0)                      # repeat_kv
@@ -115,8 +130,7 @@ def forward(cfg, W, ids):
         o = (att @ v).transpose(1, 0, 2).reshape(T, nh * hd)
         x = x + o @ g(p + "self_attn.o_proj.weight").T
         h = rms_norm(x, g(p + "post_attention_layernorm.weight"), eps)
-        mlp = (silu(h @ g(p + "mlp.gate_proj.weight").T) * (h @ g(p + "mlp.up_proj.weight").T))
-        x = x + mlp @ g(p + "mlp.down_proj.weight").T
+        x = x + mlp(W, p, h)
     x = rms_norm(x, g("model.norm.weight"), eps)
     if cfg.get("tie_word_embeddings", True):  # PretrainedConfig's default is tied
         if "lm_head.weight" in W:
@@ -131,7 +145,7 @@ def forward(cfg, W, ids):
 
 def main():
     if len(sys.argv) < 4:
-        fail(__doc__.strip().splitlines()[-5])
+        fail(__doc__.strip().splitlines()[-4])
     d, logits_path, ids = sys.argv[1], sys.argv[2], [int(a) for a in sys.argv[3:]]
     try:
         with open(os.path.join(d, "config.json")) as f:

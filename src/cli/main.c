@@ -15,7 +15,7 @@ static const Command COMMANDS[] = {
     {"sample", CMD_SAMPLE, cmd_sample, "generate text from a checkpoint"},
     {"eval", CMD_EVAL, cmd_eval, "validation loss of a checkpoint"},
     {"estimate", CMD_ESTIMATE, cmd_estimate, "parameters, FLOPs and memory of a run, before running it"},
-    {"export", CMD_EXPORT, cmd_export, "a checkpoint -> a Hugging Face Llama folder (safetensors, config, tokenizer)"},
+    {"export", CMD_EXPORT, cmd_export, "a checkpoint -> a Hugging Face folder (Llama, Mixtral or Qwen2-MoE; safetensors, config, tokenizer)"},
     {"plot", CMD_PLOT, cmd_plot, "a training log -> one SVG picture of the run (loss, lr, tokens/s)"},
 };
 #define N_COMMANDS ((int)(sizeof COMMANDS / sizeof COMMANDS[0]))
