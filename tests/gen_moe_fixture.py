@@ -2,7 +2,8 @@
 gradients and 5 AdamW steps, computed in fp32 by the PyTorch reference model
 (../shared/peers/torch_llama.py with moe_experts, its per-expert loop path), for tests/test_moe.c.
 
-Run from the repository root: python3 tests/gen_moe_fixture.py  (needs torch and numpy).
+Run from the repository root: python3 tests/gen_moe_fixture.py  (needs torch and numpy; PEERS_DIR=
+the folder of torch_llama.py where it is not ../shared/peers).
 The loss the gradients and steps are of is the reference's: the cross-entropy plus moe_aux times
 the sum over the layers of the Switch load-balancing loss. File layout (little-endian):
   int32 x 14: magic 0x454F4D4D ('MMOE'), version 1, V, E, NH, L, T, B, X, top_k, expert_dim,
@@ -24,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 here = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(here, "..", "..", "shared", "peers"))
+# the reference program's folder: PEERS_DIR, else ../shared/peers beside the repository
+sys.path.insert(0, os.environ.get("PEERS_DIR", os.path.join(here, "..", "..", "shared", "peers")))
 import torch_llama  # noqa: E402
 
 

@@ -6,8 +6,10 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "model.h"
 #include "ops.h"
+#include "optim.h"
 #include "test.h"
 #include "util.h"
 
@@ -524,6 +526,104 @@ static void test_param_counts(void) {
     CHECK(model_n_tensors(&a) == 3 + 16 * (5 + 3 * 16 + 3), "tensors %d", model_n_tensors(&a));
 }
 
+/* ---- against the PyTorch reference (tests/gen_moe_fixture.py: its MoE model in fp32, its
+ * loop over experts): the cross-entropy and the load-balancing loss, every gradient of their
+ * weighted sum, and 5 AdamW steps with clipping. The fixture is made on a machine with torch;
+ * where it is not there yet the test is not run, and says so. ---- */
+static void test_against_torch(void) {
+    const char *path = "tests/fixtures/moe_small.bin";
+    char err[256];
+    size_t len;
+    char *buf = read_file(path, &len, err, sizeof err);
+    CHECK(buf, "%s", err);
+    if (!buf) return;
+    int32_t h[14];
+    float aux_w;
+    CHECK(len > sizeof h + 4, "%s: too short", path);
+    if (len <= sizeof h + 4) { free(buf); return; }
+    memcpy(h, buf, sizeof h);
+    memcpy(&aux_w, buf + sizeof h, 4);
+    CHECK(h[0] == 0x454F4D4D && h[1] == 1, "%s: not a MoE fixture", path);
+    ModelConfig c = {h[2], h[3], h[4], h[5], h[6], 0, h[8], h[9], h[10], h[11], 1, 0, 0};
+    int B = h[7], T = h[6], V = h[2], steps = h[12];
+    Model m;
+    model_init_layout(&m, &c, 3, 1);  /* odd padding: the layout must not matter */
+    model_moe_alloc(&m, 0);
+    model_moe_set_training(&m, aux_w, 0.0f, 0.0f);
+    size_t np = m.n_params, nt = (size_t)steps * B * (T + 1), nl = (size_t)B * T * V;
+    size_t want = sizeof h + 4 + nt * 4 + (3 * np + nl + 2 + (size_t)steps) * 4;
+    CHECK(len == want, "%s: %zu bytes, want %zu", path, len, want);
+    if (len != want) { free(buf); model_free(&m); return; }
+    const char *p = buf + sizeof h + 4;
+    const int *tokens = (const int *)p;
+    p += nt * 4;
+    int n = model_n_tensors(&c);
+    TensorInfo *t = xmalloc((size_t)n * sizeof *t);
+    model_tensors(&m, t, n);
+    /* packed (the fixture's model order) into the flat layout */
+#define SCATTER(dst, src)                                                                   \
+    do {                                                                                    \
+        const float *q_ = (const float *)(src);                                             \
+        for (int i = 0; i < n; i++) {                                                       \
+            size_t k_ = (size_t)t[i].rows * t[i].cols;                                       \
+            memcpy((dst) + t[i].offset, q_, k_ * 4);                                        \
+            q_ += k_;                                                                       \
+        }                                                                                   \
+    } while (0)
+    const char *p0 = p, *logits = p + np * 4, *grads = logits + nl * 4 + 8, *step_losses = grads + np * 4;
+    const char *final = step_losses + (size_t)steps * 4;
+    float ce, aux;
+    memcpy(&ce, logits + nl * 4, 4);
+    memcpy(&aux, logits + nl * 4 + 4, 4);
+    SCATTER(m.params, p0);
+    Acts a;
+    acts_alloc(&a, &m, B, T, 1);
+    float *st = xcalloc((size_t)m.n_moe * (m.X + 3), 4), *want_g = xaligned_alloc(m.n_flat * 4);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < T; i++)
+            a.inputs[b * T + i] = tokens[b * (T + 1) + i], a.targets[b * T + i] = tokens[b * (T + 1) + i + 1];
+    memset(m.grads, 0, m.n_flat * 4);
+    float loss = model_step(&m, &a, 1, 1.0f, NULL);
+    model_moe_take_stats(&m, st);
+    double maux = 0;
+    for (int i = 0; i < m.n_moe; i++) maux += st[i * (m.X + 3) + m.X];
+    CHECK(rel_err(loss, ce) < 1e-5, "cross-entropy %.7f vs torch %.7f", loss, ce);
+    CHECK(rel_err(maux, aux) < 1e-5, "load-balancing loss %.7f vs torch %.7f", maux, aux);
+    SCATTER(want_g, grads);
+    for (int i = 0; i < n; i++) {
+        double e = norm_rel_err(m.grads + t[i].offset, want_g + t[i].offset, (size_t)t[i].rows * t[i].cols);
+        CHECK(e < 1e-4, "gradient of %s: rel err %.3g", t[i].name, e);
+    }
+    /* 5 AdamW steps as torch: lr 1e-3, wd 0.01, clip 1.0 */
+    SCATTER(m.params, p0);
+    OptimConfig oc = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01, .grad_clip = 1.0,
+                      .decay_steps = steps};
+    OptimUnit *units = xcalloc((size_t)m.n_units, sizeof *units);
+    for (int u = 0; u < m.n_units; u++) units[u] = (OptimUnit){unit_params(&m, u), unit_grads(&m, u), NULL};
+    Optimizer *opt = optim_create(&(OptimSetup){&oc, &m, 1, 0, 0, 0, units});
+    free(units);
+    for (int s = 0; s < steps; s++) {
+        const int *tk = tokens + (size_t)s * B * (T + 1);
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++)
+                a.inputs[b * T + i] = tk[b * (T + 1) + i], a.targets[b * T + i] = tk[b * (T + 1) + i + 1];
+        memset(m.grads, 0, m.n_flat * 4);
+        float l = model_step(&m, &a, 1, 1.0f, NULL), want_l;
+        memcpy(&want_l, step_losses + (size_t)s * 4, 4);
+        CHECK(rel_err(l, want_l) < 1e-4, "step %d loss %.7f vs torch %.7f", s + 1, l, want_l);
+        optim_begin(opt, &oc);
+        optim_update(opt, 0, m.n_units, clip_scale(&oc, grad_norm(m.grads, m.n_flat)));
+    }
+    SCATTER(want_g, final);
+    double pe = norm_rel_err(m.params, want_g, m.n_flat);
+    CHECK(pe < 1e-4, "parameters after %d steps: rel err %.3g", steps, pe);
+#undef SCATTER
+    optim_free(opt);
+    free(st); free(want_g); free(t); free(buf);
+    acts_free(&a);
+    model_free(&m);
+}
+
 int main(void) {
     rng_seed(&rng, 7);
     ops_init("cpu", 2, NULL, 0);
@@ -537,5 +637,8 @@ int main(void) {
     RUN(test_dropless_is_unlimited_capacity);
     RUN(test_finite_differences);
     RUN(test_param_counts);
+    if (access("tests/fixtures/moe_small.bin", R_OK) == 0) RUN(test_against_torch);
+    else printf("skip test_against_torch (no tests/fixtures/moe_small.bin: python3 tests/gen_moe_fixture.py makes it "
+                "where torch is)\n");
     return TEST_SUMMARY();
 }

@@ -133,14 +133,20 @@ expect_exit 2 "keeps its MoE router biases beside it" bias_file_missing -- "$BIN
 if python3 - "$TMP/ref_0/log.jsonl" <<'EOF'
 import json, sys
 steps = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l and '"step"' in l]
-m = steps[0]["moe"]
+s = steps[0]
+m = s["moe"]
 assert len(m["layers"]) == 2 and all(l["min"] <= l["max"] and l["imbalance"] >= 1 for l in m["layers"])
-assert 0.9 < m["aux"] < 2 and m["z"] > 0 and m["drop"] == 0, m
+assert 0.9 < s["moe_aux"] < 2 and s["moe_z"] > 0 and s["moe_drop"] == 0, s
+assert s["moe_imbalance"] == max(l["imbalance"] for l in m["layers"])
 assert sum(int(l["max"]) for l in m["layers"]) > 0
 EOF
 then ok log_router_statistics; else bad log_router_statistics; fi
+# plot draws the router (its load-balancing loss and the largest imbalance) in a fourth panel
+"$BIN" plot log="$TMP/ref_0/log.jsonl" out="$TMP/moe.svg" >/dev/null 2>&1 &&
+  grep -q 'id="panel-router"' "$TMP/moe.svg" && grep -q 'id="moe-aux-line"' "$TMP/moe.svg" &&
+  grep -q 'id="moe-imbalance-line"' "$TMP/moe.svg" && ok plot_draws_router || bad plot_draws_router
 "$BIN" train ${M/steps=5/steps=2} batch_size=8 moe_capacity_factor=0.5 ckpt_path=none out_dir="$TMP/cap" >"$TMP/cap.out" 2>&1
-grep -q 'dropped' "$TMP/cap.out" && grep -o '"drop":[0-9.]*' "$TMP/cap/log.jsonl" | head -1 | awk -F: '{exit !($2 > 0.05)}' &&
+grep -q 'dropped' "$TMP/cap.out" && grep -o '"moe_drop":[0-9.]*' "$TMP/cap/log.jsonl" | head -1 | awk -F: '{exit !($2 > 0.05)}' &&
   ok capacity_drops_logged || bad "capacity_drops_logged ($(tail -1 "$TMP/cap.out"))"
 
 # -- eval and sample read a MoE checkpoint in one process (saved by two FSDP ranks)

@@ -1,6 +1,7 @@
 /* plot — `meshtrain plot`: one self-contained SVG picture of a training run, drawn from
  * its JSON-lines log (runlog.c): three panels sharing the step axis — training loss with
- * the validation losses as markers, the learning rate, and tokens/s. The SVG is plain
+ * the validation losses as markers, the learning rate, and tokens/s — and a fourth for a
+ * mixture of experts' router: its load-balancing loss and the largest max/mean load. The SVG is plain
  * text written here, so the picture needs no library and opens in any browser. */
 #include <math.h>
 #include <stdarg.h>
@@ -194,6 +195,18 @@ static Axis series_axis(const RunLog *log, size_t off, const RunVal *extra, int 
     return nice_axis(lo, hi, ticks, 0);
 }
 
+/* The router panel's axis: both of its series (they share a scale: 1 is balanced for each). */
+static Axis router_axis(const RunLog *log) {
+    double lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < log->n_steps; i++) {
+        double a = log->steps[i].moe_aux, m = log->steps[i].moe_imbalance;
+        if (isfinite(a)) lo = fmin(lo, a), hi = fmax(hi, a);
+        if (isfinite(m)) lo = fmin(lo, m), hi = fmax(hi, m);
+    }
+    if (lo > hi) lo = 0, hi = 1;
+    return nice_axis(lo, hi, 4, 0);
+}
+
 /* The panel's frame, grid, tick labels and name; the step labels under the last one. */
 static void draw_panel(Buf *b, const Frame *f, int last) {
     const Panel *p = f->p;
@@ -330,19 +343,22 @@ static void subtitle(Buf *b, const RunLog *log) {
 }
 
 static void render(Buf *b, const RunLog *log, const char *title) {
-    const char *c_loss = "#1f6fb4", *c_val = "#d6382b", *c_lr = "#2a9d5c", *c_tok = "#7b4fb0";
+    const char *c_loss = "#1f6fb4", *c_val = "#d6382b", *c_lr = "#2a9d5c", *c_tok = "#7b4fb0", *c_aux = "#c07a12",
+               *c_imb = "#555566";
     int lo = log->steps[0].step, hi = log->steps[log->n_steps - 1].step;
     if (log->n_vals) {
         if (log->vals[0].step < lo) lo = log->vals[0].step;
         if (log->vals[log->n_vals - 1].step > hi) hi = log->vals[log->n_vals - 1].step;
     }
     Axis x = nice_axis(lo, hi, 10, 1);
-    Panel panels[3] = {
+    int np = log->moe ? 4 : 3;
+    Panel panels[4] = {
         {"loss", "loss", TOP, 260, series_axis(log, offsetof(RunStep, loss), log->vals, log->n_vals, 6, 0)},
         {"lr", "learning rate", TOP + 260 + 28, 130, series_axis(log, offsetof(RunStep, lr), NULL, 0, 4, 1)},
         {"tokens", "tokens/s", TOP + 260 + 28 + 130 + 28, 130, series_axis(log, offsetof(RunStep, tokens_per_s), NULL, 0, 4, 1)},
+        {"router", "router", TOP + 260 + 28 + 2 * (130 + 28), 130, router_axis(log)},
     };
-    int height = panels[2].top + panels[2].height + 56;
+    int height = panels[np - 1].top + panels[np - 1].height + 56;
     bprintf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" " FONT
                " font-size=\"12\" fill=\"#222\">\n", WIDTH, height, WIDTH, height);
@@ -352,16 +368,23 @@ static void render(Buf *b, const RunLog *log, const char *title) {
     put_fitted(b, "title", LEFT, 34, 19, 1, "#222", title, WIDTH - LEFT - RIGHT);
     put_fitted(b, "subtitle", LEFT, 60, 13, 0, "#555", sub.p, WIDTH - LEFT - RIGHT);
     free(sub.p);
-    const char *colours[3] = {c_loss, c_lr, c_tok};
-    const char *ids[3] = {"loss-line", "lr-line", "tokens-line"};
-    size_t offs[3] = {offsetof(RunStep, loss), offsetof(RunStep, lr), offsetof(RunStep, tokens_per_s)};
-    for (int i = 0; i < 3; i++) {
+    const char *colours[4] = {c_loss, c_lr, c_tok, c_aux};
+    const char *ids[4] = {"loss-line", "lr-line", "tokens-line", "moe-aux-line"};
+    size_t offs[4] = {offsetof(RunStep, loss), offsetof(RunStep, lr), offsetof(RunStep, tokens_per_s),
+                      offsetof(RunStep, moe_aux)};
+    for (int i = 0; i < np; i++) {
         Frame f = {&x, &panels[i]};
-        draw_panel(b, &f, i == 2);
+        draw_panel(b, &f, i == np - 1);
         draw_series(b, &f, log, offs[i], ids[i], colours[i]);
         if (i == 0) {
             draw_vals(b, &f, log, c_val);
             draw_legend(b, &f, log, c_loss, c_val);
+        }
+        if (i == 3) {  /* the router: its load-balancing loss and the largest max/mean load */
+            draw_series(b, &f, log, offsetof(RunStep, moe_imbalance), "moe-imbalance-line", c_imb);
+            bprintf(b, "<g id=\"router-legend\" font-size=\"12\"><text x=\"%d\" y=\"%d\" fill=\"%s\">load-balancing "
+                       "loss</text><text x=\"%d\" y=\"%d\" fill=\"%s\">largest max/mean load</text></g>\n",
+                    LEFT + 10, panels[3].top + 16, c_aux, LEFT + 150, panels[3].top + 16, c_imb);
         }
     }
     bprintf(b, "</svg>\n");

@@ -122,7 +122,7 @@ static int key_is(const char *s, const char *e, const char *name) {
 
 int runlog_parse_line(const char *s, const char *end, RunLine *out) {
     memset(out, 0, sizeof *out);
-    out->step = out->loss = out->lr = out->tokens_per_s = out->val_loss = NAN;
+    out->step = out->loss = out->lr = out->tokens_per_s = out->val_loss = out->moe_aux = out->moe_imbalance = NAN;
     Cursor c = {s, end};
     skip_ws(&c);
     if (!at(&c, '{')) return -1;
@@ -164,6 +164,12 @@ int runlog_parse_line(const char *s, const char *end, RunLine *out) {
         } else if (key_is(ks, ke, "tokens_per_s")) {
             if (!num_or_null) return -1;
             out->tokens_per_s = v;
+        } else if (key_is(ks, ke, "moe_aux")) {
+            if (!num_or_null) return -1;
+            out->moe_aux = v;
+        } else if (key_is(ks, ke, "moe_imbalance")) {
+            if (!num_or_null) return -1;
+            out->moe_imbalance = v;
         } else if (key_is(ks, ke, "done")) {
             out->done = c.p - vstart >= 4 && !memcmp(vstart, "true", 4);
         } else if (key_is(ks, ke, "run")) {
@@ -228,7 +234,10 @@ int runlog_read(RunLog *log, const char *path, char *err, size_t errlen) {
             resumed_starts += l.resumed;
         } else if (l.has_step && !l.done && !l.error) {
             /* a step line has "loss" (the final line has "steps", not "step") */
-            if (l.has_loss) add_step(log, &step_cap, (RunStep){(int)l.step, l.loss, l.lr, l.tokens_per_s});
+            if (l.has_loss) {
+                add_step(log, &step_cap, (RunStep){(int)l.step, l.loss, l.lr, l.tokens_per_s, l.moe_aux, l.moe_imbalance});
+                log->moe |= isfinite(l.moe_aux) || isfinite(l.moe_imbalance);
+            }
             else if (l.has_val_loss) add_val(log, &val_cap, (RunVal){(int)l.step, l.val_loss});
         }
         p = nl ? nl + 1 : end;

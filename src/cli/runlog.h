@@ -6,8 +6,9 @@
 #define MESHTRAIN_RUNLOG_H
 #include <stddef.h>
 
-/* One training step (a value the log lacks or holds as null is NAN). */
-typedef struct { int step; double loss, lr, tokens_per_s; } RunStep;
+/* One training step (a value the log lacks or holds as null is NAN): a mixture of experts'
+ * router too (moe_aux, moe_imbalance; NAN in a dense run's log). */
+typedef struct { int step; double loss, lr, tokens_per_s, moe_aux, moe_imbalance; } RunStep;
 /* One validation. */
 typedef struct { int step; double val_loss; } RunVal;
 
@@ -15,6 +16,7 @@ typedef struct {
     RunStep *steps;   /* ascending by step, one per step */
     RunVal *vals;     /* ascending by step, one per step */
     int n_steps, n_vals;
+    int moe;          /* some step holds the router's values (a mixture of experts' run) */
     int resumes;      /* times a resumed run appended to the log: its start lines that say
                        * resumed, or in logs without start lines, times a step came again */
     int skipped;      /* lines that are not flat JSON objects (a cut-short last line included) */
@@ -34,7 +36,7 @@ void runlog_free(RunLog *log);
 typedef struct {
     int has_step, has_loss, has_val_loss, done, error;
     int run_start, resumed;  /* a run's first line ("run":"train"), and its "resumed":true */
-    double step, loss, lr, tokens_per_s, val_loss;
+    double step, loss, lr, tokens_per_s, val_loss, moe_aux, moe_imbalance;
 } RunLine;
 int runlog_parse_line(const char *s, const char *end, RunLine *out);
 #endif

@@ -138,6 +138,8 @@ int ops_device_peak(size_t *allocated, size_t *used);
  * - OPS_BF16: everything bf16, the parameters included, so they are the compute weights
  *   themselves (no copy). AdamW still does its arithmetic in fp32 and rounds once. */
 typedef enum { OPS_FP32, OPS_MIXED, OPS_BF16 } OpsPrecision;
+/* The most experts a MoE layer has on the cuda backend (its routing keeps a row of scores per warp) */
+#define OPS_CUDA_MAX_EXPERTS 1024
 /* The widest head the cuda backend's attention takes (its kernels hold a row of it in registers) */
 #define OPS_CUDA_MAX_HEAD_DIM 256
 int ops_set_precision(OpsPrecision p, char *err, size_t errlen);

@@ -347,6 +347,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
         if (!strcmp(c->device, "cuda") && c->embed_dim / c->n_heads > OPS_CUDA_MAX_HEAD_DIM)
             return set_err(err, errlen, "head_dim = embed_dim/n_heads = %d: device=cuda's attention takes heads of up "
                            "to %d (more n_heads)", c->embed_dim / c->n_heads, OPS_CUDA_MAX_HEAD_DIM);
+        if (!strcmp(c->device, "cuda") && c->moe_experts > OPS_CUDA_MAX_EXPERTS)
+            return set_err(err, errlen, "moe_experts=%d: device=cuda's routing takes up to %d experts", c->moe_experts,
+                           OPS_CUDA_MAX_EXPERTS);
         int tp = c->tensor_parallel_size;
         ModelConfig mc = model_config_of(c);
         if (model_moe_check(&mc, err, errlen)) return -1;

@@ -72,10 +72,11 @@ static _Noreturn void stop_non_finite(Progress *pr, JsonLog *log, int step, cons
 
 typedef struct { double aux, z, drop, imb; } MoeSummary;
 
-/* The JSON log's "moe" object: the load-balancing and z losses (each the mean over the MoE
- * layers of the step's mean over its micro-batches; 1 is a balanced router's aux), the share of
- * the choices dropped by capacity, and per layer the tokens the least and the most loaded
- * expert got and their imbalance (the most over the mean). */
+/* The JSON log's router fields: "moe" (per layer the tokens the least and the most loaded
+ * expert got and their imbalance, the most over the mean), and flat beside it, for plot and
+ * tools, moe_aux and moe_z (the load-balancing and z losses, each the mean over the MoE layers
+ * of the step's mean over its micro-batches; 1 is a balanced router's moe_aux), moe_imbalance
+ * (the largest layer's) and moe_drop (the share of the choices dropped by capacity). */
 static MoeSummary moe_log(const TrainRun *r, JsonLog *log) {
     const Model *m = &r->m;
     const double *s = r->st.moe_stats;
@@ -99,11 +100,11 @@ static MoeSummary moe_log(const TrainRun *r, JsonLog *log) {
     }
     sum.drop = routed > 0 ? 1 - kept / routed : 0;
     if (log) {
-        jsonlog_raw(log, "]");
-        jsonlog_num(log, "aux", "%.6f", sum.aux);
-        jsonlog_num(log, "z", "%.6f", sum.z);
-        jsonlog_num(log, "drop", "%.6f", sum.drop);
-        jsonlog_raw(log, "}");
+        jsonlog_raw(log, "]}");
+        jsonlog_num(log, "moe_aux", "%.6f", sum.aux);
+        jsonlog_num(log, "moe_z", "%.6f", sum.z);
+        jsonlog_num(log, "moe_imbalance", "%.4f", sum.imb);
+        jsonlog_num(log, "moe_drop", "%.6f", sum.drop);
     }
     return sum;
 }

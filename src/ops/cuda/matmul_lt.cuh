@@ -57,17 +57,20 @@ static int lt_heuristic(const LtPlan *p, const uint32_t al[4], int max, cublasLt
     return nres;
 }
 
+/* D's type (d_state below) */
+enum { LT_D_ACT = 0, LT_D_STATE = 1, LT_D_F32 = 2 };
 /* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * C, where C is D unless given
  * (then of D's type and layout: the residual added in the epilogue). A and B are activations
- * or compute weights (fp32, or bf16 with precision mixed or bf16); D is that type too, or
- * the state type (d_state: weight gradients, fp32 unless precision=bf16). Accumulation is
+ * or compute weights (fp32, or bf16 with precision mixed or bf16); D is that type too
+ * (LT_D_ACT), or the state type (LT_D_STATE: weight gradients, fp32 unless precision=bf16),
+ * or fp32 whatever the precision (LT_D_F32: the MoE router's logits). Accumulation is
  * always fp32. */
 static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
                         const void *B, int ldb, float beta, const void *C, void *D, int ldd, int d_state) {
     if (!C) C = D;
     if (!g.ready) die(1, "cuda: a matmul was called before cuda_init");
     cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
-    cudaDataType_t td = d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
+    cudaDataType_t td = d_state == LT_D_F32 ? CUDA_R_32F : d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
     cublasComputeType_t ct = g.tf32 && !g.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     LtPlan p;
     lt_plan(&p, ta, tb, m, n, k, lda, ldb, ldd, tab, td, ct);

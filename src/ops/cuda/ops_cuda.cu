@@ -6,7 +6,8 @@
  * kernels are in src/ops/cuda/, one .cuh per op family, which this file includes into its one
  * translation unit: common (reductions, the fp32/bf16 loads and stores), embedding,
  * rmsnorm, rope, attention (the generic kernels; the tensor-core one is attn_bf16.cu),
- * swiglu, crossentropy, adamw, flat (sumsq, scale, add, the bf16 copy).
+ * swiglu, crossentropy, adamw, flat (sumsq, scale, add, the bf16 copy), moe (the
+ * mixture-of-experts routing, dispatch, combine and grouped products).
  *
  * Written as CUDA C: plain functions and kernels, no classes, templates or std::.
  * One stream for everything, so ops are ordered without events and the one scratch buffer
@@ -1023,6 +1024,9 @@ void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_
 
 } /* extern "C" */
 
+/* the mixture-of-experts ops: after the matmuls and helpers they call */
+#include "cuda/moe.cuh"
+
 /* ------------------------------------------------------------------------------------ */
 /* the backend table (ops.h)                                                             */
 
@@ -1132,10 +1136,18 @@ extern "C" const OpsBackend ops_backend_cuda = {
     .sum_parts = cuda_sum_parts,
     .copy_rows = cuda_copy_rows,
     .tune_matmuls = cuda_tune_matmuls,
-    /* mixture of experts: not on this backend yet (op_moe_* end the run with a message) */
-    .moe_router_forward = NULL, .moe_router_backward = NULL, .moe_topk = NULL, .moe_dispatch = NULL,
-    .moe_stats = NULL, .moe_route_backward = NULL, .moe_matmul_forward = NULL, .moe_matmul_backward = NULL,
-    .moe_combine = NULL, .moe_unpermute = NULL, .moe_gate_backward = NULL, .moe_accumulate = NULL,
+    .moe_router_forward = cuda_moe_router_forward,
+    .moe_router_backward = cuda_moe_router_backward,
+    .moe_topk = cuda_moe_topk,
+    .moe_dispatch = cuda_moe_dispatch,
+    .moe_stats = cuda_moe_stats,
+    .moe_route_backward = cuda_moe_route_backward,
+    .moe_matmul_forward = cuda_moe_matmul_forward,
+    .moe_matmul_backward = cuda_moe_matmul_backward,
+    .moe_combine = cuda_moe_combine,
+    .moe_unpermute = cuda_moe_unpermute,
+    .moe_gate_backward = cuda_moe_gate_backward,
+    .moe_accumulate = cuda_moe_accumulate,
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .graph_run = cuda_graph_run,

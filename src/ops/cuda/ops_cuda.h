@@ -162,6 +162,74 @@ void cuda_add(void *y, const void *x, size_t n);
 void cuda_sum_parts(void *y, const void *const *x, int k, size_t n);
 void cuda_copy_rows(void *dst, const void *src, const int *rows, size_t n, size_t row_bytes, int scatter);
 
+/* Mixture of experts (ops.h's op_moe_*; src/ops/cuda/moe.cuh). The routing, dispatch and
+ * statistics take at most CUDA_MOE_MAX_EXPERTS experts and top-k routing at most
+ * CUDA_MOE_MAX_TOPK choices a row (more dies with a message); the router's products take any
+ * number. Their scratch (the backend's one buffer) is fixed by the shapes, so the sums' order
+ * is, and the memory estimate can count it: cuda_moe_scratch_bytes. Plain C for that. */
+#define CUDA_MOE_MAX_EXPERTS OPS_CUDA_MAX_EXPERTS  /* (ops.h: the config refuses more) */
+#define CUDA_MOE_MAX_TOPK 32
+/* the dispatch's tiles of choices: a whole number of rounds of 256, at most this many tiles
+ * (each leaving X ints of counts) */
+#define CUDA_MOE_DISPATCH_TILES 1024
+static inline int cuda_moe_dispatch_tile(size_t nk) {
+    size_t per = (nk + CUDA_MOE_DISPATCH_TILES - 1) / CUDA_MOE_DISPATCH_TILES;
+    per = (per + 255) / 256 * 256;
+    return per < 256 ? 256 : (int)per;
+}
+/* the statistics' blocks (X + 1 doubles of partials each): one per 256 rows, at most 256 */
+#define CUDA_MOE_STATS_BLOCKS 256
+static inline int cuda_moe_stats_blocks(int N) {
+    int nb = N > 0 ? (N + 255) / 256 : 0;
+    return nb < CUDA_MOE_STATS_BLOCKS ? nb : CUDA_MOE_STATS_BLOCKS;
+}
+/* the router's weight gradient sums its N rows in splits of this many (a multiple of 16, at
+ * least 256), each leaving X E fp32 partials: at most 128 splits and 2^21 partial floats
+ * (8 MiB) where that allows more than one */
+static inline int cuda_moe_router_chunk(int N, int E, int X) {
+    size_t per = (size_t)(X > 0 ? X : 1) * (size_t)(E > 0 ? E : 1), cap = ((size_t)1 << 21) / per;
+    size_t splits = N > 0 ? ((size_t)N + 255) / 256 : 1;
+    if (splits > 128) splits = 128;
+    if (splits > cap) splits = cap;
+    if (splits < 1) splits = 1;
+    size_t chunk = ((size_t)(N > 0 ? N : 1) + splits - 1) / splits;
+    chunk = (chunk + 15) / 16 * 16;
+    return chunk < 256 ? 256 : (int)chunk;
+}
+/* the largest scratch an op_moe_* call of these shapes takes (N rows, E channels, X experts,
+ * top k): the router's weight-gradient partials, the dispatch's tile counts, the statistics'
+ * partials */
+static inline size_t cuda_moe_scratch_bytes(int N, int E, int X, int k) {
+    int chunk = cuda_moe_router_chunk(N, E, X);
+    size_t splits = N > 0 ? ((size_t)N + chunk - 1) / chunk : 0;
+    size_t a = splits * (size_t)X * (size_t)E * sizeof(float);
+    size_t nk = N > 0 && k > 0 ? (size_t)N * k : 0, tile = (size_t)cuda_moe_dispatch_tile(nk);
+    size_t b = (nk + tile - 1) / tile * (size_t)X * sizeof(int);
+    int nb = cuda_moe_stats_blocks(N);
+    size_t c = (size_t)(nb ? nb : 1) * ((size_t)X + 1) * sizeof(double);
+    return a > b ? (a > c ? a : c) : (b > c ? b : c);
+}
+void cuda_moe_router_forward(float *logits, const void *x, const void *w, int N, int E, int X);
+void cuda_moe_router_backward(void *dx, void *dw, const float *dlogits, const void *x, const void *w, int N, int E,
+                              int X);
+void cuda_moe_topk(float *probs, int *idx, float *gate, float *lse, const float *logits, const float *bias, int N,
+                   int X, int k, int sigmoid);
+void cuda_moe_dispatch(int *cnt, int *pos, int *rowtok, float *gate_rows, const int *idx, const float *gate, int N,
+                       int k, int X, int capacity);
+void cuda_moe_stats(float *stats, const int *cnt, const float *probs, const float *lse, int N, int X);
+void cuda_moe_route_backward(float *dlogits, const float *dgate_rows, const int *pos, const float *logits,
+                             const float *probs, const int *idx, const float *gate, const float *lse, const float *stats,
+                             float aux_scale, float z_scale, int N, int X, int k, int sigmoid);
+/* off: X + 1 host ints; one cuBLASLt product per expert with rows */
+void cuda_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
+                             int OC);
+void cuda_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp, const void *w,
+                              const int *off, int X, int C, int OC);
+void cuda_moe_combine(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E);
+void cuda_moe_unpermute(void *dx, const void *dxs, const int *pos, int N, int k, int E, int acc);
+void cuda_moe_gate_backward(float *dgate_rows, void *h, void *dh, const float *gate_rows, int P, int H);
+void cuda_moe_accumulate(float *acc, const float *stats, int rows, int X, int k);
+
 #ifdef __cplusplus
 }
 #endif
