@@ -8,7 +8,8 @@
 # sample run on cuda; the GPU allocator's peak is the estimate (fp32, mixed, bf16).
 # optimizer=adafactor: CUDA follows the CPU, mixed and bf16 follow fp32, resume is bitwise.
 # offload=optimizer follows the run without offload (fp32 1e-5, mixed as mixed), and its
-# GPU peak drops the optimizer's state.
+# GPU peak drops the optimizer's state. Mixture of experts: CUDA follows the CPU, mixed and bf16
+# follow fp32, runs and resumes are bitwise, the peak is the estimate.
 #
 # Needs a GPU, the meshtrain binary ($MESHTRAIN_BIN, default build/meshtrain) and
 # build/tests/ckpt_diff beside it. Data: MESHTRAIN_GPU_SHARDS=DIR holding train.bin and
@@ -306,5 +307,37 @@ p1=$(logged gpu_peak_alloc_bytes "${E}_optimizer") p2=$(logged gpu_peak_alloc_by
 if within5 "$est" "$p2" && awk -v a="$p1" -v b="$p2" -v n="$n" 'BEGIN{s = (a - b) / (4 * n); exit !(s > 0.95 && s < 1.05)}'
 then ok "offload_params_gpu_peak (peak $p1 -> $p2, estimate $est)"
 else bad "offload_params_gpu_peak (peak $p1 -> $p2, estimate $est; $(tail -1 "${E}_params.log"))"; fi
+
+# -- mixture of experts: CUDA follows the CPU (fp32, one process and FSDP's layout in one
+# process; shared experts; a capacity that drops), mixed and bf16 follow fp32 over 100 steps,
+# a CUDA run is bitwise repeatable and resumes bitwise with the router biases, and the peak is
+# the estimate
+MOE="moe_experts=8 moe_top_k=2 moe_z_loss=1e-3"
+for keys in "" "moe_shared_experts=1 moe_expert_dim=32" "moe_capacity_factor=0.6" "moe_router=sigmoid moe_every=2"; do
+  name=moe_$(echo "${keys:-plain}" | cut -d' ' -f1 | tr '=' '_')
+  run "$TMP/${name}_cpu" $M $MOE $keys steps=5 device=cpu
+  if run "$TMP/${name}_cuda" $M $MOE $keys steps=5 device=cuda precision=fp32 && close "$TMP/${name}_cpu" "$TMP/${name}_cuda"
+  then ok "cuda_follows_cpu_$name"; else bad "cuda_follows_cpu_$name ($(tail -2 "$TMP/${name}_cuda.log" | tr '\n' ' '))"; fi
+done
+run "$TMP/moe_f100" $M $MOE $L100 precision=fp32
+for pm in "mixed 0.03 0.01" "bf16 0.05 0.02"; do
+  read -r prec max mean <<<"$pm"
+  out=$TMP/moe_${prec}100
+  if run "$out" $M $MOE $L100 precision=$prec &&
+     paste <(losses "$TMP/moe_f100") <(losses "$out") |
+       awk -v mx="$max" -v mn="$mean" '{d=($1-$2)/$1; if(d<0)d=-d; s+=d; if(d>m)m=d; n++} END{exit !(n == 100 && m < mx && s/n < mn)}'
+  then ok "moe_${prec}_follows_fp32_100_steps"; else bad "moe_${prec}_follows_fp32_100_steps ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
+done
+MB="$M $MOE device=cuda moe_bias_balance=0.01"
+run "$TMP/moe_a" $MB steps=6
+run "$TMP/moe_b" $MB steps=6
+run "$TMP/moe_h" $MB steps=3 lr_decay_steps=6
+run "$TMP/moe_r" $MB steps=6 resume="$TMP/moe_h/ckpt.bin"
+pm=$(logged gpu_peak_alloc_bytes "$TMP/moe_a") em=$(logged estimate_bytes "$TMP/moe_a")
+if [ -n "$(strip "$TMP/moe_a")" ] && [ "$(strip "$TMP/moe_a")" = "$(strip "$TMP/moe_b")" ] && cmp -s "$TMP/moe_a/ckpt.bin" "$TMP/moe_b/ckpt.bin" &&
+   "$DIFF" "$TMP/moe_r/ckpt.bin" "$TMP/moe_a/ckpt.bin" | grep -qx 'max_rel_diff 0' &&
+   cmp -s "$TMP/moe_r/ckpt.bin.s00000006.moebias" "$TMP/moe_a/ckpt.bin.s00000006.moebias" && within5 "$em" "$pm"
+then ok "moe_bitwise_resume_and_estimate (peak $pm, estimate $em)"
+else bad "moe_bitwise_resume_and_estimate (peak $pm, estimate $em; $(tail -1 "$TMP/moe_a.log"))"; fi
 
 echo "RESULT $pass $fail"
