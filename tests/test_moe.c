@@ -340,6 +340,14 @@ static const TensorInfo *tensor(const Model *m, TensorInfo *t, int n, const char
     return NULL;
 }
 
+/* The one-expert model's name of a dense model's tensor: its FFN's are expert 0's. */
+static void expert0_name(char *out, size_t len, const char *dense) {
+    int l;
+    char rest[64];
+    if (sscanf(dense, "blocks.%d.ffn.%63s", &l, rest) == 2) snprintf(out, len, "blocks.%d.ffn.experts.0.%s", l, rest);
+    else snprintf(out, len, "%s", dense);
+}
+
 /* One expert, top 1, of the dense FFN's width: its gate is 1, so the layer is the dense one:
  * the same loss, and every gradient the same (the router's is zero). */
 static void test_one_expert_is_dense(void) {
@@ -356,10 +364,7 @@ static void test_one_expert_is_dense(void) {
     char name[96];
     for (int i = 0; i < nd; i++) {
         const char *n = td[i].name;
-        int l;
-        char rest[64];
-        if (sscanf(n, "blocks.%d.ffn.%63s", &l, rest) == 2) snprintf(name, sizeof name, "blocks.%d.ffn.experts.0.%s", l, rest);
-        else snprintf(name, sizeof name, "%s", n);
+        expert0_name(name, sizeof name, n);
         const TensorInfo *t = tensor(&m, tm, nm, name);
         CHECK(t && t->rows == td[i].rows && t->cols == td[i].cols, "%s has no place %s", n, name);
         if (t) memcpy(m.params + t->offset, d.params + td[i].offset, (size_t)t->rows * t->cols * 4);
@@ -379,10 +384,7 @@ static void test_one_expert_is_dense(void) {
     CHECK(rel_err(ld, lm) < 1e-6, "loss dense %.7f vs one expert %.7f", ld, lm);
     for (int i = 0; i < nd; i++) {
         const char *n = td[i].name;
-        int l;
-        char rest[64];
-        if (sscanf(n, "blocks.%d.ffn.%63s", &l, rest) == 2) snprintf(name, sizeof name, "blocks.%d.ffn.experts.0.%s", l, rest);
-        else snprintf(name, sizeof name, "%s", n);
+        expert0_name(name, sizeof name, n);
         const TensorInfo *t = tensor(&m, tm, nm, name);
         double e = norm_rel_err(m.grads + t->offset, d.grads + td[i].offset, (size_t)t->rows * t->cols);
         CHECK(e < 1e-5, "gradient of %s: rel err %.3g", name, e);
