@@ -16,7 +16,7 @@
 #include "pipeline.h"
 #include "schedule.h"
 
-static ModelConfig C = {50257, 1024, 8, 16, 256, 0};
+static ModelConfig C = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
 static double UNIT, T1;  /* one layer's F + B + W; one GPU's F + B + W per micro-batch, in layers */
 static double HS = 1;    /* the head's time per FLOP against a layer's (argument 5; 1: FLOPs alone) */
 static const double FUSED[3] = {3, 0, 0};

@@ -9,7 +9,7 @@
 #include "test.h"
 #include "util.h"
 
-static const ModelConfig CFG = {101, 16, 2, 2, 8, 0};
+static const ModelConfig CFG = MODEL_CONFIG(101, 16, 2, 2, 8, 0);
 
 static void fill(Model *m, AdamState *o) {
     Rng r;

@@ -26,7 +26,7 @@ static int load_fixture(const char *path, Fixture *f) {
     memcpy(h, buf, sizeof h);
     if (h[0] != 0x5846544D || h[1] != 1) { free(buf); return -1; }
     f->V = h[2]; f->E = h[3]; f->NH = h[4]; f->L = h[5]; f->T = h[6]; f->B = h[7]; f->tie = h[8]; f->n_steps = h[9];
-    ModelConfig c = {f->V, f->E, f->NH, f->L, f->T, f->tie};
+    ModelConfig c = MODEL_CONFIG(f->V, f->E, f->NH, f->L, f->T, f->tie);
     f->n_params = model_param_count(&c);
     size_t nt = (size_t)f->n_steps * f->B * (f->T + 1), nl = (size_t)f->B * f->T * f->V;
     size_t want = sizeof h + nt * 4 + (3 * f->n_params + nl + 1 + f->n_steps) * 4;
@@ -73,7 +73,7 @@ static void set_batch(const Fixture *f, Acts *a, int step) {
 static void check_fixture(const char *path) {
     Fixture f;
     if (load_fixture(path, &f)) { CHECK(0, "cannot load %s (run python3 tests/gen_fixtures.py)", path); return; }
-    ModelConfig c = {f.V, f.E, f.NH, f.L, f.T, f.tie};
+    ModelConfig c = MODEL_CONFIG(f.V, f.E, f.NH, f.L, f.T, f.tie);
     Model m;
     model_init_layout(&m, &c, 3, 1);  /* odd padding: the layout must not matter */
     CHECK(m.n_params == f.n_params, "param count %zu vs %zu", m.n_params, f.n_params);
@@ -145,7 +145,7 @@ static void check_fixture(const char *path) {
 static void check_stages(const char *path) {
     Fixture f;
     if (load_fixture(path, &f)) { CHECK(0, "cannot load %s", path); return; }
-    ModelConfig c = {f.V, f.E, f.NH, f.L, f.T, f.tie};
+    ModelConfig c = MODEL_CONFIG(f.V, f.E, f.NH, f.L, f.T, f.tie);
     Model m;
     model_init_layout(&m, &c, 1, 1);
     scatter(&m, m.params, f.params);
@@ -188,7 +188,7 @@ static void test_against_torch_untied(void) { check_fixture("tests/fixtures/mode
 static void test_against_torch_tied(void) { check_fixture("tests/fixtures/model_tied.bin"); }
 
 static void test_param_counts(void) {
-    ModelConfig a = {50257, 1024, 8, 16, 256, 0}, b = a, c = {50257, 4096, 32, 48, 256, 0};
+    ModelConfig a = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0), b = a, c = MODEL_CONFIG(50257, 4096, 32, 48, 256, 0);
     b.tie_embeddings = 1;
     CHECK(model_param_count(&a) == 245566464ULL, "%zu", model_param_count(&a));
     CHECK(model_param_count(&b) == 194103296ULL, "%zu", model_param_count(&b));
@@ -196,7 +196,7 @@ static void test_param_counts(void) {
 }
 
 static void test_layout_padding(void) {
-    ModelConfig c = {97, 32, 4, 2, 16, 0};
+    ModelConfig c = MODEL_CONFIG(97, 32, 4, 2, 16, 0);
     for (int pad = 1; pad <= 8; pad++) {
         Model m;
         model_init_layout(&m, &c, pad, 0);
@@ -213,7 +213,7 @@ static void test_layout_padding(void) {
 }
 
 static void test_init_statistics(void) {
-    ModelConfig c = {500, 64, 4, 4, 16, 0};
+    ModelConfig c = MODEL_CONFIG(500, 64, 4, 4, 16, 0);
     Model m;
     model_init_layout(&m, &c, 1, 1);
     model_init_weights(&m, 7);
@@ -253,7 +253,7 @@ static void test_init_ranges(void) {
     rng_jump(&d, 1ULL << 33); rng_jump(&d, 5);
     CHECK(c.s == d.s, "jump composes");
 
-    ModelConfig mc = {300, 640, 4, 2, 16, 0};  /* tensors larger than one init block */
+    ModelConfig mc = MODEL_CONFIG(300, 640, 4, 2, 16, 0);  /* tensors larger than one init block */
     Model m;
     model_init_layout(&m, &mc, 3, 0);
     int u = 1;
@@ -286,7 +286,7 @@ static void test_init_ranges(void) {
  * whole model's values at those places; the vocabulary rows are [v0, v0 + Vr) of the
  * padded vocabulary's equal ranges (the last rank's short). */
 static void tp_layout_case(int tp, int tied) {
-    ModelConfig mc = {300, 32, 4, 2, 16, tied};  /* vocabulary 300 pads to 320 */
+    ModelConfig mc = MODEL_CONFIG(300, 32, 4, 2, 16, tied);  /* vocabulary 300 pads to 320 */
     Model w;
     model_init_layout(&w, &mc, 1, 0);
     int bad = 0;

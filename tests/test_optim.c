@@ -18,7 +18,7 @@
 #include "test.h"
 #include "util.h"
 
-static const ModelConfig TINY = {13, 8, 2, 1, 16, 0};
+static const ModelConfig TINY = MODEL_CONFIG(13, 8, 2, 1, 16, 0);
 #define MAX_RANKS 4
 #define MAX_TENSORS 16
 

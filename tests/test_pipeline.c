@@ -50,8 +50,8 @@ static int covers(const ModelConfig *c, const Stage *s, int p) {
 }
 
 static void test_auto_is_optimal(void) {
-    ModelConfig cs[] = {{50257, 1024, 8, 16, 256, 0}, {50257, 256, 4, 7, 128, 0}, {1000, 64, 2, 5, 32, 1},
-                        {50257, 4096, 32, 12, 256, 0}};
+    ModelConfig cs[] = {MODEL_CONFIG(50257, 1024, 8, 16, 256, 0), MODEL_CONFIG(50257, 256, 4, 7, 128, 0),
+                        MODEL_CONFIG(1000, 64, 2, 5, 32, 1), MODEL_CONFIG(50257, 4096, 32, 12, 256, 0)};
     char err[256];
     for (size_t k = 0; k < sizeof cs / sizeof *cs; k++)
         for (int p = 1; p <= 4 && p <= cs[k].n_layers; p++) {
@@ -86,7 +86,7 @@ static double rank_max(const ModelConfig *c, const Stage *s, int p, int v) {
  * post's model at p=4, v=2 the last rank holds the head (about 5.5 layers) and one layer,
  * its last stage the head alone; the others share the rest. */
 static void test_interleaved_balances_ranks(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     char err[256];
     Stage plain[8], bal[8];
     CHECK(pipeline_split(&post, 256, 8, "auto", plain, err, sizeof err) == 0, "%s", err);
@@ -112,7 +112,7 @@ static void test_interleaved_balances_ranks(void) {
  * backward (bench/results/pipeline-h100x4-2026-11.md: GPipe 0.80x of 1F1B with the fused head; simulated
  * now 0.79x), and zb1, played with the fused head here, gains on 1F1B. */
 static void test_costed_schedules(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     char err[256];
     Stage st[4];
     double cost[12];
@@ -138,8 +138,9 @@ static int span(const ModelConfig *c, ScheduleKind k, int p, int v, int m, const
  * post's model at p=2 GPipe takes 8,8 (its forwards wait for the head's stage, whose
  * forward carries the head's backward), shorter than the balanced 11,5. */
 static void test_searched_split(void) {
-    ModelConfig cs[] = {{50257, 1024, 8, 16, 256, 0}, {50257, 256, 4, 7, 128, 0}, {1000, 64, 2, 9, 32, 1},
-                        {50257, 4096, 32, 12, 256, 0}, {50257, 32, 2, 8, 32, 0}};
+    ModelConfig cs[] = {MODEL_CONFIG(50257, 1024, 8, 16, 256, 0), MODEL_CONFIG(50257, 256, 4, 7, 128, 0),
+                        MODEL_CONFIG(1000, 64, 2, 9, 32, 1), MODEL_CONFIG(50257, 4096, 32, 12, 256, 0),
+                        MODEL_CONFIG(50257, 32, 2, 8, 32, 0)};
     int ms[] = {4, 5, 8, 16};
     char err[256];
     for (size_t i = 0; i < sizeof cs / sizeof *cs; i++)
@@ -187,7 +188,7 @@ static void test_searched_split(void) {
  * than the balanced one under the same cap; a cap of one serialises the ranks' forwards and
  * weight passes, a longer step than the default's. */
 static void test_zb1_cap_in_search(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     const double *head = pipeline_head_placement(SCHED_ZB1, 4);
     char err[256];
     int spans[8] = {0}, caps[] = {0, 1, 5, 7};
@@ -212,7 +213,7 @@ static void test_zb1_cap_in_search(void) {
 
 /* Where the head's matmuls are counted moves time between F, B and W, not the total. */
 static void test_head_placement(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     Stage s = {17, 17};  /* the last layer and the head */
     double fused[3], moved[3], h[3] = {1, 1, 1};
     pipeline_stage_costs(&post, 256, &s, 1, NULL, fused);
@@ -241,7 +242,7 @@ static void test_head_placement(void) {
  * activation checkpointing; with SCHED_SPLIT_ZB1 its lists keep the fused backward, and
  * with SCHED_SPLIT_ANY the post's at p = 4, m = 8 take the split (the simulation's shorter) */
 static void test_split_policy(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     CHECK(pipeline_split_backward_ok(&post, 16 * 256, 0) == SCHED_SPLIT_ANY, "4096 tokens");
     CHECK(pipeline_split_backward_ok(&post, 4 * 256, 0) == SCHED_SPLIT_ZB1, "1024 tokens");
     CHECK(pipeline_split_backward_ok(&post, 16 * 256, 1) == SCHED_SPLIT_NONE, "recompute");
@@ -262,7 +263,7 @@ static void test_split_policy(void) {
 }
 
 static void test_explicit(void) {
-    ModelConfig c = {50257, 64, 2, 6, 32, 0};
+    ModelConfig c = MODEL_CONFIG(50257, 64, 2, 6, 32, 0);
     Stage s[8];
     char err[256];
     CHECK(pipeline_split(&c, 32, 3, "1,2,3", s, err, sizeof err) == 0, "%s", err);
@@ -315,7 +316,7 @@ static int best_with_layers(const ModelConfig *c, ScheduleKind k, int p, int v, 
  * every split; auto now takes a last chunk holding the head alone where the simulation says
  * it is shorter, and is never longer than the best split whose chunks all hold a layer. */
 static void test_head_alone(void) {
-    ModelConfig post = {50257, 1024, 8, 16, 256, 0};
+    ModelConfig post = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
     char err[256];
     int n[16];
     for (int m = 8; m <= 32; m *= 4) {

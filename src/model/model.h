@@ -25,6 +25,10 @@ typedef struct {
     int moe_experts, moe_top_k, moe_expert_dim, moe_shared_experts, moe_every, moe_router_sigmoid;
     float moe_capacity_factor;  /* (a float, as the checkpoint keeps it) */
 } ModelConfig;
+/* A dense model's config as an initializer (its MoE fields zero: no MoE layer). */
+#define MODEL_CONFIG(V, E, NH, L, T, TIE)                                                          \
+    {.vocab_size = (V), .embed_dim = (E), .n_heads = (NH), .n_layers = (L), .context_len = (T),   \
+     .tie_embeddings = (TIE)}
 /* Whether layer l of c is a mixture-of-experts layer. */
 static inline int model_layer_is_moe(const ModelConfig *c, int l) {
     return c->moe_experts > 0 && l % c->moe_every == c->moe_every - 1;
