@@ -55,11 +55,8 @@ static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B
     /* the stage's MoE layers and dense ones: each kind has its own FFN activations */
     size_t nm = (size_t)(model_moe_layers_before(c, l0 + n_layers) - model_moe_layers_before(c, l0));
     size_t nd = (size_t)n_layers - nm, Lsd = training == 1 ? nd : nd > 0, Lsm = training == 1 ? nm : nm > 0;
-    size_t Hd = H;  /* the widest FFN of the stage's backward scratch: the dense one's, or the shared experts' */
-    if (nm && c->moe_shared_experts) {
-        size_t Hs = (size_t)c->moe_shared_experts * (size_t)model_moe_expert_dim(c);
-        if (Hs > Hd) Hd = Hs;
-    }
+    size_t He = nm ? (size_t)model_moe_expert_dim(c) : 0, Hs = He * (size_t)c->moe_shared_experts;
+    size_t Hd = Hs > H ? Hs : H;  /* the widest FFN of the stage's backward scratch: the dense one's, or the shared experts' */
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1, 0}
 #define F(field, count) s[n++] = (Slot){(void **)&a->field, (count), 0, 0}
@@ -78,8 +75,6 @@ static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B
     }
     if (nm) {
         size_t X = (size_t)c->moe_experts, K = (size_t)c->moe_top_k, Pm = model_moe_max_rows(c, (int)N);
-        size_t He = (size_t)model_moe_expert_dim(c);
-        size_t Hs = He * (size_t)c->moe_shared_experts;
         F(moe_logits, Lsm * N * X); F(moe_probs, Lsm * N * X); F(moe_gate, Lsm * N * K); F(moe_lse, Lsm * N);
         F(moe_idx, Lsm * N * K); F(moe_pos, Lsm * N * K); F(moe_rowtok, Lsm * Pm); F(moe_grow, Lsm * Pm);
         F(moe_cnt, Lsm * (3 * X + 1)); F(moe_stats, nm * (2 * X + 2));

@@ -79,8 +79,7 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     /* the router: the gates', the load-balancing loss's and the z-loss's gradients. Each
      * rank's gradient is averaged over the data-parallel ranks afterwards, so it carries dp
      * times its share of the global micro-batch's losses (whose means run over N dp rows). */
-    int dp = m->moe.dp > 0 ? m->moe.dp : 1;
-    double Ng = (double)N * dp;
+    double Ng = (double)N * m->moe.dp;
     float aux_scale = (float)(m->moe_aux * X / (Ng * K * N) * a->grad_scale);
     float z_scale = (float)(m->moe_z * 2.0 / N * a->grad_scale);
     op_moe_route_backward(a->moe_dlogits, a->moe_dgate, q->pos, q->logits, q->probs, q->idx, q->gate, q->lse, q->stats,
@@ -94,7 +93,7 @@ void moe_stage_stats(const Model *m, const Acts *a, int l0, int n) {
     if (nm <= 0) return;
     if (m->moe.allreduce) m->moe.allreduce(m->moe.ctx, a->moe_stats, (size_t)nm * (2 * (size_t)X + 2));
     if (!m->moe_acc) return;
-    int rows = (int)a->N * (m->moe.dp > 0 ? m->moe.dp : 1);
+    int rows = (int)a->N * m->moe.dp;
     for (int i = 0; i < nm; i++)
         op_moe_accumulate(m->moe_acc + (size_t)(first + i) * (X + 3), a->moe_stats + (size_t)i * (2 * X + 2), rows, X,
                           m->K);

@@ -39,6 +39,10 @@ size_t model_active_param_count(const ModelConfig *c) {
 
 int model_moe_check(const ModelConfig *c, char *err, size_t errlen) {
     if (c->moe_experts <= 0) return 0;
+    /* (the keys' ranges refuse these first; a checkpoint's header meets them here) */
+    if (c->moe_expert_dim < 0 || c->moe_shared_experts < 0 || (unsigned)c->moe_router_sigmoid > 1 ||
+        !(c->moe_capacity_factor >= 0))
+        return set_err(err, errlen, "invalid mixture-of-experts settings");
     if (c->moe_top_k < 1 || c->moe_top_k > c->moe_experts)
         return set_err(err, errlen, "moe_top_k=%d must be between 1 and moe_experts=%d", c->moe_top_k, c->moe_experts);
     if (c->moe_every < 1 || c->moe_every > c->n_layers)
@@ -133,6 +137,7 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
         m->X = c->moe_experts, m->K = c->moe_top_k, m->He = model_moe_expert_dim(c);
         m->Hs = m->He * c->moe_shared_experts;
         m->n_moe = model_moe_layers_before(c, m->L);
+        m->moe.dp = 1;  /* (one rank until expert_parallel_attach) */
         size_t He = (size_t)m->He, Hs = (size_t)m->Hs;
         LayerLayout *my = &m->moe_layer;
         my->att_norm = ly->att_norm, my->qkv = ly->qkv, my->att_out = ly->att_out, my->ffn_norm = ly->ffn_norm;
@@ -196,8 +201,9 @@ void model_free(Model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* A MoE layer's tensors from out[n] on (up to max); returns the new count. */
-static int moe_tensors(const Model *m, int l, size_t b, TensorInfo *out, int n, int max) {
+/* A MoE layer's FFN tensors (the router, the shared experts, the experts) from out[n] on (up
+ * to max); returns the new count. */
+static int moe_ffn_tensors(const Model *m, int l, size_t b, TensorInfo *out, int n, int max) {
     const LayerLayout *ly = &m->moe_layer;
     int E = m->E, He = m->He, Hs = m->Hs, u = unit_of_layer(l);
 #define T(off, r, cc, ...)                                                        \
@@ -209,10 +215,6 @@ static int moe_tensors(const Model *m, int l, size_t b, TensorInfo *out, int n, 
         }                                                                         \
         n++;                                                                      \
     } while (0)
-    T(ly->att_norm, 1, E, "blocks.%d.att_norm.w", l);
-    T(ly->qkv, 3 * E, E, "blocks.%d.qkv_proj.weight", l);
-    T(ly->att_out, E, E, "blocks.%d.att_out_proj.weight", l);
-    T(ly->ffn_norm, 1, E, "blocks.%d.ffn_norm.w", l);
     T(ly->router, m->X, E, "blocks.%d.ffn.router.weight", l);
     if (Hs) {
         T(ly->gate_up, Hs, E, "blocks.%d.ffn.shared.gate_proj.weight", l);
@@ -245,17 +247,17 @@ int model_tensors(const Model *m, TensorInfo *out, int max) {
     for (int l = 0; l < m->L; l++) {
         unit_ = unit_of_layer(l);
         size_t b = m->units[unit_of_layer(l)].offset;
-        if (model_layer_is_moe(&m->c, l)) {
-            n = moe_tensors(m, l, b, out, n, max);
-            continue;
-        }
-        const LayerLayout *ly = &m->layer;
+        const LayerLayout *ly = layer_layout(m, l);
         ADD("blocks.%d.att_norm.w", l, b + ly->att_norm, 1, m->E);
         /* a tensor-parallel rank's slices: its heads' rows, its FFN rows and columns */
         int Et = m->NHt * m->HD, Ht = m->Ht;
         ADD("blocks.%d.qkv_proj.weight", l, b + ly->qkv, 3 * Et, m->E);
         ADD("blocks.%d.att_out_proj.weight", l, b + ly->att_out, m->E, Et);
         ADD("blocks.%d.ffn_norm.w", l, b + ly->ffn_norm, 1, m->E);
+        if (model_layer_is_moe(&m->c, l)) {
+            n = moe_ffn_tensors(m, l, b, out, n, max);
+            continue;
+        }
         ADD("blocks.%d.ffn.gate_proj.weight", l, b + ly->gate_up, Ht, m->E);
         ADD("blocks.%d.ffn.up_proj.weight", l, b + ly->gate_up + (size_t)Ht * m->E, Ht, m->E);
         ADD("blocks.%d.ffn.down_proj.weight", l, b + ly->down, m->E, Ht);

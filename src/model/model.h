@@ -134,7 +134,7 @@ static inline int tp_run_clip(const TpRun *r, size_t lo, size_t hi, size_t *a, s
 typedef struct {
     void *ctx;
     void (*allreduce)(void *ctx, float *buf, size_t n);
-    int dp;
+    int dp;  /* (1 for a MoE model until attached) */
 } ModelMoe;
 
 typedef struct {
@@ -250,8 +250,8 @@ static inline const LayerLayout *layer_layout(const Model *m, int l) {
 size_t model_param_count(const ModelConfig *c);
 /* ... of them, those a token computes with: every routed expert but its top_k left out. */
 size_t model_active_param_count(const ModelConfig *c);
-/* Mixture of experts' settings checked (top_k <= experts, shapes); 0 or -1 with a one-line
- * message naming the key. Dense configs pass. */
+/* Mixture of experts' settings checked (top_k <= experts, shapes, every field in its range);
+ * 0 or -1 with a one-line message naming the key. Dense configs pass. */
 int model_moe_check(const ModelConfig *c, char *err, size_t errlen);
 /* Sets shapes and layout; allocates params and grads (zeroed, host memory: for tools and
  * tests that hold a whole model on the host) unless alloc == 0. The trainer's strategies

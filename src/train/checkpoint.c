@@ -110,9 +110,11 @@ int ckpt_write_moe_bias(const char *path, int step, const float *bias, int n_moe
     return rc;
 }
 
-int ckpt_read_moe_bias(const char *path, const CkptHeader *h, float *bias, int n_moe, int X, char *err, size_t errlen) {
+int ckpt_load_moe_bias(const char *path, const CkptHeader *h, Model *m, char *err, size_t errlen) {
+    if (!(h->flags & CKPT_MOE_BIAS) || !m->n_moe) return 0;
     char name[PATH_BUF], e[512];
     if (moe_bias_path(name, sizeof name, path, h->step)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    int n_moe = m->n_moe, X = m->X;
     size_t len, vals = (size_t)n_moe * X, want = 8 + 2 * sizeof(int32_t) + vals * sizeof(float) + 8;
     char *buf = read_file(name, &len, e, sizeof e);
     if (!buf) return set_err(err, errlen, "checkpoint %s keeps its MoE router biases beside it, but %s", path, e);
@@ -121,7 +123,11 @@ int ckpt_read_moe_bias(const char *path, const CkptHeader *h, float *bias, int n
     if (len == want) memcpy(shape, buf + 8, sizeof shape), memcpy(&hash, buf + len - 8, 8);
     int bad = len != want || memcmp(buf, MOE_BIAS_MAGIC, 8) || shape[0] != n_moe || shape[1] != X ||
               hash != fnv1a64(buf, len - 8, FNV1A64_INIT);
-    if (!bad) memcpy(bias, buf + 16, vals * sizeof(float));
+    if (!bad) {
+        if (!m->moe_bias) model_moe_alloc(m, 1);
+        memcpy(m->moe_bias_host, buf + 16, vals * sizeof(float));
+        model_moe_set_bias(m, m->moe_bias_host);
+    }
     free(buf);
     return bad ? set_err(err, errlen, "%s (the MoE router biases of checkpoint %s) is corrupt or of another model", name,
                          path)
@@ -147,13 +153,13 @@ static uint64_t fd_size(int fd) {
 }
 
 static int header_invalid(const CkptHeader *h) {
-    return h->vocab_size < 2 || h->embed_dim < 2 || h->n_heads < 1 || h->n_layers < 1 || h->context_len < 1 ||
-           h->embed_dim % h->n_heads || h->step < 0 || h->adam_step < 0 || h->batch_size < 1 || h->optimizer < 0 ||
-           h->optimizer > OPTIM_ADAFACTOR ||
-           (h->moe_experts > 0 && (h->moe_top_k < 1 || h->moe_top_k > h->moe_experts || h->moe_every < 1 ||
-                                   h->moe_every > h->n_layers || h->moe_expert_dim < 0 || h->moe_shared_experts < 0 ||
-                                   (unsigned)h->moe_router_sigmoid > 1 || !(h->moe_capacity_factor >= 0) ||
-                                   (!h->moe_expert_dim && (int)(1.5 * h->embed_dim) / h->moe_top_k < 1)));
+    if (h->vocab_size < 2 || h->embed_dim < 2 || h->n_heads < 1 || h->n_layers < 1 || h->context_len < 1 ||
+        h->embed_dim % h->n_heads || h->step < 0 || h->adam_step < 0 || h->batch_size < 1 || h->optimizer < 0 ||
+        h->optimizer > OPTIM_ADAFACTOR)
+        return 1;
+    ModelConfig c;
+    ckpt_model_config(h, &c);
+    return model_moe_check(&c, NULL, 0) != 0;
 }
 
 static int size_err(char *err, size_t errlen, const char *what, const char *path, uint64_t have, uint64_t want) {
@@ -564,17 +570,7 @@ int ckpt_load_model(const char *path, CkptHeader *h, Model *m, char *err, size_t
     ModelConfig mc;
     ckpt_model_config(h, &mc);
     model_init_layout(m, &mc, 1, 1);
-    if (!ckpt_load(path, h, m, NULL, err, errlen)) {
-        if (!(h->flags & CKPT_MOE_BIAS) || !m->n_moe) return 0;
-        float *bias = xmalloc((size_t)m->n_moe * m->X * sizeof(float));
-        int rc = ckpt_read_moe_bias(path, h, bias, m->n_moe, m->X, err, errlen);
-        if (!rc) {
-            model_moe_alloc(m, 1);
-            model_moe_set_bias(m, bias);
-        }
-        free(bias);
-        if (!rc) return 0;
-    }
+    if (!ckpt_load(path, h, m, NULL, err, errlen) && !ckpt_load_moe_bias(path, h, m, err, errlen)) return 0;
     model_free(m);
     return -1;
 }

@@ -113,10 +113,11 @@ int ckpt_write_settings(const char *path, int step, const char *text, char *err,
 /* A MoE model's router biases (n_moe x X floats) beside the checkpoint of `step`, as
  * "<path>.s<step>.moebias" (magic, n_moe, X, the values, an FNV-1a checksum), written
  * atomically before the manifest that names the step; the next manifest committed at path
- * removes other steps'. ckpt_read_moe_bias reads the one of h's step (checking its shape and
- * checksum) into bias. 0, or -1 with err. */
+ * removes other steps'. ckpt_load_moe_bias: where h says the checkpoint keeps them
+ * (CKPT_MOE_BIAS), the ones of h's step (their shape and checksum checked) into m's biases
+ * (model_moe_alloc's, made here where m has none yet). 0, or -1 with err. */
 int ckpt_write_moe_bias(const char *path, int step, const float *bias, int n_moe, int X, char *err, size_t errlen);
-int ckpt_read_moe_bias(const char *path, const CkptHeader *h, float *bias, int n_moe, int X, char *err, size_t errlen);
+int ckpt_load_moe_bias(const char *path, const CkptHeader *h, Model *m, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the
  * manifest at path for `world` shards (what a save will need on disk). */
 uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim);

@@ -83,7 +83,6 @@ static MoeSummary moe_log(const TrainRun *r, JsonLog *log) {
     int X = m->X, micro = r->st.micro;
     MoeSummary sum = {0, 0, 0, 0};
     double routed = 0, kept = 0;
-    char buf[64];
     if (log) jsonlog_raw(log, ",\"moe\":{\"layers\":[");
     for (int i = 0; i < m->n_moe; i++) {
         const double *a = s + (size_t)i * (X + 3);
@@ -93,10 +92,7 @@ static MoeSummary moe_log(const TrainRun *r, JsonLog *log) {
         sum.aux += a[X] / micro / m->n_moe, sum.z += a[X + 1] / micro / m->n_moe;
         sum.imb = imb > sum.imb ? imb : sum.imb;
         routed += tot, kept += a[X + 2];
-        if (log) {
-            snprintf(buf, sizeof buf, "%s{\"min\":%.0f,\"max\":%.0f,\"imbalance\":%.4f}", i ? "," : "", lo, hi, imb);
-            jsonlog_raw(log, "%s", buf);
-        }
+        if (log) jsonlog_raw(log, "%s{\"min\":%.0f,\"max\":%.0f,\"imbalance\":%.4f}", i ? "," : "", lo, hi, imb);
     }
     sum.drop = routed > 0 ? 1 - kept / routed : 0;
     if (log) {

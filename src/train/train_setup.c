@@ -38,12 +38,14 @@ static int check_against_ckpt(const Config *c, const CkptHeader *h, const char *
         {"moe_shared_experts", c->moe_shared_experts, h->moe_shared_experts},
         {"moe_every", c->moe_every, h->moe_every},
         {"moe_router", !strcmp(c->moe_router, "sigmoid"), h->moe_router_sigmoid},
-        {"moe_capacity_factor", (int)((float)c->moe_capacity_factor * 1e6f), (int)(h->moe_capacity_factor * 1e6f)},
     };
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
         if (config_was_set(k[i].key) && k[i].want != k[i].have)
             return fail_set(f, EXIT_BAD_INPUT, "%s=%d differs from checkpoint %s (%s=%d)", k[i].key, k[i].want, path,
                             k[i].key, k[i].have);
+    if (config_was_set("moe_capacity_factor") && (float)c->moe_capacity_factor != h->moe_capacity_factor)
+        return fail_set(f, EXIT_BAD_INPUT, "moe_capacity_factor=%g differs from checkpoint %s (moe_capacity_factor=%g)",
+                        c->moe_capacity_factor, path, (double)h->moe_capacity_factor);
     /* the optimizer's state is one optimizer's: the other cannot continue from it */
     const char *have = optim_kind_name((OptimKind)h->optimizer);
     if (config_was_set("optimizer") && strcmp(c->optimizer, have))
@@ -366,11 +368,9 @@ void train_setup(TrainRun *r, Config *c) {
     model_moe_set_training(&r->m, (float)c->moe_aux_loss, (float)c->moe_z_loss, (float)c->moe_bias_balance);
     if (skew) {  /* a router skewed on purpose (tests): expert 0 favoured most, the last not at all */
         int X = r->m.X;
-        float *b = xmalloc((size_t)r->m.n_moe * X * sizeof(float));
-        for (int i = 0; i < r->m.n_moe * X; i++)
-            b[i] = X > 1 ? (float)(hook_int(HOOK_MOE_SKEW, 0) / 1000.0 * (X - 1 - i % X) / (X - 1)) : 0.0f;
-        model_moe_set_bias(&r->m, b);
-        free(b);
+        double s = (double)hook_int(HOOK_MOE_SKEW, 0) / 1000.0;
+        for (int i = 0; i < r->m.n_moe * X; i++) r->m.moe_bias_host[i] = X > 1 ? (float)(s * (X - 1 - i % X) / (X - 1)) : 0.0f;
+        model_moe_set_bias(&r->m, r->m.moe_bias_host);
     }
     r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
     r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
@@ -397,13 +397,8 @@ void train_setup(TrainRun *r, Config *c) {
                                                     "through slots", c->tp_comm);
     if (r->resuming) {
         if (train_state_load(c->resume, &r->resume_h, r->par, &r->m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
-        else if (kept_bias) {
-            float *b = xmalloc((size_t)r->m.n_moe * r->m.X * sizeof(float));
-            if (ckpt_read_moe_bias(c->resume, &r->resume_h, b, r->m.n_moe, r->m.X, err, sizeof err))
-                fail_set(&f, EXIT_BAD_INPUT, "%s", err);
-            else model_moe_set_bias(&r->m, b);
-            free(b);
-        }
+        else if (ckpt_load_moe_bias(c->resume, &r->resume_h, &r->m, err, sizeof err))
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         LoaderState ls = {r->resume_h.loader_epoch, r->resume_h.loader_window};
         if (!f.code && loader_set_state(&r->loader, ls, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
