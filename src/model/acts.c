@@ -32,7 +32,7 @@ typedef struct { void **p; size_t n; int act, coll; } Slot;
  * for a stage of n_layers layers, with the head's buffers (final norm, logits, losses)
  * where it holds the head. */
 static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B, int T, int training,
-                     size_t act_size, Acts *a, Slot *s, size_t *logit_n, int tp, int sp) {
+                     size_t act_size, Acts *a, Slot *s, size_t *logit_n, int tp, int sp, int ep) {
     size_t N = (size_t)B * T, E = c->embed_dim, H = (size_t)(1.5 * c->embed_dim);
     /* logit rows are padded; a tensor-parallel rank's are its vocabulary rows' (the first rank's, the widest) */
     size_t ldl = (size_t)ops_logit_stride(tp > 1 ? model_vocab_padded(c->vocab_size) / tp : c->vocab_size);
@@ -74,14 +74,18 @@ static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B
         P(gu, Lsd * N * 2 * H); P(hsw, Lsd * N * H);
     }
     if (nm) {
+        /* Pm: the rows this rank's tokens send to experts; Rm: the rows its experts take (the
+         * same without expert parallel; under it, from every rank of the ep group) */
         size_t X = (size_t)c->moe_experts, K = (size_t)c->moe_top_k, Pm = model_moe_max_rows(c, (int)N);
+        size_t Rm = model_moe_expert_rows(c, (int)N, ep), Qm = Pm > Rm ? Pm : Rm;
         F(moe_logits, Lsm * N * X); F(moe_probs, Lsm * N * X); F(moe_gate, Lsm * N * K); F(moe_lse, Lsm * N);
         F(moe_idx, Lsm * N * K); F(moe_pos, Lsm * N * K); F(moe_rowtok, Lsm * Pm); F(moe_grow, Lsm * Pm);
         F(moe_cnt, Lsm * (3 * X + 1)); F(moe_stats, nm * (2 * X + 2));
-        P(moe_gu, Lsm * Pm * 2 * He);
+        P(moe_gu, Lsm * Rm * 2 * He);
         if (Hs) { P(sgu, Lsm * N * 2 * Hs); P(shsw, Lsm * N * Hs); }
-        P(moe_xa, Pm * E); P(moe_xb, Pm * E); P(moe_h1, Pm * He); P(moe_h2, Pm * He);
-        if (training) { P(moe_dgu, Pm * 2 * He); F(moe_dlogits, N * X); F(moe_dgate, Pm); }
+        P(moe_xa, Qm * E); P(moe_xb, Qm * E); P(moe_h1, Rm * He); P(moe_h2, Rm * He);
+        if (training) { P(moe_dgu, Rm * 2 * He); F(moe_dlogits, N * X); F(moe_dgate, Pm); }
+        if (training && ep > 1) F(moe_rgate, 2 * Rm);  /* the experts' rows' gates, and their gradients */
     }
     if (sp && layers) { C(gath, N * E, 1); C(full, N * E, 1); }
     if (head) { C(xf, N * E, sp); F(rstdf, NS); P(logits, lrows * ldl); F(losses, N); }
@@ -119,16 +123,16 @@ size_t acts_bytes(const ModelConfig *c, int B, int T, int training, size_t act_s
 
 size_t acts_bytes_stage(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
                         size_t *logit_bytes) {
-    return acts_bytes_tp(c, st, B, T, training, act_size, logit_bytes, 1, 0);
+    return acts_bytes_tp(c, st, B, T, training, act_size, logit_bytes, 1, 0, 1);
 }
 
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *st, int B, int T, int training, size_t act_size,
-                     size_t *logit_bytes, int tp, int sp) {
+                     size_t *logit_bytes, int tp, int sp, int ep) {
     Acts a;
     Slot s[64];
     size_t logit_n, total = acts_extra_bytes(B, T, c->vocab_size);
     int n = acts_plan(c, stage_first_layer(st), stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training,
-                      act_size, &a, s, &logit_n, tp, sp);
+                      act_size, &a, s, &logit_n, tp, sp, ep);
     for (int i = 0; i < n; i++) total += (slot_bytes(&s[i], act_size) + 63) / 64 * 64;
     if (logit_bytes) *logit_bytes = logit_n * act_size;
     return total;
@@ -140,7 +144,7 @@ size_t acts_tp_coll_extra(const ModelConfig *c, const Stage *st, int B, int T, i
     Slot s[64];
     size_t logit_n, sum = 0;
     int n = acts_plan(c, stage_first_layer(st), stage_n_layers(c, st), st->last == c->n_layers + 1, B, T, training,
-                      act_size, &a, s, &logit_n, tp, sp);
+                      act_size, &a, s, &logit_n, tp, sp, 1);
     for (int i = 0; i < n; i++)
         if (s[i].coll) sum += extra(slot_bytes(&s[i], act_size));
     return sum;
@@ -165,7 +169,7 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
     size_t logit_n;
     int head = stage_has_head(m, st);
     int n = acts_plan(&m->c, stage_first_layer(st), stage_n_layers(&m->c, st), head, B, T, training, ops_act_size(),
-                      a, s, &logit_n, m->tp_size, m->sp);
+                      a, s, &logit_n, m->tp_size, m->sp, m->ep_size);
     a->B = B; a->T = T; a->N = (size_t)B * T;
     a->recompute = (training & ~ACTS_HEAD_SPLIT) == ACTS_RECOMPUTE;
     a->head_split = head && (training & ACTS_HEAD_SPLIT) && (training & ~ACTS_HEAD_SPLIT);
@@ -189,7 +193,7 @@ void acts_alloc_stage(Acts *a, const Model *m, const Stage *st, int B, int T, in
                                          model_moe_layers_before(&m->c, l0);
     if (nm) {  /* the dispatch's counts on the host: the experts' products are launched by them */
         int slots = (training & ~ACTS_HEAD_SPLIT) == 1 ? nm : 1;
-        a->moe_hcnt = xcalloc((size_t)slots * (3 * (size_t)m->X + 1), sizeof(int));
+        a->moe_hcnt = xcalloc((size_t)slots * MOE_HCNT(m->X), sizeof(int));
     }
     if (a->rope_cos) op_rope_tables(a->rope_cos, a->rope_sin, T, m->HD, ROPE_BASE);  /* (none without layers) */
 }
@@ -209,7 +213,7 @@ void acts_free(Acts *a) {
                    a->rope_cos, a->rope_sin, a->ce_stats, a->gath, a->full,
                    a->moe_logits, a->moe_probs, a->moe_gate, a->moe_lse, a->moe_grow, a->moe_stats, a->moe_idx,
                    a->moe_pos, a->moe_rowtok, a->moe_cnt, a->moe_gu, a->sgu, a->shsw, a->moe_xa, a->moe_xb,
-                   a->moe_h1, a->moe_h2, a->moe_dgu, a->moe_dlogits, a->moe_dgate};
+                   a->moe_h1, a->moe_h2, a->moe_dgu, a->moe_dlogits, a->moe_dgate, a->moe_rgate};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
         if (a->buf_free) a->buf_free(all[i]);
         else op_free(all[i]);

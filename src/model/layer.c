@@ -28,8 +28,8 @@ LayerActs layer_acts(const Model *m, const Acts *a, int l, int slot, int r) {
     q->logits = a->moe_logits + ks * NA * X, q->probs = a->moe_probs + ks * NA * X;
     q->gate = a->moe_gate + ks * NA * K, q->lse = a->moe_lse + ks * NA, q->idx = a->moe_idx + ks * NA * K;
     q->pos = a->moe_pos + ks * NA * K, q->rowtok = a->moe_rowtok + ks * Pm, q->grow = a->moe_grow + ks * Pm;
-    q->cnt = a->moe_cnt + ks * (3 * X + 1), q->hcnt = a->moe_hcnt + ks * (3 * X + 1);
-    q->gu = act_at(a->moe_gu, ks * Pm * 2 * (size_t)m->He);
+    q->cnt = a->moe_cnt + ks * (3 * X + 1), q->hcnt = a->moe_hcnt + ks * MOE_HCNT(X);
+    q->gu = act_at(a->moe_gu, ks * model_moe_expert_rows(c, (int)NA, m->ep_size) * 2 * (size_t)m->He);
     /* the statistics are every MoE layer's of the stage, whatever the slots */
     q->stats = a->moe_stats + (size_t)(model_moe_layers_before(c, l) - model_moe_layers_before(c, l - r)) * (2 * X + 2);
     if (Hs) la.gu = act_at(a->sgu, ks * NA * 2 * Hs), la.hsw = act_at(a->shsw, ks * NA * Hs);

@@ -19,11 +19,99 @@
 #include <string.h>
 #include "util.h"
 
+/* ---- the experts' rows: where they are computed ----
+ * Without expert parallel the experts take the dispatch's P rows where they are, one group
+ * of rows an expert (off = hcnt[2X ..]). Under it (ep_size ranks, Xl experts each), a rank's
+ * rows for rank j's experts (experts j Xl .. (j + 1) Xl - 1: one contiguous block of the
+ * dispatch's rows) are exchanged by all-to-all: first their counts, then the rows. A rank's
+ * experts then hold R rows from every rank of the group, in rank order and within each by
+ * expert: a group of rows per (sender, expert), computed sender by sender. The results go
+ * back the same way, into the dispatch's order. */
+
+/* Under expert parallel: the rows each rank of the group sends each of this rank's experts
+ * (hcnt[3X + 1 ..]), from the counts every rank's dispatch kept (hcnt[X .. 2X)). */
+static void exchange_counts(const Model *m, int *hcnt) {
+    int G = m->ep_size, X = m->X;
+    size_t *bytes = xmalloc((size_t)G * sizeof *bytes);
+    for (int j = 0; j < G; j++) bytes[j] = (size_t)m->Xl * sizeof(int);
+    m->moe.exchange(m->moe.ctx, hcnt + X, bytes, hcnt + 3 * X + 1, bytes, "expert-parallel all-to-all (counts)");
+    free(bytes);
+}
+
+/* The rows of this rank's experts: P (the dispatch's) without expert parallel, else R. */
+static int expert_rows(const Model *m, const int *hcnt) {
+    if (m->ep_size == 1) return hcnt[3 * m->X];
+    int R = 0;
+    for (int i = 0; i < m->X; i++) R += hcnt[3 * m->X + 1 + i];
+    return R;
+}
+
+/* The groups of rows from sender j (one sender without expert parallel): the row they start
+ * at, and off[0 .. n] (n experts) from there; returns n. */
+static int sender_groups(const Model *m, const int *hcnt, int j, int *base, int *off) {
+    int X = m->X;
+    if (m->ep_size == 1) {
+        memcpy(off, hcnt + 2 * X, ((size_t)X + 1) * sizeof(int));
+        *base = 0;
+        return X;
+    }
+    const int *rc = hcnt + 3 * X + 1;
+    int b = 0;
+    for (int i = 0; i < j * m->Xl; i++) b += rc[i];
+    off[0] = 0;
+    for (int e = 0; e < m->Xl; e++) off[e + 1] = off[e] + rc[j * m->Xl + e];
+    *base = b;
+    return m->Xl;
+}
+
+/* The experts' products over their rows, sender by sender: forward (out = inp @ w_e^T) or
+ * backward (dinp, dw from dout, inp, w; either may be NULL as op_moe_matmul_backward takes). */
+static void experts_forward(const Model *m, const int *hcnt, void *out, const void *inp, const void *w, int C, int OC) {
+    int *off = xmalloc(((size_t)m->X + 1) * sizeof(int)), base;
+    for (int j = 0; j < m->ep_size; j++) {
+        int n = sender_groups(m, hcnt, j, &base, off);
+        if (off[n])
+            op_moe_matmul_forward(act_at(out, (size_t)base * OC), act_at(inp, (size_t)base * C), w,
+                                  m->moe_layer.expert_n, off, n, C, OC);
+    }
+    free(off);
+}
+
+static void experts_backward(const Model *m, const int *hcnt, void *dinp, void *dw, const void *dout, const void *inp,
+                             const void *w, int C, int OC) {
+    int *off = xmalloc(((size_t)m->X + 1) * sizeof(int)), base;
+    for (int j = 0; j < m->ep_size; j++) {
+        int n = sender_groups(m, hcnt, j, &base, off);
+        if (off[n])
+            op_moe_matmul_backward(dinp ? act_at(dinp, (size_t)base * C) : NULL, dw, m->moe_layer.expert_n,
+                                   act_at(dout, (size_t)base * OC), inp ? act_at(inp, (size_t)base * C) : NULL, w, off,
+                                   n, C, OC);
+    }
+    free(off);
+}
+
+/* Under expert parallel: rows of row_bytes from the dispatch's order to the experts' ranks
+ * (back = 0), or the experts' rows back into the dispatch's order (back = 1). */
+static void exchange_rows(const Model *m, const int *hcnt, const void *send, void *recv, size_t row_bytes, int back,
+                          const char *what) {
+    int G = m->ep_size, X = m->X, Xl = m->Xl;
+    const int *off = hcnt + 2 * X, *rc = hcnt + 3 * X + 1;
+    size_t *mine = xmalloc(2 * (size_t)G * sizeof *mine), *theirs = mine + G;
+    for (int j = 0; j < G; j++) {
+        size_t r = 0;
+        for (int e = 0; e < Xl; e++) r += (size_t)rc[j * Xl + e];
+        mine[j] = (size_t)(off[(j + 1) * Xl] - off[j * Xl]) * row_bytes;  /* this rank's rows for j's experts */
+        theirs[j] = r * row_bytes;                                         /* j's rows for this rank's */
+    }
+    m->moe.exchange(m->moe.ctx, send, back ? theirs : mine, recv, back ? mine : theirs, what);
+    free(mine);
+}
+
 void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, int N, int recompute) {
     const LayerLayout *ly = &m->moe_layer;
     const void *w = unit_weights(m, unit_of_layer(l));
     const MoeActs *q = &la->moe;
-    int E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs;
+    int E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs, ep = m->ep_size > 1;
     size_t row = (size_t)E * ops_act_size();
     const float *bias = m->moe_bias ? m->moe_bias + (size_t)model_moe_layers_before(&m->c, l) * X : NULL;
     op_moe_router_forward(q->logits, la->xn2, act_at(w, ly->router), N, E, X);
@@ -32,18 +120,22 @@ void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, 
     if (!recompute) op_moe_stats(q->stats, q->cnt, q->probs, q->lse, N, X);
     /* the experts' products are launched by their groups' sizes: the host reads them */
     op_download(q->hcnt, q->cnt, (3 * (size_t)X + 1) * sizeof(int));
-    const int *off = q->hcnt + 2 * X;
-    int P = off[X];
+    if (ep) exchange_counts(m, q->hcnt);
+    int P = q->hcnt[3 * X], R = expert_rows(m, q->hcnt);
+    /* the experts' input rows: gathered (xa), and under expert parallel exchanged (into xb) */
     op_gather_rows(a->moe_xa, la->xn2, q->rowtok, (size_t)P, row);
-    op_moe_matmul_forward(q->gu, a->moe_xa, act_at(w, ly->experts), ly->expert_n, off, X, E, 2 * He);
+    if (ep) exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 0, "expert-parallel all-to-all (tokens)");
+    experts_forward(m, q->hcnt, q->gu, ep ? a->moe_xb : a->moe_xa, act_at(w, ly->experts), E, 2 * He);
     if (Hs) {
         op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * Hs);
         op_swiglu_forward(la->hsw, la->gu, N, Hs);
     }
     if (recompute) return;
-    op_swiglu_forward(a->moe_h1, q->gu, P, He);
-    op_moe_matmul_forward(a->moe_xb, a->moe_h1, act_at(w, ly->experts + 2 * (size_t)He * E), ly->expert_n, off, X, He,
-                          E);
+    op_swiglu_forward(a->moe_h1, q->gu, R, He);
+    /* the experts' outputs (xb; under expert parallel made in xa and sent back into xb) */
+    void *y = ep ? a->moe_xa : a->moe_xb;
+    experts_forward(m, q->hcnt, y, a->moe_h1, act_at(w, ly->experts + 2 * (size_t)He * E), He, E);
+    if (ep) exchange_rows(m, q->hcnt, y, a->moe_xb, row, 1, "expert-parallel all-to-all (outputs)");
     if (Hs) op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, Hs, E);
     else op_copy(la->out, la->mid, (size_t)N * row);
     op_moe_combine(la->out, a->moe_xb, q->gate, q->pos, N, K, E);
@@ -54,10 +146,10 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const MoeActs *q = &la->moe;
-    int N = (int)a->N, E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs;
+    int N = (int)a->N, E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs, ep = m->ep_size > 1;
     size_t row = (size_t)E * ops_act_size(), down = ly->experts + 2 * (size_t)He * E;
-    const int *off = q->hcnt + 2 * X;
-    int P = off[X];
+    int P = q->hcnt[3 * X], R = expert_rows(m, q->hcnt);
+    size_t Rm = ep ? model_moe_expert_rows(&m->c, (int)a->N, m->ep_size) : 0;
     const void *dout = a->dres;  /* d(loss)/d(the FFN's output) */
     if (Hs) {  /* the shared experts: their input gradient written into dxn */
         op_matmul_backward_set(a->dh, st_at(g, ly->down), dout, la->hsw, act_at(w, ly->down), N, Hs, E);
@@ -65,17 +157,36 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
         op_matmul_backward_set(a->dxn, st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * Hs);
     }
     /* the routed experts: d(ungated output) per row, through the down product; the gates'
-     * gradient, and the gate folded into the down product's input and its gradient */
+     * gradient, and the gate folded into the down product's input and its gradient. Under
+     * expert parallel the rows' output gradients and gates go to the experts' ranks, and the
+     * input gradients and the gates' gradients come back. */
     op_gather_rows(a->moe_xa, dout, q->rowtok, (size_t)P, row);
-    op_moe_matmul_backward(a->moe_h1, NULL, ly->expert_n, a->moe_xa, NULL, act_at(w, down), off, X, He, E);
-    op_swiglu_forward(a->moe_h2, q->gu, P, He);
-    op_moe_gate_backward(a->moe_dgate, a->moe_h2, a->moe_h1, q->grow, P, He);
-    op_moe_matmul_backward(NULL, st_at(g, down), ly->expert_n, a->moe_xa, a->moe_h2, NULL, off, X, He, E);
-    op_swiglu_backward_set(a->moe_dgu, a->moe_h1, q->gu, P, He);
-    op_gather_rows(a->moe_xb, la->xn2, q->rowtok, (size_t)P, row);
-    op_moe_matmul_backward(a->moe_xa, st_at(g, ly->experts), ly->expert_n, a->moe_dgu, a->moe_xb,
-                           act_at(w, ly->experts), off, X, E, 2 * He);
-    op_moe_unpermute(a->dxn, a->moe_xa, q->pos, N, K, E, Hs > 0);
+    const void *dy = a->moe_xa;
+    const float *gates = q->grow;
+    float *dgates = a->moe_dgate;
+    if (ep) {
+        exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 0, "expert-parallel all-to-all (output gradients)");
+        exchange_rows(m, q->hcnt, q->grow, a->moe_rgate, sizeof(float), 0, "expert-parallel all-to-all (gates)");
+        dy = a->moe_xb, gates = a->moe_rgate, dgates = a->moe_rgate + Rm;
+    }
+    experts_backward(m, q->hcnt, a->moe_h1, NULL, dy, NULL, act_at(w, down), He, E);
+    op_swiglu_forward(a->moe_h2, q->gu, R, He);
+    op_moe_gate_backward(dgates, a->moe_h2, a->moe_h1, gates, R, He);
+    experts_backward(m, q->hcnt, NULL, st_at(g, down), dy, a->moe_h2, NULL, He, E);
+    op_swiglu_backward_set(a->moe_dgu, a->moe_h1, q->gu, R, He);
+    /* the experts' input rows again (the forward kept none): into xb, or under expert
+     * parallel gathered into xa (sent) and exchanged into xb */
+    op_gather_rows(ep ? a->moe_xa : a->moe_xb, la->xn2, q->rowtok, (size_t)P, row);
+    if (ep) exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 0, "expert-parallel all-to-all (tokens)");
+    experts_backward(m, q->hcnt, a->moe_xa, st_at(g, ly->experts), a->moe_dgu, a->moe_xb, act_at(w, ly->experts), E,
+                     2 * He);
+    const void *dxs = a->moe_xa;
+    if (ep) {
+        exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 1, "expert-parallel all-to-all (input gradients)");
+        exchange_rows(m, q->hcnt, dgates, a->moe_dgate, sizeof(float), 1, "expert-parallel all-to-all (gate gradients)");
+        dxs = a->moe_xb;
+    }
+    op_moe_unpermute(a->dxn, dxs, q->pos, N, K, E, Hs > 0);
     /* the router: the gates', the load-balancing loss's and the z-loss's gradients. Each
      * rank's gradient is averaged over the data-parallel ranks afterwards, so it carries dp
      * times its share of the global micro-batch's losses (whose means run over N dp rows). */

@@ -11,16 +11,16 @@
 
 /* Layer l's parameters on one of tp tensor-parallel ranks (tp = 1: the whole layer). A MoE
  * layer (tp = 1 only): the attention, the norms, the router, the shared experts' FFN and the
- * experts. */
-static size_t layer_param_count_tp(const ModelConfig *c, int l, int tp) {
+ * experts (one ep-th of them on an expert-parallel rank). */
+static size_t layer_param_count_split(const ModelConfig *c, int l, int tp, int ep) {
     size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim), Et = E / (size_t)tp, Ht = H / (size_t)tp;
     if (model_layer_is_moe(c, l)) {
         size_t He = (size_t)model_moe_expert_dim(c), Hs = He * (size_t)c->moe_shared_experts, X = (size_t)c->moe_experts;
-        return 2 * E + 4 * E * E + X * E + 3 * Hs * E + X * 3 * He * E;
+        return 2 * E + 4 * E * E + X * E + 3 * Hs * E + X / (size_t)ep * 3 * He * E;
     }
     return 2 * E + 3 * Et * E + E * Et + 2 * Ht * E + E * Ht;
 }
-static size_t layer_param_count(const ModelConfig *c, int l) { return layer_param_count_tp(c, l, 1); }
+static size_t layer_param_count(const ModelConfig *c, int l) { return layer_param_count_split(c, l, 1, 1); }
 
 size_t model_param_count(const ModelConfig *c) {
     size_t VE = (size_t)c->vocab_size * c->embed_dim, n = VE + c->embed_dim + (c->tie_embeddings ? 0 : VE);
@@ -62,6 +62,17 @@ size_t model_moe_max_rows(const ModelConfig *c, int N) {
     size_t all = (size_t)N * c->moe_top_k;
     int cap = model_moe_capacity(c, N);
     return cap > 0 && (size_t)cap * c->moe_experts < all ? (size_t)cap * c->moe_experts : all;
+}
+
+size_t model_moe_expert_rows(const ModelConfig *c, int N, int ep) {
+    if (ep <= 1) return model_moe_max_rows(c, N);
+    /* each of the ep ranks sends at most min(k, Xl) choices a token (a token's k are distinct
+     * experts), and at most each expert's capacity of them */
+    size_t Xl = (size_t)(c->moe_experts / ep), k = (size_t)c->moe_top_k < Xl ? (size_t)c->moe_top_k : Xl;
+    size_t all = (size_t)N * k;
+    int cap = model_moe_capacity(c, N);
+    if (cap > 0 && (size_t)cap * Xl < all) all = (size_t)cap * Xl;
+    return (size_t)ep * all;
 }
 
 int model_n_tensors(const ModelConfig *c) {
@@ -113,6 +124,11 @@ void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, i
 
 void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
                           int tp_size, int tp_rank) {
+    model_init_layout_ep(m, c, pad_multiple, alloc, s, n_stages, tp_size, tp_rank, 1, 0);
+}
+
+void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
+                          int tp_size, int tp_rank, int ep_size, int ep_rank) {
     memset(m, 0, sizeof *m);
     m->c = *c;
     m->E = c->embed_dim; m->NH = c->n_heads; m->HD = c->embed_dim / c->n_heads;
@@ -120,6 +136,9 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
     char err[256];
     if (tp_rank < 0 || tp_rank >= tp_size || model_tp_check(c, tp_size, err, sizeof err))
         die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d: %s", tp_rank, tp_size, err);
+    if (ep_rank < 0 || ep_rank >= ep_size || (ep_size > 1 && (c->moe_experts % ep_size || tp_size > 1)))
+        die(EXIT_RUN_FAILURE, "internal: expert-parallel rank %d of %d for %d experts", ep_rank, ep_size, c->moe_experts);
+    m->ep_size = ep_size; m->ep_rank = ep_rank;
     m->tp_size = tp_size; m->tp_rank = tp_rank;
     m->NHt = m->NH / tp_size; m->Ht = m->H / tp_size;
     m->Vt = tp_size == 1 ? m->V : model_vocab_padded(m->V) / tp_size;
@@ -135,6 +154,7 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
     ly->down = ly->gate_up + 2 * Ht * E;
     if (c->moe_experts > 0) {  /* (tp_size 1: model_tp_check) */
         m->X = c->moe_experts, m->K = c->moe_top_k, m->He = model_moe_expert_dim(c);
+        m->Xl = m->X / ep_size, m->x0 = ep_rank * m->Xl;
         m->Hs = m->He * c->moe_shared_experts;
         m->n_moe = model_moe_layers_before(c, m->L);
         m->moe.dp = 1;  /* (one rank until expert_parallel_attach) */
@@ -164,7 +184,7 @@ void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int 
         packed += n;
         m->n_params += n;
         /* this rank's slices, and its vocabulary rows */
-        n = u == 0 ? Vr * E : u <= m->L ? layer_param_count_tp(c, u - 1, tp_size) : E + (c->tie_embeddings ? 0 : Vr * E);
+        n = u == 0 ? Vr * E : u <= m->L ? layer_param_count_split(c, u - 1, tp_size, ep_size) : E + (c->tie_embeddings ? 0 : Vr * E);
         if (!stage_holds(c, s, n_stages, u)) n = 0;  /* another pipeline stage's unit: no storage here */
         /* Padding also keeps every unit 64-byte aligned. */
         m->units[u] = (Unit){off, n, round_up(n, pad)};
@@ -221,11 +241,11 @@ static int moe_ffn_tensors(const Model *m, int l, size_t b, TensorInfo *out, int
         T(ly->gate_up + (size_t)Hs * E, Hs, E, "blocks.%d.ffn.shared.up_proj.weight", l);
         T(ly->down, E, Hs, "blocks.%d.ffn.shared.down_proj.weight", l);
     }
-    for (int e = 0; e < m->X; e++) {
+    for (int e = 0; e < m->Xl; e++) {  /* this rank's experts, named by their place among all */
         size_t x = ly->experts + (size_t)e * ly->expert_n;
-        T(x, He, E, "blocks.%d.ffn.experts.%d.gate_proj.weight", l, e);
-        T(x + (size_t)He * E, He, E, "blocks.%d.ffn.experts.%d.up_proj.weight", l, e);
-        T(x + 2 * (size_t)He * E, E, He, "blocks.%d.ffn.experts.%d.down_proj.weight", l, e);
+        T(x, He, E, "blocks.%d.ffn.experts.%d.gate_proj.weight", l, m->x0 + e);
+        T(x + (size_t)He * E, He, E, "blocks.%d.ffn.experts.%d.up_proj.weight", l, m->x0 + e);
+        T(x + 2 * (size_t)He * E, E, He, "blocks.%d.ffn.experts.%d.down_proj.weight", l, m->x0 + e);
     }
 #undef T
     return n;
@@ -329,6 +349,20 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
         if (n >= max) die(EXIT_RUN_FAILURE, "internal: model_tp_runs: max %d", max); \
         out[n++] = (TpRun){(l), (g), (len), (rep)};                            \
     } while (0)
+    if (m->tp_size == 1 && m->ep_size > 1) {
+        /* everything but a MoE layer's experts is every ep rank's alike; its experts are the
+         * rank's piece of the whole layer's */
+        int l = layer_of_unit(u);
+        if (!unit_is_layer(m, u) || !model_layer_is_moe(&m->c, l)) {
+            RUN(0, 0, un->n, 1);
+            return n;
+        }
+        const LayerLayout *ly = &m->moe_layer;
+        size_t each = (size_t)m->Xl * ly->expert_n;
+        RUN(0, 0, ly->experts, 1);
+        RUN(ly->experts, ly->experts + (size_t)m->x0 * ly->expert_n, each, 0);
+        return n;
+    }
     if (m->tp_size == 1) {
         RUN(0, 0, un->n, !unit_is_layer(m, u));  /* a whole layer: nothing of it is another rank's */
         return n;
@@ -359,7 +393,7 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
 }
 
 void model_init_range(const Model *m, int u, size_t lo, size_t hi, float *buf, uint64_t seed) {
-    if (m->tp_size > 1) {
+    if (m->tp_size > 1 || m->ep_size > 1) {
         init_range_tp(m, u, lo, hi, buf, seed);
         return;
     }

@@ -45,6 +45,10 @@ static inline int model_moe_expert_dim(const ModelConfig *c) {
  * expert's capacity). */
 int model_moe_capacity(const ModelConfig *c, int N);
 size_t model_moe_max_rows(const ModelConfig *c, int N);
+/* The most rows one rank's experts take under expert parallel over ep ranks, each sending
+ * it its N tokens' choices of the rank's moe_experts / ep experts (model_moe_max_rows at
+ * ep = 1). */
+size_t model_moe_expert_rows(const ModelConfig *c, int N, int ep);
 /* Fixed by the model's definition (DESIGN.md), not by keys; export writes them out. */
 #define MODEL_RMS_EPS 1e-5f
 #define MODEL_ROPE_BASE 10000.0f
@@ -116,8 +120,10 @@ typedef struct {
 
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
  * unit's start) and in the whole model's unit (global, the single-process layout): a
- * tensor-parallel rank's slices are strided pieces of the whole. replicated: every
- * tensor-parallel rank holds the same values (norm weights, the embedding and the head). */
+ * tensor-parallel rank's slices are strided pieces of the whole, an expert-parallel rank's
+ * experts one piece. replicated: every rank of the split (the tensor-parallel group; under
+ * expert parallel the ep group) holds the same values (tensor parallel: norm weights, the
+ * embedding and the head; expert parallel: everything but the experts). */
 typedef struct { size_t local, global, n; int replicated; } TpRun;
 /* The part of run r within local elements [lo, hi): [*a, *b), and whether it is not empty. */
 static inline int tp_run_clip(const TpRun *r, size_t lo, size_t hi, size_t *a, size_t *b) {
@@ -135,6 +141,12 @@ typedef struct {
     void *ctx;
     void (*allreduce)(void *ctx, float *buf, size_t n);
     int dp;  /* (1 for a MoE model until attached) */
+    /* Expert parallel (the model's ep_size > 1): an all-to-all over the ep group, blocking,
+     * with the ops' buffers (host memory: CPU ranks). Block j of send (send_bytes[j] bytes,
+     * blocks back to back in rank order) goes to rank j, and rank j's block for this rank
+     * arrives as block j of recv (recv_bytes[j]). Every rank of the group calls it together. */
+    void (*exchange)(void *ctx, const void *send, const size_t *send_bytes, void *recv, const size_t *recv_bytes,
+                     const char *what);
 } ModelMoe;
 
 typedef struct {
@@ -167,6 +179,10 @@ typedef struct {
      * floats (op_moe_accumulate's), on the backend; moe_bias: the experts' selection biases,
      * X per MoE layer (the aux-loss-free balancing; NULL: none), on the backend. */
     int X, He, K, Hs, n_moe;
+    /* Expert parallel: this rank is ep_rank of ep_size ranks that share out the experts; its
+     * MoE layers hold experts [x0, x0 + Xl) (Xl = X / ep_size, x0 = ep_rank Xl), everything else
+     * whole, like every rank of its group. ep_size = 1: every expert. */
+    int ep_size, ep_rank, Xl, x0;
     LayerLayout moe_layer;
     ModelMoe moe;
     float moe_aux, moe_z, moe_bias_rate;
@@ -269,6 +285,12 @@ void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, i
  * (replicated). The tensor-parallel collectives are set afterwards in m->tp. */
 void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
                           int tp_size, int tp_rank);
+/* The same for expert-parallel rank ep_rank of ep_size too (which divides moe_experts; tp_size
+ * 1 with a MoE model): each MoE layer unit holds the rank's experts (Model's x0, Xl) after
+ * its other tensors, which every rank of the ep group holds alike (replicated runs of
+ * model_tp_runs). */
+void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
+                          int tp_size, int tp_rank, int ep_size, int ep_rank);
 /* Unit u's elements as runs (TpRun) in local order, covering [0, units[u].n); returns the
  * count (at most model_tp_max_runs), 0 for a unit this layout does not hold. */
 int model_tp_runs(const Model *m, int u, TpRun *out, int max);
@@ -346,7 +368,7 @@ typedef struct {
     int *moe_idx, *moe_pos, *moe_rowtok, *moe_cnt, *moe_hcnt;
     void *moe_gu, *sgu, *shsw;
     void *moe_xa, *moe_xb, *moe_h1, *moe_h2, *moe_dgu;
-    float *moe_dlogits, *moe_dgate;
+    float *moe_dlogits, *moe_dgate, *moe_rgate;
     float grad_scale;
     size_t bytes;
     void (*buf_free)(void *p);  /* frees the buffers where ModelTp's alloc made some (NULL: op_free) */
@@ -375,8 +397,10 @@ size_t acts_bytes_stage(const ModelConfig *c, const Stage *s, int B, int T, int 
                         size_t *logit_bytes);
 /* ... on a tensor-parallel rank of tp ranks (the layers' head and FFN activations and the
  * logits shrink; with sp, sequence parallel, the residual stream and the norms too). */
+/* ep: expert parallel's ranks (a MoE layer's experts take the rows every rank of the ep
+ * group sends them: model_moe_expert_rows). */
 size_t acts_bytes_tp(const ModelConfig *c, const Stage *s, int B, int T, int training, size_t act_size,
-                     size_t *logit_bytes, int tp, int sp);
+                     size_t *logit_bytes, int tp, int sp, int ep);
 void acts_alloc_stage(Acts *a, const Model *m, const Stage *s, int B, int T, int training);
 /* What the buffers ModelTp's alloc gives take beyond the plan's bytes (acts_bytes_tp), summed,
  * where a buffer of b bytes takes extra(b) more (tensor.c's mapped buffers: whole pages). */

@@ -13,6 +13,10 @@
  * everything else in layer slot `slot`. A MoE layer's FFN (layer_moe.c): gu and hsw are its
  * shared experts' (NULL without), and the routing's, the experts' and the statistics'
  * buffers (Acts' moe_*) are in MoeActs. */
+/* A MoE layer's dispatch counts on the host (hcnt), per layer: op_moe_dispatch's 3X + 1,
+ * then under expert parallel the rows each rank of the ep group sends each of this rank's
+ * experts (X: Xl a rank, in rank order). */
+#define MOE_HCNT(X) (4 * (size_t)(X) + 1)
 typedef struct {
     float *logits, *probs, *gate, *lse, *grow, *stats;
     int *idx, *pos, *rowtok, *cnt, *hcnt;

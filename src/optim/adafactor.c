@@ -34,12 +34,15 @@ static int tensor_pieces(const Model *m, AfTensor *t, const TensorInfo *li, cons
     size_t l0 = t->offset, ln = (size_t)li->rows * li->cols;
     int n = 0, whole = li->rows == gi->rows && li->cols == gi->cols;
     if (m->tp_size == 1 || whole) {
-        for (int i = 0; i < nr && m->tp_size > 1; i++) {
+        int repl = 0;  /* (expert parallel: every tensor is whole; the experts' are the rank's own) */
+        for (int i = 0; i < nr && (m->tp_size > 1 || m->ep_size > 1); i++) {
             size_t a, b;
-            if (tp_run_clip(&runs[i], l0, l0 + ln, &a, &b) && !runs[i].replicated)
+            if (!tp_run_clip(&runs[i], l0, l0 + ln, &a, &b)) continue;
+            if (!runs[i].replicated && m->tp_size > 1)
                 die(EXIT_RUN_FAILURE, "internal: adafactor: %s is whole but not replicated", li->name);
+            repl = runs[i].replicated;
         }
-        t->replicated = m->tp_size > 1;
+        t->replicated = m->tp_size > 1 || repl;
         out[0] = (AfPiece){l0, ln, 0, 0, li->rows, li->cols};
         return 1;
     }
@@ -74,14 +77,23 @@ void af_plan_init(AfPlan *p, const Model *m, int D, int r) {
     Model whole = {0};
     model_init_layout(&whole, &m->c, 1, 0);
     int gn = layout_tensors(&whole, &gti);
-    if (gn != n) die(EXIT_RUN_FAILURE, "internal: adafactor: %d tensors in this layout, %d in the model", n, gn);
+    /* the whole model's tensor of each of this layout's, by name (an expert-parallel rank
+     * holds some of the experts; the tensors are listed in the same order) */
+    TensorInfo *match = xcalloc((size_t)n + 1, sizeof *match);
+    for (int i = 0, j = 0; i < n; i++, j++) {
+        while (j < gn && strcmp(gti[j].name, ti[i].name)) j++;
+        if (j == gn) die(EXIT_RUN_FAILURE, "internal: adafactor: %s is not a tensor of the model", ti[i].name);
+        match[i] = gti[j];
+    }
+    free(gti);
+    gti = match;
     int max_runs = model_tp_max_runs(m), nr = 0, run_unit = -1;
     TpRun *runs = xcalloc((size_t)max_runs + 1, sizeof *runs);
     AfPiece *pieces = xcalloc((size_t)max_runs + 1, sizeof *pieces);
     *p = (AfPlan){0};
     p->n_units = m->n_units;
     p->t = xcalloc((size_t)n + 1, sizeof *p->t);
-    p->tp_rank = m->tp_size > 1 ? m->tp_rank : 0;
+    p->tp_rank = m->tp_size > 1 ? m->tp_rank : 0;  /* (expert parallel sums no statistics over its ep group) */
     int n_pieces = 0, cap = 0;
     AfPiece *all = NULL;
     int *all_tensor = NULL;

@@ -182,6 +182,32 @@ void comm_p2p_wait(CommP2P *r) {
     if (r->c && r->c->impl && (r->q || r->ev)) be(r->c)->p2p_wait(r);
 }
 
+enum { COMM_ALLTOALL_TAG = 31001 };  /* above the rings' tags (1..30000, comm_mpi.c) */
+
+void comm_alltoallv(const Comm *c, const void *send, const size_t *send_bytes, void *recv, const size_t *recv_bytes,
+                    const char *what) {
+    int n = c->size, me = c->rank;
+    size_t so = 0, ro = 0, self_so = 0, self_ro = 0;
+    CommP2P *q = xcalloc(2 * (size_t)n, sizeof *q);
+    /* every receive posted before any send: no pair waits on the other's order */
+    for (int j = 0; j < n; j++) {
+        if (j == me) self_ro = ro;
+        else if (recv_bytes[j]) comm_irecv(c, (char *)recv + ro, recv_bytes[j], j, COMM_ALLTOALL_TAG, &q[j], what);
+        ro += recv_bytes[j];
+    }
+    for (int j = 0; j < n; j++) {
+        if (j == me) self_so = so;
+        else if (send_bytes[j]) comm_isend(c, (const char *)send + so, send_bytes[j], j, COMM_ALLTOALL_TAG, &q[n + j], what);
+        so += send_bytes[j];
+    }
+    if (send_bytes[me] != recv_bytes[me])
+        die(EXIT_RUN_FAILURE, "internal: %s: rank %d sends itself %zu bytes but expects %zu", what, me, send_bytes[me],
+            recv_bytes[me]);
+    if (send_bytes[me]) memcpy((char *)recv + self_ro, (const char *)send + self_so, send_bytes[me]);
+    for (int j = 0; j < 2 * n; j++) comm_p2p_wait(&q[j]);
+    free(q);
+}
+
 /* Between polls: spin a while, then sleep 20 us a round so as not to starve the other
  * ranks' cores. */
 static void backoff(long spins) {

@@ -144,6 +144,13 @@ typedef struct { void *q; const Comm *c; const char *what; void *ev; } CommP2P;
 void comm_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_irecv(const Comm *c, void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what);
 void comm_p2p_wait(CommP2P *r);
+/* All-to-all over c (host memory: CPU ranks), blocking within comm_timeout: rank i's block
+ * for rank j is send_bytes[j] bytes of send (blocks back to back in rank order) and arrives
+ * as block i of recv (recv_bytes[i] bytes, in rank order). Both sides know the sizes (a
+ * fixed size, or counts exchanged first), and a zero-byte block sends nothing. Every rank
+ * of c calls it together, in the same order as its other collectives on c. */
+void comm_alltoallv(const Comm *c, const void *send, const size_t *send_bytes, void *recv, const size_t *recv_bytes,
+                    const char *what);
 /* Collective over c, before its first send or receive: on a device=cuda run makes c's NCCL
  * communicator now, while every rank is here (a group is best used for one direction of
  * traffic: a stage's sends wait in its stream for the peer's receive). max_bytes: the largest

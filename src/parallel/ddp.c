@@ -187,8 +187,9 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     /* Sequence parallel: nothing is updated, nor its norm taken, before the norms' gradients
      * are summed over tp; the side update (after that sum) still overlaps the next forward,
      * but the first part may not run ahead of it. */
-    if (m->sp && !side) split = n;
-    if (split < n && !m->sp) {
+    int later = par_sums_replicated(p);
+    if (later && !side) split = n;
+    if (split < n && !later) {
         sumsq = op_sumsq(st_at(p->grads, split), n - split);
         if (!side) update(p, split, n, 1.0f);
     }
@@ -197,7 +198,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     finish_erows(p, d);
     par_tp_sum_partial(p, 0);  /* (where the placement copied those units out: again) */
     trace_mark(NULL, "norms' gradients summed");
-    sumsq = m->sp ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
+    sumsq = later ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     trace_mark(NULL, "gradient norm on the host");
     float scale = clip_scale(oc, norm);

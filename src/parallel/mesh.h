@@ -1,7 +1,10 @@
 /* mesh — the device mesh: world = pp x dp x tp, ranks ordered with tp fastest, then dp,
  * then pp. Each rank gets its sub-groups. Hybrid sharding splits dp further into shard
  * groups of shard_group_size consecutive dp ranks (one node) and replicate groups across
- * them. One object; nothing else keeps multi-process state. */
+ * them. Expert parallel splits dp into ep groups of ep_size consecutive dp ranks, which
+ * share out a mixture of experts' experts and exchange tokens, and edp groups across them
+ * (the ranks holding the same experts, dp / ep_size of them: dp_rank = edp_rank x ep_size +
+ * ep_rank). One object; nothing else keeps multi-process state. */
 #ifndef MESHTRAIN_MESH_H
 #define MESHTRAIN_MESH_H
 #include "comm.h"
@@ -9,13 +12,14 @@
 typedef struct {
     Comm world, dp, tp, pp;
     Comm shard, replicate;   /* within dp: shard = whole dp unless hybrid */
+    Comm ep, edp;            /* within dp: expert parallel's groups (ep of one rank, edp = dp, without) */
     int rank, size;          /* in the world */
-    int dp_size, tp_size, pp_size, shard_size;
-    int dp_rank, tp_rank, pp_rank, shard_rank, replicate_rank;
+    int dp_size, tp_size, pp_size, shard_size, ep_size, edp_size;
+    int dp_rank, tp_rank, pp_rank, shard_rank, replicate_rank, ep_rank, edp_rank;
 } Mesh;
 
-/* world must be initialised; tp * pp must divide its size and shard_group_size (0 = all of
- * dp) must divide dp. Returns -1 with err on an impossible layout. */
-int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, char *err, size_t errlen);
+/* world must be initialised; tp * pp must divide its size, and shard_group_size (0 = all of
+ * dp) and ep must divide dp. Returns -1 with err on an impossible layout. */
+int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen);
 void mesh_free(Mesh *m);
 #endif

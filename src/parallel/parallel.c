@@ -43,7 +43,9 @@ Parallel *parallel_create(ParallelKind kind, Model *m, Mesh *mesh, int overlap, 
     p->m = m;
     p->mesh = mesh;
     p->overlap = overlap;
-    p->group = s->replicated ? &mesh->shard : &mesh->dp;
+    /* under expert parallel a unit is sharded (or replicated) over the ranks holding the same
+     * experts; what the ep group holds alike is summed over it at the step (par_tp_sum_partial) */
+    p->group = s->replicated ? &mesh->shard : mesh->ep_size > 1 ? &mesh->edp : &mesh->dp;
     p->replicas = s->replicated ? &mesh->replicate : NULL;
     p->D = p->group->size;
     p->r = p->group->rank;
@@ -408,10 +410,22 @@ void *par_state_at(const Parallel *p, int k, size_t at) {
     return a ? st_at(a, at) : NULL;
 }
 
+/* The group whose ranks hold the replicated runs (model_tp_runs) alike: tensor parallel's, or
+ * expert parallel's ep group (a MoE model has no tensor parallel); NULL: neither. */
+static const Comm *split_group(const Parallel *p) {
+    const Mesh *mesh = p->mesh;
+    return !mesh ? NULL : mesh->tp_size > 1 ? &mesh->tp : mesh->ep_size > 1 ? &mesh->ep : NULL;
+}
+
+int par_sums_replicated(const Parallel *p) {
+    return p->mesh && ((p->mesh->tp_size > 1 && p->m->sp) || p->mesh->ep_size > 1);
+}
+
 /* Tensor parallel: the gradients every tp rank holds alike (the embedding, the head, the
  * norms) are counted by tp rank 0 alone, the slices by each; the sum over the tp group is
- * then the whole model's. sharded: this rank's gradient is its shard of each unit (gshard),
- * else the whole units (grads). */
+ * then the whole model's. Expert parallel the same over the ep group: its ranks hold
+ * everything but their experts alike. sharded: this rank's gradient is its shard of each
+ * unit (gshard), else the whole units (grads). */
 static size_t pack_replicated(Parallel *p, int sharded, int how);
 /* p->tp_pack, large enough for the replicated runs (sharded or not); their count */
 static size_t tp_pack_ready(Parallel *p, int sharded) {
@@ -427,9 +441,11 @@ static size_t tp_pack_ready(Parallel *p, int sharded) {
 /* A tp rank other than 0 leaves the replicated runs out of its part of the norm, so that the
  * sum over tp counts them once: packed and summed in one op_sumsq (one wait for the device;
  * one a run was 2L + 1 of them, the step's tail waiting for each). */
+static double repl_sumsq(Parallel *p, int sharded);
 static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
-    const Mesh *mesh = p->mesh;
-    if (!mesh || mesh->tp_size < 2 || mesh->tp_rank == 0) return sumsq;
+    const Comm *g = split_group(p);
+    if (!g || g->rank == 0) return sumsq;
+    if (p->mesh->ep_size > 1) return sumsq - repl_sumsq(p, sharded);
     size_t n = tp_pack_ready(p, sharded);
     if (!n) return sumsq;
     if (p->tp_pack_summed != sharded + 1) pack_replicated(p, sharded, 1);  /* (else there already, summed) */
@@ -458,6 +474,43 @@ static void find_replicated(Parallel *p, int sharded) {
     p->tp_nrepl[sharded] = k, p->tp_repl_elems[sharded] = elems, p->tp_repl_ready[sharded] = 1;
 }
 
+/* Unit u's gradient at element `at` of what the rank holds of it (its shard when sharded). */
+static void *repl_grad(Parallel *p, int sharded, int u, size_t at) {
+    return sharded ? st_at(p->gshard, shard_off(p, u) + at) : st_at(p->grads, p->m->units[u].offset + at);
+}
+
+/* Expert parallel: the replicated runs are whole stretches of the units (a run or two a
+ * unit), taken where they are rather than packed. Their sum of squares: */
+static double repl_sumsq(Parallel *p, int sharded) {
+    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
+    double s = 0;
+    for (int i = 0; i < p->tp_nrepl[sharded]; i++) {
+        const ReplRun *r = &p->tp_repl[sharded][i];
+        s += op_sumsq(repl_grad(p, sharded, r->unit, r->at), r->n);
+    }
+    return s;
+}
+
+/* ... and their sum over the ep group, in place (each rank's gradient was scaled by 1 /
+ * ep_size: the sum is the mean over the data-parallel ranks). */
+static void ep_sum_replicated(Parallel *p, int sharded) {
+    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
+    int n = p->tp_nrepl[sharded];
+    CommReq *q = xcalloc((size_t)(n ? n : 1), sizeof *q);
+    for (int i = 0; i < n; i++) {
+        const ReplRun *r = &p->tp_repl[sharded][i];
+        comm_iallreduce(&p->mesh->ep, repl_grad(p, sharded, r->unit, r->at), r->n, par_ctype(), COMM_SUM, &q[i],
+                        "expert-parallel all-reduce (the gradients the ep group shares)");
+        if (!p->overlap) par_wait(p, &q[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        par_wait(p, &q[i]);
+        if (i + 1 == n || p->tp_repl[sharded][i + 1].unit != p->tp_repl[sharded][i].unit)
+            par_grad_changed(p, p->tp_repl[sharded][i].unit);
+    }
+    free(q);
+}
+
 /* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
  * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
  * tells the optimizer's placement those units changed). */
@@ -467,7 +520,7 @@ static size_t pack_replicated(Parallel *p, int sharded, int how) {
     for (int i = 0; how && i < p->tp_nrepl[sharded]; i++) {
         int u = p->tp_repl[sharded][i].unit;
         size_t at = p->tp_repl[sharded][i].at, n = p->tp_repl[sharded][i].n;
-        void *g = sharded ? st_at(p->gshard, shard_off(p, u) + at) : st_at(p->grads, p->m->units[u].offset + at);
+        void *g = repl_grad(p, sharded, u, at);
         if (how == 1) op_copy(st_at(p->tp_pack, off), g, n * es);
         if (how == 2) {
             op_copy(g, st_at(p->tp_pack, off), n * es);
@@ -483,7 +536,11 @@ static size_t pack_replicated(Parallel *p, int sharded, int how) {
  * 2L + 1 small collectives, each waited for). */
 void par_tp_sum_partial(Parallel *p, int sharded) {
     const Mesh *mesh = p->mesh;
-    if (!mesh || mesh->tp_size < 2 || !p->m->sp) return;
+    if (!par_sums_replicated(p)) return;
+    if (mesh->ep_size > 1) {
+        ep_sum_replicated(p, sharded);
+        return;
+    }
     size_t n = tp_pack_ready(p, sharded);
     if (!n) return;
     pack_replicated(p, sharded, 1);
@@ -499,9 +556,10 @@ double par_stages_sumsq(Parallel *p, double sumsq) {
     const Unit *e = &p->m->units[UNIT_EMBEDDING];
     /* the tied copy, before the tp sum: each tp rank's copy is its own vocabulary rows */
     if (piped && !p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
-    if (p->mesh && p->mesh->tp_size > 1) {
+    const Comm *split = split_group(p);
+    if (split) {
         sumsq = tp_sumsq(p, sumsq, 0);
-        comm_allreduce_double(&p->mesh->tp, &sumsq, 1);
+        comm_allreduce_double(split, &sumsq, 1);
         if (sumsq < 0) sumsq = 0;  /* rounding */
     }
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
@@ -516,7 +574,8 @@ double par_shard_norm(Parallel *p) {
         sumsq -= op_sumsq(st_at(p->gshard, shard_off(p, UNIT_EMBEDDING)), shard_len(p, UNIT_EMBEDDING));
     sumsq = tp_sumsq(p, sumsq, 1);
     comm_allreduce_double(p->group, &sumsq, 1);
-    if (p->mesh && p->mesh->tp_size > 1) comm_allreduce_double(&p->mesh->tp, &sumsq, 1);
+    const Comm *split = split_group(p);
+    if (split) comm_allreduce_double(split, &sumsq, 1);
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
     return sqrt(sumsq > 0 ? sumsq : 0);
 }

@@ -220,10 +220,14 @@ void *par_state_at(const Parallel *p, int k, size_t at);
 double par_stages_sumsq(Parallel *p, double sumsq);
 /* Sequence parallel (model's sp): the gradients every tp rank holds alike (the norms'
  * weights) are each rank's part, from its rows of the sequence, until this sums them over
- * the tp group: once a step, where the gradient is complete (reduced over dp) and before
+ * the tp group; expert parallel (mesh's ep_size > 1): everything but the experts is each ep
+ * rank's part, from its own tokens, until this sums it over the ep group: once a step, where the gradient is complete (reduced over dp) and before
  * its norm or any update. sharded: this rank's gradient is its shard of each unit (gshard;
  * par_shard_norm calls it), else the whole units (grads, DDP). */
 void par_tp_sum_partial(Parallel *p, int sharded);
+/* Whether par_tp_sum_partial sums anything (sequence parallel; expert parallel, whose ep group
+ * sums everything but the experts): no update, nor its norm, may run before it. */
+int par_sums_replicated(const Parallel *p);
 /* The global norm of the gradient shards (gshard) over the group. */
 double par_shard_norm(Parallel *p);
 

@@ -144,6 +144,9 @@ static const Key KEYS[] = {
       "with tensor_parallel_size > 1: how its sums and gathers travel: collectives (NCCL's or MPI's), or fused "
       "into the matrix products (one machine's GPUs: copy engines and CUDA IPC; CPU ranks: MPI messages); auto = "
       "fused on GPUs at tensor_parallel_size 2 and 4, else collectives"),
+    I(expert_parallel_size, "1", 1, 4096, MODEL_CMDS,
+      "MoE: data-parallel ranks that share out each MoE layer's experts (moe_experts / this each), tokens exchanged by "
+      "all-to-all; must divide moe_experts and the data-parallel size"),
     I(pipeline_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
@@ -360,6 +363,20 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             for (size_t i = 0; i < sizeof moe_keys / sizeof moe_keys[0]; i++)
                 if (config_was_set(moe_keys[i]))
                     return set_err(err, errlen, "%s applies to a mixture of experts: give moe_experts= too", moe_keys[i]);
+        }
+        int ep = c->expert_parallel_size;
+        if (ep > 1) {
+            if (!c->moe_experts && !c->resume[0])  /* (a resume's model is its checkpoint's: checked again then) */
+                return set_err(err, errlen, "expert_parallel_size=%d applies to a mixture of experts: give moe_experts= "
+                               "too", ep);
+            if (c->moe_experts % ep)
+                return set_err(err, errlen, "expert_parallel_size=%d does not divide moe_experts=%d", ep, c->moe_experts);
+            if (strcmp(c->device, "cpu"))
+                return set_err(err, errlen, "expert_parallel_size=%d: expert parallel runs on CPU ranks (device=cpu) "
+                               "for now; on GPUs use data or pipeline parallel", ep);
+            if (c->fsdp && !strcmp(c->shard_strategy, "hybrid"))
+                return set_err(err, errlen, "expert_parallel_size=%d does not combine with shard_strategy=hybrid; use "
+                               "full, grad_op or no", ep);
         }
         if (c->moe_experts && c->pipeline_parallel_size > 1 && !strcmp(c->pipeline_schedule, "zb1"))
             return set_err(err, errlen, "pipeline_schedule=zb1 does not take MoE layers yet (their backward is not split "

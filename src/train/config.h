@@ -34,6 +34,7 @@ typedef struct {
     /* parallelism */
     int activation_checkpointing;
     int fsdp, zero_opt, shard_group_size, tensor_parallel_size, sequence_parallel, pipeline_parallel_size, overlap,
+        expert_parallel_size,
         world_size;
     int copy_engines;
     char shard_strategy[16];

@@ -76,12 +76,13 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->prec = prec;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
-    model_init_layout_tp(&m, c, shard_size, 0, NULL, 0, tp, 0);
+    int ep = in->ep > 1 ? in->ep : 1, group = shard_size >= ep ? shard_size / ep : 1;  /* the ranks a unit is sharded over */
+    model_init_layout_ep(&m, c, shard_size, 0, NULL, 0, tp, 0, ep, 0);
     e->n_params = m.n_params;
     size_t held = 0;  /* the parameters a tensor-parallel rank holds */
     for (int u = 0; u < m.n_units; u++) held += m.units[u].n;
     e->flops_per_token = model_flops_per_token(c, T);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
+    ParallelBytes pb = parallel_bytes(kind, &m, group, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
@@ -91,7 +92,7 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->lean = training && parallel_offload_lean(kind, oc);
     size_t logit_bytes;
     Stage whole = {UNIT_EMBEDDING, c->n_layers + 1};
-    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp);
+    size_t acts = acts_bytes_tp(c, &whole, B, T, training, act_size, &logit_bytes, tp, sp, ep);
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : in->data_bytes;
@@ -136,8 +137,9 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     int gpu = in->gpu, fused = gpu && tp > 1 && in->tp_fused;
     size_t act_size = ops_act_size_of(prec), state_size = ops_state_size_of(prec);
     Model m;
-    model_init_layout_tp(&m, c, shard_size, 0, s, sched->chunks, tp, 0);
-    ParallelBytes pb = parallel_bytes(kind, &m, shard_size, state_size, prec == OPS_MIXED ? 2 : 0, oc);
+    int ep = in->ep > 1 ? in->ep : 1;
+    model_init_layout_ep(&m, c, shard_size, 0, s, sched->chunks, tp, 0, ep, 0);
+    ParallelBytes pb = parallel_bytes(kind, &m, shard_size >= ep ? shard_size / ep : 1, state_size, prec == OPS_MIXED ? 2 : 0, oc);
     e->params = training ? pb.params : m.n_flat * state_size;
     e->grads = training ? pb.grads : 0;
     e->optim = training ? pb.optim : 0;
@@ -151,7 +153,7 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     int mapped = fused && training;
     size_t pages = 0;
     for (int k = 0; k < sched->chunks; k++) {
-        size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp);
+        size_t logit_bytes, acts = acts_bytes_tp(c, &s[k], B_micro, T, training, act_size, &logit_bytes, tp, sp, ep);
         size_t n = (size_t)(sched->in_flight[k] > 0 ? sched->in_flight[k] : 1);
         e->logits += logit_bytes * n;
         e->acts += (acts - logit_bytes) * n;
@@ -208,8 +210,12 @@ void estimate_print(const EstimateInput *in, int dp, const MemEstimate *e) {
     static const char *pnames[] = {"fp32", "mixed: bf16 compute, fp32 master weights",
                                    "bf16: bf16 weights, gradients and optimizer"};
     /* the strategy's group is the data-parallel one; tensor and pipeline parallel split the rest */
-    char of[64] = "";
+    char of[96] = "";
     if (dp != world) snprintf(of, sizeof of, " of the %d in all", world);
+    if (in->ep > 1) {  /* the strategy spans the ranks holding the same experts */
+        size_t l = strlen(of);
+        snprintf(of + l, sizeof of - l, "; expert parallel over %d, so over %d", in->ep, dp / in->ep);
+    }
     printf("memory per %s (%s, %s; %s over %d data-parallel rank%s%s):\n", e->gpu ? "GPU" : "rank", pnames[e->prec],
            e->gpu ? "cuda" : "cpu", parallel_kind_name(kind), dp, dp > 1 ? "s" : "", of);
     char optim[64];

@@ -47,6 +47,10 @@ typedef struct {
     size_t data_bytes;
     ParallelKind kind;
     int world, shard_size, tp, sp, gpu;
+    /* expert parallel: a MoE layer's experts shared out over ep ranks (model_init_layout_ep),
+     * the strategy over the shard_size / ep ranks holding the same experts, and the experts'
+     * rows from the whole ep group (model_moe_expert_rows) */
+    int ep;
     OpsPrecision prec;
     const OptimConfig *oc;
     OpsOptions ops;       /* the keys attention and deterministic: the attention path the cuda backend takes */

@@ -37,6 +37,7 @@ EstimateInput estimate_input_of(const Config *c, int world, int shard_size, cons
     in.world = world;
     in.shard_size = shard_size;
     in.tp = c->tensor_parallel_size;
+    in.ep = c->expert_parallel_size;
     in.sp = c->sequence_parallel;
     in.gpu = !strcmp(c->device, "cuda");
     in.prec = precision_of(c);

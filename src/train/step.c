@@ -231,8 +231,10 @@ static void recv_slot(CommP2P *slots, int i, const Comm *link, void *buf, size_t
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     Model *m = st->m;
     /* each micro-batch's gradient is that of its mean loss / micro: the step's gradient is
-     * that of the mean over all its tokens (every micro-batch has as many) */
-    float scale = 1.0f / (float)st->micro;
+     * that of the mean over all its tokens (every micro-batch has as many). Under expert
+     * parallel also / ep_size: the gradients are averaged over the ranks that hold the same
+     * experts and summed over the ep group (its experts' rows come from all of it). */
+    float scale = 1.0f / (float)st->micro / (float)m->ep_size;
     size_t N = st->acts[0][0].N, act_bytes = msg_bytes(m, &st->acts[0][0]);
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;

@@ -158,6 +158,10 @@ static void print_header(const TrainRun *r) {
            r->mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
     if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
                                    r->dp / r->mesh.shard_size);
+    if (r->mesh.ep_size > 1)
+        printf("expert parallel: %d ranks share out each MoE layer's %d experts (%d each); %s over the %d ranks that "
+               "hold the same experts\n", r->mesh.ep_size, r->mc.moe_experts, r->mc.moe_experts / r->mesh.ep_size,
+               parallel_kind_name(r->kind), r->mesh.edp_size);
     config_print(c, CMD_TRAIN);
     int hooks = 0;
     hooks_each(print_hook, &hooks);
@@ -235,7 +239,7 @@ void train_setup(TrainRun *r, Config *c) {
     if (mesh_init(&r->mesh, &r->world, c->tensor_parallel_size, c->pipeline_parallel_size,
                   c->fsdp && !strcmp(c->shard_strategy, "hybrid")
                       ? (c->shard_group_size ? c->shard_group_size : comm_local_size()) : 0,
-                  err, sizeof err))
+                  c->expert_parallel_size, err, sizeof err))
         fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     comm_exit_if_failed(&r->world, &f);
     r->lead = r->world.rank == 0;
@@ -354,7 +358,8 @@ void train_setup(TrainRun *r, Config *c) {
     if (r->lead) print_header(r);
 
     /* a pipeline stage holds its own units, and the last one a copy of a tied embedding */
-    model_init_layout_tp(&r->m, &r->mc, r->mesh.shard_size, 0, r->mine, r->V, r->mesh.tp_size, r->mesh.tp_rank);
+    model_init_layout_ep(&r->m, &r->mc, r->mesh.shard_size, 0, r->mine, r->V, r->mesh.tp_size, r->mesh.tp_rank,
+                         r->mesh.ep_size, r->mesh.ep_rank);
     /* tensor parallel: each rank holds its slices of every layer */
     tensor_parallel_attach(&r->m, &r->mesh, &(TpOptions){c->sequence_parallel, r->tp_fused_wanted});
     /* mixture of experts: the router's statistics over the data-parallel ranks, the step's

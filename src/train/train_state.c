@@ -13,15 +13,16 @@ static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRang
     int nr = model_tp_max_runs(m);
     TpRun *runs = xmalloc((size_t)nr * sizeof *runs);
     /* packed order is the whole model's, whichever units this rank holds (a pipeline stage);
-     * a tensor-parallel rank's slices are strided pieces of it (model_tp_runs), and what every
-     * tp rank holds alike is saved by tp rank 0 alone */
+     * a tensor-parallel rank's slices are strided pieces of it (model_tp_runs), an
+     * expert-parallel rank's experts one piece, and what every rank of the tp (or ep) group
+     * holds alike is saved by its rank 0 alone */
     for (int i = 0; i < n; i++) {
         if (o[i].hi <= o[i].lo) continue;
         int nu = model_tp_runs(m, o[i].unit, runs, nr);
         for (int j = 0; j < nu; j++) {
             const TpRun *r = &runs[j];
             size_t a = o[i].lo > r->local ? o[i].lo : r->local, b = o[i].hi < r->local + r->n ? o[i].hi : r->local + r->n;
-            if (a >= b || (write && r->replicated && m->tp_rank != 0)) continue;
+            if (a >= b || (write && r->replicated && (m->tp_rank != 0 || m->ep_rank != 0))) continue;
             if (k >= max) die(EXIT_RUN_FAILURE, "internal: more than %d checkpoint ranges", max);
             size_t d = a - o[i].lo;
             out[k++] = (StateRange){m->packed[o[i].unit] + r->global + (a - r->local), b - a,
