@@ -19,7 +19,7 @@ set -euo pipefail
 SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 NETBENCH=$(dirname "$SELF")/netbench.py
 NET=10.213          # clusters take 10.213.S.0/24, S the first subnet in use nowhere on the machine
-LOCK=/run/lock/meshtrain-cluster.lock
+LOCK=$SELF      # flock on the script itself: no lock file to leave behind
 
 die()   { echo "cluster.sh: $*" >&2; exit 1; }
 usage() { echo "cluster.sh: $*" >&2; exit 2; }
@@ -111,7 +111,7 @@ cmd_up() {
   # Whatever stops the setup (an error, ^C, a kill) removes what it made so far.
   trap "cmd_down $name" EXIT   # (a checked name: no quoting needed)
   trap 'exit 130' INT; trap 'exit 143' TERM
-  exec 9>"$LOCK"; flock -w 30 9 || die "another cluster.sh up holds $LOCK"
+  exec 9<"$LOCK"; flock -w 30 9 || die "another cluster.sh up holds $LOCK"
   local net k ns; net=$(free_subnet)
   ip netns add "$(sw "$name")"
   ip -n "$(sw "$name")" link set lo up
