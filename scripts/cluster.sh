@@ -49,7 +49,7 @@ rate_bits() {
 }
 
 cmd_check() {
-  local ns probe="mt-probe$$-sw" delay
+  local probe="mt-probe$$-sw" delay
   ip -V >/dev/null 2>&1 && tc -V >/dev/null 2>&1 || die "cannot make clusters: ip and tc (iproute2) are not installed"
   [ "$(id -u)" = 0 ] || die "cannot make clusters: network namespaces need root"
   ip netns add "$probe" 2>/dev/null || die "cannot make clusters: 'ip netns add' is not allowed here"
@@ -145,7 +145,9 @@ cmd_up() {
 cmd_down() {
   local name=$1 ns pids i
   check_name "$name"
-  for ns in $(namespaces "$name"); do
+  # h0 first: a signal to mpirun there ends the job on every host in order; killing another
+  # host's daemon first makes mpirun abort noisily
+  for ns in $(namespaces "$name" | sort -V); do
     # a process left inside (a rank, a daemon) keeps the namespace alive after its name goes
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [ -n "$pids" ] && kill -TERM $pids 2>/dev/null || true
@@ -156,8 +158,9 @@ cmd_down() {
     [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
     ip netns delete "$ns" 2>/dev/null || true
   done
-  # Open MPI's session folders, named by the hosts' names (each host has its own, see `run`)
-  rm -rf /tmp/ompi."mt-$name-h"[0-9]*.* 2>/dev/null || true
+  # what Open MPI leaves when its job is killed: session folders and shared memory, named by
+  # the hosts' names (each host has its own, see cmd_exec)
+  rm -rf /tmp/ompi."mt-$name-h"[0-9]*.* /dev/shm/vader_segment."mt-$name-h"[0-9]*.* 2>/dev/null || true
   [ -z "$(namespaces "$name")" ] || die "could not remove: $(namespaces "$name" | tr '\n' ' ')"
 }
 
