@@ -3,7 +3,8 @@
 # of it; 2 ranks, one a host, train as 2 ranks on one host do (losses and parameters), and
 # their gradients cross the shaped link; the cluster's addresses and devices exist only in
 # its namespaces; down removes everything, also with ranks still running and after a crash,
-# and an interrupted up removes what it made; bad input is one line and exit 2.
+# and an interrupted up removes what it made; a second up of a name is refused; bad input
+# is one line and exit 2.
 # Needs root and network namespaces: without them it says so in one line and counts as
 # skipped. It tests scripts, not memory, so the sanitizer build skips it.
 TEST_NAME=cluster
@@ -52,6 +53,9 @@ fi
 [ "$(ip -o link | awk -F': ' '{print $2}' | sort)" = "$links_before" ] &&
   [ "$(ip -o addr | awk '{print $2, $4}' | sort)" = "$addrs_before" ] && ! ip -o addr | grep -q ' 10\.213\.' &&
   ok nothing_in_root_namespace || bad nothing_in_root_namespace
+# a second up of the same name is refused and leaves the first as it was
+expect_exit 1 'exists' up_twice_says_so -- $C up "$N" --no-measure
+[ "$($C info "$N" 2>&1 | grep -c "mt-$N-h")" = 2 ] && ok up_twice_keeps_the_first || bad up_twice_keeps_the_first
 
 # -- 2 ranks on 2 hosts follow 2 ranks on one host; the gradients cross the shaped link
 prepare_data 300000
