@@ -105,6 +105,7 @@ cmd_up() {
   [[ $rate =~ ^[0-9]+(\.[0-9]+)?(bit|kbit|mbit|gbit)$ ]] && [ "$(rate_bits "$rate")" -ge 8000 ] ||
     usage "--rate '$rate': want a number with bit, kbit, mbit or gbit (at least 8kbit), e.g. 100mbit"
   [[ $delay =~ ^(0|[0-9]+(\.[0-9]+)?(us|ms))$ ]] || usage "--delay '$delay': want a number with us or ms, e.g. 0.1ms"
+  [[ $delay =~ ^0+(\.0+)?(us|ms)$ ]] && delay=0   # no delay: no netem needed
   [ "$(id -u)" = 0 ] || die "cannot make clusters: network namespaces need root"
   exists "$name" && die "cluster $name exists; 'cluster.sh down $name' first"
 
