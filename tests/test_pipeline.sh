@@ -14,7 +14,7 @@
 TEST_NAME=pp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
-command -v mpirun >/dev/null || { echo "no mpirun: skipped"; echo "RESULT 0 0"; exit 0; }
+command -v mpirun >/dev/null || skip_all "test_pipeline: no mpirun"
 prepare_data 300000
 
 M0="vocab_size=50257 embed_dim=32 n_heads=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D"
