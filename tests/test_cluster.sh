@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The emulated cluster (scripts/cluster.sh): two hosts on a 100 Mbit/s link measure 50-110%
 # of it; 2 ranks, one a host, train as 2 ranks on one host do (losses and parameters), and
-# their gradients cross the shaped link; the cluster's addresses and devices exist only in
+# their gradients cross the shaped link; 2 hosts x 2 ranks with the hierarchical all-reduce
+# (and the flat one) follow one process; the cluster's addresses and devices exist only in
 # its namespaces; down removes everything, also with ranks still running and after a crash,
 # and an interrupted up removes what it made; a second up of a name is refused; bad input
 # is one line and exit 2.
@@ -71,6 +72,24 @@ grep -q "^cluster $N: .*rate=100mbit.*measured=" "$TMP/two.log" && ok run_names_
 # the embedding's gradient alone is 6.4 MB a step: 5 steps send well over 10 MB each way
 [ $(( $(sent) - ${before:-0} )) -gt 10000000 ] && ok gradients_cross_the_link ||
   bad "gradients_cross_the_link ($(( $(sent) - ${before:-0} )) bytes)"
+
+# -- the hierarchical all-reduce (reduce-scatter inside each host, all-reduce across, all-gather
+# inside): 2 hosts x 2 ranks follow one process of the same global batch, as the flat one does
+# (dp_allreduce=flat); asked for where dp does not span hosts it is one line and exit 2
+"$BIN" train ${M/batch_size=4/batch_size=8} out_dir="$TMP/solo" >/dev/null 2>&1
+for mode in hierarchical flat; do
+  if $C run "$N" --per-host 2 -- --oversubscribe --bind-to none --stdin none -np 4 "$BIN" train \
+       ${M/batch_size=4/batch_size=2} dp_allreduce=$mode out_dir="$TMP/h_$mode" </dev/null >"$TMP/h_$mode.log" 2>&1 &&
+     follows "$TMP/solo" "$TMP/h_$mode"
+  then ok "dp_allreduce_${mode}_2x2_follows_one_process"
+  else bad "dp_allreduce_${mode}_2x2_follows_one_process ($(grep -m1 meshtrain: "$TMP/h_$mode.log"))"; fi
+done
+grep -q "gradient all-reduce: inside each of 2 machines (2 ranks)" "$TMP/h_hierarchical.log" &&
+  ! grep -q "gradient all-reduce: inside" "$TMP/h_flat.log" && ok dp_allreduce_header_says_which ||
+  bad dp_allreduce_header_says_which
+err=$($MPIRUN -np 2 "$BIN" train $M dp_allreduce=hierarchical out_dir="$TMP/h_one" 2>&1 >/dev/null </dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(grep -c '^meshtrain:' <<<"$err")" = 1 ] && grep -q "do not span several machines" <<<"$err" &&
+  ok dp_allreduce_hierarchical_on_one_host_refused || bad "dp_allreduce_hierarchical_on_one_host_refused (exit $rc)"
 
 # -- down with ranks still running ends them and removes everything
 $C run "$N" -- -np 2 sleep 60 </dev/null >/dev/null 2>&1 &

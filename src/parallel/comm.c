@@ -103,6 +103,19 @@ int comm_one_machine(const Comm *c) {
     return local == c->size;
 }
 
+int comm_host_first(const Comm *c, int *local_rank, int *local_size) {
+    *local_rank = 0, *local_size = 1;
+    if (!c->impl) return c->rank;
+    MPI_Comm shm;
+    comm_check(MPI_Comm_split_type(mpi(c), MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &shm), c, "comm split (node)");
+    int first = c->rank;
+    MPI_Comm_rank(shm, local_rank);
+    MPI_Comm_size(shm, local_size);
+    MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, shm);
+    MPI_Comm_free(&shm);
+    return first;
+}
+
 void comm_split(const Comm *parent, int color, int key, const char *name, Comm *out) {
     memset(out, 0, sizeof *out);
     snprintf(out->name, sizeof out->name, "%s", name);
@@ -147,7 +160,10 @@ void comm_free(Comm *c) {
     c->impl = NULL;
 }
 
-int comm_test(CommReq *r) { return !r->active || be(r->c)->test(r); }
+int comm_test(CommReq *r) {
+    if (r->chain) return comm_hier_test(r);
+    return !r->active || be(r->c)->test(r);
+}
 
 void comm_iallreduce(const Comm *c, void *buf, size_t n, CommType t, CommOp op, CommReq *r, const char *what) {
     be(c)->iallreduce(c, buf, n, t, op, r, what);

@@ -59,6 +59,7 @@ typedef struct {
     const char *what;  /* for timeout messages */
     void *ev;          /* NCCL backend: cudaEvent_t recorded on the comm stream after the
                         * collective; NULL for MPI and for a group of one */
+    void *chain;       /* a hierarchical all-reduce's stages (comm_hier.c); NULL otherwise */
 } CommReq;
 
 /* Starts the world: MPI when this process was started by a launcher (mpirun, srun; it
@@ -112,6 +113,20 @@ void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
                           const char *what);
 /* In place: buf holds size * n elements, this rank's block at rank * n; every block is filled. */
 void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
+/* Hierarchical all-reduce (comm_hier.c) of buf's n elements over the ranks of node x cross
+ * (node: the ranks of one machine; cross: the ranks with the same place on every machine):
+ * reduce-scatter inside the machine, all-reduce of this rank's block across machines,
+ * all-gather inside the machine, each stage started once the one before is done. n must
+ * divide by node->size. op COMM_AVG averages over all node x cross ranks. The stages of
+ * every hierarchical all-reduce in flight are issued in the order the all-reduces were
+ * begun, so every rank issues each group's collectives in one order. Host memory (CPU ranks). */
+void comm_iallreduce_hier(const Comm *node, const Comm *cross, void *buf, size_t n, CommType t, CommOp op, CommReq *r,
+                          const char *what);
+/* The machines of c's ranks (MPI_COMM_TYPE_SHARED), as two groups: node = c's ranks on this
+ * machine, cross = c's ranks with this rank's place on every machine. Returns 1 where c spans
+ * more than one machine with the same number (more than one) of its ranks on each, else 0
+ * with node and cross groups of one. Collective over c. */
+int comm_split_hosts(const Comm *c, Comm *node, Comm *cross);
 /* Returns 1 when done (and completes it), 0 if still in flight. Drives MPI progress. */
 int comm_test(CommReq *r);
 void comm_wait(CommReq *r);

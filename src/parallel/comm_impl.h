@@ -58,6 +58,8 @@ static inline MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 extern int g_comm_world_rank;  /* this rank in the world, for messages */
 
 enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER };  /* CommReq.kind */
+/* comm_hier.c: comm_test of a hierarchical all-reduce (r->chain) */
+int comm_hier_test(CommReq *r);
 static inline size_t type_size(CommType t) { return t == COMM_BF16 ? 2 : sizeof(float); }
 
 /* comm.c. The group's transport (c->impl set): chosen at its first call, then kept. */
@@ -70,6 +72,9 @@ static inline int on_nccl(const Comm *c) { return c->impl && comm_backend_of(c) 
 void comm_check(int rc, const Comm *c, const char *what);
 /* Whether every rank of c is on this machine (collective over c; MPI_COMM_TYPE_SHARED). */
 int comm_one_machine(const Comm *c);
+/* c's ranks on this rank's machine: this rank's place among them and their count; returns
+ * the lowest c rank among them (the same on each of them). Collective over c. */
+int comm_host_first(const Comm *c, int *local_rank, int *local_size);
 /* The one waiting loop: polls `done` until it returns nonzero, aborting the job after the
  * world's timeout. */
 void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what);

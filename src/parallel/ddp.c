@@ -79,7 +79,7 @@ static void flush(Parallel *p, Ddp *d, int late) {
     if (!d->bkt_n) return;
     CommReq *r = &p->greq[d->bkt_unit];
     if (late) mark_late(d, d->bkt_unit, d->bkt_off + d->bkt_n);
-    comm_iallreduce(p->group, st_at(p->grads, d->bkt_off), d->bkt_n, par_ctype(), COMM_AVG, r, "gradient all-reduce");
+    par_allreduce_grad(p, st_at(p->grads, d->bkt_off), d->bkt_n, r);
     /* the bucket's units' gradients are complete once it is reduced (an embedding reduced in
      * its rows is scattered back at the step, and is complete then) */
     for (int u = 0; u < p->m->n_units; u++) {

@@ -332,6 +332,14 @@ void par_progress(Parallel *p) {
         if (p->gfinal[u] && optim_grad_wanted(p->opt, u) && comm_test(p->gfinal[u])) optim_grad_final(p->opt, u);
 }
 
+void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req) {
+    const Mesh *mesh = p->mesh;
+    if (mesh && mesh->hier_allreduce && p->group == &mesh->dp && n % (size_t)mesh->node.size == 0)
+        comm_iallreduce_hier(&mesh->node, &mesh->cross, buf, n, par_ctype(), COMM_AVG, req,
+                             "gradient all-reduce (inside the machine, then across)");
+    else comm_iallreduce(p->group, buf, n, par_ctype(), COMM_AVG, req, "gradient all-reduce");
+}
+
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
     comm_ireduce_scatter(p->group, src, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
                          req, "gradient reduce-scatter");

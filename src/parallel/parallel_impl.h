@@ -177,6 +177,9 @@ void par_slot_grad_ready(void *ctx, int u);
 void par_wait(Parallel *p, CommReq *r);
 /* Drives MPI progress of everything in flight (called at unit boundaries). */
 void par_progress(Parallel *p);
+/* Starts averaging n elements of gradient at buf over the group, in place: flat, or where
+ * the mesh says (hier_allreduce, the group being dp) machine by machine (comm_iallreduce_hier). */
+void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req);
 /* Starts reduce-scattering unit u's gradient from src into this rank's gshard. */
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
 /* Waits for every gradient reduction into the shard (greq, the slots). */

@@ -134,6 +134,10 @@ static const Key KEYS[] = {
       "with fsdp: full = ZeRO-3, grad_op = ZeRO-2, no = DDP, hybrid = ZeRO-3 inside shard groups"),
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
+    E(dp_allreduce, "auto", "auto|flat|hierarchical", TR,
+      "DDP's gradient all-reduce: flat over dp, or hierarchical (reduce-scatter inside each machine, all-reduce "
+      "across machines, all-gather inside) where dp spans machines with as many ranks on each; auto = hierarchical "
+      "there on CPU ranks"),
     I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "tensor parallel ranks (Megatron-LM: heads, FFN units and the vocabulary split; must divide n_heads, the FFN "
       "width and the vocabulary padded to a multiple of 64)"),
@@ -430,6 +434,10 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "zero_opt=true applies without fsdp; with fsdp=true choose shard_strategy");
         if (config_was_set("shard_strategy") && !c->fsdp)
             return set_err(err, errlen, "shard_strategy=%s needs fsdp=true", c->shard_strategy);
+        if (!strcmp(c->dp_allreduce, "hierarchical") && (c->fsdp || c->zero_opt || c->expert_parallel_size > 1 ||
+                                                         strcmp(c->device, "cpu")))
+            return set_err(err, errlen, "dp_allreduce=hierarchical applies to DDP (fsdp and zero_opt off, no expert "
+                           "parallel) on CPU ranks (device=cpu)");
         if (config_was_set("shard_group_size") && !(c->fsdp && !strcmp(c->shard_strategy, "hybrid")))
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
         int pp = c->pipeline_parallel_size;

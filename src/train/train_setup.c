@@ -158,6 +158,9 @@ static void print_header(const TrainRun *r) {
            r->mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
     if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
                                    r->dp / r->mesh.shard_size);
+    if (r->mesh.hier_allreduce)
+        printf("gradient all-reduce: inside each of %d machines (%d ranks), then across them\n", r->mesh.cross.size,
+               r->mesh.node.size);
     if (r->mesh.ep_size > 1)
         printf("expert parallel: %d ranks share out each MoE layer's %d experts (%d each); %s over the %d ranks that "
                "hold the same experts\n", r->mesh.ep_size, r->mc.moe_experts, r->mc.moe_experts / r->mesh.ep_size,
@@ -241,6 +244,12 @@ void train_setup(TrainRun *r, Config *c) {
                       ? (c->shard_group_size ? c->shard_group_size : comm_local_size()) : 0,
                   c->expert_parallel_size, err, sizeof err))
         fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    if (!f.code && !strcmp(c->dp_allreduce, "hierarchical") && !r->mesh.dp_hosts)
+        fail_set(&f, EXIT_BAD_INPUT, "dp_allreduce=hierarchical: the %d data-parallel ranks do not span several "
+                 "machines with as many (more than one) on each; use dp_allreduce=auto or flat", r->mesh.dp_size);
+    /* DDP only (zero_opt and fsdp reduce-scatter; hybrid FSDP is their machine-aware form) */
+    r->mesh.hier_allreduce = r->mesh.dp_hosts && !c->fsdp && !c->zero_opt && r->mesh.ep_size == 1 &&
+                             !strcmp(c->device, "cpu") && strcmp(c->dp_allreduce, "flat");
     comm_exit_if_failed(&r->world, &f);
     r->lead = r->world.rank == 0;
     r->dp = r->mesh.dp_size;
