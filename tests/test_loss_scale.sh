@@ -9,7 +9,7 @@
 #   (hysteresis 2) over a scripted sequence; a fixed scale skips and never moves; a scale
 #   of 2^k trains bitwise as no scale; without a scaler an overflow still stops the run;
 # - a run resumed in the middle of a growth window continues bitwise (state, scaler, log);
-# - bad values are one line and exit 2.
+# - plot draws the scale; bad values are one line and exit 2.
 TEST_NAME=loss_scale
 source "$(dirname "$0")/lib.sh"
 use_mpirun
@@ -100,6 +100,13 @@ else bad "resume_mid_window_bitwise ($d; $(field "$TMP/whole" loss_scale) / $(fi
 # resumed without the keys: the checkpoint's scaling goes on (its window too)
 grep -q "loss scale: dynamic (init 65536), x2 after 3 steps" "$TMP/resume.log" && ok resume_keeps_keys ||
   bad "resume_keeps_keys ($(grep 'loss scale' "$TMP/resume.log"))"
+
+# -- plot: a panel for the scale, a marker per skipped step
+if "$BIN" plot log="$TMP/py/log.jsonl" out="$TMP/py.svg" >/dev/null 2>&1 &&
+   grep -q 'id="panel-scale"' "$TMP/py.svg" && [ "$(grep -c 'class="skip-marker"' "$TMP/py.svg")" -eq 5 ]
+then ok plot_scale_panel; else bad plot_scale_panel; fi
+grep -q 'id="panel-scale"' <("$BIN" plot log="$TMP/none/log.jsonl" out=/dev/stdout 2>/dev/null) &&
+  bad no_scale_no_panel || ok no_scale_no_panel
 
 # -- bad values: one line, exit 2
 T="$BIN train $M batch_size=2 steps=1 out_dir=$TMP/bad"
