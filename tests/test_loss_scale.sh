@@ -39,7 +39,7 @@ while IFS='|' read -r name np keys; do
   else bad "skip_everywhere_$name (skipped: $(field "$a" skipped); $(tail -1 "$a.log"))"; fi
 done <<'CASES'
 ddp|2|
-zero1|2|zero_opt=true
+~zero1|2|zero_opt=true
 zero2|2|fsdp=true shard_strategy=grad_op
 fsdp|2|fsdp=true
 tp2|2|tensor_parallel_size=2
