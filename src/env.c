@@ -7,7 +7,7 @@
 
 extern char **environ;
 
-typedef enum { K_FLAG, K_INT, K_CHOICE, K_TEXT, K_RANK_STEP } Kind;
+typedef enum { K_FLAG, K_INT, K_CHOICE, K_TEXT, K_RANK_STEP, K_RANK_STEPS } Kind;
 typedef struct {
     const char *name;
     Kind kind;
@@ -32,6 +32,7 @@ static const HookDef HOOKS[HOOK_COUNT] = {
     [HOOK_FAULT_NAN_VAL_STEP] = {"MESHTRAIN_FAULT_NAN_VAL_STEP", K_INT, 1, 1LL << 31, NULL, 1},
     [HOOK_FAULT_TERM_VAL_STEP] = {"MESHTRAIN_FAULT_TERM_VAL_STEP", K_INT, 1, 1LL << 31, NULL, 1},
     [HOOK_FAULT_HOST_ALLOC] = {"MESHTRAIN_FAULT_HOST_ALLOC", K_FLAG, 0, 0, NULL, 1},
+    [HOOK_FAULT_OVERFLOW] = {"MESHTRAIN_FAULT_OVERFLOW", K_RANK_STEPS, 0, 0, NULL, 1},
     [HOOK_FAKE_MEMAVAILABLE] = {"MESHTRAIN_FAKE_MEMAVAILABLE", K_INT, 0, 1LL << 62, NULL, 1},
     [HOOK_MOE_SKEW] = {"MESHTRAIN_MOE_SKEW", K_INT, 0, 1000000, NULL, 1},
 };
@@ -64,8 +65,13 @@ static const struct { const char *name, *now; } RETIRED[] = {
     {NULL, NULL},
 };
 
-/* parsed values: set (0/1), and the value */
-static struct { int checked; int set[HOOK_COUNT]; long long v[HOOK_COUNT], v2[HOOK_COUNT]; } g;
+/* parsed values: set (0/1), and the value; a rank:step,... hook's steps */
+enum { MAX_HOOK_STEPS = 64 };
+static struct {
+    int checked; int set[HOOK_COUNT]; long long v[HOOK_COUNT], v2[HOOK_COUNT];
+    long long steps[HOOK_COUNT][MAX_HOOK_STEPS];
+    int n_steps[HOOK_COUNT];
+} g;
 
 static const char *raw(Hook h) {
     const char *e = getenv(HOOKS[h].name);
@@ -116,6 +122,29 @@ static int parse(Hook h, const char *s, const char **why) {
         memcpy(a, s, (size_t)(colon - s));
         a[colon - s] = 0;
         if (parse_ll(a, &v) || parse_ll(colon + 1, &w) || v < 0 || w < 0) { *why = "expected rank:step"; return -1; }
+        break;
+    }
+    case K_RANK_STEPS: {  /* rank:step,step,... (up to MAX_HOOK_STEPS steps, each from 1) */
+        const char *colon = strchr(s, ':'), *want = "expected rank:step,step,... (steps from 1, at most 64)";
+        char a[32];
+        if (!colon || colon - s >= (long)sizeof a) { *why = want; return -1; }
+        memcpy(a, s, (size_t)(colon - s));
+        a[colon - s] = 0;
+        if (parse_ll(a, &v) || v < 0) { *why = want; return -1; }
+        int n = 0;
+        for (const char *p = colon + 1;; n++) {
+            size_t len = strcspn(p, ",");
+            char b[32];
+            long long st;
+            if (!len || len >= sizeof b || n == MAX_HOOK_STEPS) { *why = want; return -1; }
+            memcpy(b, p, len);
+            b[len] = 0;
+            if (parse_ll(b, &st) || st < 1) { *why = want; return -1; }
+            g.steps[h][n] = st;
+            if (!p[len]) { n++; break; }
+            p += len + 1;
+        }
+        g.n_steps[h] = n;
         break;
     }
     }
@@ -191,6 +220,14 @@ int hook_rank_step(Hook h, int *rank, int *step) {
     *rank = (int)g.v[h];
     *step = (int)g.v2[h];
     return 1;
+}
+
+int hook_rank_at_step(Hook h, int rank, int step) {
+    hooks_check();
+    if (!g.set[h] || HOOKS[h].kind != K_RANK_STEPS || g.v[h] != rank) return 0;
+    for (int i = 0; i < g.n_steps[h]; i++)
+        if (g.steps[h][i] == step) return 1;
+    return 0;
 }
 
 void hooks_each(void (*fn)(void *ctx, const char *name, const char *value, int wrong), void *ctx) {

@@ -27,6 +27,7 @@ typedef enum {
     HOOK_FAULT_NAN_VAL_STEP,  /* step: its validation loss is NaN */
     HOOK_FAULT_TERM_VAL_STEP, /* step: rank 0 gets SIGTERM as its validation begins */
     HOOK_FAULT_HOST_ALLOC,    /* 1: host (pinned) allocations for offload fail */
+    HOOK_FAULT_OVERFLOW,      /* rank:step,step,...: that rank's gradient overflows (inf) in those steps */
     HOOK_FAKE_MEMAVAILABLE,   /* bytes: the available memory the checks see */
     HOOK_MOE_SKEW,            /* S: a fixed selection bias S/1000 (X-1-e)/(X-1) on expert e (a skewed router) */
     HOOK_COUNT
@@ -43,6 +44,8 @@ long long hook_int(Hook h, long long dflt);
 const char *hook_text(Hook h);
 /* A rank:step hook: 1 with *rank and *step where set. */
 int hook_rank_step(Hook h, int *rank, int *step);
+/* A rank:step,step,... hook: 1 where it is set, names this rank and lists this step. */
+int hook_rank_at_step(Hook h, int rank, int step);
 /* The hooks set, as "NAME=value" calls of fn, in the table's order; wrong: the hook makes
  * the run's results wrong or is a fault (for the header's warning). */
 void hooks_each(void (*fn)(void *ctx, const char *name, const char *value, int wrong), void *ctx);

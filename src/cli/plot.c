@@ -1,8 +1,10 @@
 /* plot — `meshtrain plot`: one self-contained SVG picture of a training run, drawn from
  * its JSON-lines log (runlog.c): three panels sharing the step axis — training loss with
- * the validation losses as markers, the learning rate, and tokens/s — and a fourth for a
- * mixture of experts' router: its load-balancing loss and the largest max/mean load. The SVG is plain
- * text written here, so the picture needs no library and opens in any browser. */
+ * the validation losses as markers, the learning rate, and tokens/s — then one for a
+ * mixture of experts' router (its load-balancing loss and the largest max/mean load) and one
+ * for a loss scaler (log2 of the scale, the steps it skipped as markers), where the log has
+ * them. The SVG is plain text written here, so the picture needs no library and opens in
+ * any browser. */
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -314,6 +316,18 @@ static void draw_legend(Buf *b, const Frame *f, const RunLog *log, const char *c
     bprintf(b, "</g>\n");
 }
 
+/* The steps a loss scaler skipped for an overflow: a marker each on the scale's line (the
+ * scale that step's gradient overflowed at), which says its step on hover. */
+static void draw_skips(Buf *b, const Frame *f, const RunLog *log, const char *colour) {
+    for (int i = 0; i < log->n_steps; i++) {
+        const RunStep *s = &log->steps[i];
+        if (!s->skipped || !isfinite(s->scale_log2)) continue;
+        bprintf(b, "<circle class=\"skip-marker\" cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"%s\" stroke=\"#fff\" "
+                   "stroke-width=\"1.2\"><title>step %d: overflow, skipped (scale 2^%g)</title></circle>\n",
+                px(f, s->step), py(f, s->scale_log2), colour, s->step, s->scale_log2);
+    }
+}
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -344,20 +358,34 @@ static void subtitle(Buf *b, const RunLog *log) {
 
 static void render(Buf *b, const RunLog *log, const char *title) {
     const char *c_loss = "#1f6fb4", *c_val = "#d6382b", *c_lr = "#2a9d5c", *c_tok = "#7b4fb0", *c_aux = "#c07a12",
-               *c_imb = "#555566";
+               *c_imb = "#555566", *c_scale = "#2b7f86";
     int lo = log->steps[0].step, hi = log->steps[log->n_steps - 1].step;
     if (log->n_vals) {
         if (log->vals[0].step < lo) lo = log->vals[0].step;
         if (log->vals[log->n_vals - 1].step > hi) hi = log->vals[log->n_vals - 1].step;
     }
     Axis x = nice_axis(lo, hi, 10, 1);
-    int np = log->moe ? 4 : 3;
-    Panel panels[4] = {
-        {"loss", "loss", TOP, 260, series_axis(log, offsetof(RunStep, loss), log->vals, log->n_vals, 6, 0)},
-        {"lr", "learning rate", TOP + 260 + 28, 130, series_axis(log, offsetof(RunStep, lr), NULL, 0, 4, 1)},
-        {"tokens", "tokens/s", TOP + 260 + 28 + 130 + 28, 130, series_axis(log, offsetof(RunStep, tokens_per_s), NULL, 0, 4, 1)},
-        {"router", "router", TOP + 260 + 28 + 2 * (130 + 28), 130, router_axis(log)},
+    /* the panels the log has, each below the last */
+    enum { P_LOSS, P_LR, P_TOKENS, P_ROUTER, P_SCALE, P_ALL };
+    Panel all[P_ALL] = {
+        {"loss", "loss", 0, 260, series_axis(log, offsetof(RunStep, loss), log->vals, log->n_vals, 6, 0)},
+        {"lr", "learning rate", 0, 130, series_axis(log, offsetof(RunStep, lr), NULL, 0, 4, 1)},
+        {"tokens", "tokens/s", 0, 130, series_axis(log, offsetof(RunStep, tokens_per_s), NULL, 0, 4, 1)},
+        {"router", "router", 0, 130, router_axis(log)},
+        {"scale", "log2 loss scale", 0, 130, series_axis(log, offsetof(RunStep, scale_log2), NULL, 0, 4, 0)},
     };
+    const char *colours[P_ALL] = {c_loss, c_lr, c_tok, c_aux, c_scale};
+    const char *ids[P_ALL] = {"loss-line", "lr-line", "tokens-line", "moe-aux-line", "scale-line"};
+    size_t offs[P_ALL] = {offsetof(RunStep, loss), offsetof(RunStep, lr), offsetof(RunStep, tokens_per_s),
+                          offsetof(RunStep, moe_aux), offsetof(RunStep, scale_log2)};
+    int kinds[P_ALL], np = 0;
+    Panel panels[P_ALL];
+    for (int k = 0; k < P_ALL; k++) {
+        if ((k == P_ROUTER && !log->moe) || (k == P_SCALE && !log->scaled)) continue;
+        panels[np] = all[k];
+        panels[np].top = np ? panels[np - 1].top + panels[np - 1].height + 28 : TOP;
+        kinds[np++] = k;
+    }
     int height = panels[np - 1].top + panels[np - 1].height + 56;
     bprintf(b, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" " FONT
@@ -368,24 +396,22 @@ static void render(Buf *b, const RunLog *log, const char *title) {
     put_fitted(b, "title", LEFT, 34, 19, 1, "#222", title, WIDTH - LEFT - RIGHT);
     put_fitted(b, "subtitle", LEFT, 60, 13, 0, "#555", sub.p, WIDTH - LEFT - RIGHT);
     free(sub.p);
-    const char *colours[4] = {c_loss, c_lr, c_tok, c_aux};
-    const char *ids[4] = {"loss-line", "lr-line", "tokens-line", "moe-aux-line"};
-    size_t offs[4] = {offsetof(RunStep, loss), offsetof(RunStep, lr), offsetof(RunStep, tokens_per_s),
-                      offsetof(RunStep, moe_aux)};
     for (int i = 0; i < np; i++) {
+        int k = kinds[i];
         Frame f = {&x, &panels[i]};
         draw_panel(b, &f, i == np - 1);
-        draw_series(b, &f, log, offs[i], ids[i], colours[i]);
-        if (i == 0) {
+        draw_series(b, &f, log, offs[k], ids[k], colours[k]);
+        if (k == P_LOSS) {
             draw_vals(b, &f, log, c_val);
             draw_legend(b, &f, log, c_loss, c_val);
         }
-        if (i == 3) {  /* the router: its load-balancing loss and the largest max/mean load */
+        if (k == P_ROUTER) {  /* the router: its load-balancing loss and the largest max/mean load */
             draw_series(b, &f, log, offsetof(RunStep, moe_imbalance), "moe-imbalance-line", c_imb);
             bprintf(b, "<g id=\"router-legend\" font-size=\"12\"><text x=\"%d\" y=\"%d\" fill=\"%s\">load-balancing "
                        "loss</text><text x=\"%d\" y=\"%d\" fill=\"%s\">largest max/mean load</text></g>\n",
-                    LEFT + 10, panels[3].top + 16, c_aux, LEFT + 150, panels[3].top + 16, c_imb);
+                    LEFT + 10, panels[i].top + 16, c_aux, LEFT + 150, panels[i].top + 16, c_imb);
         }
+        if (k == P_SCALE) draw_skips(b, &f, log, c_val);
     }
     bprintf(b, "</svg>\n");
 }

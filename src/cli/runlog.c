@@ -123,6 +123,7 @@ static int key_is(const char *s, const char *e, const char *name) {
 int runlog_parse_line(const char *s, const char *end, RunLine *out) {
     memset(out, 0, sizeof *out);
     out->step = out->loss = out->lr = out->tokens_per_s = out->val_loss = out->moe_aux = out->moe_imbalance = NAN;
+    out->loss_scale = NAN;
     Cursor c = {s, end};
     skip_ws(&c);
     if (!at(&c, '{')) return -1;
@@ -170,6 +171,11 @@ int runlog_parse_line(const char *s, const char *end, RunLine *out) {
         } else if (key_is(ks, ke, "moe_imbalance")) {
             if (!num_or_null) return -1;
             out->moe_imbalance = v;
+        } else if (key_is(ks, ke, "loss_scale")) {
+            if (!num_or_null) return -1;
+            out->loss_scale = v;
+        } else if (key_is(ks, ke, "skipped")) {
+            out->skipped = c.p - vstart >= 4 && !memcmp(vstart, "true", 4);
         } else if (key_is(ks, ke, "done")) {
             out->done = c.p - vstart >= 4 && !memcmp(vstart, "true", 4);
         } else if (key_is(ks, ke, "run")) {
@@ -235,8 +241,11 @@ int runlog_read(RunLog *log, const char *path, char *err, size_t errlen) {
         } else if (l.has_step && !l.done && !l.error) {
             /* a step line has "loss" (the final line has "steps", not "step") */
             if (l.has_loss) {
-                add_step(log, &step_cap, (RunStep){(int)l.step, l.loss, l.lr, l.tokens_per_s, l.moe_aux, l.moe_imbalance});
+                double scale_log2 = l.loss_scale > 0 ? log2(l.loss_scale) : NAN;  /* (NAN stays NAN) */
+                add_step(log, &step_cap, (RunStep){(int)l.step, l.loss, l.lr, l.tokens_per_s, l.moe_aux, l.moe_imbalance,
+                                                   scale_log2, l.skipped});
                 log->moe |= isfinite(l.moe_aux) || isfinite(l.moe_imbalance);
+                log->scaled |= isfinite(scale_log2);
             }
             else if (l.has_val_loss) add_val(log, &val_cap, (RunVal){(int)l.step, l.val_loss});
         }

@@ -7,8 +7,9 @@
 #include <stddef.h>
 
 /* One training step (a value the log lacks or holds as null is NAN): a mixture of experts'
- * router too (moe_aux, moe_imbalance; NAN in a dense run's log). */
-typedef struct { int step; double loss, lr, tokens_per_s, moe_aux, moe_imbalance; } RunStep;
+ * router too (moe_aux, moe_imbalance; NAN in a dense run's log), and a loss scaler's scale
+ * as log2 (NAN without one) and whether the step was skipped for an overflow. */
+typedef struct { int step; double loss, lr, tokens_per_s, moe_aux, moe_imbalance, scale_log2; int skipped; } RunStep;
 /* One validation. */
 typedef struct { int step; double val_loss; } RunVal;
 
@@ -17,6 +18,7 @@ typedef struct {
     RunVal *vals;     /* ascending by step, one per step */
     int n_steps, n_vals;
     int moe;          /* some step holds the router's values (a mixture of experts' run) */
+    int scaled;       /* some step holds a loss scale */
     int resumes;      /* times a resumed run appended to the log: its start lines that say
                        * resumed, or in logs without start lines, times a step came again */
     int skipped;      /* lines that are not flat JSON objects (a cut-short last line included) */
@@ -36,7 +38,8 @@ void runlog_free(RunLog *log);
 typedef struct {
     int has_step, has_loss, has_val_loss, done, error;
     int run_start, resumed;  /* a run's first line ("run":"train"), and its "resumed":true */
-    double step, loss, lr, tokens_per_s, val_loss, moe_aux, moe_imbalance;
+    double step, loss, lr, tokens_per_s, val_loss, moe_aux, moe_imbalance, loss_scale;
+    int skipped;  /* "skipped":true */
 } RunLine;
 int runlog_parse_line(const char *s, const char *end, RunLine *out);
 #endif

@@ -63,6 +63,7 @@ Optimizer *optim_create(const OptimSetup *s) {
     for (int k = 0; k < o->impl->moments(oc); k++) o->mom[k] = o->k->alloc(bytes, o->impl->moment_name[k]);
     if (o->impl->setup) o->impl->setup(o);
     if (oc->offload) optim_host_setup(o);
+    loss_scaler_init(&o->scaler, &oc->loss_scale);
     return o;
 }
 
@@ -119,6 +120,17 @@ int optim_update(Optimizer *o, int u0, int u1, float scale) {
                     optim_at(o->mom[1], o->at[u0]), o->at[u0], 0, o->units[u0].act, 0};
     for (int u = u0; u < u1; u++) r.n += o->len[u];
     return o->impl->update(o, &r, &o->cur);
+}
+
+float optim_loss_scale(const Optimizer *o) { return o->scaler.scale; }
+LossScaler *optim_loss_scaler(Optimizer *o) { return &o->scaler; }
+
+int optim_loss_scale_step(Optimizer *o, int overflow) {
+    if (loss_scaler_update(&o->scaler, overflow)) return 1;
+    /* skipped: uncounted, so the next step takes this one's number and rate; the host
+     * placement's begin only reset its per-step flags, and nothing was queued */
+    o->steps--;
+    return 0;
 }
 
 int optim_updates_in_parts(const Optimizer *o) { return !o->host && o->impl->elementwise; }

@@ -16,13 +16,28 @@
  * master copy of the parameters and a copy of the gradient, with the cpu backend's kernels:
  * an elementwise update (AdamW) on a host thread unit by unit while the device goes on, the
  * others on the calling thread at the step. The data-parallel strategies (parallel/) own
- * the units, reduce the gradients and drive the step. */
+ * the units, reduce the gradients and drive the step.
+ *
+ * Beside the optimizer, its loss scaler (loss_scale.c): the factor the loss's gradient is
+ * multiplied by before the backward, and the decision, once the step's global gradient norm
+ * is known, whether the update happens at all (an overflow skips it). */
 #ifndef MESHTRAIN_OPTIM_H
 #define MESHTRAIN_OPTIM_H
 #include <stddef.h>
 #include "model.h"
 
 typedef enum { OPTIM_ADAMW, OPTIM_ADAFACTOR } OptimKind;
+
+/* Loss scaling: none (the gradient as it is), a fixed scale, or a dynamic one (PyTorch's
+ * GradScaler with hysteresis 1, Megatron-LM's DynamicGradScaler with more). */
+typedef enum { LOSS_SCALE_NONE, LOSS_SCALE_FIXED, LOSS_SCALE_DYNAMIC } LossScaleKind;
+typedef struct LossScaleConfig {
+    LossScaleKind kind;
+    double init;     /* the scale at the start (fixed: the scale) */
+    double min;      /* dynamic: the scale never backs off below it */
+    int window;      /* dynamic: steps without an overflow before the scale doubles */
+    int hysteresis;  /* dynamic: overflows before a backoff (1 = every one), since the last growth */
+} LossScaleConfig;
 
 typedef struct {
     double lr, min_lr, beta1, beta2, eps, weight_decay, grad_clip;
@@ -37,6 +52,7 @@ typedef struct {
      * master weights and state in host memory, the update on the CPU), OFFLOAD_PARAMS (FSDP:
      * the parameter shards there too) */
     int offload;
+    LossScaleConfig loss_scale;             /* LOSS_SCALE_NONE (0) unless set */
 } OptimConfig;
 
 enum { OFFLOAD_NONE, OFFLOAD_OPTIMIZER, OFFLOAD_PARAMS };
@@ -56,6 +72,28 @@ double lr_at(const OptimConfig *c, int step);
 double grad_norm(const float *g, size_t n);
 /* The factor clipping multiplies the gradient by: min(1, clip / norm) (1 when clip is off). */
 float clip_scale(const OptimConfig *c, double norm);
+
+/* ---- the loss scaler (loss_scale.c) ---- */
+
+/* A dynamic scale's state machine, its semantics exactly those of PyTorch's GradScaler.update
+ * (growth factor 2, backoff 0.5, growth interval = window) at hysteresis 1 and of Megatron-LM's
+ * DynamicGradScaler.update beyond, with the scale kept in fp32 as both keep it. A fixed scale
+ * never changes; with either, a step whose gradient overflowed is skipped and counted. */
+typedef struct {
+    LossScaleConfig c;
+    float scale;      /* what this step's loss gradient is multiplied by (1 with none) */
+    int growth;       /* steps without an overflow since the scale last changed (the growth tracker) */
+    int hysteresis;   /* overflows left before a backoff (the hysteresis tracker; reset at each growth) */
+    int skipped;      /* steps skipped for an overflow, in all (a resumed run's too) */
+    int last_skipped; /* the last step was skipped */
+} LossScaler;
+
+void loss_scaler_init(LossScaler *s, const LossScaleConfig *c);
+/* After a step's gradient: overflow = it was not finite somewhere. Moves the scale for the
+ * next step and returns 1 where this step's update happens, 0 where it is skipped. */
+int loss_scaler_update(LossScaler *s, int overflow);
+/* "none", "dynamic", or the fixed scale (as the key's value), into buf */
+const char *loss_scale_name(const LossScaleConfig *c, char *buf, size_t len);
 
 /* ---- the Optimizer ---- */
 
@@ -117,6 +155,16 @@ int optim_stat_rounds(const Optimizer *o);
 OptimSums optim_stats(Optimizer *o, int round, float scale);
 void optim_stats_summed(Optimizer *o, int round);
 int optim_update(Optimizer *o, int u0, int u1, float scale);
+/* The loss scaler of the steps (OptimConfig.loss_scale, as at optim_create): the factor the
+ * backward multiplies the loss's gradient by (1 without one), and its state (a checkpoint's,
+ * the log's; set it after a load). */
+float optim_loss_scale(const Optimizer *o);
+LossScaler *optim_loss_scaler(Optimizer *o);
+/* After optim_begin, once the global norm of the step's gradient is known: overflow = it is
+ * not finite. The loss scaler decides: 1, the update goes ahead; 0, the step is skipped and
+ * uncounted (the optimizer's steps and its schedule stay where they were; nothing may be
+ * updated). Without a scaler always 1. */
+int optim_loss_scale_step(Optimizer *o, int overflow);
 /* Whether some units may be updated before the others' gradients are complete: an
  * elementwise update in the device's queue (not with statistics, not on the host). */
 int optim_updates_in_parts(const Optimizer *o);

@@ -106,6 +106,7 @@ struct Optimizer {
     void *state;            /* the optimizer's per-tensor state (its setup) */
     int steps;
     OptimStep cur;          /* the step begun last */
+    LossScaler scaler;      /* the loss scale of the steps (OptimConfig.loss_scale) */
     OptimHost *host;        /* the host placement, NULL on the device */
 };
 

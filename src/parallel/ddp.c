@@ -156,7 +156,8 @@ static void update(Parallel *p, size_t lo, size_t hi, float scale) {
 /* Where the optimizer allows it (par_update_parts: an elementwise update in the device's
  * queue) and without clipping, the update runs in two parts. It is elementwise, so the
  * result is bitwise that of one update; only the logged norm is summed in two parts.
- * Clipping needs the whole norm before any update: one part; so does an optimizer that
+ * Clipping needs the whole norm before any update: one part; so does a loss scaler, which
+ * decides from it whether anything is updated, and so does an optimizer that
  * needs statistics of whole tensors, after every reduction, and one whose update runs on
  * the host, unit by unit once the norm is known (the gather hook waits for each).
  * - [0, late_hi), whose reductions end the backward: the embedding and the first layers
@@ -178,7 +179,7 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     const Model *m = p->m;
     Ddp *d = p->st;
     flush(p, d, 1);  /* first: a bucket it starts is a late one, which moves late_hi */
-    size_t n = m->n_flat, split = oc->grad_clip > 0 || !par_update_parts(p) ? n : d->late_hi;
+    size_t n = m->n_flat, split = oc->grad_clip > 0 || oc->loss_scale.kind || !par_update_parts(p) ? n : d->late_hi;
     double lr = par_update_begin(p, oc);
     for (int u = 0; u < m->n_units; u++)
         if (!d->greq_late[u]) par_wait(p, &p->greq[u]);
@@ -201,7 +202,9 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     sumsq = later ? op_sumsq(p->grads, n) : sumsq + op_sumsq(p->grads, split);  /* (one wait for the device) */
     double norm = sqrt(par_stages_sumsq(p, sumsq));
     trace_mark(NULL, "gradient norm on the host");
-    float scale = clip_scale(oc, norm);
+    float scale;
+    *lr_out = lr;
+    if (!par_update_go(p, oc, &norm, &scale)) return norm;  /* skipped: nothing updated, split = n */
     par_update_stats(p, scale);
     update(p, 0, split, scale);
     if (side) {
@@ -217,7 +220,6 @@ static double ddp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         op_side_end();
         d->side_lo = split;
     }
-    *lr_out = lr;
     return norm;
 }
 

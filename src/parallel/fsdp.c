@@ -91,14 +91,14 @@ static double fsdp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
         }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &f->rreq[u]);
     double norm = par_shard_norm(p);
-    float scale = clip_scale(oc, norm);
-    double lr = par_update_begin(p, oc);
+    float scale;
+    *lr_out = par_update_begin(p, oc);
+    if (!par_update_go(p, oc, &norm, &scale)) return norm;  /* skipped: the shards are as they were */
     par_update_stats(p, scale);
     /* every shard at once (adjacent in pshard); where the updates reach the device later,
      * each unit's gather waits for its own. No compute copy to mark stale: the bf16 copies
      * are cast at each gather. */
     par_update(p, 0, m->n_units, scale);
-    *lr_out = lr;
     return norm;
 }
 

@@ -26,6 +26,12 @@ const char *parallel_kind_name(ParallelKind k) { return strategy_for(k)->name; }
  * step's last micro-batch's is complete, and are reduced once, then. */
 static void grad_ready(void *ctx, int u) {
     Parallel *p = ctx;
+    if (p->overflow_next && u != UNIT_EMBEDDING && p->m->units[u].n) {
+        /* x inf: inf, or NaN where the element is 0; either is an overflow (an op in the
+         * device's queue, after the backward that wrote it) */
+        op_scale(st_at(unit_grads(p->m, u), p->m->units[u].n - 1), 1, INFINITY);
+        p->overflow_next = 0;
+    }
     if (p->grads && p->n_ready[u] + 1 < p->n_micro) {
         p->n_ready[u]++;
         par_progress(p);
@@ -146,6 +152,8 @@ void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding) {
 void parallel_set_micro_batches(Parallel *p, int n) { p->n_micro = n; }
 
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr) { return p->s->step(p, oc, lr); }
+
+void parallel_inject_overflow(Parallel *p) { p->overflow_next = 1; }
 
 int parallel_ranges(const Parallel *p, int write, OwnedRange *out, int max) {
     /* Hybrid replicas hold the same shards: only the first replica saves them. */
@@ -374,6 +382,14 @@ OptimUnit par_owned_unit(const Parallel *p, int u) {
 
 double par_update_begin(Parallel *p, const OptimConfig *oc) { return optim_begin(p->opt, oc); }
 
+int par_update_go(Parallel *p, const OptimConfig *oc, double *norm, float *scale) {
+    float loss_scale = optim_loss_scale(p->opt);  /* this step's (the decision moves it) */
+    if (!optim_loss_scale_step(p->opt, !isfinite(*norm))) return 0;
+    *norm /= loss_scale;
+    *scale = clip_scale(oc, *norm) / loss_scale;
+    return 1;
+}
+
 void par_update_stats(Parallel *p, float scale) {
     const Comm *tp = p->mesh && p->mesh->tp_size > 1 ? &p->mesh->tp : NULL;
     int sharded = p->sharded && p->D > 1;
@@ -585,7 +601,7 @@ double par_shard_norm(Parallel *p) {
     const Comm *split = split_group(p);
     if (split) comm_allreduce_double(split, &sumsq, 1);
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
-    return sqrt(sumsq > 0 ? sumsq : 0);
+    return sqrt(sumsq < 0 ? 0 : sumsq);  /* (rounding below 0; a NaN stays one: an overflow) */
 }
 
 /* ---- parameters ---- */

@@ -59,6 +59,11 @@ void parallel_set_stages(Parallel *p, const Comm *stages, int count_embedding);
  * again where the strategy keeps them whole (ZeRO: started here, waited for by the next
  * forward's gather hooks). Returns the norm (before clipping); *lr gets the rate used. */
 double parallel_step(Parallel *p, const OptimConfig *oc, double *lr);
+/* A fault hook for tests (MESHTRAIN_FAULT_OVERFLOW): in the step about to run, the first
+ * unit gradient this rank completes other than the embedding's gets a non-finite element
+ * (its last, which lies in the last shard of the unit), before any reduction, as an fp16
+ * overflow in the backward would. */
+void parallel_inject_overflow(Parallel *p);
 /* offload=optimizer: waits until every unit's update is done and its parameters are
  * back on the device (before a checkpoint reads them); nothing to do without offload. */
 void parallel_sync(Parallel *p);

@@ -102,6 +102,7 @@ struct Parallel {
     int n_micro;
     int *n_ready;
     double wait_s;
+    int overflow_next;  /* parallel_inject_overflow: the step's next unit gradient made non-finite */
     UnitHooks hooks;
 };
 
@@ -198,6 +199,14 @@ OptimUnit par_owned_unit(const Parallel *p, int u);
  * in the rank's buffers, with the gradient times scale (the same for every call of a step),
  * and marks their compute copies stale unless the update wrote them. */
 double par_update_begin(Parallel *p, const OptimConfig *oc);
+/* After par_update_begin, once the step's global gradient norm is known (the same on every
+ * rank: summed over every group holding a part of the gradient, so a non-finite value
+ * anywhere is non-finite everywhere): whether the update happens. The norm is of the
+ * gradient as the backward made it, times the loss scale; *norm becomes the unscaled norm
+ * and *scale the factor the update multiplies the gradient by (clipping's on the unscaled
+ * norm, over the loss scale). 0: the loss scaler skips the step (an overflow): nothing may
+ * be updated, and the step is uncounted. */
+int par_update_go(Parallel *p, const OptimConfig *oc, double *norm, float *scale);
 void par_update_stats(Parallel *p, float scale);
 void par_update(Parallel *p, int u0, int u1, float scale);
 /* Whether some units may be updated before the others' gradients are complete (AdamW on

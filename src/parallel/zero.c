@@ -60,15 +60,16 @@ static double zero_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     Zero *z = p->st;
     par_wait_grads(p);  /* the gradient is now averaged over the group */
     double norm = par_shard_norm(p);
-    float scale = clip_scale(oc, norm);
-    double lr = par_update_begin(p, oc);
+    float scale;
+    *lr_out = par_update_begin(p, oc);
+    /* skipped: the parameters are as they were, whole on every rank: nothing to gather */
+    if (!par_update_go(p, oc, &norm, &scale)) return norm;
     par_update_stats(p, scale);
     for (int u = 0; u < m->n_units; u++) par_update(p, u, u + 1, scale);  /* (not adjacent in params) */
     memset(z->pending, 1, (size_t)m->n_units);
     if (!par_update_later(p))
         for (int u = 0; u < m->n_units; u++) gather_pending(p, u, 1);
     par_params_stale(p);
-    *lr_out = lr;
     return norm;
 }
 

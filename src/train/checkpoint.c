@@ -58,11 +58,11 @@ static void remove_stale_shards(const char *path, int step, int world) {
     while (d && (e = readdir(d))) {
         int s, r, w, n = 0;
         if (strncmp(e->d_name, base, blen)) continue;
-        /* the settings and router biases a run wrote with an earlier checkpoint
-         * (ckpt_write_settings, ckpt_write_moe_bias) */
-        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n"};
+        /* the settings, router biases and loss scaler a run wrote with an earlier checkpoint
+         * (ckpt_write_settings, ckpt_write_moe_bias, ckpt_write_loss_scale) */
+        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n", ".s%d.lossscale%n"};
         int other = 0;
-        for (int k = 0; k < 2 && !other; k++) {
+        for (int k = 0; k < 3 && !other; k++) {
             n = 0;  /* (set only where the whole pattern matched) */
             other = sscanf(e->d_name + blen, beside[k], &s, &n) == 1 && n > 0 && s != step &&
                     (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5));
@@ -132,6 +132,58 @@ int ckpt_load_moe_bias(const char *path, const CkptHeader *h, Model *m, char *er
     return bad ? set_err(err, errlen, "%s (the MoE router biases of checkpoint %s) is corrupt or of another model", name,
                          path)
                : 0;
+}
+
+/* The loss scaler's file: the keys (kind: LossScaleKind), then the state. */
+#define LOSS_SCALE_MAGIC "MTLSCL01"
+typedef struct {
+    char magic[8];
+    int32_t kind, window, hysteresis;
+    int32_t growth, hysteresis_left, skipped;
+    float scale;
+    int32_t reserved;
+    double init, min;
+    uint64_t hash;  /* FNV-1a of everything before */
+} LossScaleFile;
+_Static_assert(sizeof(LossScaleFile) == 64, "loss scale file layout");
+
+static int loss_scale_path(char *name, size_t len, const char *path, int step) {
+    int n = snprintf(name, len, "%s.s%08d.lossscale", path, step);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int ckpt_write_loss_scale(const char *path, int step, const LossScaler *s, char *err, size_t errlen) {
+    char name[PATH_BUF];
+    if (loss_scale_path(name, sizeof name, path, step)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    LossScaleFile f;
+    memset(&f, 0, sizeof f);
+    memcpy(f.magic, LOSS_SCALE_MAGIC, 8);
+    f.kind = (int32_t)s->c.kind, f.window = s->c.window, f.hysteresis = s->c.hysteresis;
+    f.growth = s->growth, f.hysteresis_left = s->hysteresis, f.skipped = s->skipped;
+    f.scale = s->scale;
+    f.init = s->c.init, f.min = s->c.min;
+    f.hash = fnv1a64(&f, offsetof(LossScaleFile, hash), FNV1A64_INIT);
+    return write_file_atomic(name, &f, sizeof f, err, errlen);
+}
+
+int ckpt_load_loss_scale(const char *path, const CkptHeader *h, LossScaler *s, char *err, size_t errlen) {
+    if (!(h->flags & CKPT_LOSS_SCALE)) return 0;
+    char name[PATH_BUF], e[512];
+    if (loss_scale_path(name, sizeof name, path, h->step)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    size_t len;
+    char *buf = read_file(name, &len, e, sizeof e);
+    if (!buf) return set_err(err, errlen, "checkpoint %s keeps its loss scaler beside it, but %s", path, e);
+    LossScaleFile f;
+    memset(&f, 0, sizeof f);
+    if (len == sizeof f) memcpy(&f, buf, sizeof f);
+    free(buf);
+    if (len != sizeof f || memcmp(f.magic, LOSS_SCALE_MAGIC, 8) || f.hash != fnv1a64(&f, offsetof(LossScaleFile, hash), FNV1A64_INIT) ||
+        f.kind <= LOSS_SCALE_NONE || f.kind > LOSS_SCALE_DYNAMIC || f.window < 1 || f.hysteresis < 1 || f.growth < 0 ||
+        f.hysteresis_left < 0 || f.skipped < 0 || !(f.scale > 0) || !(f.init > 0) || !(f.min > 0))
+        return set_err(err, errlen, "%s (the loss scaler of checkpoint %s) is corrupt", name, path);
+    *s = (LossScaler){{(LossScaleKind)f.kind, f.init, f.min, f.window, f.hysteresis}, f.scale, f.growth,
+                      f.hysteresis_left, f.skipped, 0};
+    return 1;
 }
 
 /* ---- reading ---- */
@@ -392,7 +444,7 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     ckpt_model_config(h, &c);
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
-    out->flags = h->flags & CKPT_MOE_BIAS;
+    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE);
     if (h->moe_experts <= 0) {  /* identical runs write identical manifests: a dense model's MoE fields are zero */
         out->moe_experts = out->moe_expert_dim = 0;
         out->moe_top_k = out->moe_shared_experts = out->moe_every = out->moe_router_sigmoid = 0;

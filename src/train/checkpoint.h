@@ -41,7 +41,7 @@ typedef struct {
     int32_t warmup_steps, total_steps, cosine;
     int32_t lr_decay_steps;                    /* the cosine's horizon (0 in older files: total_steps) */
     uint32_t name_len;                         /* manifest: length of the shards' base name */
-    uint32_t flags;                            /* CKPT_MOE_BIAS (0 in older files) */
+    uint32_t flags;                            /* CKPT_MOE_BIAS, CKPT_LOSS_SCALE (0 in older files) */
     int32_t global_batch;                      /* sequences per optimizer step (0 in older files:
                                                 * batch_size x world) */
     int32_t grad_accum_steps;                  /* micro-batches per step (0 in older files: 1) */
@@ -64,6 +64,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 /* flags: the MoE router's selection biases (aux-loss-free balancing) are kept beside the
  * manifest, in "<path>.s<step>.moebias" (ckpt_write_moe_bias) */
 #define CKPT_MOE_BIAS 1u
+/* flags: the loss scaler's keys and state are kept beside the manifest, in
+ * "<path>.s<step>.lossscale" (ckpt_write_loss_scale) */
+#define CKPT_LOSS_SCALE 2u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {
@@ -118,6 +121,14 @@ int ckpt_write_settings(const char *path, int step, const char *text, char *err,
  * (model_moe_alloc's, made here where m has none yet). 0, or -1 with err. */
 int ckpt_write_moe_bias(const char *path, int step, const float *bias, int n_moe, int X, char *err, size_t errlen);
 int ckpt_load_moe_bias(const char *path, const CkptHeader *h, Model *m, char *err, size_t errlen);
+/* A loss scaler (its keys and state: the scale, its trackers, the steps skipped) beside the
+ * checkpoint of `step`, as "<path>.s<step>.lossscale" (magic, the fields, an FNV-1a checksum),
+ * written atomically before the manifest that names the step, by one rank (every rank's is
+ * the same); removed with its step's other files. ckpt_load_loss_scale: where h says the
+ * checkpoint keeps one (CKPT_LOSS_SCALE), the one of h's step into *s and 1; 0 where it keeps
+ * none; -1 with err. */
+int ckpt_write_loss_scale(const char *path, int step, const LossScaler *s, char *err, size_t errlen);
+int ckpt_load_loss_scale(const char *path, const CkptHeader *h, LossScaler *s, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the
  * manifest at path for `world` shards (what a save will need on disk). */
 uint64_t ckpt_rank_file_bytes(uint64_t n_ranges, uint64_t n_values, int has_optim);

@@ -93,6 +93,17 @@ static const Key KEYS[] = {
       "Adafactor: step size min(1e-2, 1/sqrt(t)) instead of the lr schedule (with scale_parameter: the paper's)"),
     B(adafactor_scale_parameter, "false", TR, "Adafactor: multiply the step size by max(1e-3, RMS of the tensor)"),
     F(grad_clip, "0", 0, 1e9, TR, "clip the global gradient norm to this (0 = off)"),
+    S(loss_scale, "auto", TR,
+      "loss scaling: none; dynamic (PyTorch's GradScaler, Megatron-LM's with loss_scale_hysteresis > 1); or a "
+      "fixed scale (a number > 0); auto = dynamic with precision=fp16, else none. A step whose gradient overflows "
+      "is skipped (see README)"),
+    F(loss_scale_init, "65536", 1e-6, 1e30, TR, "loss_scale=dynamic: the scale at the start"),
+    I(loss_scale_window, "2000", 1, INT_MAX, TR,
+      "loss_scale=dynamic: steps without an overflow before the scale doubles"),
+    I(loss_scale_hysteresis, "1", 1, 1 << 20, TR,
+      "loss_scale=dynamic: overflows since the scale last grew before it halves (1 = PyTorch's: every one; "
+      "Megatron-LM's default is 2); every overflow skips its step"),
+    F(loss_scale_min, "1", 1e-6, 1e30, TR, "loss_scale=dynamic: the scale never halves below this"),
     S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL, "folder of train.bin / val.bin (prepare writes here)"),
     S(train_data, "", TR, "training shard (default <data_dir>/train.bin)"),
     S(val_data, "", TR | CMD_EVAL, "validation shard (default <data_dir>/val.bin)"),
@@ -113,9 +124,10 @@ static const Key KEYS[] = {
     S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL | CMD_EXPORT, "checkpoint to sample from / evaluate / export"),
     E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
       "compute device (cuda: one GPU per process; several with mpirun and NCCL)"),
-    E(precision, "auto", "auto|fp32|mixed|bf16", TR | CMD_ESTIMATE,
+    E(precision, "auto", "auto|fp32|mixed|bf16|fp16", TR | CMD_ESTIMATE,
       "auto = mixed on cuda, fp32 on cpu; mixed = bf16 compute, fp32 master weights and AdamW; "
-      "bf16 = bf16 weights, gradients and AdamW state"),
+      "bf16 = bf16 weights, gradients and AdamW state; fp16 = fp16 compute with loss scaling (not built yet: "
+      "refused)"),
     E(attention, "auto", "auto|cudnn|own", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
       "cuda, bf16: attention's kernels: auto = cuDNN's fused flash attention or ours, whichever was faster for "
       "the shape (see README); cudnn = cuDNN's wherever it runs; own = never cuDNN's"),
@@ -394,6 +406,11 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                            (long long)c->batch_size * c->context_len);
         if (strcmp(c->precision, "auto") && strcmp(c->precision, "fp32") && !strcmp(c->device, "cpu"))
             return set_err(err, errlen, "precision=%s needs a GPU; the cpu device computes in fp32", c->precision);
+        if (!strcmp(c->precision, "fp16"))
+            return set_err(err, errlen, "precision=fp16: fp16 compute is not built yet (the cuda backend has no fp16 "
+                           "kernels); precision=mixed computes in bf16, which needs no loss scaling");
+        LossScaleConfig ls;
+        if ((cmd & CMD_TRAIN) && config_loss_scale(c, &ls, err, errlen)) return -1;
         int decay = c->lr_decay_steps ? c->lr_decay_steps : c->steps;
         if (c->warmup_steps > decay && !strcmp(c->lr_schedule, "cosine"))
             return set_err(err, errlen, "warmup_steps=%d exceeds %s=%d", c->warmup_steps,
@@ -479,6 +496,32 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
     return 0;
 }
 
+int config_loss_scale(const Config *c, LossScaleConfig *out, char *err, size_t errlen) {
+    *out = (LossScaleConfig){LOSS_SCALE_NONE, c->loss_scale_init, c->loss_scale_min, c->loss_scale_window,
+                             c->loss_scale_hysteresis};
+    const char *v = c->loss_scale;
+    if (!strcmp(v, "dynamic") || (!strcmp(v, "auto") && !strcmp(c->precision, "fp16"))) out->kind = LOSS_SCALE_DYNAMIC;
+    else if (strcmp(v, "none") && strcmp(v, "auto")) {
+        char *end;
+        errno = 0;
+        double x = strtod(v, &end);
+        if (!*v || *end || errno || !isfinite(x) || x <= 0 || x > 1e30)
+            return set_err(err, errlen, "loss_scale=%s: expected none, dynamic, auto or a scale (a number in (0, 1e30])",
+                           v);
+        out->kind = LOSS_SCALE_FIXED;
+        out->init = x;
+    }
+    static const char *dynamic_only[] = {"loss_scale_init", "loss_scale_window", "loss_scale_hysteresis",
+                                         "loss_scale_min"};
+    for (size_t i = 0; i < sizeof dynamic_only / sizeof dynamic_only[0]; i++)
+        if (out->kind != LOSS_SCALE_DYNAMIC && config_was_set(dynamic_only[i]))
+            return set_err(err, errlen, "%s applies with loss_scale=dynamic (loss_scale=%s)", dynamic_only[i], v);
+    if (out->kind == LOSS_SCALE_DYNAMIC && c->loss_scale_min > c->loss_scale_init)
+        return set_err(err, errlen, "loss_scale_min=%g exceeds loss_scale_init=%g", c->loss_scale_min,
+                       c->loss_scale_init);
+    return 0;
+}
+
 int config_virtual_stages(const Config *c) {
     if (c->virtual_stages) return c->virtual_stages;
     return !strcmp(c->pipeline_schedule, "interleaved") ? 2 : 1;
@@ -538,6 +581,7 @@ void config_print(const Config *c, int cmd) {
     for (int i = 0; i < N_KEYS; i++) {
         if (!(KEYS[i].cmds & cmd) || KEYS[i].type == T_STR) continue;
         if (!c->moe_experts && !strncmp(KEYS[i].name, "moe_", 4)) continue;  /* (a dense model's header) */
+        if (strcmp(c->loss_scale, "dynamic") && !strncmp(KEYS[i].name, "loss_scale_", 11)) continue;
         if (col > 88) { printf("\n"); col = 0; }
         col += printf("%s%s=", col ? " " : "  ", KEYS[i].name);
         print_value(c, &KEYS[i]);

@@ -20,6 +20,9 @@ typedef struct {
     char offload[16];               /* none | optimizer | params */
     double adafactor_beta1, adafactor_clip_threshold, adafactor_decay_rate;
     int adafactor_relative_step, adafactor_scale_parameter;
+    char loss_scale[32];            /* auto | none | dynamic | a fixed scale (config_loss_scale) */
+    double loss_scale_init, loss_scale_min;
+    int loss_scale_window, loss_scale_hysteresis;
     /* data */
     char data_dir[512], train_data[512], val_data[512], tokenizer_dir[512], input[512];
     double val_fraction;
@@ -69,6 +72,10 @@ int config_parse(Config *c, int cmd, int argc, char **argv, char *err, size_t er
 int config_validate(const Config *c, int cmd, char *err, size_t errlen);
 /* Was this key given explicitly in the last config_parse? */
 int config_was_set(const char *key);
+/* The loss scaling the keys ask for (loss_scale and its loss_scale_* keys; auto resolved by
+ * precision). 0, or -1 with a one-line message naming the key. */
+struct LossScaleConfig;
+int config_loss_scale(const Config *c, struct LossScaleConfig *out, char *err, size_t errlen);
 /* Chunks per pipeline rank: virtual_stages, or its default (2 with interleaved, else 1). */
 int config_virtual_stages(const Config *c);
 /* Prints every key of the subcommands in mask with its default and meaning. */

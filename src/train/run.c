@@ -18,13 +18,15 @@ ModelConfig model_config_of(const Config *c) {
 }
 
 OptimConfig optim_config_of(const Config *c) {
+    LossScaleConfig ls;
+    if (config_loss_scale(c, &ls, NULL, 0)) ls.kind = LOSS_SCALE_NONE;  /* (validated before: never) */
     return (OptimConfig){c->lr, c->min_lr, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip, c->warmup_steps,
                          c->lr_decay_steps, !strcmp(c->lr_schedule, "cosine"),
                          !strcmp(c->optimizer, "adafactor") ? OPTIM_ADAFACTOR : OPTIM_ADAMW, c->adafactor_beta1,
                          c->adafactor_clip_threshold, c->adafactor_decay_rate, c->adafactor_relative_step,
                          c->adafactor_scale_parameter,
                          !strcmp(c->offload, "params") ? OFFLOAD_PARAMS
-                         : !strcmp(c->offload, "optimizer") ? OFFLOAD_OPTIMIZER : OFFLOAD_NONE};
+                         : !strcmp(c->offload, "optimizer") ? OFFLOAD_OPTIMIZER : OFFLOAD_NONE, ls};
 }
 
 EstimateInput estimate_input_of(const Config *c, int world, int shard_size, const OptimConfig *oc) {

@@ -231,10 +231,12 @@ static void recv_slot(CommP2P *slots, int i, const Comm *link, void *buf, size_t
 double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     Model *m = st->m;
     /* each micro-batch's gradient is that of its mean loss / micro: the step's gradient is
-     * that of the mean over all its tokens (every micro-batch has as many). Under expert
-     * parallel also / ep_size: the gradients are averaged over the ranks that hold the same
-     * experts and summed over the ep group (its experts' rows come from all of it). */
-    float scale = 1.0f / (float)st->micro / (float)m->ep_size;
+     * that of the mean over all its tokens (every micro-batch has as many); times the loss
+     * scale, which the update divides back out. Under expert parallel also / ep_size: the
+     * gradients are averaged over the ranks that hold the same experts and summed over the ep
+     * group (its experts' rows come from all of it). */
+    Optimizer *opt = parallel_optimizer(st->par);
+    float scale = optim_loss_scale(opt) / (float)st->micro / (float)m->ep_size;
     size_t N = st->acts[0][0].N, act_bytes = msg_bytes(m, &st->acts[0][0]);
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;
@@ -311,7 +313,8 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         model_moe_take_stats(m, st->moe_host);
         for (size_t i = 0; i < n; i++) st->moe_stats[i] = st->moe_host[i];
         if (piped(st)) comm_allreduce_double(st->pipe.pipe, st->moe_stats, n);
-        model_moe_balance(m, st->moe_stats);  /* (the next step chooses with the moved biases) */
+        /* (the next step chooses with the moved biases; a skipped step moves nothing) */
+        if (!optim_loss_scaler(opt)->last_skipped) model_moe_balance(m, st->moe_stats);
     }
     if (st->head_chunk >= 0)
         for (int k = 0; k < st->n_acts[st->head_chunk]; k++) st->acts[st->head_chunk][k].losses = st->own_losses[k];

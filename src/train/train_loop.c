@@ -179,15 +179,19 @@ TrainTotals train_loop(TrainRun *r) {
         }
         double t0 = now_seconds();
         inject_fault(r->world.rank, step + 1);
+        if (hook_rank_at_step(HOOK_FAULT_OVERFLOW, r->world.rank, step + 1)) parallel_inject_overflow(r->par);
+        LossScaler *scaler = optim_loss_scaler(parallel_optimizer(r->par));
+        float loss_scale = scaler->scale;  /* this step's (its decision moves it for the next) */
         trace_step(step + 1);
         if (step == r->start + 1) ops_profile_reset();
-        /* A non-finite loss still stops the run before anything is saved. */
+        /* A non-finite loss still stops the run before anything is saved; so does a non-finite
+         * gradient norm, unless a loss scaler skipped the step for it (every rank alike). */
         double lr, norm, l = step_run(&r->st, &r->oc, &norm, &lr);
         if (step + 1 == nan_step && r->lead) l = NAN;
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
         comm_allreduce_double(loss_group, &l, 1);
         loss = (float)(l / loss_ranks);
-        if (!isfinite(loss) || !isfinite(norm)) {
+        if (!isfinite(loss) || (!isfinite(norm) && !scaler->last_skipped)) {
             parallel_sync(r->par);  /* offload: no update thread left running into the exit */
             stop_non_finite(&pr, r->log, step + 1, !isfinite(loss) ? "loss" : "gradient norm", !isfinite(loss) ? loss : norm,
                             r->lead, r->saving ? c->ckpt_path : NULL);
@@ -208,7 +212,13 @@ TrainTotals train_loop(TrainRun *r) {
             jsonlog_raw(r->log, "\"step\":%d", step + 1);
             jsonlog_num(r->log, "loss", "%.6f", loss);
             jsonlog_num(r->log, "lr", "%.6e", lr);
-            jsonlog_num(r->log, "grad_norm", "%.6f", norm);
+            jsonlog_num(r->log, "grad_norm", "%.6f", norm);  /* (null where the step overflowed) */
+            if (scaler->c.kind) {  /* this step's scale, then the trackers after its decision */
+                jsonlog_num(r->log, "loss_scale", "%.9g", loss_scale);
+                jsonlog_raw(r->log, ",\"skipped\":%s,\"skipped_steps\":%d,\"loss_scale_growth\":%d,"
+                            "\"loss_scale_hysteresis\":%d", scaler->last_skipped ? "true" : "false", scaler->skipped,
+                            scaler->growth, scaler->hysteresis);
+            }
             jsonlog_num(r->log, "ms", "%.2f", dt * 1e3);
             jsonlog_num(r->log, "comm_wait_ms", "%.2f", wait * 1e3);
             jsonlog_num(r->log, "tokens_per_s", "%.1f", tok_s);
@@ -226,6 +236,7 @@ TrainTotals train_loop(TrainRun *r) {
             progress_clear(&pr);
             printf("step %5d/%d | loss %.4f | lr %.2e | grad_norm %7.4f | %7.1f ms | %8.0f tok/s | ", step + 1, c->steps,
                    loss, lr, norm, dt * 1e3, tok_s);
+            if (scaler->c.kind) printf("scale %g%s | ", loss_scale, scaler->last_skipped ? " overflow: skipped" : "");
             if (r->gpu) printf("%6.2f TFLOP/s", gflops / 1e3);
             else printf("%6.1f GFLOP/s", gflops);
             if (r->peak > 0) printf(" | MFU %5.2f%%", 100 * gflops * 1e9 / (r->peak * r->world.size));
@@ -275,6 +286,8 @@ TrainTotals train_loop(TrainRun *r) {
             if (!unsaved && r->lead && r->m.moe_bias)  /* (the same on every rank) */
                 unsaved = ckpt_write_moe_bias(c->ckpt_path, step + 1, r->m.moe_bias_host, r->m.n_moe, r->m.X, err,
                                               sizeof err) != 0;
+            if (!unsaved && r->lead && scaler->c.kind)  /* (likewise) */
+                unsaved = ckpt_write_loss_scale(c->ckpt_path, step + 1, scaler, err, sizeof err) != 0;
             comm_allreduce_max_int(&r->world, &unsaved, 1);
             if (unsaved && !r->lead) snprintf(err, sizeof err, "rank 0 could not write the checkpoint's settings");
             /* every rank gets the same answer: one of them says it */

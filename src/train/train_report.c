@@ -58,6 +58,11 @@ int train_report(TrainRun *r, const TrainTotals *t) {
             jsonlog_num(r->log, "host_update_ms", "%.2f", timed_steps ? upd_timed / timed_steps * 1e3 : 0.0);
             jsonlog_num(r->log, "update_wait_ms", "%.2f", timed_steps ? uwait_timed / timed_steps * 1e3 : 0.0);
         }
+        const LossScaler *ls = optim_loss_scaler(parallel_optimizer(r->par));
+        if (ls->c.kind) {  /* (skipped: in all, a resumed run's earlier ones too) */
+            jsonlog_raw(r->log, ",\"skipped_steps\":%d", ls->skipped);
+            jsonlog_num(r->log, "loss_scale", "%.9g", ls->scale);
+        }
         jsonlog_num(r->log, "loss", "%.6f", loss);
         jsonlog_num(r->log, "val_loss", "%.6f", val_loss);
         if (r->peak > 0) {
@@ -116,6 +121,9 @@ int train_report(TrainRun *r, const TrainTotals *t) {
                    r->gpu ? "GPU allocator high-water mark" : "max RSS",
                    fmt_bytes(b2, e));
         }
+        if (ls->c.kind)
+            printf("loss scale: %d step%s skipped for an overflow%s; the scale is now %g\n", ls->skipped,
+                   ls->skipped == 1 ? "" : "s", r->resuming ? " (in all, the resumed run's included)" : "", ls->scale);
         printf("checkpoint: %s\n", r->saving ? c->ckpt_path : "none (ckpt_path=none)");
         fflush(stdout);
         if (final_log_error)

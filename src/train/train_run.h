@@ -43,6 +43,8 @@ typedef struct {
     MemEstimate est;
     int resuming, ckpt_global, start;
     CkptHeader resume_h, h;  /* the checkpoint resumed from; the one each save writes */
+    LossScaler resume_scaler;  /* the checkpoint's loss scaler, where it keeps one (resume_has_scaler) */
+    int resume_has_scaler;
     int saving;
     JsonLog log_store, *log;  /* rank 0's log (NULL elsewhere) */
     char *settings;           /* its first line, written beside every checkpoint too */

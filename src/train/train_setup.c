@@ -99,6 +99,21 @@ static int config_from_ckpt(Config *c, const CkptHeader *h, int dp, Fail *f) {
     return 0;
 }
 
+/* A resumed run keeps its checkpoint's loss scaling unless loss_scale is given (its scale
+ * and trackers then continue, train_setup), and reads the scaler's file beside it now. */
+static int loss_scale_from_ckpt(Config *c, TrainRun *r, Fail *f) {
+    char err[1024];
+    int kept = ckpt_load_loss_scale(c->resume, &r->resume_h, &r->resume_scaler, err, sizeof err);
+    if (kept < 0) return fail_set(f, EXIT_BAD_INPUT, "%s", err);
+    r->resume_has_scaler = kept;
+    if (!kept || config_was_set("loss_scale")) return 0;
+    const LossScaleConfig *k = &r->resume_scaler.c;
+    loss_scale_name(k, c->loss_scale, sizeof c->loss_scale);
+    c->loss_scale_init = k->init, c->loss_scale_min = k->min;
+    c->loss_scale_window = k->window, c->loss_scale_hysteresis = k->hysteresis;
+    return 0;
+}
+
 /* The log's first line of a run (and of each resumed part of it): every key in force. */
 static void log_key(void *ctx, const char *key, const char *value, int is_text) {
     JsonLog *l = ctx;
@@ -201,6 +216,14 @@ static void print_header(const TrainRun *r) {
             printf("pipeline bubble: %.1f%% of the step predicted ((p-1)%s/(m+(p-1)%s))\n",
                    100.0 * (1.0 - (double)r->M / (r->M + (double)(r->PP - 1) / r->V)), r->V > 1 ? "/v" : "", r->V > 1 ? "/v" : "");
     }
+    const LossScaleConfig *ls = &r->oc.loss_scale;
+    if (ls->kind == LOSS_SCALE_FIXED)
+        printf("loss scale: fixed at %g; a step whose gradient overflows is skipped\n", ls->init);
+    if (ls->kind == LOSS_SCALE_DYNAMIC)
+        printf("loss scale: dynamic (init %g), x2 after %d steps without an overflow, x0.5 (not below %g) at each "
+               "overflow from the %d%s since it last grew; a step whose gradient overflows is skipped\n", ls->init,
+               ls->window, ls->min, ls->hysteresis, ls->hysteresis == 1 ? "st" : ls->hysteresis == 2 ? "nd"
+                                                                     : ls->hysteresis == 3 ? "rd" : "th");
     if (!strcmp(c->lr_schedule, "cosine"))
         printf("schedule: warmup %d steps, cosine from %g to %g at step %d (lr_decay_steps)%s\n", c->warmup_steps,
                c->lr, c->min_lr, c->lr_decay_steps, c->lr_decay_steps < c->steps ? ", then min_lr" : "");
@@ -257,7 +280,8 @@ void train_setup(TrainRun *r, Config *c) {
     r->resuming = c->resume[0] != 0;
     if (r->resuming) {
         if (ckpt_read_header(c->resume, &r->resume_h, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
-        else if (!check_against_ckpt(c, &r->resume_h, c->resume, &f) && !config_from_ckpt(c, &r->resume_h, r->dp, &f)) {
+        else if (!check_against_ckpt(c, &r->resume_h, c->resume, &f) && !config_from_ckpt(c, &r->resume_h, r->dp, &f) &&
+                 !loss_scale_from_ckpt(c, r, &f)) {
             r->ckpt_global = r->resume_h.global_batch ? r->resume_h.global_batch : r->resume_h.batch_size * r->resume_h.world;
             if (config_validate(c, CMD_TRAIN, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
             else if (r->resume_h.step >= c->steps)
@@ -419,6 +443,12 @@ void train_setup(TrainRun *r, Config *c) {
         comm_exit_if_failed(&r->world, &f);
         parallel_params_changed(r->par);
         parallel_set_adam_steps(r->par, r->resume_h.adam_step);
+        if (r->resume_has_scaler) {  /* the steps skipped so far; a dynamic scale goes on where it was */
+            LossScaler *ls = optim_loss_scaler(parallel_optimizer(r->par)), *was = &r->resume_scaler;
+            ls->skipped = was->skipped;
+            if (ls->c.kind == LOSS_SCALE_DYNAMIC && was->c.kind == LOSS_SCALE_DYNAMIC && !config_was_set("loss_scale_init"))
+                ls->scale = was->scale, ls->growth = was->growth, ls->hysteresis = was->hysteresis;
+        }
         r->start = r->resume_h.step;
         if (r->lead)
             printf("resumed from %s at step %d (saved by %d rank%s)\n", c->resume, r->start, r->resume_h.world,
@@ -476,6 +506,7 @@ void train_setup(TrainRun *r, Config *c) {
         r->h.moe_bias_balance = (float)c->moe_bias_balance;
         if (r->m.moe_bias) r->h.flags |= CKPT_MOE_BIAS;
     }
+    if (r->oc.loss_scale.kind) r->h.flags |= CKPT_LOSS_SCALE;
 
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
