@@ -14,6 +14,9 @@
 static int g_mpi;            /* MPI initialised by us */
 static double g_timeout;     /* seconds; 0 = forever */
 int g_comm_world_rank;
+uint64_t g_comm_bytes_sent;
+
+uint64_t comm_bytes_sent(void) { return g_comm_bytes_sent; }
 
 int comm_using_mpi(void) { return g_mpi; }
 

@@ -62,6 +62,11 @@ typedef struct {
     void *chain;       /* a hierarchical all-reduce's stages (comm_hier.c); NULL otherwise */
 } CommReq;
 
+/* Bytes this process has sent to other ranks through MPI since it started: the rings'
+ * messages, the all-to-alls' and the point-to-point messages (not the host collectives of a
+ * few scalars, nor NCCL's traffic, which NCCL moves itself). */
+uint64_t comm_bytes_sent(void);
+
 /* Starts the world: MPI when this process was started by a launcher (mpirun, srun; it
  * looks at OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK and SLURM_NTASKS), else a world of
  * one. timeout_s bounds every wait (0 = forever). */

@@ -56,6 +56,7 @@ typedef struct {
 static inline MPI_Comm mpi(const Comm *c) { return ((CommImpl *)c->impl)->mc; }
 
 extern int g_comm_world_rank;  /* this rank in the world, for messages */
+extern uint64_t g_comm_bytes_sent;  /* comm_bytes_sent's count */
 
 enum { K_ALLREDUCE, K_REDUCE_SCATTER, K_ALLGATHER };  /* CommReq.kind */
 /* comm_hier.c: comm_test of a hierarchical all-reduce (r->chain) */

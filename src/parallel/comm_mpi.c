@@ -118,6 +118,7 @@ static int ring_post(CommReq *r) {
     size_t c0 = (size_t)r->chunk * CHUNK, sl = blk_len(r, sb), rl = blk_len(r, rb);
     size_t slen = c0 < sl ? (sl - c0 < CHUNK ? sl - c0 : CHUNK) : 0, rlen = c0 < rl ? (rl - c0 < CHUNK ? rl - c0 : CHUNK) : 0;
     float *rdst = r->phase == 0 ? r->stage : r->buf + blk_lo(r, rb) + c0;
+    g_comm_bytes_sent += slen * sizeof(float);
     comm_check(MPI_Isend(r->buf + blk_lo(r, sb) + c0, (int)slen, MPI_FLOAT, mod(R + 1, D), r->tag, mpi(r->c), r->sreq),
           r->c, r->what);
     comm_check(MPI_Irecv(rdst, (int)rlen, MPI_FLOAT, mod(R - 1, D), r->tag, mpi(r->c), r->rreq), r->c, r->what);
@@ -218,6 +219,7 @@ void comm_broadcast(const Comm *c, void *buf, size_t bytes, int root) {
 void comm_send(const Comm *c, const void *buf, size_t bytes, int peer, int tag) {
     if (!c->impl) return;
     MPI_Request *q = xmalloc(sizeof *q);
+    g_comm_bytes_sent += bytes;
     blocking(c, MPI_Isend(buf, count_of(bytes, c, "send"), MPI_BYTE, peer, tag, mpi(c), q), q, "send");
 }
 
@@ -229,6 +231,7 @@ void comm_recv(const Comm *c, void *buf, size_t bytes, int peer, int tag) {
 
 static void mpi_isend(const Comm *c, const void *buf, size_t bytes, int peer, int tag, CommP2P *r, const char *what) {
     MPI_Request *q = xmalloc(sizeof *q);
+    g_comm_bytes_sent += bytes;
     comm_check(MPI_Isend(buf, count_of(bytes, c, what), MPI_BYTE, peer, tag, mpi(c), q), c, what);
     r->q = q;
 }

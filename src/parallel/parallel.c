@@ -8,6 +8,7 @@
 #include <string.h>
 #include "ops.h"
 #include "parallel_impl.h"
+#include "compress.h"
 #include "tensor.h"
 #include "util.h"
 
@@ -93,6 +94,7 @@ void parallel_free(Parallel *p) {
     for (int u = 0; u < p->m->n_units; u++) par_wait(p, &p->greq[u]);
     for (int i = 0; i < N_SLOTS; i++) par_wait(p, &p->slots[i].req);
     optim_free(p->opt);  /* first: with offload its thread and copies still use the buffers */
+    compress_free(p->comp);
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
     op_free(p->tp_pack);
@@ -340,8 +342,29 @@ void par_progress(Parallel *p) {
         if (p->gfinal[u] && optim_grad_wanted(p->opt, u) && comm_test(p->gfinal[u])) optim_grad_final(p->opt, u);
 }
 
+int parallel_set_compression(Parallel *p, int kind, char *err, size_t errlen) {
+    if (!kind) return 0;
+    if (p->s != &par_ddp || !ops_host_memory() || !p->grads)
+        return set_err(err, errlen, "grad_compression=%s applies to DDP on CPU ranks (fsdp and zero_opt off, "
+                       "device=cpu)", compress_kind_name((CompressKind)kind));
+    p->comp = compress_create((CompressKind)kind, p->m->n_flat, p->D);
+    return 0;
+}
+
+float *parallel_compression_state(Parallel *p, size_t *n_e, float **f, size_t *n_f) {
+    if (!p->comp) return NULL;
+    *f = compress_server_state(p->comp);
+    return compress_state(p->comp, n_e, n_f);
+}
+
 void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req) {
     const Mesh *mesh = p->mesh;
+    /* compressed: blocking, complete on return (a request never begun) */
+    if (p->comp && p->D > 1 &&
+        compress_allreduce(p->comp, p->group, buf, (size_t)((float *)buf - (float *)p->grads), n)) {
+        memset(req, 0, sizeof *req);
+        return;
+    }
     if (mesh && mesh->hier_allreduce && p->group == &mesh->dp && n % (size_t)mesh->node.size == 0)
         comm_iallreduce_hier(&mesh->node, &mesh->cross, buf, n, par_ctype(), COMM_AVG, req,
                              "gradient all-reduce (inside the machine, then across)");

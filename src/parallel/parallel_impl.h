@@ -104,6 +104,8 @@ struct Parallel {
     double wait_s;
     int overflow_next;  /* parallel_inject_overflow: the step's next unit gradient made non-finite */
     UnitHooks hooks;
+    /* grad_compression (DDP): the buckets' all-reduce compressed, with error feedback (compress.h) */
+    struct Compressor *comp;
 };
 
 /* One data-parallel strategy. Entries marked optional may be NULL. */

@@ -59,10 +59,10 @@ static void remove_stale_shards(const char *path, int step, int world) {
         int s, r, w, n = 0;
         if (strncmp(e->d_name, base, blen)) continue;
         /* the settings, router biases and loss scaler a run wrote with an earlier checkpoint
-         * (ckpt_write_settings, ckpt_write_moe_bias, ckpt_write_loss_scale) */
-        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n", ".s%d.lossscale%n"};
+         * (ckpt_write_settings, ckpt_write_moe_bias, ckpt_write_loss_scale, ckpt_write_grad_ef) */
+        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n", ".s%d.lossscale%n", ".s%d.ef%*d%n"};
         int other = 0;
-        for (int k = 0; k < 3 && !other; k++) {
+        for (int k = 0; k < 4 && !other; k++) {
             n = 0;  /* (set only where the whole pattern matched) */
             other = sscanf(e->d_name + blen, beside[k], &s, &n) == 1 && n > 0 && s != step &&
                     (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5));
@@ -86,6 +86,58 @@ int ckpt_write_settings(const char *path, int step, const char *text, char *err,
     int n = snprintf(name, sizeof name, "%s.s%08d.settings", path, step);
     if (n < 0 || (size_t)n >= sizeof name) return set_err(err, errlen, "checkpoint path too long: %s", path);
     return write_file_atomic(name, text, strlen(text), err, errlen);
+}
+
+#define GRAD_EF_MAGIC "MTGREF01"
+typedef struct { char magic[8]; int32_t rank, world, kind, reserved; uint64_t n_e, n_f; } GradEfHead;
+
+static int grad_ef_path(char *name, size_t len, const char *path, int step, int rank) {
+    int n = snprintf(name, len, "%s.s%08d.ef%d", path, step, rank);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+int ckpt_write_grad_ef(const char *path, int step, int rank, int world, int kind, const float *e, size_t n_e,
+                       const float *f, size_t n_f, char *err, size_t errlen) {
+    char name[PATH_BUF];
+    if (grad_ef_path(name, sizeof name, path, step, rank)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    GradEfHead hd = {GRAD_EF_MAGIC, rank, world, kind, 0, n_e, n_f};
+    size_t bytes = sizeof hd + (n_e + n_f) * sizeof(float) + 8;
+    char *buf = xmalloc(bytes);
+    memcpy(buf, &hd, sizeof hd);
+    memcpy(buf + sizeof hd, e, n_e * sizeof(float));
+    memcpy(buf + sizeof hd + n_e * sizeof(float), f, n_f * sizeof(float));
+    uint64_t hash = fnv1a64(buf, bytes - 8, FNV1A64_INIT);
+    memcpy(buf + bytes - 8, &hash, 8);
+    int rc = write_file_atomic(name, buf, bytes, err, errlen);
+    free(buf);
+    return rc;
+}
+
+int ckpt_load_grad_ef(const char *path, const CkptHeader *h, int rank, int world, int kind, float *e, size_t n_e,
+                      float *f, size_t n_f, char *err, size_t errlen) {
+    if (!(h->flags & CKPT_GRAD_EF) || (int)h->world != world) return 0;
+    char name[PATH_BUF], msg[512];
+    if (grad_ef_path(name, sizeof name, path, h->step, rank))
+        return set_err(err, errlen, "checkpoint path too long: %s", path);
+    size_t len;
+    char *buf = read_file(name, &len, msg, sizeof msg);
+    if (!buf) return set_err(err, errlen, "checkpoint %s keeps its gradient compression's residuals beside it, but %s",
+                             path, msg);
+    GradEfHead hd;
+    memset(&hd, 0, sizeof hd);
+    uint64_t hash = 0;
+    if (len >= sizeof hd + 8) memcpy(&hd, buf, sizeof hd), memcpy(&hash, buf + len - 8, 8);
+    int bad = len < sizeof hd + 8 || memcmp(hd.magic, GRAD_EF_MAGIC, 8) || hd.rank != rank || hd.world != world ||
+              len != sizeof hd + (hd.n_e + hd.n_f) * sizeof(float) + 8 || hash != fnv1a64(buf, len - 8, FNV1A64_INIT);
+    int same = !bad && hd.kind == kind && hd.n_e == n_e && hd.n_f == n_f;
+    if (same) {
+        memcpy(e, buf + sizeof hd, n_e * sizeof(float));
+        memcpy(f, buf + sizeof hd + n_e * sizeof(float), n_f * sizeof(float));
+    }
+    free(buf);
+    if (bad) return set_err(err, errlen, "%s (rank %d's gradient compression residuals of checkpoint %s) is corrupt", name,
+                            rank, path);
+    return same;
 }
 
 #define MOE_BIAS_MAGIC "MTMOEB01"
@@ -444,7 +496,7 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     ckpt_model_config(h, &c);
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
-    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE);
+    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE | CKPT_GRAD_EF);
     if (h->moe_experts <= 0) {  /* identical runs write identical manifests: a dense model's MoE fields are zero */
         out->moe_experts = out->moe_expert_dim = 0;
         out->moe_top_k = out->moe_shared_experts = out->moe_every = out->moe_router_sigmoid = 0;

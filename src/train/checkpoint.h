@@ -67,6 +67,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 /* flags: the loss scaler's keys and state are kept beside the manifest, in
  * "<path>.s<step>.lossscale" (ckpt_write_loss_scale) */
 #define CKPT_LOSS_SCALE 2u
+/* flags: the gradient compression's residuals (error feedback) are kept beside the manifest,
+ * each rank's in "<path>.s<step>.ef<rank>" (ckpt_write_grad_ef) */
+#define CKPT_GRAD_EF 4u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {
@@ -127,6 +130,15 @@ int ckpt_load_moe_bias(const char *path, const CkptHeader *h, Model *m, char *er
  * the same); removed with its step's other files. ckpt_load_loss_scale: where h says the
  * checkpoint keeps one (CKPT_LOSS_SCALE), the one of h's step into *s and 1; 0 where it keeps
  * none; -1 with err. */
+/* The gradient compression's residuals of one rank (rank of world; kind: the compression):
+ * e[n_e] then f[n_f], atomic and checksummed. ckpt_load_grad_ef reads them back where the
+ * checkpoint keeps them (CKPT_GRAD_EF) for the same world, compression and sizes: 1; 0 where
+ * it keeps none or another layout's (the caller then starts them at zero); -1 with err where
+ * the file is missing or corrupt. */
+int ckpt_write_grad_ef(const char *path, int step, int rank, int world, int kind, const float *e, size_t n_e,
+                       const float *f, size_t n_f, char *err, size_t errlen);
+int ckpt_load_grad_ef(const char *path, const CkptHeader *h, int rank, int world, int kind, float *e, size_t n_e,
+                      float *f, size_t n_f, char *err, size_t errlen);
 int ckpt_write_loss_scale(const char *path, int step, const LossScaler *s, char *err, size_t errlen);
 int ckpt_load_loss_scale(const char *path, const CkptHeader *h, LossScaler *s, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the

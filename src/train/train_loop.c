@@ -178,6 +178,7 @@ TrainTotals train_loop(TrainRun *r) {
             if (r->graphs) model_use_graphs(&r->m, 1);
         }
         double t0 = now_seconds();
+        uint64_t sent0 = comm_bytes_sent();
         inject_fault(r->world.rank, step + 1);
         if (hook_rank_at_step(HOOK_FAULT_OVERFLOW, r->world.rank, step + 1)) parallel_inject_overflow(r->par);
         LossScaler *scaler = optim_loss_scaler(parallel_optimizer(r->par));
@@ -221,6 +222,8 @@ TrainTotals train_loop(TrainRun *r) {
             }
             jsonlog_num(r->log, "ms", "%.2f", dt * 1e3);
             jsonlog_num(r->log, "comm_wait_ms", "%.2f", wait * 1e3);
+            if (r->world.size > 1)  /* this rank's, through MPI (comm_bytes_sent) */
+                jsonlog_raw(r->log, ",\"comm_bytes\":%llu", (unsigned long long)(comm_bytes_sent() - sent0));
             jsonlog_num(r->log, "tokens_per_s", "%.1f", tok_s);
             jsonlog_num(r->log, "gflops", "%.2f", gflops);
             if (r->peak > 0) jsonlog_num(r->log, "mfu", "%.6f", gflops * 1e9 / (r->peak * r->world.size));
@@ -288,8 +291,18 @@ TrainTotals train_loop(TrainRun *r) {
                                               sizeof err) != 0;
             if (!unsaved && r->lead && scaler->c.kind)  /* (likewise) */
                 unsaved = ckpt_write_loss_scale(c->ckpt_path, step + 1, scaler, err, sizeof err) != 0;
-            comm_allreduce_max_int(&r->world, &unsaved, 1);
-            if (unsaved && !r->lead) snprintf(err, sizeof err, "rank 0 could not write the checkpoint's settings");
+            size_t n_e, n_f;
+            float *ef, *e = parallel_compression_state(r->par, &n_e, &ef, &n_f);
+            int ef_unsaved = !unsaved && e && (r->h.flags & CKPT_GRAD_EF) &&  /* (each rank its own) */
+                             ckpt_write_grad_ef(c->ckpt_path, step + 1, r->world.rank, r->world.size, r->compress, e,
+                                                n_e, ef, n_f, err, sizeof err) != 0;
+            int own = unsaved || ef_unsaved, failed[2] = {unsaved, ef_unsaved ? r->world.rank + 1 : 0};
+            comm_allreduce_max_int(&r->world, failed, 2);
+            unsaved = failed[0] || failed[1];
+            if (unsaved && !own)  /* (a rank that failed says why itself) */
+                snprintf(err, sizeof err, failed[0] ? "rank 0 could not write the checkpoint's settings"
+                                                    : "rank %d could not write its gradient compression residuals",
+                         failed[1] - 1);
             /* every rank gets the same answer: one of them says it */
             if (unsaved || train_state_save(c->ckpt_path, &r->h, &r->world, r->par, &r->m, r->tied_copy, err, sizeof err)) {
                 progress_clear(&pr);

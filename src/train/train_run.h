@@ -46,6 +46,7 @@ typedef struct {
     LossScaler resume_scaler;  /* the checkpoint's loss scaler, where it keeps one (resume_has_scaler) */
     int resume_has_scaler;
     int saving;
+    int compress;             /* grad_compression: its CompressKind (0: none) */
     JsonLog log_store, *log;  /* rank 0's log (NULL elsewhere) */
     char *settings;           /* its first line, written beside every checkpoint too */
     Model m;

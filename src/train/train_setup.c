@@ -8,6 +8,7 @@
 #include <string.h>
 #include "config.h"
 #include "env.h"
+#include "compress.h"
 #include "expert.h"
 #include "layer_graphs.h"
 #include "ops.h"
@@ -173,6 +174,10 @@ static void print_header(const TrainRun *r) {
            r->mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
     if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
                                    r->dp / r->mesh.shard_size);
+    if (strcmp(c->grad_compression, "none") && r->dp > 1)
+        printf("gradient all-reduce: compressed to %s with error feedback (%s; what it loses is sent with the next "
+               "step's)\n", c->grad_compression,
+               !strcmp(c->grad_compression, "bf16") ? "2 bytes a value" : "a byte a value and a scale per 256 of them");
     if (r->mesh.hier_allreduce)
         printf("gradient all-reduce: inside each of %d machines (%d ranks), then across them\n", r->mesh.cross.size,
                r->mesh.node.size);
@@ -272,7 +277,8 @@ void train_setup(TrainRun *r, Config *c) {
                  "machines with as many (more than one) on each; use dp_allreduce=auto or flat", r->mesh.dp_size);
     /* DDP only (zero_opt and fsdp reduce-scatter; hybrid FSDP is their machine-aware form) */
     r->mesh.hier_allreduce = r->mesh.dp_hosts && !c->fsdp && !c->zero_opt && r->mesh.ep_size == 1 &&
-                             !strcmp(c->device, "cpu") && strcmp(c->dp_allreduce, "flat");
+                             !strcmp(c->device, "cpu") && strcmp(c->dp_allreduce, "flat") &&
+                             !strcmp(c->grad_compression, "none");
     comm_exit_if_failed(&r->world, &f);
     r->lead = r->world.rank == 0;
     r->dp = r->mesh.dp_size;
@@ -413,6 +419,9 @@ void train_setup(TrainRun *r, Config *c) {
     r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
     r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
     parallel_set_bucket(r->par, (size_t)(c->bucket_mb * 1e6));
+    r->compress = (int)(!strcmp(c->grad_compression, "bf16") ? COMPRESS_BF16 : !strcmp(c->grad_compression, "int8") ? COMPRESS_INT8 : 0);
+    if (r->dp > 1 && parallel_set_compression(r->par, r->compress, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    comm_exit_if_failed(&r->world, &f);
     if (r->lead && r->kind == PAR_DDP && r->gpu && r->dp > 1)
         printf("gradient all-reduce: %s\n", comm_copy_engines_active(&r->mesh.dp)
                    ? "copy engines (NCCL all-to-all, sum kernel, all-gather; copy_engines=true)"
@@ -437,6 +446,16 @@ void train_setup(TrainRun *r, Config *c) {
         if (train_state_load(c->resume, &r->resume_h, r->par, &r->m, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         else if (ckpt_load_moe_bias(c->resume, &r->resume_h, &r->m, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        size_t n_e, n_f;
+        float *ff, *e = parallel_compression_state(r->par, &n_e, &ff, &n_f);
+        if (!f.code && e) {  /* each rank's residuals, where the checkpoint's layout and compression are this run's */
+            int kept = ckpt_load_grad_ef(c->resume, &r->resume_h, r->world.rank, r->world.size, r->compress, e, n_e, ff,
+                                         n_f, err, sizeof err);
+            if (kept < 0) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+            else if (!kept && r->lead && (r->resume_h.flags & CKPT_GRAD_EF))
+                printf("note: the checkpoint's gradient compression residuals are of another layout or compression; "
+                       "they start at zero\n");
+        }
         LoaderState ls = {r->resume_h.loader_epoch, r->resume_h.loader_window};
         if (!f.code && loader_set_state(&r->loader, ls, err, sizeof err))
             fail_set(&f, EXIT_BAD_INPUT, "%s: %s", c->resume, err);
@@ -507,6 +526,7 @@ void train_setup(TrainRun *r, Config *c) {
         if (r->m.moe_bias) r->h.flags |= CKPT_MOE_BIAS;
     }
     if (r->oc.loss_scale.kind) r->h.flags |= CKPT_LOSS_SCALE;
+    if (r->compress && r->dp > 1) r->h.flags |= CKPT_GRAD_EF;
 
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */

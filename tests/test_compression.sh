@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Gradient compression (grad_compression=bf16|int8, error feedback) on 2 CPU ranks of DDP:
+# the losses stay near the uncompressed run's; the bytes each step sends (the log's
+# comm_bytes) are the analytic count of the compressed exchanges, and half (bf16) of the
+# uncompressed all-reduce's; each rank's residuals are saved beside the checkpoint and a
+# resume continues bitwise; a resume on another layout starts them at zero and says so;
+# bad values are one line and exit 2. (The error-feedback identity: build/tests/test_compress.)
+TEST_NAME=compression
+source "$(dirname "$0")/lib.sh"
+use_mpirun
+prepare_data 300000
+
+# tied: the embedding's gradient is reduced whole (no rows path); one collective a unit
+M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 tie_embeddings=true batch_size=4 bucket_mb=0 data_dir=$D"
+losses() { grep -o '^{"step":[0-9]*,"loss":[0-9.]*' "$1/log.jsonl" | cut -d: -f3; }
+bytes() { grep -o '"comm_bytes":[0-9]*' "$1/log.jsonl" | head -1 | cut -d: -f2; }
+near() {  # near A B TOL: every step's loss within TOL relative
+  paste <(losses "$1") <(losses "$2") | awk -v t="$3" '{d=($1-$2)/$1; if (d<0) d=-d; if (d>t) bad=1; n++} END{exit bad || n < 5}'
+}
+for k in none bf16 int8; do
+  $MPIRUN -np 2 "$BIN" train $M grad_compression=$k out_dir="$TMP/$k" >"$TMP/$k.log" 2>&1 || bad "run_$k ($(tail -1 "$TMP/$k.log"))"
+done
+near "$TMP/none" "$TMP/bf16" 1e-5 && ok bf16_follows_uncompressed || bad "bf16_follows_uncompressed ($(losses "$TMP/bf16" | tr '\n' ' '))"
+near "$TMP/none" "$TMP/int8" 1e-3 && ok int8_near_uncompressed || bad "int8_near_uncompressed ($(losses "$TMP/int8" | tr '\n' ' '))"
+grep -q "compressed to int8 with error feedback" "$TMP/int8.log" && ok header_says_compressed || bad header_says_compressed
+
+# bytes a step: units of 1,608,224 (the embedding), 2 x 8,768 (the layers) and 32 (the
+# output norm) values, each in blocks of half on 2 ranks; uncompressed a ring all-reduce sends
+# 4 bytes a value; compressed, a block goes out twice (to the rank reducing it, and its mean
+# back): bf16 2 bytes a value, int8 1 and a 4-byte scale per 256
+expect=$(awk 'BEGIN {
+  split("1608224 8768 8768 32", u); for (i = 1; i <= 4; i++) { b = u[i] / 2; plain += 2 * b * 4; bf += 2 * b * 2;
+    i8 += 2 * (b + 4 * int((b + 255) / 256)) }
+  print plain, bf, i8 }')
+read -r e_none e_bf16 e_int8 <<<"$expect"
+[ "$(bytes "$TMP/none")" = "$e_none" ] && [ "$(bytes "$TMP/bf16")" = "$e_bf16" ] && [ "$(bytes "$TMP/int8")" = "$e_int8" ] &&
+  [ $((2 * e_bf16)) = "$e_none" ] && ok bytes_counted_are_the_formula ||
+  bad "bytes_counted_are_the_formula (none $(bytes "$TMP/none") want $e_none, bf16 $(bytes "$TMP/bf16") want $e_bf16, int8 $(bytes "$TMP/int8") want $e_int8)"
+
+# -- the residuals are saved, each rank's, and a resume continues bitwise
+[ -s "$TMP/int8/ckpt.bin.s00000005.ef0" ] && [ -s "$TMP/int8/ckpt.bin.s00000005.ef1" ] && ok residuals_saved_per_rank ||
+  bad residuals_saved_per_rank
+$MPIRUN -np 2 "$BIN" train ${M/steps=5/steps=3} lr_decay_steps=5 grad_compression=int8 out_dir="$TMP/part" >/dev/null 2>&1
+$MPIRUN -np 2 "$BIN" train $M grad_compression=int8 resume="$TMP/part/ckpt.bin" out_dir="$TMP/res" >"$TMP/res.log" 2>&1
+"$DIFF" "$TMP/res/ckpt.bin" "$TMP/int8/ckpt.bin" | grep -qx 'max_rel_diff 0' && cmp -s "$TMP/res/ckpt.bin.s00000005.ef1" "$TMP/int8/ckpt.bin.s00000005.ef1" &&
+  ok resume_bitwise || bad "resume_bitwise ($("$DIFF" "$TMP/res/ckpt.bin" "$TMP/int8/ckpt.bin" 2>&1; tail -1 "$TMP/res.log"))"
+ls "$TMP/res" | grep -q 's00000003.ef' && bad older_residuals_removed || ok older_residuals_removed
+# on another layout (one process: nothing to compress) the run goes on and says what it dropped
+if "$BIN" train ${M/batch_size=4/batch_size=8} grad_compression=int8 resume="$TMP/part/ckpt.bin" out_dir="$TMP/res1" \
+     >"$TMP/res1.log" 2>&1 && [ -s "$TMP/res1/ckpt.bin" ]; then ok resume_in_one_process
+else bad "resume_in_one_process ($(tail -1 "$TMP/res1.log"))"; fi
+printf 'garbage' >"$TMP/part/ckpt.bin.s00000003.ef1"
+err=$($MPIRUN -np 2 "$BIN" train $M grad_compression=int8 resume="$TMP/part/ckpt.bin" out_dir="$TMP/resc" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && grep -q "ef1.*corrupt" <<<"$err" && ok corrupt_residuals_refused || bad "corrupt_residuals_refused (exit $rc)"
+
+# -- bad values
+expect_exit 2 "grad_compression=int8 applies to DDP" with_fsdp -- \
+  "$BIN" train $M grad_compression=int8 fsdp=true out_dir="$TMP/bad1"
+expect_exit 2 "does not combine with dp_allreduce=hierarchical" with_hierarchical -- \
+  "$BIN" train $M grad_compression=bf16 dp_allreduce=hierarchical out_dir="$TMP/bad2"
+expect_exit 2 "grad_compression" unknown_kind -- "$BIN" train $M grad_compression=fp4 out_dir="$TMP/bad3"
+
+echo "RESULT $pass $fail"
+[ "$fail" -eq 0 ]
