@@ -71,7 +71,8 @@ typedef struct {
  * may run while the collective does, and must not touch its buffers); it may still be in
  * flight on the host's side, and flush waits for every one, at the end of a stage's forward
  * or backward, before the host reads a result. Activations are of the ops' activation type.
- * allreduce: buf summed over the group, in place, the same on every rank. allgather: in
+ * allreduce: buf summed over the group, in place, the same on every rank (stats: fp32
+ * statistics, else activations). allgather: in
  * place, buf holds tp_size blocks of n elements, this rank's at tp_rank * n, every block
  * filled from its rank (stats: fp32 statistics, else activations). reduce_scatter: send holds
  * tp_size blocks of n activations, recv gets the sum of block tp_rank; send is scratch
@@ -111,7 +112,7 @@ typedef struct {
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
-    long (*allreduce_begin)(void *ctx, void *buf, size_t n);
+    long (*allreduce_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*allgather_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*reduce_scatter_begin)(void *ctx, void *send, void *recv, size_t n);
     void (*join)(void *ctx, long ticket);
@@ -179,6 +180,10 @@ typedef struct {
      * floats (op_moe_accumulate's), on the backend; moe_bias: the experts' selection biases,
      * X per MoE layer (the aux-loss-free balancing; NULL: none), on the backend. */
     int X, He, K, Hs, n_moe;
+    /* Expert tensor parallel: this tensor-parallel rank's Het = He / tp_size of each expert's
+     * hidden units (its rows of gate_proj and up_proj, its columns of down_proj) and Hst =
+     * Hs / tp_size of the shared experts'; the router is whole on every rank (replicated). */
+    int Het, Hst;
     /* Expert parallel: this rank is ep_rank of ep_size ranks that share out the experts; its
      * MoE layers hold experts [x0, x0 + Xl) (Xl = X / ep_size, x0 = ep_rank Xl), everything else
      * whole, like every rank of its group. ep_size = 1: every expert. */

@@ -377,6 +377,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (c->fsdp && !strcmp(c->shard_strategy, "hybrid"))
                 return set_err(err, errlen, "expert_parallel_size=%d does not combine with shard_strategy=hybrid; use "
                                "full, grad_op or no", ep);
+            if (c->tensor_parallel_size > 1)
+                return set_err(err, errlen, "expert_parallel_size=%d does not combine with tensor_parallel_size=%d yet; "
+                               "use one of them", ep, c->tensor_parallel_size);
         }
         if (c->moe_experts && c->pipeline_parallel_size > 1 && !strcmp(c->pipeline_schedule, "zb1"))
             return set_err(err, errlen, "pipeline_schedule=zb1 does not take MoE layers yet (their backward is not split "
