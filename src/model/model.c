@@ -137,7 +137,7 @@ void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int 
     char err[256];
     if (tp_rank < 0 || tp_rank >= tp_size || model_tp_check(c, tp_size, err, sizeof err))
         die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d: %s", tp_rank, tp_size, err);
-    if (ep_rank < 0 || ep_rank >= ep_size || (ep_size > 1 && (c->moe_experts % ep_size || tp_size > 1)))
+    if (ep_rank < 0 || ep_rank >= ep_size || (ep_size > 1 && c->moe_experts % ep_size))
         die(EXIT_RUN_FAILURE, "internal: expert-parallel rank %d of %d for %d experts", ep_rank, ep_size, c->moe_experts);
     m->ep_size = ep_size; m->ep_rank = ep_rank;
     m->tp_size = tp_size; m->tp_rank = tp_rank;
@@ -359,17 +359,18 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
         if (n >= max) die(EXIT_RUN_FAILURE, "internal: model_tp_runs: max %d", max); \
         out[n++] = (TpRun){(l), (g), (len), (rep)};                            \
     } while (0)
+    /* everything but a MoE layer's experts is every ep rank's alike (expert parallel) */
+    int ep = m->ep_size > 1 ? TP_REPL_EP : 0, tp = TP_REPL_TP | ep;
     if (m->tp_size == 1 && m->ep_size > 1) {
-        /* everything but a MoE layer's experts is every ep rank's alike; its experts are the
-         * rank's piece of the whole layer's */
+        /* a MoE layer's experts are the rank's piece of the whole layer's */
         int l = layer_of_unit(u);
         if (!unit_is_layer(m, u) || !model_layer_is_moe(&m->c, l)) {
-            RUN(0, 0, un->n, 1);
+            RUN(0, 0, un->n, ep);
             return n;
         }
         const LayerLayout *ly = &m->moe_layer;
         size_t each = (size_t)m->Xl * ly->expert_n;
-        RUN(0, 0, ly->experts, 1);
+        RUN(0, 0, ly->experts, ep);
         RUN(ly->experts, ly->experts + (size_t)m->x0 * ly->expert_n, each, 0);
         return n;
     }
@@ -380,12 +381,12 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
     /* the vocabulary rows [v0, v0 + Vr) of tok_embed and lm_head; output_norm whole */
     size_t rows = (size_t)m->v0 * m->E, nr = (size_t)m->Vr * m->E;
     if (u == UNIT_EMBEDDING) {
-        RUN(0, rows, nr, 0);
+        RUN(0, rows, nr, ep);
         return n;
     }
     if (u == unit_head(m)) {
-        RUN(m->head_out_norm, 0, (size_t)m->E, 1);
-        if (!m->c.tie_embeddings) RUN(m->head_lm, m->head_lm + rows, nr, 0);
+        RUN(m->head_out_norm, 0, (size_t)m->E, tp);
+        if (!m->c.tie_embeddings) RUN(m->head_lm, m->head_lm + rows, nr, ep);
         return n;
     }
     size_t E = m->E, H = m->H, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, r = (size_t)m->tp_rank;
@@ -393,13 +394,13 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
     const LayerLayout *ly = moe ? &m->moe_layer : &m->layer;
     /* the whole layer's offsets (LayerLayout at tp = 1) */
     size_t gqkv = E, gatt = gqkv + 3 * E * E, gffn = gatt + E * E, ggu = gffn + E, gdown = ggu + 2 * H * E;
-    RUN(ly->att_norm, 0, E, 1);
-    for (size_t p = 0; p < 3; p++) RUN(ly->qkv + p * Et * E, gqkv + (p * E + r * Et) * E, Et * E, 0);  /* q, k, v */
-    for (size_t i = 0; i < E; i++) RUN(ly->att_out + i * Et, gatt + i * E + r * Et, Et, 0);
-    RUN(ly->ffn_norm, gffn, E, 1);
+    RUN(ly->att_norm, 0, E, tp);
+    for (size_t p = 0; p < 3; p++) RUN(ly->qkv + p * Et * E, gqkv + (p * E + r * Et) * E, Et * E, ep);  /* q, k, v */
+    for (size_t i = 0; i < E; i++) RUN(ly->att_out + i * Et, gatt + i * E + r * Et, Et, ep);
+    RUN(ly->ffn_norm, gffn, E, tp);
     if (!moe) {
-        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Ht * E, ggu + (p * H + r * Ht) * E, Ht * E, 0);  /* gate, up */
-        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Ht, gdown + i * H + r * Ht, Ht, 0);
+        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Ht * E, ggu + (p * H + r * Ht) * E, Ht * E, ep);  /* gate, up */
+        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Ht, gdown + i * H + r * Ht, Ht, ep);
         return n;
     }
     /* a MoE layer: the router whole (every tp rank's alike); the shared experts and each
@@ -407,10 +408,10 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
     size_t X = (size_t)m->X, He = (size_t)m->He, Hs = (size_t)m->Hs, Het = (size_t)m->Het, Hst = (size_t)m->Hst;
     size_t grouter = gffn + E, gsgu = grouter + X * E, gsdown = gsgu + 2 * Hs * E, gexp = gsdown + E * Hs;
     size_t each = 3 * He * E;  /* an expert of the whole layer */
-    RUN(ly->router, grouter, X * E, 1);
+    RUN(ly->router, grouter, X * E, tp);
     if (Hs) {
-        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Hst * E, gsgu + (p * Hs + r * Hst) * E, Hst * E, 0);
-        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Hst, gsdown + i * Hs + r * Hst, Hst, 0);
+        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Hst * E, gsgu + (p * Hs + r * Hst) * E, Hst * E, ep);
+        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Hst, gsdown + i * Hs + r * Hst, Hst, ep);
     }
     for (size_t e = 0; e < (size_t)m->Xl; e++) {
         size_t lx = ly->experts + e * ly->expert_n, gx = gexp + ((size_t)m->x0 + e) * each;

@@ -136,7 +136,7 @@ static const Key KEYS[] = {
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "tensor parallel ranks (Megatron-LM: heads, FFN units and the vocabulary split; must divide n_heads, the FFN "
-      "width and the vocabulary padded to a multiple of 64)"),
+      "width, the vocabulary padded to a multiple of 64 and a MoE model's moe_expert_dim)"),
     B(sequence_parallel, "true", MODEL_CMDS,
       "with tensor_parallel_size > 1: the residual stream and the norms split along the sequence too (Megatron-LM's "
       "sequence parallel; tensor_parallel_size must divide context_len)"),
@@ -377,9 +377,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (c->fsdp && !strcmp(c->shard_strategy, "hybrid"))
                 return set_err(err, errlen, "expert_parallel_size=%d does not combine with shard_strategy=hybrid; use "
                                "full, grad_op or no", ep);
-            if (c->tensor_parallel_size > 1)
-                return set_err(err, errlen, "expert_parallel_size=%d does not combine with tensor_parallel_size=%d yet; "
-                               "use one of them", ep, c->tensor_parallel_size);
         }
         if (c->moe_experts && c->pipeline_parallel_size > 1 && !strcmp(c->pipeline_schedule, "zb1"))
             return set_err(err, errlen, "pipeline_schedule=zb1 does not take MoE layers yet (their backward is not split "
