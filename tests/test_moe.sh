@@ -162,7 +162,6 @@ B="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 batch_size=
 expect_exit 2 "moe_top_k=5 must be between 1 and moe_experts=4" top_k_above_experts -- "$BIN" train $B moe_experts=4 moe_top_k=5
 expect_exit 2 "moe_top_k applies to a mixture of experts" moe_key_without_experts -- "$BIN" train $B moe_top_k=2
 expect_exit 2 "moe_every=3 leaves no MoE layer" moe_every_past_layers -- "$BIN" train $B moe_experts=4 moe_every=3
-expect_exit 2 "tensor_parallel_size=2: MoE layers" moe_with_tensor_parallel -- "$BIN" train $B moe_experts=4 tensor_parallel_size=2
 expect_exit 2 "zb1 does not take MoE layers" moe_with_zb1 -- "$BIN" train $B moe_experts=4 pipeline_parallel_size=2 micro_batches=2 pipeline_schedule=zb1
 expect_exit 2 "moe_experts=8 differs from checkpoint" resume_other_experts -- "$BIN" train ${B/steps=1/steps=9} moe_experts=8 resume="$TMP/ref_0/ckpt.bin"
 expect_exit 2 "moe_capacity_factor=0.5 differs from checkpoint" resume_other_capacity -- "$BIN" train ${B/steps=1/steps=9} \

@@ -55,7 +55,8 @@ static int acts_plan(const ModelConfig *c, int l0, int n_layers, int head, int B
     /* the stage's MoE layers and dense ones: each kind has its own FFN activations */
     size_t nm = (size_t)(model_moe_layers_before(c, l0 + n_layers) - model_moe_layers_before(c, l0));
     size_t nd = (size_t)n_layers - nm, Lsd = training == 1 ? nd : nd > 0, Lsm = training == 1 ? nm : nm > 0;
-    size_t He = nm ? (size_t)model_moe_expert_dim(c) : 0, Hs = He * (size_t)c->moe_shared_experts;
+    /* (a tensor-parallel rank's: its He / tp of each expert's hidden units, Hs / tp of the shared experts') */
+    size_t He = nm ? (size_t)model_moe_expert_dim(c) / (size_t)tp : 0, Hs = He * (size_t)c->moe_shared_experts;
     size_t Hd = Hs > H ? Hs : H;  /* the widest FFN of the stage's backward scratch: the dense one's, or the shared experts' */
     int n = 0;
 #define P(field, count) s[n++] = (Slot){&a->field, (count), 1, 0}

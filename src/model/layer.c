@@ -23,13 +23,13 @@ LayerActs layer_acts(const Model *m, const Acts *a, int l, int slot, int r) {
         la.gu = act_at(a->gu, ks * NA * 2 * H), la.hsw = act_at(a->hsw, ks * NA * H);
         return la;
     }
-    size_t X = (size_t)m->X, K = (size_t)m->K, Pm = model_moe_max_rows(c, (int)NA), Hs = (size_t)m->Hs;
+    size_t X = (size_t)m->X, K = (size_t)m->K, Pm = model_moe_max_rows(c, (int)NA), Hs = (size_t)m->Hst;
     MoeActs *q = &la.moe;
     q->logits = a->moe_logits + ks * NA * X, q->probs = a->moe_probs + ks * NA * X;
     q->gate = a->moe_gate + ks * NA * K, q->lse = a->moe_lse + ks * NA, q->idx = a->moe_idx + ks * NA * K;
     q->pos = a->moe_pos + ks * NA * K, q->rowtok = a->moe_rowtok + ks * Pm, q->grow = a->moe_grow + ks * Pm;
     q->cnt = a->moe_cnt + ks * (3 * X + 1), q->hcnt = a->moe_hcnt + ks * MOE_HCNT(X);
-    q->gu = act_at(a->moe_gu, ks * model_moe_expert_rows(c, (int)NA, m->ep_size) * 2 * (size_t)m->He);
+    q->gu = act_at(a->moe_gu, ks * model_moe_expert_rows(c, (int)NA, m->ep_size) * 2 * (size_t)m->Het);
     /* the statistics are every MoE layer's of the stage, whatever the slots */
     q->stats = a->moe_stats + (size_t)(model_moe_layers_before(c, l) - model_moe_layers_before(c, l - r)) * (2 * X + 2);
     if (Hs) la.gu = act_at(a->sgu, ks * NA * 2 * Hs), la.hsw = act_at(a->shsw, ks * NA * Hs);
@@ -95,7 +95,7 @@ void layer_backward(Model *m, Acts *a, int l, const LayerActs *la, int defer) {
      * gathered while the products before them run (begun after d's gathers, needed first) */
     Tickets td, gx = {.n = 0, .rot = 0};
     const void *d;
-    if (model_layer_is_moe(&m->c, l)) {  /* (one tensor-parallel rank: no gathers) */
+    if (model_layer_is_moe(&m->c, l)) {  /* (its gathers and sums its own) */
         moe_ffn_backward(m, a, l, la);
     } else {
         d = seq_gather_begin(m, a->full, a->dres, N, &td);

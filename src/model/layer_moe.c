@@ -13,7 +13,14 @@
  * choices expert e got, P_e its mean normalised score) and the z-loss (the mean squared
  * log-sum-exp of the logits) are the global micro-batch's: their statistics are summed over
  * the data-parallel ranks once per stage and micro-batch (moe_stage_stats), so a layout
- * computes the same losses and gradients as one process on the whole batch. */
+ * computes the same losses and gradients as one process on the whole batch.
+ *
+ * Under tensor parallel (expert tensor parallel, Megatron-LM's) each rank holds He / tp of
+ * every expert's hidden units and Hs / tp of the shared experts', split as the dense FFN is,
+ * and the router whole. Every rank routes all N tokens alike (the FFN's input gathered whole
+ * under sequence parallel), its experts' outputs are its part of a sum over the tp ranks,
+ * which joins the dense FFN's (all-reduce, or reduce-scatter under sequence parallel), and so
+ * are the input gradients and the gates' gradients (sums over the hidden units). */
 #include "model_layer.h"
 #include <stdlib.h>
 #include <string.h>
@@ -111,10 +118,11 @@ void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, 
     const LayerLayout *ly = &m->moe_layer;
     const void *w = unit_weights(m, unit_of_layer(l));
     const MoeActs *q = &la->moe;
-    int E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs, ep = m->ep_size > 1;
+    int E = m->E, X = m->X, K = m->K, He = m->Het, Hs = m->Hst, ep = m->ep_size > 1;
     size_t row = (size_t)E * ops_act_size();
     const float *bias = m->moe_bias ? m->moe_bias + (size_t)model_moe_layers_before(&m->c, l) * X : NULL;
-    op_moe_router_forward(q->logits, la->xn2, act_at(w, ly->router), N, E, X);
+    const void *xin = seq_gather(m, a->gath, la->xn2, N);  /* the N rows whole */
+    op_moe_router_forward(q->logits, xin, act_at(w, ly->router), N, E, X);
     op_moe_topk(q->probs, q->idx, q->gate, q->lse, q->logits, bias, N, X, K, m->c.moe_router_sigmoid);
     op_moe_dispatch(q->cnt, q->pos, q->rowtok, q->grow, q->idx, q->gate, N, K, X, model_moe_capacity(&m->c, N));
     if (!recompute) op_moe_stats(q->stats, q->cnt, q->probs, q->lse, N, X);
@@ -123,11 +131,11 @@ void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, 
     if (ep) exchange_counts(m, q->hcnt);
     int P = q->hcnt[3 * X], R = expert_rows(m, q->hcnt);
     /* the experts' input rows: gathered (xa), and under expert parallel exchanged (into xb) */
-    op_gather_rows(a->moe_xa, la->xn2, q->rowtok, (size_t)P, row);
+    op_gather_rows(a->moe_xa, xin, q->rowtok, (size_t)P, row);
     if (ep) exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 0, "expert-parallel all-to-all (tokens)");
     experts_forward(m, q->hcnt, q->gu, ep ? a->moe_xb : a->moe_xa, act_at(w, ly->experts), E, 2 * He);
     if (Hs) {
-        op_matmul_forward(la->gu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * Hs);
+        op_matmul_forward(la->gu, xin, act_at(w, ly->gate_up), N, E, 2 * Hs);
         op_swiglu_forward(la->hsw, la->gu, N, Hs);
     }
     if (recompute) return;
@@ -136,9 +144,19 @@ void moe_ffn_forward(const Model *m, const Acts *a, int l, const LayerActs *la, 
     void *y = ep ? a->moe_xa : a->moe_xb;
     experts_forward(m, q->hcnt, y, a->moe_h1, act_at(w, ly->experts + 2 * (size_t)He * E), He, E);
     if (ep) exchange_rows(m, q->hcnt, y, a->moe_xb, row, 1, "expert-parallel all-to-all (outputs)");
-    if (Hs) op_matmul_forward_add(la->out, la->hsw, act_at(w, ly->down), la->mid, N, Hs, E);
-    else op_copy(la->out, la->mid, (size_t)N * row);
-    op_moe_combine(la->out, a->moe_xb, q->gate, q->pos, N, K, E);
+    /* the FFN's output, under tensor parallel this rank's part of the sum (into the staging
+     * buffer under sequence parallel); the residual added once, as the dense FFN's: by tp rank
+     * 0 into its part, or under sequence parallel into each rank's rows after the sum */
+    void *o = m->sp ? a->full : la->out;
+    const void *res = m->sp || m->tp_rank ? NULL : la->mid;
+    if (Hs && res) op_matmul_forward_add(o, la->hsw, act_at(w, ly->down), res, N, Hs, E);
+    else if (Hs) op_matmul_forward(o, la->hsw, act_at(w, ly->down), N, Hs, E);
+    else if (res) op_copy(o, res, (size_t)N * row);
+    else op_zero(o, (size_t)N * row);
+    op_moe_combine(o, a->moe_xb, q->gate, q->pos, N, K, E);
+    if (m->tp_size == 1) return;
+    branch_sum(m, la->out, o, N);
+    if (m->sp) op_add(la->out, la->mid, held_rows(m, (size_t)N) * E);
 }
 
 void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
@@ -146,21 +164,26 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     const void *w = unit_weights(m, unit_of_layer(l));
     void *g = unit_grads(m, unit_of_layer(l));
     const MoeActs *q = &la->moe;
-    int N = (int)a->N, E = m->E, X = m->X, K = m->K, He = m->He, Hs = m->Hs, ep = m->ep_size > 1;
+    int N = (int)a->N, E = m->E, X = m->X, K = m->K, He = m->Het, Hs = m->Hst, ep = m->ep_size > 1;
     size_t row = (size_t)E * ops_act_size(), down = ly->experts + 2 * (size_t)He * E;
     int P = q->hcnt[3 * X], R = expert_rows(m, q->hcnt);
     size_t Rm = ep ? model_moe_expert_rows(&m->c, (int)a->N, m->ep_size) : 0;
-    const void *dout = a->dres;  /* d(loss)/d(the FFN's output) */
-    if (Hs) {  /* the shared experts: their input gradient written into dxn */
-        op_matmul_backward_set(a->dh, st_at(g, ly->down), dout, la->hsw, act_at(w, ly->down), N, Hs, E);
-        op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, Hs);
-        op_matmul_backward_set(a->dxn, st_at(g, ly->gate_up), a->dgu, la->xn2, act_at(w, ly->gate_up), N, E, 2 * Hs);
-    }
+    /* d(loss)/d(the FFN's output) and the FFN's input, whole (gathered under sequence
+     * parallel); dx: the input gradient, under tensor parallel this rank's part of the sum
+     * into dxn (in the staging buffer under sequence parallel, where dout was: dout's last
+     * reader, the shared experts' down product, runs before dx is written) */
+    const void *dout = seq_gather(m, a->full, a->dres, N), *xin = seq_gather(m, a->gath, la->xn2, N);
+    void *dx = m->sp ? a->full : a->dxn;
     /* the routed experts: d(ungated output) per row, through the down product; the gates'
      * gradient, and the gate folded into the down product's input and its gradient. Under
      * expert parallel the rows' output gradients and gates go to the experts' ranks, and the
      * input gradients and the gates' gradients come back. */
     op_gather_rows(a->moe_xa, dout, q->rowtok, (size_t)P, row);
+    if (Hs) {  /* the shared experts: their input gradient written into dx */
+        op_matmul_backward_set(a->dh, st_at(g, ly->down), dout, la->hsw, act_at(w, ly->down), N, Hs, E);
+        op_swiglu_backward_set(a->dgu, a->dh, la->gu, N, Hs);
+        op_matmul_backward_set(dx, st_at(g, ly->gate_up), a->dgu, xin, act_at(w, ly->gate_up), N, E, 2 * Hs);
+    }
     const void *dy = a->moe_xa;
     const float *gates = q->grow;
     float *dgates = a->moe_dgate;
@@ -176,7 +199,7 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     op_swiglu_backward_set(a->moe_dgu, a->moe_h1, q->gu, R, He);
     /* the experts' input rows again (the forward kept none): into xb, or under expert
      * parallel gathered into xa (sent) and exchanged into xb */
-    op_gather_rows(ep ? a->moe_xa : a->moe_xb, la->xn2, q->rowtok, (size_t)P, row);
+    op_gather_rows(ep ? a->moe_xa : a->moe_xb, xin, q->rowtok, (size_t)P, row);
     if (ep) exchange_rows(m, q->hcnt, a->moe_xa, a->moe_xb, row, 0, "expert-parallel all-to-all (tokens)");
     experts_backward(m, q->hcnt, a->moe_xa, st_at(g, ly->experts), a->moe_dgu, a->moe_xb, act_at(w, ly->experts), E,
                      2 * He);
@@ -186,7 +209,13 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
         exchange_rows(m, q->hcnt, dgates, a->moe_dgate, sizeof(float), 1, "expert-parallel all-to-all (gate gradients)");
         dxs = a->moe_xb;
     }
-    op_moe_unpermute(a->dxn, dxs, q->pos, N, K, E, Hs > 0);
+    op_moe_unpermute(dx, dxs, q->pos, N, K, E, Hs > 0);
+    if (m->tp_size > 1) {
+        /* the gates' gradients <dh, h> summed over the hidden units of every tp rank: the
+         * router's gradients are then the same on each */
+        tp_join(m, m->tp.allreduce_begin(m->tp.ctx, a->moe_dgate, (size_t)P, 1));
+        branch_sum(m, a->dxn, dx, N);
+    }
     /* the router: the gates', the load-balancing loss's and the z-loss's gradients. Each
      * rank's gradient is averaged over the data-parallel ranks afterwards, so it carries dp
      * times its share of the global micro-batch's losses (whose means run over N dp rows). */
@@ -195,7 +224,12 @@ void moe_ffn_backward(Model *m, Acts *a, int l, const LayerActs *la) {
     float z_scale = (float)(m->moe_z * 2.0 / N * a->grad_scale);
     op_moe_route_backward(a->moe_dlogits, a->moe_dgate, q->pos, q->logits, q->probs, q->idx, q->gate, q->lse, q->stats,
                           aux_scale, z_scale, N, X, K, m->c.moe_router_sigmoid);
-    op_moe_router_backward(a->dxn, st_at(g, ly->router), a->moe_dlogits, la->xn2, act_at(w, ly->router), N, E, X);
+    /* Its weight's and input's gradients from the rows this rank holds, after the sum over tp:
+     * under sequence parallel its own rows (the strategy sums the replicated weights' gradients
+     * over tp, as the norms'), else all of them, alike on every rank (as the norms' too). */
+    size_t NS = held_rows(m, (size_t)N), r0 = m->sp ? (size_t)m->tp_rank * NS : 0;
+    op_moe_router_backward(a->dxn, st_at(g, ly->router), a->moe_dlogits + r0 * X, act_at(xin, r0 * E),
+                           act_at(w, ly->router), (int)NS, E, X);
 }
 
 void moe_stage_stats(const Model *m, const Acts *a, int l0, int n) {

@@ -26,7 +26,7 @@ void tp_join_all(const Model *m, const Tickets *ts) {
 static long branch_sum_collective(const Model *m, void *dst, void *src, int N) {
     size_t E = m->E;
     if (m->sp) return m->tp.reduce_scatter_begin(m->tp.ctx, src, dst, held_rows(m, (size_t)N) * E);
-    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * E);
+    return m->tp.allreduce_begin(m->tp.ctx, dst, (size_t)N * E, 0);
 }
 /* TpRowsFn over a whole [N, E] buffer (branch_sum's, of no product): its rows copied, plus add */
 typedef struct { const void *src; size_t E; } RowsOf;

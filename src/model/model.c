@@ -10,13 +10,14 @@
 #include "util.h"
 
 /* Layer l's parameters on one of tp tensor-parallel ranks (tp = 1: the whole layer). A MoE
- * layer (tp = 1 only): the attention, the norms, the router, the shared experts' FFN and the
- * experts (one ep-th of them on an expert-parallel rank). */
+ * layer: the attention (the rank's heads), the norms, the router (whole), the shared experts'
+ * FFN and the experts (one ep-th of them on an expert-parallel rank; each the rank's He / tp
+ * hidden units). */
 static size_t layer_param_count_split(const ModelConfig *c, int l, int tp, int ep) {
     size_t E = (size_t)c->embed_dim, H = (size_t)(1.5 * c->embed_dim), Et = E / (size_t)tp, Ht = H / (size_t)tp;
     if (model_layer_is_moe(c, l)) {
         size_t He = (size_t)model_moe_expert_dim(c), Hs = He * (size_t)c->moe_shared_experts, X = (size_t)c->moe_experts;
-        return 2 * E + 4 * E * E + X * E + 3 * Hs * E + X / (size_t)ep * 3 * He * E;
+        return 2 * E + 3 * Et * E + E * Et + X * E + 3 * Hs / (size_t)tp * E + X / (size_t)ep * 3 * He / (size_t)tp * E;
     }
     return 2 * E + 3 * Et * E + E * Et + 2 * Ht * E + E * Ht;
 }
@@ -87,9 +88,9 @@ static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen) {
     int ffn = (int)(1.5 * c->embed_dim), vp = model_vocab_padded(c->vocab_size);
     if (tp < 1) return set_err(err, errlen, "tensor_parallel_size=%d is not positive", tp);
-    if (tp > 1 && c->moe_experts > 0)
-        return set_err(err, errlen, "tensor_parallel_size=%d: MoE layers (moe_experts=%d) are not split over "
-                       "tensor-parallel ranks yet; use data or pipeline parallel", tp, c->moe_experts);
+    if (tp > 1 && c->moe_experts > 0 && model_moe_expert_dim(c) % tp)
+        return set_err(err, errlen, "tensor_parallel_size=%d does not divide the experts' width moe_expert_dim = %d", tp,
+                       model_moe_expert_dim(c));
     if (c->n_heads % tp) return set_err(err, errlen, "tensor_parallel_size=%d does not divide n_heads=%d", tp, c->n_heads);
     if (ffn % tp)
         return set_err(err, errlen, "tensor_parallel_size=%d does not divide the FFN width 1.5 x embed_dim = %d", tp, ffn);
@@ -136,7 +137,7 @@ void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int 
     char err[256];
     if (tp_rank < 0 || tp_rank >= tp_size || model_tp_check(c, tp_size, err, sizeof err))
         die(EXIT_RUN_FAILURE, "internal: tensor-parallel rank %d of %d: %s", tp_rank, tp_size, err);
-    if (ep_rank < 0 || ep_rank >= ep_size || (ep_size > 1 && (c->moe_experts % ep_size || tp_size > 1)))
+    if (ep_rank < 0 || ep_rank >= ep_size || (ep_size > 1 && c->moe_experts % ep_size))
         die(EXIT_RUN_FAILURE, "internal: expert-parallel rank %d of %d for %d experts", ep_rank, ep_size, c->moe_experts);
     m->ep_size = ep_size; m->ep_rank = ep_rank;
     m->tp_size = tp_size; m->tp_rank = tp_rank;
@@ -152,13 +153,14 @@ void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int 
     ly->ffn_norm = ly->att_out + E * Et;
     ly->gate_up = ly->ffn_norm + E;
     ly->down = ly->gate_up + 2 * Ht * E;
-    if (c->moe_experts > 0) {  /* (tp_size 1: model_tp_check) */
+    if (c->moe_experts > 0) {  /* (tp_size divides He: model_tp_check) */
         m->X = c->moe_experts, m->K = c->moe_top_k, m->He = model_moe_expert_dim(c);
         m->Xl = m->X / ep_size, m->x0 = ep_rank * m->Xl;
         m->Hs = m->He * c->moe_shared_experts;
+        m->Het = m->He / tp_size, m->Hst = m->Hs / tp_size;
         m->n_moe = model_moe_layers_before(c, m->L);
         m->moe.dp = 1;  /* (one rank until expert_parallel_attach) */
-        size_t He = (size_t)m->He, Hs = (size_t)m->Hs;
+        size_t He = (size_t)m->Het, Hs = (size_t)m->Hst;  /* (this rank's) */
         LayerLayout *my = &m->moe_layer;
         my->att_norm = ly->att_norm, my->qkv = ly->qkv, my->att_out = ly->att_out, my->ffn_norm = ly->ffn_norm;
         my->router = my->ffn_norm + E;
@@ -222,10 +224,11 @@ void model_free(Model *m) {
 }
 
 /* A MoE layer's FFN tensors (the router, the shared experts, the experts) from out[n] on (up
- * to max); returns the new count. */
+ * to max); returns the new count. (A tensor-parallel rank's slices: its hidden units' rows of
+ * gate_proj and up_proj, their columns of down_proj.) */
 static int moe_ffn_tensors(const Model *m, int l, size_t b, TensorInfo *out, int n, int max) {
     const LayerLayout *ly = &m->moe_layer;
-    int E = m->E, He = m->He, Hs = m->Hs, u = unit_of_layer(l);
+    int E = m->E, He = m->Het, Hs = m->Hst, u = unit_of_layer(l);
 #define T(off, r, cc, ...)                                                        \
     do {                                                                          \
         if (n < max) {                                                            \
@@ -338,7 +341,14 @@ static void init_range_tp(const Model *m, int u, size_t lo, size_t hi, float *bu
     model_free(&g);
 }
 
-int model_tp_max_runs(const Model *m) { return 2 * m->E + 8; }
+/* (a MoE layer under tensor parallel: besides the attention's, a column run per row of each
+ * down_proj, the shared experts' and each of the rank's experts') */
+int model_tp_max_runs(const Model *m) {
+    int dense = 2 * m->E + 8;
+    if (!m->n_moe || m->tp_size == 1) return dense;
+    int moe = (m->Xl + 2) * m->E + 3 * m->Xl + 12;
+    return moe > dense ? moe : dense;
+}
 
 int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
     const Unit *un = &m->units[u];
@@ -349,17 +359,18 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
         if (n >= max) die(EXIT_RUN_FAILURE, "internal: model_tp_runs: max %d", max); \
         out[n++] = (TpRun){(l), (g), (len), (rep)};                            \
     } while (0)
+    /* everything but a MoE layer's experts is every ep rank's alike (expert parallel) */
+    int ep = m->ep_size > 1 ? TP_REPL_EP : 0, tp = TP_REPL_TP | ep;
     if (m->tp_size == 1 && m->ep_size > 1) {
-        /* everything but a MoE layer's experts is every ep rank's alike; its experts are the
-         * rank's piece of the whole layer's */
+        /* a MoE layer's experts are the rank's piece of the whole layer's */
         int l = layer_of_unit(u);
         if (!unit_is_layer(m, u) || !model_layer_is_moe(&m->c, l)) {
-            RUN(0, 0, un->n, 1);
+            RUN(0, 0, un->n, ep);
             return n;
         }
         const LayerLayout *ly = &m->moe_layer;
         size_t each = (size_t)m->Xl * ly->expert_n;
-        RUN(0, 0, ly->experts, 1);
+        RUN(0, 0, ly->experts, ep);
         RUN(ly->experts, ly->experts + (size_t)m->x0 * ly->expert_n, each, 0);
         return n;
     }
@@ -370,24 +381,43 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max) {
     /* the vocabulary rows [v0, v0 + Vr) of tok_embed and lm_head; output_norm whole */
     size_t rows = (size_t)m->v0 * m->E, nr = (size_t)m->Vr * m->E;
     if (u == UNIT_EMBEDDING) {
-        RUN(0, rows, nr, 0);
+        RUN(0, rows, nr, ep);
         return n;
     }
     if (u == unit_head(m)) {
-        RUN(m->head_out_norm, 0, (size_t)m->E, 1);
-        if (!m->c.tie_embeddings) RUN(m->head_lm, m->head_lm + rows, nr, 0);
+        RUN(m->head_out_norm, 0, (size_t)m->E, tp);
+        if (!m->c.tie_embeddings) RUN(m->head_lm, m->head_lm + rows, nr, ep);
         return n;
     }
     size_t E = m->E, H = m->H, Et = (size_t)m->NHt * m->HD, Ht = m->Ht, r = (size_t)m->tp_rank;
-    const LayerLayout *ly = &m->layer;
+    int moe = model_layer_is_moe(&m->c, layer_of_unit(u));
+    const LayerLayout *ly = moe ? &m->moe_layer : &m->layer;
     /* the whole layer's offsets (LayerLayout at tp = 1) */
     size_t gqkv = E, gatt = gqkv + 3 * E * E, gffn = gatt + E * E, ggu = gffn + E, gdown = ggu + 2 * H * E;
-    RUN(ly->att_norm, 0, E, 1);
-    for (size_t p = 0; p < 3; p++) RUN(ly->qkv + p * Et * E, gqkv + (p * E + r * Et) * E, Et * E, 0);  /* q, k, v */
-    for (size_t i = 0; i < E; i++) RUN(ly->att_out + i * Et, gatt + i * E + r * Et, Et, 0);
-    RUN(ly->ffn_norm, gffn, E, 1);
-    for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Ht * E, ggu + (p * H + r * Ht) * E, Ht * E, 0);  /* gate, up */
-    for (size_t i = 0; i < E; i++) RUN(ly->down + i * Ht, gdown + i * H + r * Ht, Ht, 0);
+    RUN(ly->att_norm, 0, E, tp);
+    for (size_t p = 0; p < 3; p++) RUN(ly->qkv + p * Et * E, gqkv + (p * E + r * Et) * E, Et * E, ep);  /* q, k, v */
+    for (size_t i = 0; i < E; i++) RUN(ly->att_out + i * Et, gatt + i * E + r * Et, Et, ep);
+    RUN(ly->ffn_norm, gffn, E, tp);
+    if (!moe) {
+        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Ht * E, ggu + (p * H + r * Ht) * E, Ht * E, ep);  /* gate, up */
+        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Ht, gdown + i * H + r * Ht, Ht, ep);
+        return n;
+    }
+    /* a MoE layer: the router whole (every tp rank's alike); the shared experts and each
+     * expert split as the dense FFN is (a SwiGLU of width Hs or He) */
+    size_t X = (size_t)m->X, He = (size_t)m->He, Hs = (size_t)m->Hs, Het = (size_t)m->Het, Hst = (size_t)m->Hst;
+    size_t grouter = gffn + E, gsgu = grouter + X * E, gsdown = gsgu + 2 * Hs * E, gexp = gsdown + E * Hs;
+    size_t each = 3 * He * E;  /* an expert of the whole layer */
+    RUN(ly->router, grouter, X * E, tp);
+    if (Hs) {
+        for (size_t p = 0; p < 2; p++) RUN(ly->gate_up + p * Hst * E, gsgu + (p * Hs + r * Hst) * E, Hst * E, ep);
+        for (size_t i = 0; i < E; i++) RUN(ly->down + i * Hst, gsdown + i * Hs + r * Hst, Hst, ep);
+    }
+    for (size_t e = 0; e < (size_t)m->Xl; e++) {
+        size_t lx = ly->experts + e * ly->expert_n, gx = gexp + ((size_t)m->x0 + e) * each;
+        for (size_t p = 0; p < 2; p++) RUN(lx + p * Het * E, gx + (p * He + r * Het) * E, Het * E, 0);  /* gate, up */
+        for (size_t i = 0; i < E; i++) RUN(lx + 2 * Het * E + i * Het, gx + 2 * He * E + i * He + r * Het, Het, 0);
+    }
 #undef RUN
     return n;
 }

@@ -71,7 +71,8 @@ typedef struct {
  * may run while the collective does, and must not touch its buffers); it may still be in
  * flight on the host's side, and flush waits for every one, at the end of a stage's forward
  * or backward, before the host reads a result. Activations are of the ops' activation type.
- * allreduce: buf summed over the group, in place, the same on every rank. allgather: in
+ * allreduce: buf summed over the group, in place, the same on every rank (stats: fp32
+ * statistics, else activations). allgather: in
  * place, buf holds tp_size blocks of n elements, this rank's at tp_rank * n, every block
  * filled from its rank (stats: fp32 statistics, else activations). reduce_scatter: send holds
  * tp_size blocks of n activations, recv gets the sum of block tp_rank; send is scratch
@@ -111,7 +112,7 @@ typedef struct {
     int (*fused_gather_begin)(void *ctx, void *buf, size_t N, size_t E, long *tickets);
     void *(*alloc)(void *ctx, size_t bytes);
     void (*free)(void *p);
-    long (*allreduce_begin)(void *ctx, void *buf, size_t n);
+    long (*allreduce_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*allgather_begin)(void *ctx, void *buf, size_t n, int stats);
     long (*reduce_scatter_begin)(void *ctx, void *send, void *recv, size_t n);
     void (*join)(void *ctx, long ticket);
@@ -121,10 +122,11 @@ typedef struct {
 /* A run of a unit's elements that is contiguous both in this rank's unit (local, from the
  * unit's start) and in the whole model's unit (global, the single-process layout): a
  * tensor-parallel rank's slices are strided pieces of the whole, an expert-parallel rank's
- * experts one piece. replicated: every rank of the split (the tensor-parallel group; under
- * expert parallel the ep group) holds the same values (tensor parallel: norm weights, the
- * embedding and the head; expert parallel: everything but the experts). */
+ * experts one piece. replicated: the groups whose every rank holds the same values, bits of
+ * TP_REPL_TP (the tensor-parallel group: the norms' weights, the router, the head's
+ * output_norm) and TP_REPL_EP (expert parallel's ep group: everything but the experts). */
 typedef struct { size_t local, global, n; int replicated; } TpRun;
+enum { TP_REPL_TP = 1, TP_REPL_EP = 2 };
 /* The part of run r within local elements [lo, hi): [*a, *b), and whether it is not empty. */
 static inline int tp_run_clip(const TpRun *r, size_t lo, size_t hi, size_t *a, size_t *b) {
     *a = lo > r->local ? lo : r->local;
@@ -179,6 +181,10 @@ typedef struct {
      * floats (op_moe_accumulate's), on the backend; moe_bias: the experts' selection biases,
      * X per MoE layer (the aux-loss-free balancing; NULL: none), on the backend. */
     int X, He, K, Hs, n_moe;
+    /* Expert tensor parallel: this tensor-parallel rank's Het = He / tp_size of each expert's
+     * hidden units (its rows of gate_proj and up_proj, its columns of down_proj) and Hst =
+     * Hs / tp_size of the shared experts'; the router is whole on every rank (replicated). */
+    int Het, Hst;
     /* Expert parallel: this rank is ep_rank of ep_size ranks that share out the experts; its
      * MoE layers hold experts [x0, x0 + Xl) (Xl = X / ep_size, x0 = ep_rank Xl), everything else
      * whole, like every rank of its group. ep_size = 1: every expert. */
@@ -285,10 +291,10 @@ void model_init_layout_stage(Model *m, const ModelConfig *c, int pad_multiple, i
  * (replicated). The tensor-parallel collectives are set afterwards in m->tp. */
 void model_init_layout_tp(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
                           int tp_size, int tp_rank);
-/* The same for expert-parallel rank ep_rank of ep_size too (which divides moe_experts; tp_size
- * 1 with a MoE model): each MoE layer unit holds the rank's experts (Model's x0, Xl) after
- * its other tensors, which every rank of the ep group holds alike (replicated runs of
- * model_tp_runs). */
+/* The same for expert-parallel rank ep_rank of ep_size too (which divides moe_experts): each
+ * MoE layer unit holds the rank's experts (Model's x0, Xl; under tensor parallel their slices)
+ * after its other tensors, which every rank of the ep group holds alike (replicated runs of
+ * model_tp_runs, TP_REPL_EP). */
 void model_init_layout_ep(Model *m, const ModelConfig *c, int pad_multiple, int alloc, const Stage *s, int n_stages,
                           int tp_size, int tp_rank, int ep_size, int ep_rank);
 /* Unit u's elements as runs (TpRun) in local order, covering [0, units[u].n); returns the
@@ -297,8 +303,9 @@ int model_tp_runs(const Model *m, int u, TpRun *out, int max);
 /* The vocabulary padded for vocabulary parallel: vocab_size rounded up to 64 (the logits'
  * row stride). */
 static inline int model_vocab_padded(int V) { return (V + 63) / 64 * 64; }
-/* 0 when tp ranks can split this model (tp divides n_heads, the FFN width and the padded
- * vocabulary, and every rank gets vocabulary rows); else -1 with a one-line message. */
+/* 0 when tp ranks can split this model (tp divides n_heads, the FFN width, the padded
+ * vocabulary and a MoE model's expert width, and every rank gets vocabulary rows); else -1
+ * with a one-line message. */
 int model_tp_check(const ModelConfig *c, int tp, char *err, size_t errlen);
 int model_tp_max_runs(const Model *m);
 /* on != 0: from here each layer's training forward and backward on one tensor-parallel rank

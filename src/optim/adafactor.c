@@ -38,9 +38,9 @@ static int tensor_pieces(const Model *m, AfTensor *t, const TensorInfo *li, cons
         for (int i = 0; i < nr && (m->tp_size > 1 || m->ep_size > 1); i++) {
             size_t a, b;
             if (!tp_run_clip(&runs[i], l0, l0 + ln, &a, &b)) continue;
-            if (!runs[i].replicated && m->tp_size > 1)
+            if (!(runs[i].replicated & TP_REPL_TP) && m->tp_size > 1)
                 die(EXIT_RUN_FAILURE, "internal: adafactor: %s is whole but not replicated", li->name);
-            repl = runs[i].replicated;
+            repl = runs[i].replicated != 0;
         }
         t->replicated = m->tp_size > 1 || repl;
         out[0] = (AfPiece){l0, ln, 0, 0, li->rows, li->cols};

@@ -98,7 +98,7 @@ void parallel_free(Parallel *p) {
     if (p->s->free) p->s->free(p);
     op_free(p->cparams);
     op_free(p->tp_pack);
-    free(p->tp_repl[0]); free(p->tp_repl[1]);
+    for (int k = 0; k < 2; k++) free(p->tp_repl[k][0]), free(p->tp_repl[k][1]);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->cslots[i]);
     op_free(p->params); comm_buffer_free(p->grads); op_free(p->pshard); op_free(p->gshard);
     for (int i = 0; i < N_SLOTS; i++) op_free(p->slots[i].buf);
@@ -457,11 +457,16 @@ void *par_state_at(const Parallel *p, int k, size_t at) {
     return a ? st_at(a, at) : NULL;
 }
 
-/* The group whose ranks hold the replicated runs (model_tp_runs) alike: tensor parallel's, or
- * expert parallel's ep group (a MoE model has no tensor parallel); NULL: neither. */
-static const Comm *split_group(const Parallel *p) {
-    const Mesh *mesh = p->mesh;
-    return !mesh ? NULL : mesh->tp_size > 1 ? &mesh->tp : mesh->ep_size > 1 ? &mesh->ep : NULL;
+/* The replicated runs (model_tp_runs) are held alike by the tensor-parallel group (k = 0:
+ * the norms, the router, the head's output_norm) or by expert parallel's ep group (k = 1:
+ * everything but the experts); with both, the first are the second's too. */
+enum { REPL_TP_K = 0, REPL_EP_K = 1 };
+static int split_tp(const Parallel *p) { return p->mesh && p->mesh->tp_size > 1; }
+static int split_ep(const Parallel *p) { return p->mesh && p->mesh->ep_size > 1; }
+/* a part of the gradient norm summed over the groups that split the model */
+static void split_sum(const Parallel *p, double *sumsq) {
+    if (split_tp(p)) comm_allreduce_double(&p->mesh->tp, sumsq, 1);
+    if (split_ep(p)) comm_allreduce_double(&p->mesh->ep, sumsq, 1);
 }
 
 int par_sums_replicated(const Parallel *p) {
@@ -471,8 +476,9 @@ int par_sums_replicated(const Parallel *p) {
 /* Tensor parallel: the gradients every tp rank holds alike (the embedding, the head, the
  * norms) are counted by tp rank 0 alone, the slices by each; the sum over the tp group is
  * then the whole model's. Expert parallel the same over the ep group: its ranks hold
- * everything but their experts alike. sharded: this rank's gradient is its shard of each
- * unit (gshard), else the whole units (grads). */
+ * everything but their experts alike; with both, what both groups hold alike is counted by
+ * the rank that is 0 in each. sharded: this rank's gradient is its shard of each unit
+ * (gshard), else the whole units (grads). */
 static size_t pack_replicated(Parallel *p, int sharded, int how);
 /* p->tp_pack, large enough for the replicated runs (sharded or not); their count */
 static size_t tp_pack_ready(Parallel *p, int sharded) {
@@ -487,12 +493,13 @@ static size_t tp_pack_ready(Parallel *p, int sharded) {
 
 /* A tp rank other than 0 leaves the replicated runs out of its part of the norm, so that the
  * sum over tp counts them once: packed and summed in one op_sumsq (one wait for the device;
- * one a run was 2L + 1 of them, the step's tail waiting for each). */
-static double repl_sumsq(Parallel *p, int sharded);
+ * one a run was 2L + 1 of them, the step's tail waiting for each). Under expert parallel
+ * (whose replicated runs are a few long stretches) they are summed where they are. */
+static double repl_sumsq(Parallel *p, int sharded, int k);
 static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
-    const Comm *g = split_group(p);
-    if (!g || g->rank == 0) return sumsq;
-    if (p->mesh->ep_size > 1) return sumsq - repl_sumsq(p, sharded);
+    if (split_ep(p) && p->mesh->ep.rank != 0) return sumsq - repl_sumsq(p, sharded, REPL_EP_K);
+    if (!split_tp(p) || p->mesh->tp.rank == 0) return sumsq;
+    if (split_ep(p)) return sumsq - repl_sumsq(p, sharded, REPL_TP_K);
     size_t n = tp_pack_ready(p, sharded);
     if (!n) return sumsq;
     if (p->tp_pack_summed != sharded + 1) pack_replicated(p, sharded, 1);  /* (else there already, summed) */
@@ -500,9 +507,10 @@ static double tp_sumsq(Parallel *p, double sumsq, int sharded) {
     return sumsq - op_sumsq(p->tp_pack, n);
 }
 
-/* p->tp_repl[sharded]: the replicated runs, found once (the layout and the shards are fixed) */
-static void find_replicated(Parallel *p, int sharded) {
-    int max = model_tp_max_runs(p->m), cap = 0, k = 0;
+/* p->tp_repl[k][sharded]: the replicated runs of kind k, found once (the layout and the
+ * shards are fixed) */
+static void find_replicated(Parallel *p, int sharded, int k) {
+    int max = model_tp_max_runs(p->m), cap = 0, nk = 0, bit = k == REPL_TP_K ? TP_REPL_TP : TP_REPL_EP;
     TpRun *r = xmalloc((size_t)max * sizeof *r);
     size_t elems = 0;
     for (int u = 0; u < p->m->n_units; u++) {
@@ -511,14 +519,15 @@ static void find_replicated(Parallel *p, int sharded) {
         int n = model_tp_runs(p->m, u, r, max);
         for (int i = 0; i < n; i++) {
             size_t a, b;
-            if (!r[i].replicated || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
-            if (k == cap) p->tp_repl[sharded] = xrealloc(p->tp_repl[sharded], (size_t)(cap = 2 * cap + 8) * sizeof(ReplRun));
-            p->tp_repl[sharded][k++] = (ReplRun){u, a - lo, b - a};
+            if (!(r[i].replicated & bit) || !tp_run_clip(&r[i], lo, hi, &a, &b)) continue;
+            if (nk == cap)
+                p->tp_repl[k][sharded] = xrealloc(p->tp_repl[k][sharded], (size_t)(cap = 2 * cap + 8) * sizeof(ReplRun));
+            p->tp_repl[k][sharded][nk++] = (ReplRun){u, a - lo, b - a};
             elems += b - a;
         }
     }
     free(r);
-    p->tp_nrepl[sharded] = k, p->tp_repl_elems[sharded] = elems, p->tp_repl_ready[sharded] = 1;
+    p->tp_nrepl[k][sharded] = nk, p->tp_repl_elems[k][sharded] = elems, p->tp_repl_ready[k][sharded] = 1;
 }
 
 /* Unit u's gradient at element `at` of what the rank holds of it (its shard when sharded). */
@@ -526,66 +535,69 @@ static void *repl_grad(Parallel *p, int sharded, int u, size_t at) {
     return sharded ? st_at(p->gshard, shard_off(p, u) + at) : st_at(p->grads, p->m->units[u].offset + at);
 }
 
-/* Expert parallel: the replicated runs are whole stretches of the units (a run or two a
- * unit), taken where they are rather than packed. Their sum of squares: */
-static double repl_sumsq(Parallel *p, int sharded) {
-    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
+/* The replicated runs of kind k taken where they are rather than packed. Their sum of squares: */
+static double repl_sumsq(Parallel *p, int sharded, int k) {
+    if (!p->tp_repl_ready[k][sharded]) find_replicated(p, sharded, k);
     double s = 0;
-    for (int i = 0; i < p->tp_nrepl[sharded]; i++) {
-        const ReplRun *r = &p->tp_repl[sharded][i];
+    for (int i = 0; i < p->tp_nrepl[k][sharded]; i++) {
+        const ReplRun *r = &p->tp_repl[k][sharded][i];
         s += op_sumsq(repl_grad(p, sharded, r->unit, r->at), r->n);
     }
     return s;
 }
 
-/* ... and their sum over the ep group, in place (each rank's gradient was scaled by 1 /
- * ep_size: the sum is the mean over the data-parallel ranks). */
-static void ep_sum_replicated(Parallel *p, int sharded) {
-    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
-    int n = p->tp_nrepl[sharded];
+/* ... and their sum over group g, in place (expert parallel: each rank's gradient was scaled
+ * by 1 / ep_size, so the sum is the mean over the data-parallel ranks). */
+static void sum_replicated(Parallel *p, int sharded, int k, const Comm *g, const char *what) {
+    if (!p->tp_repl_ready[k][sharded]) find_replicated(p, sharded, k);
+    int n = p->tp_nrepl[k][sharded];
     CommReq *q = xcalloc((size_t)(n ? n : 1), sizeof *q);
     for (int i = 0; i < n; i++) {
-        const ReplRun *r = &p->tp_repl[sharded][i];
-        comm_iallreduce(&p->mesh->ep, repl_grad(p, sharded, r->unit, r->at), r->n, par_ctype(), COMM_SUM, &q[i],
-                        "expert-parallel all-reduce (the gradients the ep group shares)");
+        const ReplRun *r = &p->tp_repl[k][sharded][i];
+        comm_iallreduce(g, repl_grad(p, sharded, r->unit, r->at), r->n, par_ctype(), COMM_SUM, &q[i], what);
         if (!p->overlap) par_wait(p, &q[i]);
     }
     for (int i = 0; i < n; i++) {
         par_wait(p, &q[i]);
-        if (i + 1 == n || p->tp_repl[sharded][i + 1].unit != p->tp_repl[sharded][i].unit)
-            par_grad_changed(p, p->tp_repl[sharded][i].unit);
+        if (i + 1 == n || p->tp_repl[k][sharded][i + 1].unit != p->tp_repl[k][sharded][i].unit)
+            par_grad_changed(p, p->tp_repl[k][sharded][i].unit);
     }
     free(q);
 }
 
-/* The replicated runs of every unit's gradient (this rank's part of each when sharded), in
- * order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back out of it (and
- * tells the optimizer's placement those units changed). */
+/* The tp group's replicated runs of every unit's gradient (this rank's part of each when
+ * sharded), in order: how = 0 counts their elements, 1 copies them into p->tp_pack, 2 back
+ * out of it (and tells the optimizer's placement those units changed). */
 static size_t pack_replicated(Parallel *p, int sharded, int how) {
-    if (!p->tp_repl_ready[sharded]) find_replicated(p, sharded);
+    const int k = REPL_TP_K;
+    if (!p->tp_repl_ready[k][sharded]) find_replicated(p, sharded, k);
     size_t off = 0, es = ops_state_size();
-    for (int i = 0; how && i < p->tp_nrepl[sharded]; i++) {
-        int u = p->tp_repl[sharded][i].unit;
-        size_t at = p->tp_repl[sharded][i].at, n = p->tp_repl[sharded][i].n;
+    for (int i = 0; how && i < p->tp_nrepl[k][sharded]; i++) {
+        int u = p->tp_repl[k][sharded][i].unit;
+        size_t at = p->tp_repl[k][sharded][i].at, n = p->tp_repl[k][sharded][i].n;
         void *g = repl_grad(p, sharded, u, at);
         if (how == 1) op_copy(st_at(p->tp_pack, off), g, n * es);
         if (how == 2) {
             op_copy(g, st_at(p->tp_pack, off), n * es);
-            if (i + 1 == p->tp_nrepl[sharded] || p->tp_repl[sharded][i + 1].unit != u) par_grad_changed(p, u);
+            if (i + 1 == p->tp_nrepl[k][sharded] || p->tp_repl[k][sharded][i + 1].unit != u) par_grad_changed(p, u);
         }
         off += n;
     }
-    return p->tp_repl_elems[sharded];
+    return p->tp_repl_elems[k][sharded];
 }
 
-/* The norms' weight gradients under sequence parallel are each tp rank's rows' part: summed
- * over tp once the gradient is complete, all of them in one all-reduce (one per norm was
- * 2L + 1 small collectives, each waited for). */
+/* What the ep group holds alike summed over it (expert parallel), and the norms' (and the
+ * router's) weight gradients under sequence parallel, each tp rank's rows' part, summed over
+ * tp once the gradient is complete: under tensor parallel alone all of them in one
+ * all-reduce (one per norm was 2L + 1 small collectives, each waited for). */
 void par_tp_sum_partial(Parallel *p, int sharded) {
     const Mesh *mesh = p->mesh;
     if (!par_sums_replicated(p)) return;
+    if (mesh->ep_size > 1)
+        sum_replicated(p, sharded, REPL_EP_K, &mesh->ep, "expert-parallel all-reduce (the gradients the ep group shares)");
+    if (mesh->tp_size == 1 || !p->m->sp) return;
     if (mesh->ep_size > 1) {
-        ep_sum_replicated(p, sharded);
+        sum_replicated(p, sharded, REPL_TP_K, &mesh->tp, "tensor-parallel all-reduce (norms' gradients)");
         return;
     }
     size_t n = tp_pack_ready(p, sharded);
@@ -603,10 +615,9 @@ double par_stages_sumsq(Parallel *p, double sumsq) {
     const Unit *e = &p->m->units[UNIT_EMBEDDING];
     /* the tied copy, before the tp sum: each tp rank's copy is its own vocabulary rows */
     if (piped && !p->count_embedding && e->n) sumsq -= op_sumsq(st_at(p->grads, e->offset), e->n_padded);
-    const Comm *split = split_group(p);
-    if (split) {
+    if (split_tp(p) || split_ep(p)) {
         sumsq = tp_sumsq(p, sumsq, 0);
-        comm_allreduce_double(split, &sumsq, 1);
+        split_sum(p, &sumsq);
         if (sumsq < 0) sumsq = 0;  /* rounding */
     }
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
@@ -621,8 +632,7 @@ double par_shard_norm(Parallel *p) {
         sumsq -= op_sumsq(st_at(p->gshard, shard_off(p, UNIT_EMBEDDING)), shard_len(p, UNIT_EMBEDDING));
     sumsq = tp_sumsq(p, sumsq, 1);
     comm_allreduce_double(p->group, &sumsq, 1);
-    const Comm *split = split_group(p);
-    if (split) comm_allreduce_double(split, &sumsq, 1);
+    split_sum(p, &sumsq);
     if (piped) comm_allreduce_double(p->stages, &sumsq, 1);
     return sqrt(sumsq < 0 ? 0 : sumsq);  /* (rounding below 0; a NaN stays one: an overflow) */
 }

@@ -67,12 +67,14 @@ struct Parallel {
     unsigned char *cstale;
     void *tp_pack;            /* the norms' gradients packed: sequence parallel's all-reduce of their */
     size_t tp_pack_n;         /* parts, and the norm's replicated part (tp_sumsq); its elements */
-    /* the replicated runs of the gradient (whole units [0], shards [1]), found once:
-     * model_tp_runs lists 2E + 8 runs a layer, and each pass over them took 0.3-0.7 ms of the
-     * host at embed_dim 4096 with the device idle (bench/results/tensor-parallel-h200x2-2026-11.md) */
-    ReplRun *tp_repl[2];
-    int tp_nrepl[2], tp_repl_ready[2];
-    size_t tp_repl_elems[2];
+    /* the replicated runs of the gradient, [k][sharded]: those the tp group holds alike (k = 0,
+     * TP_REPL_TP) or the ep group (k = 1, TP_REPL_EP), of whole units [0] or shards [1], found
+     * once: model_tp_runs lists 2E + 8 runs a layer, and each pass over them took 0.3-0.7 ms of
+     * the host at embed_dim 4096 with the device idle
+     * (bench/results/tensor-parallel-h200x2-2026-11.md) */
+    ReplRun *tp_repl[2][2];
+    int tp_nrepl[2][2], tp_repl_ready[2][2];
+    size_t tp_repl_elems[2][2];
     int tp_pack_summed;       /* sharded + 1: tp_pack holds the runs, summed (par_tp_sum_partial) */
     CommReq *greq;            /* per unit: its collective (gradient reduction, parameter gather) */
     unsigned char *grad_open; /* per unit: gradient slot taken this step (1), reducing (2) */

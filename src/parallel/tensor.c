@@ -63,9 +63,9 @@ static void tp_join(void *ctx, long t) {
 
 static CommType act_type(void) { return ops_act_size() == 2 ? COMM_BF16 : COMM_F32; }
 
-static long tp_allreduce_begin(void *ctx, void *buf, size_t n) {
+static long tp_allreduce_begin(void *ctx, void *buf, size_t n, int stats) {
     CommReq *r = next_slot();
-    comm_iallreduce(ctx, buf, n, act_type(), COMM_SUM, r, "tensor-parallel all-reduce");
+    comm_iallreduce(ctx, buf, n, stats ? COMM_F32 : act_type(), COMM_SUM, r, "tensor-parallel all-reduce");
     return begun(r);
 }
 static long tp_allgather_begin(void *ctx, void *buf, size_t n, int stats) {

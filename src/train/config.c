@@ -155,7 +155,7 @@ static const Key KEYS[] = {
       "there on CPU ranks"),
     I(tensor_parallel_size, "1", 1, 4096, MODEL_CMDS,
       "tensor parallel ranks (Megatron-LM: heads, FFN units and the vocabulary split; must divide n_heads, the FFN "
-      "width and the vocabulary padded to a multiple of 64)"),
+      "width, the vocabulary padded to a multiple of 64 and a MoE model's moe_expert_dim)"),
     B(sequence_parallel, "true", MODEL_CMDS,
       "with tensor_parallel_size > 1: the residual stream and the norms split along the sequence too (Megatron-LM's "
       "sequence parallel; tensor_parallel_size must divide context_len)"),

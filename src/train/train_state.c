@@ -22,7 +22,9 @@ static int ckpt_ranges(const Parallel *par, const Model *m, int write, StateRang
         for (int j = 0; j < nu; j++) {
             const TpRun *r = &runs[j];
             size_t a = o[i].lo > r->local ? o[i].lo : r->local, b = o[i].hi < r->local + r->n ? o[i].hi : r->local + r->n;
-            if (a >= b || (write && r->replicated && (m->tp_rank != 0 || m->ep_rank != 0))) continue;
+            if (a >= b || (write && (((r->replicated & TP_REPL_TP) && m->tp_rank != 0) ||
+                                     ((r->replicated & TP_REPL_EP) && m->ep_rank != 0))))
+                continue;
             if (k >= max) die(EXIT_RUN_FAILURE, "internal: more than %d checkpoint ranges", max);
             size_t d = a - o[i].lo;
             out[k++] = (StateRange){m->packed[o[i].unit] + r->global + (a - r->local), b - a,
