@@ -42,6 +42,31 @@ follows() {
   paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}' || return 1
   params_close "$1/ckpt.bin" "$2/ckpt.bin"
 }
+# same_norms A B: every step's gradient norm within 1e-5 relative
+norms() { grep -o '"grad_norm":[0-9.]*' "$1/log.jsonl" | cut -d: -f2; }
+same_norms() {
+  local a b; a=$(norms "$1"); b=$(norms "$2")
+  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] &&
+    paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}'
+}
+# rank_faults NAME WHAT KEYS...: two ranks train with KEYS; when rank 1 dies (SIGKILL) at step
+# 3 the job ends within seconds, and when it hangs there the other gives up after comm_timeout=3
+# with a message matching WHAT (the collective it waited in). Two checks: killed_NAME, hung_NAME.
+rank_faults() {
+  local name=$1 what=$2 t0 t rc out; shift 2
+  t0=$SECONDS
+  out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train "$@" out_dir="$TMP/kill_$name" 2>&1); rc=$?
+  t=$((SECONDS - t0))
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "rank 1.*signal 9" <<<"$out" &&
+    ok "killed_${name}_ends_job (${t}s)" || bad "killed_${name}_ends_job (exit $rc after ${t}s)"
+  t0=$SECONDS
+  out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train "$@" comm_timeout=3 out_dir="$TMP/hang_$name" 2>&1)
+  rc=$?
+  t=$((SECONDS - t0))
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "$what.*did not complete within 3 s" <<<"$out" &&
+    ok "hung_${name}_times_out (${t}s)" ||
+    bad "hung_${name}_times_out (exit $rc after ${t}s: $(grep meshtrain: <<<"$out" | head -2))"
+}
 # params_close A B: ckpt_diff A B succeeds and prints "max_rel_diff X" with X a number below
 # PARAM_TOL (else it says what it saw). 1e-5; 5e-5 in the sanitizer build (-O1), whose code
 # rounds otherwise than the plain build's -O3 (where, not located): there, on some CPUs, a

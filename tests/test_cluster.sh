@@ -2,7 +2,7 @@
 # The emulated cluster (scripts/cluster.sh): two hosts on a 100 Mbit/s link measure 50-110%
 # of it; 2 ranks, one a host, train as 2 ranks on one host do (losses and parameters), and
 # their gradients cross the shaped link; 2 hosts x 2 ranks with the hierarchical all-reduce
-# (and the flat one) follow one process; the cluster's addresses and devices exist only in
+# (and the flat one) follow one process, and compressed across the hosts stay near it; the cluster's addresses and devices exist only in
 # its namespaces; down removes everything, also with ranks still running and after a crash,
 # and an interrupted up removes what it made; a second up of a name is refused; bad input
 # is one line and exit 2.
@@ -77,13 +77,23 @@ grep -q "^cluster $N: .*rate=100mbit.*measured=" "$TMP/two.log" && ok run_names_
 # inside): 2 hosts x 2 ranks follow one process of the same global batch, as the flat one does
 # (dp_allreduce=flat); asked for where dp does not span hosts it is one line and exit 2
 "$BIN" train ${M/batch_size=4/batch_size=8} out_dir="$TMP/solo" >/dev/null 2>&1
+# (one all-reduce a unit: several in flight at once, their stages begun in one order on every rank)
 for mode in hierarchical flat; do
   if $C run "$N" --per-host 2 -- --oversubscribe --bind-to none --stdin none -np 4 "$BIN" train \
-       ${M/batch_size=4/batch_size=2} dp_allreduce=$mode out_dir="$TMP/h_$mode" </dev/null >"$TMP/h_$mode.log" 2>&1 &&
+       ${M/batch_size=4/batch_size=2} bucket_mb=0 dp_allreduce=$mode out_dir="$TMP/h_$mode" </dev/null >"$TMP/h_$mode.log" 2>&1 &&
      follows "$TMP/solo" "$TMP/h_$mode"
   then ok "dp_allreduce_${mode}_2x2_follows_one_process"
   else bad "dp_allreduce_${mode}_2x2_follows_one_process ($(grep -m1 meshtrain: "$TMP/h_$mode.log"))"; fi
 done
+# compression on the hop across hosts only: near the uncompressed run, fewer bytes sent
+$C run "$N" --per-host 2 -- --oversubscribe --bind-to none --stdin none -np 4 "$BIN" train \
+  ${M/batch_size=4/batch_size=2} bucket_mb=0 grad_compression=int8 out_dir="$TMP/h_int8" </dev/null >"$TMP/h_int8.log" 2>&1
+cbytes() { grep -o '"comm_bytes":[0-9]*' "$1/log.jsonl" | head -1 | cut -d: -f2; }
+grep -q "gradient all-reduce: across machines compressed to int8" "$TMP/h_int8.log" &&
+  paste <(losses "$TMP/h_hierarchical") <(losses "$TMP/h_int8") |
+    awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-3) bad=1; n++} END{exit bad || n < 5}' &&
+  [ "$(cbytes "$TMP/h_int8")" -lt "$(cbytes "$TMP/h_hierarchical")" ] && ok int8_across_hosts_near_uncompressed ||
+  bad "int8_across_hosts_near_uncompressed ($(grep -m1 meshtrain: "$TMP/h_int8.log"); bytes $(cbytes "$TMP/h_int8") against $(cbytes "$TMP/h_hierarchical"))"
 grep -q "gradient all-reduce: inside each of 2 machines (2 ranks)" "$TMP/h_hierarchical.log" &&
   ! grep -q "gradient all-reduce: inside" "$TMP/h_flat.log" && ok dp_allreduce_header_says_which ||
   bad dp_allreduce_header_says_which

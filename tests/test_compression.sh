@@ -56,8 +56,6 @@ err=$($MPIRUN -np 2 "$BIN" train $M grad_compression=int8 resume="$TMP/part/ckpt
 # -- bad values
 expect_exit 2 "grad_compression=int8 applies to DDP" with_fsdp -- \
   "$BIN" train $M grad_compression=int8 fsdp=true out_dir="$TMP/bad1"
-expect_exit 2 "does not combine with dp_allreduce=hierarchical" with_hierarchical -- \
-  "$BIN" train $M grad_compression=bf16 dp_allreduce=hierarchical out_dir="$TMP/bad2"
 expect_exit 2 "grad_compression" unknown_kind -- "$BIN" train $M grad_compression=fp4 out_dir="$TMP/bad3"
 
 echo "RESULT $pass $fail"

@@ -17,12 +17,6 @@ prepare_data 400000
 PARAM_TOL=$([ "${MESHTRAIN_SANITIZED:-}" = 1 ] && echo 5e-5 || echo 3e-5)
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=0.3 progress=false threads=1 val_batches=1 data_dir=$D moe_experts=4 moe_top_k=2 moe_z_loss=1e-3"
-norms() { grep -o '"grad_norm":[0-9.]*' "$1/log.jsonl" | cut -d: -f2; }
-same_norms() {
-  local a b; a=$(norms "$1"); b=$(norms "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] &&
-    paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}'
-}
 run_case() {  # run_case NAME NP REF ENV KEYS...
   local name=$1 np=$2 ref=$3 env=$4; shift 4
   local out=$TMP/$name
@@ -97,19 +91,7 @@ cmp -s "$TMP/again4/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok two_runs_bitwise || b
 
 # -- a rank that dies ends the job within seconds; one that hangs, after comm_timeout, its
 # peer waiting in the all-to-all
-t0=$SECONDS
-out=$(MESHTRAIN_FAULT_KILL=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${M/steps=5/steps=50} batch_size=4 \
-      expert_parallel_size=2 out_dir="$TMP/kill" 2>&1); rc=$?
-t=$((SECONDS - t0))
-[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "rank 1.*signal 9" <<<"$out" &&
-  ok "killed_ep_rank_ends_job (${t}s)" || bad "killed_ep_rank_ends_job (exit $rc after ${t}s)"
-t0=$SECONDS
-out=$(MESHTRAIN_FAULT_HANG=1:3 timeout 60 $MPIRUN -np 2 "$BIN" train ${M/steps=5/steps=50} batch_size=4 \
-      expert_parallel_size=2 comm_timeout=3 out_dir="$TMP/hang" 2>&1); rc=$?
-t=$((SECONDS - t0))
-[ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $t -lt 30 ] && grep -q "expert-parallel all-to-all.*did not complete within 3 s" <<<"$out" &&
-  ok "hung_ep_rank_times_out_in_all_to_all (${t}s)" ||
-  bad "hung_ep_rank_times_out_in_all_to_all (exit $rc after ${t}s: $(grep meshtrain: <<<"$out" | head -2))"
+rank_faults ep_rank "expert-parallel all-to-all" ${M/steps=5/steps=50} batch_size=4 expert_parallel_size=2
 
 # -- bad values: one line, exit 2, at start-up
 expect_exit 2 "expert_parallel_size=3 does not divide moe_experts=4" ep_not_dividing_experts -- \

@@ -18,13 +18,6 @@ prepare_data 400000
 PARAM_TOL=$([ "${MESHTRAIN_SANITIZED:-}" = 1 ] && echo 5e-5 || echo 3e-5)
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D moe_experts=4 moe_top_k=2 moe_z_loss=1e-3"
-norms() { grep -o '"grad_norm":[0-9.]*' "$1/log.jsonl" | cut -d: -f2; }
-# same_norms A B: every step's gradient norm within 1e-5 relative
-same_norms() {
-  local a b; a=$(norms "$1"); b=$(norms "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] &&
-    paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}'
-}
 
 # -- data parallel: one micro-batch of the same global batch, balanced and skewed (a fixed
 # selection bias favouring the first experts: MESHTRAIN_MOE_SKEW)

@@ -18,12 +18,6 @@ M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=
 # micro-batch, so one data-parallel rank only)
 MS="$M moe_every=2 moe_shared_experts=1 moe_expert_dim=8"
 MC="$M moe_capacity_factor=1"
-norms() { grep -o '"grad_norm":[0-9.]*' "$1/log.jsonl" | cut -d: -f2; }
-same_norms() {
-  local a b; a=$(norms "$1"); b=$(norms "$2")
-  [ -n "$a" ] && [ "$(echo "$a" | wc -l)" -eq "$(echo "$b" | wc -l)" ] &&
-    paste <(echo "$a") <(echo "$b") | awk '{d=($1-$2)/$1; if (d<0) d=-d; if (d>1e-5) bad=1} END{exit bad}'
-}
 
 # references: one process, the global batch of 8 (the skewed router: a fixed selection bias
 # favouring the first experts, MESHTRAIN_MOE_SKEW)

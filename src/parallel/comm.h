@@ -119,19 +119,22 @@ void comm_ireduce_scatter(const Comm *c, void *send, void *recv, size_t recv_n, 
 /* In place: buf holds size * n elements, this rank's block at rank * n; every block is filled. */
 void comm_iallgather(const Comm *c, void *buf, size_t n, CommType t, CommReq *r, const char *what);
 /* Hierarchical all-reduce (comm_hier.c) of buf's n elements over the ranks of node x cross
- * (node: the ranks of one machine; cross: the ranks with the same place on every machine):
+ * (node and node_gather: the ranks of one machine, comm_split_hosts; cross: the ranks with the
+ * same place on every machine):
  * reduce-scatter inside the machine, all-reduce of this rank's block across machines,
  * all-gather inside the machine, each stage started once the one before is done. n must
  * divide by node->size. op COMM_AVG averages over all node x cross ranks. The stages of
  * every hierarchical all-reduce in flight are issued in the order the all-reduces were
  * begun, so every rank issues each group's collectives in one order. Host memory (CPU ranks). */
-void comm_iallreduce_hier(const Comm *node, const Comm *cross, void *buf, size_t n, CommType t, CommOp op, CommReq *r,
-                          const char *what);
-/* The machines of c's ranks (MPI_COMM_TYPE_SHARED), as two groups: node = c's ranks on this
- * machine, cross = c's ranks with this rank's place on every machine. Returns 1 where c spans
- * more than one machine with the same number (more than one) of its ranks on each, else 0
- * with node and cross groups of one. Collective over c. */
-int comm_split_hosts(const Comm *c, Comm *node, Comm *cross);
+void comm_iallreduce_hier(const Comm *node, const Comm *node_gather, const Comm *cross, void *buf, size_t n, CommType t,
+                          CommOp op, CommReq *r, const char *what);
+/* The machines of c's ranks (MPI_COMM_TYPE_SHARED), as groups: node = c's ranks on this
+ * machine (and node_gather, the same ranks again: a hierarchical all-reduce's last stage runs
+ * on it, so that each group carries one stage's collectives, begun in one order), cross = c's
+ * ranks with this rank's place on every machine. Returns 1 where c spans more than one
+ * machine with the same number (more than one) of its ranks on each, else 0 with groups of
+ * one. Collective over c. */
+int comm_split_hosts(const Comm *c, Comm *node, Comm *node_gather, Comm *cross);
 /* Returns 1 when done (and completes it), 0 if still in flight. Drives MPI progress. */
 int comm_test(CommReq *r);
 void comm_wait(CommReq *r);

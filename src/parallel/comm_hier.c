@@ -4,17 +4,18 @@
  *
  * Each stage is a collective of its own (the rings of the transport), begun once the stage
  * before it is done, which a comm_test of the request finds out. The transports' rings are
- * matched by the order they are begun on a group, so the stages of all hierarchical
- * all-reduces in flight are begun in the order the all-reduces were: a stage of one is begun
- * only after the same stage of every one begun before it (the queue below), whichever request
- * a rank happens to test first. */
+ * matched by the order they are begun on a group, so each stage has a group of its own (the
+ * machine's reduce-scatters on node, its all-gathers on node_gather, the all-reduces across on
+ * cross), and the stages of all hierarchical all-reduces in flight are begun in the order the
+ * all-reduces were: a stage of one is begun only after the same stage of every one begun
+ * before it (the queue below), whichever request a rank happens to test first. */
 #include <stdlib.h>
 #include <string.h>
 #include "comm_impl.h"
 #include "util.h"
 
 typedef struct Chain {
-    const Comm *node, *cross;
+    const Comm *node, *node_gather, *cross;
     char *buf;
     size_t n, blk, esz;
     CommType t;
@@ -35,7 +36,7 @@ static void begin_stage(Chain *c) {
     /* averages: inside the machine, then across (equal groups: the mean of all) */
     if (c->stage == 0) comm_ireduce_scatter(c->node, c->buf, mine, c->blk, c->t, c->op, &c->sub, c->what);
     else if (c->stage == 1) comm_iallreduce(c->cross, mine, c->blk, c->t, c->op, &c->sub, c->what);
-    else comm_iallgather(c->node, c->buf, c->blk, c->t, &c->sub, c->what);
+    else comm_iallgather(c->node_gather, c->buf, c->blk, c->t, &c->sub, c->what);
 }
 
 /* Moves every chain as far as it may: chain i begins stage s only after chain i - 1 has. */
@@ -57,13 +58,13 @@ static void advance_all(void) {
     g_n = k;
 }
 
-void comm_iallreduce_hier(const Comm *node, const Comm *cross, void *buf, size_t n, CommType t, CommOp op, CommReq *r,
-                          const char *what) {
+void comm_iallreduce_hier(const Comm *node, const Comm *node_gather, const Comm *cross, void *buf, size_t n, CommType t,
+                          CommOp op, CommReq *r, const char *what) {
     if (n % (size_t)node->size)
         die(EXIT_RUN_FAILURE, "internal: %s: %zu elements do not divide over %d ranks of a machine", what, n, node->size);
     if (g_n == MAX_CHAINS) comm_abort(EXIT_RUN_FAILURE, "internal: too many hierarchical all-reduces in flight");
     Chain *c = xcalloc(1, sizeof *c);
-    *c = (Chain){node, cross, buf, n, n / (size_t)node->size, type_size(t), t, op, what, 0, {0}, r};
+    *c = (Chain){node, node_gather, cross, buf, n, n / (size_t)node->size, type_size(t), t, op, what, 0, {0}, r};
     memset(r, 0, sizeof *r);
     r->c = node;
     r->what = what;
@@ -83,7 +84,7 @@ int comm_hier_test(CommReq *r) {
     return 1;
 }
 
-int comm_split_hosts(const Comm *c, Comm *node, Comm *cross) {
+int comm_split_hosts(const Comm *c, Comm *node, Comm *node_gather, Comm *cross) {
     int local, per, first = comm_host_first(c, &local, &per);
     /* every machine must hold as many of c's ranks, and more than one, and there must be more
      * than one machine */
@@ -92,6 +93,7 @@ int comm_split_hosts(const Comm *c, Comm *node, Comm *cross) {
     comm_allreduce_max_int(c, &hi, 1);
     int ok = lo == hi && per > 1 && per < c->size;
     comm_split(c, ok ? first : -1, local, "node", node);
+    comm_split(c, ok ? first : -1, local, "node", node_gather);
     comm_split(c, ok ? local : -1, c->rank, "cross", cross);
     return ok;
 }

@@ -34,7 +34,7 @@ int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, 
     comm_split(&m->dp, m->shard_rank, m->replicate_rank, "replicate", &m->replicate);
     comm_split(&m->dp, m->edp_rank, m->ep_rank, "ep", &m->ep);
     comm_split(&m->dp, m->ep_rank, m->edp_rank, "edp", &m->edp);
-    m->dp_hosts = comm_split_hosts(&m->dp, &m->node, &m->cross);
+    m->dp_hosts = comm_split_hosts(&m->dp, &m->node, &m->node_gather, &m->cross);
     return 0;
 }
 
@@ -42,5 +42,5 @@ void mesh_free(Mesh *m) {
     comm_free(&m->tp); comm_free(&m->dp); comm_free(&m->pp);
     comm_free(&m->shard); comm_free(&m->replicate);
     comm_free(&m->ep); comm_free(&m->edp);
-    comm_free(&m->node); comm_free(&m->cross);
+    comm_free(&m->node); comm_free(&m->node_gather); comm_free(&m->cross);
 }

@@ -15,9 +15,10 @@ typedef struct {
     Comm ep, edp;            /* within dp: expert parallel's groups (ep of one rank, edp = dp, without) */
     /* within dp, by machine (comm_split_hosts): node = the dp ranks on this machine, cross =
      * those with this rank's place on every machine; dp_hosts = 1 where dp spans several
-     * machines with as many (more than one) ranks on each, else 0 and groups of one.
+     * machines with as many (more than one) ranks on each, else 0 and groups of one (node_gather:
+ * node's ranks again, for the hierarchical all-reduce's last stage).
      * hier_allreduce: DDP's all-reduces over dp go through them (the key dp_allreduce). */
-    Comm node, cross;
+    Comm node, node_gather, cross;
     int dp_hosts, hier_allreduce;
     int rank, size;          /* in the world */
     int dp_size, tp_size, pp_size, shard_size, ep_size, edp_size;

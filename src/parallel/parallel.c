@@ -342,12 +342,18 @@ void par_progress(Parallel *p) {
         if (p->gfinal[u] && optim_grad_wanted(p->opt, u) && comm_test(p->gfinal[u])) optim_grad_final(p->opt, u);
 }
 
+/* Whether DDP's all-reduces over dp go machine by machine (the mesh's hier_allreduce). */
+static int hierarchical(const Parallel *p) { return p->mesh && p->mesh->hier_allreduce && p->group == &p->mesh->dp; }
+
 int parallel_set_compression(Parallel *p, int kind, char *err, size_t errlen) {
     if (!kind) return 0;
     if (p->s != &par_ddp || !ops_host_memory() || !p->grads)
         return set_err(err, errlen, "grad_compression=%s applies to DDP on CPU ranks (fsdp and zero_opt off, "
                        "device=cpu)", compress_kind_name((CompressKind)kind));
-    p->comp = compress_create((CompressKind)kind, p->m->n_flat, p->D);
+    /* machine by machine: the residuals of the rank's block of each bucket, across machines */
+    const Mesh *mesh = p->mesh;
+    p->comp = hierarchical(p) ? compress_create((CompressKind)kind, p->m->n_flat / (size_t)mesh->node.size, mesh->cross.size)
+                              : compress_create((CompressKind)kind, p->m->n_flat, p->D);
     return 0;
 }
 
@@ -357,16 +363,36 @@ float *parallel_compression_state(Parallel *p, size_t *n_e, float **f, size_t *n
     return compress_state(p->comp, n_e, n_f);
 }
 
+/* Compressed, blocking: the whole bucket over the group; or, machine by machine, only the hop
+ * across machines compressed (the rank's block of the machine's reduce-scatter), the machine's
+ * own links carrying fp32. 0 where it cannot (the caller reduces buf uncompressed). */
+static int allreduce_compressed(Parallel *p, float *buf, size_t n) {
+    const Mesh *mesh = p->mesh;
+    size_t off = (size_t)(buf - (float *)p->grads);
+    if (!hierarchical(p)) return p->D > 1 && compress_allreduce(p->comp, p->group, buf, off, n);
+    size_t k = (size_t)mesh->node.size, blk = n / k;
+    if (n % k) return 0;
+    float *mine = buf + (size_t)mesh->node.rank * blk;
+    CommReq q = {0};
+    comm_ireduce_scatter(&mesh->node, buf, mine, blk, COMM_F32, COMM_AVG, &q, "gradient reduce-scatter (inside the machine)");
+    par_wait(p, &q);
+    if (!compress_allreduce(p->comp, &mesh->cross, mine, off / k, blk)) {
+        comm_iallreduce(&mesh->cross, mine, blk, COMM_F32, COMM_AVG, &q, "gradient all-reduce (across machines)");
+        par_wait(p, &q);
+    }
+    comm_iallgather(&mesh->node_gather, buf, blk, COMM_F32, &q, "gradient all-gather (inside the machine)");
+    par_wait(p, &q);
+    return 1;
+}
+
 void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req) {
     const Mesh *mesh = p->mesh;
-    /* compressed: blocking, complete on return (a request never begun) */
-    if (p->comp && p->D > 1 &&
-        compress_allreduce(p->comp, p->group, buf, (size_t)((float *)buf - (float *)p->grads), n)) {
+    if (p->comp && allreduce_compressed(p, buf, n)) {  /* complete on return: a request never begun */
         memset(req, 0, sizeof *req);
         return;
     }
-    if (mesh && mesh->hier_allreduce && p->group == &mesh->dp && n % (size_t)mesh->node.size == 0)
-        comm_iallreduce_hier(&mesh->node, &mesh->cross, buf, n, par_ctype(), COMM_AVG, req,
+    if (hierarchical(p) && n % (size_t)mesh->node.size == 0)
+        comm_iallreduce_hier(&mesh->node, &mesh->node_gather, &mesh->cross, buf, n, par_ctype(), COMM_AVG, req,
                              "gradient all-reduce (inside the machine, then across)");
     else comm_iallreduce(p->group, buf, n, par_ctype(), COMM_AVG, req, "gradient all-reduce");
 }

@@ -148,7 +148,8 @@ static const Key KEYS[] = {
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     E(grad_compression, "none", "none|bf16|int8", TR,
       "DDP's gradient all-reduce compressed, with error feedback (what compression lost is sent with the next "
-      "step's): bf16, or int8 with a scale per 256 values (CPU ranks; the residuals are kept in checkpoints)"),
+      "step's): bf16, or int8 with a scale per 256 values; machine by machine (dp_allreduce) only the hop across "
+      "machines (CPU ranks; the residuals are kept in checkpoints)"),
     E(dp_allreduce, "auto", "auto|flat|hierarchical", TR,
       "DDP's gradient all-reduce: flat over dp, or hierarchical (reduce-scatter inside each machine, all-reduce "
       "across machines, all-gather inside) where dp spans machines with as many ranks on each; auto = hierarchical "
@@ -462,9 +463,6 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (c->fsdp || c->zero_opt || c->expert_parallel_size > 1 || strcmp(c->device, "cpu"))
                 return set_err(err, errlen, "grad_compression=%s applies to DDP (fsdp and zero_opt off, no expert "
                                "parallel) on CPU ranks (device=cpu)", c->grad_compression);
-            if (!strcmp(c->dp_allreduce, "hierarchical"))
-                return set_err(err, errlen, "grad_compression=%s compresses the flat all-reduce: it does not combine "
-                               "with dp_allreduce=hierarchical", c->grad_compression);
         }
         if (config_was_set("shard_group_size") && !(c->fsdp && !strcmp(c->shard_strategy, "hybrid")))
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");

@@ -175,8 +175,8 @@ static void print_header(const TrainRun *r) {
     if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
                                    r->dp / r->mesh.shard_size);
     if (strcmp(c->grad_compression, "none") && r->dp > 1)
-        printf("gradient all-reduce: compressed to %s with error feedback (%s; what it loses is sent with the next "
-               "step's)\n", c->grad_compression,
+        printf("gradient all-reduce: %scompressed to %s with error feedback (%s; what it loses is sent with the next "
+               "step's)\n", r->mesh.hier_allreduce ? "across machines " : "", c->grad_compression,
                !strcmp(c->grad_compression, "bf16") ? "2 bytes a value" : "a byte a value and a scale per 256 of them");
     if (r->mesh.hier_allreduce)
         printf("gradient all-reduce: inside each of %d machines (%d ranks), then across them\n", r->mesh.cross.size,
@@ -277,8 +277,7 @@ void train_setup(TrainRun *r, Config *c) {
                  "machines with as many (more than one) on each; use dp_allreduce=auto or flat", r->mesh.dp_size);
     /* DDP only (zero_opt and fsdp reduce-scatter; hybrid FSDP is their machine-aware form) */
     r->mesh.hier_allreduce = r->mesh.dp_hosts && !c->fsdp && !c->zero_opt && r->mesh.ep_size == 1 &&
-                             !strcmp(c->device, "cpu") && strcmp(c->dp_allreduce, "flat") &&
-                             !strcmp(c->grad_compression, "none");
+                             !strcmp(c->device, "cpu") && strcmp(c->dp_allreduce, "flat");
     comm_exit_if_failed(&r->world, &f);
     r->lead = r->world.rank == 0;
     r->dp = r->mesh.dp_size;
