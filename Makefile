@@ -58,7 +58,7 @@ BENCHES  := $(patsubst bench/%.c,$(BUILD)/bench/%,$(wildcard bench/*.c))
 GPU_TESTS := $(if $(NVCC),$(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu_%,$(wildcard tests/gpu/test_*.c)) $(BUILD)/tests/gpu_test_attn_bf16 \
              $(BUILD)/tests/gpu_test_attn_wgmma_bwd)
 
-.PHONY: all deps data train test test-asan check-tests bench clean cuda test-gpu install
+.PHONY: all deps deps-build data train test test-asan check-tests bench clean cuda test-gpu install
 all: meshtrain
 
 # `make install` puts meshtrain on PATH: $(PREFIX)/bin/meshtrain (PREFIX=$$HOME/.local needs no root).
@@ -67,8 +67,13 @@ install: meshtrain
 	install -d $(DESTDIR)$(PREFIX)/bin
 	install -m 0755 meshtrain $(DESTDIR)$(PREFIX)/bin/meshtrain
 
+# Every package: building, training and the tests (Slurm and munge among them).
 deps:
 	@scripts/install-deps.sh
+
+# Building and training only (no Slurm daemons on a machine that just trains).
+deps-build:
+	@scripts/install-deps.sh build
 
 $(BUILD)/obj/%.o: src/%.c $(HDRS)
 	@mkdir -p $(dir $@)
@@ -158,7 +163,7 @@ test-asan: deps
 	  SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 # The README's train command: a small default model on the mirrored TinyStories text.
-train: deps
+train: deps-build
 	@$(MAKE) --no-print-directory data meshtrain
 	@scripts/train-default.sh
 

@@ -240,14 +240,27 @@ void hooks_each(void (*fn)(void *ctx, const char *name, const char *value, int w
 
 /* ---- the launcher ---- */
 
-int env_launched(void) {
-    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_NTASKS"};
+/* A task srun started (a job step's task: SLURM_STEP_ID is set); the batch script of an
+ * sbatch job also has SLURM_NTASKS and SLURM_PROCID, but it is one process. */
+static int slurm_step_tasks(void) {
+    const char *step = getenv("SLURM_STEP_ID"), *n = getenv("SLURM_STEP_NUM_TASKS");
+    return step && *step && n && *n ? atoi(n) : 0;
+}
+
+/* The variables an MPI launcher (mpirun, or srun's PMIx or PMI-2 plugin) gives each rank:
+ * without one of them MPI cannot join the process to the others. */
+static int mpi_wired(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"};
     for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
         const char *v = getenv(vars[i]);
         if (v && *v) return 1;
     }
     return 0;
 }
+
+/* srun's tasks without PMIx or PMI are not launched for MPI: one is a plain process (MPI_Init
+ * would fail), several are refused (env_unwired_tasks) */
+int env_launched(void) { return mpi_wired(); }
 
 int env_local_rank(void) {
     const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
@@ -259,17 +272,24 @@ int env_local_rank(void) {
 }
 
 int env_launcher(int *rank, int *size) {
+    /* PMIx (srun --mpi=pmix) names no size in the environment: the step's task count is it */
     const char *ranks[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"};
-    const char *sizes[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"};
+    const char *sizes[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_TASKS"};
     for (size_t i = 0; i < sizeof ranks / sizeof ranks[0]; i++) {
         const char *r = getenv(ranks[i]), *s = getenv(sizes[i]);
+        if (i == 3 && !slurm_step_tasks()) break;
         if (r && *r) {
             *rank = atoi(r);
-            *size = s && *s ? atoi(s) : 2;
+            *size = s && *s && atoi(s) > 0 ? atoi(s) : *rank + 1;
             return 1;
         }
     }
     return 0;
+}
+
+int env_unwired_tasks(void) {
+    int n = slurm_step_tasks();
+    return n > 1 && !mpi_wired() ? n : 0;
 }
 
 int env_open_mpi(void) { return getenv("OMPI_COMM_WORLD_SIZE") != NULL; }

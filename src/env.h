@@ -52,13 +52,18 @@ void hooks_each(void (*fn)(void *ctx, const char *name, const char *value, int w
 /* The hook's variable name ("MESHTRAIN_PROFILE"). */
 const char *hook_name(Hook h);
 
-/* Whether a launcher started this process (mpirun, srun: OMPI_COMM_WORLD_SIZE, PMI_SIZE,
- * PMIX_RANK or SLURM_NTASKS is set), and its rank on its machine (0 without one). */
+/* Whether a launcher started this process for MPI (mpirun, or srun with PMIx or PMI-2:
+ * OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMI_RANK or PMIX_RANK is set), and its rank on its machine
+ * (0 without one; under srun SLURM_LOCALID). */
 int env_launched(void);
 int env_local_rank(void);
 /* The launcher's view of this process before MPI starts (Open MPI, PMI, PMIx, Slurm): 1
  * with its rank and the job's size, 0 when no launcher started it. */
 int env_launcher(int *rank, int *size);
+/* N when srun started this process as one of N > 1 tasks without giving it what MPI needs
+ * to join them (srun --mpi=none, or a cluster whose default MPI plugin is none): each would
+ * be a world of one, or MPI would refuse; 0 otherwise. */
+int env_unwired_tasks(void);
 /* Started by Open MPI's mpirun, and whether its kill delay after a forwarded signal was set
  * (OMPI_MCA_odls_base_sigkill_timeout). */
 int env_open_mpi(void);

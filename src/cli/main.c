@@ -64,6 +64,10 @@ int main(int argc, char **argv) {
     /* Under a launcher every rank parses the same command line: its errors print once. */
     int rank, size;
     if (env_launcher(&rank, &size)) set_log_rank(rank, size);
+    int unwired = env_unwired_tasks();
+    if (unwired)
+        die_once(EXIT_BAD_INPUT, "srun started %d tasks but MPI did not connect them: no PMIx or PMI in their "
+                 "environment (use srun --mpi=pmix, or mpirun inside the allocation)", unwired);
     hooks_check();  /* a malformed hook: one line, exit 2, before anything runs */
     if (argc < 2) { usage(stderr); return EXIT_BAD_INPUT; }
     const char *name = argv[1];
