@@ -88,10 +88,42 @@ static void test_int8_zero_and_nonfinite(void) {
     compress_free(c);
 }
 
+/* PowerSGD at full rank (every matrix compressed: min_rate 0) gives the values back: P P^T is
+ * the projection on each matrix's columns; at rank 1 it does not, and the residual keeps the
+ * difference, so what is returned plus the residual is what was given. */
+static void test_powersgd_full_rank(void) {
+    Comm one = {.rank = 0, .size = 1};
+    ModelConfig mc = MODEL_CONFIG(37, 16, 2, 2, 8, 0);
+    Model m;
+    model_init_layout(&m, &mc, 1, 0);
+    size_t n = m.n_flat;
+    float *x = xmalloc(n * sizeof(float)), *in = xmalloc(n * sizeof(float));
+    Rng r;
+    rng_seed(&r, 3);
+    for (size_t i = 0; i < n; i++) in[i] = rng_normal(&r);
+    for (int rank = 64; rank >= 1; rank -= 63) {
+        Compressor *c = compress_create_powersgd(&m, 1, rank, 0.0);
+        memcpy(x, in, n * sizeof(float));
+        CHECK(compress_allreduce(c, &one, x, 0, n), "rank %d: not compressed", rank);
+        size_t ne, nq;
+        float *e = compress_state(c, &ne, &nq);
+        double d = norm_rel_err(x, in, n), back = 0;
+        for (size_t i = 0; i < n; i++) back = fmax(back, fabs((double)x[i] + e[i] - in[i]));
+        if (rank == 64) CHECK(d < 1e-5, "full rank: %.3g from the input", d);
+        else CHECK(d > 1e-2, "rank 1 changed nothing (%.3g)", d);
+        CHECK(back < 1e-5, "rank %d: returned + residual %.3g from the input", rank, back);
+        CHECK(nq > 0, "no matrix compressed");
+        compress_free(c);
+    }
+    free(x); free(in);
+    model_free(&m);
+}
+
 int main(void) {
     RUN(test_identity_bf16);
     RUN(test_identity_int8);
     RUN(test_bf16_rounding);
     RUN(test_int8_zero_and_nonfinite);
+    RUN(test_powersgd_full_rank);
     return TEST_SUMMARY();
 }

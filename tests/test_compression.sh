@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Gradient compression (grad_compression=bf16|int8, error feedback) on 2 CPU ranks of DDP:
-# the losses stay near the uncompressed run's; the bytes each step sends (the log's
+# Gradient compression (grad_compression=bf16|int8|powersgd, error feedback) on 2 CPU ranks
+# of DDP: the losses stay near the uncompressed run's, PowerSGD at full rank follows it; the bytes each step sends (the log's
 # comm_bytes) are the analytic count of the compressed exchanges, and half (bf16) of the
 # uncompressed all-reduce's; each rank's residuals are saved beside the checkpoint and a
 # resume continues bitwise; a resume on another layout starts them at zero and says so;
@@ -37,6 +37,29 @@ read -r e_none e_bf16 e_int8 <<<"$expect"
   [ $((2 * e_bf16)) = "$e_none" ] && ok bytes_counted_are_the_formula ||
   bad "bytes_counted_are_the_formula (none $(bytes "$TMP/none") want $e_none, bf16 $(bytes "$TMP/bf16") want $e_bf16, int8 $(bytes "$TMP/int8") want $e_int8)"
 
+# -- PowerSGD: at full rank with every matrix compressed it follows the plain all-reduce (the
+# losses and the reduced gradient's norm within 1e-5; AdamW's first steps, which divide by the
+# gradients' own size, make the parameters of rows with almost no gradient differ more); at rank 1 after 2 steps uncompressed it stays near it, and each step sends
+# the factors: P (rows x 1) and Q (cols x 1) of every matrix and the vectors (the norms: 5 x 32)
+# whole, 4 bytes a value (a ring of two sends each value once)
+P="grad_compression=powersgd powersgd_warmup=0 powersgd_rank=64 powersgd_min_compression_rate=0"
+$MPIRUN -np 2 "$BIN" train $M $P out_dir="$TMP/psgd_full" >"$TMP/psgd_full.log" 2>&1
+near "$TMP/none" "$TMP/psgd_full" 1e-5 && same_norms "$TMP/none" "$TMP/psgd_full" && ok powersgd_full_rank_follows_allreduce ||
+  bad "powersgd_full_rank_follows_allreduce ($(grep -m1 meshtrain: "$TMP/psgd_full.log"))"
+$MPIRUN -np 2 "$BIN" train $M grad_compression=powersgd powersgd_warmup=2 out_dir="$TMP/psgd" >"$TMP/psgd.log" 2>&1
+near "$TMP/none" "$TMP/psgd" 1e-3 && ok powersgd_rank1_near_uncompressed || bad "powersgd_rank1_near_uncompressed ($(losses "$TMP/psgd" | tr '\n' ' '))"
+# matrices [rows, cols]: tok_embed 50257 x 32; a layer's qkv 96 x 32, att_out 32 x 32, gate and up 48 x 32, down 32 x 48
+want=$(( 4 * (50257 + 32 + 2 * (96 + 32 + 32 + 32 + 48 + 32 + 48 + 32 + 32 + 48) + 5 * 32) ))
+grep -o '"comm_bytes":[0-9]*' "$TMP/psgd/log.jsonl" | cut -d: -f2 | tr '\n' ' ' |
+  awk -v plain="$e_none" -v want="$want" '{exit !($1 == plain && $2 == plain && $3 == want && $5 == want)}' &&
+  ok powersgd_bytes_after_warmup || bad "powersgd_bytes_after_warmup ($(grep -o '"comm_bytes":[0-9]*' "$TMP/psgd/log.jsonl" | cut -d: -f2 | tr '\n' ' ') want $e_none twice then $want)"
+$MPIRUN -np 2 "$BIN" train ${M/steps=5/steps=3} lr_decay_steps=5 grad_compression=powersgd powersgd_warmup=2 \
+  out_dir="$TMP/psgd_part" >/dev/null 2>&1
+$MPIRUN -np 2 "$BIN" train $M grad_compression=powersgd powersgd_warmup=2 resume="$TMP/psgd_part/ckpt.bin" \
+  out_dir="$TMP/psgd_res" >"$TMP/psgd_res.log" 2>&1
+"$DIFF" "$TMP/psgd_res/ckpt.bin" "$TMP/psgd/ckpt.bin" | grep -qx 'max_rel_diff 0' && ok powersgd_resume_bitwise ||
+  bad "powersgd_resume_bitwise ($("$DIFF" "$TMP/psgd_res/ckpt.bin" "$TMP/psgd/ckpt.bin" 2>&1; tail -1 "$TMP/psgd_res.log"))"
+
 # -- the residuals are saved, each rank's, and a resume continues bitwise
 [ -s "$TMP/int8/ckpt.bin.s00000005.ef0" ] && [ -s "$TMP/int8/ckpt.bin.s00000005.ef1" ] && ok residuals_saved_per_rank ||
   bad residuals_saved_per_rank
@@ -57,6 +80,8 @@ err=$($MPIRUN -np 2 "$BIN" train $M grad_compression=int8 resume="$TMP/part/ckpt
 expect_exit 2 "grad_compression=int8 applies to DDP" with_fsdp -- \
   "$BIN" train $M grad_compression=int8 fsdp=true out_dir="$TMP/bad1"
 expect_exit 2 "grad_compression" unknown_kind -- "$BIN" train $M grad_compression=fp4 out_dir="$TMP/bad3"
+expect_exit 2 "powersgd_rank applies to grad_compression=powersgd" powersgd_key_alone -- \
+  "$BIN" train $M grad_compression=int8 powersgd_rank=2 out_dir="$TMP/bad4"
 
 echo "RESULT $pass $fail"
 [ "$fail" -eq 0 ]

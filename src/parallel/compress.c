@@ -12,7 +12,7 @@
  * it again next step. The residual is x - Q^-1(q) in fp32, which is exact (the two are within
  * a factor of two of each other, or Q^-1(q) is 0), so what was sent plus the residual is the
  * input exactly. */
-#include "compress.h"
+#include "compress_impl.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,19 +20,8 @@
 
 #define COMPRESS_BLOCK 256
 
-struct Compressor {
-    CompressKind kind;
-    size_t n_flat;
-    int W;
-    float *e, *f;       /* residuals: e[n_flat], f[n_flat / W] */
-    unsigned char *q, *in, *out;  /* send, receive, the all-gather's W copies */
-    float *s;           /* a rank block's sum */
-    size_t cap;         /* bytes of q, in and out */
-    uint64_t sent;
-};
-
 const char *compress_kind_name(CompressKind k) {
-    return k == COMPRESS_BF16 ? "bf16" : k == COMPRESS_INT8 ? "int8" : "none";
+    return k == COMPRESS_BF16 ? "bf16" : k == COMPRESS_INT8 ? "int8" : k == COMPRESS_POWERSGD ? "powersgd" : "none";
 }
 
 /* bytes of len values compressed */
@@ -49,9 +38,20 @@ Compressor *compress_create(CompressKind kind, size_t n_flat, int W) {
     return c;
 }
 
+Compressor *compress_create_powersgd(const Model *m, int W, int rank, double min_rate) {
+    Compressor *c = xcalloc(1, sizeof *c);
+    c->kind = COMPRESS_POWERSGD, c->n_flat = m->n_flat, c->W = W;
+    c->e = xcalloc(m->n_flat ? m->n_flat : 1, sizeof(float));
+    psgd_init(c, m, rank, min_rate);
+    return c;
+}
+
+CompressKind compress_kind(const Compressor *c) { return c->kind; }
+
 void compress_free(Compressor *c) {
     if (!c) return;
     free(c->e); free(c->f); free(c->q); free(c->in); free(c->out); free(c->s);
+    free(c->mats); free(c->qt);
     free(c);
 }
 
@@ -131,7 +131,9 @@ static void unpack(CompressKind k, const unsigned char *src, size_t len, float *
 
 int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, size_t n) {
     int W = g->size;
-    if (W != c->W || n % (size_t)W || off % (size_t)W || off + n > c->n_flat) return 0;
+    if (W != c->W || off + n > c->n_flat) return 0;
+    if (c->kind == COMPRESS_POWERSGD) return psgd_allreduce(c, g, buf, off, n);
+    if (n % (size_t)W || off % (size_t)W) return 0;
     size_t blk = n / (size_t)W, pb = packed_bytes(c->kind, blk);
     reserve(c, pb * (size_t)W, blk);
     size_t *bytes = xmalloc((size_t)W * sizeof *bytes);
@@ -153,8 +155,8 @@ int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, siz
 
 float *compress_state(Compressor *c, size_t *n_e, size_t *n_f) {
     *n_e = c->n_flat;
-    *n_f = c->n_flat / (size_t)c->W;
+    *n_f = c->kind == COMPRESS_POWERSGD ? c->n_q : c->n_flat / (size_t)c->W;
     return c->e;
 }
 
-float *compress_server_state(Compressor *c) { return c->f; }
+float *compress_server_state(Compressor *c) { return c->kind == COMPRESS_POWERSGD ? c->qt : c->f; }

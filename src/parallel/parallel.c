@@ -345,13 +345,21 @@ void par_progress(Parallel *p) {
 /* Whether DDP's all-reduces over dp go machine by machine (the mesh's hier_allreduce). */
 static int hierarchical(const Parallel *p) { return p->mesh && p->mesh->hier_allreduce && p->group == &p->mesh->dp; }
 
-int parallel_set_compression(Parallel *p, int kind, char *err, size_t errlen) {
+int parallel_set_compression(Parallel *p, int kind, int rank, int warmup, double min_rate, char *err, size_t errlen) {
     if (!kind) return 0;
     if (p->s != &par_ddp || !ops_host_memory() || !p->grads)
         return set_err(err, errlen, "grad_compression=%s applies to DDP on CPU ranks (fsdp and zero_opt off, "
                        "device=cpu)", compress_kind_name((CompressKind)kind));
     /* machine by machine: the residuals of the rank's block of each bucket, across machines */
     const Mesh *mesh = p->mesh;
+    if (kind == COMPRESS_POWERSGD) {  /* over all of dp: its matrices are whole tensors, not a machine's blocks */
+        if (p->m->tp_size > 1 || p->m->ep_size > 1)
+            return set_err(err, errlen, "grad_compression=powersgd takes whole tensors: not with tensor or expert "
+                           "parallel");
+        p->comp = compress_create_powersgd(p->m, p->D, rank, min_rate);
+        p->comp_warmup = warmup;
+        return 0;
+    }
     p->comp = hierarchical(p) ? compress_create((CompressKind)kind, p->m->n_flat / (size_t)mesh->node.size, mesh->cross.size)
                               : compress_create((CompressKind)kind, p->m->n_flat, p->D);
     return 0;
@@ -369,7 +377,9 @@ float *parallel_compression_state(Parallel *p, size_t *n_e, float **f, size_t *n
 static int allreduce_compressed(Parallel *p, float *buf, size_t n) {
     const Mesh *mesh = p->mesh;
     size_t off = (size_t)(buf - (float *)p->grads);
-    if (!hierarchical(p)) return p->D > 1 && compress_allreduce(p->comp, p->group, buf, off, n);
+    if (compress_kind(p->comp) == COMPRESS_POWERSGD && optim_steps(p->opt) < p->comp_warmup) return 0;
+    if (!hierarchical(p) || compress_kind(p->comp) == COMPRESS_POWERSGD)
+        return p->D > 1 && compress_allreduce(p->comp, p->group, buf, off, n);
     size_t k = (size_t)mesh->node.size, blk = n / k;
     if (n % k) return 0;
     float *mine = buf + (size_t)mesh->node.rank * blk;

@@ -38,11 +38,12 @@ int parallel_wants_embedding_rows(const Parallel *p);
 void parallel_set_embedding_rows(Parallel *p, const int *rows, size_t n);
 const UnitHooks *parallel_hooks(Parallel *p);
 
-/* grad_compression: DDP's gradient all-reduce compressed (bf16, or int8 with block scales),
- * with error feedback (compress.h), on CPU ranks; kind 0 = none. Returns -1 with err where the
- * strategy or layout does not take it. parallel_compression_state: its residuals (this rank's:
- * e[n_e] of the values it sends, f[n_f] of its blocks of the means), NULL without. */
-int parallel_set_compression(Parallel *p, int kind, char *err, size_t errlen);
+/* grad_compression: DDP's gradient all-reduce compressed (bf16, or int8 with block scales, or
+ * PowerSGD after its warmup steps), with error feedback (compress.h), on CPU ranks; kind 0 =
+ * none. Returns -1 with err where the strategy or layout does not take it.
+ * parallel_compression_state: its state (this rank's residuals e[n_e] of the values it sends;
+ * f[n_f]: of its blocks of the means, or PowerSGD's Q), NULL without. */
+int parallel_set_compression(Parallel *p, int kind, int rank, int warmup, double min_rate, char *err, size_t errlen);
 float *parallel_compression_state(Parallel *p, size_t *n_e, float **f, size_t *n_f);
 
 /* The model's init (model_init_unit), into whatever this rank holds. */

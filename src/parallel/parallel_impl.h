@@ -108,6 +108,7 @@ struct Parallel {
     UnitHooks hooks;
     /* grad_compression (DDP): the buckets' all-reduce compressed, with error feedback (compress.h) */
     struct Compressor *comp;
+    int comp_warmup;  /* PowerSGD: the optimizer steps it leaves uncompressed */
 };
 
 /* One data-parallel strategy. Entries marked optional may be NULL. */

@@ -146,10 +146,15 @@ static const Key KEYS[] = {
       "with fsdp: full = ZeRO-3, grad_op = ZeRO-2, no = DDP, hybrid = ZeRO-3 inside shard groups"),
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
-    E(grad_compression, "none", "none|bf16|int8", TR,
+    E(grad_compression, "none", "none|bf16|int8|powersgd", TR,
       "DDP's gradient all-reduce compressed, with error feedback (what compression lost is sent with the next "
-      "step's): bf16, or int8 with a scale per 256 values; machine by machine (dp_allreduce) only the hop across "
-      "machines (CPU ranks; the residuals are kept in checkpoints)"),
+      "step's): bf16, or int8 with a scale per 256 values (machine by machine, dp_allreduce, only the hop across "
+      "machines), or PowerSGD's rank-r factors of each matrix (CPU ranks; the residuals are kept in checkpoints)"),
+    I(powersgd_rank, "1", 1, 1024, TR, "grad_compression=powersgd: the rank r of each matrix's factors"),
+    I(powersgd_warmup, "10", 0, INT_MAX, TR,
+      "grad_compression=powersgd: the first optimizer steps all-reduced uncompressed (PyTorch's start_powerSGD_iter)"),
+    F(powersgd_min_compression_rate, "2", 0, 1e9, TR,
+      "grad_compression=powersgd: a matrix [n, m] is compressed where n m > (n + m) r times this, else averaged whole"),
     E(dp_allreduce, "auto", "auto|flat|hierarchical", TR,
       "DDP's gradient all-reduce: flat over dp, or hierarchical (reduce-scatter inside each machine, all-reduce "
       "across machines, all-gather inside) where dp spans machines with as many ranks on each; auto = hierarchical "
@@ -459,6 +464,11 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                                                          strcmp(c->device, "cpu")))
             return set_err(err, errlen, "dp_allreduce=hierarchical applies to DDP (fsdp and zero_opt off, no expert "
                            "parallel) on CPU ranks (device=cpu)");
+        if (strcmp(c->grad_compression, "powersgd"))
+            for (int i = 0; i < 3; i++) {
+                static const char *k[] = {"powersgd_rank", "powersgd_warmup", "powersgd_min_compression_rate"};
+                if (config_was_set(k[i])) return set_err(err, errlen, "%s applies to grad_compression=powersgd", k[i]);
+            }
         if (strcmp(c->grad_compression, "none")) {
             if (c->fsdp || c->zero_opt || c->expert_parallel_size > 1 || strcmp(c->device, "cpu"))
                 return set_err(err, errlen, "grad_compression=%s applies to DDP (fsdp and zero_opt off, no expert "

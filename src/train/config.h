@@ -43,6 +43,8 @@ typedef struct {
     char shard_strategy[16];
     char dp_allreduce[16];
     char grad_compression[16];
+    int powersgd_rank, powersgd_warmup;
+    double powersgd_min_compression_rate;
     char tp_comm[16];               /* auto | collectives | fused */
     int micro_batches, virtual_stages, zb1_max_in_flight, pp_copy_engines;
     char pipeline_schedule[16], pipeline_split[256];

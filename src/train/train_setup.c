@@ -174,7 +174,10 @@ static void print_header(const TrainRun *r) {
            r->mesh.tp_size > 1 && c->sequence_parallel ? ", sequence parallel" : "");
     if (r->kind == PAR_HYBRID) printf("hybrid sharding: groups of %d ranks, %d replicas\n", r->mesh.shard_size,
                                    r->dp / r->mesh.shard_size);
-    if (strcmp(c->grad_compression, "none") && r->dp > 1)
+    if (!strcmp(c->grad_compression, "powersgd") && r->dp > 1)
+        printf("gradient all-reduce: PowerSGD at rank %d after %d steps uncompressed, with error feedback (each "
+               "matrix's factors summed over the ranks; vectors averaged whole)\n", c->powersgd_rank, c->powersgd_warmup);
+    else if (strcmp(c->grad_compression, "none") && r->dp > 1)
         printf("gradient all-reduce: %scompressed to %s with error feedback (%s; what it loses is sent with the next "
                "step's)\n", r->mesh.hier_allreduce ? "across machines " : "", c->grad_compression,
                !strcmp(c->grad_compression, "bf16") ? "2 bytes a value" : "a byte a value and a scale per 256 of them");
@@ -418,8 +421,13 @@ void train_setup(TrainRun *r, Config *c) {
     r->tied_copy = r->mc.tie_embeddings && r->PP > 1 && !stage_has_embedding(&r->mine[0]) && r->holds_head;
     r->par = parallel_create(r->kind, &r->m, &r->mesh, c->overlap, &r->oc);
     parallel_set_bucket(r->par, (size_t)(c->bucket_mb * 1e6));
-    r->compress = (int)(!strcmp(c->grad_compression, "bf16") ? COMPRESS_BF16 : !strcmp(c->grad_compression, "int8") ? COMPRESS_INT8 : 0);
-    if (r->dp > 1 && parallel_set_compression(r->par, r->compress, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+    r->compress = !strcmp(c->grad_compression, "bf16")       ? COMPRESS_BF16
+                  : !strcmp(c->grad_compression, "int8")     ? COMPRESS_INT8
+                  : !strcmp(c->grad_compression, "powersgd") ? COMPRESS_POWERSGD
+                                                             : COMPRESS_NONE;
+    if (r->dp > 1 && parallel_set_compression(r->par, r->compress, c->powersgd_rank, c->powersgd_warmup,
+                                              c->powersgd_min_compression_rate, err, sizeof err))
+        fail_set(&f, EXIT_BAD_INPUT, "%s", err);
     comm_exit_if_failed(&r->world, &f);
     if (r->lead && r->kind == PAR_DDP && r->gpu && r->dp > 1)
         printf("gradient all-reduce: %s\n", comm_copy_engines_active(&r->mesh.dp)
