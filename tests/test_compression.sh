@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Gradient compression (grad_compression=bf16|int8|powersgd, error feedback) on 2 CPU ranks
-# of DDP: the losses stay near the uncompressed run's, PowerSGD at full rank follows it; the bytes each step sends (the log's
+# of DDP (and ZeRO-2, hybrid FSDP): the losses stay near the uncompressed run's, PowerSGD at
+# full rank follows it; the bytes each step sends (the log's
 # comm_bytes) are the analytic count of the compressed exchanges, and half (bf16) of the
 # uncompressed all-reduce's; each rank's residuals are saved beside the checkpoint and a
 # resume continues bitwise; a resume on another layout starts them at zero and says so;
@@ -36,6 +37,18 @@ read -r e_none e_bf16 e_int8 <<<"$expect"
 [ "$(bytes "$TMP/none")" = "$e_none" ] && [ "$(bytes "$TMP/bf16")" = "$e_bf16" ] && [ "$(bytes "$TMP/int8")" = "$e_int8" ] &&
   [ $((2 * e_bf16)) = "$e_none" ] && ok bytes_counted_are_the_formula ||
   bad "bytes_counted_are_the_formula (none $(bytes "$TMP/none") want $e_none, bf16 $(bytes "$TMP/bf16") want $e_bf16, int8 $(bytes "$TMP/int8") want $e_int8)"
+
+# -- the other strategies: ZeRO-2's reduce-scatter compressed, hybrid FSDP's all-reduce across
+# replicas compressed (4 ranks, shard groups of 2), each near the uncompressed run
+$MPIRUN -np 2 "$BIN" train $M grad_compression=int8 fsdp=true shard_strategy=grad_op out_dir="$TMP/z2" >"$TMP/z2.log" 2>&1
+near "$TMP/none" "$TMP/z2" 1e-3 && grep -q "gradient reduce-scatter: compressed to int8" "$TMP/z2.log" &&
+  ok zero2_int8_near_uncompressed || bad "zero2_int8_near_uncompressed ($(grep -m1 meshtrain: "$TMP/z2.log"))"
+if ! skip_sanitized "~"; then
+  $MPIRUN -np 4 "$BIN" train ${M/batch_size=4/batch_size=2} grad_compression=int8 fsdp=true shard_strategy=hybrid \
+    shard_group_size=2 out_dir="$TMP/hy" >"$TMP/hy.log" 2>&1
+  near "$TMP/none" "$TMP/hy" 1e-3 && grep -q "all-reduce across replicas: compressed to int8" "$TMP/hy.log" &&
+    ok hybrid_int8_near_uncompressed || bad "hybrid_int8_near_uncompressed ($(grep -m1 meshtrain: "$TMP/hy.log"))"
+fi
 
 # -- PowerSGD: at full rank with every matrix compressed it follows the plain all-reduce (the
 # losses and the reduced gradient's norm within 1e-5; AdamW's first steps, which divide by the
@@ -77,8 +90,8 @@ err=$($MPIRUN -np 2 "$BIN" train $M grad_compression=int8 resume="$TMP/part/ckpt
 [ $rc -eq 2 ] && grep -q "ef1.*corrupt" <<<"$err" && ok corrupt_residuals_refused || bad "corrupt_residuals_refused (exit $rc)"
 
 # -- bad values
-expect_exit 2 "grad_compression=int8 applies to DDP" with_fsdp -- \
-  "$BIN" train $M grad_compression=int8 fsdp=true out_dir="$TMP/bad1"
+expect_exit 2 "grad_compression=powersgd compresses an all-reduce: DDP only" powersgd_with_fsdp -- \
+  "$BIN" train $M grad_compression=powersgd fsdp=true out_dir="$TMP/bad1"
 expect_exit 2 "grad_compression" unknown_kind -- "$BIN" train $M grad_compression=fp4 out_dir="$TMP/bad3"
 expect_exit 2 "powersgd_rank applies to grad_compression=powersgd" powersgd_key_alone -- \
   "$BIN" train $M grad_compression=int8 powersgd_rank=2 out_dir="$TMP/bad4"

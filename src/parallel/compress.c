@@ -153,6 +153,21 @@ int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, siz
     return 1;
 }
 
+int compress_reduce_scatter(Compressor *c, const Comm *g, float *buf, size_t off, size_t n, float *out) {
+    int W = g->size;
+    if (c->kind == COMPRESS_POWERSGD || W != c->W || n % (size_t)W || off + n > c->n_flat) return 0;
+    size_t blk = n / (size_t)W, pb = packed_bytes(c->kind, blk);
+    reserve(c, pb * (size_t)W, blk);
+    size_t *bytes = xmalloc((size_t)W * sizeof *bytes);
+    for (int j = 0; j < W; j++) bytes[j] = pb;
+    for (int j = 0; j < W; j++) pack(c->kind, buf + (size_t)j * blk, blk, c->e + off + (size_t)j * blk, c->q + (size_t)j * pb);
+    comm_alltoallv(g, c->q, bytes, c->in, bytes, "compressed gradient all-to-all");
+    for (int i = 0; i < W; i++) unpack(c->kind, c->in + (size_t)i * pb, blk, out, i > 0);
+    for (size_t i = 0; i < blk; i++) out[i] /= (float)W;
+    free(bytes);
+    return 1;
+}
+
 float *compress_state(Compressor *c, size_t *n_e, size_t *n_f) {
     *n_e = c->n_flat;
     *n_f = c->kind == COMPRESS_POWERSGD ? c->n_q : c->n_flat / (size_t)c->W;

@@ -25,6 +25,10 @@ CompressKind compress_kind(const Compressor *c);
  * every rank; blocking. 0 where it cannot (n or off not divisible by W): the caller reduces
  * buf uncompressed instead. Every rank of g calls it together. */
 int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, size_t n);
+/* The reduce-scatter alone (ZeRO and FSDP's gradient): buf's W blocks compressed with this
+ * rank's residuals and sent to their ranks; out (n / W values) gets the mean of this rank's
+ * block, summed in rank order. 0 where it cannot (PowerSGD, n not divisible by W). */
+int compress_reduce_scatter(Compressor *c, const Comm *g, float *buf, size_t off, size_t n, float *out);
 /* The state: this rank's residuals of every value it sends (*n_e = n_flat, returned), and of
  * its block of every bucket's mean, or PowerSGD's Q of every matrix (*n_f,
  * compress_server_state). */

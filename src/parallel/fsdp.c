@@ -85,8 +85,7 @@ static double fsdp_step(Parallel *p, const OptimConfig *oc, double *lr_out) {
     par_wait_grads(p);  /* the gradient shards are now averaged over the group */
     if (p->replicas)  /* hybrid: average each shard over the replicas too */
         for (int u = 0; u < m->n_units; u++) {
-            comm_iallreduce(p->replicas, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
-                            &f->rreq[u], "gradient all-reduce across replicas");
+            par_replicas_allreduce(p, u, &f->rreq[u]);
             if (!p->overlap) par_wait(p, &f->rreq[u]);
         }
     for (int u = 0; u < m->n_units; u++) par_wait(p, &f->rreq[u]);

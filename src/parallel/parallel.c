@@ -347,9 +347,17 @@ static int hierarchical(const Parallel *p) { return p->mesh && p->mesh->hier_all
 
 int parallel_set_compression(Parallel *p, int kind, int rank, int warmup, double min_rate, char *err, size_t errlen) {
     if (!kind) return 0;
-    if (p->s != &par_ddp || !ops_host_memory() || !p->grads)
-        return set_err(err, errlen, "grad_compression=%s applies to DDP on CPU ranks (fsdp and zero_opt off, "
-                       "device=cpu)", compress_kind_name((CompressKind)kind));
+    if (!ops_host_memory() || p->m->ep_size > 1)
+        return set_err(err, errlen, "grad_compression=%s runs on CPU ranks (device=cpu), without expert parallel",
+                       compress_kind_name((CompressKind)kind));
+    if (kind == COMPRESS_POWERSGD && p->s != &par_ddp)
+        return set_err(err, errlen, "grad_compression=powersgd compresses an all-reduce: DDP only (fsdp and zero_opt "
+                       "off); bf16 and int8 take every strategy");
+    if (p->s != &par_ddp) {  /* ZeRO and FSDP: their reduce-scatter; hybrid: the all-reduce across replicas */
+        p->comp = p->replicas ? compress_create((CompressKind)kind, p->n_shard, p->replicas->size)
+                              : compress_create((CompressKind)kind, p->m->n_flat, p->D);
+        return 0;
+    }
     /* machine by machine: the residuals of the rank's block of each bucket, across machines */
     const Mesh *mesh = p->mesh;
     if (kind == COMPRESS_POWERSGD) {  /* over all of dp: its matrices are whole tensors, not a machine's blocks */
@@ -408,9 +416,25 @@ void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req) {
 }
 
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req) {
+    /* compressed (not hybrid's, whose machine keeps it; its replicas' all-reduce is): blocking */
+    if (p->comp && !p->replicas && p->D > 1 &&
+        compress_reduce_scatter(p->comp, p->group, src, p->m->units[u].offset, p->m->units[u].n_padded,
+                                st_at(p->gshard, shard_off(p, u)))) {
+        memset(req, 0, sizeof *req);
+        return;
+    }
     comm_ireduce_scatter(p->group, src, st_at(p->gshard, shard_off(p, u)), shard_len(p, u), par_ctype(), COMM_AVG,
                          req, "gradient reduce-scatter");
     if (!p->overlap) par_wait(p, req);
+}
+
+void par_replicas_allreduce(Parallel *p, int u, CommReq *req) {
+    void *shard = st_at(p->gshard, shard_off(p, u));
+    if (p->comp && compress_allreduce(p->comp, p->replicas, shard, shard_off(p, u), shard_len(p, u))) {
+        memset(req, 0, sizeof *req);
+        return;
+    }
+    comm_iallreduce(p->replicas, shard, shard_len(p, u), par_ctype(), COMM_AVG, req, "gradient all-reduce across replicas");
 }
 
 void par_wait_grads(Parallel *p) {

@@ -186,8 +186,11 @@ void par_progress(Parallel *p);
 /* Starts averaging n elements of gradient at buf over the group, in place: flat, or where
  * the mesh says (hier_allreduce, the group being dp) machine by machine (comm_iallreduce_hier). */
 void par_allreduce_grad(Parallel *p, void *buf, size_t n, CommReq *req);
-/* Starts reduce-scattering unit u's gradient from src into this rank's gshard. */
+/* Starts reduce-scattering unit u's gradient from src into this rank's gshard (compressed:
+ * done on return). */
 void par_reduce_scatter_grad(Parallel *p, int u, void *src, CommReq *req);
+/* Hybrid: unit u's gradient shard averaged over the replicas (compressed: done on return). */
+void par_replicas_allreduce(Parallel *p, int u, CommReq *req);
 /* Waits for every gradient reduction into the shard (greq, the slots). */
 void par_wait_grads(Parallel *p);
 

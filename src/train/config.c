@@ -147,9 +147,10 @@ static const Key KEYS[] = {
     I(shard_group_size, "0", 0, 1 << 20, MODEL_CMDS, "hybrid: ranks per shard group (0 = ranks per node)"),
     B(zero_opt, "false", MODEL_CMDS, "without fsdp: shard AdamW's moments over dp (ZeRO-1)"),
     E(grad_compression, "none", "none|bf16|int8|powersgd", TR,
-      "DDP's gradient all-reduce compressed, with error feedback (what compression lost is sent with the next "
-      "step's): bf16, or int8 with a scale per 256 values (machine by machine, dp_allreduce, only the hop across "
-      "machines), or PowerSGD's rank-r factors of each matrix (CPU ranks; the residuals are kept in checkpoints)"),
+      "the data-parallel gradient compressed, with error feedback (what compression lost is sent with the next "
+      "step's): bf16, or int8 with a scale per 256 values (DDP's all-reduce, machine by machine only the hop across "
+      "machines; ZeRO's and FSDP's reduce-scatter; hybrid FSDP's all-reduce across replicas), or PowerSGD's rank-r "
+      "factors of each matrix (DDP) (CPU ranks; the residuals are kept in checkpoints)"),
     I(powersgd_rank, "1", 1, 1024, TR, "grad_compression=powersgd: the rank r of each matrix's factors"),
     I(powersgd_warmup, "10", 0, INT_MAX, TR,
       "grad_compression=powersgd: the first optimizer steps all-reduced uncompressed (PyTorch's start_powerSGD_iter)"),
@@ -470,9 +471,12 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                 if (config_was_set(k[i])) return set_err(err, errlen, "%s applies to grad_compression=powersgd", k[i]);
             }
         if (strcmp(c->grad_compression, "none")) {
-            if (c->fsdp || c->zero_opt || c->expert_parallel_size > 1 || strcmp(c->device, "cpu"))
-                return set_err(err, errlen, "grad_compression=%s applies to DDP (fsdp and zero_opt off, no expert "
-                               "parallel) on CPU ranks (device=cpu)", c->grad_compression);
+            if (c->expert_parallel_size > 1 || strcmp(c->device, "cpu"))
+                return set_err(err, errlen, "grad_compression=%s runs on CPU ranks (device=cpu), without expert "
+                               "parallel", c->grad_compression);
+            if (!strcmp(c->grad_compression, "powersgd") && (c->fsdp || c->zero_opt))
+                return set_err(err, errlen, "grad_compression=powersgd compresses an all-reduce: DDP only (fsdp and "
+                               "zero_opt off); bf16 and int8 take every strategy");
         }
         if (config_was_set("shard_group_size") && !(c->fsdp && !strcmp(c->shard_strategy, "hybrid")))
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");

@@ -178,8 +178,10 @@ static void print_header(const TrainRun *r) {
         printf("gradient all-reduce: PowerSGD at rank %d after %d steps uncompressed, with error feedback (each "
                "matrix's factors summed over the ranks; vectors averaged whole)\n", c->powersgd_rank, c->powersgd_warmup);
     else if (strcmp(c->grad_compression, "none") && r->dp > 1)
-        printf("gradient all-reduce: %scompressed to %s with error feedback (%s; what it loses is sent with the next "
-               "step's)\n", r->mesh.hier_allreduce ? "across machines " : "", c->grad_compression,
+        printf("gradient %s: %scompressed to %s with error feedback (%s; what it loses is sent with the next "
+               "step's)\n", r->kind == PAR_DDP ? "all-reduce" : r->kind == PAR_HYBRID ? "all-reduce across replicas"
+                                                                               : "reduce-scatter",
+               r->mesh.hier_allreduce && r->kind == PAR_DDP ? "across machines " : "", c->grad_compression,
                !strcmp(c->grad_compression, "bf16") ? "2 bytes a value" : "a byte a value and a scale per 256 of them");
     if (r->mesh.hier_allreduce)
         printf("gradient all-reduce: inside each of %d machines (%d ranks), then across them\n", r->mesh.cross.size,
