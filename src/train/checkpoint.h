@@ -67,6 +67,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 /* flags: the loss scaler's keys and state are kept beside the manifest, in
  * "<path>.s<step>.lossscale" (ckpt_write_loss_scale) */
 #define CKPT_LOSS_SCALE 2u
+/* flags: saved by pipeline_schedule=2bw (the newest weights; the version before is not kept,
+ * so the run does not resume from it) */
+#define CKPT_2BW 4u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {

@@ -186,6 +186,10 @@ TrainTotals train_loop(TrainRun *r) {
         if (step == r->start + 1) ops_profile_reset();
         /* A non-finite loss still stops the run before anything is saved; so does a non-finite
          * gradient norm, unless a loss scaler skipped the step for it (every rank alike). */
+        /* 2bw: the pipeline runs on into the next step unless this one ends the run or
+         * precedes validation or a checkpoint, which want nothing in flight */
+        r->st.drain = step + 1 == c->steps || (c->val_every && (step + 1) % c->val_every == 0) ||
+                      (r->saving && c->ckpt_every && (step + 1) % c->ckpt_every == 0);
         double lr, norm, l = step_run(&r->st, &r->oc, &norm, &lr);
         if (step + 1 == nan_step && r->lead) l = NAN;
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
