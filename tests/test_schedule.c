@@ -334,12 +334,26 @@ static void test_2bw(void) {
         for (int m = p; m <= 2 * p; m++)
             for (int steps = 1; steps <= 4; steps++) {
                 double i1, i2;
-                int a = schedule_makespan_steps(SCHED_1F1B, p, m, steps, &i1);
-                int b = schedule_makespan_steps(SCHED_2BW, p, m, steps, &i2);
+                int a = schedule_makespan_steps(SCHED_1F1B, p, m, steps, 0, &i1);
+                int b = schedule_makespan_steps(SCHED_2BW, p, m, steps, 0, &i2);
                 CHECK(a == steps * (m + p - 1) * 3, "1f1b p=%d m=%d x%d: %d", p, m, steps, a);
                 CHECK(b == (steps * m + p - 1) * 3, "2bw p=%d m=%d x%d: %d", p, m, steps, b);
                 CHECK(i2 <= i1 && (steps == 1 || i2 < i1), "idle 2bw %.3f 1f1b %.3f", i2, i1);
             }
+    /* with a collective of every stage at each update the stages realign once a step: the
+     * fill is gone (each stage's first inputs were forwarded in the step before) but the
+     * wait for the first stage's last backward stays; 1F1B's flush makes it the same with or
+     * without */
+    for (int p = 2; p <= 4; p++)
+        for (int m = p; m <= 2 * p; m++) {
+            double i1, i2;
+            int a = schedule_makespan_steps(SCHED_1F1B, p, m, 4, 1, &i1), b = schedule_makespan_steps(SCHED_2BW, p, m, 4, 1, &i2);
+            int free_run = schedule_makespan_steps(SCHED_2BW, p, m, 4, 0, NULL);
+            CHECK(a == 4 * (m + p - 1) * 3 && b < a && b > free_run, "p=%d m=%d: 1f1b %d, 2bw %d, 2bw without the barrier %d",
+                  p, m, a, b, free_run);
+            if (m == 2 * p) fprintf(stderr, "  p=%d m=%d, 4 steps with a collective each: idle 1f1b %.3f, 2bw %.3f (%.3f without)\n",
+                                    p, m, i1, i2, 1 - 3.0 * 4 * m / free_run);
+        }
     Schedule s;
     char err[128];
     CHECK(schedule_build_2bw(&s, 4, 0, 3, 0, 0, err, sizeof err) == -1 && strstr(err, "at least as many"), "m < p: %s", err);

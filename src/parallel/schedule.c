@@ -68,6 +68,10 @@ typedef struct {
     int *nout;
     int *in_flight, *pend;  /* [p][v], [p]: most held per chunk, most waiting for W */
     int makespan;
+    /* (or NULL) with fixed lists: bar[r * nbar + j], the index in rank r's list where its step j
+     * ends; no rank starts step j + 1 before every rank has ended step j (a collective a step) */
+    const int *bar;
+    int nbar;
 } Sim;
 
 static void orders(Sim *S, int r) {
@@ -109,6 +113,16 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed, const int *nfi
             int w_ok = wh[r] < wt[r];
             if (fixed) {  /* only the list's next action may run */
                 int k = S->nout[r];
+                if (S->bar) {  /* at a step's end: every rank there and idle first */
+                    int j = 0, held_back = 0;
+                    while (j < S->nbar && S->bar[r * S->nbar + j] < k) j++;
+                    if (j < S->nbar && S->bar[r * S->nbar + j] == k && k < nfixed[r])
+                        for (int q = 0; q < p; q++)
+                            if (S->nout[q] < S->bar[q * S->nbar + j] ||  /* not there, or its last action running */
+                                (S->nout[q] == S->bar[q * S->nbar + j] && busy[q] > t))
+                                held_back = 1;
+                    if (held_back) continue;
+                }
                 fo = bo = NULL;
                 w_ok = 0;
                 if (k < nfixed[r]) {
@@ -206,7 +220,7 @@ static int *durations(int G, int split, const double *cost) {
 }
 
 static Sim sim_new(int p, int v, int m, int split, const double *cost) {
-    Sim S = {p, v, m, split, durations(p * v, split, cost), NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    Sim S = {p, v, m, split, durations(p * v, split, cost), NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, 0};
     int vm = v * m;
     S.ford = xmalloc((size_t)p * vm * sizeof(Op));
     S.bord = xmalloc((size_t)p * vm * sizeof(Op));
@@ -379,7 +393,7 @@ int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int 
     return 0;
 }
 
-int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, double *idle) {
+int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int barrier, double *idle) {
     int p = stages, M = m * steps, rc = 0;
     char err[128];
     if (stages < 1 || m < 1 || steps < 1 || (kind != SCHED_1F1B && kind != SCHED_GPIPE && kind != SCHED_2BW)) return -1;
@@ -389,6 +403,7 @@ int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, dou
     Sim S = sim_new(p, 1, M, 0, NULL);
     Action **fixed = xmalloc((size_t)p * sizeof(Action *));
     int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
+    int *bar = xmalloc((size_t)p * steps * sizeof(int));
     for (int r = 0; r < p; r++) {
         fixed[r] = xmalloc((size_t)2 * M * sizeof(Action));
         lim[r] = M;
@@ -403,14 +418,16 @@ int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, dou
                     a.micro += t * m;
                     fixed[r][nfixed[r]++] = a;
                 }
+            bar[r * steps + t] = nfixed[r];
             schedule_free(&sc);
         }
     }
+    if (barrier) S.bar = bar, S.nbar = steps;
     if (!rc) rc = simulate(&S, lim, fixed, nfixed);
     int t = rc ? -1 : S.makespan;
     if (idle && t > 0) *idle = 1.0 - 3.0 * M / t;  /* each rank computes M forwards (1) and backwards (2) */
     for (int r = 0; r < p; r++) free(fixed[r]);
-    free(fixed); free(nfixed); free(lim);
+    free(fixed); free(nfixed); free(lim); free(bar);
     sim_free(&S);
     return t;
 }

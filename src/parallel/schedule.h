@@ -95,8 +95,10 @@ int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int spli
 int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen);
 /* The simulated length of `steps` consecutive steps of kind (the 1F1B family: 1f1b, gpipe
  * or 2bw; 2bw's first fills, its last drains, none flushes between) in unit costs (F 1, B 2),
- * with *idle (or NULL) the share of the ranks' time spent waiting; -1 on a deadlock. */
-int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, double *idle);
+ * with *idle (or NULL) the share of the ranks' time spent waiting; -1 on a deadlock.
+ * barrier: no rank starts a step before every rank has ended the one before (what a
+ * collective of all stages at each update does: the trainer's clipping norm and loss sum). */
+int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int barrier, double *idle);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
  * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */
