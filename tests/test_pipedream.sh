@@ -74,4 +74,23 @@ est=$("$BIN" estimate vocab_size=50257 embed_dim=32 n_heads=2 n_layers=4 context
       pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=2bw 2>&1)
 [ "$(grep -c '^  stage [01] .*(2 weight versions)' <<<"$est")" = 2 ] && grep -q "^  weight version before" <<<"$est" &&
   ok estimate_counts_two_versions || bad "estimate_counts_two_versions ($(grep '^  stage' <<<"$est" | tr '\n' ' '))"
+# each stage's peak memory (max RSS) within 10% of its estimate, which counts the second
+# version and 1F1B's in-flight micro-batches, and `meshtrain estimate` gives the same (2%)
+if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
+  EM="vocab_size=50257 embed_dim=128 n_heads=4 n_layers=4 context_len=64 batch_size=16 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=2bw"
+  o=$($MPIRUN -np 2 "$BIN" train $EM steps=2 progress=false threads=1 val_batches=1 data_dir=$D out_dir="$TMP/mem" 2>&1)
+  est=$("$BIN" estimate $EM world_size=2 2>&1)
+  good=1
+  for s in 0 1; do
+    line=$(grep "^pipeline stage $s: peak memory" <<<"$o")
+    peak=$(awk '{print $6, $7}' <<<"$line") run_est=$(grep -o 'estimate [0-9.]* [KMG]iB' <<<"$line" | cut -d' ' -f2-)
+    cli=$(grep "^  stage $s .*(2 weight versions)" <<<"$est" | grep -o 'total [0-9.]* [KMG]iB' | cut -d' ' -f2-)
+    awk -v a="$peak" -v b="$run_est" -v c="$cli" 'function bytes(x, p) {split(x, p, " ");
+        return p[1] * (p[2] == "KiB" ? 1024 : p[2] == "MiB" ? 1048576 : 1073741824)}
+      BEGIN {r = bytes(a); e = bytes(b); d = (e - r) / r; if (d < 0) d = -d; x = (bytes(c) - e) / e; if (x < 0) x = -x
+             exit !(r > 0 && d < 0.10 && x < 0.02)}' || good=0
+  done
+  [ $good = 1 ] && ok stage_memory_within_10pct_2bw ||
+    bad "stage_memory_within_10pct_2bw ($(grep '^pipeline stage' <<<"$o" | tr '\n' ' '); cli: $(grep '^  stage' <<<"$est" | tr '\n' ' '))"
+fi
 echo "RESULT $pass $fail"

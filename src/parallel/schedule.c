@@ -365,7 +365,7 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         for (int i = m - warmup; i < m; i++) backward(s, i, 0);
         s->max_in_flight = warmup + 1 < m ? warmup + 1 : m;
     }
-    if (kind == SCHED_GPIPE || kind == SCHED_1F1B) s->in_flight[0] = s->max_in_flight;
+    if (kind == SCHED_GPIPE || kind == SCHED_1F1B || kind == SCHED_2BW) s->in_flight[0] = s->max_in_flight;
     add(s, ACT_OPTIM_STEP, -1, 0);
     return 0;
 }
