@@ -7,8 +7,9 @@
 # accumulation beside it (batch x 2 in one process), and validation every 3 steps (the
 # pipeline drains before it; the training losses are the reference's); the
 # first step is 1f1b's bitwise (there is no older version yet) and the later ones are not;
-# the header says there is no bubble between steps and counts the second version;
-# what is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
+# the header says there is no bubble between steps; the estimate counts the second version
+# (each stage's peak within 10% of it); a signal after a step that left forwards in flight
+# ends the run cleanly; what is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
 # build.
 TEST_NAME=pipedream
 source "$(dirname "$0")/lib.sh"
@@ -74,6 +75,20 @@ est=$("$BIN" estimate vocab_size=50257 embed_dim=32 n_heads=2 n_layers=4 context
       pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=2bw 2>&1)
 [ "$(grep -c '^  stage [01] .*(2 weight versions)' <<<"$est")" = 2 ] && grep -q "^  weight version before" <<<"$est" &&
   ok estimate_counts_two_versions || bad "estimate_counts_two_versions ($(grep '^  stage' <<<"$est" | tr '\n' ' '))"
+# a signal after a step that left the next step's forwards in flight: every rank ends after
+# it (the stage after takes the input sent ahead), with the newest weights saved
+$MPIRUN -np 2 "$BIN" train ${M0/steps=8/steps=100000} n_layers=4 batch_size=8 pipeline_parallel_size=2 micro_batches=4 \
+  pipeline_schedule=2bw comm_timeout=20 out_dir="$TMP/sig" </dev/null >"$TMP/sig.log" 2>&1 &
+job=$!
+for _ in $(seq 300); do
+  n=$(grep -c '^{"step":[0-9]*,"loss"' "$TMP/sig/log.jsonl" 2>/dev/null); [ "${n:-0}" -ge 3 ] && break; sleep 0.1
+done
+kill -TERM "$(pgrep -P $job | head -1)" 2>/dev/null
+t0=$SECONDS; wait $job
+grep -q "^stopped by SIGTERM after step [0-9]* of 100000: checkpoint saved (the newest weights; pipeline_schedule=2bw" \
+  "$TMP/sig.log" && [ -s "$TMP/sig/ckpt.bin" ] && [ $((SECONDS - t0)) -lt 20 ] && ok "signal_stop_with_forwards_in_flight" ||
+  bad "signal_stop_with_forwards_in_flight ($(grep -E '^(stopped|meshtrain:)' "$TMP/sig.log" | head -3 | tr '\n' ' '))"
+
 # each stage's peak memory (max RSS) within 10% of its estimate, which counts the second
 # version and 1F1B's in-flight micro-batches, and `meshtrain estimate` gives the same (2%)
 if [ -z "${MESHTRAIN_SANITIZED:-}" ]; then  # ASan's shadow memory: RSS is no measure of the plan
