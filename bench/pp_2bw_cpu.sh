@@ -3,7 +3,7 @@
 # pipeline_parallel_size=2, micro_batches=4, once with each schedule. Prints the training
 # loss every 50 steps and the validation losses side by side, then each run's mean step
 # time after the first (the runs share the machine's cores: 2 ranks x 1 thread).
-# Usage: [SHAPE="embed_dim=.. n_heads=.. n_layers=.. context_len=.. batch_size=.."] bench/pp_2bw_cpu.sh [steps]
+# Usage: [SHAPE="embed_dim=.. n_heads=.. n_layers=.. context_len=.. batch_size=.."] [LR="lr=.. min_lr=.."] bench/pp_2bw_cpu.sh [steps]
 # (500 by default; bench/results/pipedream-epyc-2core-2026-12.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,8 @@ export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
 # SHAPE: the model's shape keys (make train's CPU model by default; a busy 2-core machine
 # takes it at 3-4 s a step, so the figures came from a smaller one, see the results file)
 SHAPE=${SHAPE:-"embed_dim=128 n_heads=4 n_layers=4 context_len=128 batch_size=16"}
-MODEL="$SHAPE steps=$steps lr=3e-3 min_lr=3e-4
+LR=${LR:-"lr=3e-3 min_lr=3e-4"}  # (make train's; LR="lr=1e-3 min_lr=1e-4" for a gentler one)
+MODEL="$SHAPE steps=$steps $LR
   lr_schedule=cosine warmup_steps=30 grad_clip=1.0 weight_decay=0.1 val_every=100 val_batches=16 ckpt_every=100
   progress=false threads=1 pipeline_parallel_size=2 micro_batches=4"
 out=$(mktemp -d)

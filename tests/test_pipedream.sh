@@ -26,15 +26,20 @@ ref() {  # ref BATCH TIED: the single-process delayed update, made once
 }
 
 # the first update has no older version: one step of 2bw is one step of 1f1b, bitwise; the
-# second step computes on the first weights, so its loss is not 1f1b's
+# second step computes on the first weights, so its loss is not 1f1b's but that of 1f1b whose
+# first update moved nothing (lr=0): the initial weights on the second batch
 "$BIN" train ${M0/steps=8/steps=1} n_layers=4 batch_size=8 out_dir="$TMP/one_1f1b" >/dev/null 2>&1
 "$BIN" train ${M0/steps=8/steps=1} n_layers=4 batch_size=8 pipeline_schedule=2bw out_dir="$TMP/one_2bw" >/dev/null 2>&1
 "$BIN" train ${M0/steps=8/steps=2} n_layers=4 batch_size=8 out_dir="$TMP/two_1f1b" >/dev/null 2>&1
+lr0=${M0/lr=1e-3/lr=0}
+"$BIN" train ${lr0/steps=8/steps=2} n_layers=4 batch_size=8 out_dir="$TMP/two_lr0" >/dev/null 2>&1
 d1=$("$DIFF" "$TMP/one_1f1b/ckpt.bin" "$TMP/one_2bw/ckpt.bin" 2>&1)
 a=$(losses "$TMP/two_1f1b" | paste -sd' ') b=$(losses "$(ref 8 false)" | head -2 | paste -sd' ')
-[ "$d1" = "max_rel_diff 0" ] && [ "${a%% *}" = "${b%% *}" ] && [ "${a#* }" != "${b#* }" ] &&
+z=$(losses "$TMP/two_lr0" | sed -n 2p)
+[ "$d1" = "max_rel_diff 0" ] && [ "${a%% *}" = "${b%% *}" ] && [ "${a#* }" != "${b#* }" ] && [ "${b#* }" = "$z" ] &&
   grep -q "^weight versions: 2 (PipeDream-2BW)" "$(ref 8 false).log" &&
-  ok "first_step_is_1f1b_then_stale (losses $a; 2bw $b)" || bad "first_step_is_1f1b_then_stale (1 step: $d1; losses $a; 2bw $b)"
+  ok "first_step_is_1f1b_then_stale (1f1b $a; 2bw $b; lr=0's second $z)" ||
+  bad "first_step_is_1f1b_then_stale (1 step: $d1; 1f1b $a; 2bw $b; lr=0's second $z)"
 
 while IFS='|' read -r name p dp m batch tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
