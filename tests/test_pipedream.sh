@@ -3,13 +3,14 @@
 # follow the single-process run of the same delayed update (one process with
 # pipeline_schedule=2bw: each step's gradient computed on the weights before the last update,
 # applied to the newest) within 1e-5, at pp 2 and 4, tied and untied, an odd m, a last stage
-# holding the head alone, with activation checkpointing, 2 stages x 2 DDP ranks, gradient
-# accumulation beside it (batch x 2 in one process), and validation every 3 steps (the
-# pipeline drains before it; the training losses are the reference's); the
-# first step is 1f1b's bitwise (there is no older version yet) and the later ones are not;
-# the header says there is no bubble between steps; the estimate counts the second version
-# (each stage's peak within 10% of it); a signal after a step that left forwards in flight
-# ends the run cleanly; what is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
+# holding the head alone, with activation checkpointing, 2 stages x 2 DDP ranks with
+# gradient accumulation beside them (batch x dp x 2 in one process), and validation every 3
+# steps (the pipeline drains before it; the training losses are the reference's); the
+# first step is 1f1b's bitwise (there is no older version yet) and the second's loss is
+# the initial weights' on the second batch (1f1b at lr=0); the header says there is no
+# bubble between steps; the estimate counts the second version (each stage's peak within
+# 10% of it); a signal after a step that left forwards in flight ends the run cleanly; what
+# is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
 # build.
 TEST_NAME=pipedream
 source "$(dirname "$0")/lib.sh"
@@ -54,10 +55,8 @@ done <<'CASES'
 pp2_m4|2|1|4|8|false|
 pp2_m3_checkpointing|2|1|3|6|false|activation_checkpointing=true
 pp4_m4_tied|4|1|4|8|true|
-pp2_dp2_ddp_tied|2|2|2|4|true|
-pp2_val_every_3|2|1|4|8|false|val_every=3
-~pp2_head_alone|2|1|4|8|false|pipeline_split=4,0
-~pp2_accum2_tied|2|1|2|8|true|grad_accum_steps=2
+pp2_dp2_ddp_tied_accum2|2|2|2|4|true|grad_accum_steps=2
+~pp2_head_alone_val_every_3|2|1|4|8|false|pipeline_split=4,0 val_every=3
 CASES
 
 # not supported (yet): one line, exit 2 (found before any rank starts)
