@@ -283,6 +283,92 @@ static void test_makespan(void) {
     }
 }
 
+/* PipeDream-2BW: `steps` consecutive steps' lists (the first filling, the last draining),
+ * played as one list per rank over steps x m micro-batches (step t's micro-batch j is
+ * t m + j; the updates between steps left out, the last kept): no deadlock, every message in
+ * its link's order across the steps, each micro-batch forwarded and backwarded once, at most
+ * p - r held on rank r; each step's list does its own m backwards and m forwards less the
+ * fill's and drain's; a stage's held micro-batches at each update are all the next step's
+ * first (two weight versions suffice: m >= p). */
+static int play_2bw(int p, int m, int steps) {
+    Schedule *s = calloc((size_t)p, sizeof *s);
+    char err[128];
+    int M = m * steps, bad = 0;
+    for (int r = 0; r < p; r++) {
+        s[r].actions = malloc((size_t)(7 * M + 1) * sizeof(Action));
+        for (int t = 0; t < steps; t++) {
+            Schedule one;
+            CHECK(schedule_build_2bw(&one, p, r, m, t == 0, t == steps - 1, err, sizeof err) == 0, "%s", err);
+            int w = p - r - 1, nf = 0, nb = 0, held = t == 0 ? 0 : w;
+            for (int k = 0; k < one.n; k++) {
+                Action a = one.actions[k];
+                nf += a.kind == ACT_FORWARD, nb += a.kind == ACT_BACKWARD;
+                held += (a.kind == ACT_FORWARD) - (a.kind == ACT_BACKWARD);
+                if (a.kind == ACT_OPTIM_STEP && t < steps - 1) {
+                    if (held != w) { fprintf(stderr, "  rank %d step %d: %d held at the update\n", r, t, held); bad = 1; }
+                    continue;
+                }
+                if (a.micro >= 0) a.micro += t * m;
+                s[r].actions[s[r].n++] = a;
+            }
+            int want_f = m - (t == 0 ? 0 : w) + (t == steps - 1 ? 0 : w);
+            if (nb != m || nf != want_f) { fprintf(stderr, "  rank %d step %d: %d F (want %d), %d B\n", r, t, nf, want_f, nb); bad = 1; }
+            s[r].in_flight[0] = one.in_flight[0];
+            s[r].chunks = 1;
+            schedule_free(&one);
+        }
+    }
+    int rc = bad ? -1 : play_built(s, p, M);
+    for (int r = 0; r < p; r++) free(s[r].actions);
+    free(s);
+    return rc;
+}
+
+static void test_2bw(void) {
+    for (int p = 1; p <= 4; p++)
+        for (int m = p; m <= 2 * p + 1; m++)
+            for (int steps = 1; steps <= 3; steps++) CHECK(play_2bw(p, m, steps) == 0, "2bw p=%d m=%d steps=%d", p, m, steps);
+    /* no flush: steps x m micro-batches in one fill and drain, against 1F1B's fill and
+     * drain each step (unit costs: F 1, B 2); 2bw's one step is 1F1B's */
+    for (int p = 2; p <= 4; p++)
+        for (int m = p; m <= 2 * p; m++)
+            for (int steps = 1; steps <= 4; steps++) {
+                double i1, i2;
+                int a = schedule_makespan_steps(SCHED_1F1B, p, m, steps, 0, &i1);
+                int b = schedule_makespan_steps(SCHED_2BW, p, m, steps, 0, &i2);
+                CHECK(a == steps * (m + p - 1) * 3, "1f1b p=%d m=%d x%d: %d", p, m, steps, a);
+                CHECK(b == (steps * m + p - 1) * 3, "2bw p=%d m=%d x%d: %d", p, m, steps, b);
+                CHECK(i2 <= i1 && (steps == 1 || i2 < i1), "idle 2bw %.3f 1f1b %.3f", i2, i1);
+            }
+    /* with a collective of every stage at each update the stages realign once a step: the
+     * fill is gone (each stage's first inputs were forwarded in the step before) but the
+     * wait for the first stage's last backward stays; 1F1B's flush makes it the same with or
+     * without */
+    for (int p = 2; p <= 4; p++)
+        for (int m = p; m <= 2 * p; m++) {
+            double i1, i2;
+            int a = schedule_makespan_steps(SCHED_1F1B, p, m, 4, 1, &i1), b = schedule_makespan_steps(SCHED_2BW, p, m, 4, 1, &i2);
+            int free_run = schedule_makespan_steps(SCHED_2BW, p, m, 4, 0, NULL);
+            CHECK(a == 4 * (m + p - 1) * 3 && b < a && b > free_run, "p=%d m=%d: 1f1b %d, 2bw %d, 2bw without the barrier %d",
+                  p, m, a, b, free_run);
+            if (m == 2 * p) fprintf(stderr, "  p=%d m=%d, 4 steps with a collective each: idle 1f1b %.3f, 2bw %.3f (%.3f without)\n",
+                                    p, m, i1, i2, 1 - 3.0 * 4 * m / free_run);
+        }
+    Schedule s;
+    char err[128];
+    CHECK(schedule_build_2bw(&s, 4, 0, 3, 0, 0, err, sizeof err) == -1 && strstr(err, "at least as many"), "m < p: %s", err);
+    char *x = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&x, &n);
+    CHECK(schedule_build_2bw(&s, 2, 0, 2, 0, 0, err, sizeof err) == 0, "%s", err);
+    schedule_print(f, &s);
+    fclose(f);
+    /* stage 0 of 2, running on: this step's F1 (F0 ran before), the next step's F2 (its 0) */
+    CHECK(!strcmp(x, "F1 send1 recvgrad0 B0 F2 send2 recvgrad1 B1 step\n"), "%s", x);
+    free(x);
+    schedule_free(&s);
+}
+
 static void test_bad_layouts(void) {
     Schedule s;
     char err[128];
@@ -325,6 +411,7 @@ int main(void) {
     RUN(test_zb1_max_in_flight);
     RUN(test_bubbles);
     RUN(test_makespan);
+    RUN(test_2bw);
     RUN(test_bad_layouts);
     RUN(test_player_catches_broken);
     return TEST_SUMMARY();

@@ -5,7 +5,7 @@
 #include <string.h>
 #include "util.h"
 
-static const char *KIND_NAMES[] = {"gpipe", "1f1b", "interleaved", "zb1"};
+static const char *KIND_NAMES[] = {"gpipe", "1f1b", "interleaved", "zb1", "2bw"};
 
 int schedule_kind_parse(const char *name, ScheduleKind *out) {
     for (int k = 0; k < (int)(sizeof KIND_NAMES / sizeof KIND_NAMES[0]); k++)
@@ -68,6 +68,10 @@ typedef struct {
     int *nout;
     int *in_flight, *pend;  /* [p][v], [p]: most held per chunk, most waiting for W */
     int makespan;
+    /* (or NULL) with fixed lists: bar[r * nbar + j], the index in rank r's list where its step j
+     * ends; no rank starts step j + 1 before every rank has ended step j (a collective a step) */
+    const int *bar;
+    int nbar;
 } Sim;
 
 static void orders(Sim *S, int r) {
@@ -109,6 +113,16 @@ static int simulate(Sim *S, const int *lim, Action *const *fixed, const int *nfi
             int w_ok = wh[r] < wt[r];
             if (fixed) {  /* only the list's next action may run */
                 int k = S->nout[r];
+                if (S->bar) {  /* at a step's end: every rank there and idle first */
+                    int j = 0, held_back = 0;
+                    while (j < S->nbar && S->bar[r * S->nbar + j] < k) j++;
+                    if (j < S->nbar && S->bar[r * S->nbar + j] == k && k < nfixed[r])
+                        for (int q = 0; q < p; q++)
+                            if (S->nout[q] < S->bar[q * S->nbar + j] ||  /* not there, or its last action running */
+                                (S->nout[q] == S->bar[q * S->nbar + j] && busy[q] > t))
+                                held_back = 1;
+                    if (held_back) continue;
+                }
                 fo = bo = NULL;
                 w_ok = 0;
                 if (k < nfixed[r]) {
@@ -206,7 +220,7 @@ static int *durations(int G, int split, const double *cost) {
 }
 
 static Sim sim_new(int p, int v, int m, int split, const double *cost) {
-    Sim S = {p, v, m, split, durations(p * v, split, cost), NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    Sim S = {p, v, m, split, durations(p * v, split, cost), NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, 0};
     int vm = v * m;
     S.ford = xmalloc((size_t)p * vm * sizeof(Op));
     S.bord = xmalloc((size_t)p * vm * sizeof(Op));
@@ -339,7 +353,7 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         for (int i = m - 1; i >= 0; i--) backward(s, i, 0);
         s->max_in_flight = m;
     } else {
-        /* 1F1B: stage s runs stages - s - 1 forwards ahead, then one forward and one
+        /* 1F1B (and 2bw's step on an empty pipeline that ends empty): stage s runs stages - s - 1 forwards ahead, then one forward and one
          * backward in turn, then the remaining backwards: at most stages - s micro-batches'
          * activations at once (the first stage holds the most). With one stage: F0 B0 F1 B1 ... */
         int warmup = stages - stage - 1 < m ? stages - stage - 1 : m;
@@ -351,9 +365,71 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         for (int i = m - warmup; i < m; i++) backward(s, i, 0);
         s->max_in_flight = warmup + 1 < m ? warmup + 1 : m;
     }
-    if (kind == SCHED_GPIPE || kind == SCHED_1F1B) s->in_flight[0] = s->max_in_flight;
+    if (kind == SCHED_GPIPE || kind == SCHED_1F1B || kind == SCHED_2BW) s->in_flight[0] = s->max_in_flight;
     add(s, ACT_OPTIM_STEP, -1, 0);
     return 0;
+}
+
+int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen) {
+    memset(s, 0, sizeof *s);
+    if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
+    /* m >= stages: a stage's in-flight micro-batches then span at most two steps, so two
+     * weight versions serve them all */
+    if (m < stages)
+        return set_err(err, errlen, "pipeline_schedule=2bw: %d micro-batches for %d stages: at least as many as stages",
+                       m, stages);
+    s->kind = SCHED_2BW; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = 1;
+    int w = stages - stage - 1;
+    s->actions = xmalloc((size_t)(7 * (m + w) + 1) * sizeof *s->actions);
+    if (fill)
+        for (int i = 0; i < w; i++) forward(s, i, 0);
+    /* forward w + i, then backward i; past m the forwards are the next step's (drain: none) */
+    for (int i = 0; i < m; i++) {
+        if (!drain || w + i < m) forward(s, w + i, 0);
+        backward(s, i, 0);
+    }
+    s->max_in_flight = s->in_flight[0] = w + 1;
+    add(s, ACT_OPTIM_STEP, -1, 0);
+    return 0;
+}
+
+int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int barrier, double *idle) {
+    int p = stages, M = m * steps, rc = 0;
+    char err[128];
+    if (stages < 1 || m < 1 || steps < 1 || (kind != SCHED_1F1B && kind != SCHED_GPIPE && kind != SCHED_2BW)) return -1;
+    if (kind == SCHED_2BW && m < stages) return -1;
+    /* one simulation over steps x m micro-batches: step t's micro-batch j is t m + j (2bw's
+     * forwards of the next step, m + j, are its (t + 1) m + j); the update takes no time */
+    Sim S = sim_new(p, 1, M, 0, NULL);
+    Action **fixed = xmalloc((size_t)p * sizeof(Action *));
+    int *nfixed = xcalloc((size_t)p, sizeof(int)), *lim = xmalloc((size_t)p * sizeof(int));
+    int *bar = xmalloc((size_t)p * steps * sizeof(int));
+    for (int r = 0; r < p; r++) {
+        fixed[r] = xmalloc((size_t)2 * M * sizeof(Action));
+        lim[r] = M;
+        for (int t = 0; t < steps && !rc; t++) {
+            Schedule sc;
+            int bad = kind == SCHED_2BW ? schedule_build_2bw(&sc, p, r, m, t == 0, t == steps - 1, err, sizeof err)
+                                        : schedule_build(&sc, kind, p, r, m, 1, SCHED_SPLIT_NONE, 0, NULL, err, sizeof err);
+            if (bad) { rc = -1; break; }
+            for (int k = 0; k < sc.n; k++)
+                if (sc.actions[k].kind == ACT_FORWARD || sc.actions[k].kind == ACT_BACKWARD) {
+                    Action a = sc.actions[k];
+                    a.micro += t * m;
+                    fixed[r][nfixed[r]++] = a;
+                }
+            bar[r * steps + t] = nfixed[r];
+            schedule_free(&sc);
+        }
+    }
+    if (barrier) S.bar = bar, S.nbar = steps;
+    if (!rc) rc = simulate(&S, lim, fixed, nfixed);
+    int t = rc ? -1 : S.makespan;
+    if (idle && t > 0) *idle = 1.0 - 3.0 * M / t;  /* each rank computes M forwards (1) and backwards (2) */
+    for (int r = 0; r < p; r++) free(fixed[r]);
+    free(fixed); free(nfixed); free(lim); free(bar);
+    sim_free(&S);
+    return t;
 }
 
 void schedule_free(Schedule *s) {

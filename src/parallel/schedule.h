@@ -29,7 +29,10 @@ typedef enum {
 
 typedef struct { ActionKind kind; int micro, chunk; } Action;
 
-typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1 } ScheduleKind;
+/* SCHED_2BW (PipeDream-2BW): 1F1B whose steps run into each other, with no flush between
+ * optimizer steps; every micro-batch of step t computes on the weights of the update before
+ * the last (schedule_build_2bw). */
+typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1, SCHED_2BW } ScheduleKind;
 
 #define SCHED_MAX_CHUNKS 8
 #define SCHED_TICKS_PER_FORWARD 1000  /* the simulations' scale with costs: the mean stage forward */
@@ -57,7 +60,7 @@ static inline int schedule_head_split(ScheduleKind k, int stages) {
     return stages > 1 && (k == SCHED_GPIPE || k == SCHED_ZB1);
 }
 
-/* Parses "gpipe" / "1f1b" / "interleaved" / "zb1"; -1 if unknown. */
+/* Parses "gpipe" / "1f1b" / "interleaved" / "zb1" / "2bw"; -1 if unknown. */
 int schedule_kind_parse(const char *name, ScheduleKind *out);
 const char *schedule_kind_name(ScheduleKind k);
 /* The actions rank `stage` of `stages` runs for one step of m micro-batches, with `chunks`
@@ -80,6 +83,22 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
  * -1 on a deadlock or a layout schedule_build refuses. */
 int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int split_ok, int zb1_max_in_flight,
                       const double *cost);
+/* PipeDream-2BW's list for rank `stage` of `stages` and m >= stages micro-batches a step:
+ * 1F1B (w = stages - stage - 1 forwards ahead) over the endless sequence of micro-batches,
+ * cut after each step's last backward, where the update goes. fill: the step starts with an
+ * empty pipeline (the run's first step, or after a drained one): its first w forwards lead;
+ * else they ran at the end of the step before. drain: the step ends with nothing in flight
+ * (its last w backwards with no forward between: the run's last step, before validation or
+ * a checkpoint); else its last w forwards are of the next step's micro-batches 0..w-1,
+ * numbered m..m+w-1 here (they compute on the newest weights, the ones the next step's
+ * batch uses). fill and drain both set: the 1F1B list. */
+int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen);
+/* The simulated length of `steps` consecutive steps of kind (the 1F1B family: 1f1b, gpipe
+ * or 2bw; 2bw's first fills, its last drains, none flushes between) in unit costs (F 1, B 2),
+ * with *idle (or NULL) the share of the ranks' time spent waiting; -1 on a deadlock.
+ * barrier: no rank starts a step before every rank has ended the one before (what a
+ * collective of all stages at each update does: the trainer's clipping norm and loss sum). */
+int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int barrier, double *idle);
 void schedule_free(Schedule *s);
 /* One line, e.g. "recv0 F0 send0 ... recvgrad0 B0 sendgrad0 ... step"; with chunks,
  * each action's chunk follows a dot ("F3.1": micro 3 on chunk 1). */

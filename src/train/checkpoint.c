@@ -496,7 +496,7 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     ckpt_model_config(h, &c);
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
-    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE | CKPT_GRAD_EF);
+    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE | CKPT_GRAD_EF | CKPT_2BW);
     if (h->moe_experts <= 0) {  /* identical runs write identical manifests: a dense model's MoE fields are zero */
         out->moe_experts = out->moe_expert_dim = 0;
         out->moe_top_k = out->moe_shared_experts = out->moe_every = out->moe_router_sigmoid = 0;

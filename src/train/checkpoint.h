@@ -70,6 +70,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 /* flags: the gradient compression's residuals (error feedback) are kept beside the manifest,
  * each rank's in "<path>.s<step>.ef<rank>" (ckpt_write_grad_ef) */
 #define CKPT_GRAD_EF 4u
+/* flags: saved by pipeline_schedule=2bw (the newest weights; the version before is not kept,
+ * so the run does not resume from it) */
+#define CKPT_2BW 8u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {

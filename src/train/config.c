@@ -177,10 +177,11 @@ static const Key KEYS[] = {
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "pipeline: micro-batches each data-parallel rank's batch_size is cut into (at least pipeline_parallel_size)"),
-    E(pipeline_schedule, "1f1b", "gpipe|1f1b|interleaved|zb1", TR | CMD_ESTIMATE,
+    E(pipeline_schedule, "1f1b", "gpipe|1f1b|interleaved|zb1|2bw", TR | CMD_ESTIMATE,
       "pipeline: gpipe = every forward, then every backward; 1f1b = one forward, one backward in turn; "
       "interleaved = 1f1b over virtual_stages chunks per rank; zb1 = zero bubble (ZB-H1: the backward split, "
-      "weight gradients fill the bubble)"),
+      "weight gradients fill the bubble); 2bw = PipeDream-2BW: 1f1b without a flush between steps, two weight "
+      "versions, each update one step stale (also on one process, as its reference)"),
     I(virtual_stages, "0", 0, 8, TR | CMD_ESTIMATE,
       "interleaved: stages (chunks of layers) per pipeline rank (0 = 2 with interleaved, else 1)"),
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
@@ -482,10 +483,11 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
         int pp = c->pipeline_parallel_size;
         {
-            if (pp == 1 && (c->micro_batches > 1 || config_was_set("pipeline_schedule") || config_was_set("pipeline_split") ||
+            int bw = !strcmp(c->pipeline_schedule, "2bw");
+            if (pp == 1 && (c->micro_batches > 1 || (config_was_set("pipeline_schedule") && !bw) || config_was_set("pipeline_split") ||
                             config_was_set("virtual_stages")))
-                return set_err(err, errlen, "micro_batches, pipeline_schedule, virtual_stages and pipeline_split apply with "
-                               "pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
+                return set_err(err, errlen, "micro_batches, pipeline_schedule (but 2bw), virtual_stages and pipeline_split apply "
+                               "with pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
             if (pp == 1 && config_was_set("pp_copy_engines"))
                 return set_err(err, errlen, "pp_copy_engines applies with pipeline_parallel_size > 1");
             if (config_was_set("zb1_max_in_flight") && strcmp(c->pipeline_schedule, "zb1"))
@@ -503,6 +505,10 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                                c->virtual_stages);
             if (il && c->virtual_stages == 1)
                 return set_err(err, errlen, "pipeline_schedule=interleaved needs virtual_stages >= 2 (1 is 1f1b)");
+            if (bw && (c->fsdp || c->zero_opt || strcmp(c->offload, "none") || c->tensor_parallel_size > 1 ||
+                       c->moe_experts || !strcmp(c->cuda_graphs, "true") || ((cmd & CMD_TRAIN) && c->resume[0])))
+                return set_err(err, errlen, "pipeline_schedule=2bw runs with DDP (fsdp, zero_opt, offload off), without "
+                               "tensor parallel, MoE layers, cuda_graphs=true or resume so far");
             if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
                 return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
                                "pass: it does not combine with activation_checkpointing=true");

@@ -103,8 +103,10 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->tp_fused = fused ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
     if (fused && training)  /* the mapped buffers' pages (tensor.h) */
         e->tp_fused += acts_tp_coll_extra(c, &whole, B, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
+    /* 2bw: the version before, a copy of what the ops compute with (step.c's stash) */
+    e->stash = training && in->versions > 1 ? m.n_flat * (prec == OPS_MIXED ? act_size : state_size) : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
-               e->tp_fused + (gpu ? 0 : e->host);
+               e->tp_fused + e->stash + (gpu ? 0 : e->host);
     model_free(&m);
     /* The usual formula (ZeRO paper): weights + grads + Adam = 4 values of 4 bytes (2 in
      * pure bf16) per param, divided as the strategy shards them over N ranks, and per layer
@@ -182,8 +184,9 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     }
     e->tp_fused = (fused ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size) : 0) +
                   pages;
+    e->stash = training && in->versions > 1 ? m.n_flat * (prec == OPS_MIXED ? act_size : state_size) : 0;
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
-               e->p2p + e->tp_fused + (e->gpu ? 0 : e->host);
+               e->p2p + e->tp_fused + e->stash + (e->gpu ? 0 : e->host);
     model_free(&m);
 }
 
@@ -223,12 +226,13 @@ void estimate_print(const EstimateInput *in, int dp, const MemEstimate *e) {
     const char *names[] = {"parameters", "gradients", optim, "bf16 weight copies",
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
-                           "all-to-all buffer", "pipeline receive rings", "fused-sum slots"};
+                           "all-to-all buffer", "pipeline receive rings", "fused-sum slots",
+                           "weight version before"};
     size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm, e->p2p,
-                     e->tp_fused};
-    for (int i = 0; i < 11; i++)
+                     e->tp_fused, e->stash};
+    for (int i = 0; i < 12; i++)
         if (!(e->gpu && i == 6) && !(e->prec != OPS_MIXED && i == 3) && !(i == 8 && !e->comm) && !(i == 9 && !e->p2p) &&
-            !(i == 10 && !e->tp_fused))
+            !(i == 10 && !e->tp_fused) && !(i == 11 && !e->stash))
             printf("  %-26s %12s\n", names[i], fmt_bytes(b1, (double)vals[i]));
     /* lean (DDP, AdamW): the master is the only fp32 copy, the gradients' copy in the compute type */
     const char *what = !e->lean ? "fp32 master weights, gradients' copy, optimizer state"

@@ -24,6 +24,7 @@ typedef struct {
     int offload;
     int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
     size_t p2p; /* pipeline send/receive on the copy engines: the rings and counters (in total) */
+    size_t stash;    /* pipeline_schedule=2bw: the weight version before, as compute weights (in total) */
     size_t tp_fused; /* tensor parallel's fused sums: each rank's slots for the others' parts (in total) */
     size_t attn_elsewhere; /* runtime assumes attention's backward on our Hopper kernel (an H100 or
                             * H200): what cuDNN's engine needs more on other GPUs (0: the same) */
@@ -67,6 +68,9 @@ typedef struct {
      * slots for the other ranks' parts, the staging and the mapped buffers' pages count as
      * tp_fused */
     int tp_fused;
+    /* weight versions held (pipeline_schedule=2bw: 2, the version before kept as compute
+     * weights beside the newest; else 1) */
+    int versions;
 } EstimateInput;
 
 void estimate_memory(const EstimateInput *in, MemEstimate *e);

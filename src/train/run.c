@@ -45,6 +45,7 @@ EstimateInput estimate_input_of(const Config *c, int world, int shard_size, cons
     in.prec = precision_of(c);
     in.oc = oc;
     in.ops = ops_options_of(c);
+    in.versions = !strcmp(c->pipeline_schedule, "2bw") ? 2 : 1;
     return in;
 }
 

@@ -56,6 +56,23 @@ static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in,
     }
 }
 
+/* 2bw: the newest weights become the version before (the strategy's gather first: the
+ * unit's last update is in and its compute copy made) */
+static void stash_newest(Step *st) {
+    Model *m = st->m;
+    for (int u = 0; u < m->n_units; u++) {
+        if (!st->stash[u]) continue;
+        if (st->hooks->gather) st->hooks->gather(st->hooks->ctx, u, -1);
+        op_copy(st->stash[u], unit_weights(m, u), st->stash_bytes[u]);
+    }
+}
+
+/* 2bw: the ops compute on the version before (prev) or the newest. */
+static void use_version(Step *st, int prev) {
+    for (int u = 0; u < st->m->n_units; u++)
+        if (st->stash[u]) st->m->ucompute[u] = prev ? st->stash[u] : st->live[u];
+}
+
 int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, Loader *loader, Acts *a, int micro,
               const StepPipeline *pipe, char *err, size_t errlen) {
     memset(st, 0, sizeof *st);
@@ -69,7 +86,13 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     }
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
-    if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
+    st->drain = 1;
+    st->versions = pipe && pipe->kind == SCHED_2BW;
+    if (st->versions) {
+        for (int k = 0; k < 4; k++)
+            if (schedule_build_2bw(&st->lists[k], stages, me, micro, k / 2, k % 2, err, errlen)) return -1;
+        st->sched = st->lists[3];
+    } else if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
                        pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute),
                        piped(st) ? st->pipe.zb1_max_in_flight : 0, piped(st) ? st->pipe.cost : NULL, err, errlen))
         return -1;
@@ -109,8 +132,23 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
         st->wbuf = xcalloc((size_t)st->n_wbuf, sizeof(void *));
         for (int i = 0; i < st->n_wbuf; i++) st->wbuf[i] = model_tp_alloc(m, wb);
     }
-    st->mb_inputs = xmalloc((size_t)micro * N * sizeof(int));
-    st->mb_targets = xmalloc((size_t)micro * N * sizeof(int));
+    /* 2bw: the next step's micro-batches too, whose first forwards run in this step */
+    st->mb_inputs = xmalloc((size_t)(st->versions ? 2 : 1) * micro * N * sizeof(int));
+    st->mb_targets = xmalloc((size_t)(st->versions ? 2 : 1) * micro * N * sizeof(int));
+    if (st->versions) {
+        /* the version before the first update is the initial weights (the first two steps
+         * compute on them); ucompute NULL: the ops read the parameters, in the state type */
+        st->stash = xcalloc((size_t)m->n_units, sizeof(void *));
+        st->live = xcalloc((size_t)m->n_units, sizeof(void *));
+        st->stash_bytes = xcalloc((size_t)m->n_units, sizeof(size_t));
+        for (int u = 0; u < m->n_units; u++) {
+            st->live[u] = m->ucompute[u];
+            if (!m->units[u].n_padded || !unit_weights(m, u)) continue;
+            st->stash_bytes[u] = m->units[u].n_padded * (m->ucompute[u] ? ops_act_size() : ops_state_size());
+            st->stash[u] = op_alloc(st->stash_bytes[u]);
+        }
+        stash_newest(st);
+    }
     if (st->head_chunk >= 0) {
         int h = st->head_chunk;
         st->own_losses = xcalloc((size_t)st->n_acts[h], sizeof(float *));
@@ -215,7 +253,8 @@ static int msg_tag(int to_stage, int micro, int n_micro) { return (to_stage * n_
 static int tag(const Step *st, const Action *a) {
     int p = st->sched.stages, g = a->chunk * p + st->sched.stage;
     int to = a->kind == ACT_RECV_INPUT ? g : a->kind == ACT_SEND_OUTPUT ? g + 1 : a->kind == ACT_RECV_GRAD ? g : g - 1;
-    return msg_tag(to, a->micro, st->micro);
+    /* (2bw: micro-batch m + j of a step is j of the next, where its neighbour may receive it) */
+    return msg_tag(to, a->micro % st->micro, st->micro);
 }
 
 /* A receive into slot i of chunk c (the input, or the output's gradient): its earlier one
@@ -248,13 +287,16 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     }
     /* every rank reads the step's micro-batches (the loaders stay in step); each chunk's
      * forward takes its micro-batch's tokens from here */
-    for (int i = 0; i < st->micro; i++) loader_next(st->loader, st->mb_inputs + (size_t)i * N, st->mb_targets + (size_t)i * N);
+    int fill = !st->filled, ahead = st->versions && !st->drain;
+    if (st->versions) st->sched = st->lists[fill * 2 + !ahead];
+    for (int i = fill ? 0 : st->micro; i < (ahead ? 2 : 1) * st->micro; i++)
+        loader_next(st->loader, st->mb_inputs + (size_t)i * N, st->mb_targets + (size_t)i * N);
     parallel_begin_step(st->par);
     parallel_set_micro_batches(st->par, st->micro);
     int n_b = 0, n_w = 0;  /* split backward: B and W passes so far (their wbuf ring's places) */
     for (int i = 0; i < st->sched.n; i++) {
         const Action *act = &st->sched.actions[i];
-        int c = act->chunk, slot = act->micro >= 0 ? act->micro % st->n_acts[c] : 0;
+        int c = act->chunk, slot = act->micro >= 0 ? (st->slot_base + act->micro) % st->n_acts[c] : 0;
         Acts *a = &st->acts[c][slot];
         const Stage *s = &st->chunk[c];
         if (trace_active() && (act->kind == ACT_FORWARD || act->kind == ACT_BACKWARD || act->kind == ACT_WEIGHT)) {
@@ -272,6 +314,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             memcpy(a->inputs, st->mb_inputs + (size_t)act->micro * N, N * sizeof(int));
             memcpy(a->targets, st->mb_targets + (size_t)act->micro * N, N * sizeof(int));
             if (st->dev_losses && c == st->head_chunk) a->losses = st->dev_losses + (size_t)act->micro * N;
+            if (st->versions) use_version(st, act->micro < st->micro);
             model_forward(m, s, a, 1, scale, hooks);
             break;
         case ACT_SEND_OUTPUT:
@@ -282,6 +325,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             recv_slot(st->recv_grad[c], slot, &st->grad_in, model_stage_grad(a), act_bytes, tag(st, act));
             break;
         case ACT_BACKWARD:
+            if (st->versions) use_version(st, 1);  /* the version its forward used */
             if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[n_b++ % st->n_wbuf], hooks);
             else model_backward(m, s, a, hooks);
             break;
@@ -293,19 +337,34 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             model_backward_weight(m, s, a, st->wbuf[n_w++ % st->n_wbuf], hooks);
             break;
         case ACT_OPTIM_STEP:
-            free_all_slots(st);
+            /* (2bw running on: the next step's first activations are still on their way to a
+             * stage that takes them after this update, which waits for every stage's gradient
+             * norm; their slots wait for them before reuse) */
+            if (!ahead) free_all_slots(st);
             if (tie.last_pending) {  /* the copy's last gradient: summed with the first stage's now */
                 tie.emb_ready--;
                 tie_grad_ready(&tie, UNIT_EMBEDDING);
             }
             /* queued before the loss is read: the device goes from the backward into the
              * update while the host waits */
+            if (st->versions) {  /* the newest (on which the next step's batch computes) is kept, then updated */
+                use_version(st, 0);
+                stash_newest(st);
+            }
             trace_mark(NULL, "optimizer step");
             *norm = parallel_step(st->par, oc, lr);
             trace_mark(NULL, "optimizer step enqueued");
             next_rows(st);
             break;
         }
+    }
+    if (st->versions) {  /* the next step's first micro-batches: read, and some already in flight */
+        if (ahead) {
+            memmove(st->mb_inputs, st->mb_inputs + (size_t)st->micro * N, (size_t)st->micro * N * sizeof(int));
+            memmove(st->mb_targets, st->mb_targets + (size_t)st->micro * N, (size_t)st->micro * N * sizeof(int));
+        }
+        st->filled = ahead;
+        st->slot_base = ahead ? (st->slot_base + st->micro) % st->n_acts[0] : 0;
     }
     double loss = step_loss(st);
     if (m->n_moe) {  /* a pipeline stage has its own layers' statistics: the stages' put together */
@@ -368,6 +427,15 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
 }
 
 void step_free(Step *st) {
+    if (st->versions && st->filled && piped(st) && !holds_embedding(st)) {
+        /* the run ended after a step that left forwards in flight (a stop on a signal): the
+         * stage before sent one more input than this stage took (the next step's micro-batch
+         * w, w this stage's forwards ahead); taken, so that its send completes */
+        int w = st->sched.stages - st->sched.stage - 1, slot = (st->slot_base + w) % st->n_acts[0];
+        Action a = {ACT_RECV_INPUT, w, 0};
+        recv_slot(st->recv_in[0], slot, &st->act_in, model_stage_input(st->m, &st->acts[0][slot]),
+                  msg_bytes(st->m, &st->acts[0][0]), tag(st, &a));
+    }
     free_all_slots(st);
     for (int c = 0; c < st->n_chunks; c++) {
         for (int i = 0; i < st->n_acts[c]; i++)
@@ -386,6 +454,17 @@ void step_free(Step *st) {
     /* in the order they were made: NCCL's release of a link waits for its peer's, so both
      * ranks of every link must come to it in the same turn (as at set-up) */
     for (int i = 0; i < st->n_links; i++) comm_free(st->link_order[i]);
+    if (st->versions) {
+        st->sched.actions = NULL;  /* one of lists[] */
+        for (int k = 0; k < 4; k++) schedule_free(&st->lists[k]);
+        for (int u = 0; u < st->m->n_units; u++) {
+            if (st->stash[u]) st->m->ucompute[u] = st->live[u];
+            op_free(st->stash[u]);
+        }
+        free(st->stash);
+        free(st->live);
+        free(st->stash_bytes);
+    }
     schedule_free(&st->sched);
     op_free(st->dev_losses);
     free(st->host_losses);

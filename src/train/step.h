@@ -59,6 +59,19 @@ typedef struct {
      * and z losses summed over the micro-batches, the kept choices), the same on every rank */
     float *moe_host;
     double *moe_stats;
+    /* pipeline_schedule=2bw (PipeDream-2BW, pipe.kind): two weight versions. The model's own
+     * (live) are the newest, which the optimizer updates; stash[u] holds unit u's compute
+     * weights of the version before, on which every micro-batch of the step computes (its
+     * forward and its backward), while the forwards of the next step's first micro-batches
+     * run on the newest. lists[fill * 2 + drain]: schedule_build_2bw's four lists. */
+    int versions;          /* 2bw: 1 */
+    void **stash, **live;  /* per unit (NULL: not held); live: the units' ucompute as the strategy set them */
+    size_t *stash_bytes;
+    Schedule lists[4];
+    int drain;             /* set by the caller before step_run: the step ends with nothing in flight
+                            * (the last, before validation and checkpoints); 1 unless set */
+    int filled;            /* the step before left the next micro-batches' forwards in flight */
+    int slot_base;         /* 2bw: micro-batch i of this step is in slot (slot_base + i) % n_acts */
 } Step;
 
 /* A step of `micro` micro-batches of a->B sequences each through this rank's stages

@@ -187,6 +187,10 @@ TrainTotals train_loop(TrainRun *r) {
         if (step == r->start + 1) ops_profile_reset();
         /* A non-finite loss still stops the run before anything is saved; so does a non-finite
          * gradient norm, unless a loss scaler skipped the step for it (every rank alike). */
+        /* 2bw: the pipeline runs on into the next step unless this one ends the run or
+         * precedes validation or a checkpoint, which want nothing in flight */
+        r->st.drain = step + 1 == c->steps || (c->val_every && (step + 1) % c->val_every == 0) ||
+                      (r->saving && c->ckpt_every && (step + 1) % c->ckpt_every == 0);
         double lr, norm, l = step_run(&r->st, &r->oc, &norm, &lr);
         if (step + 1 == nan_step && r->lead) l = NAN;
         /* the mean loss of the global batch: the head's stage has it, the others give 0 */
@@ -336,7 +340,10 @@ TrainTotals train_loop(TrainRun *r) {
         jsonlog_raw(r->log, "\"step\":%d", done);
         jsonlog_str(r->log, "stopped", name);
         (void)jsonlog_end(r->log);  /* a failure is reported with the final line's */
-        if (r->saving) printf("stopped by %s after step %d of %d: checkpoint saved; continue with resume=%s\n", name, done,
+        if (r->saving && r->sched == SCHED_2BW)  /* (the version before is not in it) */
+            printf("stopped by %s after step %d of %d: checkpoint saved (the newest weights; pipeline_schedule=2bw does "
+                   "not resume)\n", name, done, c->steps);
+        else if (r->saving) printf("stopped by %s after step %d of %d: checkpoint saved; continue with resume=%s\n", name, done,
                            c->steps, c->ckpt_path);
         else printf("stopped by %s after step %d of %d (ckpt_path=none: no checkpoint)\n", name, done, c->steps);
     }

@@ -219,13 +219,19 @@ static void print_header(const TrainRun *r) {
             printf(" stage %d: %s%s", i, desc, i + 1 < r->PP ? ";" : "\n");
         }
         /* the bubble the schedule leaves, for one stage's time per micro-batch in the steady state */
-        if (r->sched == SCHED_ZB1)  /* ZB-H1: (p-1)(F+B-W) idle of m(F+B+W), with F = B = W */
+        if (r->sched == SCHED_2BW)
+            printf("pipeline bubble: none between steps (2bw: the pipeline fills once and drains at the end, and around "
+                   "validation and checkpoints)\n");
+        else if (r->sched == SCHED_ZB1)  /* ZB-H1: (p-1)(F+B-W) idle of m(F+B+W), with F = B = W */
             printf("pipeline bubble: %.1f%% of the step predicted ((p-1)/(3m+p-1), ZB-H1 with equal F, B, W)\n",
                    100.0 * (r->PP - 1) / (3.0 * r->M + r->PP - 1));
         else
             printf("pipeline bubble: %.1f%% of the step predicted ((p-1)%s/(m+(p-1)%s))\n",
                    100.0 * (1.0 - (double)r->M / (r->M + (double)(r->PP - 1) / r->V)), r->V > 1 ? "/v" : "", r->V > 1 ? "/v" : "");
     }
+    if (r->sched == SCHED_2BW)
+        printf("weight versions: 2 (PipeDream-2BW): step t computes its gradient on the weights of update t - 1 and "
+               "applies it to those of update t (one step stale)\n");
     const LossScaleConfig *ls = &r->oc.loss_scale;
     if (ls->kind == LOSS_SCALE_FIXED)
         printf("loss scale: fixed at %g; a step whose gradient overflows is skipped\n", ls->init);
@@ -262,6 +268,7 @@ void train_setup(TrainRun *r, Config *c) {
     comm_world_init(&r->world, c->comm_timeout);
     set_log_rank(r->world.rank, r->world.size);
     r->graphs = graphs_wanted(c, r->world.size, r->gpu);
+    if (!strcmp(c->pipeline_schedule, "2bw")) r->graphs = 0;  /* a recorded layer keeps one version's weights */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -290,6 +297,9 @@ void train_setup(TrainRun *r, Config *c) {
     r->resuming = c->resume[0] != 0;
     if (r->resuming) {
         if (ckpt_read_header(c->resume, &r->resume_h, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        else if (r->resume_h.flags & CKPT_2BW)
+            fail_set(&f, EXIT_BAD_INPUT, "checkpoint %s was saved by pipeline_schedule=2bw, which keeps only the newest "
+                     "weight version in it: resuming it is not supported", c->resume);
         else if (!check_against_ckpt(c, &r->resume_h, c->resume, &f) && !config_from_ckpt(c, &r->resume_h, r->dp, &f) &&
                  !loss_scale_from_ckpt(c, r, &f)) {
             r->ckpt_global = r->resume_h.global_batch ? r->resume_h.global_batch : r->resume_h.batch_size * r->resume_h.world;
@@ -536,13 +546,15 @@ void train_setup(TrainRun *r, Config *c) {
     }
     if (r->oc.loss_scale.kind) r->h.flags |= CKPT_LOSS_SCALE;
     if (r->compress && r->dp > 1) r->h.flags |= CKPT_GRAD_EF;
+    if (r->sched == SCHED_2BW) r->h.flags |= CKPT_2BW;
 
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
     r->peak = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : r->gpu ? card_peak_flops(ops_device_name()) : 0;
     StepPipeline pipe = {&r->mesh.pp, r->tie_member ? &r->tie : NULL, r->sched, r->stage_cost, c->zb1_max_in_flight,
                          r->pp_ce};
-    if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M, r->PP > 1 ? &pipe : NULL, err, sizeof err))
+    if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M,
+                  r->PP > 1 || r->sched == SCHED_2BW ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
     if (r->PP > 1) {  /* the path the links that carry messages took, over every rank */
         int took[2] = {0, 0};  /* some link on NCCL (or MPI); some on the copy engines */

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# PipeDream-2BW against 1F1B on CPU ranks: `make train`'s CPU model (its keys, steps=N) at
+# pipeline_parallel_size=2, micro_batches=4, once with each schedule. Prints the training
+# loss every 50 steps and the validation losses side by side, then each run's mean step
+# time after the first (the runs share the machine's cores: 2 ranks x 1 thread).
+# Usage: [SHAPE="embed_dim=.. n_heads=.. n_layers=.. context_len=.. batch_size=.."] [LR="lr=.. min_lr=.."] bench/pp_2bw_cpu.sh [steps]
+# (500 by default; bench/results/pipedream-epyc-2core-2026-12.md)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-500}
+make -s meshtrain >/dev/null
+[ -s data/tinystories/train.bin ] || ./meshtrain prepare input=data/tinystories/TinyStories-train.head-2MiB.txt \
+  data_dir=data/tinystories >/dev/null
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
+# SHAPE: the model's shape keys (make train's CPU model by default; a busy 2-core machine
+# takes it at 3-4 s a step, so the figures came from a smaller one, see the results file)
+SHAPE=${SHAPE:-"embed_dim=128 n_heads=4 n_layers=4 context_len=128 batch_size=16"}
+LR=${LR:-"lr=3e-3 min_lr=3e-4"}  # (make train's; LR="lr=1e-3 min_lr=1e-4" for a gentler one)
+MODEL="$SHAPE steps=$steps $LR
+  lr_schedule=cosine warmup_steps=30 grad_clip=1.0 weight_decay=0.1 val_every=100 val_batches=16 ckpt_every=100
+  progress=false threads=1 pipeline_parallel_size=2 micro_batches=4"
+out=$(mktemp -d)
+for s in 1f1b 2bw; do
+  mpirun --oversubscribe --bind-to none --stdin none -np 2 ./meshtrain train $MODEL pipeline_schedule=$s \
+    out_dir="$out/$s" >"$out/$s.log"
+done
+col() { grep -o "^{\"step\":[0-9]*,\"$2\":[0-9.]*" "$out/$1/log.jsonl" | tr -d '{"' | tr ':,' '  ' | awk '{print $2, $4}'; }
+echo "| step | 1f1b loss | 2bw loss |"
+echo "|---:|---:|---:|"
+join <(col 1f1b loss) <(col 2bw loss) | awk '$1 == 1 || $1 % 50 == 0 {printf "| %d | %.4f | %.4f |\n", $1, $2, $3}'
+echo
+echo "| step | 1f1b val_loss | 2bw val_loss |"
+echo "|---:|---:|---:|"
+join <(col 1f1b val_loss) <(col 2bw val_loss) | awk '{printf "| %d | %.4f | %.4f |\n", $1, $2, $3}'
+echo
+for s in 1f1b 2bw; do
+  grep -o '^{"step":[0-9]*,"loss".*"ms":[0-9.]*' "$out/$s/log.jsonl" | grep -o '"ms":[0-9.]*' | cut -d: -f2 |
+    awk -v s=$s 'NR > 1 {t += $1; n++} END {printf "%s: %.1f ms a step (mean of %d after the first)\n", s, t / n, n}'
+done
+rm -rf "$out"
