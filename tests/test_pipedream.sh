@@ -9,8 +9,8 @@
 # first step is 1f1b's bitwise (there is no older version yet) and the second's loss is
 # the initial weights' on the second batch (1f1b at lr=0); the header says there is no
 # bubble between steps; the estimate counts the second version (each stage's peak within
-# 10% of it); a signal after a step that left forwards in flight ends the run cleanly; what
-# is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
+# 10% of it); a signal after a step that left forwards in flight ends the run cleanly; a
+# resume continues bitwise; what is not supported is one line and exit 2. Cases marked ~ run only outside the sanitizer
 # build.
 TEST_NAME=pipedream
 source "$(dirname "$0")/lib.sh"
@@ -67,10 +67,29 @@ done <<CASES
 fsdp=true
 zero_opt=true
 tensor_parallel_size=2
-resume=$(ref 8 false)/ckpt.bin
 CASES
-expect_exit 2 "saved by pipeline_schedule=2bw, .*not supported" resume_2bw_checkpoint_refused -- \
-  "$BIN" train resume="$(ref 8 false)/ckpt.bin" steps=9 data_dir="$D" progress=false out_dir="$TMP/res"
+
+# -- a resume: each rank's version before the newest is saved beside the checkpoint, so 3 steps
+# then 3 more are bitwise 6 in one run (which drains at step 3 too: ckpt_every=3); another
+# world is refused (the versions are each rank's), a missing one is one line; 1f1b may resume
+# from a 2bw checkpoint (on the newest weights alone)
+R2="$M0 n_layers=4 batch_size=8 pipeline_parallel_size=2 micro_batches=4 pipeline_schedule=2bw"
+$MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} ckpt_every=3 out_dir="$TMP/bw6" >/dev/null 2>&1
+$MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=3} lr_decay_steps=6 out_dir="$TMP/bw3" >/dev/null 2>&1
+$MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} ckpt_every=3 resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw3r" \
+  >"$TMP/bw3r.log" 2>&1
+[ -s "$TMP/bw3/ckpt.bin.s00000003.stash1" ] && "$DIFF" "$TMP/bw3r/ckpt.bin" "$TMP/bw6/ckpt.bin" | grep -qx 'max_rel_diff 0' &&
+  ok resume_bitwise || bad "resume_bitwise ($("$DIFF" "$TMP/bw3r/ckpt.bin" "$TMP/bw6/ckpt.bin" 2>&1; tail -1 "$TMP/bw3r.log"))"
+R4=${R2/batch_size=8/batch_size=4}
+err=$($MPIRUN -np 4 "$BIN" train ${R4/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw4" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && grep -q "resumes with 2bw on 2 ranks only" <<<"$err" && ok resume_on_another_world_refused ||
+  bad "resume_on_another_world_refused (exit $rc)"
+"$BIN" train resume="$(ref 8 false)/ckpt.bin" steps=9 data_dir="$D" progress=false out_dir="$TMP/res" >"$TMP/res.log" 2>&1 &&
+  ok resume_2bw_checkpoint_with_1f1b || bad "resume_2bw_checkpoint_with_1f1b ($(tail -1 "$TMP/res.log"))"
+rm "$TMP/bw3/ckpt.bin.s00000003.stash0"
+err=$($MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw3x" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && grep -q "keeps 2bw's weight version before beside it" <<<"$err" && ok missing_version_refused ||
+  bad "missing_version_refused (exit $rc)"
 expect_exit 2 "micro_batches, pipeline_schedule \(but 2bw\)" one_process_other_schedule_refused -- \
   "$BIN" train $M0 n_layers=4 batch_size=8 pipeline_schedule=gpipe
 

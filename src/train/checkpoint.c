@@ -60,9 +60,10 @@ static void remove_stale_shards(const char *path, int step, int world) {
         if (strncmp(e->d_name, base, blen)) continue;
         /* the settings, router biases and loss scaler a run wrote with an earlier checkpoint
          * (ckpt_write_settings, ckpt_write_moe_bias, ckpt_write_loss_scale, ckpt_write_grad_ef) */
-        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n", ".s%d.lossscale%n", ".s%d.ef%*d%n"};
+        static const char *const beside[] = {".s%d.settings%n", ".s%d.moebias%n", ".s%d.lossscale%n", ".s%d.ef%*d%n",
+                                             ".s%d.stash%*d%n"};
         int other = 0;
-        for (int k = 0; k < 4 && !other; k++) {
+        for (int k = 0; k < 5 && !other; k++) {
             n = 0;  /* (set only where the whole pattern matched) */
             other = sscanf(e->d_name + blen, beside[k], &s, &n) == 1 && n > 0 && s != step &&
                     (!e->d_name[blen + n] || !strncmp(e->d_name + blen + n, ".tmp.", 5));
@@ -138,6 +139,70 @@ int ckpt_load_grad_ef(const char *path, const CkptHeader *h, int rank, int world
     if (bad) return set_err(err, errlen, "%s (rank %d's gradient compression residuals of checkpoint %s) is corrupt", name,
                             rank, path);
     return same;
+}
+
+static size_t pread_all(int fd, void *buf, size_t n, uint64_t off);
+#define STASH_MAGIC "MTSTSH01"
+typedef struct { char magic[8]; int32_t rank, world; uint64_t bytes; } StashHead;
+
+static int stash_path(char *name, size_t len, const char *path, int step, int rank) {
+    int n = snprintf(name, len, "%s.s%08d.stash%d", path, step, rank);
+    return n < 0 || (size_t)n >= len ? -1 : 0;
+}
+
+static size_t sum_bytes(const size_t *bytes, int n) {
+    size_t t = 0;
+    for (int i = 0; i < n; i++) t += bytes[i];
+    return t;
+}
+
+int ckpt_write_stash(const char *path, int step, int rank, int world, void *const *piece, const size_t *bytes, int n,
+                     char *err, size_t errlen) {
+    char name[PATH_BUF];
+    if (stash_path(name, sizeof name, path, step, rank)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    StashHead hd = {STASH_MAGIC, rank, world, sum_bytes(bytes, n)};
+    AtomicFile f;
+    if (atomic_open(&f, name, err, errlen)) return -1;
+    uint64_t hash = fnv1a64(&hd, sizeof hd, FNV1A64_INIT);
+    atomic_write(&f, &hd, sizeof hd);
+    for (int i = 0; i < n; i++) {
+        hash = fnv1a64(piece[i], bytes[i], hash);
+        atomic_write(&f, piece[i], bytes[i]);
+    }
+    atomic_write(&f, &hash, 8);
+    return atomic_commit(&f, err, errlen);
+}
+
+int ckpt_load_stash(const char *path, const CkptHeader *h, int rank, int world, void *const *piece,
+                    const size_t *bytes, int n, char *err, size_t errlen) {
+    if (!(h->flags & CKPT_2BW)) return 0;
+    if ((int)h->world != world)
+        return set_err(err, errlen, "checkpoint %s was saved by pipeline_schedule=2bw on %d ranks: its weight version "
+                       "before the newest is each rank's, so it resumes with 2bw on %d ranks only", path, h->world,
+                       h->world);
+    char name[PATH_BUF];
+    if (stash_path(name, sizeof name, path, h->step, rank)) return set_err(err, errlen, "checkpoint path too long: %s", path);
+    int fd = open(name, O_RDONLY);
+    if (fd < 0)
+        return set_err(err, errlen, "checkpoint %s keeps 2bw's weight version before beside it, but %s: %s", path, name,
+                       strerror(errno));
+    StashHead hd;
+    memset(&hd, 0, sizeof hd);
+    size_t total = sum_bytes(bytes, n);
+    uint64_t off = sizeof hd, hash, want = 0;
+    int bad = pread_all(fd, &hd, sizeof hd, 0) != sizeof hd || memcmp(hd.magic, STASH_MAGIC, 8) || hd.rank != rank ||
+              hd.world != world || hd.bytes != total;
+    hash = fnv1a64(&hd, sizeof hd, FNV1A64_INIT);
+    for (int i = 0; i < n && !bad; i++) {
+        bad = pread_all(fd, piece[i], bytes[i], off) != bytes[i];
+        hash = fnv1a64(piece[i], bytes[i], hash);
+        off += bytes[i];
+    }
+    bad = bad || pread_all(fd, &want, 8, off) != 8 || want != hash;
+    close(fd);
+    return bad ? set_err(err, errlen, "%s (rank %d's 2bw weight version of checkpoint %s) is corrupt or of another "
+                         "layout", name, rank, path)
+               : 1;
 }
 
 #define MOE_BIAS_MAGIC "MTMOEB01"

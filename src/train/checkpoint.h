@@ -70,8 +70,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
 /* flags: the gradient compression's residuals (error feedback) are kept beside the manifest,
  * each rank's in "<path>.s<step>.ef<rank>" (ckpt_write_grad_ef) */
 #define CKPT_GRAD_EF 4u
-/* flags: saved by pipeline_schedule=2bw (the newest weights; the version before is not kept,
- * so the run does not resume from it) */
+/* flags: saved by pipeline_schedule=2bw: the checkpoint holds the newest weights, and each
+ * rank keeps the version before (its stages' compute weights) beside the manifest, in
+ * "<path>.s<step>.stash<rank>" (ckpt_write_stash) */
 #define CKPT_2BW 8u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
@@ -142,6 +143,15 @@ int ckpt_write_grad_ef(const char *path, int step, int rank, int world, int kind
                        const float *f, size_t n_f, char *err, size_t errlen);
 int ckpt_load_grad_ef(const char *path, const CkptHeader *h, int rank, int world, int kind, float *e, size_t n_e,
                       float *f, size_t n_f, char *err, size_t errlen);
+/* pipeline_schedule=2bw: this rank's weight version before the newest, as the ops compute
+ * with it: n pieces (each unit's, of bytes[i] at piece[i], host memory), written one after
+ * another into one file, atomic and checksummed, without a copy of them all; ckpt_load_stash
+ * reads them back into the pieces where the checkpoint keeps one for the same world and sizes
+ * (1), 0 where it keeps none, -1 with err where it is missing, corrupt or of another layout. */
+int ckpt_write_stash(const char *path, int step, int rank, int world, void *const *piece, const size_t *bytes, int n,
+                     char *err, size_t errlen);
+int ckpt_load_stash(const char *path, const CkptHeader *h, int rank, int world, void *const *piece,
+                    const size_t *bytes, int n, char *err, size_t errlen);
 int ckpt_write_loss_scale(const char *path, int step, const LossScaler *s, char *err, size_t errlen);
 int ckpt_load_loss_scale(const char *path, const CkptHeader *h, LossScaler *s, char *err, size_t errlen);
 /* Bytes of a shard file holding n_ranges ranges of n_values values in all, and of the

@@ -506,9 +506,9 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             if (il && c->virtual_stages == 1)
                 return set_err(err, errlen, "pipeline_schedule=interleaved needs virtual_stages >= 2 (1 is 1f1b)");
             if (bw && (c->fsdp || c->zero_opt || strcmp(c->offload, "none") || c->tensor_parallel_size > 1 ||
-                       c->moe_experts || !strcmp(c->cuda_graphs, "true") || ((cmd & CMD_TRAIN) && c->resume[0])))
+                       c->moe_experts || !strcmp(c->cuda_graphs, "true")))
                 return set_err(err, errlen, "pipeline_schedule=2bw runs with DDP (fsdp, zero_opt, offload off), without "
-                               "tensor parallel, MoE layers, cuda_graphs=true or resume so far");
+                               "tensor parallel, MoE layers or cuda_graphs=true so far");
             if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
                 return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
                                "pass: it does not combine with activation_checkpointing=true");

@@ -426,6 +426,13 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
     return st->head_chunk >= 0 && n ? sum / n : 0;
 }
 
+int step_stash_pieces(const Step *st, void **piece, size_t *bytes, int max) {
+    int n = 0;
+    for (int u = 0; st->stash && u < st->m->n_units && n < max; u++)
+        if (st->stash[u]) piece[n] = st->stash[u], bytes[n++] = st->stash_bytes[u];
+    return n;
+}
+
 void step_free(Step *st) {
     if (st->versions && st->filled && piped(st) && !holds_embedding(st)) {
         /* the run ended after a step that left forwards in flight (a stop on a signal): the

@@ -90,5 +90,8 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr);
  * pipeline's stages, forward only; as step_run's loss (0 off the head's stage). One stage:
  * evaluate() in va; a pipeline uses its own first slots' buffers. */
 double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_rank, int dp);
+/* pipeline_schedule=2bw: this rank's weight version before the newest, unit by unit (ops
+ * memory): up to max pieces and their bytes; returns the count (0 without 2bw). */
+int step_stash_pieces(const Step *st, void **piece, size_t *bytes, int max);
 void step_free(Step *st);
 #endif

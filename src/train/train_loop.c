@@ -300,12 +300,15 @@ TrainTotals train_loop(TrainRun *r) {
             int ef_unsaved = !unsaved && e && (r->h.flags & CKPT_GRAD_EF) &&  /* (each rank its own) */
                              ckpt_write_grad_ef(c->ckpt_path, step + 1, r->world.rank, r->world.size, r->compress, e,
                                                 n_e, ef, n_f, err, sizeof err) != 0;
+            if (!unsaved && !ef_unsaved)  /* 2bw: each rank's version before the newest */
+                ef_unsaved = train_stash_save(c->ckpt_path, step + 1, r->world.rank, r->world.size, &r->st, err,
+                                              sizeof err) != 0;
             int own = unsaved || ef_unsaved, failed[2] = {unsaved, ef_unsaved ? r->world.rank + 1 : 0};
             comm_allreduce_max_int(&r->world, failed, 2);
             unsaved = failed[0] || failed[1];
             if (unsaved && !own)  /* (a rank that failed says why itself) */
                 snprintf(err, sizeof err, failed[0] ? "rank 0 could not write the checkpoint's settings"
-                                                    : "rank %d could not write its gradient compression residuals",
+                                                    : "rank %d could not write its state beside the checkpoint",
                          failed[1] - 1);
             /* every rank gets the same answer: one of them says it */
             if (unsaved || train_state_save(c->ckpt_path, &r->h, &r->world, r->par, &r->m, r->tied_copy, err, sizeof err)) {

@@ -297,9 +297,6 @@ void train_setup(TrainRun *r, Config *c) {
     r->resuming = c->resume[0] != 0;
     if (r->resuming) {
         if (ckpt_read_header(c->resume, &r->resume_h, err, sizeof err)) fail_set(&f, EXIT_BAD_INPUT, "%s", err);
-        else if (r->resume_h.flags & CKPT_2BW)
-            fail_set(&f, EXIT_BAD_INPUT, "checkpoint %s was saved by pipeline_schedule=2bw, which keeps only the newest "
-                     "weight version in it: resuming it is not supported", c->resume);
         else if (!check_against_ckpt(c, &r->resume_h, c->resume, &f) && !config_from_ckpt(c, &r->resume_h, r->dp, &f) &&
                  !loss_scale_from_ckpt(c, r, &f)) {
             r->ckpt_global = r->resume_h.global_batch ? r->resume_h.global_batch : r->resume_h.batch_size * r->resume_h.world;
@@ -556,6 +553,14 @@ void train_setup(TrainRun *r, Config *c) {
     if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M,
                   r->PP > 1 || r->sched == SCHED_2BW ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
+    /* 2bw resumed from a 2bw checkpoint: the version before, as each rank saved it (another
+     * schedule resumes on the newest alone; a 2bw run from another checkpoint starts its
+     * staleness there, its version before being the newest) */
+    if (r->resuming && (r->resume_h.flags & CKPT_2BW)) {
+        if (train_stash_load(c->resume, &r->resume_h, r->world.rank, r->world.size, &r->st, err, sizeof err) < 0)
+            fail_set(&f, EXIT_BAD_INPUT, "%s", err);
+        comm_exit_if_failed(&r->world, &f);
+    }
     if (r->PP > 1) {  /* the path the links that carry messages took, over every rank */
         int took[2] = {0, 0};  /* some link on NCCL (or MPI); some on the copy engines */
         for (int i = 0; i < r->st.n_links; i++) {

@@ -202,3 +202,43 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
     free(ranges);
     return rc;
 }
+
+/* the step's stash, as pieces in host memory: the units' own on the cpu, else copies */
+static int stash_host(const Step *st, void ***piece, size_t **bytes, void ***dev) {
+    int max = st->m->n_units;
+    *piece = xcalloc((size_t)max + 1, sizeof **piece);
+    *dev = xcalloc((size_t)max + 1, sizeof **dev);
+    *bytes = xcalloc((size_t)max + 1, sizeof **bytes);
+    int n = step_stash_pieces(st, *dev, *bytes, max);
+    for (int i = 0; i < n; i++) (*piece)[i] = ops_host_memory() ? (*dev)[i] : xmalloc((*bytes)[i] ? (*bytes)[i] : 1);
+    return n;
+}
+
+static void stash_host_free(void **piece, size_t *bytes, void **dev, int n) {
+    for (int i = 0; i < n && !ops_host_memory(); i++) free(piece[i]);
+    free(piece); free(bytes); free(dev);
+}
+
+int train_stash_save(const char *path, int step, int rank, int world, const Step *st, char *err, size_t errlen) {
+    void **piece, **dev;
+    size_t *bytes;
+    int n = stash_host(st, &piece, &bytes, &dev), rc = 0;
+    if (n) {
+        for (int i = 0; i < n && !ops_host_memory(); i++) op_download(piece[i], dev[i], bytes[i]);
+        rc = ckpt_write_stash(path, step, rank, world, piece, bytes, n, err, errlen);
+    }
+    stash_host_free(piece, bytes, dev, n);
+    return rc;
+}
+
+int train_stash_load(const char *path, const CkptHeader *h, int rank, int world, Step *st, char *err, size_t errlen) {
+    void **piece, **dev;
+    size_t *bytes;
+    int n = stash_host(st, &piece, &bytes, &dev), rc = 0;
+    if (n) {
+        rc = ckpt_load_stash(path, h, rank, world, piece, bytes, n, err, errlen);
+        for (int i = 0; rc == 1 && i < n && !ops_host_memory(); i++) op_upload(dev[i], piece[i], bytes[i]);
+    }
+    stash_host_free(piece, bytes, dev, n);
+    return rc;
+}

@@ -7,6 +7,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "parallel.h"
+#include "step.h"
 
 /* Collective over world: every rank saves what it owns (ckpt_save_dist). */
 /* skip_embedding: this rank holds a copy of the tied embedding that another rank saves. */
@@ -17,4 +18,10 @@ uint64_t train_state_save_bytes(const Parallel *par, const Model *m, int skip_em
 /* Fills what this rank owns from the checkpoint at path (any layout wrote it) and reads its
  * manifest into h. No communication; on error nothing is uploaded. */
 int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const Model *m, char *err, size_t errlen);
+/* pipeline_schedule=2bw: this rank's weight version before the newest (the step's stash)
+ * saved beside the checkpoint of `step`, or read back from the one h describes (as
+ * ckpt_write_stash, ckpt_load_stash: 1 read, 0 none kept, -1 with err); through host memory on
+ * a device backend, a unit at a time. Nothing to do (0) without 2bw. */
+int train_stash_save(const char *path, int step, int rank, int world, const Step *st, char *err, size_t errlen);
+int train_stash_load(const char *path, const CkptHeader *h, int rank, int world, Step *st, char *err, size_t errlen);
 #endif
