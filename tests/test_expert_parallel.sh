@@ -27,7 +27,8 @@ run_case() {  # run_case NAME NP REF ENV KEYS...
 
 # -- one micro-batch: DDP, ZeRO-1, ZeRO-2 and FSDP over the ranks holding the same experts,
 # balanced and with a skewed router (a fixed selection bias: MESHTRAIN_MOE_SKEW)
-for skew in 0 60; do
+# (the sanitizer build: the skewed router only, which routes through every path the balanced does)
+for skew in $([ -n "${MESHTRAIN_SANITIZED:-}" ] && echo 60 || echo 0 60); do
   env MESHTRAIN_MOE_SKEW=$skew "$BIN" train $M batch_size=8 out_dir="$TMP/ref_$skew" >/dev/null 2>&1
   while IFS='|' read -r name np keys; do
     skip_sanitized "$name" && continue
@@ -36,7 +37,7 @@ for skew in 0 60; do
   done <<'CASES'
 ep2_ddp_np2|2|expert_parallel_size=2
 ~ep2_ddp_np4|4|expert_parallel_size=2
-ep4_ddp_np4|4|expert_parallel_size=4
+~ep4_ddp_np4|4|expert_parallel_size=4
 ~ep2_zero1_np2|2|expert_parallel_size=2 zero_opt=true
 ep2_zero2_np4|4|expert_parallel_size=2 fsdp=true shard_strategy=grad_op
 ep4_fsdp_np4|4|expert_parallel_size=4 fsdp=true
@@ -46,7 +47,7 @@ done
 
 # -- micro-batches: accumulation, and a pipeline of 2 stages with ep=2 in each (4 ranks)
 "$BIN" train $M batch_size=4 grad_accum_steps=2 out_dir="$TMP/acc" >/dev/null 2>&1
-run_case ep2_accumulate_np2 2 acc "" $M batch_size=2 grad_accum_steps=2 expert_parallel_size=2
+skip_sanitized "~" || run_case ep2_accumulate_np2 2 acc "" $M batch_size=2 grad_accum_steps=2 expert_parallel_size=2
 run_case ep2_pp2_np4 4 acc "" $M batch_size=4 pipeline_parallel_size=2 micro_batches=2 expert_parallel_size=2
 skip_sanitized "~" || run_case ep2_pp2_fsdp_np4 4 acc "" $M batch_size=4 pipeline_parallel_size=2 micro_batches=2 \
   expert_parallel_size=2 fsdp=true
@@ -74,8 +75,10 @@ $MPIRUN -np 4 "$BIN" train $M batch_size=2 expert_parallel_size=4 out_dir="$TMP/
 $MPIRUN -np 4 "$BIN" train $M resume="$TMP/part4/ckpt.bin" expert_parallel_size=4 out_dir="$TMP/res4" >"$TMP/res4.log" 2>&1
 "$DIFF" "$TMP/res4/ckpt.bin" "$TMP/whole4/ckpt.bin" | grep -qx 'max_rel_diff 0' && ok resume_at_ep4_bitwise ||
   bad "resume_at_ep4_bitwise ($("$DIFF" "$TMP/res4/ckpt.bin" "$TMP/whole4/ckpt.bin" 2>&1; tail -1 "$TMP/res4.log"))"
-$MPIRUN -np 2 "$BIN" train $M resume="$TMP/part4/ckpt.bin" expert_parallel_size=2 out_dir="$TMP/res2" >"$TMP/res2.log" 2>&1
-params_close "$TMP/res2/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok resume_at_ep2 || bad "resume_at_ep2 ($(tail -1 "$TMP/res2.log"))"
+if ! skip_sanitized "~"; then
+  $MPIRUN -np 2 "$BIN" train $M resume="$TMP/part4/ckpt.bin" expert_parallel_size=2 out_dir="$TMP/res2" >"$TMP/res2.log" 2>&1
+  params_close "$TMP/res2/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok resume_at_ep2 || bad "resume_at_ep2 ($(tail -1 "$TMP/res2.log"))"
+fi
 "$BIN" train $M resume="$TMP/part4/ckpt.bin" out_dir="$TMP/res1" >"$TMP/res1.log" 2>&1
 params_close "$TMP/res1/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok resume_in_one_process ||
   bad "resume_in_one_process ($(tail -1 "$TMP/res1.log"))"
@@ -86,8 +89,10 @@ if "$BIN" eval checkpoint="$TMP/whole4/ckpt.bin" data_dir="$D" >"$TMP/eval.out" 
 then ok eval_reads_ep_checkpoint; else bad "eval_reads_ep_checkpoint ($(tail -1 "$TMP/eval.out"))"; fi
 
 # -- two runs are bitwise equal
-$MPIRUN -np 4 "$BIN" train $M batch_size=2 expert_parallel_size=4 out_dir="$TMP/again4" >/dev/null 2>&1
-cmp -s "$TMP/again4/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok two_runs_bitwise || bad two_runs_bitwise
+if ! skip_sanitized "~"; then
+  $MPIRUN -np 4 "$BIN" train $M batch_size=2 expert_parallel_size=4 out_dir="$TMP/again4" >/dev/null 2>&1
+  cmp -s "$TMP/again4/ckpt.bin" "$TMP/whole4/ckpt.bin" && ok two_runs_bitwise || bad two_runs_bitwise
+fi
 
 # -- a rank that dies ends the job within seconds; one that hangs, after comm_timeout, its
 # peer waiting in the all-to-all

@@ -41,7 +41,7 @@ done <<'CASES'
 ddp|2|
 ~zero1|2|zero_opt=true
 zero2|2|fsdp=true shard_strategy=grad_op
-fsdp|2|fsdp=true
+~fsdp|2|fsdp=true
 tp2|2|tensor_parallel_size=2
 pp2|2|pipeline_parallel_size=2 micro_batches=2
 ~ddp_offload|2|offload=optimizer

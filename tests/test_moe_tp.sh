@@ -38,12 +38,12 @@ while IFS='|' read -r name np skew model ref keys; do
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 tp2_sp|2|0|M|ref_0|batch_size=8 tensor_parallel_size=2
-tp2_sp_skewed|2|60|M|ref_60|batch_size=8 tensor_parallel_size=2
-tp2_no_sp_skewed|2|60|M|ref_60|batch_size=8 tensor_parallel_size=2 sequence_parallel=false
+~tp2_sp_skewed|2|60|M|ref_60|batch_size=8 tensor_parallel_size=2
+~tp2_no_sp_skewed|2|60|M|ref_60|batch_size=8 tensor_parallel_size=2 sequence_parallel=false
 tp2_shared_checkpointing|2|0|MS|ref_s|batch_size=8 tensor_parallel_size=2 activation_checkpointing=true
 ~tp2_capacity_no_sp_fused|2|0|MC|ref_c|batch_size=8 tensor_parallel_size=2 sequence_parallel=false tp_comm=fused
 ep2_tp2_skewed|4|60|M|ref_60|batch_size=4 tensor_parallel_size=2 expert_parallel_size=2
-ep2_tp2_shared_no_sp_fsdp|4|0|MS|ref_s|batch_size=4 tensor_parallel_size=2 expert_parallel_size=2 sequence_parallel=false fsdp=true
+~ep2_tp2_shared_no_sp_fsdp|4|0|MS|ref_s|batch_size=4 tensor_parallel_size=2 expert_parallel_size=2 sequence_parallel=false fsdp=true
 CASES
 
 # -- a checkpoint saved at tp = 2 x ep = 2 is the whole model: one process resumes it and

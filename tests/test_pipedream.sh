@@ -53,8 +53,8 @@ while IFS='|' read -r name p dp m batch tied keys; do
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 pp2_m4|2|1|4|8|false|
-pp2_m3_checkpointing|2|1|3|6|false|activation_checkpointing=true
-pp4_m4_tied|4|1|4|8|true|
+~pp2_m3_checkpointing|2|1|3|6|false|activation_checkpointing=true
+~pp4_m4_tied|4|1|4|8|true|
 pp2_dp2_ddp_tied_accum2|2|2|2|4|true|grad_accum_steps=2
 ~pp2_head_alone_val_every_3|2|1|4|8|false|pipeline_split=4,0 val_every=3
 CASES
