@@ -23,6 +23,8 @@ M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=
 # selection bias favouring the first experts: MESHTRAIN_MOE_SKEW)
 for skew in 0 60; do
   env MESHTRAIN_MOE_SKEW=$skew "$BIN" train $M batch_size=8 out_dir="$TMP/ref_$skew" >/dev/null 2>&1
+  # (the sanitizer build: the layouts with the skewed router only)
+  [ -n "${MESHTRAIN_SANITIZED:-}" ] && [ $skew = 0 ] && continue
   while IFS='|' read -r name np keys; do
     skip_sanitized "$name" && continue
     name=${name#\~}
@@ -143,11 +145,11 @@ grep -q 'dropped' "$TMP/cap.out" && grep -o '"moe_drop":[0-9.]*' "$TMP/cap/log.j
   ok capacity_drops_logged || bad "capacity_drops_logged ($(tail -1 "$TMP/cap.out"))"
 
 # -- eval and sample read a MoE checkpoint in one process (saved by two FSDP ranks)
-if "$BIN" eval checkpoint="$TMP/fsdp_2_0/ckpt.bin" data_dir="$D" >"$TMP/eval.out" 2>&1 &&
-   want=$(grep -o '"val_loss":[0-9.]*' "$TMP/fsdp_2_0/log.jsonl" | tail -1 | cut -d: -f2) &&
+if "$BIN" eval checkpoint="$TMP/fsdp_2_60/ckpt.bin" data_dir="$D" >"$TMP/eval.out" 2>&1 &&
+   want=$(grep -o '"val_loss":[0-9.]*' "$TMP/fsdp_2_60/log.jsonl" | tail -1 | cut -d: -f2) &&
    awk -v a="$(grep -o 'val_loss [0-9.]*' "$TMP/eval.out" | cut -d' ' -f2)" -v b="$want" 'BEGIN{d=a-b; if(d<0)d=-d; exit !(d < 1e-4)}'
 then ok eval_reads_moe_checkpoint; else bad "eval_reads_moe_checkpoint ($(tail -1 "$TMP/eval.out"))"; fi
-"$BIN" sample checkpoint="$TMP/fsdp_2_0/ckpt.bin" prompt="Once upon a time" length=8 >"$TMP/sample.out" 2>&1 &&
+"$BIN" sample checkpoint="$TMP/fsdp_2_60/ckpt.bin" prompt="Once upon a time" length=8 >"$TMP/sample.out" 2>&1 &&
   [ -s "$TMP/sample.out" ] && ok sample_reads_moe_checkpoint || bad "sample_reads_moe_checkpoint ($(tail -1 "$TMP/sample.out"))"
 
 # -- bad values: one line, exit 2, before any work
