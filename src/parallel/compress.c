@@ -129,21 +129,31 @@ static void unpack(CompressKind k, const unsigned char *src, size_t len, float *
     for (size_t i = 0; i < len; i++) dst[i] = (add ? dst[i] : 0.0f) + (float)v[i] * scales[i / COMPRESS_BLOCK];  /* (0 x NaN: NaN) */
 }
 
+/* The first half of both exchanges: buf's W blocks (n values) compressed with this rank's
+ * residuals at element off and sent to their ranks; out (n / W; NULL: the compressor's own
+ * block buffer) gets the mean of this rank's block, summed in rank order. bytes (W entries)
+ * gets each message's size. */
+static void reduce_blocks(Compressor *c, const Comm *g, float *buf, size_t off, size_t n, float *out, size_t *bytes) {
+    int W = g->size;
+    size_t blk = n / (size_t)W, pb = packed_bytes(c->kind, blk);
+    reserve(c, pb * (size_t)W, blk);
+    if (!out) out = c->s;  /* (after reserve, which may move it) */
+    for (int j = 0; j < W; j++) bytes[j] = pb;
+    for (int j = 0; j < W; j++) pack(c->kind, buf + (size_t)j * blk, blk, c->e + off + (size_t)j * blk, c->q + (size_t)j * pb);
+    comm_alltoallv(g, c->q, bytes, c->in, bytes, "compressed gradient all-to-all");
+    for (int i = 0; i < W; i++) unpack(c->kind, c->in + (size_t)i * pb, blk, out, i > 0);
+    for (size_t i = 0; i < blk; i++) out[i] /= (float)W;
+}
+
 int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, size_t n) {
     int W = g->size;
     if (W != c->W || off + n > c->n_flat) return 0;
     if (c->kind == COMPRESS_POWERSGD) return psgd_allreduce(c, g, buf, off, n);
     if (n % (size_t)W || off % (size_t)W) return 0;
-    size_t blk = n / (size_t)W, pb = packed_bytes(c->kind, blk);
-    reserve(c, pb * (size_t)W, blk);
-    size_t *bytes = xmalloc((size_t)W * sizeof *bytes);
-    for (int j = 0; j < W; j++) bytes[j] = pb;
-    /* 1-2: each rank block compressed with this rank's residual, sent to its rank */
-    for (int j = 0; j < W; j++) pack(c->kind, buf + (size_t)j * blk, blk, c->e + off + (size_t)j * blk, c->q + (size_t)j * pb);
-    comm_alltoallv(g, c->q, bytes, c->in, bytes, "compressed gradient all-to-all");
-    /* 3: this rank's block, the mean of every rank's, compressed again with its own residual */
-    for (int i = 0; i < W; i++) unpack(c->kind, c->in + (size_t)i * pb, blk, c->s, i > 0);
-    for (size_t i = 0; i < blk; i++) c->s[i] /= (float)W;
+    size_t blk = n / (size_t)W, *bytes = xmalloc((size_t)W * sizeof *bytes);
+    /* 1-3: this rank's block, the mean of every rank's, compressed again with its own residual */
+    reduce_blocks(c, g, buf, off, n, NULL, bytes);
+    size_t pb = bytes[0];
     pack(c->kind, c->s, blk, c->f + off / (size_t)W, c->q);
     /* 4: to every rank */
     for (int j = 0; j < W; j++) memcpy(c->out + (size_t)j * pb, c->q, pb);
@@ -156,14 +166,8 @@ int compress_allreduce(Compressor *c, const Comm *g, float *buf, size_t off, siz
 int compress_reduce_scatter(Compressor *c, const Comm *g, float *buf, size_t off, size_t n, float *out) {
     int W = g->size;
     if (c->kind == COMPRESS_POWERSGD || W != c->W || n % (size_t)W || off + n > c->n_flat) return 0;
-    size_t blk = n / (size_t)W, pb = packed_bytes(c->kind, blk);
-    reserve(c, pb * (size_t)W, blk);
     size_t *bytes = xmalloc((size_t)W * sizeof *bytes);
-    for (int j = 0; j < W; j++) bytes[j] = pb;
-    for (int j = 0; j < W; j++) pack(c->kind, buf + (size_t)j * blk, blk, c->e + off + (size_t)j * blk, c->q + (size_t)j * pb);
-    comm_alltoallv(g, c->q, bytes, c->in, bytes, "compressed gradient all-to-all");
-    for (int i = 0; i < W; i++) unpack(c->kind, c->in + (size_t)i * pb, blk, out, i > 0);
-    for (size_t i = 0; i < blk; i++) out[i] /= (float)W;
+    reduce_blocks(c, g, buf, off, n, out, bytes);
     free(bytes);
     return 1;
 }
