@@ -59,8 +59,8 @@ for run in $RUNS; do
     fi
     awk -v n="$run" -v p="$prec" -v t="${tok:-0}" -v m="${mem:-0}" -v e="${est:-0}" -v f="${mfu:-0}" -v pt="${ptok:-0}" \
         -v pm="${pmem:-0}" 'BEGIN{printf "| %s | %s | %.0f | %.1f | %.1f | %.1f%% | %s | %s | %s | %s |\n", n, p, t,
-          m/1e9, e/1e9, 100*f, pt > 0 ? sprintf("%.0f", pt) : "-", pm > 0 ? pm : "-",
-          pt > 0 ? sprintf("%.2fx", t/pt) : "-", pm > 0 ? sprintf("%.2fx", m/1e9/pm) : "-"}'
+          m/1e9, e/1e9, 100*f, (pt > 0 ? sprintf("%.0f", pt) : "-"), (pm > 0 ? pm : "-"),
+          (pt > 0 ? sprintf("%.2fx", t/pt) : "-"), (pm > 0 ? sprintf("%.2fx", m/1e9/pm) : "-")}'
     grep -o '"moe":{.*' "$out/log.jsonl" | tail -1 | cut -c1-300 >&2
     rm -rf "$out"
     if [ "$run" != dense ] && [ "$SKEW" != 0 ]; then
