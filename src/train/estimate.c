@@ -20,6 +20,12 @@
 /* What the cuda backend allocates besides the plan: the cuBLASLt workspace (ops_cuda.cu's
  * WORKSPACE_BYTES); its scratch is added per shape below. */
 #define CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
+/* ... and, in a model with experts, one more workspace per extra queue the experts' products are
+ * spread over (ops_cuda.cu's MOE_STREAMS - 1) */
+#define CUDA_MOE_QUEUES 3
+static size_t cuda_workspaces(const ModelConfig *c) {
+    return CUDA_WORKSPACE_BYTES * (c->moe_experts ? 1 + CUDA_MOE_QUEUES : 1);
+}
 
 /* The largest scratch buffer the cuda ops take for a B x T step: rmsnorm's dw partials (one row
  * of E per 16 tokens, per 8 on the wide-row kernels, at most 1024 rows: ops_cuda.h), attention
@@ -96,7 +102,7 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->logits = logit_bytes;
     e->acts = acts - logit_bytes;
     e->data = gpu ? 0 : in->data_bytes;
-    e->runtime = gpu ? CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B, T, prec, tp, in->ops, &e->attn_elsewhere)
+    e->runtime = gpu ? cuda_workspaces(c) + cuda_scratch_bytes(c, B, T, prec, tp, in->ops, &e->attn_elsewhere)
                      : RUNTIME_BYTES + (world > 1 ? MPI_RUNTIME_BYTES : 0);
     e->comm = gpu && training && kind == PAR_DDP && world > 1 && in->ddp_copy_engines ? comm_ce_buffer_bytes(e->grads) : 0;
     int fused = gpu && tp > 1 && in->tp_fused;
@@ -173,7 +179,7 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     }
     /* the ops' scratch is a micro-batch's (rmsnorm's partials and attention's terms grow with B) */
     if (e->gpu)
-        e->runtime = CUDA_WORKSPACE_BYTES + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->ops, &e->attn_elsewhere);
+        e->runtime = cuda_workspaces(c) + cuda_scratch_bytes(c, B_micro, T, prec, tp, in->ops, &e->attn_elsewhere);
     e->comm = 0;  /* (DDP's copy-engine path takes no pipeline stage) */
     e->p2p = 0;  /* step.c's links: a ring per direction this stage receives in, of its residual stream */
     if (gpu && in->pp_copy_engines && training) {

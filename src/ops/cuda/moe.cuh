@@ -679,15 +679,54 @@ void cuda_moe_route_backward(float *dlogits, const float *dgate_rows, const int 
     LAUNCH_CHECK(moe_route_backward_kernel);
 }
 
-/* The experts' products, one cuBLASLt product per expert with rows (weights at w + e wstride) */
+/* The experts' products, one cuBLASLt product per expert with rows (weights at w + e wstride).
+ * One expert's product is small (a few thousand rows by the expert's width): its tiles fill a
+ * fraction of the card's SMs, so one after another they leave most of it idle. They are spread
+ * over MOE_STREAMS queues instead (expert e on queue e % MOE_STREAMS, each with its own cuBLASLt
+ * workspace), forked from and joined back to the caller's queue: the products of different
+ * experts overlap. Each product is the one it was alone (same algorithm, same operands), so the
+ * results do not depend on the overlap. */
+static void moe_streams_begin(void) {
+    if (!g_moe.made) {
+        CUDA_CHECK(cudaEventCreateWithFlags(&g_moe.fork, cudaEventDisableTiming));
+        for (int i = 1; i < MOE_STREAMS; i++) {
+            CUDA_CHECK(cudaStreamCreateWithFlags(&g_moe.s[i], cudaStreamNonBlocking));
+            CUDA_CHECK(cudaEventCreateWithFlags(&g_moe.join[i], cudaEventDisableTiming));
+            g_moe.ws[i] = cuda_malloc(WORKSPACE_BYTES);
+        }
+        g_moe.made = 1;
+    }
+    g_moe.caller = g.stream;
+    g_moe.caller_ws = g.workspace;
+    CUDA_CHECK(cudaEventRecord(g_moe.fork, g.stream));
+    for (int i = 1; i < MOE_STREAMS; i++) CUDA_CHECK(cudaStreamWaitEvent(g_moe.s[i], g_moe.fork, 0));
+}
+/* the queue (and workspace) of expert e's products */
+static void moe_streams_use(int e) {
+    int i = e % MOE_STREAMS;
+    g.stream = i ? g_moe.s[i] : g_moe.caller;
+    g.workspace = i ? g_moe.ws[i] : g_moe.caller_ws;
+}
+static void moe_streams_end(void) {
+    g.stream = g_moe.caller;
+    g.workspace = g_moe.caller_ws;
+    for (int i = 1; i < MOE_STREAMS; i++) {
+        CUDA_CHECK(cudaEventRecord(g_moe.join[i], g_moe.s[i]));
+        CUDA_CHECK(cudaStreamWaitEvent(g.stream, g_moe.join[i], 0));
+    }
+}
+
 void cuda_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
                              int OC) {
+    moe_streams_begin();
     for (int e = 0; e < X; e++) {
         int n = off[e + 1] - off[e];
         if (n <= 0) continue;
+        moe_streams_use(e);
         cuda_matmul_forward((void *)act_off(out, (size_t)off[e] * OC), OC, act_off(inp, (size_t)off[e] * C),
                             act_off(w, e * wstride), n, C, OC);
     }
+    moe_streams_end();
 }
 
 /* dinp written (acc = 0), dw accumulated; a NULL gradient is not computed, and its operand
@@ -695,14 +734,17 @@ void cuda_moe_matmul_forward(void *out, const void *inp, const void *w, size_t w
 void cuda_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp, const void *w,
                               const int *off, int X, int C, int OC) {
     if (!dinp && !dw) return;
+    moe_streams_begin();
     for (int e = 0; e < X; e++) {
         int n = off[e + 1] - off[e];
         if (n <= 0) continue;
         size_t r0 = (size_t)off[e];
+        moe_streams_use(e);
         cuda_matmul_backward(dinp ? (void *)act_off(dinp, r0 * C) : NULL,
                              dw ? (char *)dw + e * wstride * state_size() : NULL, act_off(dout, r0 * OC), OC,
                              dw ? act_off(inp, r0 * C) : NULL, dinp ? act_off(w, e * wstride) : NULL, n, C, OC, 0);
     }
+    moe_streams_end();
 }
 
 void cuda_moe_combine(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E) {

@@ -113,6 +113,16 @@ static struct {
     char name[256];
 } g;
 
+/* The queues the experts' products are spread over (moe.cuh), made on their first use: queue 0
+ * is the caller's, with the caller's workspace; the others have their own. */
+#define MOE_STREAMS 4
+static struct {
+    int made;
+    cudaStream_t s[MOE_STREAMS], caller;
+    cudaEvent_t fork, join[MOE_STREAMS];
+    void *ws[MOE_STREAMS], *caller_ws;
+} g_moe;
+
 /* Offload's copy queues (ops.h): two streams, one per direction, and an event per mark and
  * direction. op_copy_in and op_copy_sync are called from offload's worker thread too: the
  * current device is per host thread, so each such call selects the run's device first. */
@@ -255,6 +265,15 @@ void cuda_shutdown(void) {
         CUDA_CHECK(cudaStreamDestroy(g.side));
         CUDA_CHECK(cudaEventDestroy(g.side_in));
         for (int k = 0; k < OPS_SIDE_MARKS; k++) CUDA_CHECK(cudaEventDestroy(g.side_ev[k]));
+    }
+    if (g_moe.made) {
+        CUDA_CHECK(cudaEventDestroy(g_moe.fork));
+        for (int i = 1; i < MOE_STREAMS; i++) {
+            CUDA_CHECK(cudaStreamDestroy(g_moe.s[i]));
+            CUDA_CHECK(cudaEventDestroy(g_moe.join[i]));
+            cuda_free(g_moe.ws[i]);
+        }
+        memset(&g_moe, 0, sizeof g_moe);
     }
     attn_cudnn_shutdown();
     copy_free();
