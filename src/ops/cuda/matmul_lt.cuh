@@ -20,11 +20,7 @@ static uint32_t ptr_alignment(const void *p) {
     return al;
 }
 
-/* A product's descriptor and its three layouts (the matrices as stored, before op). */
-typedef struct {
-    cublasLtMatmulDesc_t op;
-    cublasLtMatrixLayout_t la, lb, ld;
-} LtPlan;
+/* A product's descriptor and its three layouts (the matrices as stored, before op): LtPlan. */
 static void lt_plan(LtPlan *p, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, int lda, int ldb,
                     int ldd, cudaDataType_t tab, cudaDataType_t td, cublasComputeType_t ct) {
     CUBLAS_CHECK(lt.cublasLtMatmulDescCreate(&p->op, ct, CUDA_R_32F));
@@ -57,6 +53,21 @@ static int lt_heuristic(const LtPlan *p, const uint32_t al[4], int max, cublasLt
     return nres;
 }
 
+/* Empties cache entry slot: its plan freed, unlinked from its bucket. */
+static void lt_cache_drop(int slot) {
+    AlgoEntry *e = &g_algos[slot];
+    if (!e->used) return;
+    int *link = &g_algo_head[e->bucket];
+    while (*link && *link != slot + 1) link = &g_algos[*link - 1].next;
+    if (*link) *link = e->next;
+    lt_plan_free(&e->plan);
+    memset(e, 0, sizeof *e);
+}
+static void lt_cache_free(void) {
+    for (int i = 0; i < ALGO_CACHE; i++) lt_cache_drop(i);
+    g_algo_next = 0;
+}
+
 /* D's type (d_state below) */
 enum { LT_D_ACT = 0, LT_D_STATE = 1, LT_D_F32 = 2 };
 /* column-major D[m, n] = op(A)[m, k] @ op(B)[k, n] + beta * C, where C is D unless given
@@ -72,28 +83,32 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
     cudaDataType_t tab = g.bf16 ? CUDA_R_16BF : CUDA_R_32F;
     cudaDataType_t td = d_state == LT_D_F32 ? CUDA_R_32F : d_state ? (g.sbf16 ? CUDA_R_16BF : CUDA_R_32F) : tab;
     cublasComputeType_t ct = g.tf32 && !g.bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    LtPlan p;
-    lt_plan(&p, ta, tb, m, n, k, lda, ldb, ldd, tab, td, ct);
-
     uint32_t al_a = ptr_alignment(A), al_b = ptr_alignment(B), al_c = ptr_alignment(C), al_d = ptr_alignment(D);
+    const int key[16] = {(int)ta, (int)tb, m, n, k, lda, ldb, ldd, g.tf32, (int)tab, (int)td, (int)ct,
+                         (int)al_a, (int)al_b, (int)al_c, (int)al_d};
+    unsigned h = 2166136261u;
+    for (int i = 0; i < 16; i++) h = (h ^ (unsigned)key[i]) * 16777619u;
+    h %= ALGO_BUCKETS;
     AlgoEntry *hit = NULL;
-    for (int i = 0; i < ALGO_CACHE && !hit; i++) {
-        AlgoEntry *e = &g_algos[i];
-        if (e->used && e->ta == (int)ta && e->tb == (int)tb && e->m == m && e->n == n && e->k == k &&
-            e->lda == lda && e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->tab == (int)tab &&
-            e->td == (int)td && e->al_a == al_a &&
-            e->al_b == al_b && e->al_c == al_c && e->al_d == al_d)
+    for (int i = g_algo_head[h]; i && !hit; i = g_algos[i - 1].next) {
+        AlgoEntry *e = &g_algos[i - 1];
+        if (e->ta == (int)ta && e->tb == (int)tb && e->m == m && e->n == n && e->k == k && e->lda == lda &&
+            e->ldb == ldb && e->ldd == ldd && e->tf32 == g.tf32 && e->tab == (int)tab && e->td == (int)td &&
+            e->ct == (int)ct && e->al_a == al_a && e->al_b == al_b && e->al_c == al_c && e->al_d == al_d)
             hit = e;
     }
     if (!hit) {
+        LtPlan p;
+        lt_plan(&p, ta, tb, m, n, k, lda, ldb, ldd, tab, td, ct);
         const uint32_t al[4] = {al_a, al_b, al_c, al_d};
         cublasLtMatmulHeuristicResult_t res;
         if (lt_heuristic(&p, al, 1, &res) < 1)
             die(1, "cuda: cuBLASLt has no algorithm for the matmul m=%d n=%d k=%d (transa %d transb %d)", m, n, k,
                 (int)ta, (int)tb);
-        hit = &g_algos[g_algo_next];
+        int slot = g_algo_next;
         g_algo_next = (g_algo_next + 1) % ALGO_CACHE;
-        memset(hit, 0, sizeof *hit);
+        lt_cache_drop(slot);
+        hit = &g_algos[slot];
         hit->used = 1;
         hit->ta = (int)ta; hit->tb = (int)tb;
         hit->m = m; hit->n = n; hit->k = k;
@@ -102,14 +117,18 @@ static void lt_matmul_c(cublasOperation_t ta, cublasOperation_t tb, int m, int n
         hit->tab = (int)tab; hit->td = (int)td; hit->ct = (int)ct;
         hit->al_a = al_a; hit->al_b = al_b; hit->al_c = al_c; hit->al_d = al_d;
         hit->algo = res.algo;
+        hit->plan = p;
+        hit->bucket = (int)h;
+        hit->next = g_algo_head[h];
+        g_algo_head[h] = slot + 1;
     }
     hit->calls++;
     hit->beta_seen |= beta != 0.0f ? 2 : 1;
     const float alpha = 1.0f;
-    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, p.op, &alpha, A, p.la, B, p.lb, &beta, C, p.ld, D, p.ld, &hit->algo,
+    const LtPlan *p = &hit->plan;
+    CUBLAS_CHECK(lt.cublasLtMatmul(g.lt, p->op, &alpha, A, p->la, B, p->lb, &beta, C, p->ld, D, p->ld, &hit->algo,
                                    g.workspace, WORKSPACE_BYTES, g.stream));
     if (g.sync_each) CUDA_CHECK(cudaStreamSynchronize(g.stream));
-    lt_plan_free(&p);
 }
 static void lt_matmul(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A, int lda,
                       const void *B, int ldb, float beta, void *D, int ldd, int d_state) {

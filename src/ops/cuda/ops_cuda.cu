@@ -131,15 +131,26 @@ static struct {
     cudaEvent_t *ev[2], main_ev;
     int n;
 } g_copy;
-/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment; ct, beta_seen
- * (1: a call with beta 0, 2: one with beta not 0), calls and tuned are for matmul_tune.cuh */
+/* cuBLASLt algorithms chosen so far, per matmul shape and pointer alignment, each with its
+ * plan (descriptor and layouts, made once: matmul_lt.cuh); ct, beta_seen (1: a call with beta 0,
+ * 2: one with beta not 0), calls and tuned are for matmul_tune.cuh. The experts' products of a
+ * MoE layer take a shape per expert and routing, so the cache is large and hashed: a lookup is
+ * a few compares, where the heuristic and a plan's making cost microseconds of host time each. */
+typedef struct {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, ld;
+} LtPlan;
 typedef struct {
     int used, ta, tb, m, n, k, lda, ldb, ldd, tf32, tab, td, ct, beta_seen, calls, tuned;
     uint32_t al_a, al_b, al_c, al_d;
     cublasLtMatmulAlgo_t algo;
+    LtPlan plan;
+    int bucket, next; /* its hash bucket, and the next entry + 1 in it (0: the last) */
 } AlgoEntry;
-#define ALGO_CACHE 64
+#define ALGO_CACHE 2048
+#define ALGO_BUCKETS 4096
 static AlgoEntry g_algos[ALGO_CACHE];
+static int g_algo_head[ALGO_BUCKETS]; /* first entry + 1 of each bucket (0: empty) */
 static int g_algo_next;
 
 static void cuda_fail(const char *call, const char *msg, const char *file, int line) __attribute__((noreturn));
@@ -257,6 +268,7 @@ int cuda_init(int device, char *err, size_t errlen) {
 }
 
 static void stage_free(void);
+static void lt_cache_free(void);
 
 void cuda_shutdown(void) {
     if (!g.ready) return;
@@ -283,8 +295,7 @@ void cuda_shutdown(void) {
     CUBLAS_CHECK(lt.cublasLtDestroy(g.lt));
     CUDA_CHECK(cudaStreamDestroy(g.stream));
     memset(&g, 0, sizeof g);
-    memset(g_algos, 0, sizeof g_algos); /* algorithms belong to the handle and the card */
-    g_algo_next = 0;
+    lt_cache_free(); /* algorithms belong to the handle and the card */
 }
 
 const char *cuda_device_name(void) { return g.name; }
