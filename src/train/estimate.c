@@ -21,7 +21,8 @@
  * WORKSPACE_BYTES); its scratch is added per shape below. */
 #define CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
 /* ... and, in a model with experts, one more workspace per extra queue the experts' products are
- * spread over (ops_cuda.cu's MOE_STREAMS - 1) */
+ * spread over (ops_cuda.cu's MOE_STREAMS - 1; made on the first product small enough to spread,
+ * counted for any model with experts: 96 MiB where none is) */
 #define CUDA_MOE_QUEUES 3
 static size_t cuda_workspaces(const ModelConfig *c) {
     return CUDA_WORKSPACE_BYTES * (c->moe_experts ? 1 + CUDA_MOE_QUEUES : 1);

@@ -680,12 +680,23 @@ void cuda_moe_route_backward(float *dlogits, const float *dgate_rows, const int 
 }
 
 /* The experts' products, one cuBLASLt product per expert with rows (weights at w + e wstride).
- * One expert's product is small (a few thousand rows by the expert's width): its tiles fill a
- * fraction of the card's SMs, so one after another they leave most of it idle. They are spread
- * over MOE_STREAMS queues instead (expert e on queue e % MOE_STREAMS, each with its own cuBLASLt
- * workspace), forked from and joined back to the caller's queue: the products of different
- * experts overlap. Each product is the one it was alone (same algorithm, same operands), so the
- * results do not depend on the overlap. */
+ * An expert's product can be small (a few thousand rows by the expert's width): its tiles then
+ * fill a fraction of the card's SMs, and one after another they leave most of it idle. Such
+ * products are spread over MOE_STREAMS queues instead (expert e on queue e % MOE_STREAMS, each
+ * with its own cuBLASLt workspace), forked from and joined back to the caller's queue, so the
+ * products of different experts overlap. Each product is the one it was alone (same algorithm,
+ * same operands): the results do not depend on the overlap. Products that fill the card twice
+ * over on their own stay on the caller's queue: on an H100 (bench_moe_cuda) spreading took 7%
+ * off 64 experts of 256 (under a wave each), changed 16 of 512 (about two waves) by under 2%,
+ * and made 8 of 768 (six waves) 3% slower. */
+static int moe_spread(const int *off, int X, int C, int OC) {
+    if (!g_moe.sms) CUDA_CHECK(cudaDeviceGetAttribute(&g_moe.sms, cudaDevAttrMultiProcessorCount, g.device));
+    int busy = 0;
+    for (int e = 0; e < X; e++) busy += off[e + 1] > off[e];
+    if (busy < 2) return 0;
+    long rows = (long)(off[X] - off[0]) / busy, wide = C > OC ? C : OC;
+    return ((rows + 127) / 128) * ((wide + 127) / 128) < 2L * g_moe.sms; /* 128 x 128 tiles */
+}
 static void moe_streams_begin(void) {
     if (!g_moe.made) {
         CUDA_CHECK(cudaEventCreateWithFlags(&g_moe.fork, cudaEventDisableTiming));
@@ -718,15 +729,16 @@ static void moe_streams_end(void) {
 
 void cuda_moe_matmul_forward(void *out, const void *inp, const void *w, size_t wstride, const int *off, int X, int C,
                              int OC) {
-    moe_streams_begin();
+    int spread = moe_spread(off, X, C, OC);
+    if (spread) moe_streams_begin();
     for (int e = 0; e < X; e++) {
         int n = off[e + 1] - off[e];
         if (n <= 0) continue;
-        moe_streams_use(e);
+        if (spread) moe_streams_use(e);
         cuda_matmul_forward((void *)act_off(out, (size_t)off[e] * OC), OC, act_off(inp, (size_t)off[e] * C),
                             act_off(w, e * wstride), n, C, OC);
     }
-    moe_streams_end();
+    if (spread) moe_streams_end();
 }
 
 /* dinp written (acc = 0), dw accumulated; a NULL gradient is not computed, and its operand
@@ -734,17 +746,18 @@ void cuda_moe_matmul_forward(void *out, const void *inp, const void *w, size_t w
 void cuda_moe_matmul_backward(void *dinp, void *dw, size_t wstride, const void *dout, const void *inp, const void *w,
                               const int *off, int X, int C, int OC) {
     if (!dinp && !dw) return;
-    moe_streams_begin();
+    int spread = moe_spread(off, X, C, OC);
+    if (spread) moe_streams_begin();
     for (int e = 0; e < X; e++) {
         int n = off[e + 1] - off[e];
         if (n <= 0) continue;
         size_t r0 = (size_t)off[e];
-        moe_streams_use(e);
+        if (spread) moe_streams_use(e);
         cuda_matmul_backward(dinp ? (void *)act_off(dinp, r0 * C) : NULL,
                              dw ? (char *)dw + e * wstride * state_size() : NULL, act_off(dout, r0 * OC), OC,
                              dw ? act_off(inp, r0 * C) : NULL, dinp ? act_off(w, e * wstride) : NULL, n, C, OC, 0);
     }
-    moe_streams_end();
+    if (spread) moe_streams_end();
 }
 
 void cuda_moe_combine(void *out, const void *ys, const float *gate, const int *pos, int N, int k, int E) {

@@ -117,7 +117,7 @@ static struct {
  * is the caller's, with the caller's workspace; the others have their own. */
 #define MOE_STREAMS 4
 static struct {
-    int made;
+    int made, sms;
     cudaStream_t s[MOE_STREAMS], caller;
     cudaEvent_t fork, join[MOE_STREAMS];
     void *ws[MOE_STREAMS], *caller_ws;
