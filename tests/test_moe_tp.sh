@@ -11,7 +11,9 @@ TEST_NAME=moe_tp
 source "$(dirname "$0")/lib.sh"
 use_mpirun
 prepare_data 400000
-PARAM_TOL=$([ "${MESHTRAIN_SANITIZED:-}" = 1 ] && echo 5e-5 || echo 3e-5)
+# the tp ranks' partial products sum in another order than one process's: after 5 steps at lr
+# 1e-3 through a skewed router the parameters differ by up to 3.2e-5 on some BLAS builds
+PARAM_TOL=5e-5
 
 M="vocab_size=50257 embed_dim=32 n_heads=2 n_layers=2 context_len=32 steps=5 lr=1e-3 grad_clip=1 progress=false threads=1 val_batches=1 data_dir=$D moe_experts=4 moe_top_k=2 moe_z_loss=1e-3"
 # a dense layer and a MoE layer with a shared expert; a capacity that drops (per rank and
