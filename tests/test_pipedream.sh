@@ -88,9 +88,9 @@ err=$($MPIRUN -np 4 "$BIN" train ${R4/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin
   ok resume_2bw_checkpoint_with_1f1b || bad "resume_2bw_checkpoint_with_1f1b ($(tail -1 "$TMP/res.log"))"
 rm "$TMP/bw3/ckpt.bin.s00000003.stash0"
 err=$($MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw3x" 2>&1 >/dev/null); rc=$?
-[ $rc -eq 2 ] && grep -q "keeps 2bw's weight version before beside it" <<<"$err" && ok missing_version_refused ||
+[ $rc -eq 2 ] && grep -q "keeps 2bw's weight versions before the newest beside it" <<<"$err" && ok missing_version_refused ||
   bad "missing_version_refused (exit $rc)"
-expect_exit 2 "micro_batches, pipeline_schedule \(but 2bw\)" one_process_other_schedule_refused -- \
+expect_exit 2 "micro_batches, pipeline_schedule \(but 2bw and pipedream\)" one_process_other_schedule_refused -- \
   "$BIN" train $M0 n_layers=4 batch_size=8 pipeline_schedule=gpipe
 
 # the estimate counts the second version on every stage
