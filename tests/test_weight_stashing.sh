@@ -5,8 +5,8 @@
 # same (weight stashing). 8 steps of m = 4 micro-batches follow the single-process reference
 # (pipeline_schedule=pipedream pipedream_depth=p: one micro-batch a step, each unit as stale as
 # its stage) within 1e-5 (each step's loss against the mean of the reference's 4; the final
-# parameters), at pp 2 and 4, with vertical sync, 2 stages x 2 DDP ranks, activation
-# checkpointing; without the staleness (depth 1) the reference differs; the header and the
+# parameters), at pp 2 and 4, with vertical sync, 2 stages x 2 DDP, ZeRO-1 or ZeRO-2 ranks
+# (with activation checkpointing), 2 stages x 2 tensor-parallel ranks; without the staleness (depth 1) the reference differs; the header and the
 # estimate say each stage's versions (p - s, p with vertical sync); a resume continues
 # bitwise (every version saved); what is not supported is one line and exit 2. Cases
 # marked ~ run only outside the sanitizer build.
@@ -37,8 +37,9 @@ while IFS='|' read -r name p dp split keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
   vs=$(grep -o 'pipedream_vertical_sync=true' <<<"$keys")
   r=$(ref $((2 * dp)) "$p" "$split" "$vs $(grep -o 'activation_checkpointing=true' <<<"$keys")")
+  tp=$(grep -o 'tensor_parallel_size=[0-9]*' <<<"$keys" | cut -d= -f2); tp=${tp:-1}
   out=$TMP/$name
-  if $MPIRUN -np $((p * dp)) "$BIN" train $M0 steps=8 batch_size=8 micro_batches=4 pipeline_parallel_size=$p \
+  if $MPIRUN -np $((p * dp * tp)) "$BIN" train $M0 steps=8 batch_size=8 micro_batches=4 pipeline_parallel_size=$p \
        pipeline_split=$split pipeline_schedule=pipedream $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
      grep -q "^pipeline bubble: none between steps" "$out.log" && follows_each "$r" "$out" 4
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
@@ -46,7 +47,10 @@ done <<'CASES'
 pp2_m4|2|1|2,2|
 pp4_m4|4|1|1,1,1,1|
 ~pp4_m4_vertical_sync|4|1|1,1,1,1|pipedream_vertical_sync=true
-pp2_dp2_ddp_checkpointing|2|2|2,2|activation_checkpointing=true
+~pp2_dp2_ddp_checkpointing|2|2|2,2|activation_checkpointing=true
+pp2_dp2_zero2_checkpointing|2|2|2,2|fsdp=true shard_strategy=grad_op activation_checkpointing=true
+~pp2_dp2_zero1|2|2|2,2|zero_opt=true
+~pp2_tp2|2|1|2,2|tensor_parallel_size=2
 CASES
 
 # the staleness is in the arithmetic: the reference without it (depth 1: 1f1b, an update a

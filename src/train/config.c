@@ -531,10 +531,13 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                                c->virtual_stages);
             if (il && c->virtual_stages == 1)
                 return set_err(err, errlen, "pipeline_schedule=interleaved needs virtual_stages >= 2 (1 is 1f1b)");
-            if ((bw || pd) && (c->fsdp || c->zero_opt || strcmp(c->offload, "none") || c->tensor_parallel_size > 1 ||
-                               c->moe_experts || !strcmp(c->cuda_graphs, "true")))
-                return set_err(err, errlen, "pipeline_schedule=%s runs with DDP (fsdp, zero_opt, offload off), without "
-                               "tensor parallel, MoE layers or cuda_graphs=true so far", c->pipeline_schedule);
+            /* a version is a copy of a unit's whole compute weights: FSDP holds a unit whole only
+             * between its gathers; offload's updates land unit by unit later than the copy */
+            if ((bw || pd) && ((c->fsdp && (!strcmp(c->shard_strategy, "full") || !strcmp(c->shard_strategy, "hybrid"))) ||
+                               strcmp(c->offload, "none") || c->moe_experts || !strcmp(c->cuda_graphs, "true")))
+                return set_err(err, errlen, "pipeline_schedule=%s runs with DDP, ZeRO-1 (zero_opt) or ZeRO-2 "
+                               "(shard_strategy=grad_op), not FSDP's full or hybrid sharding, offload, MoE layers or "
+                               "cuda_graphs=true", c->pipeline_schedule);
             if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
                 return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
                                "pass: it does not combine with activation_checkpointing=true");
