@@ -45,7 +45,7 @@ while IFS='|' read -r name p dp split keys; do
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
 done <<'CASES'
 pp2_m4|2|1|2,2|
-pp4_m4|4|1|1,1,1,1|
+~pp4_m4|4|1|1,1,1,1|
 ~pp4_m4_vertical_sync|4|1|1,1,1,1|pipedream_vertical_sync=true
 ~pp2_dp2_ddp_checkpointing|2|2|2,2|activation_checkpointing=true
 pp2_dp2_zero2_checkpointing|2|2|2,2|fsdp=true shard_strategy=grad_op activation_checkpointing=true
