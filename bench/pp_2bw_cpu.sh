@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# PipeDream-2BW against 1F1B on CPU ranks: `make train`'s CPU model (its keys, steps=N) at
-# pipeline_parallel_size=2, micro_batches=4, once with each schedule. Prints the training
-# loss every 50 steps and the validation losses side by side, then each run's mean step
-# time after the first (the runs share the machine's cores: 2 ranks x 1 thread).
-# Usage: [SHAPE="embed_dim=.. n_heads=.. n_layers=.. context_len=.. batch_size=.."] [LR="lr=.. min_lr=.."] bench/pp_2bw_cpu.sh [steps]
+# PipeDream-2BW (and PipeDream) against 1F1B on CPU ranks: `make train`'s CPU model (its keys,
+# steps=N) at pipeline_parallel_size=2, micro_batches=4, once with each schedule. Prints the
+# training loss every 50 steps and the validation losses side by side, then each run's mean
+# step time after the first (the runs share the machine's cores: 2 ranks x 1 thread).
+# Usage: [SHAPE="embed_dim=.. n_heads=.. n_layers=.. context_len=.. batch_size=.."] [LR="lr=.. min_lr=.."]
+#        [SCHEDULES="1f1b 2bw pipedream"] [CLIP=0] bench/pp_2bw_cpu.sh [steps]
+# (pipedream updates each stage on its own: it runs with CLIP=0, which the others then take too)
 # (500 by default; bench/results/pipedream-epyc-2core-2026-12.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,24 +19,31 @@ export OMPI_MCA_btl=self,vader OMPI_MCA_btl_vader_single_copy_mechanism=none
 # takes it at 3-4 s a step, so the figures came from a smaller one, see the results file)
 SHAPE=${SHAPE:-"embed_dim=128 n_heads=4 n_layers=4 context_len=128 batch_size=16"}
 LR=${LR:-"lr=3e-3 min_lr=3e-4"}  # (make train's; LR="lr=1e-3 min_lr=1e-4" for a gentler one)
+SCHEDULES=${SCHEDULES:-"1f1b 2bw"}
+CLIP=${CLIP:-1.0}
 MODEL="$SHAPE steps=$steps $LR
-  lr_schedule=cosine warmup_steps=30 grad_clip=1.0 weight_decay=0.1 val_every=100 val_batches=16 ckpt_every=100
+  lr_schedule=cosine warmup_steps=30 grad_clip=$CLIP weight_decay=0.1 val_every=100 val_batches=16 ckpt_every=100
   progress=false threads=1 pipeline_parallel_size=2 micro_batches=4"
 out=$(mktemp -d)
-for s in 1f1b 2bw; do
+for s in $SCHEDULES; do
   mpirun --oversubscribe --bind-to none --stdin none -np 2 ./meshtrain train $MODEL pipeline_schedule=$s \
     out_dir="$out/$s" >"$out/$s.log"
 done
 col() { grep -o "^{\"step\":[0-9]*,\"$2\":[0-9.]*" "$out/$1/log.jsonl" | tr -d '{"' | tr ':,' '  ' | awk '{print $2, $4}'; }
-echo "| step | 1f1b loss | 2bw loss |"
-echo "|---:|---:|---:|"
-join <(col 1f1b loss) <(col 2bw loss) | awk '$1 == 1 || $1 % 50 == 0 {printf "| %d | %.4f | %.4f |\n", $1, $2, $3}'
+table() {  # table COLUMN EVERY: the schedules side by side
+  local first=1 t=$out/table
+  for s in $SCHEDULES; do
+    if [ $first = 1 ]; then col $s $1 >"$t"; first=0; else join "$t" <(col $s $1) >"$t.new"; mv "$t.new" "$t"; fi
+  done
+  echo "| step |$(for s in $SCHEDULES; do printf ' %s %s |' $s $1; done)"
+  echo "|---:|$(for s in $SCHEDULES; do printf -- '---:|'; done)"
+  awk -v e="$2" '$1 == 1 || $1 % e == 0 {printf "| %d |", $1; for (i = 2; i <= NF; i++) printf " %.4f |", $i; printf "\n"}' "$t"
+}
+table loss 50
 echo
-echo "| step | 1f1b val_loss | 2bw val_loss |"
-echo "|---:|---:|---:|"
-join <(col 1f1b val_loss) <(col 2bw val_loss) | awk '{printf "| %d | %.4f | %.4f |\n", $1, $2, $3}'
+table val_loss 1
 echo
-for s in 1f1b 2bw; do
+for s in $SCHEDULES; do
   grep -o '^{"step":[0-9]*,"loss".*"ms":[0-9.]*' "$out/$s/log.jsonl" | grep -o '"ms":[0-9.]*' | cut -d: -f2 |
     awk -v s=$s 'NR > 1 {t += $1; n++} END {printf "%s: %.1f ms a step (mean of %d after the first)\n", s, t / n, n}'
 done

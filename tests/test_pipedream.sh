@@ -4,7 +4,8 @@
 # pipeline_schedule=2bw: each step's gradient computed on the weights before the last update,
 # applied to the newest) within 1e-5, at pp 2 and 4, tied and untied, an odd m, a last stage
 # holding the head alone, with activation checkpointing, 2 stages x 2 DDP ranks with
-# gradient accumulation beside them (batch x dp x 2 in one process), and validation every 3
+# gradient accumulation beside them (batch x dp x 2 in one process), 2 stages x 2 ZeRO-1 or
+# ZeRO-2 ranks, 2 stages x 2 tensor-parallel ranks, and validation every 3
 # steps (the pipeline drains before it; the training losses are the reference's); the
 # first step is 1f1b's bitwise (there is no older version yet) and the second's loss is
 # the initial weights' on the second batch (1f1b at lr=0); the header says there is no
@@ -46,8 +47,9 @@ while IFS='|' read -r name p dp m batch tied keys; do
   skip_sanitized "$name" && continue; name=${name#\~}
   k=$(grep -o 'grad_accum_steps=[0-9]*' <<<"$keys" | cut -d= -f2); k=${k:-1}  # (the reference: batch x dp x k)
   r=$(ref $((batch * dp * k)) "$tied")
+  tp=$(grep -o 'tensor_parallel_size=[0-9]*' <<<"$keys" | cut -d= -f2); tp=${tp:-1}
   out=$TMP/$name
-  if $MPIRUN -np $((p * dp)) "$BIN" train $M0 n_layers=4 batch_size=$batch tie_embeddings=$tied pipeline_parallel_size=$p \
+  if $MPIRUN -np $((p * dp * tp)) "$BIN" train $M0 n_layers=4 batch_size=$batch tie_embeddings=$tied pipeline_parallel_size=$p \
        micro_batches=$m pipeline_schedule=2bw $keys out_dir="$out" </dev/null >"$out.log" 2>&1 &&
      grep -q "^pipeline bubble: none between steps" "$out.log" && follows "$r" "$out"
   then ok "$name"; else bad "$name ($(tail -2 "$out.log" | tr '\n' ' '))"; fi
@@ -57,16 +59,20 @@ pp2_m4|2|1|4|8|false|
 ~pp4_m4_tied|4|1|4|8|true|
 pp2_dp2_ddp_tied_accum2|2|2|2|4|true|grad_accum_steps=2
 ~pp2_head_alone_val_every_3|2|1|4|8|false|pipeline_split=4,0 val_every=3
+pp2_dp2_zero1|2|2|4|8|false|zero_opt=true
+~pp2_dp2_zero2_checkpointing|2|2|4|8|false|fsdp=true shard_strategy=grad_op activation_checkpointing=true
+~pp2_tp2|2|1|4|8|false|tensor_parallel_size=2
 CASES
 
-# not supported (yet): one line, exit 2 (found before any rank starts)
+# not supported: one line, exit 2 (found before any rank starts); a version is a copy of a
+# unit's whole weights, which FSDP holds only between its gathers
 while IFS='|' read -r keys; do
-  expect_exit 2 "pipeline_schedule=2bw runs with DDP \(fsdp, zero_opt, offload off\), without tensor parallel" "refused: $keys" -- \
+  expect_exit 2 "pipeline_schedule=2bw runs with DDP, ZeRO-1 \(zero_opt\) or ZeRO-2 \(shard_strategy=grad_op\), not FSDP" "refused: $keys" -- \
     "$BIN" train $M0 n_layers=4 batch_size=8 pipeline_schedule=2bw pipeline_parallel_size=2 micro_batches=2 $keys
 done <<CASES
 fsdp=true
-zero_opt=true
-tensor_parallel_size=2
+fsdp=true shard_strategy=hybrid
+offload=optimizer
 CASES
 
 # -- a resume: each rank's version before the newest is saved beside the checkpoint, so 3 steps
@@ -88,9 +94,9 @@ err=$($MPIRUN -np 4 "$BIN" train ${R4/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin
   ok resume_2bw_checkpoint_with_1f1b || bad "resume_2bw_checkpoint_with_1f1b ($(tail -1 "$TMP/res.log"))"
 rm "$TMP/bw3/ckpt.bin.s00000003.stash0"
 err=$($MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw3x" 2>&1 >/dev/null); rc=$?
-[ $rc -eq 2 ] && grep -q "keeps 2bw's weight version before beside it" <<<"$err" && ok missing_version_refused ||
+[ $rc -eq 2 ] && grep -q "keeps 2bw's weight versions before the newest beside it" <<<"$err" && ok missing_version_refused ||
   bad "missing_version_refused (exit $rc)"
-expect_exit 2 "micro_batches, pipeline_schedule \(but 2bw\)" one_process_other_schedule_refused -- \
+expect_exit 2 "micro_batches, pipeline_schedule \(but 2bw and pipedream\)" one_process_other_schedule_refused -- \
   "$BIN" train $M0 n_layers=4 batch_size=8 pipeline_schedule=gpipe
 
 # the estimate counts the second version on every stage

@@ -367,6 +367,22 @@ static void test_2bw(void) {
     CHECK(!strcmp(x, "F1 send1 recvgrad0 B0 F2 send2 recvgrad1 B1 step\n"), "%s", x);
     free(x);
     schedule_free(&s);
+    /* PipeDream: the same forwards and backwards, an update after each backward (and none
+     * waiting for another stage's: the simulated steps are 2bw's) */
+    f = open_memstream(&x, &n);
+    CHECK(schedule_build_pipedream(&s, 2, 0, 2, 0, 0, err, sizeof err) == 0, "%s", err);
+    schedule_print(f, &s);
+    fclose(f);
+    CHECK(!strcmp(x, "F1 send1 recvgrad0 B0 step F2 send2 recvgrad1 B1 step\n"), "%s", x);
+    CHECK(s.in_flight[0] == 2, "pipedream stage 0 of 2 holds %d", s.in_flight[0]);
+    free(x);
+    schedule_free(&s);
+    for (int p = 2; p <= 4; p++)
+        for (int m = p; m <= 2 * p; m++) {
+            double i2, ipd;
+            int b = schedule_makespan_steps(SCHED_2BW, p, m, 4, 1, &i2), d = schedule_makespan_steps(SCHED_PIPEDREAM, p, m, 4, 1, &ipd);
+            CHECK(b == d && b > 0, "p=%d m=%d: 2bw %d, pipedream %d", p, m, b, d);
+        }
 }
 
 static void test_bad_layouts(void) {

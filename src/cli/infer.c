@@ -202,9 +202,11 @@ int cmd_estimate(Config *c) {
             pipeline_rank_stages(st, PP, V, s, mine);
             estimate_stage(&es, &ein, mine, &sc, BM);
             pipeline_describe(&mc, mine, V, desc, sizeof desc);
+            char vers[48] = "";
+            if (es.versions > 1) snprintf(vers, sizeof vers, " (%d weight versions)", es.versions);
             printf("  stage %d (%s): parameters + gradients + optimizer %s%s, activations %s (%d micro-batch%s "
                    "in flight), ", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute + es.stash)),
-                   es.stash ? " (2 weight versions)" : "",
+                   vers,
                    fmt_bytes(b2, (double)(es.acts + es.logits)), sc.max_in_flight, sc.max_in_flight > 1 ? "es" : "");
             if (es.p2p) printf("receive rings %s, ", fmt_bytes(b1, (double)es.p2p));
             printf("total %s\n", fmt_bytes(b3, (double)es.total));

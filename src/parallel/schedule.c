@@ -5,7 +5,7 @@
 #include <string.h>
 #include "util.h"
 
-static const char *KIND_NAMES[] = {"gpipe", "1f1b", "interleaved", "zb1", "2bw"};
+static const char *KIND_NAMES[] = {"gpipe", "1f1b", "interleaved", "zb1", "2bw", "pipedream"};
 
 int schedule_kind_parse(const char *name, ScheduleKind *out) {
     for (int k = 0; k < (int)(sizeof KIND_NAMES / sizeof KIND_NAMES[0]); k++)
@@ -365,39 +365,49 @@ int schedule_build(Schedule *s, ScheduleKind kind, int stages, int stage, int m,
         for (int i = m - warmup; i < m; i++) backward(s, i, 0);
         s->max_in_flight = warmup + 1 < m ? warmup + 1 : m;
     }
-    if (kind == SCHED_GPIPE || kind == SCHED_1F1B || kind == SCHED_2BW) s->in_flight[0] = s->max_in_flight;
+    if (kind == SCHED_GPIPE || kind == SCHED_1F1B || schedule_no_flush(kind)) s->in_flight[0] = s->max_in_flight;
     add(s, ACT_OPTIM_STEP, -1, 0);
     return 0;
 }
 
-int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen) {
+static int build_no_flush(Schedule *s, ScheduleKind kind, int stages, int stage, int m, int fill, int drain, char *err,
+                          size_t errlen) {
     memset(s, 0, sizeof *s);
     if (stages < 1 || stage < 0 || stage >= stages) return set_err(err, errlen, "stage %d of %d", stage, stages);
-    /* m >= stages: a stage's in-flight micro-batches then span at most two steps, so two
-     * weight versions serve them all */
+    /* m >= stages: a stage's in-flight micro-batches then span at most two steps (2bw: two
+     * weight versions serve them all), and a drain ends within its step */
     if (m < stages)
-        return set_err(err, errlen, "pipeline_schedule=2bw: %d micro-batches for %d stages: at least as many as stages",
-                       m, stages);
-    s->kind = SCHED_2BW; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = 1;
-    int w = stages - stage - 1;
-    s->actions = xmalloc((size_t)(7 * (m + w) + 1) * sizeof *s->actions);
+        return set_err(err, errlen, "pipeline_schedule=%s: %d micro-batches for %d stages: at least as many as stages",
+                       schedule_kind_name(kind), m, stages);
+    s->kind = kind; s->stages = stages; s->stage = stage; s->micro_batches = m; s->chunks = 1;
+    int w = stages - stage - 1, each = kind == SCHED_PIPEDREAM;
+    s->actions = xmalloc((size_t)(8 * (m + w) + 1) * sizeof *s->actions);
     if (fill)
         for (int i = 0; i < w; i++) forward(s, i, 0);
     /* forward w + i, then backward i; past m the forwards are the next step's (drain: none) */
     for (int i = 0; i < m; i++) {
         if (!drain || w + i < m) forward(s, w + i, 0);
         backward(s, i, 0);
+        if (each) add(s, ACT_OPTIM_STEP, i, 0);
     }
     s->max_in_flight = s->in_flight[0] = w + 1;
-    add(s, ACT_OPTIM_STEP, -1, 0);
+    if (!each) add(s, ACT_OPTIM_STEP, -1, 0);
     return 0;
+}
+
+int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen) {
+    return build_no_flush(s, SCHED_2BW, stages, stage, m, fill, drain, err, errlen);
+}
+
+int schedule_build_pipedream(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen) {
+    return build_no_flush(s, SCHED_PIPEDREAM, stages, stage, m, fill, drain, err, errlen);
 }
 
 int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int barrier, double *idle) {
     int p = stages, M = m * steps, rc = 0;
     char err[128];
-    if (stages < 1 || m < 1 || steps < 1 || (kind != SCHED_1F1B && kind != SCHED_GPIPE && kind != SCHED_2BW)) return -1;
-    if (kind == SCHED_2BW && m < stages) return -1;
+    if (stages < 1 || m < 1 || steps < 1 || (kind != SCHED_1F1B && kind != SCHED_GPIPE && !schedule_no_flush(kind))) return -1;
+    if (schedule_no_flush(kind) && m < stages) return -1;
     /* one simulation over steps x m micro-batches: step t's micro-batch j is t m + j (2bw's
      * forwards of the next step, m + j, are its (t + 1) m + j); the update takes no time */
     Sim S = sim_new(p, 1, M, 0, NULL);
@@ -409,7 +419,7 @@ int schedule_makespan_steps(ScheduleKind kind, int stages, int m, int steps, int
         lim[r] = M;
         for (int t = 0; t < steps && !rc; t++) {
             Schedule sc;
-            int bad = kind == SCHED_2BW ? schedule_build_2bw(&sc, p, r, m, t == 0, t == steps - 1, err, sizeof err)
+            int bad = schedule_no_flush(kind) ? build_no_flush(&sc, kind, p, r, m, t == 0, t == steps - 1, err, sizeof err)
                                         : schedule_build(&sc, kind, p, r, m, 1, SCHED_SPLIT_NONE, 0, NULL, err, sizeof err);
             if (bad) { rc = -1; break; }
             for (int k = 0; k < sc.n; k++)

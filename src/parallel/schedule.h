@@ -31,8 +31,10 @@ typedef struct { ActionKind kind; int micro, chunk; } Action;
 
 /* SCHED_2BW (PipeDream-2BW): 1F1B whose steps run into each other, with no flush between
  * optimizer steps; every micro-batch of step t computes on the weights of the update before
- * the last (schedule_build_2bw). */
-typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1, SCHED_2BW } ScheduleKind;
+ * the last (schedule_build_2bw). SCHED_PIPEDREAM (PipeDream): the same order of forwards and
+ * backwards, but an update after every micro-batch's backward, each micro-batch computing on
+ * the weights its stage had when its forward ran (schedule_build_pipedream). */
+typedef enum { SCHED_GPIPE, SCHED_1F1B, SCHED_INTERLEAVED, SCHED_ZB1, SCHED_2BW, SCHED_PIPEDREAM } ScheduleKind;
 
 #define SCHED_MAX_CHUNKS 8
 #define SCHED_TICKS_PER_FORWARD 1000  /* the simulations' scale with costs: the mean stage forward */
@@ -60,7 +62,7 @@ static inline int schedule_head_split(ScheduleKind k, int stages) {
     return stages > 1 && (k == SCHED_GPIPE || k == SCHED_ZB1);
 }
 
-/* Parses "gpipe" / "1f1b" / "interleaved" / "zb1" / "2bw"; -1 if unknown. */
+/* Parses "gpipe" / "1f1b" / "interleaved" / "zb1" / "2bw" / "pipedream"; -1 if unknown. */
 int schedule_kind_parse(const char *name, ScheduleKind *out);
 const char *schedule_kind_name(ScheduleKind k);
 /* The actions rank `stage` of `stages` runs for one step of m micro-batches, with `chunks`
@@ -93,8 +95,16 @@ int schedule_makespan(ScheduleKind kind, int stages, int m, int chunks, int spli
  * numbered m..m+w-1 here (they compute on the newest weights, the ones the next step's
  * batch uses). fill and drain both set: the 1F1B list. */
 int schedule_build_2bw(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen);
-/* The simulated length of `steps` consecutive steps of kind (the 1F1B family: 1f1b, gpipe
- * or 2bw; 2bw's first fills, its last drains, none flushes between) in unit costs (F 1, B 2),
+/* PipeDream's list: 2bw's forwards and backwards in the same order, each backward followed
+ * by an update (ACT_OPTIM_STEP naming its micro-batch) instead of one at the end: a step of m
+ * micro-batches is m updates of the stage, none waiting for another stage's. */
+int schedule_build_pipedream(Schedule *s, int stages, int stage, int m, int fill, int drain, char *err, size_t errlen);
+/* Whether a kind's steps run into each other (2bw, pipedream): the lists above, weight
+ * versions, a drain only where the caller asks for one. */
+static inline int schedule_no_flush(ScheduleKind k) { return k == SCHED_2BW || k == SCHED_PIPEDREAM; }
+/* The simulated length of `steps` consecutive steps of kind (the 1F1B family: 1f1b, gpipe,
+ * 2bw or pipedream; 2bw's and pipedream's first fills, the last drains, none flushes between;
+ * updates take no time) in unit costs (F 1, B 2),
  * with *idle (or NULL) the share of the ranks' time spent waiting; -1 on a deadlock.
  * barrier: no rank starts a step before every rank has ended the one before (what a
  * collective of all stages at each update does: the trainer's clipping norm and loss sum). */

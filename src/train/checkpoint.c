@@ -175,16 +175,17 @@ int ckpt_write_stash(const char *path, int step, int rank, int world, void *cons
 
 int ckpt_load_stash(const char *path, const CkptHeader *h, int rank, int world, void *const *piece,
                     const size_t *bytes, int n, char *err, size_t errlen) {
-    if (!(h->flags & CKPT_2BW)) return 0;
+    if (!(h->flags & (CKPT_2BW | CKPT_PIPEDREAM))) return 0;
+    const char *kind = h->flags & CKPT_2BW ? "2bw" : "pipedream";
     if ((int)h->world != world)
-        return set_err(err, errlen, "checkpoint %s was saved by pipeline_schedule=2bw on %d ranks: its weight version "
-                       "before the newest is each rank's, so it resumes with 2bw on %d ranks only", path, h->world,
-                       h->world);
+        return set_err(err, errlen, "checkpoint %s was saved by pipeline_schedule=%s on %d ranks: its weight versions "
+                       "before the newest are each rank's, so it resumes with %s on %d ranks only", path, kind, h->world,
+                       kind, h->world);
     char name[PATH_BUF];
     if (stash_path(name, sizeof name, path, h->step, rank)) return set_err(err, errlen, "checkpoint path too long: %s", path);
     int fd = open(name, O_RDONLY);
     if (fd < 0)
-        return set_err(err, errlen, "checkpoint %s keeps 2bw's weight version before beside it, but %s: %s", path, name,
+        return set_err(err, errlen, "checkpoint %s keeps %s's weight versions before the newest beside it, but %s: %s", path, kind, name,
                        strerror(errno));
     StashHead hd;
     memset(&hd, 0, sizeof hd);
@@ -200,8 +201,8 @@ int ckpt_load_stash(const char *path, const CkptHeader *h, int rank, int world, 
     }
     bad = bad || pread_all(fd, &want, 8, off) != 8 || want != hash;
     close(fd);
-    return bad ? set_err(err, errlen, "%s (rank %d's 2bw weight version of checkpoint %s) is corrupt or of another "
-                         "layout", name, rank, path)
+    return bad ? set_err(err, errlen, "%s (rank %d's %s weight versions of checkpoint %s) is corrupt or of another "
+                         "layout", name, rank, kind, path)
                : 1;
 }
 
@@ -561,7 +562,7 @@ static int manifest_header(const char *path, const CkptHeader *h, int world, Ckp
     ckpt_model_config(h, &c);
     out->n_params = model_param_count(&c);
     out->name_len = (uint32_t)name_len;
-    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE | CKPT_GRAD_EF | CKPT_2BW);
+    out->flags = h->flags & (CKPT_MOE_BIAS | CKPT_LOSS_SCALE | CKPT_GRAD_EF | CKPT_2BW | CKPT_PIPEDREAM);
     if (h->moe_experts <= 0) {  /* identical runs write identical manifests: a dense model's MoE fields are zero */
         out->moe_experts = out->moe_expert_dim = 0;
         out->moe_top_k = out->moe_shared_experts = out->moe_every = out->moe_router_sigmoid = 0;

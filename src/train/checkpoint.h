@@ -74,6 +74,9 @@ _Static_assert(sizeof(CkptHeader) == 256, "checkpoint header is 256 bytes");
  * rank keeps the version before (its stages' compute weights) beside the manifest, in
  * "<path>.s<step>.stash<rank>" (ckpt_write_stash) */
 #define CKPT_2BW 8u
+/* flags: saved by pipeline_schedule=pipedream: as CKPT_2BW, each rank keeping every version
+ * before the newest its stages hold, in the same file */
+#define CKPT_PIPEDREAM 16u
 
 typedef struct { uint64_t bytes, meta_hash, n_values, n_ranges; } CkptShardEntry;  /* in the manifest */
 typedef struct {

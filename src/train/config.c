@@ -177,11 +177,19 @@ static const Key KEYS[] = {
       "pipeline stages: contiguous layers, the embedding on the first, the head on the last"),
     I(micro_batches, "1", 1, 1 << 16, TR | CMD_ESTIMATE,
       "pipeline: micro-batches each data-parallel rank's batch_size is cut into (at least pipeline_parallel_size)"),
-    E(pipeline_schedule, "1f1b", "gpipe|1f1b|interleaved|zb1|2bw", TR | CMD_ESTIMATE,
+    E(pipeline_schedule, "1f1b", "gpipe|1f1b|interleaved|zb1|2bw|pipedream", TR | CMD_ESTIMATE,
       "pipeline: gpipe = every forward, then every backward; 1f1b = one forward, one backward in turn; "
       "interleaved = 1f1b over virtual_stages chunks per rank; zb1 = zero bubble (ZB-H1: the backward split, "
       "weight gradients fill the bubble); 2bw = PipeDream-2BW: 1f1b without a flush between steps, two weight "
-      "versions, each update one step stale (also on one process, as its reference)"),
+      "versions, each update one step stale (also on one process, as its reference); pipedream = PipeDream: the "
+      "same order, an update after every micro-batch's backward, each stage keeping as many weight versions as it "
+      "has micro-batches in flight (weight stashing)"),
+    B(pipedream_vertical_sync, "false", TR | CMD_ESTIMATE,
+      "pipedream: every stage computes a micro-batch on the version the first stage used for it (stages - 1 updates "
+      "back; every stage then keeps pipeline_parallel_size versions)"),
+    I(pipedream_depth, "0", 0, 4096, TR | CMD_ESTIMATE,
+      "pipedream on one process (its reference): the depth of the pipeline whose arithmetic it reproduces, each "
+      "unit as stale as its stage would be (the stages as pipeline_split gives them; 0 = none, no staleness)"),
     I(virtual_stages, "0", 0, 8, TR | CMD_ESTIMATE,
       "interleaved: stages (chunks of layers) per pipeline rank (0 = 2 with interleaved, else 1)"),
     S(pipeline_split, "auto", TR | CMD_ESTIMATE,
@@ -483,11 +491,29 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
             return set_err(err, errlen, "shard_group_size applies to fsdp=true shard_strategy=hybrid only");
         int pp = c->pipeline_parallel_size;
         {
-            int bw = !strcmp(c->pipeline_schedule, "2bw");
-            if (pp == 1 && (c->micro_batches > 1 || (config_was_set("pipeline_schedule") && !bw) || config_was_set("pipeline_split") ||
+            int bw = !strcmp(c->pipeline_schedule, "2bw"), pd = !strcmp(c->pipeline_schedule, "pipedream");
+            if (pp == 1 && (c->micro_batches > 1 || (config_was_set("pipeline_schedule") && !bw && !pd) ||
+                            (config_was_set("pipeline_split") && !(pd && c->pipedream_depth > 1)) ||
                             config_was_set("virtual_stages")))
-                return set_err(err, errlen, "micro_batches, pipeline_schedule (but 2bw), virtual_stages and pipeline_split apply "
-                               "with pipeline_parallel_size > 1 (for accumulation on one stage: grad_accum_steps)");
+                return set_err(err, errlen, "micro_batches, pipeline_schedule (but 2bw and pipedream), virtual_stages and "
+                               "pipeline_split (but with pipedream_depth) apply with pipeline_parallel_size > 1 (for "
+                               "accumulation on one stage: grad_accum_steps)");
+            if ((config_was_set("pipedream_vertical_sync") || config_was_set("pipedream_depth")) && !pd)
+                return set_err(err, errlen, "pipedream_vertical_sync and pipedream_depth apply with pipeline_schedule=pipedream");
+            if (pd && pp > 1 && c->pipedream_depth && c->pipedream_depth != pp)
+                return set_err(err, errlen, "pipedream_depth=%d: on a pipeline it is its depth, pipeline_parallel_size=%d "
+                               "(or 0)", c->pipedream_depth, pp);
+            if (pd && pp == 1 && c->pipedream_depth > c->n_layers + 1)
+                return set_err(err, errlen, "pipedream_depth=%d exceeds n_layers=%d + 1: every stage but the last needs a "
+                               "layer", c->pipedream_depth, c->n_layers);
+            /* each stage updates on its own after each micro-batch: a norm over every stage, a
+             * tied copy's sum, a loss scaler's common decision or a step of several rounds
+             * would each make every update wait for every stage */
+            if (pd && (c->grad_clip > 0 || c->tie_embeddings || c->grad_accum_steps > 1 ||
+                       (strcmp(c->loss_scale, "none") && strcmp(c->loss_scale, "auto")) || !strcmp(c->precision, "fp16")))
+                return set_err(err, errlen, "pipeline_schedule=pipedream updates each stage on its own after every "
+                               "micro-batch: it runs without grad_clip, tie_embeddings, grad_accum_steps > 1 or a loss "
+                               "scale (precision=fp16)");
             if (pp == 1 && config_was_set("pp_copy_engines"))
                 return set_err(err, errlen, "pp_copy_engines applies with pipeline_parallel_size > 1");
             if (config_was_set("zb1_max_in_flight") && strcmp(c->pipeline_schedule, "zb1"))
@@ -505,10 +531,13 @@ int config_validate(const Config *c, int cmd, char *err, size_t errlen) {
                                c->virtual_stages);
             if (il && c->virtual_stages == 1)
                 return set_err(err, errlen, "pipeline_schedule=interleaved needs virtual_stages >= 2 (1 is 1f1b)");
-            if (bw && (c->fsdp || c->zero_opt || strcmp(c->offload, "none") || c->tensor_parallel_size > 1 ||
-                       c->moe_experts || !strcmp(c->cuda_graphs, "true")))
-                return set_err(err, errlen, "pipeline_schedule=2bw runs with DDP (fsdp, zero_opt, offload off), without "
-                               "tensor parallel, MoE layers or cuda_graphs=true so far");
+            /* a version is a copy of a unit's whole compute weights: FSDP holds a unit whole only
+             * between its gathers; offload's updates land unit by unit later than the copy */
+            if ((bw || pd) && ((c->fsdp && (!strcmp(c->shard_strategy, "full") || !strcmp(c->shard_strategy, "hybrid"))) ||
+                               strcmp(c->offload, "none") || c->moe_experts || !strcmp(c->cuda_graphs, "true")))
+                return set_err(err, errlen, "pipeline_schedule=%s runs with DDP, ZeRO-1 (zero_opt) or ZeRO-2 "
+                               "(shard_strategy=grad_op), not FSDP's full or hybrid sharding, offload, MoE layers or "
+                               "cuda_graphs=true", c->pipeline_schedule);
             if (pp > 1 && !strcmp(c->pipeline_schedule, "zb1") && c->activation_checkpointing)
                 return set_err(err, errlen, "pipeline_schedule=zb1 keeps every layer's activations for its weight "
                                "pass: it does not combine with activation_checkpointing=true");

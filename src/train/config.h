@@ -46,7 +46,7 @@ typedef struct {
     int powersgd_rank, powersgd_warmup;
     double powersgd_min_compression_rate;
     char tp_comm[16];               /* auto | collectives | fused */
-    int micro_batches, virtual_stages, zb1_max_in_flight, pp_copy_engines;
+    int micro_batches, virtual_stages, zb1_max_in_flight, pp_copy_engines, pipedream_vertical_sync, pipedream_depth;
     char pipeline_schedule[16], pipeline_split[256];
     double comm_timeout, bucket_mb;
     double peak_tflops;             /* MFU's reference (0: by the card's name) */

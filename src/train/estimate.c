@@ -110,8 +110,10 @@ void estimate_memory(const EstimateInput *in, MemEstimate *e) {
     e->tp_fused = fused ? tensor_parallel_fused_bytes(tp, (size_t)B * T, (size_t)c->embed_dim, act_size) : 0;
     if (fused && training)  /* the mapped buffers' pages (tensor.h) */
         e->tp_fused += acts_tp_coll_extra(c, &whole, B, T, training, act_size, tp, sp, tensor_parallel_buffer_extra);
-    /* 2bw: the version before, a copy of what the ops compute with (step.c's stash) */
-    e->stash = training && in->versions > 1 ? m.n_flat * (prec == OPS_MIXED ? act_size : state_size) : 0;
+    /* 2bw, pipedream: the versions before the newest, copies of what the ops compute with
+     * (versions.c); the whole model as one stage: the first's count */
+    e->versions = training ? in->versions > 0 ? in->versions : 1 : 1;
+    e->stash = (size_t)(e->versions - 1) * m.n_flat * (prec == OPS_MIXED ? act_size : state_size);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->tp_fused + e->stash + (gpu ? 0 : e->host);
     model_free(&m);
@@ -191,7 +193,12 @@ void estimate_stage(MemEstimate *e, const EstimateInput *in, const Stage *s, con
     }
     e->tp_fused = (fused ? tensor_parallel_fused_bytes(tp, (size_t)B_micro * T, (size_t)c->embed_dim, act_size) : 0) +
                   pages;
-    e->stash = training && in->versions > 1 ? m.n_flat * (prec == OPS_MIXED ? act_size : state_size) : 0;
+    e->versions = !training ? 1
+                  : in->versions == ESTIMATE_VERSIONS_IN_FLIGHT ? sched->in_flight[0]
+                  : in->versions == ESTIMATE_VERSIONS_STAGES    ? sched->stages
+                  : in->versions > 0                            ? in->versions
+                                                                : 1;
+    e->stash = (size_t)(e->versions - 1) * m.n_flat * (prec == OPS_MIXED ? act_size : state_size);
     e->total = e->params + e->grads + e->optim + e->compute + e->acts + e->logits + e->data + e->runtime + e->comm +
                e->p2p + e->tp_fused + e->stash + (e->gpu ? 0 : e->host);
     model_free(&m);
@@ -234,7 +241,7 @@ void estimate_print(const EstimateInput *in, int dp, const MemEstimate *e) {
                            "activations", "logits (chunked)", "data (mapped shards)",
                            e->gpu ? "runtime (cuBLASLt, scratch)" : "runtime (code, threads)",
                            "all-to-all buffer", "pipeline receive rings", "fused-sum slots",
-                           "weight version before"};
+                           e->versions > 2 ? "weight versions before" : "weight version before"};
     size_t vals[] = {e->params, e->grads, e->optim, e->compute, e->acts, e->logits, e->data, e->runtime, e->comm, e->p2p,
                      e->tp_fused, e->stash};
     for (int i = 0; i < 12; i++)

@@ -24,7 +24,8 @@ typedef struct {
     int offload;
     int lean;  /* offload is lean (parallel_offload_lean): the host's master is the only fp32 copy */
     size_t p2p; /* pipeline send/receive on the copy engines: the rings and counters (in total) */
-    size_t stash;    /* pipeline_schedule=2bw: the weight version before, as compute weights (in total) */
+    size_t stash;    /* 2bw, pipedream: the weight versions before the newest, as compute weights (in total) */
+    int versions;    /* ... the versions held, the newest counted (1: none kept) */
     size_t tp_fused; /* tensor parallel's fused sums: each rank's slots for the others' parts (in total) */
     size_t attn_elsewhere; /* runtime assumes attention's backward on our Hopper kernel (an H100 or
                             * H200): what cuDNN's engine needs more on other GPUs (0: the same) */
@@ -69,10 +70,14 @@ typedef struct {
      * tp_fused */
     int tp_fused;
     /* weight versions held (pipeline_schedule=2bw: 2, the version before kept as compute
-     * weights beside the newest; else 1) */
+     * weights beside the newest; pipedream on one process: its depth, an upper bound; else 1),
+     * or ESTIMATE_VERSIONS_IN_FLIGHT (pipedream on a pipeline: as many as the stage's schedule
+     * keeps micro-batches in flight) or ESTIMATE_VERSIONS_STAGES (pipedream with vertical sync:
+     * as many as stages) */
     int versions;
 } EstimateInput;
 
+enum { ESTIMATE_VERSIONS_IN_FLIGHT = -1, ESTIMATE_VERSIONS_STAGES = -2 };
 void estimate_memory(const EstimateInput *in, MemEstimate *e);
 /* A pipeline rank's share instead of the whole model's (e from estimate_memory, redone in
  * place): the units of its stages s[0..sched->chunks) (and a tied embedding's copy with the

@@ -46,6 +46,10 @@ EstimateInput estimate_input_of(const Config *c, int world, int shard_size, cons
     in.oc = oc;
     in.ops = ops_options_of(c);
     in.versions = !strcmp(c->pipeline_schedule, "2bw") ? 2 : 1;
+    if (!strcmp(c->pipeline_schedule, "pipedream"))
+        in.versions = c->pipeline_parallel_size == 1 ? (c->pipedream_depth > 1 ? c->pipedream_depth : 1)
+                      : c->pipedream_vertical_sync ? ESTIMATE_VERSIONS_STAGES
+                                                   : ESTIMATE_VERSIONS_IN_FLIGHT;
     return in;
 }
 

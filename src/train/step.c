@@ -1,4 +1,5 @@
 #include "step.h"
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,21 +57,10 @@ static void make_links(Step *st, int dir, const char *name, Comm *out, Comm *in,
     }
 }
 
-/* 2bw: the newest weights become the version before (the strategy's gather first: the
- * unit's last update is in and its compute copy made) */
-static void stash_newest(Step *st) {
-    Model *m = st->m;
-    for (int u = 0; u < m->n_units; u++) {
-        if (!st->stash[u]) continue;
-        if (st->hooks->gather) st->hooks->gather(st->hooks->ctx, u, -1);
-        op_copy(st->stash[u], unit_weights(m, u), st->stash_bytes[u]);
-    }
-}
-
-/* 2bw: the ops compute on the version before (prev) or the newest. */
-static void use_version(Step *st, int prev) {
-    for (int u = 0; u < st->m->n_units; u++)
-        if (st->stash[u]) st->m->ucompute[u] = prev ? st->stash[u] : st->live[u];
+/* The versions' index of micro-batch j of this step (2bw: the step's; its micro-batches
+ * m.. are the next step's) */
+static long long version_index(const Step *st, int j) {
+    return st->each ? st->mb_base + j : (st->mb_base + j) / st->micro;
 }
 
 int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, Loader *loader, Acts *a, int micro,
@@ -87,10 +77,13 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     if (pipe) st->pipe = *pipe;
     int stages = piped(st) ? st->pipe.pipe->size : 1, me = piped(st) ? st->pipe.pipe->rank : 0;
     st->drain = 1;
-    st->versions = pipe && pipe->kind == SCHED_2BW;
+    st->versions = pipe && schedule_no_flush(pipe->kind);
+    st->each = pipe && pipe->kind == SCHED_PIPEDREAM;
     if (st->versions) {
         for (int k = 0; k < 4; k++)
-            if (schedule_build_2bw(&st->lists[k], stages, me, micro, k / 2, k % 2, err, errlen)) return -1;
+            if ((st->each ? schedule_build_pipedream : schedule_build_2bw)(&st->lists[k], stages, me, micro, k / 2, k % 2,
+                                                                        err, errlen))
+                return -1;
         st->sched = st->lists[3];
     } else if (schedule_build(&st->sched, piped(st) ? st->pipe.kind : SCHED_1F1B, stages, me, micro, n_stages,
                        pipeline_split_backward_ok(&m->c, a->B * a->T, a->recompute),
@@ -136,18 +129,10 @@ int step_init(Step *st, Model *m, const Stage *s, int n_stages, Parallel *par, L
     st->mb_inputs = xmalloc((size_t)(st->versions ? 2 : 1) * micro * N * sizeof(int));
     st->mb_targets = xmalloc((size_t)(st->versions ? 2 : 1) * micro * N * sizeof(int));
     if (st->versions) {
-        /* the version before the first update is the initial weights (the first two steps
-         * compute on them); ucompute NULL: the ops read the parameters, in the state type */
-        st->stash = xcalloc((size_t)m->n_units, sizeof(void *));
-        st->live = xcalloc((size_t)m->n_units, sizeof(void *));
-        st->stash_bytes = xcalloc((size_t)m->n_units, sizeof(size_t));
-        for (int u = 0; u < m->n_units; u++) {
-            st->live[u] = m->ucompute[u];
-            if (!m->units[u].n_padded || !unit_weights(m, u)) continue;
-            st->stash_bytes[u] = m->units[u].n_padded * (m->ucompute[u] ? ops_act_size() : ops_state_size());
-            st->stash[u] = op_alloc(st->stash_bytes[u]);
-        }
-        stash_newest(st);
+        int *delay = xcalloc((size_t)m->n_units, sizeof(int));
+        for (int u = 0; u < m->n_units; u++) delay[u] = st->pipe.unit_delay ? st->pipe.unit_delay[u] : 1;
+        versions_init(&st->ver, m, st->hooks, delay);
+        free(delay);
     }
     if (st->head_chunk >= 0) {
         int h = st->head_chunk;
@@ -275,7 +260,11 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
      * gradients are averaged over the ranks that hold the same experts and summed over the ep
      * group (its experts' rows come from all of it). */
     Optimizer *opt = parallel_optimizer(st->par);
-    float scale = optim_loss_scale(opt) / (float)st->micro / (float)m->ep_size;
+    float scale = optim_loss_scale(opt) / (float)(st->each ? 1 : st->micro) / (float)m->ep_size;
+    /* pipedream: m updates a step, the schedule's counts in steps (each update a 1/m of one) */
+    OptimConfig ocu = *oc;
+    if (st->each) ocu.warmup_steps *= st->micro, ocu.decay_steps *= st->micro;
+    double last_norm = 0;
     size_t N = st->acts[0][0].N, act_bytes = msg_bytes(m, &st->acts[0][0]);
     TieHooks tie = {st, 0, 0, *st->hooks};
     const UnitHooks *hooks = st->hooks;
@@ -292,7 +281,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
     for (int i = fill ? 0 : st->micro; i < (ahead ? 2 : 1) * st->micro; i++)
         loader_next(st->loader, st->mb_inputs + (size_t)i * N, st->mb_targets + (size_t)i * N);
     parallel_begin_step(st->par);
-    parallel_set_micro_batches(st->par, st->micro);
+    parallel_set_micro_batches(st->par, st->each ? 1 : st->micro);
     int n_b = 0, n_w = 0;  /* split backward: B and W passes so far (their wbuf ring's places) */
     for (int i = 0; i < st->sched.n; i++) {
         const Action *act = &st->sched.actions[i];
@@ -314,7 +303,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             memcpy(a->inputs, st->mb_inputs + (size_t)act->micro * N, N * sizeof(int));
             memcpy(a->targets, st->mb_targets + (size_t)act->micro * N, N * sizeof(int));
             if (st->dev_losses && c == st->head_chunk) a->losses = st->dev_losses + (size_t)act->micro * N;
-            if (st->versions) use_version(st, act->micro < st->micro);
+            if (st->versions) versions_use(&st->ver, version_index(st, act->micro));
             model_forward(m, s, a, 1, scale, hooks);
             break;
         case ACT_SEND_OUTPUT:
@@ -325,7 +314,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
             recv_slot(st->recv_grad[c], slot, &st->grad_in, model_stage_grad(a), act_bytes, tag(st, act));
             break;
         case ACT_BACKWARD:
-            if (st->versions) use_version(st, 1);  /* the version its forward used */
+            if (st->versions) versions_use(&st->ver, version_index(st, act->micro));  /* its forward's */
             if (st->sched.split_backward) model_backward_input(m, s, a, st->wbuf[n_b++ % st->n_wbuf], hooks);
             else model_backward(m, s, a, hooks);
             break;
@@ -336,27 +325,39 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         case ACT_WEIGHT:
             model_backward_weight(m, s, a, st->wbuf[n_w++ % st->n_wbuf], hooks);
             break;
-        case ACT_OPTIM_STEP:
+        case ACT_OPTIM_STEP: {
             /* (2bw running on: the next step's first activations are still on their way to a
              * stage that takes them after this update, which waits for every stage's gradient
              * norm; their slots wait for them before reuse) */
-            if (!ahead) free_all_slots(st);
+            int last = act->micro < 0 || act->micro == st->micro - 1;  /* pipedream: one a micro-batch */
+            if (!ahead && last) free_all_slots(st);
             if (tie.last_pending) {  /* the copy's last gradient: summed with the first stage's now */
                 tie.emb_ready--;
                 tie_grad_ready(&tie, UNIT_EMBEDDING);
             }
             /* queued before the loss is read: the device goes from the backward into the
              * update while the host waits */
-            if (st->versions) {  /* the newest (on which the next step's batch computes) is kept, then updated */
-                use_version(st, 0);
-                stash_newest(st);
-            }
+            if (st->versions) versions_keep_newest(&st->ver);  /* the newest is kept, then updated */
             trace_mark(NULL, "optimizer step");
-            *norm = parallel_step(st->par, oc, lr);
+            last_norm = parallel_step(st->par, &ocu, lr);
+            *norm = last_norm;
             trace_mark(NULL, "optimizer step enqueued");
-            next_rows(st);
+            if (!last) {  /* pipedream: the next micro-batch's gradient, alone */
+                parallel_begin_step(st->par);
+                parallel_set_micro_batches(st->par, 1);
+            } else {
+                next_rows(st);
+            }
             break;
         }
+        }
+    }
+    if (st->versions) versions_use_newest(&st->ver);  /* (evaluation, sampling, checkpoints: the newest) */
+    if (st->each && piped(st)) {
+        /* each stage's update used its own norm; the step's is the last update's, all stages' */
+        double sq = last_norm * last_norm;
+        comm_allreduce_double(st->pipe.pipe, &sq, 1);
+        *norm = sqrt(sq);
     }
     if (st->versions) {  /* the next step's first micro-batches: read, and some already in flight */
         if (ahead) {
@@ -365,6 +366,7 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr) {
         }
         st->filled = ahead;
         st->slot_base = ahead ? (st->slot_base + st->micro) % st->n_acts[0] : 0;
+        st->mb_base += st->micro;
     }
     double loss = step_loss(st);
     if (m->n_moe) {  /* a pipeline stage has its own layers' statistics: the stages' put together */
@@ -427,10 +429,16 @@ double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_r
 }
 
 int step_stash_pieces(const Step *st, void **piece, size_t *bytes, int max) {
-    int n = 0;
-    for (int u = 0; st->stash && u < st->m->n_units && n < max; u++)
-        if (st->stash[u]) piece[n] = st->stash[u], bytes[n++] = st->stash_bytes[u];
-    return n;
+    return st->versions ? versions_pieces(&st->ver, piece, bytes, max) : 0;
+}
+
+int step_stash_count(const Step *st) { return st->versions ? versions_count(&st->ver) : 0; }
+
+void step_set_start(Step *st, int step, long long updates) {
+    if (!st->versions) return;
+    st->mb_base = (long long)step * st->micro;
+    st->ver.updates = st->each ? updates : step;
+    if (st->each) st->mb_base = updates;
 }
 
 void step_free(Step *st) {
@@ -464,13 +472,7 @@ void step_free(Step *st) {
     if (st->versions) {
         st->sched.actions = NULL;  /* one of lists[] */
         for (int k = 0; k < 4; k++) schedule_free(&st->lists[k]);
-        for (int u = 0; u < st->m->n_units; u++) {
-            if (st->stash[u]) st->m->ucompute[u] = st->live[u];
-            op_free(st->stash[u]);
-        }
-        free(st->stash);
-        free(st->live);
-        free(st->stash_bytes);
+        versions_free(&st->ver);
     }
     schedule_free(&st->sched);
     op_free(st->dev_losses);

@@ -13,6 +13,7 @@
 #include "optim.h"
 #include "parallel.h"
 #include "schedule.h"
+#include "versions.h"
 
 /* Pipeline parallel: this rank is rank `pipe->rank` of the pipe->size ranks of `pipe`,
  * computing `chunks` stages (interleaved: stages c x size + rank; see schedule.h). tie:
@@ -24,6 +25,11 @@ typedef struct {
     const double *cost;     /* every stage's estimated F, B, W (schedule_build's), or NULL */
     int zb1_max_in_flight;  /* schedule_build's (the key's; 0: the default) */
     int copy_engines;       /* send/receive on the copy engines where a link can (comm_p2p_init's) */
+    /* pipedream: per unit of the model, the updates between the version a micro-batch
+     * computes it on and the micro-batch's index (versions.h): the micro-batches its stage
+     * runs ahead (stages - stage - 1), or stages - 1 under vertical sync; on one process the
+     * reference's, each unit its stage's. NULL: 2bw's 1. */
+    const int *unit_delay;
 } StepPipeline;
 
 typedef struct {
@@ -59,14 +65,15 @@ typedef struct {
      * and z losses summed over the micro-batches, the kept choices), the same on every rank */
     float *moe_host;
     double *moe_stats;
-    /* pipeline_schedule=2bw (PipeDream-2BW, pipe.kind): two weight versions. The model's own
-     * (live) are the newest, which the optimizer updates; stash[u] holds unit u's compute
-     * weights of the version before, on which every micro-batch of the step computes (its
-     * forward and its backward), while the forwards of the next step's first micro-batches
-     * run on the newest. lists[fill * 2 + drain]: schedule_build_2bw's four lists. */
-    int versions;          /* 2bw: 1 */
-    void **stash, **live;  /* per unit (NULL: not held); live: the units' ucompute as the strategy set them */
-    size_t *stash_bytes;
+    /* pipeline_schedule=2bw and pipedream (pipe.kind, schedule_no_flush): the weight versions
+     * (versions.h). 2bw: every micro-batch of step t computes on version t - 1, while the
+     * forwards of the next step's first micro-batches run on the newest; pipedream: micro-batch
+     * i on version i - delay, one update after each backward. lists[fill * 2 + drain]: the
+     * schedule's four lists. */
+    int versions;          /* 2bw or pipedream */
+    int each;              /* pipedream: an update after every micro-batch */
+    Versions ver;
+    long long mb_base;     /* micro-batches of the steps before this one */
     Schedule lists[4];
     int drain;             /* set by the caller before step_run: the step ends with nothing in flight
                             * (the last, before validation and checkpoints); 1 unless set */
@@ -90,8 +97,12 @@ double step_run(Step *st, const OptimConfig *oc, double *norm, double *lr);
  * pipeline's stages, forward only; as step_run's loss (0 off the head's stage). One stage:
  * evaluate() in va; a pipeline uses its own first slots' buffers. */
 double step_eval(Step *st, Acts *va, const Shard *val, int max_batches, int dp_rank, int dp);
-/* pipeline_schedule=2bw: this rank's weight version before the newest, unit by unit (ops
- * memory): up to max pieces and their bytes; returns the count (0 without 2bw). */
+/* pipeline_schedule=2bw or pipedream: this rank's weight versions before the newest, unit by
+ * unit (ops memory): up to max pieces and their bytes; returns the count (0 without). */
 int step_stash_pieces(const Step *st, void **piece, size_t *bytes, int max);
+int step_stash_count(const Step *st);
+/* A run resumed at step `step`, after `updates` updates of the optimizer: where the versions'
+ * indices go on from. */
+void step_set_start(Step *st, int step, long long updates);
 void step_free(Step *st);
 #endif

@@ -343,9 +343,9 @@ TrainTotals train_loop(TrainRun *r) {
         jsonlog_raw(r->log, "\"step\":%d", done);
         jsonlog_str(r->log, "stopped", name);
         (void)jsonlog_end(r->log);  /* a failure is reported with the final line's */
-        if (r->saving && r->sched == SCHED_2BW)  /* (the version before is not in it) */
-            printf("stopped by %s after step %d of %d: checkpoint saved (the newest weights; pipeline_schedule=2bw does "
-                   "not resume)\n", name, done, c->steps);
+        if (r->saving && schedule_no_flush(r->sched))  /* (the next micro-batches were read and are in flight) */
+            printf("stopped by %s after step %d of %d: checkpoint saved (the newest weights; pipeline_schedule=%s does "
+                   "not resume)\n", name, done, c->steps, c->pipeline_schedule);
         else if (r->saving) printf("stopped by %s after step %d of %d: checkpoint saved; continue with resume=%s\n", name, done,
                            c->steps, c->ckpt_path);
         else printf("stopped by %s after step %d of %d (ckpt_path=none: no checkpoint)\n", name, done, c->steps);

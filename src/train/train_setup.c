@@ -219,9 +219,9 @@ static void print_header(const TrainRun *r) {
             printf(" stage %d: %s%s", i, desc, i + 1 < r->PP ? ";" : "\n");
         }
         /* the bubble the schedule leaves, for one stage's time per micro-batch in the steady state */
-        if (r->sched == SCHED_2BW)
-            printf("pipeline bubble: none between steps (2bw: the pipeline fills once and drains at the end, and around "
-                   "validation and checkpoints)\n");
+        if (schedule_no_flush(r->sched))
+            printf("pipeline bubble: none between steps (%s: the pipeline fills once and drains at the end, and around "
+                   "validation and checkpoints)\n", c->pipeline_schedule);
         else if (r->sched == SCHED_ZB1)  /* ZB-H1: (p-1)(F+B-W) idle of m(F+B+W), with F = B = W */
             printf("pipeline bubble: %.1f%% of the step predicted ((p-1)/(3m+p-1), ZB-H1 with equal F, B, W)\n",
                    100.0 * (r->PP - 1) / (3.0 * r->M + r->PP - 1));
@@ -232,6 +232,18 @@ static void print_header(const TrainRun *r) {
     if (r->sched == SCHED_2BW)
         printf("weight versions: 2 (PipeDream-2BW): step t computes its gradient on the weights of update t - 1 and "
                "applies it to those of update t (one step stale)\n");
+    if (r->sched == SCHED_PIPEDREAM) {
+        int depth = r->PP > 1 ? r->PP : c->pipedream_depth > 1 ? c->pipedream_depth : 1;
+        printf("weight versions (PipeDream, weight stashing): an update after every micro-batch (%d a step); ", r->M);
+        if (c->pipedream_vertical_sync)
+            printf("vertical sync: every stage computes micro-batch i on its weights of update i - %d, %d versions on "
+                   "each stage", depth - 1, depth);
+        else
+            for (int i = 0; i < depth; i++)
+                printf("stage %d computes micro-batch i on its weights of update i - %d, %d version%s%s", i, depth - 1 - i,
+                       depth - i, depth - i > 1 ? "s" : "", i + 1 < depth ? "; " : "");
+        printf("%s\n", r->PP > 1 ? "" : " (one process: the pipeline's reference)");
+    }
     const LossScaleConfig *ls = &r->oc.loss_scale;
     if (ls->kind == LOSS_SCALE_FIXED)
         printf("loss scale: fixed at %g; a step whose gradient overflows is skipped\n", ls->init);
@@ -247,6 +259,27 @@ static void print_header(const TrainRun *r) {
            fmt_commas(b1, (long long)r->train.n_tokens), r->loader.batches_per_epoch, c->val_data,
            fmt_commas(b2, (long long)r->val.n_tokens));
     estimate_print(&r->ein, r->dp, &r->est);
+}
+
+/* pipedream: each unit's delay (versions.h), what its stage's place in the pipeline makes it:
+ * a stage runs stages - stage - 1 micro-batches ahead, so its forward of micro-batch i comes
+ * after the update of micro-batch i - (stages - stage - 1) - 1 and computes on that version;
+ * under vertical sync every stage takes the first stage's. One process with pipedream_depth:
+ * the stages of a pipeline of that depth, as pipeline_split cuts it. */
+static int unit_delays(const TrainRun *r, const Config *c, int **out, char *err, size_t errlen) {
+    int n = r->m.n_units, depth = r->PP > 1 ? r->PP : c->pipedream_depth, vs = c->pipedream_vertical_sync;
+    int *d = *out = xcalloc((size_t)n, sizeof(int));
+    if (r->PP > 1) {
+        for (int u = 0; u < n; u++) d[u] = vs ? r->PP - 1 : r->PP - 1 - r->mesh.pp_rank;
+        return 0;
+    }
+    if (depth < 2) return 0;
+    Stage *st = xcalloc((size_t)depth, sizeof(Stage));
+    int rc = pipeline_split(&r->mc, r->T, depth, c->pipeline_split, st, err, errlen);
+    for (int s = 0; !rc && s < depth; s++)
+        for (int u = st[s].first; u <= st[s].last && u < n; u++) d[u] = vs ? depth - 1 : depth - 1 - s;
+    free(st);
+    return rc;
 }
 
 void train_setup(TrainRun *r, Config *c) {
@@ -268,7 +301,7 @@ void train_setup(TrainRun *r, Config *c) {
     comm_world_init(&r->world, c->comm_timeout);
     set_log_rank(r->world.rank, r->world.size);
     r->graphs = graphs_wanted(c, r->world.size, r->gpu);
-    if (!strcmp(c->pipeline_schedule, "2bw")) r->graphs = 0;  /* a recorded layer keeps one version's weights */
+    if (!strcmp(c->pipeline_schedule, "2bw") || !strcmp(c->pipeline_schedule, "pipedream")) r->graphs = 0;  /* a recorded layer keeps one version's weights */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
@@ -442,7 +475,8 @@ void train_setup(TrainRun *r, Config *c) {
         printf("gradient all-reduce: %s\n", comm_copy_engines_active(&r->mesh.dp)
                    ? "copy engines (NCCL all-to-all, sum kernel, all-gather; copy_engines=true)"
                    : "NCCL all-reduce kernels");
-    parallel_set_stages(r->par, &r->mesh.pp, !r->tied_copy);
+    /* pipedream: each stage's update on its own gradient alone (no norm across the stages) */
+    parallel_set_stages(r->par, r->sched == SCHED_PIPEDREAM ? NULL : &r->mesh.pp, !r->tied_copy);
     /* a tied embedding's two copies (the first and the last stage) sum their gradients */
     r->tie_member = r->mc.tie_embeddings && r->PP > 1 && (stage_has_embedding(&r->mine[0]) || r->tied_copy);
     if (r->PP > 1 && r->mc.tie_embeddings)
@@ -544,20 +578,27 @@ void train_setup(TrainRun *r, Config *c) {
     if (r->oc.loss_scale.kind) r->h.flags |= CKPT_LOSS_SCALE;
     if (r->compress && r->dp > 1) r->h.flags |= CKPT_GRAD_EF;
     if (r->sched == SCHED_2BW) r->h.flags |= CKPT_2BW;
+    if (r->sched == SCHED_PIPEDREAM) r->h.flags |= CKPT_PIPEDREAM;
 
     /* MFU's reference: the key, or the card's dense bf16 peak by its name (an fp32 run reaches a
      * small fraction of it, as the PyTorch peers count it); none for an unknown card or the cpu */
     r->peak = c->peak_tflops > 0 ? c->peak_tflops * 1e12 : r->gpu ? card_peak_flops(ops_device_name()) : 0;
+    int *delay = NULL;
+    if (r->sched == SCHED_PIPEDREAM && unit_delays(r, c, &delay, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     StepPipeline pipe = {&r->mesh.pp, r->tie_member ? &r->tie : NULL, r->sched, r->stage_cost, c->zb1_max_in_flight,
-                         r->pp_ce};
+                         r->pp_ce, delay};
     if (step_init(&r->st, &r->m, r->mine, r->V, r->par, &r->loader, &r->a, r->M,
-                  r->PP > 1 || r->sched == SCHED_2BW ? &pipe : NULL, err, sizeof err))
+                  r->PP > 1 || schedule_no_flush(r->sched) ? &pipe : NULL, err, sizeof err))
         die(EXIT_BAD_INPUT, "%s", err);
-    /* 2bw resumed from a 2bw checkpoint: the version before, as each rank saved it (another
-     * schedule resumes on the newest alone; a 2bw run from another checkpoint starts its
-     * staleness there, its version before being the newest) */
-    if (r->resuming && (r->resume_h.flags & CKPT_2BW)) {
-        if (train_stash_load(c->resume, &r->resume_h, r->world.rank, r->world.size, &r->st, err, sizeof err) < 0)
+    free(delay);
+    /* 2bw or pipedream resumed from a checkpoint of the same: the versions before the newest,
+     * as each rank saved them (another schedule resumes on the newest alone; a 2bw or pipedream
+     * run from another checkpoint starts its staleness there, every version being the newest) */
+    if (r->resuming) {
+        step_set_start(&r->st, r->start, r->resume_h.adam_step);
+        unsigned want = r->sched == SCHED_2BW ? CKPT_2BW : r->sched == SCHED_PIPEDREAM ? CKPT_PIPEDREAM : 0;
+        if ((r->resume_h.flags & want) &&
+            train_stash_load(c->resume, &r->resume_h, r->world.rank, r->world.size, &r->st, err, sizeof err) < 0)
             fail_set(&f, EXIT_BAD_INPUT, "%s", err);
         comm_exit_if_failed(&r->world, &f);
     }

@@ -205,7 +205,7 @@ int train_state_load(const char *path, CkptHeader *h, const Parallel *par, const
 
 /* the step's stash, as pieces in host memory: the units' own on the cpu, else copies */
 static int stash_host(const Step *st, void ***piece, size_t **bytes, void ***dev) {
-    int max = st->m->n_units;
+    int max = step_stash_count(st);
     *piece = xcalloc((size_t)max + 1, sizeof **piece);
     *dev = xcalloc((size_t)max + 1, sizeof **dev);
     *bytes = xcalloc((size_t)max + 1, sizeof **bytes);
