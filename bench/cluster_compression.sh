@@ -6,8 +6,11 @@
 # the bytes rank 0 sent a step (the log's comm_bytes, the mean over the steps) beside the bytes
 # its host's link carried a step (tc's counter, all the host's ranks, validation included), the final validation loss, and the wall time until the
 # validation loss first reached the uncompressed DDP run's final one (validation every 10 steps).
+# With one rank a host, the last column compares the whole run's bytes: what host 0's link sent
+# (frames: TCP/IP and Ethernet headers, the acknowledgements of what it received) over what rank 0
+# gave MPI to send (the log's comm_bytes_total: set-up, steps, validation).
 #   bash bench/cluster_compression.sh [RATES...]     (default: 1gbit 100mbit)
-# Env: STEPS (40).
+# Env: STEPS (40); ONLY=TEXT runs only the layouts whose label holds TEXT (e.g. ONLY=2x1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=$(pwd)/${MESHTRAIN_BIN:-build/meshtrain}
@@ -33,6 +36,8 @@ rows = [json.loads(l) for l in open(log)]
 st = [r for r in rows if "step" in r and "loss" in r]
 val = [r for r in rows if "val_loss" in r and "step" in r]
 tok = sum(r["tokens_per_s"] for r in st[1:]) / len(st[1:])
+total = next((r["comm_bytes_total"] for r in rows if r.get("done") and "comm_bytes_total" in r), 0)
+whole = f"{link / total:.4f}" if total and "x1" in label else "-"
 cb = sum(r.get("comm_bytes", 0) for r in st) / len(st)
 t, reach = 0.0, None
 ms = {r["step"]: r["ms"] for r in st}
@@ -40,11 +45,12 @@ for v in val:
     if reach is None and target != "-" and v["val_loss"] <= float(target) + 1e-9:
         reach = sum(ms[s] for s in ms if s <= v["step"]) / 1e3
 print(f'| {label} | {tok:,.0f} | {cb / 1e6:.3f} | {link / steps / 1e6:.3f} | {val[-1]["val_loss"]:.4f} | '
-      f'{"not reached" if reach is None else f"{reach:.1f} s"} |')
+      f'{"not reached" if reach is None else f"{reach:.1f} s"} | {whole} |')
 EOF
 }
 run() {  # run LABEL PER_HOST NP KEYS...
   local label=$1 per=$2 np=$3; shift 3
+  [ -z "${ONLY:-}" ] || [[ $label == *"$ONLY"* ]] || return 0
   local out=$tmp/$RANDOM$RANDOM b0 b1
   b0=$(sent)
   scripts/cluster.sh run "$name" --per-host "$per" -- --oversubscribe --bind-to none -np "$np" "$BIN" train $KEYS "$@" \
@@ -53,11 +59,11 @@ run() {  # run LABEL PER_HOST NP KEYS...
   [ "$label" = "DDP 2x1" ] && target=$(grep -o '"val_loss":[0-9.]*' "$out/log.jsonl" | tail -1 | cut -d: -f2)
   report "$label" "$out/log.jsonl" $((b1 - b0)) "${target:--}"
 }
-echo "| layout | tokens/s | MB sent a step (rank 0) | MB on its host's link a step | final val_loss | time to DDP's val_loss |"
-echo "|---|---|---|---|---|---|"
+echo "| layout | tokens/s | MB sent a step (rank 0) | MB on its host's link a step | final val_loss | time to DDP's val_loss | link / counted, whole run |"
+echo "|---|---|---|---|---|---|---|"
 for r in "${rates[@]}"; do
   line=$(scripts/cluster.sh up "$name" --hosts 2 --rate "$r")
-  echo "| **$r**, measured $(sed -n 's/.*measured=\([^ ]*\).*/\1/p' <<<"$line") | | | | | |"
+  echo "| **$r**, measured $(sed -n 's/.*measured=\([^ ]*\).*/\1/p' <<<"$line") | | | | | | |"
   target=-
   run "DDP 2x1" 1 2 batch_size=4
   run "DDP 2x1, int8" 1 2 batch_size=4 grad_compression=int8

@@ -51,6 +51,8 @@ int train_report(TrainRun *r, const TrainTotals *t) {
         jsonlog_num(r->log, "tokens_per_s", "%.1f", tok_s);
         jsonlog_num(r->log, "gflops", "%.2f", flops / 1e9);
         jsonlog_num(r->log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
+        if (r->world.size > 1)  /* rank 0's, through MPI, all the run: set-up, steps, validation, checkpoints */
+            jsonlog_raw(r->log, ",\"comm_bytes_total\":%llu", (unsigned long long)comm_bytes_sent());
         jsonlog_raw(r->log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
                     r->est.total);
         if (r->oc.offload) {
