@@ -45,6 +45,10 @@ table val_loss 1
 echo
 for s in $SCHEDULES; do
   grep -o '^{"step":[0-9]*,"loss".*"ms":[0-9.]*' "$out/$s/log.jsonl" | grep -o '"ms":[0-9.]*' | cut -d: -f2 |
-    awk -v s=$s 'NR > 1 {t += $1; n++} END {printf "%s: %.1f ms a step (mean of %d after the first)\n", s, t / n, n}'
+    awk -v s=$s 'NR > 1 {t += $1; n++} END {printf "%s: %.1f ms a step (mean of %d after the first)", s, t / n, n}'
+  # the measured idle share: each rank's time blocked in communication over the timed steps
+  grep '"done":true' "$out/$s/log.jsonl" | python3 -c 'import json, sys; d = json.loads(sys.stdin.read())
+print(", blocked %.3f of the step (mean over ranks), %.3f at most" % (d["blocked_fraction"], d["blocked_fraction_max"])
+      if "blocked_fraction" in d else "")'
 done
 rm -rf "$out"

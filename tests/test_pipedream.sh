@@ -86,6 +86,14 @@ $MPIRUN -np 2 "$BIN" train ${R2/steps=8/steps=6} ckpt_every=3 resume="$TMP/bw3/c
   >"$TMP/bw3r.log" 2>&1
 [ -s "$TMP/bw3/ckpt.bin.s00000003.stash1" ] && "$DIFF" "$TMP/bw3r/ckpt.bin" "$TMP/bw6/ckpt.bin" | grep -qx 'max_rel_diff 0' &&
   ok resume_bitwise || bad "resume_bitwise ($("$DIFF" "$TMP/bw3r/ckpt.bin" "$TMP/bw6/ckpt.bin" 2>&1; tail -1 "$TMP/bw3r.log"))"
+# the end's record: each rank's share of the step blocked in communication (the pipeline's idle
+# time on CPU ranks), the mean over ranks and the most, fractions of the step; and the
+# whole run's bytes
+grep '"done":true' "$TMP/bw6/log.jsonl" | python3 -c '
+import json, sys; d = json.loads(sys.stdin.read())
+b, m = d["blocked_fraction"], d["blocked_fraction_max"]
+sys.exit(not (0 < b <= m < 1 and d["comm_bytes_total"] > 0))' && ok blocked_fraction_logged ||
+  bad "blocked_fraction_logged ($(grep -o '"blocked[^,]*,"blocked[^,]*' "$TMP/bw6/log.jsonl"))"
 R4=${R2/batch_size=8/batch_size=4}
 err=$($MPIRUN -np 4 "$BIN" train ${R4/steps=8/steps=6} resume="$TMP/bw3/ckpt.bin" out_dir="$TMP/bw4" 2>&1 >/dev/null); rc=$?
 [ $rc -eq 2 ] && grep -q "resumes with 2bw on 2 ranks only" <<<"$err" && ok resume_on_another_world_refused ||

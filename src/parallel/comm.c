@@ -236,12 +236,19 @@ static void backoff(long spins) {
     }
 }
 
+/* Seconds the main thread has spent in comm_wait_until (comm_blocked_seconds). */
+static double g_blocked_s;
+double comm_blocked_seconds(void) { return g_blocked_s; }
+
 /* The one waiting loop: polls `done` (which moves every ring in flight) so that a lost
  * peer ends the run after g_timeout seconds instead of hanging it. */
 void comm_wait_until(int (*done)(void *), void *arg, const Comm *c, const char *what) {
     double t0 = now_seconds();
     for (long spins = 0;; spins++) {
-        if (done(arg)) return;
+        if (done(arg)) {
+            g_blocked_s += now_seconds() - t0;
+            return;
+        }
         backoff(spins);
         if (g_timeout > 0 && (spins & 255) == 0 && now_seconds() - t0 > g_timeout) {
             char msg[256];

@@ -66,6 +66,10 @@ typedef struct {
  * messages, the all-to-alls' and the point-to-point messages (not the host collectives of a
  * few scalars, nor NCCL's traffic, which NCCL moves itself). */
 uint64_t comm_bytes_sent(void);
+/* Seconds this process has spent blocked waiting for communication since it started (every
+ * wait goes through one loop). On CPU ranks, whose compute is synchronous, that is the time a
+ * rank had nothing to do; on a GPU the device may be busy meanwhile. */
+double comm_blocked_seconds(void);
 
 /* Starts the world: MPI when this process was started by a launcher (mpirun, srun; it
  * looks at OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK and SLURM_NTASKS), else a world of

@@ -158,6 +158,7 @@ TrainTotals train_loop(TrainRun *r) {
     /* offload: the update thread's time and the forward's wait for it, totals (upd0, wait0: at
      * the last step's end); the update of step s runs beside step s + 1, and is counted there */
     double upd0 = 0, uwait0 = 0, upd_timed = 0, uwait_timed = 0;
+    double blocked_timed = 0;  /* the timed steps' time blocked in communication (comm_blocked_seconds) */
     int timed_steps = 0;
     float loss = 0;
     int stopped = 0, late_signal = 0, log_failed = 0, done = r->start;
@@ -177,7 +178,7 @@ TrainTotals train_loop(TrainRun *r) {
             /* the plans are made and the matmuls tuned: the layers may be recorded */
             if (r->graphs) model_use_graphs(&r->m, 1);
         }
-        double t0 = now_seconds();
+        double t0 = now_seconds(), blocked0 = comm_blocked_seconds();
         uint64_t sent0 = comm_bytes_sent();
         inject_fault(r->world.rank, step + 1);
         if (hook_rank_at_step(HOOK_FAULT_OVERFLOW, r->world.rank, step + 1)) parallel_inject_overflow(r->par);
@@ -210,7 +211,10 @@ TrainTotals train_loop(TrainRun *r) {
         parallel_offload_times(r->par, &upd1, &uwait1);
         double upd = upd1 - upd0, uwait = uwait1 - uwait0;
         upd0 = upd1, uwait0 = uwait1;
-        if (step + 1 > warm) { t_timed += dt; comm_timed += wait; upd_timed += upd; uwait_timed += uwait; timed_steps++; }
+        if (step + 1 > warm) {
+            t_timed += dt, comm_timed += wait, upd_timed += upd, uwait_timed += uwait, timed_steps++;
+            blocked_timed += comm_blocked_seconds() - blocked0;
+        }
         double tok_s = tokens_per_step / dt, gflops = flops_per_step / dt / 1e9;
         if (r->log) {
             jsonlog_begin(r->log);
@@ -353,6 +357,6 @@ TrainTotals train_loop(TrainRun *r) {
     if (late_signal && r->lead)
         printf("%s received after the last step: the run is complete\n",
                late_signal == SIGINT ? "SIGINT" : late_signal == SIGTERM ? "SIGTERM" : "a signal");
-    return (TrainTotals){done, timed_steps, stopped, late_signal, t_timed, comm_timed, upd_timed, uwait_timed, val_loss,
-                         loss};
+    return (TrainTotals){done,        timed_steps, stopped,     late_signal,   t_timed, comm_timed,
+                         upd_timed,   uwait_timed, blocked_timed, val_loss,    loss};
 }

@@ -31,6 +31,12 @@ int train_report(TrainRun *r, const TrainTotals *t) {
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
     world_max_min(&r->world, (double)max_rss_bytes(), &rss_max, &rss_min);
+    /* each rank's share of the timed steps spent blocked in communication (on CPU ranks, its
+     * idle time: a pipeline's bubble, a straggler's peers): the mean over the ranks, the most */
+    double blocked = t_timed > 0 ? t->blocked_timed / t_timed : 0.0, blocked_max, blocked_min;
+    world_max_min(&r->world, blocked, &blocked_max, &blocked_min);
+    comm_allreduce_double(&r->world, &blocked, 1);
+    blocked /= r->world.size;
     /* pipeline: every stage's peak (its largest rank) beside its own estimate */
     double *stage_mem = NULL;
     /* GPU: the high-water mark of the bytes op_alloc held (comparable to the estimate), and
@@ -51,8 +57,11 @@ int train_report(TrainRun *r, const TrainTotals *t) {
         jsonlog_num(r->log, "tokens_per_s", "%.1f", tok_s);
         jsonlog_num(r->log, "gflops", "%.2f", flops / 1e9);
         jsonlog_num(r->log, "comm_wait_fraction", "%.4f", t_timed > 0 ? comm_timed / t_timed : 0.0);
-        if (r->world.size > 1)  /* rank 0's, through MPI, all the run: set-up, steps, validation, checkpoints */
+        if (r->world.size > 1) {  /* rank 0's, through MPI, all the run: set-up, steps, validation, checkpoints */
             jsonlog_raw(r->log, ",\"comm_bytes_total\":%llu", (unsigned long long)comm_bytes_sent());
+            jsonlog_num(r->log, "blocked_fraction", "%.4f", blocked);
+            jsonlog_num(r->log, "blocked_fraction_max", "%.4f", blocked_max);
+        }
         jsonlog_raw(r->log, ",\"max_rss_bytes\":%.0f,\"min_rss_bytes\":%.0f,\"estimate_bytes\":%zu", rss_max, rss_min,
                     r->est.total);
         if (r->oc.offload) {
@@ -105,7 +114,9 @@ int train_report(TrainRun *r, const TrainTotals *t) {
                    uwait_timed / timed_steps * 1e3, t_timed > 0 ? 100 * uwait_timed / t_timed : 0.0);
         if (r->world.size > 1 || comm_timed > 0)
             printf("communication: waited on collectives with no compute left to run %.1f%% of the step "
-                   "(overlap=%s)\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false");
+                   "(overlap=%s); each rank blocked in communication %.1f%% of the step on average, %.1f%% at "
+                   "most\n", t_timed > 0 ? 100 * comm_timed / t_timed : 0.0, c->overlap ? "true" : "false",
+                   100 * blocked, 100 * blocked_max);
         if (r->tp_fused)
             printf("tensor parallel: %llu sums fused into the products\n", tensor_parallel_fused_count());
         if (r->m.graphs) {

@@ -61,7 +61,7 @@ typedef struct {
 /* What the loop measured, for the report. */
 typedef struct {
     int done, timed_steps, stopped, late_signal;
-    double t_timed, comm_timed, upd_timed, uwait_timed, val_loss;
+    double t_timed, comm_timed, upd_timed, uwait_timed, blocked_timed, val_loss;
     float loss;
 } TrainTotals;
 
