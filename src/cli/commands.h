@@ -16,5 +16,6 @@ int cmd_plot(Config *c);
 int cmd_plan(Config *c);
 int cmd_calibrate(Config *c);
 /* The path this program was started by (argv[0]), for the commands plan prints. */
+void set_program_name(const char *argv0);
 const char *program_name(void);
 #endif

@@ -8,9 +8,6 @@
 
 typedef struct { const char *name; int mask; int (*run)(Config *); const char *help; } Command;
 
-static const char *g_program = "meshtrain";
-const char *program_name(void) { return g_program; }
-
 static const Command COMMANDS[] = {
     {"train", CMD_TRAIN, cmd_train, "train a model (or resume=PATH a run)"},
     {"prepare", CMD_PREPARE, cmd_prepare, "TinyStories text -> train.bin / val.bin token shards"},
@@ -68,7 +65,7 @@ static int help(const char *which) {
 int main(int argc, char **argv) {
     /* Under a launcher every rank parses the same command line: its errors print once. */
     int rank, size;
-    if (argc > 0 && argv[0] && argv[0][0]) g_program = argv[0];
+    if (argc > 0 && argv[0] && argv[0][0]) set_program_name(argv[0]);
     if (env_launcher(&rank, &size)) set_log_rank(rank, size);
     int unwired = env_unwired_tasks();
     if (unwired)

@@ -20,6 +20,10 @@
 static const char *PLAN_ONLY[] = {"global_batch", "cluster", "hosts", "devices_per_host", "device_memory", "host_memory",
                                   "link_intra", "link_inter", "profile", "top", "try", "try_steps", "out", "config"};
 
+static const char *g_program = "meshtrain";
+void set_program_name(const char *argv0) { g_program = argv0; }
+const char *program_name(void) { return g_program; }
+
 typedef struct { char *buf; size_t len; } Words;
 
 static void model_key(void *ctx, const char *key, const char *value, int is_text) {
@@ -49,13 +53,13 @@ static void model_keys(const Config *c, int mask, char *buf, size_t len) {
 
 /* The cluster the keys describe, or this machine (cluster=this; keys given override what it
  * reads). Every missing or impossible part is one line and exit 2. */
-static Cluster cluster_of(const Config *c, int cmd) {
+static Cluster cluster_of(const Config *c, int cmd, int hosts_given, int link_inter_given) {
     Cluster cl = {c->hosts, c->devices_per_host, 0, !strcmp(c->device, "cuda"), c->device_memory, c->host_memory,
                   c->link_intra, c->link_inter};
     int cores = omp_get_num_procs();
     const char *who = cmd == CMD_PLAN ? "plan" : "calibrate";
     if (!strcmp(c->cluster, "this")) {
-        if (config_was_set("hosts") && c->hosts != 1)
+        if (hosts_given && c->hosts != 1)
             die(EXIT_BAD_INPUT, "%s: cluster=this reads one machine; hosts=%d describes others (drop cluster=this)", who,
                 c->hosts);
         cl.cores = cores;
@@ -83,7 +87,7 @@ static Cluster cluster_of(const Config *c, int cmd) {
         die(EXIT_BAD_INPUT, "plan: device=cuda needs device_memory= (one GPU's memory, e.g. 80GB), or cluster=this");
     if (cl.host_memory <= 0)
         die(EXIT_BAD_INPUT, "plan: host_memory= (one machine's memory, e.g. 1TB) is needed, or cluster=this");
-    if (cl.hosts > 1 && cl.link_inter <= 0 && config_was_set("link_inter"))
+    if (cl.hosts > 1 && cl.link_inter <= 0 && link_inter_given)
         die(EXIT_BAD_INPUT, "plan: link_inter=0 with hosts=%d: the machines need a link", cl.hosts);
     cl.cores = cl.gpu ? cores : cl.per_host;  /* (described CPU machines: a core a rank) */
     return cl;
@@ -181,9 +185,10 @@ static double try_layout(const char *model, const PlanLayout *l, const Cluster *
 
 int cmd_plan(Config *c) {
     char model[2048];
+    int hosts_given = config_was_set("hosts"), link_given = config_was_set("link_inter");  /* (before the model's parse) */
     model_keys(c, CMD_PLAN, model, sizeof model);
     if (c->global_batch <= 0) die(EXIT_BAD_INPUT, "plan: give global_batch= (sequences per optimizer step, over all ranks)");
-    Cluster cl = cluster_of(c, CMD_PLAN);
+    Cluster cl = cluster_of(c, CMD_PLAN, hosts_given, link_given);
     Profile prof;
     char err[1024];
     if (c->profile[0]) {
@@ -267,7 +272,7 @@ int cmd_plan(Config *c) {
 int cmd_calibrate(Config *c) {
     char model[2048];
     model_keys(c, CMD_CALIBRATE, model, sizeof model);
-    Cluster cl = cluster_of(c, CMD_CALIBRATE);
+    Cluster cl = cluster_of(c, CMD_CALIBRATE, 0, 0);
     const char *out = c->out[0] ? c->out : "profile.txt";
     return calibrate_run(c, model, &cl, out);
 }

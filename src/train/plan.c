@@ -159,10 +159,14 @@ static void batches(Enum *en, PlanLayout base, int per_rank) {
     }
 }
 
+/* Fastest first: a layout's measured step where try= ran it, else its prediction scaled as
+ * the measured ones were off (profile_correction); those over memory last. */
+static double g_corr = 1;
 static int cmp_layout(const void *a, const void *b) {
     const PlanLayout *x = a, *y = b;
     if (x->fits != y->fits) return y->fits - x->fits;
-    double tx = x->measured > 0 ? x->measured : x->cost.step, ty = y->measured > 0 ? y->measured : y->cost.step;
+    double tx = x->measured > 0 ? x->measured : x->cost.step * g_corr;
+    double ty = y->measured > 0 ? y->measured : y->cost.step * g_corr;
     return (tx > ty) - (tx < ty);
 }
 
@@ -195,6 +199,7 @@ void plan_enumerate(const char *model, const Config *base, const Cluster *cl, Pr
                 }
             }
         }
+    g_corr = profile_correction(p, NULL);
     qsort(out->v, (size_t)out->n, sizeof *out->v, cmp_layout);
 }
 
