@@ -13,12 +13,15 @@
 #include "profile.h"
 #include "util.h"
 
-/* Each figure is the median of repetitions after a warm-up, repeated until they add up to
- * MIN_SECONDS (at least MIN_REPS, at most MAX_REPS): a loaded machine's noise, not its
- * first touches. */
+/* Each figure is the fastest of repetitions after two warm-ups, repeated until they add up
+ * to MIN_SECONDS (at least MIN_REPS, at most MAX_REPS). The fastest, not the median: on a
+ * shared machine a repetition can only lose time (a thread of the op's team preempted, its
+ * wake-up after the buffers were filled), and the median of a few short ones was 20x an op's
+ * time inside a training step. */
 #define MIN_SECONDS 0.05
 #define MIN_REPS 3
 #define MAX_REPS 50
+#define WARM_SECONDS 0.15
 
 typedef struct { void *a[8]; float *f[3]; int *ids; } Bufs;
 
@@ -115,7 +118,11 @@ typedef void (*Fn)(void *ctx);
 static double timed_n(Fn fn, void *ctx, int reps) {
     double t[MAX_REPS], total = 0;
     int n = 0;
-    fn(ctx);  /* warm-up */
+    /* warm-ups: first touches, and the op's thread team running on its cores (on a loaded
+     * machine a team that slept while the buffers were filled takes a scheduler's slice,
+     * ~10 ms, for each of its first parallel regions; a training step keeps it awake) */
+    double w0 = now_seconds();
+    for (int i = 0; i < 2 || (reps == 0 && i < 2000 && now_seconds() - w0 < WARM_SECONDS); i++) fn(ctx);
     ops_synchronize();
     while (reps > 0 ? n < reps : n < MAX_REPS && (n < MIN_REPS || total < MIN_SECONDS)) {
         double t0 = now_seconds();
@@ -125,7 +132,7 @@ static double timed_n(Fn fn, void *ctx, int reps) {
         total += t[n++];
     }
     qsort(t, (size_t)n, sizeof(double), cmp_d);
-    return t[n / 2];
+    return reps > 0 ? t[n / 2] : t[0];  /* (a collective's median: its ranks wait for each other) */
 }
 static double timed(Fn fn, void *ctx) { return timed_n(fn, ctx, 0); }
 
@@ -145,14 +152,27 @@ static void copy_once(void *ctx) {
 
 /* ---- collectives: under mpirun, every group of the first g ranks ---- */
 
-typedef struct { const Comm *c; float *buf, *recv; size_t n; int kind; } CollRun;
-static void coll_once(void *ctx) {
-    CollRun *r = ctx;
+typedef struct { const Comm *c; float *buf, *recv; size_t n; int kind; double t; } CollRun;
+static void coll_call(CollRun *r) {
     if (r->kind == COLL_ALLREDUCE) comm_allreduce(r->c, r->buf, r->n, COMM_SUM);
     else if (r->kind == COLL_ALLGATHER) comm_allgather(r->c, r->buf, r->n / (size_t)r->c->size);
     else if (r->kind == COLL_REDUCE_SCATTER) comm_reduce_scatter(r->c, r->buf, r->recv, r->n / (size_t)r->c->size, COMM_SUM);
     else if (r->c->rank == 0) comm_send(r->c, r->buf, r->n * 4, 1, 7), comm_recv(r->c, r->buf, r->n * 4, 1, 7);
     else if (r->c->rank == 1) comm_recv(r->c, r->buf, r->n * 4, 0, 7), comm_send(r->c, r->buf, r->n * 4, 0, 7);
+}
+
+/* Each collective after a millisecond of computing, as a training step's come after its ops:
+ * a peer that computed is not waiting hot in the collective, and on a loaded machine the
+ * time until every rank is there is what a step pays. Only the collective is timed (r->t). */
+static volatile double g_sink;
+static void coll_once(void *ctx) {
+    CollRun *r = ctx;
+    double t0 = now_seconds(), x = 0;
+    while (now_seconds() - t0 < 1e-3) x += 1e-9;
+    g_sink = x;
+    t0 = now_seconds();
+    coll_call(r);
+    r->t += now_seconds() - t0;
 }
 
 /* latency + bytes / rate: the rate between the two larger sizes, the latency what the
@@ -185,8 +205,12 @@ static int collectives(const char *out) {
                 double bytes[3], t[3];
                 for (int i = 0; i < 3; i++) {
                     size_t n = sizes[i] / (size_t)g * (size_t)g;
-                    CollRun r = {&sub, buf, recv, n, k};
-                    t[i] = timed_n(coll_once, &r, i < 2 ? 30 : 10);
+                    int reps = i < 2 ? 30 : 10;
+                    CollRun r = {&sub, buf, recv, n, k, 0};
+                    coll_once(&r);
+                    r.t = 0;
+                    for (int j = 0; j < reps; j++) coll_once(&r);
+                    t[i] = r.t / reps;
                     if (k == COLL_SENDRECV) t[i] /= 2;  /* (there and back) */
                     bytes[i] = (double)n * 4;
                 }
@@ -257,20 +281,44 @@ int calibrate_run(const Config *c, const char *model, const Cluster *cl, const c
     p.cores = cl->cores;
     printf("calibrate: %d op shapes the layouts need (device=%s, %d cores)\n", want.n_wanted, c->device, cl->cores);
     unsigned seed = 1;
-    int cur_threads = -1;
+    /* CPU: every shape on one thread, then each thread count's speedup on the largest product
+     * the layouts run (a small op timed alone on a team of threads on a loaded machine waits
+     * for its threads to be scheduled, ~10 ms a call, which a training step's busy team does not) */
+    if (!gpu && ops_init("cpu", 1, err, sizeof err)) die(EXIT_BAD_INPUT, "calibrate: %s", err);
+    int biggest = -1, threads_wanted[PROF_MAX_THREADS + 1] = {0};
+    double most = 0;
     for (int i = 0; i < want.n_wanted; i++) {
         const ProfOp *o = &want.wanted[i];
         if (!strcmp(o->name, "adamw_host")) continue;  /* (below) */
-        if (!gpu && o->threads != cur_threads) {
-            if (ops_init("cpu", o->threads, err, sizeof err)) die(EXIT_BAD_INPUT, "calibrate: %s", err);
-            cur_threads = o->threads;
-        }
+        int th = gpu ? 0 : 1;
+        if (!gpu && o->threads > 1 && o->threads <= PROF_MAX_THREADS) threads_wanted[o->threads] = 1;
+        int done = 0;
+        for (int j = 0; j < p.n_ops && !done; j++)
+            done = !strcmp(p.ops[j].name, o->name) && p.ops[j].threads == th && !memcmp(p.ops[j].d, o->d, sizeof o->d);
+        if (done) continue;
         Bufs b;
         alloc_for(o->name, o->d, &b, c->vocab_size, &seed);
         OpRun r = {o->name, o->d, &b, c->vocab_size};
-        double s = timed(op_once, &r);
+        double t = timed(op_once, &r);
         free_bufs(&b);
-        profile_add_op(&p, o->name, o->threads, o->d, s);
+        profile_add_op(&p, o->name, th, o->d, t);
+        if (!strncmp(o->name, "matmul_forward", 14) && (double)o->d[0] * o->d[1] * o->d[2] > most)
+            most = (double)o->d[0] * o->d[1] * o->d[2], biggest = i;
+    }
+    for (int th = 2; !gpu && biggest >= 0 && th <= PROF_MAX_THREADS; th++) {
+        if (!threads_wanted[th]) continue;
+        const ProfOp *o = &want.wanted[biggest];
+        Bufs b;
+        alloc_for(o->name, o->d, &b, c->vocab_size, &seed);
+        OpRun r = {o->name, o->d, &b, c->vocab_size};
+        if (ops_init("cpu", 1, err, sizeof err)) die(EXIT_BAD_INPUT, "calibrate: %s", err);
+        double t1 = timed(op_once, &r);
+        if (ops_init("cpu", th, err, sizeof err)) die(EXIT_BAD_INPUT, "calibrate: %s", err);
+        double tt = timed(op_once, &r);
+        free_bufs(&b);
+        p.speedup[th] = t1 / tt;
+        printf("  %d threads: %.2fx one thread's speed (%s at %ld x %ld x %ld)\n", th, p.speedup[th], o->name, o->d[0],
+               o->d[1], o->d[2]);
     }
     /* host copies (offload on the cpu; the gradients zeroed), and on a GPU the copies both ways */
     size_t n = (size_t)64 << 20;

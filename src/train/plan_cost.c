@@ -2,6 +2,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "model.h"
 #include "run.h"
 #include "schedule_sim.h"
 #include "util.h"
@@ -116,16 +117,22 @@ static void embed_pass(Ctx *x, Pass *ps) {
 static void head_pass(Ctx *x, const double *head, Pass *ps) {
     const ModelConfig mc = model_config_of(x->c);
     int Vr = ((mc.vocab_size + 63) / 64 * 64) / x->tp;
-    double logits = op(x, "matmul_forward", x->N, x->E, Vr, 0) + op(x, "crossentropy", x->N, Vr, 0, 0);
-    double back = op(x, "matmul_backward", x->N, x->E, Vr, 0), norm = op(x, "rmsnorm_forward", x->NS, x->E, 0, 0),
-           nb = op(x, "rmsnorm_backward", x->NS, x->E, 0, 0);
+    /* the head runs in chunks of rows (stage.c), each chunk's logits made and consumed at once */
+    long rows = (long)acts_logit_rows(&mc, x->BM, x->T, (size_t)x->act_bytes), last;
+    if (rows <= 0 || rows > x->N) rows = x->N;
+    long chunks = (x->N + rows - 1) / rows;
+    last = x->N - (chunks - 1) * rows;
+    double logits = (chunks - 1) * (op(x, "matmul_forward", rows, x->E, Vr, 0) + op(x, "crossentropy", rows, Vr, 0, 0)) +
+                    op(x, "matmul_forward", last, x->E, Vr, 0) + op(x, "crossentropy", last, Vr, 0, 0);
+    double back = (chunks - 1) * op(x, "matmul_backward", rows, x->E, Vr, 0) + op(x, "matmul_backward", last, x->E, Vr, 0);
+    double norm = op(x, "rmsnorm_forward", x->NS, x->E, 0, 0), nb = op(x, "rmsnorm_backward", x->NS, x->E, 0, 0);
     static const double fused[3] = {3, 0, 0};
     if (!head) head = fused;
     add(ps, 0, norm + logits);
     for (int k = 0; k < 3; k++) add(ps, k, back * (head[k] - (k == 0)) / 2);  /* F's first is the logits */
     add(ps, head[1] > 0 ? 1 : 0, nb);
-    if (x->tp > 1) {  /* the statistics' gather, and the head's input gathered (or summed) and its gradient */
-        add_comm(ps, 0, tp_point(x) + profile_coll(x->p, COLL_ALLGATHER, x->tp, 12.0 * x->N, x->bw_tp));
+    if (x->tp > 1) {  /* the statistics' gather a chunk, and the head's input gathered (or summed) and its gradient */
+        add_comm(ps, 0, tp_point(x) + chunks * profile_coll(x->p, COLL_ALLGATHER, x->tp, 12.0 * rows, x->bw_tp));
         add_comm(ps, head[1] > 0 ? 1 : 0, tp_point(x));
     }
 }

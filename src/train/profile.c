@@ -126,6 +126,8 @@ int profile_read(Profile *p, const char *path, char *err, size_t errlen) {
             else if (!strcmp(what, "h2d")) p->h2d = x;
             else if (!strcmp(what, "d2h")) p->d2h = x;
             else rc = -1;
+        } else if (sscanf(s, "speedup %d %lf %n", &th, &x, &n) == 2 && th > 1 && th <= PROF_MAX_THREADS && x > 0) {
+            p->speedup[th] = x;
         } else if (sscanf(s, "measured %lf %lf %d %n", &x, &y, &world, &n) == 3 && x > 0) {
             profile_add_run(p, x, y, world, s + n);
         } else {
@@ -149,6 +151,8 @@ int profile_write(const Profile *p, const char *path, char *err, size_t errlen) 
     if (p->copy > 0) fprintf(f, "rate copy %.6g\n", p->copy);
     if (p->h2d > 0) fprintf(f, "rate h2d %.6g\n", p->h2d);
     if (p->d2h > 0) fprintf(f, "rate d2h %.6g\n", p->d2h);
+    for (int t = 2; t <= PROF_MAX_THREADS; t++)
+        if (p->speedup[t] > 0) fprintf(f, "speedup %d %.6g\n", t, p->speedup[t]);
     for (int i = 0; i < p->n_coll; i++)
         fprintf(f, "coll %s %d %.6g %.6g\n", coll_kind_name((CollKind)p->coll[i].kind), p->coll[i].ranks, p->coll[i].lat,
                 p->coll[i].bw);
@@ -168,15 +172,10 @@ void profile_tally_reset(Profile *p) {
     memset(p->tally_coll, 0, sizeof p->tally_coll);
 }
 
-double profile_op(Profile *p, const char *name, int threads, const long d[4]) {
+/* The op's time from the records (src: what it came from). */
+static double lookup(const Profile *p, const char *name, int threads, const long d[4], ProfSource *src) {
     int flops;
     double work = op_work(name, d, &flops);
-    if (p->collect) {
-        int seen = 0;
-        for (int i = 0; i < p->n_wanted && !seen; i++)
-            seen = !strcmp(p->wanted[i].name, name) && p->wanted[i].threads == threads && !memcmp(p->wanted[i].d, d, 4 * sizeof(long));
-        if (!seen) push_op(&p->wanted, &p->n_wanted, &p->cap_wanted, name, threads, d, 0);
-    }
     /* the shape itself; else the same op and widths at the nearest sizes (d[0]: tokens or
      * sequences), interpolated; else the same op at its nearest work, scaled by the work and
      * the threads */
@@ -185,7 +184,7 @@ double profile_op(Profile *p, const char *name, int threads, const long d[4]) {
     for (int i = 0; i < p->n_ops; i++) {
         const ProfOp *o = &p->ops[i];
         if (strcmp(o->name, name)) continue;
-        if (o->threads == threads && !memcmp(o->d, d, 4 * sizeof(long))) { p->tally_ops[SRC_MEASURED]++; return o->s; }
+        if (o->threads == threads && !memcmp(o->d, d, 4 * sizeof(long))) { *src = SRC_MEASURED; return o->s; }
         if (o->threads == threads && !memcmp(o->d + 1, d + 1, 3 * sizeof(long))) {
             if (o->d[0] < d[0] && (!lo || o->d[0] > lo->d[0])) lo = o;
             if (o->d[0] > d[0] && (!hi || o->d[0] < hi->d[0])) hi = o;
@@ -195,8 +194,8 @@ double profile_op(Profile *p, const char *name, int threads, const long d[4]) {
         double gap = fabs(log((w + 1) / (work + 1))) + (o->threads != threads ? 10 : 0);
         if (gap < near_gap) near_gap = gap, near = o;
     }
+    *src = SRC_INTERPOLATED;
     if (lo && hi) {
-        p->tally_ops[SRC_INTERPOLATED]++;
         double t = (double)(d[0] - lo->d[0]) / (double)(hi->d[0] - lo->d[0]);
         return lo->s + t * (hi->s - lo->s);
     }
@@ -205,14 +204,33 @@ double profile_op(Profile *p, const char *name, int threads, const long d[4]) {
         int f;
         double w = op_work(name, o->d, &f), s = o->s * (w > 0 ? work / w : 1);
         if (o->threads > 0 && threads > 0) s *= (double)o->threads / threads;
-        p->tally_ops[SRC_INTERPOLATED]++;
         return s;
     }
-    p->tally_ops[SRC_DEFAULT]++;
+    *src = SRC_DEFAULT;
     int g = dflt(p);
     double rate = flops ? (strstr(name, "attention") ? DEFAULTS[g].attention : DEFAULTS[g].matmul) : DEFAULTS[g].bandwidth;
     if (!g && threads > 0) rate *= threads;
     return work / rate + (g ? 5e-6 : 2e-6);  /* (a launch or a parallel region's start) */
+}
+
+double profile_op(Profile *p, const char *name, int threads, const long d[4]) {
+    if (p->collect) {
+        int seen = 0;
+        for (int i = 0; i < p->n_wanted && !seen; i++)
+            seen = !strcmp(p->wanted[i].name, name) && p->wanted[i].threads == threads && !memcmp(p->wanted[i].d, d, 4 * sizeof(long));
+        if (!seen) push_op(&p->wanted, &p->n_wanted, &p->cap_wanted, name, threads, d, 0);
+    }
+    ProfSource src;
+    double s = lookup(p, name, threads, d, &src);
+    /* several threads: the one-thread figure over the measured speedup, where the shape has
+     * none of its own on them */
+    if (src != SRC_MEASURED && threads > 1 && threads <= PROF_MAX_THREADS && p->speedup[threads] > 0) {
+        ProfSource one;
+        double s1 = lookup(p, name, 1, d, &one);
+        if (one != SRC_DEFAULT) s = s1 / p->speedup[threads], src = SRC_INTERPOLATED;
+    }
+    p->tally_ops[src]++;
+    return s;
 }
 
 /* A ring's share of the buffer each rank sends: all-reduce 2 (g - 1) / g, the others (g - 1) / g. */

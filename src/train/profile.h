@@ -10,11 +10,13 @@
  *   coll KIND RANKS LATENCY_S BYTES_PER_S (allreduce, allgather, reduce_scatter, sendrecv: time = latency + bytes / rate,
  *                                          bytes the buffer's, the whole data for allgather and reduce_scatter)
  *   rate NAME BYTES_PER_S               (copy: host memory copies; h2d, d2h: host-device copies)
+ *   speedup THREADS FACTOR              (CPU: an op on THREADS threads takes its one-thread time / FACTOR)
  *   measured SECONDS PREDICTED_S WORLD KEYS...   (a layout run by plan try=: its step and the model's prediction) */
 #ifndef MESHTRAIN_PROFILE_H
 #define MESHTRAIN_PROFILE_H
 #include <stddef.h>
 
+#define PROF_MAX_THREADS 256
 typedef enum { SRC_MEASURED, SRC_INTERPOLATED, SRC_DEFAULT, SRC_KINDS } ProfSource;
 typedef enum { COLL_ALLREDUCE, COLL_ALLGATHER, COLL_REDUCE_SCATTER, COLL_SENDRECV, COLL_KINDS } CollKind;
 
@@ -30,6 +32,7 @@ typedef struct {
     ProfColl *coll;
     int n_coll, cap_coll;
     double copy, h2d, d2h;   /* bytes/s; 0: not measured */
+    double speedup[PROF_MAX_THREADS + 1];  /* [t]: t threads over one on the largest product (0: not measured) */
     ProfRun *runs;
     int n_runs, cap_runs;
     /* what lookups found, since profile_tally_reset: ops and collectives by source */
@@ -53,7 +56,8 @@ void profile_add_coll(Profile *p, CollKind kind, int ranks, double lat, double b
 void profile_add_run(Profile *p, double s, double predicted, int world, const char *keys);
 /* The time of op `name` at shape d on `threads` threads (0 on a GPU). A figure measured at
  * another size is scaled by the op's work (its FLOPs, or the bytes it moves), which is also
- * what the defaults divide. */
+ * what the defaults divide; on several threads without a figure of their own, the one-thread
+ * figure over the measured speedup. */
 double profile_op(Profile *p, const char *name, int threads, const long d[4]);
 /* A collective of `bytes` over `ranks` ranks; link_bw (bytes/s, 0: none given): the
  * cluster's stated bandwidth, which replaces the measured rate. */
