@@ -236,7 +236,7 @@ static const Key KEYS[] = {
     R(link_inter, "0", CMD_PLAN, "plan: bandwidth between machines, e.g. 25GB/s (0 = the profile's, or 12.5GB/s)"),
     S(profile, "", CMD_PLAN,
       "plan: a profile written by calibrate (op, collective, copy and optimizer times); none = the stated defaults"),
-    I(top, "5", 0, 1 << 20, CMD_PLAN, "plan: layouts to print, fastest first (0 = every feasible one)"),
+    I(top, "5", 0, 1 << 20, CMD_PLAN, "plan: layouts to print, fastest first (0 = every one, those over memory last)"),
     I(try, "0", 0, 64, CMD_PLAN,
       "plan: run the best K layouts for try_steps steps each, print measured beside predicted, and fold the "
       "measurements into profile="),
