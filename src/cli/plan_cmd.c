@@ -205,7 +205,7 @@ int cmd_plan(Config *c) {
     double dt = now_seconds() - t0;
     int runs;
     double corr = profile_correction(&prof, &runs);
-    char b1[32], b2[32], b3[32];
+    char b1[32], b2[32];
     printf("meshtrain plan: %s global_batch=%d\n", model, c->global_batch);
     if (cl.gpu)
         printf("cluster: %d machine%s x %d GPU%s of %s, %s host memory each%s\n", cl.hosts, cl.hosts > 1 ? "s" : "",
@@ -226,7 +226,6 @@ int cmd_plan(Config *c) {
     if (runs)
         printf("  scaled by %.3f, the median of measured over predicted of the %d layout%s try= ran\n", corr, runs,
                runs > 1 ? "s" : "");
-    (void)b3;
     if (!feasible) {
         printf("no layout fits");
         if (pl.n) printf("; the smallest takes %s a %s", fmt_bytes(b1, (double)pl.v[pl.n - 1].mem), cl.gpu ? "GPU" : "rank");

@@ -187,7 +187,6 @@ static void stage_pass(Ctx *x, const Stage *s, const double *head, int split, Pa
         double rs = units * profile_coll(x->p, COLL_REDUCE_SCATTER, g, bytes / units, x->bw_dp);
         add_comm(ps, 0, ag);
         add_comm(ps, 1, ag + rs);
-        if (x->c->activation_checkpointing) add_comm(ps, 1, 0);  /* (the recompute reuses the backward's gather) */
         if (!strcmp(x->c->offload, "params")) {  /* the shards come in from the host before each gather */
             double in = bytes / g / profile_rate(x->p, x->gpu ? "h2d" : "copy");
             add(ps, 0, in);
