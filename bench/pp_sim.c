@@ -15,6 +15,7 @@
 #include <string.h>
 #include "pipeline.h"
 #include "schedule.h"
+#include "schedule_sim.h"
 
 static ModelConfig C = MODEL_CONFIG(50257, 1024, 8, 16, 256, 0);
 static double UNIT, T1;  /* one layer's F + B + W; one GPU's F + B + W per micro-batch, in layers */
@@ -138,9 +139,6 @@ static int replay(ScheduleKind k, int p, int v, int m, const double *ms, double 
     }
     pipeline_stage_costs(&C, C.context_len, st, G, head, cost);
     Schedule *sc = calloc((size_t)p, sizeof *sc);
-    double *fend = malloc(sizeof(double) * G * m), *bend = malloc(sizeof(double) * G * m), *free_at = calloc((size_t)p, sizeof(double));
-    int *next = calloc((size_t)p, sizeof(int));
-    for (int i = 0; i < G * m; i++) fend[i] = bend[i] = -1;
     for (int r = 0; r < p; r++)
         if (schedule_build(&sc[r], k, p, r, m, v, SCHED_SPLIT_ANY, 0, cost, err, sizeof err)) { fprintf(stderr, "replay: %s\n", err); return 1; }
     printf("%s p=%d v=%d m=%d%s, split", schedule_kind_name(k), p, v, m, sc[0].split_backward ? " (backward split)" : "");
@@ -148,44 +146,15 @@ static int replay(ScheduleKind k, int p, int v, int m, const double *ms, double 
     printf("; per stage F/B/W ms:");
     for (int g = 0; g < G; g++) printf(" %.2f/%.2f/%.2f", ms[g * 3], ms[g * 3 + 1], ms[g * 3 + 2]);
     printf("; link %.3f ms\n", lat);
-    for (int progress = 1; progress;) {  /* sweep the ranks until none can start its next action */
-        progress = 0;
-        for (int r = 0; r < p; r++) {
-            while (next[r] < sc[r].n) {
-                Action a = sc[r].actions[next[r]];
-                if (a.kind != ACT_FORWARD && a.kind != ACT_BACKWARD && a.kind != ACT_WEIGHT) { next[r]++; continue; }
-                int i = a.micro, g = a.chunk * p + r;
-                double ready = free_at[r];
-                if (a.kind == ACT_FORWARD && g > 0) {
-                    if (fend[(g - 1) * m + i] < 0) break;
-                    if (fend[(g - 1) * m + i] + lat > ready) ready = fend[(g - 1) * m + i] + lat;
-                }
-                if (a.kind == ACT_BACKWARD) {
-                    if (fend[g * m + i] < 0 || (g < G - 1 && bend[(g + 1) * m + i] < 0)) break;
-                    if (g < G - 1 && bend[(g + 1) * m + i] + lat > ready) ready = bend[(g + 1) * m + i] + lat;
-                }
-                if (a.kind == ACT_WEIGHT && bend[g * m + i] < 0) break;
-                double d = ms[g * 3 + (a.kind == ACT_FORWARD ? 0 : a.kind == ACT_BACKWARD ? 1 : 2)];
-                if (a.kind == ACT_BACKWARD && !sc[r].split_backward) d += ms[g * 3 + 2];
-                if (getenv("REPLAY_QUIET") == NULL)
-                    printf("  rank %d %c%d.%d@%.2f\n", r, a.kind == ACT_FORWARD ? 'F' : a.kind == ACT_BACKWARD ? 'B' : 'W', i,
-                           a.chunk, ready);
-                free_at[r] = ready + d;
-                if (a.kind == ACT_FORWARD) fend[g * m + i] = free_at[r];
-                if (a.kind == ACT_BACKWARD) bend[g * m + i] = free_at[r];
-                next[r]++;
-                progress = 1;
-            }
-        }
+    SimStep step;
+    if (schedule_simulate(sc, p, ms, lat, &step, getenv("REPLAY_QUIET") ? NULL : stdout)) {
+        fprintf(stderr, "replay: a rank's list never finished\n");
+        return 1;
     }
-    double end = 0;
-    for (int r = 0; r < p; r++) {
-        if (next[r] < sc[r].n) { fprintf(stderr, "replay: rank %d stuck at action %d\n", r, next[r]); return 1; }
-        if (free_at[r] > end) end = free_at[r];
-    }
+    double end = step.makespan;
     printf("step (last action's end): %.2f ms\n", end);
     for (int r = 0; r < p; r++) schedule_free(&sc[r]);
-    free(sc); free(fend); free(bend); free(free_at); free(next);
+    free(sc);
     return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 #include "checkpoint.h"
 #include "commands.h"
+#include "layout.h"
 #include "estimate.h"
 #include "ops.h"
 #include "pipeline.h"
@@ -140,27 +141,13 @@ int cmd_sample(Config *c) {
 }
 
 int cmd_estimate(Config *c) {
+    char err[512], desc[512];
+    Layout L;
+    if (layout_init(&L, c, c->world_size, err, sizeof err)) die(EXIT_BAD_INPUT, "%s", err);
     ModelConfig mc = model_config_of(c);
-    MemEstimate e;
-    ParallelKind kind = strategy_of(c);
-    int PP = c->pipeline_parallel_size, TP = c->tensor_parallel_size;
-    if (c->world_size % (PP * TP))
-        die(EXIT_BAD_INPUT, "world_size=%d is not divisible by tensor_parallel_size x pipeline_parallel_size = %d x %d",
-            c->world_size, TP, PP);
-    int dp = c->world_size / (PP * TP);
-    int group = kind == PAR_HYBRID ? (c->shard_group_size ? c->shard_group_size : dp) : dp;
-    if (dp % group)
-        die(EXIT_BAD_INPUT, "shard_group_size=%d does not divide the data-parallel size %d", group, dp);
-    int gpu = !strcmp(c->device, "cuda");
-    OptimConfig oc = optim_config_of(c);
-    /* DDP's copy-engine all-to-all buffer; the pipeline's receive rings (pp_copy_engines);
-     * tensor parallel's fused sums (tp_comm) */
-    EstimateInput ein = estimate_input_of(c, c->world_size, group, &oc);
-    ein.ddp_copy_engines = c->copy_engines && dp > 1;
-    ein.pp_copy_engines = PP > 1 && c->pp_copy_engines;
-    ein.tp_fused = tensor_parallel_fused_wanted(tp_comm_of(c), TP, gpu);
-    estimate_memory(&ein, &e);
-    estimate_print(&ein, dp, &e);
+    const MemEstimate e = L.whole;
+    int PP = L.pp, TP = L.tp, dp = L.dp, gpu = !strcmp(c->device, "cuda");
+    estimate_print(&L.ein, dp, &e);
     if (c->grad_accum_steps > 1 && PP == 1)  /* the same memory: one micro-batch's activations, gradients in place */
         printf("gradient accumulation: %d micro-batches of %d a step, global batch %lld sequences; the memory above is "
                "one micro-batch's\n", c->grad_accum_steps, c->batch_size,
@@ -169,53 +156,34 @@ int cmd_estimate(Config *c) {
         printf("gradient accumulation: %d rounds of %d micro-batches in one schedule a step, global batch %lld "
                "sequences\n", c->grad_accum_steps, c->micro_batches,
                (long long)c->batch_size * c->grad_accum_steps * dp);
-    estimate_print_offload(&ein, dp);
+    estimate_print_offload(&L.ein, dp);
     if (TP > 1)
         printf("tensor parallel: %d ranks (x %d data-parallel); each holds 1/%d of every layer's attention heads and FFN "
                "units and their activations, of the vocabulary rows of the embedding and lm_head and of the logits%s\n",
                TP, dp, TP, c->sequence_parallel ? ", and (sequence parallel) of the residual stream and the norms" : "");
     char b1[32], b2[32], b3[32], b4[32];
-    size_t most = e.total;
+    size_t most = L.most;
     if (PP > 1) {  /* each stage's share, as a pipeline run holds it */
-        int M = c->micro_batches * c->grad_accum_steps, BM = c->batch_size / c->micro_batches;  /* as train runs it */
-        ScheduleKind sched = SCHED_1F1B;
-        schedule_kind_parse(c->pipeline_schedule, &sched);  /* the key's choices are the kinds */
-        int V = config_virtual_stages(c);
-        Stage *st = xcalloc((size_t)PP * V, sizeof *st), mine[SCHED_MAX_CHUNKS];
-        char err[512], desc[512];
-        int split_ok = pipeline_split_backward_ok(&mc, BM * c->context_len, c->activation_checkpointing);
-        if (pipeline_split_schedule(&mc, c->context_len, PP, V, sched, M, split_ok, c->zb1_max_in_flight,
-                                    pipeline_head_placement(sched, PP), c->pipeline_split, st, err, sizeof err))
-            die(EXIT_BAD_INPUT, "%s", err);
         printf("per pipeline stage (%d stages x %d data-parallel, %s%s, %d micro-batches of %d sequences):\n", PP, dp,
-               c->pipeline_schedule, V > 1 ? " over virtual stages" : "", M, BM);
-        double *cost = xmalloc((size_t)PP * V * 3 * sizeof(double));
-        pipeline_stage_costs(&mc, c->context_len, st, PP * V, pipeline_head_placement(sched, PP), cost);
-        most = 0;
+               c->pipeline_schedule, L.v > 1 ? " over virtual stages" : "", L.M, L.BM);
         int split = 0;
         for (int s = 0; s < PP; s++) {
-            MemEstimate es = e;
-            Schedule sc;
-            if (schedule_build(&sc, sched, PP, s, M, V, split_ok, c->zb1_max_in_flight, cost, err, sizeof err))
-                die(EXIT_BAD_INPUT, "%s", err);
-            split |= sched == SCHED_INTERLEAVED && sc.split_backward;
-            pipeline_rank_stages(st, PP, V, s, mine);
-            estimate_stage(&es, &ein, mine, &sc, BM);
-            pipeline_describe(&mc, mine, V, desc, sizeof desc);
+            const MemEstimate *es = &L.stage_mem[s];
+            const Schedule *sc = &L.sc[s];
+            Stage mine[SCHED_MAX_CHUNKS];
+            split |= L.sched == SCHED_INTERLEAVED && sc->split_backward;
+            pipeline_rank_stages(L.stages, PP, L.v, s, mine);
+            pipeline_describe(&mc, mine, L.v, desc, sizeof desc);
             char vers[48] = "";
-            if (es.versions > 1) snprintf(vers, sizeof vers, " (%d weight versions)", es.versions);
+            if (es->versions > 1) snprintf(vers, sizeof vers, " (%d weight versions)", es->versions);
             printf("  stage %d (%s): parameters + gradients + optimizer %s%s, activations %s (%d micro-batch%s "
-                   "in flight), ", s, desc, fmt_bytes(b1, (double)(es.params + es.grads + es.optim + es.compute + es.stash)),
+                   "in flight), ", s, desc, fmt_bytes(b1, (double)(es->params + es->grads + es->optim + es->compute + es->stash)),
                    vers,
-                   fmt_bytes(b2, (double)(es.acts + es.logits)), sc.max_in_flight, sc.max_in_flight > 1 ? "es" : "");
-            if (es.p2p) printf("receive rings %s, ", fmt_bytes(b1, (double)es.p2p));
-            printf("total %s\n", fmt_bytes(b3, (double)es.total));
-            if (es.total > most) most = es.total;
-            schedule_free(&sc);
+                   fmt_bytes(b2, (double)(es->acts + es->logits)), sc->max_in_flight, sc->max_in_flight > 1 ? "es" : "");
+            if (es->p2p) printf("receive rings %s, ", fmt_bytes(b1, (double)es->p2p));
+            printf("total %s\n", fmt_bytes(b3, (double)es->total));
         }
         if (split) printf("  (interleaved with its backward split, as a run takes it: weight passes fill the bubble)\n");
-        free(st);
-        free(cost);
     }
     /* No GPU is asked here (estimate runs anywhere): on cuda only an explicit limit is checked. */
     size_t avail = c->max_memory_gb > 0 ? (size_t)(c->max_memory_gb * 1e9) : gpu ? 0 : available_memory_bytes();
@@ -225,5 +193,6 @@ int cmd_estimate(Config *c) {
         if (host) printf("offloaded state (per rank) fits in this machine's %s available: %s\n", fmt_bytes(b4, (double)host),
                          e.host <= host ? "yes" : "no");
     }
+    layout_free(&L);
     return 0;
 }

@@ -17,6 +17,8 @@ static const Command COMMANDS[] = {
     {"estimate", CMD_ESTIMATE, cmd_estimate, "parameters, FLOPs and memory of a run, before running it"},
     {"export", CMD_EXPORT, cmd_export, "a checkpoint -> a Hugging Face folder (Llama, Mixtral or Qwen2-MoE; safetensors, config, tokenizer)"},
     {"plot", CMD_PLOT, cmd_plot, "a training log -> one SVG picture of the run (loss, lr, tokens/s)"},
+    {"plan", CMD_PLAN, cmd_plan, "the fastest layouts of a model that fit a cluster, predicted (try=K: and run)"},
+    {"calibrate", CMD_CALIBRATE, cmd_calibrate, "measures this machine's ops, collectives and copies into a profile for plan"},
 };
 #define N_COMMANDS ((int)(sizeof COMMANDS / sizeof COMMANDS[0]))
 
@@ -63,6 +65,7 @@ static int help(const char *which) {
 int main(int argc, char **argv) {
     /* Under a launcher every rank parses the same command line: its errors print once. */
     int rank, size;
+    if (argc > 0 && argv[0] && argv[0][0]) set_program_name(argv[0]);
     if (env_launcher(&rank, &size)) set_log_rank(rank, size);
     int unwired = env_unwired_tasks();
     if (unwired)

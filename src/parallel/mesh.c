@@ -2,9 +2,7 @@
 #include <string.h>
 #include "util.h"
 
-int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen) {
-    memset(m, 0, sizeof *m);
-    int W = world->size;
+int mesh_check(int W, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen) {
     if (tp < 1 || pp < 1 || W % (tp * pp))
         return set_err(err, errlen, "world size %d is not divisible by tensor_parallel_size x pipeline_parallel_size "
                        "= %d x %d", W, tp, pp);
@@ -15,6 +13,15 @@ int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, 
     if (ep < 1 || dp % ep)
         return set_err(err, errlen, "expert_parallel_size=%d does not divide the data-parallel size %d (world size %d / "
                        "(tensor_parallel_size x pipeline_parallel_size = %d x %d))", ep, dp, W, tp, pp);
+    return 0;
+}
+
+int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen) {
+    memset(m, 0, sizeof *m);
+    int W = world->size;
+    if (mesh_check(W, tp, pp, shard_group_size, ep, err, errlen)) return -1;
+    int dp = W / (tp * pp);
+    int g = shard_group_size > 0 ? shard_group_size : dp;
     m->world = *world;
     m->rank = world->rank; m->size = W;
     m->tp_size = tp; m->pp_size = pp; m->dp_size = dp; m->shard_size = g;

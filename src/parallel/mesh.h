@@ -27,6 +27,8 @@ typedef struct {
 
 /* world must be initialised; tp * pp must divide its size, and shard_group_size (0 = all of
  * dp) and ep must divide dp. Returns -1 with err on an impossible layout. */
+/* The same conditions on a world of W ranks, without one (the planner asks it of layouts). */
+int mesh_check(int W, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen);
 int mesh_init(Mesh *m, const Comm *world, int tp, int pp, int shard_group_size, int ep, char *err, size_t errlen);
 void mesh_free(Mesh *m);
 #endif

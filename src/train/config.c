@@ -11,7 +11,8 @@
 #include "run.h"
 #include "util.h"
 
-typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM } KeyType;
+/* T_BYTES and T_RATE: a double with a unit ("80GB", "1TiB"; a rate "450GB/s") */
+typedef enum { T_INT, T_FLOAT, T_BOOL, T_STR, T_ENUM, T_BYTES, T_RATE } KeyType;
 
 typedef struct {
     const char *name;
@@ -26,33 +27,37 @@ typedef struct {
 
 #define TR CMD_TRAIN
 #define MODEL_CMDS (CMD_TRAIN | CMD_ESTIMATE)
+/* the keys that say what the model is: plan and calibrate take them too */
+#define SHAPE_CMDS (MODEL_CMDS | CMD_PLAN | CMD_CALIBRATE)
 #define I(n, d, lo, hi, cmds, h) {#n, T_INT, offsetof(Config, n), 0, d, lo, hi, NULL, cmds, h}
 #define F(n, d, lo, hi, cmds, h) {#n, T_FLOAT, offsetof(Config, n), 0, d, lo, hi, NULL, cmds, h}
 #define B(n, d, cmds, h) {#n, T_BOOL, offsetof(Config, n), 0, d, 0, 1, NULL, cmds, h}
 #define S(n, d, cmds, h) {#n, T_STR, offsetof(Config, n), sizeof(((Config *)0)->n), d, 0, 0, NULL, cmds, h}
 #define E(n, d, ch, cmds, h) {#n, T_ENUM, offsetof(Config, n), sizeof(((Config *)0)->n), d, 0, 0, ch, cmds, h}
+#define Z(n, d, cmds, h) {#n, T_BYTES, offsetof(Config, n), 0, d, 0, 1e21, NULL, cmds, h}
+#define R(n, d, cmds, h) {#n, T_RATE, offsetof(Config, n), 0, d, 0, 1e18, NULL, cmds, h}
 
 static const Key KEYS[] = {
-    I(vocab_size, "50257", 2, 65536, MODEL_CMDS, "vocabulary size (50257 = GPT-2; smaller only for tests)"),
-    I(embed_dim, "1024", 2, 65536, MODEL_CMDS, "model width E"),
-    I(n_heads, "8", 1, 4096, MODEL_CMDS, "attention heads (must divide embed_dim; head_dim must be even, and at most 256 with device=cuda)"),
-    I(n_layers, "16", 1, 4096, MODEL_CMDS, "transformer layers"),
-    I(context_len, "256", 1, 1 << 20, MODEL_CMDS | CMD_EVAL,
+    I(vocab_size, "50257", 2, 65536, SHAPE_CMDS, "vocabulary size (50257 = GPT-2; smaller only for tests)"),
+    I(embed_dim, "1024", 2, 65536, SHAPE_CMDS, "model width E"),
+    I(n_heads, "8", 1, 4096, SHAPE_CMDS, "attention heads (must divide embed_dim; head_dim must be even, and at most 256 with device=cuda)"),
+    I(n_layers, "16", 1, 4096, SHAPE_CMDS, "transformer layers"),
+    I(context_len, "256", 1, 1 << 20, SHAPE_CMDS | CMD_EVAL,
       "sequence length T of a training window (eval: the checkpoint's unless given)"),
-    B(tie_embeddings, "false", MODEL_CMDS, "share tok_embed and lm_head"),
-    I(moe_experts, "0", 0, 4096, MODEL_CMDS,
+    B(tie_embeddings, "false", SHAPE_CMDS, "share tok_embed and lm_head"),
+    I(moe_experts, "0", 0, 4096, SHAPE_CMDS,
       "mixture of experts: routed experts of each MoE layer (0 = every layer's FFN dense; see README)"),
-    I(moe_top_k, "2", 1, 16, MODEL_CMDS, "MoE: experts each token is routed to"),
-    I(moe_expert_dim, "0", 0, 1 << 20, MODEL_CMDS,
+    I(moe_top_k, "2", 1, 16, SHAPE_CMDS, "MoE: experts each token is routed to"),
+    I(moe_expert_dim, "0", 0, 1 << 20, SHAPE_CMDS,
       "MoE: each expert's SwiGLU width (0 = 1.5 x embed_dim / moe_top_k, the dense FFN's width among the top k)"),
-    I(moe_shared_experts, "0", 0, 64, MODEL_CMDS,
+    I(moe_shared_experts, "0", 0, 64, SHAPE_CMDS,
       "MoE: always-on experts of moe_expert_dim each, beside the routed ones (one SwiGLU FFN of their summed width)"),
-    I(moe_every, "1", 1, 4096, MODEL_CMDS,
+    I(moe_every, "1", 1, 4096, SHAPE_CMDS,
       "MoE: every n-th layer is a MoE layer (layers n-1, 2n-1, ...), the others keep the dense FFN"),
-    E(moe_router, "softmax", "softmax|sigmoid", MODEL_CMDS,
+    E(moe_router, "softmax", "softmax|sigmoid", SHAPE_CMDS,
       "MoE: the router's scores, softmax over the experts or each expert's sigmoid (in fp32); the top k are chosen "
       "and their scores renormalised into the gates"),
-    F(moe_capacity_factor, "0", 0, 1000, MODEL_CMDS,
+    F(moe_capacity_factor, "0", 0, 1000, SHAPE_CMDS,
       "MoE: 0 = dropless; > 0: an expert takes at most ceil(factor x tokens x top_k / experts) of a rank's "
       "micro-batch, the first in token order, and the rest of its choices are dropped (the log says how many)"),
     F(moe_aux_loss, "0.01", 0, 1e3, TR,
@@ -69,7 +74,7 @@ static const Key KEYS[] = {
       "grad_accum_steps x dp"),
     I(steps, "100", 1, INT_MAX, TR, "optimizer steps to run (total, counting resumed ones)"),
     I(seed, "1337", 0, INT_MAX, TR | CMD_SAMPLE, "seed for init, data order and sampling"),
-    E(optimizer, "adamw", "adamw|adafactor", TR | CMD_ESTIMATE,
+    E(optimizer, "adamw", "adamw|adafactor", TR | CMD_ESTIMATE | CMD_PLAN,
       "adamw, or adafactor: factored second moments, no first moment unless adafactor_beta1 (see README)"),
     E(offload, "none", "none|optimizer|params", TR | CMD_ESTIMATE,
       "optimizer = fp32 master weights and optimizer state in host memory, updated on the CPU cores beside the "
@@ -104,7 +109,7 @@ static const Key KEYS[] = {
       "loss_scale=dynamic: overflows since the scale last grew before it halves (1 = PyTorch's: every one; "
       "Megatron-LM's default is 2); every overflow skips its step"),
     F(loss_scale_min, "1", 1e-6, 1e30, TR, "loss_scale=dynamic: the scale never halves below this"),
-    S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL, "folder of train.bin / val.bin (prepare writes here)"),
+    S(data_dir, "data/tinystories", TR | CMD_PREPARE | CMD_EVAL | CMD_PLAN, "folder of train.bin / val.bin (prepare writes here)"),
     S(train_data, "", TR, "training shard (default <data_dir>/train.bin)"),
     S(val_data, "", TR | CMD_EVAL, "validation shard (default <data_dir>/val.bin)"),
     S(tokenizer_dir, "data/gpt2", TR | CMD_PREPARE | CMD_TOKENIZE | CMD_SAMPLE | CMD_EXPORT,
@@ -122,7 +127,7 @@ static const Key KEYS[] = {
     S(ckpt_path, "", TR, "checkpoint file (default <out_dir>/ckpt.bin; none = save no checkpoint)"),
     S(resume, "", TR, "checkpoint to continue from (model keys come from it)"),
     S(checkpoint, "runs/ckpt.bin", CMD_SAMPLE | CMD_EVAL | CMD_EXPORT, "checkpoint to sample from / evaluate / export"),
-    E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE,
+    E(device, "cpu", "cpu|cuda", TR | CMD_SAMPLE | CMD_EVAL | CMD_ESTIMATE | CMD_PLAN | CMD_CALIBRATE,
       "compute device (cuda: one GPU per process; several with mpirun and NCCL)"),
     E(precision, "auto", "auto|fp32|mixed|bf16|fp16", TR | CMD_ESTIMATE,
       "auto = mixed on cuda, fp32 on cpu; mixed = bf16 compute, fp32 master weights and AdamW; "
@@ -219,8 +224,31 @@ static const Key KEYS[] = {
     B(decode, "false", CMD_TOKENIZE, "read ids on stdin and print the text"),
     S(log, "runs/log.jsonl", CMD_PLOT, "training log to plot (the JSON lines train writes)"),
     /* one key for every command that writes one output */
-    S(out, "", CMD_EXPORT | CMD_PLOT,
-      "output path: export's folder (default runs/hf), plot's SVG (default <log's folder>/log.svg)"),
+    S(out, "", CMD_EXPORT | CMD_PLOT | CMD_CALIBRATE,
+      "output path: export's folder (default runs/hf), plot's SVG (default <log's folder>/log.svg), calibrate's "
+      "profile (default profile.txt)"),
+    /* plan: the run to lay out and the machines it may use */
+    I(global_batch, "0", 0, 1 << 24, CMD_PLAN | CMD_CALIBRATE,
+      "plan: sequences per optimizer step over all data-parallel ranks (batch_size x grad_accum_steps x dp); required"),
+    E(cluster, "none", "none|this", CMD_PLAN | CMD_CALIBRATE,
+      "plan: this = read this machine (its cores or GPUs and memory); none = the keys below describe it (they also "
+      "override what this reads)"),
+    I(hosts, "1", 1, 1 << 16, CMD_PLAN, "plan: machines"),
+    I(devices_per_host, "0", 0, 4096, CMD_PLAN | CMD_CALIBRATE,
+      "plan: GPUs per machine (device=cuda), or CPU ranks per machine (device=cpu; 0 = its cores with cluster=this); "
+      "calibrate: the largest CPU rank group whose collectives it times (0 = the cores)"),
+    Z(device_memory, "0", CMD_PLAN, "plan: memory of one GPU, e.g. 80GB (cluster=this: the GPU's)"),
+    Z(host_memory, "0", CMD_PLAN, "plan: memory of one machine, e.g. 1TB (cluster=this: what is available)"),
+    R(link_intra, "0", CMD_PLAN,
+      "plan: bandwidth between the devices of one machine, e.g. 450GB/s (0 = the profile's measured collectives)"),
+    R(link_inter, "0", CMD_PLAN, "plan: bandwidth between machines, e.g. 25GB/s (0 = the profile's, or 12.5GB/s)"),
+    S(profile, "", CMD_PLAN,
+      "plan: a profile written by calibrate (op, collective, copy and optimizer times); none = the stated defaults"),
+    I(top, "5", 0, 1 << 20, CMD_PLAN, "plan: layouts to print, fastest first (0 = every one, those over memory last)"),
+    I(try, "0", 0, 64, CMD_PLAN,
+      "plan: run the best K layouts for try_steps steps each, print measured beside predicted, and fold the "
+      "measurements into profile="),
+    I(try_steps, "5", 2, 1000, CMD_PLAN, "plan: steps of each layout try= runs (the first is not timed)"),
     S(title, "", CMD_PLOT, "title of the picture (default: the log's path)"),
     S(config, "", CMD_ALL,
       "a file of key=value lines (blank lines and # comments allowed), read first: keys on the command line "
@@ -228,6 +256,29 @@ static const Key KEYS[] = {
 };
 #define N_KEYS ((int)(sizeof KEYS / sizeof KEYS[0]))
 static unsigned char key_set[N_KEYS];
+
+/* "80GB" (1000-based: KB MB GB TB), "512MiB" (1024-based: KiB MiB GiB TiB), a plain number
+ * of bytes; Gbit/Mbit count bits. A rate with a unit ends in "/s". */
+static int parse_size(const char *v, int rate, double *out) {
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (end == v || errno || !isfinite(x) || x < 0) return -1;
+    static const struct { const char *u; double f; } UNITS[] = {
+        {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"KiB", 1024.0},
+        {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"Mbit", 1e6 / 8}, {"Gbit", 1e9 / 8}};
+    size_t n = strlen(end);
+    if (rate && n) {  /* (a bare number: bytes/s) */
+        if (n < 2 || strcmp(end + n - 2, "/s")) return -1;
+        n -= 2;
+    }
+    for (size_t i = 0; i < sizeof UNITS / sizeof UNITS[0]; i++)
+        if (strlen(UNITS[i].u) == n && !strncmp(end, UNITS[i].u, n) && (rate || strstr(UNITS[i].u, "bit") == NULL)) {
+            *out = x * UNITS[i].f;
+            return 0;
+        }
+    return -1;
+}
 
 static int set_value(Config *c, const Key *k, const char *v, char *err, size_t errlen) {
     char *p = (char *)c + k->off;
@@ -247,6 +298,16 @@ static int set_value(Config *c, const Key *k, const char *v, char *err, size_t e
         double x = strtod(v, &end);
         if (!*v || *end || errno || !isfinite(x)) return set_err(err, errlen, "%s=%s: not a number", k->name, v);
         if (x < k->lo || x > k->hi) return set_err(err, errlen, "%s=%s: out of range [%g, %g]", k->name, v, k->lo, k->hi);
+        *(double *)p = x;
+        return 0;
+    }
+    case T_BYTES:
+    case T_RATE: {
+        double x;
+        if (parse_size(v, k->type == T_RATE, &x) || x < k->lo || x > k->hi)
+            return set_err(err, errlen, "%s=%s: expected %s", k->name, v,
+                           k->type == T_RATE ? "a rate such as 450GB/s, 25Gbit/s or 800MiB/s"
+                                             : "a size such as 80GB, 1TB or 512MiB");
         *(double *)p = x;
         return 0;
     }
@@ -590,6 +651,7 @@ static void print_value(const Config *c, const Key *k) {
     switch (k->type) {
     case T_INT: printf("%d", *(const int *)p); break;
     case T_FLOAT: printf("%g", *(const double *)p); break;
+    case T_BYTES: case T_RATE: printf("%g%s", *(const double *)p, k->type == T_RATE ? "B/s" : "B"); break;
     case T_BOOL: printf("%s", *(const int *)p ? "true" : "false"); break;
     default: printf("%s", p);
     }
@@ -629,6 +691,7 @@ void config_each(const Config *c, int mask, void (*fn)(void *ctx, const char *ke
             break;
         }
         case T_BOOL: fn(ctx, k->name, *(const int *)p ? "true" : "false", 0); break;
+        case T_BYTES: case T_RATE: snprintf(num, sizeof num, "%.17g", *(const double *)p); fn(ctx, k->name, num, 0); break;
         default: fn(ctx, k->name, p, 1);
         }
     }

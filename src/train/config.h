@@ -57,6 +57,10 @@ typedef struct {
     double temperature;
     /* export, plot */
     char log[512], out[512], title[256];
+    /* plan, calibrate: the run and the machines (byte sizes and rates in bytes, bytes/s) */
+    int global_batch, hosts, devices_per_host, top, try, try_steps;
+    char cluster[16], profile[512];
+    double device_memory, host_memory, link_intra, link_inter;
 } Config;
 
 /* Subcommands a key belongs to (bit mask). */
@@ -64,7 +68,9 @@ enum {
     CMD_TRAIN = 1, CMD_PREPARE = 2, CMD_TOKENIZE = 4, CMD_SAMPLE = 8, CMD_EVAL = 16, CMD_ESTIMATE = 32,
     CMD_EXPORT = 64,
     CMD_PLOT = 128,
-    CMD_ALL = 255
+    CMD_PLAN = 256,
+    CMD_CALIBRATE = 512,
+    CMD_ALL = 1023
 };
 
 void config_defaults(Config *c);
