@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Layouts and gradient compression across slow links (CPU ranks on emulated hosts,
 # scripts/cluster.sh, as root). For each link rate: 2 hosts x 1 rank with DDP (uncompressed,
-# int8, PowerSGD rank 1) and FSDP; then 2 hosts x 2 ranks with DDP flat, machine by machine,
-# machine by machine with int8 across, and hybrid FSDP. Prints one markdown table: tokens/s,
+# int8, PowerSGD rank 1) and FSDP (uncompressed, int8); then 2 hosts x 2 ranks with DDP flat,
+# machine by machine, machine by machine with int8 across, and hybrid FSDP (uncompressed, int8 on
+# the replicas' all-reduce across). Prints one markdown table: tokens/s,
 # the bytes rank 0 sent a step (the log's comm_bytes, the mean over the steps) beside the bytes
 # its host's link carried a step (tc's counter, all the host's ranks, validation included), the final validation loss, and the wall time until the
 # validation loss first reached the uncompressed DDP run's final one (validation every 10 steps).
@@ -69,9 +70,11 @@ for r in "${rates[@]}"; do
   run "DDP 2x1, int8" 1 2 batch_size=4 grad_compression=int8
   run "DDP 2x1, PowerSGD rank 1" 1 2 batch_size=4 grad_compression=powersgd powersgd_warmup=5
   run "FSDP 2x1" 1 2 batch_size=4 fsdp=true
+  run "FSDP 2x1, int8" 1 2 batch_size=4 fsdp=true grad_compression=int8
   run "DDP 2x2, flat" 2 4 batch_size=2 dp_allreduce=flat
   run "DDP 2x2, machine by machine" 2 4 batch_size=2 dp_allreduce=hierarchical
   run "DDP 2x2, machine by machine, int8 across" 2 4 batch_size=2 dp_allreduce=hierarchical grad_compression=int8
   run "hybrid FSDP 2x2 (shards inside a host)" 2 4 batch_size=2 fsdp=true shard_strategy=hybrid
+  run "hybrid FSDP 2x2, int8 across" 2 4 batch_size=2 fsdp=true shard_strategy=hybrid grad_compression=int8
   scripts/cluster.sh down "$name" >/dev/null
 done
