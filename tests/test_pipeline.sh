@@ -72,11 +72,11 @@ zb1|2|2|2|4|true|fsdp=true shard_strategy=grad_op
 ~1f1b|2|2|4|4|true|fsdp=true
 1f1b|2|2|2|4|true|fsdp=true shard_strategy=hybrid shard_group_size=1
 ~1f1b|2|1|4|8|false|pipeline_split=4,0
-~1f1b|2|1|4|8|true|pipeline_split=4,0
+1f1b|2|1|4|8|true|pipeline_split=4,0
 gpipe|2|1|4|8|false|pipeline_split=4,0
 ~gpipe|2|1|4|8|true|pipeline_split=4,0
 ~zb1|2|1|4|8|false|pipeline_split=4,0
-zb1|2|1|4|8|true|pipeline_split=4,0
+~zb1|2|1|4|8|true|pipeline_split=4,0
 interleaved|2|1|4|8|true|pipeline_split=2,1,1,0
 ~interleaved|4|1|4|8|false|n_layers=8 pipeline_split=2,1,1,1,1,1,1,0
 ~interleaved|4|1|4|8|true|n_layers=8 pipeline_split=2,1,1,1,1,1,1,0
