@@ -11,13 +11,14 @@
 #include "train_run.h"
 #include "util.h"
 
-/* Max and min of a per-rank value over the world. */
-static void world_max_min(const Comm *w, double v, double *mx, double *mn) {
+/* Max, min and (mean non-NULL) mean of a per-rank value over the world. */
+static void world_stats(const Comm *w, double v, double *mx, double *mn, double *mean) {
     double *all = xcalloc((size_t)w->size, sizeof(double));
     all[w->rank] = v;
     comm_allreduce_double(w, all, (size_t)w->size);
-    *mx = *mn = all[0];
-    for (int i = 1; i < w->size; i++) { *mx = fmax(*mx, all[i]); *mn = fmin(*mn, all[i]); }
+    double sum = *mx = *mn = all[0];
+    for (int i = 1; i < w->size; i++) { *mx = fmax(*mx, all[i]); *mn = fmin(*mn, all[i]); sum += all[i]; }
+    if (mean) *mean = sum / w->size;
     free(all);
 }
 
@@ -30,13 +31,11 @@ int train_report(TrainRun *r, const TrainTotals *t) {
     float loss = t->loss;
     double tok_s = timed_steps ? tokens_per_step * timed_steps / t_timed : 0;
     double rss_max, rss_min;
-    world_max_min(&r->world, (double)max_rss_bytes(), &rss_max, &rss_min);
+    world_stats(&r->world, (double)max_rss_bytes(), &rss_max, &rss_min, NULL);
     /* each rank's share of the timed steps spent blocked in communication (on CPU ranks, its
      * idle time: a pipeline's bubble, a straggler's peers): the mean over the ranks, the most */
-    double blocked = t_timed > 0 ? t->blocked_timed / t_timed : 0.0, blocked_max, blocked_min;
-    world_max_min(&r->world, blocked, &blocked_max, &blocked_min);
-    comm_allreduce_double(&r->world, &blocked, 1);
-    blocked /= r->world.size;
+    double blocked, blocked_max, blocked_min;
+    world_stats(&r->world, t_timed > 0 ? t->blocked_timed / t_timed : 0.0, &blocked_max, &blocked_min, &blocked);
     /* pipeline: every stage's peak (its largest rank) beside its own estimate */
     double *stage_mem = NULL;
     /* GPU: the high-water mark of the bytes op_alloc held (comparable to the estimate), and
