@@ -154,29 +154,27 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
         tune_fill_kernel<<<ew_grid(nb), EW_BLOCK, 0, g.stream>>>(B, nb, es == 2, 2u);
         LAUNCH_CHECK(tune_fill_kernel);
         CUDA_CHECK(cudaMemsetAsync(D, 0, nd * ds, g.stream));
-        LtPlan p;
-        lt_plan(&p, (cublasOperation_t)e->ta, (cublasOperation_t)e->tb, e->m, e->n, e->k, e->lda, e->ldb, e->ldd,
-                (cudaDataType_t)e->tab, (cudaDataType_t)e->td, (cublasComputeType_t)e->ct);
+        const LtPlan *p = &e->plan;  /* (made when the shape was cached) */
         const uint32_t al[4] = {e->al_a, e->al_b, e->al_c, e->al_d};
         cublasLtMatmulHeuristicResult_t res[TUNE_ALGOS];
-        int nres = lt_heuristic(&p, al, TUNE_ALGOS, res);
+        int nres = lt_heuristic(p, al, TUNE_ALGOS, res);
         /* timed at the beta of the shape's calls (1 where some add to D); checked at each beta seen */
         float beta = e->beta_seen & 2 ? 1.0f : 0.0f;
         const cublasLtMatmulAlgo_t first = e->algo;
-        float t0 = nres > 1 ? tune_time(&p, &first, A, B, D, beta, e0, e1) : -1.0f, tb = t0;
+        float t0 = nres > 1 ? tune_time(p, &first, A, B, D, beta, e0, e1) : -1.0f, tb = t0;
         int best = -1, have_ref = 0;
         unsigned long long ref[2] = {0, 0};
         for (int a = 0; t0 > 0 && a < nres; a++) {
             if (!memcmp(&res[a].algo, &first, sizeof first) || !tune_candidate(&res[a].algo)) continue;
-            float t = tune_time(&p, &res[a].algo, A, B, D, beta, e0, e1);
+            float t = tune_time(p, &res[a].algo, A, B, D, beta, e0, e1);
             if (t <= 0 || t >= TUNE_GAIN * tb) continue;
             int same = 1;
             for (int bz = 0; bz < 2; bz++) {
                 if (!(e->beta_seen & (1 << bz))) continue;
                 float b = (float)bz;
-                if (!have_ref) ref[bz] = tune_hash(&p, &first, A, B, D, nd, ds == 2, b, dh);
-                same = same && tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz] &&
-                       tune_hash(&p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz];
+                if (!have_ref) ref[bz] = tune_hash(p, &first, A, B, D, nd, ds == 2, b, dh);
+                same = same && tune_hash(p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz] &&
+                       tune_hash(p, &res[a].algo, A, B, D, nd, ds == 2, b, dh) == ref[bz];
             }
             have_ref = 1;
             if (same) best = a, tb = t;
@@ -187,7 +185,6 @@ static int cuda_tune_matmuls(char *rep, size_t len) {
             saved += (double)e->calls * (t0 - tb);
         }
         if (t0 > 0) before += (double)e->calls * t0;
-        lt_plan_free(&p);
         CUDA_CHECK(cudaStreamSynchronize(g.stream));
         CUDA_CHECK(cudaFree(buf));
     }
