@@ -436,9 +436,9 @@ int step_stash_count(const Step *st) { return st->versions ? versions_count(&st-
 
 void step_set_start(Step *st, int step, long long updates) {
     if (!st->versions) return;
-    st->mb_base = (long long)step * st->micro;
+    /* pipedream: a version and a micro-batch index an update; 2bw: a step */
+    st->mb_base = st->each ? updates : (long long)step * st->micro;
     st->ver.updates = st->each ? updates : step;
-    if (st->each) st->mb_base = updates;
 }
 
 void step_free(Step *st) {

@@ -301,7 +301,9 @@ void train_setup(TrainRun *r, Config *c) {
     comm_world_init(&r->world, c->comm_timeout);
     set_log_rank(r->world.rank, r->world.size);
     r->graphs = graphs_wanted(c, r->world.size, r->gpu);
-    if (!strcmp(c->pipeline_schedule, "2bw") || !strcmp(c->pipeline_schedule, "pipedream")) r->graphs = 0;  /* a recorded layer keeps one version's weights */
+    ScheduleKind kind;
+    if (!schedule_kind_parse(c->pipeline_schedule, &kind) && schedule_no_flush(kind))
+        r->graphs = 0;  /* a recorded layer keeps one version's weights */
     /* Set-up failures are gathered in f and agreed on by every rank (comm_exit_if_failed)
      * before anything is allocated, so that an error every rank meets prints once. */
     Fail f = {0};
