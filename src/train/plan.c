@@ -1,4 +1,5 @@
 #include "plan.h"
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,9 +79,14 @@ static void consider(Enum *en, PlanLayout *l) {
     push(en->out, l);
 }
 
-static void cat(char *dst, size_t len, const char *fmt, const char *a, long b) {
+/* printf's fmt appended to the string in dst[len] */
+static void cat(char *dst, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void cat(char *dst, size_t len, const char *fmt, ...) {
     size_t n = strlen(dst);
-    if (n < len) snprintf(dst + n, len - n, fmt, a, b);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n < len) vsnprintf(dst + n, len - n, fmt, ap);
+    va_end(ap);
 }
 #define KEY(l, ...) cat((l)->keys, sizeof (l)->keys, __VA_ARGS__)
 
@@ -88,15 +94,15 @@ static void describe(PlanLayout *l) {
     char *w = l->what;
     size_t n = sizeof l->what;
     snprintf(w, n, "dp %d x tp %d x pp %d", l->dp, l->tp, l->pp);
-    if (l->tp > 1 && l->sp) cat(w, n, " (sequence parallel)%s", "", 0);
-    if (l->sched) cat(w, n, " (%s", l->sched, 0), cat(w, n, ", %s%ld micro-batches)", "", l->m);
-    if (l->ep > 1) cat(w, n, ", expert parallel %s%ld", "", l->ep);
-    cat(w, n, ", %s", l->strategy, 0);
-    cat(w, n, ", batch %s%ld a rank", "", l->B);
-    if (l->K > 1) cat(w, n, " x %s%ld accumulated", "", l->K);
-    if (l->ac) cat(w, n, ", activation checkpointing%s", "", 0);
-    if (l->offload) cat(w, n, ", offload %s", l->offload, 0);
-    if (l->prec) cat(w, n, ", %s", l->prec, 0);
+    if (l->tp > 1 && l->sp) cat(w, n, " (sequence parallel)");
+    if (l->sched) cat(w, n, " (%s, %d micro-batches)", l->sched, l->m);
+    if (l->ep > 1) cat(w, n, ", expert parallel %d", l->ep);
+    cat(w, n, ", %s", l->strategy);
+    cat(w, n, ", batch %d a rank", l->B);
+    if (l->K > 1) cat(w, n, " x %d accumulated", l->K);
+    if (l->ac) cat(w, n, ", activation checkpointing");
+    if (l->offload) cat(w, n, ", offload %s", l->offload);
+    if (l->prec) cat(w, n, ", %s", l->prec);
 }
 
 /* The options that change neither degrees nor batches: checkpointing, offload, precision. */
@@ -110,9 +116,9 @@ static void options(Enum *en, PlanLayout base, int fsdp_full) {
                 l.ac = ac;
                 l.offload = offs[off];
                 l.prec = gpu ? precs[pr] : NULL;
-                if (ac) KEY(&l, " activation_checkpointing=true%s", "", 0);
-                if (off) KEY(&l, " offload=%s", offs[off], 0);
-                if (gpu) KEY(&l, " precision=%s", precs[pr], 0);
+                if (ac) KEY(&l, " activation_checkpointing=true");
+                if (off) KEY(&l, " offload=%s", offs[off]);
+                if (gpu) KEY(&l, " precision=%s", precs[pr]);
                 describe(&l);
                 consider(en, &l);
             }
@@ -127,8 +133,8 @@ static void strategies(Enum *en, PlanLayout base) {
     int hybrid = en->cl->hosts > 1 && base.dp > group && group > 1 && base.dp % group == 0;
     for (int k = 0; k < (base.dp > 1 ? 4 + hybrid : 1); k++) {
         PlanLayout l = base;
-        KEY(&l, "%s", keys[k], 0);
-        if (k == 4) KEY(&l, " fsdp=true shard_strategy=hybrid shard_group_size=%s%ld", "", group);
+        KEY(&l, "%s", keys[k]);
+        if (k == 4) KEY(&l, " fsdp=true shard_strategy=hybrid shard_group_size=%d", group);
         l.strategy = names[k];
         options(en, l, k >= 3);
     }
@@ -142,8 +148,8 @@ static void batches(Enum *en, PlanLayout base, int per_rank) {
         int B = per_rank / K;
         PlanLayout l = base;
         l.B = B, l.K = K;
-        KEY(&l, " batch_size=%s%ld", "", B);
-        if (K > 1) KEY(&l, " grad_accum_steps=%s%ld", "", K);
+        KEY(&l, " batch_size=%d", B);
+        if (K > 1) KEY(&l, " grad_accum_steps=%d", K);
         if (l.pp == 1) { strategies(en, l); continue; }
         for (int m = l.pp; m <= B; m++) {
             if (B % m) continue;
@@ -151,8 +157,8 @@ static void batches(Enum *en, PlanLayout base, int per_rank) {
                 if (s == 2 && 2 * l.pp > mc.n_layers + 1) continue;  /* interleaved's 2 chunks a rank need the layers */
                 PlanLayout q = l;
                 q.m = m, q.sched = scheds[s];
-                KEY(&q, " micro_batches=%s%ld", "", m);
-                KEY(&q, " pipeline_schedule=%s", scheds[s], 0);
+                KEY(&q, " micro_batches=%d", m);
+                KEY(&q, " pipeline_schedule=%s", scheds[s]);
                 strategies(en, q);
             }
         }
@@ -190,10 +196,10 @@ void plan_enumerate(const char *model, const Config *base, const Cluster *cl, Pr
                         PlanLayout l;
                         memset(&l, 0, sizeof l);
                         l.world = W, l.dp = dp, l.tp = tp, l.pp = pp, l.ep = ep, l.sp = sp;
-                        if (tp > 1) KEY(&l, " tensor_parallel_size=%s%ld", "", tp);
-                        if (tp > 1 && !sp) KEY(&l, " sequence_parallel=false%s", "", 0);
-                        if (pp > 1) KEY(&l, " pipeline_parallel_size=%s%ld", "", pp);
-                        if (ep > 1) KEY(&l, " expert_parallel_size=%s%ld", "", ep);
+                        if (tp > 1) KEY(&l, " tensor_parallel_size=%d", tp);
+                        if (tp > 1 && !sp) KEY(&l, " sequence_parallel=false");
+                        if (pp > 1) KEY(&l, " pipeline_parallel_size=%d", pp);
+                        if (ep > 1) KEY(&l, " expert_parallel_size=%d", ep);
                         batches(&en, l, G / dp);
                     }
                 }
