@@ -39,8 +39,8 @@ static int cmp_d(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Runs one op of profile.h's names at shape d once. vocab: the embedding's rows. */
-static void run_op(const char *name, const long *d, Bufs *b, int vocab) {
+/* Runs one op of profile.h's names at shape d once (buffers from alloc_for). */
+static void run_op(const char *name, const long *d, Bufs *b) {
     int a = (int)d[0], c = (int)d[1], e = (int)d[2], f = (int)d[3];
     if (!strcmp(name, "matmul_forward")) op_matmul_forward(b->a[0], b->a[1], b->a[2], a, c, e);
     else if (!strcmp(name, "matmul_backward")) op_matmul_backward(b->a[0], b->a[3], b->a[1], b->a[4], b->a[2], a, c, e);
@@ -58,7 +58,6 @@ static void run_op(const char *name, const long *d, Bufs *b, int vocab) {
     else if (!strcmp(name, "embedding_forward")) op_embedding_forward(b->a[0], b->ids, b->a[1], a, c);
     else if (!strcmp(name, "embedding_backward")) op_embedding_backward(b->a[1], b->a[0], b->ids, a, c);
     else if (!strcmp(name, "adamw")) op_adamw(b->a[0], b->a[1], b->a[2], b->a[3], (size_t)a, 1e-4f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1);
-    (void)vocab;
 }
 
 /* Buffers large enough for the op at shape d (each the largest operand it may touch). */
@@ -136,10 +135,10 @@ static double timed_n(Fn fn, void *ctx, int reps) {
 }
 static double timed(Fn fn, void *ctx) { return timed_n(fn, ctx, 0); }
 
-typedef struct { const char *name; const long *d; Bufs *b; int vocab; } OpRun;
+typedef struct { const char *name; const long *d; Bufs *b; } OpRun;
 static void op_once(void *ctx) {
     OpRun *r = ctx;
-    run_op(r->name, r->d, r->b, r->vocab);
+    run_op(r->name, r->d, r->b);
 }
 
 typedef struct { void *dst, *src; size_t n; int dir; } Copy;
@@ -298,7 +297,7 @@ int calibrate_run(const Config *c, const char *model, const Cluster *cl, const c
         if (done) continue;
         Bufs b;
         alloc_for(o->name, o->d, &b, c->vocab_size, &seed);
-        OpRun r = {o->name, o->d, &b, c->vocab_size};
+        OpRun r = {o->name, o->d, &b};
         double t = timed(op_once, &r);
         free_bufs(&b);
         profile_add_op(&p, o->name, th, o->d, t);
@@ -310,7 +309,7 @@ int calibrate_run(const Config *c, const char *model, const Cluster *cl, const c
         const ProfOp *o = &want.wanted[biggest];
         Bufs b;
         alloc_for(o->name, o->d, &b, c->vocab_size, &seed);
-        OpRun r = {o->name, o->d, &b, c->vocab_size};
+        OpRun r = {o->name, o->d, &b};
         /* three rounds of one thread against th, the best ratio: a loaded machine's other work
          * comes and goes between the two timings, and only ever slows one of them */
         double best = 0;

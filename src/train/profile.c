@@ -143,8 +143,12 @@ int profile_read(Profile *p, const char *path, char *err, size_t errlen) {
     return 0;
 }
 
+/* Formatted in memory, then written atomically: a plan's try= rewrites the profile it read,
+ * which an interrupted write must not leave half written. */
 int profile_write(const Profile *p, const char *path, char *err, size_t errlen) {
-    FILE *f = fopen(path, "w");
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
     if (!f) return set_err(err, errlen, "cannot write the profile %s", path);
     fprintf(f, "# meshtrain profile (meshtrain calibrate; docs/plan.md says what each record is)\n");
     fprintf(f, "device %s\ncores %d\n", p->device, p->cores);
@@ -163,8 +167,14 @@ int profile_write(const Profile *p, const char *path, char *err, size_t errlen) 
     for (int i = 0; i < p->n_runs; i++)
         fprintf(f, "measured %.6g %.6g %d %s\n", p->runs[i].s, p->runs[i].predicted, p->runs[i].world, p->runs[i].keys);
     int bad = ferror(f);
-    if (fclose(f) || bad) return set_err(err, errlen, "cannot write the profile %s", path);
-    return 0;
+    bad |= fclose(f) != 0;
+    char werr[512];
+    if (!bad && write_file_atomic(path, text, len, werr, sizeof werr)) {
+        free(text);
+        return set_err(err, errlen, "cannot write the profile %s: %s", path, werr);
+    }
+    free(text);
+    return bad ? set_err(err, errlen, "cannot write the profile %s", path) : 0;
 }
 
 void profile_tally_reset(Profile *p) {
