@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -258,4 +259,28 @@ const char *fmt_bytes(char *buf, double b) {
     while (b >= 1024 && i < 4) { b /= 1024; i++; }
     snprintf(buf, 32, i ? "%.1f %s" : "%.0f %s", b, u[i]);
     return buf;
+}
+
+int self_exe(char *buf, size_t len) {
+    ssize_t k = len ? readlink("/proc/self/exe", buf, len - 1) : -1;
+    if (k <= 0) return -1;
+    buf[k] = 0;
+    return 0;
+}
+
+int run_child(char *const argv[], const char *out_path) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (out_path) {
+            FILE *o = freopen(out_path, "w", stdout);
+            if (o) dup2(fileno(stdout), 2);
+        }
+        execvp(argv[0], argv);
+        _exit(127);
+    }
+    int status = 0;
+    if (pid < 0 || waitpid(pid, &status, 0) < 0 || !WIFEXITED(status)) return -1;
+    return WEXITSTATUS(status);
 }

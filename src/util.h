@@ -53,6 +53,12 @@ uint64_t fnv1a64(const void *data, size_t n, uint64_t h); /* start with FNV1A64_
 #define FNV1A64_INIT 0xcbf29ce484222325ULL
 
 double now_seconds(void);        /* monotonic clock */
+/* This program's own path (/proc/self/exe) into buf; -1 where it cannot be read. */
+int self_exe(char *buf, size_t len);
+/* Runs argv (argv[0] searched on the PATH) as a child process, its stdout and stderr into the
+ * file out_path (NULL: this process's), and waits for it: its exit status, or -1 where it
+ * could not start or did not exit (a signal). */
+int run_child(char *const argv[], const char *out_path);
 long max_rss_bytes(void);        /* peak resident set size of this process */
 long current_rss_bytes(void);    /* from /proc/self/statm */
 

@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 #include "calibrate.h"
 #include "commands.h"
 #include "estimate.h"
@@ -148,9 +146,7 @@ static double logged_step(const char *log) {
  * measured step, or 0 when it failed. */
 static double try_layout(const char *model, const PlanLayout *l, const Cluster *cl, int steps, const char *dir) {
     char self[1024], buf[2048], *words[96], *argv[140], a_np[16], a_steps[32], a_out[640], a_log[700], a_thr[32];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (k <= 0) return 0;
-    self[k] = 0;
+    if (self_exe(self, sizeof self)) return 0;
     int n = plan_words(model, l, 0, buf, sizeof buf, words, 96), a = 0;
     if (l->world > 1) {
         snprintf(a_np, sizeof a_np, "%d", l->world);
@@ -169,16 +165,7 @@ static double try_layout(const char *model, const PlanLayout *l, const Cluster *
     argv[a] = NULL;
     mkdir_p(dir);
     snprintf(a_log, sizeof a_log, "%s/out.txt", dir);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE *o = freopen(a_log, "w", stdout);
-        if (o) dup2(fileno(stdout), 2);
-        execvp(argv[0], argv);
-        _exit(127);
-    }
-    int status = 0;
-    if (pid < 0 || waitpid(pid, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status)) return 0;
+    if (run_child(argv, a_log) != 0) return 0;
     snprintf(a_log, sizeof a_log, "%s/log.jsonl", dir);
     return logged_step(a_log);
 }

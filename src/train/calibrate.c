@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 #include "comm.h"
 #include "env.h"
@@ -237,22 +236,12 @@ static int collectives(const char *out) {
 /* The child that times the collectives: this program again, under mpirun over `ranks`. */
 static int spawn_collectives(const Config *c, int ranks, const char *out) {
     char self[1024], np[16], a_out[600], a_dev[32];
-    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (k <= 0) return -1;
-    self[k] = 0;
+    if (self_exe(self, sizeof self)) return -1;
     snprintf(np, sizeof np, "%d", ranks);
     snprintf(a_out, sizeof a_out, "out=%s", out);
     snprintf(a_dev, sizeof a_dev, "device=%s", c->device);
     char *argv[] = {"mpirun", "-np", np, "--bind-to", "none", "--oversubscribe", self, "calibrate", a_out, a_dev, NULL};
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        execvp(argv[0], argv);
-        _exit(127);
-    }
-    int status = 0;
-    if (pid < 0 || waitpid(pid, &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status)) return -1;
-    return 0;
+    return run_child(argv, NULL) == 0 ? 0 : -1;
 }
 
 int calibrate_run(const Config *c, const char *model, const Cluster *cl, const char *out) {
